@@ -1,0 +1,3 @@
+from mooncake.cli.app import main
+
+main()
