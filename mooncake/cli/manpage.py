@@ -95,7 +95,7 @@ def _render_params(command: Command) -> list[str]:
             continue
         help_text = getattr(param, "help", None) or ""
         if param.param_type_name == "argument":
-            out += [".TP", f"\\fI{_escape(param.human_readable_name)}\\fR"]
+            out += [".TP", f"\\fI{_escape((param.metavar or param.name).upper())}\\fR"]
         else:
             out += [".TP", _option_line(param)]
             default = param.default
@@ -110,6 +110,19 @@ def _render_params(command: Command) -> list[str]:
                 help_text = f"{help_text} [env: {envvar}]".strip()
         out.append(_paragraphs(help_text) or "\\&")
     return out
+
+
+def _usage(command: Command) -> str:
+    pieces = []
+    if any(p.param_type_name == "option" and not p.hidden for p in command.params):
+        pieces.append("[OPTIONS]")
+    for p in command.params:
+        if p.param_type_name == "argument":
+            name = (p.metavar or p.name).upper() + ("..." if p.nargs == -1 else "")
+            pieces.append(name if p.required else f"[{name}]")
+    if hasattr(command, "list_commands"):
+        pieces.append("COMMAND [ARGS]...")
+    return " ".join(pieces)
 
 
 def iter_commands(
@@ -132,7 +145,7 @@ def render(root: Command) -> str:
     lines = [_PROLOGUE.format(version=__version__).rstrip("\n")]
     lines += [".SH GLOBAL OPTIONS", *_render_params(root), ".SH COMMANDS"]
     for path, command in iter_commands(root):
-        usage = " ".join(command.collect_usage_pieces(typer.Context(command)))
+        usage = _usage(command)
         lines += [f'.SS "mooncake {" ".join(path)}"', f".B mooncake {' '.join(path)}"]
         if usage:
             lines.append(_escape(usage))

@@ -1,0 +1,90 @@
+"""`mooncake config check|show|example` through the real typer app."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from mooncake.cli.app import app, load_verbs
+from mooncake.configdoc import ALL_FIELDS, FIELDS
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "mooncake.toml.example"
+
+
+@pytest.fixture(scope="module")
+def runner() -> CliRunner:
+    load_verbs()
+    return CliRunner()
+
+
+def test_check_ok_exits_0(runner: CliRunner) -> None:
+    result = runner.invoke(app, ["config", "check", str(EXAMPLE)])
+    assert result.exit_code == 0, result.output
+    assert result.output.strip() == f"{EXAMPLE}: ok"
+
+
+def test_check_prints_every_problem_and_exits_2(runner: CliRunner, tmp_path: Path) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text('[store]\nreplicas = "two"\n[scheduler]\npolicy = "fifo"\n')
+    result = runner.invoke(app, ["config", "check", str(path)])
+    assert result.exit_code == 2
+    lines = result.output.strip().splitlines()
+    assert lines[0] == f"{path}: 2 problems"
+    assert lines[1].startswith('store.replicas: expected an integer >= 1, got "two"')
+    assert lines[2].startswith("scheduler.policy: expected one of random,")
+    assert "Traceback" not in result.output
+
+
+def test_check_honours_environment_and_set(runner: CliRunner) -> None:
+    bad_env = runner.invoke(
+        app, ["config", "check", str(EXAMPLE)], env={"MOONCAKE_STORE_REPLICAS": "0"}
+    )
+    assert bad_env.exit_code == 2 and "(from MOONCAKE_STORE_REPLICAS)" in bad_env.output
+    bad_set = runner.invoke(app, ["config", "check", str(EXAMPLE), "--set", "api.port=0"])
+    assert bad_set.exit_code == 2 and "api.port: expected an integer in 1..65535" in bad_set.output
+
+
+def test_show_json_has_every_key_with_value_and_source(runner: CliRunner) -> None:
+    args = ["config", "show", str(EXAMPLE), "--json", "--set", "store.replicas=2"]
+    env = {"MOONCAKE_STORE_SSD_BYTES": "1GiB", "MOONCAKE_STORE_SSD_PATH": "/ssd"}
+    result = runner.invoke(app, args, env=env)
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert {s: set(keys) for s, keys in data.items()} == {s: set(k) for s, k in FIELDS.items()}
+    assert data["store"]["replicas"] == {"value": 2, "source": "flag"}
+    assert data["store"]["ssd_bytes"] == {
+        "value": "1GiB",
+        "bytes": 1 << 30,
+        "source": "env:MOONCAKE_STORE_SSD_BYTES",
+    }
+    assert data["store"]["dram_bytes"] == {"value": "50%", "source": f"file:{EXAMPLE}"}
+    assert data["transfer"]["slice_bytes"]["bytes"] == 65536
+
+
+def test_show_hides_secrets(runner: CliRunner) -> None:
+    env = {"MOONCAKE_CLUSTER_SECRET": "x" * 20, "MOONCAKE_API_API_KEYS": "k1secret,k2secret"}
+    as_json = runner.invoke(app, ["config", "show", "--json"], env=env)
+    table = runner.invoke(app, ["config", "show"], env=env)
+    for result in (as_json, table):
+        assert result.exit_code == 0, result.output
+        assert "x" * 20 not in result.output and "k1secret" not in result.output
+    assert json.loads(as_json.output)["api"]["api_keys"]["value"] == ["<hidden>", "<hidden>"]
+
+
+def test_show_table_lists_every_key(runner: CliRunner) -> None:
+    result = runner.invoke(app, ["config", "show", "--doc"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert all(key in result.output for key in ALL_FIELDS)
+
+
+def test_show_invalid_config_exits_2(runner: CliRunner) -> None:
+    result = runner.invoke(app, ["config", "show", "--set", "stor.replicas=1"])
+    assert result.exit_code == 2 and "did you mean [store]?" in result.output
+
+
+def test_example_command_prints_the_example_file(runner: CliRunner) -> None:
+    result = runner.invoke(app, ["config", "example"])
+    assert result.exit_code == 0 and result.output == EXAMPLE.read_text()
