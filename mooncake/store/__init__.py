@@ -1,0 +1,39 @@
+"""Mooncake Store: the KVCache pool over every node's VRAM, DRAM and SSD.
+
+Modules
+-------
+- `allocator`: offset allocator of one segment (aligned, best or first fit, coalescing).
+- `objects`: records (segments, objects, replicas) and the structs that cross boundaries.
+- `settings`: `MetadataConfig` and the object key rule.
+- `segments`: nodes, mounted segments, per-tier byte totals, replica allocation.
+- `placement`: replica placement strategies (local_first, free_ratio, random).
+- `metadata`: `MetadataService`, the master's pure-logic metadata (put/get/remove/pin...).
+- `eviction`: watermark eviction, demotion to SSD, promotion on a hit.
+- `membership`: node expiry and segment loss.
+- `audit`: stats snapshot and integrity check.
+- `messages`: the `*Msg` wire structs and `handle()` that serves them from the service.
+"""
+
+from mooncake.store.metadata import MetadataService
+from mooncake.store.objects import (
+    GetResult,
+    Instruction,
+    KeyResult,
+    PutStartResult,
+    ReplicaDesc,
+    StoreEvent,
+    StoreStats,
+)
+from mooncake.store.settings import MetadataConfig
+
+__all__ = [
+    "GetResult",
+    "Instruction",
+    "KeyResult",
+    "MetadataConfig",
+    "MetadataService",
+    "PutStartResult",
+    "ReplicaDesc",
+    "StoreEvent",
+    "StoreStats",
+]

@@ -1,0 +1,81 @@
+"""Read-only views of the metadata service: a stats snapshot, the check of a write
+against its allocation, and the integrity check that tests run after every step."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from mooncake.store.objects import COMPLETE, TIERS, StoreStats
+
+if TYPE_CHECKING:
+    from mooncake.store.metadata import MetadataService
+
+
+def stats(svc: MetadataService) -> StoreStats:
+    """A snapshot of the counters and per-tier totals."""
+    c, space = svc.counters, svc.space
+    return StoreStats(
+        num_objects=len(svc.objects),
+        num_segments=len(space.segments),
+        num_nodes=len(space.node_last_seen),
+        tier_capacity_bytes={t: space.tier_usable[t] for t in TIERS},
+        tier_used_bytes={t: space.tier_used[t] for t in TIERS},
+        tier_objects={t: len(svc.lru[t]) for t in TIERS},
+        hits=c.hits,
+        misses=c.misses,
+        puts=c.puts,
+        removes=c.removes,
+        evictions=c.evictions,
+        demotions=c.demotions,
+        promotions=c.promotions,
+        lost_objects=c.lost_objects,
+    )
+
+
+def check_service(svc: MetadataService) -> None:
+    """Assert the objects, replicas, LRU lists, segments and moves all agree."""
+    svc.space.check_integrity()
+    seg_keys: dict[str, set[str]] = {name: set() for name in svc.space.segments}
+    taken: dict[str, set[int]] = {name: set() for name in svc.space.segments}
+    for key, obj in svc.objects.items():
+        assert obj.key == key and obj.replicas, f"{key}: empty or misfiled record"
+        assert (key in svc.writing) != obj.is_committed, f"{key}: writing list wrong"
+        done = obj.complete()
+        assert len({r.node_id for r in done}) == len(done), f"{key}: two replicas on a node"
+        if obj.is_committed:
+            assert done, f"{key}: committed without a COMPLETE replica"
+            assert len(obj.replicas) - len(done) == (1 if obj.move_id else 0), key
+        else:
+            assert not done and not obj.move_id, f"{key}: uncommitted but readable"
+        for r in obj.replicas:
+            seg = svc.space.segments.get(r.segment.name)
+            assert seg is r.segment, f"{key}: replica in unmounted segment {r.segment.name}"
+            assert seg.allocator.size_of(r.offset) == seg.allocator.aligned(r.size), key
+            assert key not in seg_keys[seg.name], f"{key}: two replicas in {seg.name}"
+            seg_keys[seg.name].add(key)
+            taken[seg.name].add(r.offset)
+    for t in TIERS:
+        want = {k for k, o in svc.objects.items() for r in o.complete() if r.tier == t}
+        assert set(svc.lru[t]) == want, f"LRU of {t} out of sync"
+    for _, r in svc.space.deferred:
+        assert r.offset not in taken[r.segment.name], "deferred range also in use"
+        taken[r.segment.name].add(r.offset)
+    for name, seg in svc.space.segments.items():
+        assert seg.keys == seg_keys[name], f"segment {name}: key set out of sync"
+        assert set(seg.allocator.allocations()) == taken[name], f"{name}: leaked ranges"
+    svc.evictor.check_integrity()
+
+
+def write_error(svc: MetadataService, key: str, segment: str, offset: int, length: int) -> str:
+    """Why writing [offset, offset+length) of `segment` for `key` is not allowed ("" if
+    it is: the range lies inside one of the key's PROCESSING replicas)."""
+    obj = svc.objects.get(key)
+    for r in obj.replicas if obj else ():
+        if r.segment.name == segment and r.state != COMPLETE:
+            if r.offset <= offset and offset + length <= r.offset + r.size and length > 0:
+                return ""
+            return (
+                f"write to {key!r} in segment {segment!r} at [{offset}, {offset + length}) "
+                f"is outside its allocation [{r.offset}, {r.offset + r.size})"
+            )
+    return f"no put of {key!r} is in progress in segment {segment!r}; call put_start first"

@@ -1,0 +1,385 @@
+"""The Store's metadata service: where every object's replicas live, and who may touch them.
+
+Pure logic (no I/O, no threads, no clock: every call takes `now` in seconds), so the master,
+the simulator and the tests run the same code. The master serves it over RPC
+(`mooncake.store.messages`); clients then move bytes with the Transfer Engine straight to or
+from the segment owners, never through the master.
+
+Write protocol: put_start allocates `replicas` PROCESSING replicas on distinct nodes (the
+placement strategy ranks segments); the writer fills them; put_end commits (readers see
+the object) or put_revoke abandons (the space is freed). A put never ended is reclaimed
+after `put_timeout_s`, or at once when its writer's node expires.
+
+Reads: get_replicas grants a lease of `lease_ttl_s` (renewed by every read): a leased
+object is neither evicted nor removed. remove of a leased object is refused with status
+"leased" (retry after the lease), not deferred: the caller learns at once that the key
+still exists. A soft pin (`pin_ttl_s` on put, or `pin`) shields an object from eviction
+until it goes `pin_ttl_s` without a read.
+
+Space: eviction and tier moves live in `eviction.py`; events for the Conductor and
+instructions for the data plane queue here until drained. Per-key operations answer with a
+result whose status says what happened (batch forms answer per key); only segment and node
+misuse raises StoreError.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import cast
+
+from mooncake.errors import StoreError
+from mooncake.store import audit, membership
+from mooncake.store.eviction import Evictor
+from mooncake.store.objects import (
+    COMPLETE,
+    TIERS,
+    Counters,
+    EventKind,
+    GetResult,
+    Instruction,
+    KeyResult,
+    ObjectRecord,
+    PutStartResult,
+    Replica,
+    StoreEvent,
+    StoreStats,
+    Tier,
+)
+from mooncake.store.placement import create_placement
+from mooncake.store.segments import SegmentManager
+from mooncake.store.settings import MetadataConfig, key_error
+
+log = logging.getLogger(__name__)
+
+
+def _read_order(r: Replica, reader: str) -> tuple[bool, bool, int]:
+    # NOTE: memory anywhere beats the reader's own SSD; within memory, local beats remote.
+    return r.tier == "ssd", r.node_id != reader, TIERS.index(r.tier)
+
+
+class MetadataService:
+    """Objects, replicas, leases and pins over the segments of `space`."""
+
+    def __init__(self, config: MetadataConfig | None = None):
+        self.config = config = config or MetadataConfig()
+        self.space = SegmentManager(fit=config.fit)
+        self.objects: dict[str, ObjectRecord] = {}
+        # tier -> keys with a COMPLETE replica there, least recently used first
+        self.lru: dict[Tier, OrderedDict[str, None]] = {t: OrderedDict() for t in TIERS}
+        self.writing: dict[str, None] = {}  # keys in PROCESSING, oldest put first
+        self.counters = Counters()
+        self.placement = create_placement(config.placement, config.seed)
+        self.evictor = Evictor(self)
+        self._events: list[StoreEvent] = []
+        self._instructions: dict[str, list[Instruction]] = {}  # node id -> its instructions
+
+    # -- nodes and segments (misuse raises StoreError) -----------------------------------
+
+    def heartbeat(self, node_id: str, now: float) -> bool:
+        """Mark a node alive; False if the master did not know it (it must re-mount)."""
+        return self.space.heartbeat(node_id, now)
+
+    def mount_segment(
+        self,
+        node_id: str,
+        name: str,
+        tier: str,
+        capacity: int,
+        now: float,
+        endpoint: str = "",
+        alignment: int = 0,
+    ) -> None:
+        """Add `capacity` bytes of `tier` owned by `node_id`; also a heartbeat. Mounting the
+        same segment twice is a no-op; a conflicting mount raises StoreError."""
+        self.space.heartbeat(node_id, now)
+        if self.space.mount(node_id, name, tier, capacity, endpoint, alignment):
+            log.info("mounted %s segment %s of %d bytes on node %s", tier, name, capacity, node_id)
+
+    def unmount_segment(self, node_id: str, name: str, now: float) -> int:
+        """Drop a segment and its replicas (evicted events; lost for objects left with no
+        replica); returns the number of replicas dropped. Raises StoreError if the node
+        does not own such a segment."""
+        seg = self.space.segments.get(name)
+        if seg is None or seg.node_id != node_id:
+            owner = f"node {seg.node_id!r}" if seg else "no node"
+            raise StoreError(
+                f"unmount of segment {name!r} by node {node_id!r}: {owner} has it mounted; "
+                "nothing to unmount"
+            )
+        return membership.lose_segment(self, seg, now, emit="evicted")
+
+    def expire(self, now: float) -> list[str]:
+        """Drop the nodes silent for heartbeat_ttl_s (node_gone; lost for objects left with
+        no replica), reclaim abandoned puts and moves, free deferred ranges whose leases
+        ended. Returns the ids of the dropped nodes."""
+        return membership.expire_nodes(self, now)
+
+    # -- write protocol ------------------------------------------------------------------
+
+    def put_start(
+        self,
+        key: str,
+        size: int,
+        now: float,
+        writer: str = "",
+        replicas: int = 0,
+        tiers: Sequence[str] = ("dram",),
+        pin_ttl_s: float = 0.0,
+        overwrite: bool = False,
+    ) -> PutStartResult:
+        """Allocate up to `replicas` (0 = config) PROCESSING replicas of `size` bytes on
+        distinct nodes, trying `tiers` in order. Status ok (at least one replica), exists,
+        busy (another put in flight), leased (overwrite of a leased object), no_space
+        (retry after eviction ran), or error."""
+        err = key_error(key) or (
+            f"size of {key!r} must be > 0 bytes, got {size}" if size <= 0 else ""
+        )
+        bad = [t for t in tiers if t not in TIERS]
+        if bad or not tiers:
+            err = err or f"put of {key!r}: unknown tier(s) {bad or tiers!r}; use vram, dram, ssd"
+        if err:
+            return PutStartResult(key=key, status="error", message=err)
+        obj = self.objects.get(key)
+        if obj is not None:
+            if not obj.is_committed:
+                msg = f"{key!r} is being written by {obj.writer or 'another client'}"
+                return PutStartResult(key=key, status="busy", message=msg)
+            if not overwrite:
+                msg = f"{key!r} already exists; pass overwrite=True to replace it"
+                return PutStartResult(key=key, status="exists", message=msg)
+            refusal = self._removal_refusal(obj, now)
+            if refusal:
+                return PutStartResult(key=key, status=refusal.status, message=refusal.message)
+            self.drop(obj, now, emit="removed")
+        want = replicas or self.config.replicas
+        chosen: list[Replica] = []
+        used_nodes: set[str] = set()
+        for tier in cast("list[Tier]", tiers):
+            for seg in self.placement.rank(self.space.candidates(tier, size, used_nodes), writer):
+                replica = None if seg.node_id in used_nodes else self.space.allocate(seg, key, size)
+                if replica is not None:
+                    chosen.append(replica)
+                    used_nodes.add(seg.node_id)
+                    if len(chosen) == want:
+                        break
+            if len(chosen) == want:
+                break
+        if not chosen:
+            for t in cast("list[Tier]", tiers):
+                self.evictor.note_pressure(t, size)
+            msg = f"no {'/'.join(tiers)} segment has {size} free bytes for {key!r}; retry shortly"
+            return PutStartResult(key=key, status="no_space", message=msg)
+        obj = ObjectRecord(key, size, writer, now, chosen, pin_ttl_s=max(pin_ttl_s, 0.0))
+        self.objects[key] = obj
+        self.writing[key] = None
+        return PutStartResult(key=key, status="ok", replicas=tuple(r.desc() for r in chosen))
+
+    def put_end(self, key: str, now: float) -> KeyResult:
+        """Commit `key`: its replicas become readable. Repeating it is harmless."""
+        obj = self.objects.get(key)
+        if obj is None:
+            return KeyResult(key=key, status="not_found", message=_unknown_put(key))
+        if not obj.is_committed:
+            obj.is_committed = True
+            del self.writing[key]
+            obj.pin_until = now + obj.pin_ttl_s if obj.pin_ttl_s else 0.0
+            for r in obj.replicas:
+                r.state = COMPLETE
+                self.lru[r.tier][key] = None
+                self.emit("added", key, r.node_id, r.tier)
+            self.counters.puts += 1
+        return KeyResult(key=key, status="ok")
+
+    def put_revoke(self, key: str, now: float) -> KeyResult:
+        """Abandon an uncommitted put and free its space."""
+        obj = self.objects.get(key)
+        if obj is None:
+            return KeyResult(key=key, status="not_found", message=_unknown_put(key))
+        if obj.is_committed:
+            msg = f"put_revoke of {key!r}: the put was already committed; use remove"
+            return KeyResult(key=key, status="error", message=msg)
+        self.drop(obj, now, emit=None)
+        return KeyResult(key=key, status="ok")
+
+    def write_error(self, key: str, segment: str, offset: int, length: int) -> str:
+        """Why writing [offset, offset+length) of `segment` for `key` is not allowed ("" if
+        it lies inside one of the key's PROCESSING replicas); changes nothing."""
+        return audit.write_error(self, key, segment, offset, length)
+
+    # -- reads and management ------------------------------------------------------------
+
+    def get_replicas(self, key: str, now: float, reader: str = "") -> GetResult:
+        """A hit: the committed replicas, memory before SSD, the reader's node first, then
+        the fastest tier; the object is leased for lease_ttl_s (so neither evicted nor
+        removed while the reader copies). A miss: status not_found."""
+        obj = self.objects.get(key)
+        if obj is None or not obj.is_committed:
+            err = key_error(key)
+            if err:
+                return GetResult(key=key, status="error", message=err)
+            self.counters.misses += 1
+            return GetResult(key=key, status="not_found")
+        self.counters.hits += 1
+        ttl = self.config.lease_ttl_s
+        obj.lease_until = max(obj.lease_until, now + ttl)
+        if obj.pin_ttl_s:
+            obj.pin_until = max(obj.pin_until, now + obj.pin_ttl_s)
+        replicas = obj.complete()
+        if len(replicas) > 1:
+            replicas.sort(key=lambda r: _read_order(r, reader))
+        for r in replicas:
+            self.lru[r.tier].move_to_end(key)
+        if self.config.promote_on_hit and replicas[0].tier == "ssd" and not obj.move_id:
+            # sorted: the first replica is on SSD only if every replica is
+            self.evictor.promote(obj, reader, now)
+        descs = tuple(r.desc() for r in replicas)
+        return GetResult(key=key, status="ok", size=obj.size, replicas=descs, lease_ttl_s=ttl)
+
+    def exists(self, key: str, now: float) -> KeyResult:
+        """Status ok if `key` is committed, not_found otherwise; changes nothing."""
+        obj = self.objects.get(key)
+        if obj is not None and obj.is_committed:
+            return KeyResult(key=key, status="ok")
+        err = key_error(key)
+        return KeyResult(key=key, status="error" if err else "not_found", message=err)
+
+    def remove(self, key: str, now: float) -> KeyResult:
+        """Delete a committed object and free its space; refused (leased, busy) while a
+        reader holds a lease, a put is in flight or a tier move is running. A pin does
+        not block remove (it only shields from eviction)."""
+        obj = self.objects.get(key)
+        if obj is None:
+            err = key_error(key)
+            return KeyResult(key=key, status="error" if err else "not_found", message=err)
+        refusal = self._removal_refusal(obj, now)
+        if refusal:
+            return refusal
+        self.drop(obj, now, emit="removed")
+        self.counters.removes += 1
+        return KeyResult(key=key, status="ok")
+
+    def pin(self, key: str, ttl_s: float, now: float) -> KeyResult:
+        """Soft-pin a committed object for ttl_s, renewed by reads; ttl_s 0 unpins."""
+        obj = self.objects.get(key)
+        if obj is None:
+            return KeyResult(key=key, status="error" if key_error(key) else "not_found")
+        obj.pin_ttl_s = max(ttl_s, 0.0)
+        obj.pin_until = now + obj.pin_ttl_s if obj.pin_ttl_s else 0.0
+        return KeyResult(key=key, status="ok")
+
+    def _removal_refusal(self, obj: ObjectRecord, now: float) -> KeyResult | None:
+        key = obj.key
+        if not obj.is_committed:
+            msg = f"{key!r} is being written; its writer must put_end or put_revoke it first"
+            return KeyResult(key=key, status="busy", message=msg)
+        if obj.move_id:
+            msg = f"{key!r} is moving between tiers; retry in a moment"
+            return KeyResult(key=key, status="busy", message=msg)
+        if obj.lease_until > now:
+            left = obj.lease_until - now
+            msg = f"{key!r} is leased by a reader for {left:.3f} s more; retry after that"
+            return KeyResult(key=key, status="leased", message=msg)
+        return None
+
+    # -- batches: one result per key, in order -------------------------------------------
+
+    def batch_put_start(
+        self, keys: Sequence[str], sizes: Sequence[int], now: float, **kw: object
+    ) -> list[PutStartResult]:
+        if len(keys) != len(sizes):
+            raise StoreError(f"batch put_start: {len(keys)} keys but {len(sizes)} sizes")
+        return [self.put_start(k, s, now, **kw) for k, s in zip(keys, sizes, strict=True)]  # type: ignore[arg-type]
+
+    def batch_put_end(self, keys: Sequence[str], now: float) -> list[KeyResult]:
+        return [self.put_end(k, now) for k in keys]
+
+    def batch_put_revoke(self, keys: Sequence[str], now: float) -> list[KeyResult]:
+        return [self.put_revoke(k, now) for k in keys]
+
+    def batch_get_replicas(
+        self, keys: Sequence[str], now: float, reader: str = ""
+    ) -> list[GetResult]:
+        return [self.get_replicas(k, now, reader) for k in keys]
+
+    def batch_exists(self, keys: Sequence[str], now: float) -> list[KeyResult]:
+        return [self.exists(k, now) for k in keys]
+
+    def batch_remove(self, keys: Sequence[str], now: float) -> list[KeyResult]:
+        return [self.remove(k, now) for k in keys]
+
+    # -- eviction, moves, queues ---------------------------------------------------------
+
+    def evict(self, now: float) -> int:
+        """Run one eviction pass (see eviction.py); returns the number of victims."""
+        return self.evictor.run(now)
+
+    def confirm_move(self, move_id: int, ok: bool, now: float) -> KeyResult:
+        """The data plane finished (ok) or failed a demote/promote instruction."""
+        return self.evictor.confirm(move_id, ok, now)
+
+    def drain_events(self) -> list[StoreEvent]:
+        """The events since the last drain, oldest first (for the Conductor's index)."""
+        events, self._events = self._events, []
+        return events
+
+    def drain_instructions(self, node_id: str | None = None) -> list[Instruction]:
+        """Pending instructions for `node_id` (None: for every node), oldest first."""
+        if node_id is not None:
+            return self._instructions.pop(node_id, [])
+        out = [i for batch in self._instructions.values() for i in batch]
+        self._instructions.clear()
+        return out
+
+    def instruct(self, node_id: str, instruction: Instruction) -> None:
+        self._instructions.setdefault(node_id, []).append(instruction)
+
+    def forget_instructions(self, node_id: str) -> None:
+        self._instructions.pop(node_id, None)
+
+    def stats(self) -> StoreStats:
+        """A snapshot of the counters and per-tier totals; changes nothing."""
+        return audit.stats(self)
+
+    def check_integrity(self) -> None:
+        """Assert the objects, replicas, LRU lists, segments and moves all agree."""
+        audit.check_service(self)
+
+    # -- internals -----------------------------------------------------------------------
+
+    def emit(self, kind: EventKind, key: str, node_id: str, tier: str = "") -> None:
+        self._events.append(StoreEvent(kind=kind, key=key, node_id=node_id, tier=tier))
+
+    def detach(
+        self, obj: ObjectRecord, r: Replica, now: float, emit: EventKind | None, free: bool = True
+    ) -> None:
+        """Take replica `r` off `obj` (and the LRU of its tier if it was the last there);
+        free its range (after the lease if readers may hold it) unless `free` is False."""
+        obj.replicas.remove(r)
+        if r.state == COMPLETE:
+            if not any(o.tier == r.tier and o.state == COMPLETE for o in obj.replicas):
+                self.lru[r.tier].pop(obj.key, None)
+            if emit:
+                self.emit(emit, obj.key, r.node_id, r.tier)
+        if free:
+            until = obj.lease_until if r.state == COMPLETE else 0.0
+            self.space.free(obj.key, r, until, now)
+        else:
+            r.segment.keys.discard(obj.key)
+
+    def drop(self, obj: ObjectRecord, now: float, emit: EventKind | None) -> None:
+        """Forget `obj`, freeing every replica (emitting `emit` for each committed one)."""
+        if obj.move_id:
+            self.evictor.cancel(obj.move_id)
+        for r in list(obj.replicas):
+            self.detach(obj, r, now, emit)
+        del self.objects[obj.key]
+        self.writing.pop(obj.key, None)
+
+
+def _unknown_put(key: str) -> str:
+    return (
+        f"no put of {key!r} is in progress: put_start was never called, or the put was "
+        "revoked, or reclaimed after put_timeout_s; start the put again"
+    )

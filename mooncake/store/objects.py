@@ -1,0 +1,214 @@
+"""What the metadata service keeps and hands out: segments, objects, replicas, results,
+events for the Conductor and instructions for the data plane.
+
+Internal records (`Segment`, `Replica`, `ObjectRecord`) are mutable and never leave the
+service; what crosses a boundary is a frozen msgspec Struct (`ReplicaDesc`, `*Result`,
+`StoreEvent`, `Instruction`, `StoreStats`), so the wire messages embed them unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Final, Literal
+
+import msgspec
+
+from mooncake.store.allocator import OffsetAllocator
+
+Tier = Literal["vram", "dram", "ssd"]
+TIERS: Final[tuple[Tier, ...]] = ("vram", "dram", "ssd")  # fastest first
+MEMORY_TIERS: Final[tuple[Tier, ...]] = ("vram", "dram")
+# Where a victim of a tier goes: the next tier down (None = dropped).
+LOWER_TIER: Final[dict[Tier, Tier | None]] = {"vram": "dram", "dram": "ssd", "ssd": None}
+
+PROCESSING: Final = "processing"  # allocated, being written; invisible to readers
+COMPLETE: Final = "complete"  # committed; readable
+ReplicaState = Literal["processing", "complete"]
+
+# Result statuses. "ok", "exists", "not_found" and "no_space" are normal outcomes; "busy"
+# and "leased" mean "not now" (retry later); "error" is a misuse the message explains.
+Status = Literal["ok", "exists", "not_found", "no_space", "busy", "leased", "error"]
+EventKind = Literal["added", "evicted", "removed", "demoted", "promoted", "node_gone", "lost"]
+MAX_KEY_BYTES: Final = 256  # bytes of a key's UTF-8 encoding
+
+
+class ReplicaDesc(msgspec.Struct, frozen=True, kw_only=True):
+    """Where one copy of an object lives: what a client hands the Transfer Engine."""
+
+    segment: str  # Transfer Engine segment name
+    node_id: str  # the node that owns the segment
+    endpoint: str  # host:port of the owner's transfer server; "" = resolve by name
+    tier: Tier
+    offset: int  # bytes from the segment's start
+    size: int  # bytes of the value (the allocation may be larger by alignment)
+    state: ReplicaState
+
+
+class PutStartResult(msgspec.Struct, frozen=True, kw_only=True):
+    """put_start's answer: status "ok" with the replicas to write, or why not."""
+
+    key: str
+    status: Status
+    message: str = ""  # what went wrong and what to do; "" when ok
+    replicas: tuple[ReplicaDesc, ...] = ()  # status ok: write the value to every one
+
+
+class GetResult(msgspec.Struct, frozen=True, kw_only=True):
+    """get_replicas' answer: the committed replicas (fastest and closest first), leased."""
+
+    key: str
+    status: Status  # "ok" (a hit), "not_found" (a miss), "error"
+    message: str = ""
+    size: int = 0  # bytes of the value
+    replicas: tuple[ReplicaDesc, ...] = ()
+    lease_ttl_s: float = 0.0  # seconds the object is safe from eviction and removal
+
+
+class KeyResult(msgspec.Struct, frozen=True, kw_only=True):
+    """The answer for one key of put_end, put_revoke, exists, remove, pin."""
+
+    key: str
+    status: Status
+    message: str = ""
+
+
+class StoreEvent(msgspec.Struct, frozen=True, kw_only=True):
+    """A change of the pool's contents, for the Conductor's global prefix index.
+
+    Per replica: added (put_end, or a move's copy on another node), evicted (dropped by
+    eviction or unmount, or a move's source released on another node), removed (remove,
+    overwrite), demoted / promoted (moved to another tier of the same node; `tier` is the
+    new one). Per node: node_gone (key ""; the node's every replica went). Per object: lost
+    (its last replica went with a node or segment; the object no longer exists).
+    """
+
+    kind: EventKind
+    key: str  # "" for node_gone
+    node_id: str
+    tier: str = ""  # the replica's tier (after the move for demoted/promoted)
+
+
+class Instruction(msgspec.Struct, frozen=True, kw_only=True):
+    """A decision the data plane carries out, sent to the node owning `src`.
+
+    evict: `src` was released (informational: the owner may discard the bytes).
+    demote / promote: copy `src` into `dst`, then confirm_move(move_id, ok); on success the
+    service commits `dst` and (when `release_src`) releases `src`.
+    """
+
+    kind: Literal["evict", "demote", "promote"]
+    key: str
+    src: ReplicaDesc
+    dst: ReplicaDesc | None = None
+    move_id: int = 0  # 0 for evict
+    release_src: bool = False
+
+
+class StoreStats(msgspec.Struct, frozen=True, kw_only=True):
+    """A snapshot of the service's counters, for metrics and `mooncake status`."""
+
+    num_objects: int
+    num_segments: int
+    num_nodes: int
+    tier_capacity_bytes: dict[str, int]  # tier -> bytes mounted
+    tier_used_bytes: dict[str, int]  # tier -> bytes allocated
+    tier_objects: dict[str, int]  # tier -> committed objects with a replica there
+    hits: int
+    misses: int
+    puts: int  # committed puts
+    removes: int
+    evictions: int  # replicas dropped by eviction
+    demotions: int  # moves confirmed
+    promotions: int
+    lost_objects: int  # objects gone with a node or segment
+
+
+@dataclass
+class Counters:
+    """Monotonic counters kept as plain ints; the master exports them to Prometheus."""
+
+    hits: int = 0
+    misses: int = 0
+    puts: int = 0
+    removes: int = 0
+    evictions: int = 0
+    demotions: int = 0
+    promotions: int = 0
+    lost_objects: int = 0
+
+
+@dataclass(eq=False)
+class Segment:
+    """One mounted segment: a node's memory (or SSD space) of one tier."""
+
+    name: str
+    node_id: str
+    tier: Tier
+    endpoint: str
+    allocator: OffsetAllocator
+    keys: set[str] = field(default_factory=set)  # keys with a replica here
+
+    @property
+    def capacity(self) -> int:
+        return self.allocator.capacity
+
+    @property
+    def free_ratio(self) -> float:
+        usable = self.allocator.usable_bytes
+        return self.allocator.free_bytes / usable if usable else 0.0
+
+
+@dataclass(eq=False)
+class Replica:
+    segment: Segment
+    offset: int  # bytes
+    size: int  # bytes of the value
+    state: ReplicaState = PROCESSING
+
+    @property
+    def node_id(self) -> str:
+        return self.segment.node_id
+
+    @property
+    def tier(self) -> Tier:
+        return self.segment.tier
+
+    def desc(self) -> ReplicaDesc:
+        s = self.segment
+        return ReplicaDesc(
+            segment=s.name,
+            node_id=s.node_id,
+            endpoint=s.endpoint,
+            tier=s.tier,
+            offset=self.offset,
+            size=self.size,
+            state=self.state,
+        )
+
+
+@dataclass(eq=False)
+class ObjectRecord:
+    """One key: its replicas and what protects it from eviction."""
+
+    key: str
+    size: int  # bytes of the value
+    writer: str  # node id of the put's writer ("" if unknown)
+    started_at: float  # s: put_start time, for reclaiming abandoned writes
+    replicas: list[Replica] = field(default_factory=list)
+    is_committed: bool = False  # put_end seen: readers see the COMPLETE replicas
+    lease_until: float = 0.0  # s: readers may be copying until then
+    pin_ttl_s: float = 0.0  # s: soft pin length, renewed on each read; 0 = not pinned
+    pin_until: float = 0.0  # s
+    move_id: int = 0  # a demotion/promotion in flight (its dst is a PROCESSING replica)
+
+    def complete(self) -> list[Replica]:
+        return [r for r in self.replicas if r.state == COMPLETE]
+
+    def is_protected(self, now: float) -> bool:
+        """Leased, pinned, uncommitted or moving: eviction must skip it."""
+        return (
+            not self.is_committed
+            or self.move_id != 0
+            or self.lease_until > now
+            or self.pin_until > now
+        )

@@ -1,0 +1,173 @@
+"""Eviction: LRU order at the watermarks, what protects an object, demotion to SSD instead
+of loss, promotion on a hit, and eviction for a put that found no room."""
+
+from __future__ import annotations
+
+from mooncake.store.metadata import MetadataService
+from tests.store.helpers import dst, make_service, put
+
+# 8 blocks of 64 bytes; eviction starts above 6 blocks and stops at 4.
+WM = {"high_watermark": 0.75, "low_watermark": 0.5, "lease_ttl_s": 5.0}
+
+
+def fill(svc: MetadataService, n: int, size: int = 64) -> None:
+    for i in range(n):
+        assert put(svc, f"k{i}", size, now=float(i)) == "ok"
+    svc.drain_events()
+
+
+def kinds(svc: MetadataService) -> list[tuple[str, str, str, str]]:
+    return [(e.kind, e.key, e.node_id, e.tier) for e in svc.drain_events()]
+
+
+def test_evicts_least_recently_used_down_to_the_low_watermark():
+    svc = make_service({"a": {"dram": 512}}, **WM)
+    fill(svc, 7)  # 448 of 512 bytes: over 0.75
+    svc.get_replicas("k0", 7.0)  # k0 becomes most recent (leased until 12)
+    assert svc.evict(20.0) == 3
+    assert kinds(svc) == [("evicted", f"k{i}", "a", "dram") for i in (1, 2, 3)]
+    ins = svc.drain_instructions("a")
+    assert [(i.kind, i.key, i.src.offset) for i in ins] == [
+        ("evict", "k1", 64),
+        ("evict", "k2", 128),
+        ("evict", "k3", 192),
+    ]
+    assert svc.space.tier_used["dram"] == 256 and svc.counters.evictions == 3
+    assert svc.evict(20.0) == 0  # under the high watermark now
+    svc.check_integrity()
+
+
+def test_leased_pinned_and_uncommitted_objects_are_never_victims():
+    svc = make_service({"a": {"dram": 512}}, **WM)
+    fill(svc, 6)
+    svc.put_start("writing", 64, 6.0)  # PROCESSING: 448 bytes used
+    for i in range(6):
+        svc.get_replicas(f"k{i}", 10.0)  # all leased until 15
+    assert svc.evict(12.0) == 0
+    svc.pin("k0", 100.0, 12.0)
+    svc.pin("k1", 100.0, 12.0)
+    assert svc.evict(16.0) == 3  # k0, k1 pinned; k2..k4 go
+    assert [e.key for e in svc.drain_events()] == ["k2", "k3", "k4"]
+    assert set(svc.objects) == {"k0", "k1", "k5", "writing"}
+    svc.check_integrity()
+
+
+def test_a_soft_pin_expires_when_the_object_is_not_read():
+    svc = make_service({"a": {"dram": 512}}, **WM)
+    for i in range(7):
+        assert put(svc, f"k{i}", 64, now=0.0, pin_ttl_s=10.0) == "ok"
+    svc.get_replicas("k6", 8.0)  # renews k6's pin to 18 (and its lease to 13)
+    assert svc.evict(9.0) == 0
+    assert svc.evict(11.0) == 3
+    assert "k6" in svc.objects and "k0" not in svc.objects
+
+
+def test_dram_victims_are_demoted_to_ssd_not_dropped():
+    svc = make_service({"a": {"dram": 512, "ssd": 4096}}, **WM)
+    fill(svc, 7)
+    assert svc.evict(20.0) == 3
+    moves = svc.drain_instructions("a")
+    assert [(m.kind, m.key, m.src.tier, dst(m).tier, m.release_src) for m in moves] == [
+        ("demote", f"k{i}", "dram", "ssd", True) for i in range(3)
+    ]
+    assert [dst(m).offset for m in moves] == [0, 64, 128]
+    assert svc.evict(20.0) == 0  # pending releases count: no second round of victims
+    got = svc.get_replicas("k0", 20.0)  # still served from DRAM until the copy is confirmed
+    assert [r.tier for r in got.replicas] == ["dram"]
+    assert svc.remove("k1", 30.0).status == "busy"
+    svc.check_integrity()
+    for m in moves:
+        assert svc.confirm_move(m.move_id, True, 21.0).status == "ok"
+        svc.check_integrity()
+    assert kinds(svc) == [("demoted", f"k{i}", "a", "ssd") for i in range(3)]
+    # k0 is leased until 25: its DRAM range is freed only after that
+    assert svc.space.tier_used == {"vram": 0, "dram": 320, "ssd": 192}
+    svc.heartbeat("a", 26.0)
+    svc.expire(26.0)
+    assert svc.space.tier_used["dram"] == 256 and svc.counters.demotions == 3
+    assert svc.confirm_move(moves[0].move_id, True, 26.0).status == "not_found"
+    svc.check_integrity()
+
+
+def test_a_failed_move_keeps_the_source_and_a_later_pass_retries():
+    svc = make_service({"a": {"dram": 512, "ssd": 4096}}, **WM)
+    fill(svc, 7)
+    svc.evict(20.0)
+    for m in svc.drain_instructions():
+        assert svc.confirm_move(m.move_id, False, 21.0).status == "ok"
+    assert [r.tier for r in svc.objects["k0"].replicas] == ["dram"]
+    assert svc.space.tier_used == {"vram": 0, "dram": 448, "ssd": 0}
+    svc.check_integrity()
+    svc.evict(22.0)
+    assert [m.key for m in svc.drain_instructions()] == ["k0", "k1", "k2"]
+
+
+def test_victims_are_dropped_when_no_ssd_has_room():
+    svc = make_service({"a": {"dram": 512, "ssd": 128}}, **WM)
+    fill(svc, 7)
+    svc.evict(20.0)
+    assert [(m.kind, m.key) for m in svc.drain_instructions()] == [
+        ("demote", "k0"),
+        ("demote", "k1"),
+        ("evict", "k2"),
+    ]
+    assert "k2" not in svc.objects
+
+
+def test_ssd_hit_promotes_back_to_dram_on_the_same_node():
+    svc = make_service({"a": {"dram": 512, "ssd": 4096}}, **WM)
+    fill(svc, 7)
+    svc.evict(20.0)
+    for m in svc.drain_instructions():
+        svc.confirm_move(m.move_id, True, 20.0)
+    svc.drain_events()
+    got = svc.get_replicas("k1", 30.0, reader="a")
+    assert [r.tier for r in got.replicas] == ["ssd"]
+    (prom,) = svc.drain_instructions("a")
+    assert (prom.kind, prom.key, prom.src.tier, dst(prom).tier, prom.release_src) == (
+        "promote",
+        "k1",
+        "ssd",
+        "dram",
+        True,
+    )
+    svc.confirm_move(prom.move_id, True, 40.0)
+    assert kinds(svc) == [("promoted", "k1", "a", "dram")]
+    assert [r.tier for r in svc.get_replicas("k1", 40.0).replicas] == ["dram"]
+    assert svc.counters.promotions == 1
+    svc.check_integrity()
+
+
+def test_vram_victims_move_down_to_dram():
+    svc = make_service({"a": {"vram": 512, "dram": 1024}}, **WM)
+    for i in range(7):
+        put(svc, f"k{i}", 64, tiers=("vram",))
+    svc.evict(20.0)
+    moves = svc.drain_instructions()
+    assert {(m.src.tier, dst(m).tier) for m in moves} == {("vram", "dram")}
+    assert len(moves) == 3
+
+
+def test_a_put_that_found_no_room_makes_eviction_free_a_large_enough_block():
+    svc = make_service({"a": {"dram": 512}}, high_watermark=0.9, low_watermark=0.8)
+    for i in range(3):
+        put(svc, f"k{i}", 128, now=float(i))  # 384 bytes: under the high watermark
+    assert svc.evict(10.0) == 0
+    assert svc.put_start("big", 256, 10.0).status == "no_space"
+    # k0 alone frees [0,128), not adjacent to the free tail [384,512): k1 must go too
+    assert svc.evict(10.0) == 2
+    assert svc.put_start("big", 256, 10.0).status == "ok"
+    svc.check_integrity()
+
+
+def test_replicated_victims_keep_one_demoted_copy():
+    svc = make_service({n: {"dram": 512, "ssd": 4096} for n in "ab"}, replicas=2, **WM)
+    fill(svc, 7)
+    svc.evict(20.0)
+    ins = svc.drain_instructions()
+    assert sorted(i.kind for i in ins) == ["demote"] * 3 + ["evict"] * 3
+    for m in ins:
+        if m.kind == "demote":
+            svc.confirm_move(m.move_id, True, 20.0)
+    assert all(len(svc.objects[f"k{i}"].replicas) == 1 for i in range(3))
+    svc.check_integrity()
