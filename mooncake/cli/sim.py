@@ -1,0 +1,309 @@
+"""`mooncake sim TRACE`, `mooncake sim capacity TRACE`, `mooncake sim hitrate TRACE`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import typer
+from typer.core import TyperGroup
+
+from mooncake.cli.app import app
+
+if TYPE_CHECKING:
+    from mooncake.sim.capacity import CapacityResult
+    from mooncake.sim.cluster import SimConfig
+    from mooncake.sim.metrics import SimResult
+
+
+class _TraceOrSubcommand(TyperGroup):
+    """`sim TRACE` runs the group itself; `sim capacity TRACE` runs the subcommand.
+
+    NOTE: click would otherwise give a subcommand's name to the group's TRACE argument,
+    and would stop parsing the group's options at TRACE.
+    """
+
+    allow_interspersed_args = True
+
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        if args and args[0] in self.commands:
+            super().parse_args(ctx, [])
+            ctx._protected_args, ctx.args = args[:1], args[1:]
+            return ctx.args
+        return super().parse_args(ctx, args)
+
+
+sim_app = typer.Typer(
+    cls=_TraceOrSubcommand,
+    help="Trace-driven cluster simulator running the real Conductor. `mooncake sim TRACE` "
+    "replays a Mooncake-format trace on a simulated cluster and reports requests completed "
+    "and rejected, TTFT and TBT percentiles, SLO attainment, cache hit rates (global pool and "
+    "chosen node) and the GPU time spent in prefill; `capacity` finds the effective request "
+    "capacity; `hitrate` gives the hit rate of one global LRU pool per size.",
+)
+app.add_typer(sim_app, name="sim")
+
+TRACE_HELP = "Mooncake-format JSONL trace (timestamp, input_length, output_length, hash_ids)."
+OPT: dict[str, Any] = {
+    "prefill": typer.Option(8, "--prefill", min=0, help="Prefill instances (one node each)."),
+    "decode": typer.Option(8, "--decode", min=0, help="Decode instances (one node each)."),
+    "coupled": typer.Option(
+        0,
+        "--coupled",
+        min=0,
+        help="Coupled vLLM-like instances instead of --prefill/--decode (chunked prefill, "
+        "continuous batching, prefix cache local to each instance).",
+    ),
+    "policy": typer.Option(
+        "kvcache_centric",
+        "--policy",
+        help="Prefill scheduling: random, load_balance, cache_aware or kvcache_centric "
+        "(Algorithm 1).",
+    ),
+    "rejection": typer.Option(
+        "predictive",
+        "--rejection",
+        help="Early rejection: none (decode checks only after prefill), basic (§7.2) or "
+        "predictive (§7.4).",
+    ),
+    "threshold": typer.Option(
+        1.5, "--threshold", help="kvcache_balancing_threshold of Algorithm 1 (>= 1)."
+    ),
+    "gpu": typer.Option(
+        "A800", "--gpu", help="GPU of the roofline cost model: A800, A100, H800, H100."
+    ),
+    "model": typer.Option(
+        "llama2-70b",
+        "--model",
+        help="Model shape: llama2-70b, llama3-70b, llama3-8b, dummy:tiny, ...",
+    ),
+    "tp": typer.Option(8, "--tp", min=1, help="GPUs per instance (tensor parallel)."),
+    "cost_model": typer.Option(
+        None,
+        "--cost-model",
+        help="Cost model file from `mooncake profile` instead of the roofline.",
+    ),
+    "pool_blocks": typer.Option(
+        None,
+        "--pool-blocks",
+        min=0,
+        help="Pool capacity in blocks, in total over the pool nodes (default: from --dram-bytes).",
+    ),
+    "dram_bytes": typer.Option(
+        "1TiB", "--dram-bytes", help="DRAM per prefill node for KV blocks, e.g. 512GiB."
+    ),
+    "ssd_bytes": typer.Option("0", "--ssd-bytes", help="SSD per prefill node for KV blocks."),
+    "limit": typer.Option(None, "--limit", min=1, help="Replay only the first N requests."),
+    "ttft_slo": typer.Option(30.0, "--ttft-slo", help="TTFT SLO, seconds."),
+    "tbt_slo": typer.Option(
+        0.1, "--tbt-slo", help="TBT SLO, seconds (per request: mean of its slowest 10% token gaps)."
+    ),
+    "chunk_tokens": typer.Option(
+        512,
+        "--chunk-tokens",
+        min=1,
+        help="Coupled instances: tokens per iteration (vLLM default 512).",
+    ),
+    "block_tokens": typer.Option(
+        512, "--block-tokens", min=1, help="Tokens per KV block of the trace."
+    ),
+    "seed": typer.Option(0, "--seed", help="Seed of the random policy."),
+    "json": typer.Option(False, "--json", help="Print one JSON object instead of tables."),
+    "plot": typer.Option(
+        None, "--plot", help="Write PNG figures (TTFT/TBT CDFs, hit rate vs pool size) here."
+    ),
+}
+
+
+def _config(kw: dict[str, Any]) -> SimConfig:
+    from mooncake.config import parse_size
+    from mooncake.sim.cluster import SimConfig
+
+    return SimConfig(
+        num_prefill=kw["prefill"], num_decode=kw["decode"], num_coupled=kw["coupled"],
+        policy=kw["policy"], rejection=kw["rejection"], balancing_threshold=kw["threshold"],
+        ttft_slo_s=kw["ttft_slo"], tbt_slo_s=kw["tbt_slo"], gpu=kw["gpu"], model=kw["model"],
+        tp=kw["tp"], cost_model_path=str(kw["cost_model"] or ""), pool_blocks=kw["pool_blocks"],
+        dram_bytes=parse_size(kw["dram_bytes"]), ssd_bytes=parse_size(kw["ssd_bytes"]),
+        block_tokens=kw["block_tokens"], chunk_tokens=kw["chunk_tokens"],
+        speed=kw.get("speed", 1.0), limit=kw["limit"], seed=kw["seed"],
+    )  # fmt: skip
+
+
+def _cluster_name(cfg: SimConfig) -> str:
+    shape = (
+        f"{cfg.num_coupled} coupled" if cfg.is_coupled else f"{cfg.num_prefill}P+{cfg.num_decode}D"
+    )
+    return f"{shape}, {cfg.model} on {cfg.gpu} x{cfg.tp}, {cfg.policy}, rejection {cfg.rejection}"
+
+
+@sim_app.callback(invoke_without_command=True)
+def sim_run(
+    ctx: typer.Context,
+    trace: Path | None = typer.Argument(None, help=TRACE_HELP, show_default=False),
+    speed: float = typer.Option(
+        1.0, "--speed", help="Replay speed factor (2 = twice as many requests per second)."
+    ),
+    prefill: int = OPT["prefill"], decode: int = OPT["decode"], coupled: int = OPT["coupled"],
+    policy: str = OPT["policy"], rejection: str = OPT["rejection"],
+    threshold: float = OPT["threshold"],
+    gpu: str = OPT["gpu"], model: str = OPT["model"], tp: int = OPT["tp"],
+    cost_model: Path | None = OPT["cost_model"], pool_blocks: int | None = OPT["pool_blocks"],
+    dram_bytes: str = OPT["dram_bytes"], ssd_bytes: str = OPT["ssd_bytes"],
+    limit: int | None = OPT["limit"],
+    ttft_slo: float = OPT["ttft_slo"], tbt_slo: float = OPT["tbt_slo"],
+    chunk_tokens: int = OPT["chunk_tokens"], block_tokens: int = OPT["block_tokens"],
+    seed: int = OPT["seed"],
+    json_out: bool = OPT["json"], plot: Path | None = OPT["plot"],
+) -> None:  # fmt: skip
+    """Replay TRACE on a simulated cluster (see the group's help)."""
+    if ctx.invoked_subcommand is not None:
+        return
+    if trace is None:
+        typer.echo(ctx.get_help())
+        raise typer.Exit(2)
+    from mooncake.sim.plot import hit_rate_curve, write_plots
+    from mooncake.sim.simulator import run_sim
+    from mooncake.sim.trace import load_trace
+
+    cfg = _config(dict(locals()))
+    records = load_trace(trace, limit=limit, block_tokens=block_tokens)
+    report = run_sim(cfg, records)
+    files = []
+    if plot is not None:
+        files = write_plots(
+            plot, report, hit_rate_curve(records), ttft_slo_s=ttft_slo, tbt_slo_s=tbt_slo,
+            label=f"({_cluster_name(cfg)})",
+        )  # fmt: skip
+    print_result(report.result, _cluster_name(cfg), trace, json_out, files)
+
+
+@sim_app.command("capacity")
+def sim_capacity(
+    trace: Path = typer.Argument(..., help=TRACE_HELP, show_default=False),
+    target: float = typer.Option(
+        0.9, "--target", min=0.01, max=1.0, help="Share of all requests that must meet both SLOs."
+    ),
+    lo: float = typer.Option(0.05, "--lo", help="Lowest replay speed tried."),
+    hi: float = typer.Option(8.0, "--hi", help="Highest replay speed tried."),
+    tolerance: float = typer.Option(0.03, "--tolerance", help="Stop when hi/lo < 1 + this."),
+    prefill: int = OPT["prefill"], decode: int = OPT["decode"], coupled: int = OPT["coupled"],
+    policy: str = OPT["policy"], rejection: str = OPT["rejection"],
+    threshold: float = OPT["threshold"],
+    gpu: str = OPT["gpu"], model: str = OPT["model"], tp: int = OPT["tp"],
+    cost_model: Path | None = OPT["cost_model"], pool_blocks: int | None = OPT["pool_blocks"],
+    dram_bytes: str = OPT["dram_bytes"], ssd_bytes: str = OPT["ssd_bytes"],
+    limit: int | None = OPT["limit"],
+    ttft_slo: float = OPT["ttft_slo"], tbt_slo: float = OPT["tbt_slo"],
+    chunk_tokens: int = OPT["chunk_tokens"], block_tokens: int = OPT["block_tokens"],
+    seed: int = OPT["seed"],
+    json_out: bool = OPT["json"],
+) -> None:  # fmt: skip
+    """Effective request capacity: the highest replay speed of TRACE at which at least
+    --target of all requests meet both the TTFT and the TBT SLO, found by bisection."""
+    from mooncake.sim.capacity import find_capacity
+    from mooncake.sim.trace import load_trace
+
+    cfg = _config(dict(locals()))
+    records = load_trace(trace, limit=limit, block_tokens=block_tokens)
+    result = find_capacity(cfg, records, target=target, lo=lo, hi=hi, rel_tol=tolerance)
+    print_capacity(result, _cluster_name(cfg), json_out)
+
+
+@sim_app.command("hitrate")
+def sim_hitrate(
+    trace: Path = typer.Argument(..., help=TRACE_HELP, show_default=False),
+    sizes: str = typer.Option(
+        "1000,10000,30000,50000,100000,0", "--sizes",
+        help="Pool capacities in blocks, comma-separated; 0 = unbounded.",
+    ),
+    limit: int | None = OPT["limit"], block_tokens: int = OPT["block_tokens"],
+    json_out: bool = OPT["json"], plot: Path | None = OPT["plot"],
+) -> None:  # fmt: skip
+    """Hit rate of one global LRU pool per capacity (the paper's Table 1): the longest
+    resident prefix of each request's blocks over all blocks requested, in trace order."""
+    from mooncake.errors import ConfigError
+    from mooncake.sim.plot import hit_rate_curve, write_plots
+    from mooncake.sim.trace import load_trace
+
+    try:
+        caps = [int(s) or None for s in sizes.split(",") if s.strip()]
+    except ValueError as e:
+        raise ConfigError(f"--sizes: expected comma-separated integers, got {sizes!r}") from e
+    records = load_trace(trace, limit=limit, block_tokens=block_tokens)
+    curve = hit_rate_curve(records, caps)
+    files = write_plots(plot, None, curve, ttft_slo_s=0, tbt_slo_s=0) if plot else []
+    print_hit_rates(curve, len(records), json_out, files)
+
+
+# -- output ------------------------------------------------------------------------------
+def _fmt(v: object) -> str:
+    return f"{v:,.3f}" if isinstance(v, float) else f"{v:,}" if isinstance(v, int) else str(v)
+
+
+def print_result(
+    result: SimResult, cluster: str, trace: Path, json_out: bool, files: list[Path]
+) -> None:
+    import msgspec
+    from rich.table import Table
+
+    from mooncake.cli.output import console, print_json
+
+    if json_out:
+        data = msgspec.structs.asdict(result)
+        print_json(
+            {**data, "cluster": cluster, "trace": str(trace), "plots": [str(f) for f in files]}
+        )
+        return
+    table = Table(title=f"{trace.name} on {cluster}")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for key, value in msgspec.structs.asdict(result).items():
+        table.add_row(key, _fmt(value))
+    console.print(table)
+    for f in files:
+        console.print(f"wrote {f}")
+
+
+def print_capacity(result: CapacityResult, cluster: str, json_out: bool) -> None:
+    import msgspec
+    from rich.table import Table
+
+    from mooncake.cli.output import console, print_json
+
+    if json_out:
+        print_json({**msgspec.structs.asdict(result), "cluster": cluster})
+        return
+    table = Table(title=f"capacity search on {cluster}")
+    table.add_column("speed", justify="right")
+    table.add_column("SLO attainment", justify="right")
+    table.add_column("meets", justify="center")
+    for run in result.runs:
+        table.add_row(f"{run.speed:.3f}", f"{run.slo_attainment:.3f}", "yes" if run.meets else "no")
+    console.print(table)
+    bound = "" if result.bounded else " (at least: --hi met the target; raise --hi)"
+    console.print(
+        f"effective capacity: speed {result.speed:.3f} = {result.requests_per_s:.3f} requests/s "
+        f"with {result.target:.0%} of requests within both SLOs{bound}"
+    )
+
+
+def print_hit_rates(
+    curve: list[tuple[int | None, float]], num_requests: int, json_out: bool, files: list[Path]
+) -> None:
+    from rich.table import Table
+
+    from mooncake.cli.output import console, print_json
+
+    rows = [{"pool_blocks": size, "hit_rate": hit} for size, hit in curve]
+    if json_out:
+        print_json({"requests": num_requests, "lru": rows, "plots": [str(f) for f in files]})
+        return
+    table = Table(title=f"global LRU pool hit rate ({num_requests:,} requests)")
+    table.add_column("pool blocks", justify="right")
+    table.add_column("hit rate", justify="right")
+    for size, hit in curve:
+        table.add_row("unbounded" if size is None else f"{size:,}", f"{hit:.4f}")
+    console.print(table)
+    for f in files:
+        console.print(f"wrote {f}")

@@ -1,0 +1,39 @@
+"""The Conductor (global scheduler): prefix index, cost model, policies, admission.
+
+Pure logic (no sockets, threads or clock), shared by the real master and the simulator
+(`mooncake.sim`). Modules: `conductor` (the match -> estimate -> place -> admit loop),
+`index` (block hash -> nodes and tiers, fed by store events), `costmodel` (polynomial
+prefill / decode-step times, transfer times; the `mooncake profile` file format),
+`roofline` (analytic cost model of a named GPU and model), `network` (bytes queued per
+link), `policy` (random, load_balance, cache_aware, kvcache_centric = Algorithm 1),
+`load` (queue times, decode reservations, the §7.4 forecast), `admission` (early
+rejection none / basic / predictive), `types` (settings, requests, decisions).
+"""
+
+from mooncake.conductor.conductor import Conductor
+from mooncake.conductor.costmodel import CostModel, CostModelError
+from mooncake.conductor.index import PrefixIndex, StoreEvent
+from mooncake.conductor.roofline import roofline_cost_model
+from mooncake.conductor.types import (
+    POLICIES,
+    REJECTION_MODES,
+    ConductorParams,
+    Decision,
+    ReplicationOrder,
+    ScheduleRequest,
+)
+
+__all__ = [
+    "POLICIES",
+    "REJECTION_MODES",
+    "Conductor",
+    "ConductorParams",
+    "CostModel",
+    "CostModelError",
+    "Decision",
+    "PrefixIndex",
+    "ReplicationOrder",
+    "ScheduleRequest",
+    "StoreEvent",
+    "roofline_cost_model",
+]

@@ -1,0 +1,268 @@
+"""The Conductor: places each request on a prefill and a decode instance, or rejects it.
+
+`schedule` reads as the paper's loop: match -> estimate -> place -> admit.
+
+- match: the global prefix index gives each prefill instance's local prefix and the best
+  prefix anywhere;
+- estimate + choose: the policy (Algorithm 1 for kvcache_centric) predicts TTFT per
+  instance from its queue, the cost model and the network load, and picks one;
+- place: the decode instance with the lowest predicted TBT that has room for the KV;
+- admit: early rejection (`mooncake.conductor.admission`).
+
+Everything else is bookkeeping from progress reports (`on_prefill_started`, ...) and store
+events (`index`). Pure logic: no sockets, threads or clock; `now` is passed in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from typing import TYPE_CHECKING
+
+from mooncake.conductor.admission import decide
+from mooncake.conductor.costmodel import CostModel
+from mooncake.conductor.index import PrefixIndex
+from mooncake.conductor.load import DecodeForecast, DecodeSlots, PrefillQueue
+from mooncake.conductor.network import NetworkState
+from mooncake.conductor.policy import PrefillView, create_policy
+from mooncake.conductor.types import ConductorParams, Decision, ReplicationOrder, ScheduleRequest
+from mooncake.errors import SchedulingError
+
+if TYPE_CHECKING:
+    from mooncake.config import SchedulerConfig
+
+
+class Conductor:
+    """Global scheduler over prefill and decode (or coupled) instances."""
+
+    def __init__(self, params: ConductorParams, cost: CostModel):
+        self.params = params
+        self.cost = cost
+        self.index = PrefixIndex()
+        self.network = NetworkState(cost.link_bytes_per_s)
+        self.policy = create_policy(params.policy, params.balancing_threshold, params.seed)
+        self.forecast = DecodeForecast(params.decode_time_s, params.decode_time_ewma)
+        self.prefill: list[PrefillQueue] = []
+        self.decode: list[DecodeSlots] = []
+        self.is_coupled = False
+        self._pool_nodes: list[str] = []  # nodes whose blocks prefill may fetch, but not prefill
+        self._match_names: list[str] = []  # prefill instances, then the other pool nodes
+        self._match_bits: list[int] = []  # their bits in the prefix index
+        self._match_full = 0  # OR of _match_bits
+        self._tickets: dict[Hashable, tuple[PrefillQueue, DecodeSlots, int]] = {}
+        self._block_bytes = cost.kv_bytes_per_token * params.block_tokens
+
+    @classmethod
+    def from_config(
+        cls,
+        cfg: SchedulerConfig,
+        *,
+        model: str = "llama2-70b",
+        gpu: str = "A800",
+        tp: int = 8,
+        block_tokens: int = 512,
+        seed: int = 0,
+    ) -> Conductor:
+        """A Conductor from the `[scheduler]` settings; the cost model is the profile file
+        at `cfg.cost_model_path`, or the roofline of `model` on `tp` x `gpu`."""
+        from mooncake.conductor.roofline import roofline_cost_model
+
+        path = cfg.cost_model_path
+        cost = CostModel.load(path) if path else roofline_cost_model(model, gpu, tp)
+        params = ConductorParams(
+            policy=cfg.policy,
+            rejection=cfg.rejection,
+            ttft_slo_s=cfg.ttft_slo_s,
+            tbt_slo_s=cfg.tbt_slo_s,
+            balancing_threshold=cfg.balancing_threshold,
+            block_tokens=block_tokens,
+            seed=seed,
+        )
+        return cls(params, cost)
+
+    # -- instances ---------------------------------------------------------------------
+    def add_prefill_instance(self, name: str, link_bytes_per_s: float | None = None) -> None:
+        assert not self.is_coupled, "a cluster is either coupled or disaggregated"
+        self._add_prefill(name, link_bytes_per_s)
+
+    def add_decode_instance(
+        self,
+        name: str,
+        kv_capacity_tokens: int | None = None,
+        link_bytes_per_s: float | None = None,
+    ) -> None:
+        assert not self.is_coupled, "a cluster is either coupled or disaggregated"
+        self.decode.append(DecodeSlots(name, kv_capacity_tokens or self.cost.kv_capacity_tokens))
+        self.forecast.capacity_tokens += self.decode[-1].capacity_tokens
+        self.add_pool_node(name, link_bytes_per_s)  # its DRAM is part of the pool too
+
+    def add_pool_node(self, name: str, link_bytes_per_s: float | None = None) -> None:
+        """A node that holds pool blocks a prefill instance may fetch (a store node)."""
+        if name not in self._pool_nodes:
+            self._pool_nodes.append(name)
+            self.network.add_node(name, link_bytes_per_s)
+            self._rebuild_match()
+
+    def add_coupled_instance(self, name: str, kv_capacity_tokens: int | None = None) -> None:
+        """An instance that prefills and decodes (vLLM-style); it reads only its own cache."""
+        assert not self.decode or self.is_coupled, "a cluster is either coupled or disaggregated"
+        self.is_coupled = True
+        self._add_prefill(name, None)
+        self.decode.append(DecodeSlots(name, kv_capacity_tokens or self.cost.kv_capacity_tokens))
+        self.forecast.capacity_tokens += self.decode[-1].capacity_tokens
+
+    def _add_prefill(self, name: str, link_bytes_per_s: float | None) -> None:
+        if any(q.name == name for q in self.prefill):
+            raise SchedulingError(f"prefill instance {name!r} is already registered")
+        self.prefill.append(PrefillQueue(name, self.index.bit(name)))
+        self.network.add_node(name, link_bytes_per_s)
+        self._rebuild_match()
+
+    def _rebuild_match(self) -> None:
+        names = [q.name for q in self.prefill]
+        self._match_names = names + [n for n in self._pool_nodes if n not in names]
+        self._match_bits = [self.index.bit(n) for n in self._match_names]
+        self._match_full = 0
+        for bit in self._match_bits:
+            self._match_full |= bit
+
+    def remove_instance(self, name: str) -> None:
+        """The instance's node is gone: stop placing on it and forget its blocks."""
+        self.prefill = [q for q in self.prefill if q.name != name]
+        self.decode = [s for s in self.decode if s.name != name]
+        self.forecast.capacity_tokens = sum(s.capacity_tokens for s in self.decode)
+        self._pool_nodes = [n for n in self._pool_nodes if n != name]
+        self.index.remove_node(name)
+        self.network.remove_node(name)
+        self._rebuild_match()
+
+    # -- the loop ----------------------------------------------------------------------
+    def schedule(self, req: ScheduleRequest, now: float) -> Decision:
+        """Decide where `req` runs, or reject it; an accepted decision is recorded as
+        load (queue, reservation, forecast) until the progress reports retire it."""
+        if not self.prefill or not self.decode:
+            return Decision(req_id=req.req_id, is_accepted=False, reason="no_instance")
+        p = self.params
+        hashes, input_len = req.block_hashes, req.input_len
+        # match: every prefill instance's local prefix, and the longest one anywhere
+        held = self.index.prefix_lens(hashes, self._match_bits, self._match_full)
+        lens = held[: len(self.prefill)]
+        best_len = max(held)
+        best_idx = held.index(best_len) if best_len else -1
+        names = self._match_names
+        # estimate
+        view = PrefillView(
+            input_len=input_len,
+            num_blocks=len(hashes),
+            names=names[: len(self.prefill)],
+            prefix_lens=lens,
+            queue_s=[q.queue_time(now) for q in self.prefill],
+            best_len=best_len,
+            best_idx=best_idx,
+            can_fetch=p.global_pool and not self.is_coupled,
+            prefill_s=lambda blocks: self.cost.prefill_time(input_len, blocks * p.block_tokens),
+            transfer_s=lambda src, dst, blocks: self.network.estimate(
+                names[src], names[dst], blocks * self._block_bytes, now
+            ),
+        )
+        plan = self.policy.choose(view)
+        # place
+        slots, tbt = self._place_decode(plan.idx, input_len)
+        # admit
+        prefill_load, decode_load, reason = decide(
+            self.cost, p, self.forecast, self.decode, slots, input_len, plan.ttft_s, now
+        )
+        queue = self.prefill[plan.idx]
+        src = names[plan.fetch_from] if plan.fetch_from >= 0 else ""
+        replications: tuple[ReplicationOrder, ...] = ()
+        if plan.replicate and plan.reused_blocks > lens[plan.idx]:
+            blocks = tuple(hashes[lens[plan.idx] : plan.reused_blocks])
+            replications = (ReplicationOrder(blocks, src, queue.name),)
+        decision = Decision(
+            req_id=req.req_id,
+            is_accepted=not reason,
+            reason=reason,
+            prefill=queue.name,
+            decode=slots.name,
+            local_blocks=lens[plan.idx],
+            best_blocks=best_len,
+            reused_blocks=plan.reused_blocks,
+            fetch_from=src,
+            ttft_s=plan.ttft_s,
+            tbt_s=tbt,
+            prefill_load=prefill_load,
+            decode_load=decode_load,
+            replications=replications,
+        )
+        if not reason:
+            queue.add(req.req_id, view.prefill_s(plan.reused_blocks))
+            slots.reserve(req.req_id, input_len)
+            self.forecast.add_prefilling(req.req_id, now + plan.ttft_s, input_len)
+            self._tickets[req.req_id] = (queue, slots, input_len)
+        return decision
+
+    def _place_decode(self, prefill_idx: int, input_len: int) -> tuple[DecodeSlots, float]:
+        """The decode instance with the lowest predicted TBT among those with room for the
+        request's KV (counting reservations), and that TBT in seconds."""
+        step = self.cost.step_fn  # NOTE: batch >= 1 here
+        if self.is_coupled:
+            s = self.decode[prefill_idx]
+            return s, step(s.num + 1, s.tokens + input_len)
+        best, best_t, best_fits = self.decode[0], float("inf"), False
+        for s in self.decode:
+            tokens = s.tokens + input_len
+            fits = tokens <= s.capacity_tokens
+            if best_fits and not fits:
+                continue
+            t = step(s.num + 1, tokens)
+            if t < best_t or (fits and not best_fits):
+                best, best_t, best_fits = s, t, fits
+        return best, best_t
+
+    # -- progress reports --------------------------------------------------------------
+    def on_prefill_started(self, req_id: Hashable, now: float) -> None:
+        ticket = self._tickets.get(req_id)
+        if ticket:
+            ticket[0].start(req_id, now)
+
+    def on_prefill_finished(self, req_id: Hashable, now: float) -> None:
+        ticket = self._tickets.get(req_id)
+        if ticket:
+            ticket[0].finish(req_id)
+            self.forecast.prefill_done(req_id, now)
+
+    def on_decode_started(self, req_id: Hashable, now: float) -> None:
+        ticket = self._tickets.get(req_id)
+        if ticket:
+            ticket[1].activate(req_id)
+            self.forecast.start_decode(req_id, now, ticket[2])
+
+    def on_decode_finished(self, req_id: Hashable, now: float) -> None:
+        ticket = self._tickets.pop(req_id, None)
+        if ticket:
+            ticket[1].release(req_id)
+            self.forecast.finish_decode(req_id, now)
+
+    def on_request_dropped(self, req_id: Hashable, now: float) -> None:
+        """The request ended early (rejected by its decode instance, failed, cancelled)."""
+        ticket = self._tickets.pop(req_id, None)
+        if ticket:
+            ticket[0].finish(req_id)
+            ticket[1].release(req_id)
+            self.forecast.drop(req_id)
+
+    @property
+    def num_inflight(self) -> int:
+        return len(self._tickets)
+
+    def check_integrity(self) -> None:
+        """Assert the index is consistent and every load entry belongs to a live ticket."""
+        self.index.check_integrity()
+        for q in self.prefill:
+            assert set(q.req_s) <= set(self._tickets), (q.name, set(q.req_s) - set(self._tickets))
+            assert abs(q.pending_s - sum(q.req_s.values())) < 1e-6, (q.name, q.pending_s)
+        for s in self.decode:
+            assert s.active_tokens == sum(s.active.values()), s.name
+            assert s.reserved_tokens == sum(s.reserved.values()), s.name
+            assert s.num == len(s.active) + len(s.reserved), (s.name, s.num)
+            assert s.tokens == s.active_tokens + s.reserved_tokens, (s.name, s.tokens)
+            assert not (set(s.active) | set(s.reserved)) - set(self._tickets), s.name

@@ -1,0 +1,165 @@
+"""Analytic roofline cost model for a named GPU and model under tensor parallelism.
+
+Used when no `mooncake profile` file exists, and by the simulator to run the paper's setup
+(LLaMA2-70B on nodes of 8x A800, tensor parallel 8). All times in seconds.
+
+Prefill is compute-bound (N = tensor-parallel GPUs, F = peak bf16 FLOP/s, new = L - r):
+
+    T_prefill(L, r) = OVERHEAD + new * (2 * params_matmul / (N * F * MFU) + allreduce_per_token)
+                      + attn_pair_flops * (L^2 - r^2) / 2 / (N * F * MFU)
+
+(`attn_pair_flops` = 4 * layers * heads * head_dim: QK^T and PV per query/key pair; the causal
+mask halves the square.) Decode is memory-bound: each step reads every weight and every
+token's KV once, plus a small compute term per sequence and the all-reduce latencies:
+
+    T_step(b, C) = OVERHEAD + 2 * layers * ALLREDUCE_LATENCY + b * 2 * params_matmul / (N * F * MFU)
+                   + (weight_bytes + kv_bytes_per_token * C) / (N * HBM * MBU)
+
+Both are polynomials, so the roofline writes the same file format as a profile fit.
+
+GPU constants (dense bf16 tensor FLOP/s, HBM bytes/s, HBM bytes, NVLink bytes/s
+bidirectional per GPU) are NVIDIA datasheet figures: A100/A800 80GB SXM: 312 TFLOPS,
+2,039 GB/s; A800's NVLink is limited to 400 GB/s (A800 product brief; A100: 600 GB/s).
+H100 SXM: 989 TFLOPS, 3.35 TB/s, NVLink 900 GB/s (H100 datasheet); H800 SXM: the same chip
+with NVLink limited to 400 GB/s. Node NIC: the paper's A800 testbed has RDMA "up to
+800 Gbps" per node (100 GB/s); H100/H800 nodes commonly carry 8x 400 Gbps (400 GB/s).
+
+Efficiencies are assumptions, stated here so they can be changed in one place:
+MFU 0.5 (long-context prefill with FlashAttention reaches 50-60% of peak on A100-class
+GPUs), MBU 0.6 (decode kernels reach 50-70% of HBM bandwidth), 10 us per NCCL all-reduce
+on NVLink (small-message latency), 5 ms fixed per forward pass (launch, sampling,
+scheduling), and 90% of VRAM for weights + KV (vLLM's default `gpu_memory_utilization`).
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from mooncake.conductor.costmodel import (
+    COST_MODEL_VERSION,
+    CostModel,
+    CostModelFile,
+    Poly2,
+    Term,
+)
+from mooncake.errors import ConfigError
+from mooncake.modelspec import ModelSpec, get_model_spec
+
+PREFILL_MFU = 0.5
+DECODE_MBU = 0.6
+ALLREDUCE_LATENCY_S = 10e-6
+STEP_OVERHEAD_S = 0.005
+VRAM_UTILIZATION = 0.9
+
+
+class GpuSpec(msgspec.Struct, frozen=True, kw_only=True):
+    name: str
+    bf16_flops: float  # dense FLOP/s
+    hbm_bytes_per_s: float
+    hbm_bytes: float  # VRAM capacity
+    nvlink_bytes_per_s: float  # bidirectional, per GPU
+    node_nic_bytes_per_s: float  # RDMA bandwidth of an 8-GPU node
+
+
+GPUS: dict[str, GpuSpec] = {
+    g.name: g
+    for g in (
+        GpuSpec(
+            name="A800",
+            bf16_flops=312e12,
+            hbm_bytes_per_s=2.039e12,
+            hbm_bytes=80e9,
+            nvlink_bytes_per_s=400e9,
+            node_nic_bytes_per_s=100e9,
+        ),
+        GpuSpec(
+            name="A100",
+            bf16_flops=312e12,
+            hbm_bytes_per_s=2.039e12,
+            hbm_bytes=80e9,
+            nvlink_bytes_per_s=600e9,
+            node_nic_bytes_per_s=100e9,
+        ),
+        GpuSpec(
+            name="H800",
+            bf16_flops=989e12,
+            hbm_bytes_per_s=3.35e12,
+            hbm_bytes=80e9,
+            nvlink_bytes_per_s=400e9,
+            node_nic_bytes_per_s=400e9,
+        ),
+        GpuSpec(
+            name="H100",
+            bf16_flops=989e12,
+            hbm_bytes_per_s=3.35e12,
+            hbm_bytes=80e9,
+            nvlink_bytes_per_s=900e9,
+            node_nic_bytes_per_s=400e9,
+        ),
+    )
+}
+
+
+def get_gpu(name: str) -> GpuSpec:
+    key = name.strip().upper()
+    if key not in GPUS:
+        raise ConfigError(f"unknown GPU {name!r}; known: {', '.join(sorted(GPUS))}")
+    return GPUS[key]
+
+
+def roofline_cost_model(
+    model: ModelSpec | str, gpu: GpuSpec | str, tp: int = 8, dtype_bytes: int = 2
+) -> CostModel:
+    """The roofline cost model of `model` on `tp` GPUs of type `gpu` (see module doc)."""
+    spec = get_model_spec(model) if isinstance(model, str) else model
+    dev = get_gpu(gpu) if isinstance(gpu, str) else gpu
+    if tp < 1:
+        raise ConfigError(f"tensor parallel size must be >= 1, got {tp}")
+    flops = tp * dev.bf16_flops * PREFILL_MFU  # FLOP/s the instance sustains
+    hbm = tp * dev.hbm_bytes_per_s * DECODE_MBU  # bytes/s the instance sustains
+    # Ring all-reduce of the hidden state, twice per layer: each GPU sends 2(N-1)/N of it
+    # over NVLink (half the bidirectional figure in each direction).
+    ring = 2 * (tp - 1) / tp if tp > 1 else 0.0
+    allreduce_s_per_token = (
+        2 * spec.num_layers * ring * spec.hidden_size * dtype_bytes / (dev.nvlink_bytes_per_s / 2)
+    )
+    linear = spec.flops_per_token / flops + allreduce_s_per_token  # s per new token
+    quad = spec.attn_flops_per_token_pair / 2 / flops  # s per (L^2 - r^2)
+    prefill = Poly2(
+        variables=("input_len", "reused_len"),
+        terms=(
+            Term((0, 0), STEP_OVERHEAD_S),
+            Term((1, 0), linear),
+            Term((0, 1), -linear),
+            Term((2, 0), quad),
+            Term((0, 2), -quad),
+        ),
+    )
+    weight_bytes = spec.weight_bytes(dtype_bytes)
+    fixed = STEP_OVERHEAD_S + (2 * spec.num_layers * ALLREDUCE_LATENCY_S if tp > 1 else 0.0)
+    decode = Poly2(
+        variables=("batch_size", "context_len"),
+        terms=(
+            Term((0, 0), fixed + weight_bytes / hbm),
+            Term((1, 0), spec.flops_per_token / flops),
+            Term((0, 1), spec.kv_bytes_per_token(dtype_bytes) / hbm),
+        ),
+    )
+    kv_room = tp * dev.hbm_bytes * VRAM_UTILIZATION - weight_bytes
+    if kv_room <= 0:
+        raise ConfigError(
+            f"{spec.name} does not fit in {tp}x {dev.name} (VRAM {dev.hbm_bytes:.0f} B)"
+        )
+    return CostModel(
+        CostModelFile(
+            version=COST_MODEL_VERSION,
+            model=spec.name,
+            device=f"{dev.name} x{tp} (tp={tp})",
+            source="roofline",
+            kv_bytes_per_token=spec.kv_bytes_per_token(dtype_bytes),
+            kv_capacity_tokens=int(kv_room // spec.kv_bytes_per_token(dtype_bytes)),
+            link_bytes_per_s=dev.node_nic_bytes_per_s,
+            prefill=prefill,
+            decode=decode,
+        )
+    )

@@ -1,0 +1,186 @@
+"""Model shapes: the numbers every part of mooncake derives sizes and costs from.
+
+A `ModelSpec` is the architecture of a LLaMA-family decoder (no weights): the engine
+builds its model from it, the Store sizes KV objects from `kv_bytes_per_token`, and the
+Conductor's roofline cost model (`mooncake.conductor.roofline`) takes FLOPs and bytes from
+it. Named specs:
+
+| name         | layers | hidden | heads/kv | head_dim | ffn   | vocab  |
+|--------------|-------:|-------:|---------:|---------:|------:|-------:|
+| `dummy:tiny` | 4      | 256    | 4/2      | 64       | 768   | 512    |
+| `llama2-70b` | 80     | 8192   | 64/8     | 128      | 28672 | 32000  |
+| `llama3-8b`  | 32     | 4096   | 32/8     | 128      | 14336 | 128256 |
+| `llama3-70b` | 80     | 8192   | 64/8     | 128      | 28672 | 128256 |
+
+Sources: the `config.json` of meta-llama/Llama-2-70b-hf, Meta-Llama-3-8B and
+Meta-Llama-3-70B on Hugging Face. `llama3.1-8b` / `llama3.1-70b` are the llama3 shapes
+with llama3 RoPE scaling and 128k positions. `dummy:tiny` is ours: it runs on 2 CPU
+cores, and its vocabulary leaves room for a byte-level tokenizer (256 bytes + specials).
+
+`dummy:<name>` is accepted for every real spec (the paper's "dummy LLaMA2-70B": the real
+shape with random weights). The returned spec keeps the `dummy:` name, because the name
+enters the block-hash fingerprint and random weights must never share KV with real ones.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from mooncake.errors import ConfigError
+
+
+class RopeScaling(msgspec.Struct, frozen=True, kw_only=True):
+    """LLaMA 3.1-style RoPE frequency scaling (HF `rope_scaling` with rope_type "llama3")."""
+
+    rope_type: str = "llama3"
+    factor: float = 8.0  # long-wavelength frequencies are divided by this
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192  # tokens, the pre-scaling context
+
+
+class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """Architecture of a LLaMA-family decoder-only transformer (shapes only, no weights)."""
+
+    name: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int  # query heads
+    num_kv_heads: int  # key/value heads (grouped-query attention when < num_heads)
+    head_dim: int
+    intermediate_size: int  # SwiGLU MLP width
+    vocab_size: int
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    max_position_embeddings: int = 4096  # tokens
+    tie_word_embeddings: bool = False
+    rms_norm_eps: float = 1e-5
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(
+                f"model {self.name}: num_heads {self.num_heads} must be a multiple of "
+                f"num_kv_heads {self.num_kv_heads}"
+            )
+
+    def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
+        """Bytes of K and V one token occupies across all layers (bf16 by default)."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+    @property
+    def params_per_layer(self) -> int:
+        """Weights of one decoder layer: attention, SwiGLU MLP and two RMSNorms."""
+        h, q, kv = (
+            self.hidden_size,
+            self.num_heads * self.head_dim,
+            self.num_kv_heads * self.head_dim,
+        )
+        attention = h * q + 2 * h * kv + q * h  # wq, wk, wv, wo
+        mlp = 3 * h * self.intermediate_size  # gate, up, down
+        return attention + mlp + 2 * h
+
+    @property
+    def num_params(self) -> int:
+        """All weights: embeddings, layers, final norm and (unless tied) the LM head."""
+        embed = self.vocab_size * self.hidden_size
+        head = 0 if self.tie_word_embeddings else embed
+        return embed + head + self.num_layers * self.params_per_layer + self.hidden_size
+
+    @property
+    def num_matmul_params(self) -> int:
+        """Weights multiplied once per token in a forward pass (layers; not the LM head)."""
+        return self.num_layers * self.params_per_layer
+
+    def weight_bytes(self, dtype_bytes: int = 2) -> int:
+        return self.num_params * dtype_bytes
+
+    @property
+    def flops_per_token(self) -> int:
+        """Dense FLOPs for one token, excluding attention scores (2 per multiply-add)."""
+        return 2 * self.num_matmul_params
+
+    @property
+    def attn_flops_per_token_pair(self) -> int:
+        """FLOPs of QK^T and PV for one query token against one context token."""
+        return 4 * self.num_layers * self.num_heads * self.head_dim
+
+    def prefill_flops(self, input_len: int, reused_len: int = 0) -> float:
+        """FLOPs to prefill tokens [reused_len, input_len) with causal attention."""
+        new = input_len - reused_len
+        pairs = (input_len * input_len - reused_len * reused_len) / 2  # sum of causal spans
+        return self.flops_per_token * new + self.attn_flops_per_token_pair * pairs
+
+
+_TINY = ModelSpec(
+    name="dummy:tiny",
+    num_layers=4,
+    hidden_size=256,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=64,
+    intermediate_size=768,
+    vocab_size=512,
+    max_position_embeddings=8192,
+)
+_LLAMA2_70B = ModelSpec(
+    name="llama2-70b",
+    num_layers=80,
+    hidden_size=8192,
+    num_heads=64,
+    num_kv_heads=8,
+    head_dim=128,
+    intermediate_size=28672,
+    vocab_size=32000,
+    rope_theta=10000.0,
+    max_position_embeddings=4096,
+)
+_LLAMA3_8B = ModelSpec(
+    name="llama3-8b",
+    num_layers=32,
+    hidden_size=4096,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    intermediate_size=14336,
+    vocab_size=128256,
+    rope_theta=500000.0,
+    max_position_embeddings=8192,
+)
+_LLAMA3_70B = msgspec.structs.replace(
+    _LLAMA2_70B,
+    name="llama3-70b",
+    vocab_size=128256,
+    rope_theta=500000.0,
+    max_position_embeddings=8192,
+)
+_LLAMA31 = {"rope_scaling": RopeScaling(), "max_position_embeddings": 131072}
+
+MODEL_SPECS: dict[str, ModelSpec] = {
+    s.name: s
+    for s in (
+        _TINY,
+        _LLAMA2_70B,
+        _LLAMA3_8B,
+        _LLAMA3_70B,
+        msgspec.structs.replace(_LLAMA3_8B, name="llama3.1-8b", **_LLAMA31),
+        msgspec.structs.replace(_LLAMA3_70B, name="llama3.1-70b", **_LLAMA31),
+    )
+}
+
+
+def list_model_specs() -> list[str]:
+    """Names `get_model_spec` accepts (without the `dummy:` aliases)."""
+    return sorted(MODEL_SPECS)
+
+
+def get_model_spec(name: str) -> ModelSpec:
+    """The spec called `name`; `dummy:<real>` returns the real shape under the dummy name."""
+    key = name.strip().lower()
+    if key in MODEL_SPECS:
+        return MODEL_SPECS[key]
+    if key.startswith("dummy:") and key[len("dummy:") :] in MODEL_SPECS:
+        return msgspec.structs.replace(MODEL_SPECS[key[len("dummy:") :]], name=key)
+    raise ConfigError(
+        f"unknown model {name!r}; known: {', '.join(list_model_specs())} "
+        "(or dummy:<name> for random weights of that shape)"
+    )

@@ -1,0 +1,108 @@
+"""What a simulation runs: the cluster's shape, its hardware and model, its policies, the replay.
+
+`SimConfig` is the frozen settings of one run; `mooncake sim` builds it from flags. A
+cluster is either disaggregated (`num_prefill` + `num_decode` instances, the pool spread
+over the prefill nodes' DRAM and SSD) or coupled (`num_coupled` vLLM-like instances,
+each caching prefixes only in its own VRAM). One instance = one node of `tp` GPUs.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from mooncake.conductor.costmodel import CostModel
+from mooncake.conductor.roofline import roofline_cost_model
+from mooncake.conductor.types import POLICIES, REJECTION_MODES, ConductorParams
+from mooncake.errors import ConfigError
+
+GIB = 1 << 30
+
+
+class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """Settings of one simulated run (sizes in bytes, times in seconds)."""
+
+    num_prefill: int = 8
+    num_decode: int = 8
+    num_coupled: int = 0  # > 0: a coupled (vLLM-like) cluster instead of prefill + decode
+    policy: str = "kvcache_centric"
+    rejection: str = "predictive"
+    balancing_threshold: float = 1.5
+    ttft_slo_s: float = 30.0
+    tbt_slo_s: float = 0.1
+    gpu: str = "A800"
+    model: str = "llama2-70b"
+    tp: int = 8  # GPUs per instance (tensor parallel)
+    cost_model_path: str = ""  # a `mooncake profile` file instead of the roofline
+    pool_blocks: int | None = None  # total DRAM blocks of the pool; None = from dram_bytes
+    dram_bytes: int = 1024 * GIB  # per pool node, for KV blocks
+    ssd_bytes: int = 0  # per pool node
+    block_tokens: int = 512
+    chunk_tokens: int = 512  # coupled: tokens per iteration (vLLM max_num_batched_tokens)
+    speed: float = 1.0  # replay speed factor: 2 = arrivals twice as dense
+    limit: int | None = None  # replay only the first N requests
+    tbt_share: float = 0.1  # a request's TBT = mean of this slowest share of its gaps
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.num_coupled < 0 or self.num_prefill < 0 or self.num_decode < 0:
+            problems.append("instance counts must be >= 0")
+        if self.num_coupled == 0 and (self.num_prefill < 1 or self.num_decode < 1):
+            problems.append("need --prefill >= 1 and --decode >= 1, or --coupled >= 1")
+        if self.policy not in POLICIES:
+            problems.append(f"policy {self.policy!r} is not one of {', '.join(POLICIES)}")
+        if self.rejection not in REJECTION_MODES:
+            problems.append(
+                f"rejection {self.rejection!r} is not one of {', '.join(REJECTION_MODES)}"
+            )
+        if not self.speed > 0:
+            problems.append(f"speed must be > 0, got {self.speed}")
+        if self.limit is not None and self.limit < 1:
+            problems.append(f"limit must be >= 1, got {self.limit}")
+        if self.pool_blocks is not None and self.pool_blocks < 0:
+            problems.append(f"pool blocks must be >= 0, got {self.pool_blocks}")
+        if self.chunk_tokens < 1 or self.block_tokens < 1 or self.tp < 1:
+            problems.append("chunk_tokens, block_tokens and tp must be >= 1")
+        if not 0 < self.tbt_share <= 1:
+            problems.append(f"tbt_share must be in (0, 1], got {self.tbt_share}")
+        if problems:
+            raise ConfigError(problems)
+
+    @property
+    def is_coupled(self) -> bool:
+        return self.num_coupled > 0
+
+    @property
+    def num_instances(self) -> int:
+        return self.num_coupled or self.num_prefill + self.num_decode
+
+    def conductor_params(self) -> ConductorParams:
+        return ConductorParams(
+            policy=self.policy,
+            rejection=self.rejection,
+            ttft_slo_s=self.ttft_slo_s,
+            tbt_slo_s=self.tbt_slo_s,
+            balancing_threshold=self.balancing_threshold,
+            block_tokens=self.block_tokens,
+            global_pool=not self.is_coupled,
+            seed=self.seed,
+        )
+
+    def cost_model(self) -> CostModel:
+        if self.cost_model_path:
+            return CostModel.load(self.cost_model_path)
+        return roofline_cost_model(self.model, self.gpu, self.tp)
+
+    def pool_blocks_per_node(self, cost: CostModel) -> tuple[int | None, int]:
+        """(DRAM-or-VRAM blocks, SSD blocks) of one pool node."""
+        block_bytes = cost.kv_bytes_per_token * self.block_tokens
+        if self.is_coupled:  # vLLM caches prefixes in the KV space of its own VRAM
+            top = cost.kv_capacity_tokens // self.block_tokens
+            if self.pool_blocks is not None:
+                top = self.pool_blocks // self.num_coupled
+            return top, 0
+        if self.pool_blocks is not None:
+            top = self.pool_blocks // self.num_prefill
+        else:
+            top = self.dram_bytes // block_bytes
+        return top, self.ssd_bytes // block_bytes

@@ -1,0 +1,136 @@
+"""A simulated decode instance: continuous batching without an event per token.
+
+The batch runs in segments: between two changes of its membership every step takes the
+same time tau = T_step(batch, context at the segment's start), so a segment is one entry
+(tau, steps, start time) in the instance's step log. A change (a request joins or one
+finishes) closes the open segment at the first step boundary at or after the change, and
+only the next finish is scheduled as an event. A step counter makes token accounting
+O(1): a request that joined at step s and must emit `output_len - 1` decode tokens finishes
+at step s + output_len - 1, and the batch's context is `ctx_base + n * step`.
+
+At the end a request's token gaps are read back from the log: its first gap (first token
+from prefill -> first decode step), then every step of every segment it lived through.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from typing import TYPE_CHECKING
+
+from mooncake.conductor.admission import decode_can_admit
+from mooncake.sim.metrics import SimRequest, slowest_share_mean
+
+if TYPE_CHECKING:
+    from mooncake.sim.simulator import Simulator
+
+
+class DecodeInstance:
+    """Decode batch of one instance, advanced lazily segment by segment."""
+
+    def __init__(self, name: str, sim: Simulator, capacity_tokens: int):
+        self.name = name
+        self.sim = sim
+        self.cost = sim.cost
+        self.capacity_tokens = capacity_tokens  # KV tokens VRAM holds
+        self.step = 0  # steps completed when the open segment starts
+        self.seg_t0 = 0.0  # start of the open segment, s
+        self.tau = 0.0  # step time of the open segment, s
+        self.n = 0  # requests in the batch
+        self.ctx_base = 0  # batch context (tokens) = ctx_base + n * step
+        self.targets: list[tuple[int, int, SimRequest]] = []  # (finish step, rid, req) heap
+        self.log_tau: list[float] = []  # closed segments: step time, s
+        self.log_k: list[int] = []  # closed segments: number of steps
+        self.log_t0: list[float] = []  # closed segments: start time, s
+        self.version = 0  # NOTE: bumped on every reschedule; older tick events are stale
+        self.busy_s = 0.0  # simulated seconds with a non-empty batch
+
+    @property
+    def context_tokens(self) -> int:
+        return self.ctx_base + self.n * self.step
+
+    # -- segment machinery ---------------------------------------------------------------
+    def advance(self, t: float) -> None:
+        """Bring the batch to the first step boundary at or after `t`."""
+        if self.n == 0:
+            if t > self.seg_t0:
+                self.seg_t0 = t
+            return
+        if t <= self.seg_t0:
+            return
+        k = math.ceil((t - self.seg_t0) / self.tau - 1e-9)
+        self.close(min(k, self.targets[0][0] - self.step))
+        self.finish_due()
+
+    def close(self, k: int) -> None:
+        """End the open segment after `k` steps."""
+        if k <= 0:
+            return
+        self.log_tau.append(self.tau)
+        self.log_k.append(k)
+        self.log_t0.append(self.seg_t0)
+        self.step += k
+        self.seg_t0 += k * self.tau
+        self.busy_s += k * self.tau
+
+    def finish_due(self) -> None:
+        """Retire the requests whose last token was produced by the closed steps."""
+        targets, now = self.targets, self.seg_t0
+        while targets and targets[0][0] <= self.step:
+            req = heapq.heappop(targets)[2]
+            self.n -= 1
+            self.ctx_base -= req.ctx_key
+            req.tbt = self._tbt(req)
+            self.sim.decode_finished(req, now)
+
+    def _tbt(self, req: SimRequest) -> float:
+        j = req.join_seg
+        gaps = [(self.log_t0[j] + self.log_tau[j] - req.prefill_end, 1)]
+        gaps.append((self.log_tau[j], self.log_k[j] - 1))
+        gaps.extend(zip(self.log_tau[j + 1 :], self.log_k[j + 1 :], strict=True))
+        assert sum(k for _, k in gaps) == req.output_len - 1, (req.rid, gaps)
+        return slowest_share_mean(gaps, self.sim.tbt_share)
+
+    def reschedule(self) -> None:
+        """Price the open segment and schedule the next finish."""
+        self.version += 1
+        if self.n == 0:
+            return
+        self.tau = max(self.cost.decode_step_time(self.n, self.context_tokens), 1e-6)
+        end = self.seg_t0 + (self.targets[0][0] - self.step) * self.tau
+        self.sim.push(end, self._tick, self.version)
+
+    def _tick(self, t: float, version: int) -> None:
+        if version != self.version:
+            return
+        self.close(self.targets[0][0] - self.step)
+        self.finish_due()
+        self.reschedule()
+
+    def join(self, req: SimRequest) -> None:
+        """Add `req` to the batch from the open segment on."""
+        ctx = req.input_len + 1  # the prompt and the token prefill produced
+        req.join_seg = len(self.log_tau)
+        req.ctx_key = ctx - self.step
+        self.ctx_base += req.ctx_key
+        self.n += 1
+        heapq.heappush(self.targets, (self.step + req.output_len - 1, req.rid, req))
+
+    # -- arrivals ----------------------------------------------------------------------
+    def offer(self, t: float, req: SimRequest) -> None:
+        """The request's KV has arrived: admit it into the batch or reject it."""
+        self.advance(t)
+        ok = decode_can_admit(
+            self.cost,
+            self.sim.tbt_slo_s,
+            self.n,
+            self.context_tokens,
+            req.input_len + 1,
+            self.capacity_tokens,
+        )
+        if not ok:
+            self.sim.rejected_late(req, t)
+            return
+        self.join(req)
+        self.sim.conductor.on_decode_started(req.rid, t)
+        self.reschedule()

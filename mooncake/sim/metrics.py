@@ -1,0 +1,149 @@
+"""Per-request records of a simulation and the summary a run reports.
+
+TTFT is arrival -> first token (the end of prefill). A request's TBT is the mean of its
+slowest `tbt_share` (10%) token gaps, as FAST'25 measures it; the first gap runs from the
+first token to the first decode step. A request meets the SLOs when it completes with
+TTFT <= TTFT SLO and TBT <= TBT SLO; attainment counts rejected requests as misses.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import numpy as np
+
+
+class SimRequest:
+    """One trace request's life in the simulator (times in seconds of simulated time)."""
+
+    __slots__ = (
+        "rid", "arrival", "input_len", "output_len", "hashes", "status", "decision",
+        "fetch_ready", "reused_blocks", "prefill_start", "prefill_end", "stream_end",
+        "ctx_key", "join_seg", "done_at", "tbt", "prefill_s",
+    )  # fmt: skip
+
+    def __init__(self, rid: int, arrival: float, input_len: int, output_len: int, hashes: list):
+        self.rid = rid
+        self.arrival = arrival
+        self.input_len = input_len  # tokens
+        self.output_len = output_len  # tokens, the first from prefill
+        self.hashes = hashes
+        self.status = "pending"  # pending | done | rejected_early | rejected_late
+        self.decision: Any = None
+        self.fetch_ready = 0.0  # when fetched prefix blocks have arrived
+        self.reused_blocks = 0
+        self.prefill_start = self.prefill_end = self.stream_end = self.done_at = -1.0
+        self.prefill_s = 0.0  # seconds of prefill compute
+        self.ctx_key = 0  # decode bookkeeping: KV tokens at join minus the join step
+        self.join_seg = 0  # decode bookkeeping: first step-log segment of the request
+        self.tbt = 0.0  # mean of the slowest share of gaps, s
+
+
+def slowest_share_mean(gaps: list[tuple[float, int]], share: float) -> float:
+    """Mean of the slowest `share` of gaps given as (seconds, count) runs."""
+    total = sum(k for _, k in gaps)
+    if total <= 0:
+        return 0.0
+    need = m = max(1, math.ceil(share * total))
+    acc = 0.0
+    for tau, k in sorted(gaps, reverse=True):
+        take = k if k < need else need
+        acc += tau * take
+        need -= take
+        if not need:
+            break
+    return acc / m
+
+
+class SimResult(msgspec.Struct, kw_only=True):
+    """What `mooncake sim` reports (seconds unless named otherwise)."""
+
+    requests: int
+    completed: int
+    rejected: int
+    rejected_before_prefill: int
+    rejected_after_prefill: int
+    ttft_mean_s: float
+    ttft_p50_s: float
+    ttft_p90_s: float
+    ttft_p99_s: float
+    tbt_p50_s: float
+    tbt_p90_s: float
+    tbt_p99_s: float
+    slo_attainment: float  # share of all requests completed within both SLOs
+    ttft_attainment: float  # share of completed requests within the TTFT SLO
+    tbt_attainment: float  # share of completed requests within the TBT SLO
+    hit_rate: float  # blocks held anywhere in the pool / blocks requested
+    local_hit_rate: float  # blocks held by the chosen instance itself / blocks requested
+    reuse_rate: float  # blocks not recomputed / blocks prefilled
+    prefill_gpu_s: float  # GPU-seconds of prefill compute (instance seconds x GPUs)
+    wasted_prefill_gpu_s: float  # of which for requests rejected after prefill
+    makespan_s: float  # simulated time from first arrival to last completion
+    goodput_rps: float  # requests within both SLOs per second of trace time
+    speed: float
+    wall_s: float = 0.0
+
+
+@dataclass
+class SimReport:
+    result: SimResult
+    ttft_s: list[float] = field(default_factory=list)  # completed requests
+    tbt_s: list[float] = field(default_factory=list)
+
+
+def _pct(values: np.ndarray, q: float) -> float:
+    return float(np.percentile(values, q)) if len(values) else 0.0
+
+
+def summarize(
+    reqs: list[SimRequest],
+    *,
+    ttft_slo_s: float,
+    tbt_slo_s: float,
+    gpus_per_instance: int,
+    span_s: float,
+    speed: float,
+) -> SimReport:
+    """Aggregate the per-request records of a finished run."""
+    done = [r for r in reqs if r.status == "done"]
+    ttft = np.array([r.prefill_end - r.arrival for r in done], dtype=float)
+    tbt = np.array([r.tbt for r in done], dtype=float)
+    ok_ttft, ok_tbt = ttft <= ttft_slo_s, tbt <= tbt_slo_s
+    met = int(np.count_nonzero(ok_ttft & ok_tbt))
+    decided = [r for r in reqs if r.decision is not None]
+    blocks = sum(len(r.hashes) for r in decided) or 1
+    prefilled = [r for r in reqs if r.prefill_end >= 0]
+    start = min((r.arrival for r in reqs), default=0.0)
+    end = max((r.done_at for r in reqs), default=0.0)
+    n_done = len(done) or 1
+    result = SimResult(
+        requests=len(reqs),
+        completed=len(done),
+        rejected=sum(r.status.startswith("rejected") for r in reqs),
+        rejected_before_prefill=sum(r.status == "rejected_early" for r in reqs),
+        rejected_after_prefill=sum(r.status == "rejected_late" for r in reqs),
+        ttft_mean_s=float(ttft.mean()) if len(ttft) else 0.0,
+        ttft_p50_s=_pct(ttft, 50),
+        ttft_p90_s=_pct(ttft, 90),
+        ttft_p99_s=_pct(ttft, 99),
+        tbt_p50_s=_pct(tbt, 50),
+        tbt_p90_s=_pct(tbt, 90),
+        tbt_p99_s=_pct(tbt, 99),
+        slo_attainment=met / max(len(reqs), 1),
+        ttft_attainment=int(np.count_nonzero(ok_ttft)) / n_done,
+        tbt_attainment=int(np.count_nonzero(ok_tbt)) / n_done,
+        hit_rate=sum(r.decision.best_blocks for r in decided) / blocks,
+        local_hit_rate=sum(r.decision.local_blocks for r in decided) / blocks,
+        reuse_rate=sum(r.reused_blocks for r in prefilled)
+        / (sum(len(r.hashes) for r in prefilled) or 1),
+        prefill_gpu_s=sum(r.prefill_s for r in prefilled) * float(gpus_per_instance),
+        wasted_prefill_gpu_s=sum(r.prefill_s for r in reqs if r.status == "rejected_late")
+        * float(gpus_per_instance),
+        makespan_s=max(end - start, 0.0),
+        goodput_rps=met / span_s,
+        speed=speed,
+    )
+    return SimReport(result, ttft.tolist(), tbt.tolist())

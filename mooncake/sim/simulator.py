@@ -1,0 +1,151 @@
+"""The discrete-event loop: replays a trace through the real Conductor and simulated instances.
+
+Events are (time, seq, callback, argument) in one heap; `seq` breaks ties in push order,
+so a run is a pure function of the config and the trace. Arrivals are merged from the
+sorted trace instead of being pushed up front. Per request:
+
+    arrive -> Conductor.schedule -> [fetch booked on the network] -> prefill queue
+    -> prefill (KV streamed to decode) -> decode admission -> batch -> finish
+
+and the same Conductor hears every step back (`on_prefill_started`, ...), while the pool
+reports every block it gains or loses to the Conductor's prefix index.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from collections.abc import Callable
+from typing import Any
+
+from mooncake.conductor import Conductor, ScheduleRequest
+from mooncake.sim.cluster import SimConfig
+from mooncake.sim.coupled import CoupledInstance
+from mooncake.sim.decode import DecodeInstance
+from mooncake.sim.metrics import SimReport, SimRequest, summarize
+from mooncake.sim.pool import NodePool
+from mooncake.sim.prefill import PrefillInstance
+from mooncake.sim.trace import TraceRecord, trace_span_s
+
+
+class Simulator:
+    """One run of one config over one trace."""
+
+    def __init__(self, cfg: SimConfig, records: list[TraceRecord]):
+        self.cfg = cfg
+        self.cost = cfg.cost_model()
+        self.conductor = Conductor(cfg.conductor_params(), self.cost)
+        self.network = self.conductor.network
+        self.block_tokens = cfg.block_tokens
+        self.tbt_slo_s = cfg.tbt_slo_s
+        self.tbt_share = cfg.tbt_share
+        self._heap: list[tuple[float, int, Callable[[float, Any], None], Any]] = []
+        self._seq = itertools.count()
+        top, ssd = cfg.pool_blocks_per_node(self.cost)
+        self.pools: dict[str, NodePool] = {}
+        self.prefill: dict[str, PrefillInstance] = {}
+        self.decode: dict[str, DecodeInstance] = {}
+        self.coupled: dict[str, CoupledInstance] = {}
+        capacity = self.cost.kv_capacity_tokens
+        index = self.conductor.index
+        if cfg.is_coupled:
+            for i in range(cfg.num_coupled):
+                name = f"c{i}"
+                self.conductor.add_coupled_instance(name, capacity)
+                self.pools[name] = NodePool(name, top, 0, index, top_tier="vram")
+                self.coupled[name] = CoupledInstance(
+                    name, self, capacity, cfg.chunk_tokens, self.pools[name]
+                )
+        else:
+            for i in range(cfg.num_prefill):
+                name = f"p{i}"
+                self.conductor.add_prefill_instance(name)
+                self.pools[name] = NodePool(name, top, ssd, index)
+                self.prefill[name] = PrefillInstance(name, self, self.pools[name])
+            for i in range(cfg.num_decode):
+                name = f"d{i}"
+                self.conductor.add_decode_instance(name, capacity)
+                self.decode[name] = DecodeInstance(name, self, capacity)
+        records = records[: cfg.limit] if cfg.limit else records
+        t0, scale = records[0].timestamp, 1.0 / (1000.0 * cfg.speed)
+        self.requests = [
+            SimRequest(i, (r.timestamp - t0) * scale, r.input_length, r.output_length, r.hash_ids)
+            for i, r in enumerate(records)
+        ]
+        self.span_s = trace_span_s(records) / cfg.speed
+
+    def push(self, t: float, fn: Callable[[float, Any], None], arg: Any) -> None:
+        heapq.heappush(self._heap, (t, next(self._seq), fn, arg))
+
+    def run(self) -> SimReport:
+        """Replay every request to completion and summarize."""
+        wall = time.perf_counter()
+        heap, pop = self._heap, heapq.heappop
+        for req in self.requests:
+            while heap and heap[0][0] <= req.arrival:
+                t, _, fn, arg = pop(heap)
+                fn(t, arg)
+            self._arrive(req.arrival, req)
+        while heap:
+            t, _, fn, arg = pop(heap)
+            fn(t, arg)
+        cfg = self.cfg
+        report = summarize(
+            self.requests,
+            ttft_slo_s=cfg.ttft_slo_s,
+            tbt_slo_s=cfg.tbt_slo_s,
+            gpus_per_instance=cfg.tp,
+            span_s=self.span_s,
+            speed=cfg.speed,
+        )
+        report.result.wall_s = time.perf_counter() - wall
+        return report
+
+    # -- request lifecycle -----------------------------------------------------------------
+    def _arrive(self, t: float, req: SimRequest) -> None:
+        d = self.conductor.schedule(ScheduleRequest(req.rid, req.input_len, req.hashes), t)
+        req.decision = d
+        if not d.is_accepted:
+            req.status = "rejected_early"
+            return
+        if d.fetch_from:
+            hashes = req.hashes[d.local_blocks : d.reused_blocks]
+            self.pools[d.fetch_from].store(hashes)  # the read refreshes the source's LRU
+            nbytes = len(hashes) * self.block_tokens * self.cost.kv_bytes_per_token
+            req.fetch_ready = self.network.reserve(d.fetch_from, d.prefill, nbytes, t)
+        if self.coupled:
+            self.coupled[d.prefill].enqueue(t, req)
+        else:
+            self.prefill[d.prefill].enqueue(t, req)
+
+    def prefill_finished(self, req: SimRequest, t: float) -> None:
+        """The first token is out; route the request on to decode (unless coupled)."""
+        req.prefill_end = t
+        self.conductor.on_prefill_finished(req.rid, t)
+        if req.output_len <= 1:
+            self.conductor.on_decode_started(req.rid, t)
+            self.decode_finished(req, t)
+            return
+        if self.coupled:
+            return
+        ready = max(t, req.stream_end)
+        instance = self.decode[req.decision.decode]
+        if ready > t:
+            self.push(ready, instance.offer, req)
+        else:
+            instance.offer(t, req)
+
+    def decode_finished(self, req: SimRequest, t: float) -> None:
+        req.status, req.done_at = "done", t
+        self.conductor.on_decode_finished(req.rid, t)
+
+    def rejected_late(self, req: SimRequest, t: float) -> None:
+        """The decode instance refused the request after its prefill was spent."""
+        req.status, req.done_at = "rejected_late", t
+        self.conductor.on_request_dropped(req.rid, t)
+
+
+def run_sim(cfg: SimConfig, records: list[TraceRecord]) -> SimReport:
+    """Simulate `records` on the cluster `cfg` describes."""
+    return Simulator(cfg, records).run()

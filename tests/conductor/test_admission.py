@@ -1,0 +1,106 @@
+"""Early rejection: none / basic (§7.2) / predictive (§7.4), and the decode-side check.
+
+Toy decode step (tests/conductor/toy.py): 10 ms + 1 ms per request + 1 us per KV token.
+"""
+
+import pytest
+
+from mooncake.conductor import ScheduleRequest
+from mooncake.conductor.admission import decode_can_admit, predicted_decode_load
+from mooncake.conductor.load import DecodeForecast, PrefillQueue
+from tests.conductor.toy import toy_conductor, toy_cost
+
+
+def _req(req_id: int, tokens: int) -> ScheduleRequest:
+    return ScheduleRequest(
+        req_id, tokens, list(range(req_id * 1000, req_id * 1000 + tokens // 100))
+    )
+
+
+def test_ttft_over_slo_is_rejected_before_prefill_in_every_mode():
+    for mode in ("none", "basic", "predictive"):
+        c = toy_conductor(1, 1, rejection=mode, ttft_slo_s=0.5)
+        d = c.schedule(_req(1, 600), now=0.0)  # 0.6 s of prefill
+        assert (d.is_accepted, d.reason) == (False, "ttft_slo")
+        assert d.prefill_load == pytest.approx(1.2)
+        assert c.num_inflight == 0  # a rejection leaves no load behind
+
+
+def _fill_decode(c, tokens: int) -> None:
+    c.decode[0].reserve("old", tokens)
+    c.decode[0].activate("old")
+
+
+def test_basic_rejects_on_the_current_decode_load_none_does_not():
+    # decode holds 9,500 of 10,000 tokens; a 600-token request would overflow its KV room
+    for mode, accepted in (("none", True), ("basic", False)):
+        c = toy_conductor(1, 1, rejection=mode)
+        _fill_decode(c, 9_500)
+        d = c.schedule(_req(1, 600), now=0.0)
+        assert d.is_accepted is accepted, mode
+        if not accepted:
+            assert d.reason == "decode_load" and d.decode_load == pytest.approx(10_100 / 10_000)
+
+
+def test_basic_ignores_requests_still_in_prefill_predictive_does_not():
+    # 9,000 tokens are in prefill, due at decode in 1 s: basic admits, predictive rejects
+    for mode, accepted in (("basic", True), ("predictive", False)):
+        c = toy_conductor(1, 1, rejection=mode)
+        c.decode[0].reserve("incoming", 9_000)
+        c.forecast.add_prefilling("incoming", 1.0, 9_000)
+        d = c.schedule(_req(1, 1_500), now=0.0)
+        assert d.is_accepted is accepted, mode
+
+
+def test_forecast_by_hand():
+    # t_d = 10 s. Decode starts: 100 tokens at t=0, 200 at t=5. In prefill: 300 tokens ready
+    # at t=3, 400 at t=20. At t = 10: the first start has ended (0 <= 10 - 10), the second
+    # has not; the 300-token request has joined, the 400-token one has not.
+    f = DecodeForecast(decode_time_s=10.0, ewma=0.5)
+    f.start_decode("a", 0.0, 100)
+    f.start_decode("b", 5.0, 200)
+    f.add_prefilling("c", 3.0, 300)
+    f.add_prefilling("d", 20.0, 400)
+    assert f.at(10.0) == (2, 500)
+    assert f.at(2.0) == (2, 300)
+    assert f.at(25.0) == (2, 700)  # both starts have ended; both prefills have joined
+    f.prefill_done("d", 6.0)  # finished early: counts from t=6 on
+    assert f.at(10.0) == (3, 900)
+    f.finish_decode("a", 4.0)  # measured 4 s: t_d moves halfway there (ewma 0.5)
+    assert f.decode_time_s == pytest.approx(7.0)
+    f.drop("c")
+    assert f.at(10.0) == (2, 600)  # "b" (start 5 > 10 - 7) and "d"
+    f.finish_decode("b", 9.0)  # a request that has left no longer counts
+    assert f.at(10.0) == (1, 400)
+
+
+def test_predicted_load_by_hand():
+    # 2 decode instances of 10,000 tokens; forecast at t: 2 requests, 500 tokens; the new
+    # request adds 1 and 1,500 tokens -> per instance 1.5 requests and 1,000 tokens:
+    # TBT = 10 ms + 1.5 ms + 1 ms = 12.5 ms -> 0.125 of a 100 ms SLO; memory 0.1.
+    c = toy_conductor(1, 2, rejection="predictive")
+    c.forecast.start_decode("b", 5.0, 200)
+    c.forecast.add_prefilling("c", 3.0, 300)
+    load = predicted_decode_load(c.cost, c.params, c.forecast, c.decode, 1_500, t=6.0)
+    assert load == pytest.approx(0.125)
+
+
+def test_decode_side_admission():
+    cost = toy_cost()
+    assert decode_can_admit(
+        cost, 0.1, batch_size=3, context_tokens=9_000, input_len=1_000, capacity_tokens=10_000
+    )
+    assert not decode_can_admit(cost, 0.1, 3, 9_001, 1_000, 10_000)  # KV does not fit
+    assert not decode_can_admit(cost, 0.014, 3, 100, 1_000, 10_000)  # 10+4+1.1 ms > 14 ms
+
+
+def test_prefill_queue_time_counts_down_the_running_request():
+    q = PrefillQueue("p0", 1)
+    q.add("a", 4.0)
+    q.add("b", 2.0)
+    assert q.queue_time(0.0) == 6.0
+    q.start("a", now=1.0)
+    assert q.queue_time(2.0) == pytest.approx(5.0)
+    assert q.queue_time(9.0) == pytest.approx(2.0)  # overdue: the running one counts as done
+    q.finish("a")
+    assert q.queue_time(9.0) == 2.0

@@ -1,0 +1,88 @@
+"""The Conductor's loop keeps its load books straight through a request's whole life."""
+
+import pytest
+
+from mooncake.conductor import Conductor, ScheduleRequest
+from mooncake.errors import SchedulingError
+from tests.conductor.toy import toy_conductor
+
+
+def test_a_request_is_booked_as_load_then_retired():
+    c = toy_conductor(2, 2)
+    d = c.schedule(ScheduleRequest(1, 500, [1, 2, 3, 4, 5]), now=0.0)
+    assert d.is_accepted and d.prefill == "p0" and d.decode == "d0"
+    assert c.prefill[0].queue_time(0.0) == pytest.approx(0.5)
+    assert c.decode[0].reserved == {1: 500}
+    c.check_integrity()
+    # the next request sees p0 busy and goes to p1, and to the other decode instance
+    d2 = c.schedule(ScheduleRequest(2, 500, [9]), now=0.0)
+    assert (d2.prefill, d2.decode) == ("p1", "d1")
+    c.on_prefill_started(1, 0.0)
+    assert c.prefill[0].queue_time(0.3) == pytest.approx(0.2)
+    c.on_prefill_finished(1, 0.5)
+    c.on_decode_started(1, 0.5)
+    assert c.decode[0].active == {1: 500} and c.decode[0].reserved == {}
+    c.check_integrity()
+    c.on_decode_finished(1, 3.5)
+    c.on_request_dropped(2, 1.0)
+    assert c.num_inflight == 0 and c.prefill[0].queue_time(4.0) == 0.0
+    assert c.decode[0].active_tokens == 0 and c.decode[1].reserved_tokens == 0
+    c.check_integrity()
+
+
+def test_decode_placement_skips_instances_without_kv_room():
+    c = toy_conductor(1, 2)
+    c.decode[0].reserve("big", 9_900)
+    d = c.schedule(ScheduleRequest(1, 500, [1]), now=0.0)
+    assert d.decode == "d1"
+
+
+def test_removed_instance_is_not_scheduled_and_its_blocks_are_forgotten():
+    c = toy_conductor(2, 1)
+    c.index.add("p1", [1, 2, 3])
+    c.remove_instance("p1")
+    d = c.schedule(ScheduleRequest(1, 300, [1, 2, 3]), now=0.0)
+    assert (d.prefill, d.best_blocks) == ("p0", 0)
+    c.check_integrity()
+
+
+def test_no_instances_means_rejection_and_duplicates_are_errors():
+    c = toy_conductor(0, 0)
+    assert c.schedule(ScheduleRequest(1, 100, [1]), 0.0).reason == "no_instance"
+    c.add_prefill_instance("p0")
+    with pytest.raises(SchedulingError, match="already registered"):
+        c.add_prefill_instance("p0")
+
+
+def test_coupled_instances_decode_where_they_prefill_and_never_fetch():
+    c = toy_conductor(0, 0)
+    for name in ("c0", "c1"):
+        c.add_coupled_instance(name, 10_000)
+    c.index.add("c1", [1, 2, 3])
+    c.prefill[1].add("busy", 10.0)
+    d = c.schedule(ScheduleRequest(1, 400, [1, 2, 3, 4]), now=0.0)
+    assert (d.prefill, d.decode, d.fetch_from, d.reused_blocks) == ("c0", "c0", "", 0)
+
+
+def test_from_config_uses_the_scheduler_section():
+    from mooncake.config import SchedulerConfig
+
+    cfg = SchedulerConfig(policy="cache_aware", rejection="basic", ttft_slo_s=12.0)
+    c = Conductor.from_config(cfg, model="llama3-70b", gpu="H100")
+    assert (c.params.policy, c.params.rejection, c.params.ttft_slo_s) == (
+        "cache_aware",
+        "basic",
+        12.0,
+    )
+    assert c.policy.name == "cache_aware" and c.cost.spec.model == "llama3-70b"
+
+
+def test_blocks_on_a_pool_only_node_are_fetched_from_it():
+    c = toy_conductor(2, 1)
+    c.add_pool_node("store0")
+    c.index.add("store0", [1, 2, 3])
+    d = c.schedule(ScheduleRequest(1, 400, [1, 2, 3, 4]), now=0.0)
+    assert (d.prefill, d.fetch_from, d.best_blocks, d.reused_blocks) == ("p0", "store0", 3, 3)
+    assert d.replications[0].src == "store0"
+    c.remove_instance("store0")
+    assert c.schedule(ScheduleRequest(2, 400, [1, 2, 3, 4]), now=0.0).best_blocks == 0

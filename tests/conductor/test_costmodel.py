@@ -1,0 +1,112 @@
+"""Cost model: roofline shapes, the profile file round trip, transfer times under load;
+and the model specs it is built from."""
+
+import json
+
+import pytest
+
+from mooncake.conductor import CostModel, CostModelError, roofline_cost_model
+from mooncake.conductor.network import NetworkState
+from mooncake.conductor.roofline import GPUS, PREFILL_MFU
+from mooncake.errors import ConfigError
+from mooncake.modelspec import get_model_spec, list_model_specs
+
+
+def test_model_specs_have_the_published_shapes():
+    l2 = get_model_spec("llama2-70b")
+    assert (l2.num_layers, l2.hidden_size, l2.num_heads, l2.num_kv_heads) == (80, 8192, 64, 8)
+    assert (l2.intermediate_size, l2.vocab_size) == (28672, 32000)
+    assert round(l2.num_params / 1e9, 1) == 69.0
+    assert l2.kv_bytes_per_token(2) == 2 * 80 * 8 * 128 * 2  # 320 KiB
+    assert round(get_model_spec("llama3-70b").num_params / 1e9, 1) == 70.6
+    assert round(get_model_spec("llama3-8b").num_params / 1e9, 2) == 8.03
+    scaling = get_model_spec("llama3.1-8b").rope_scaling
+    assert scaling is not None and scaling.factor == 8.0
+    tiny = get_model_spec("dummy:tiny")
+    assert tiny.vocab_size >= 259 and tiny.num_heads % tiny.num_kv_heads == 0
+    alias = get_model_spec("dummy:llama2-70b")
+    assert alias.name == "dummy:llama2-70b" and alias.num_layers == 80
+    assert "llama2-70b" in list_model_specs()
+    with pytest.raises(ConfigError, match="unknown model"):
+        get_model_spec("gpt-5")
+
+
+def test_prefill_flops_count_the_causal_square():
+    spec = get_model_spec("llama2-70b")
+    assert (
+        spec.prefill_flops(1000)
+        == spec.flops_per_token * 1000 + spec.attn_flops_per_token_pair * 500_000
+    )
+    assert spec.prefill_flops(1000, 1000) == 0
+
+
+def test_roofline_prefill_is_compute_bound_and_decode_memory_bound():
+    cost = roofline_cost_model("llama2-70b", "A800", tp=8)
+    spec = get_model_spec("llama2-70b")
+    # long prompts: time ~ FLOPs / (8 x 312 TFLOPS x MFU), within the comm and overhead terms
+    compute_s = spec.prefill_flops(32_000) / (8 * GPUS["A800"].bf16_flops * PREFILL_MFU)
+    assert compute_s < cost.prefill_time(32_000) < 1.3 * compute_s
+    assert (
+        cost.prefill_time(12_000, 8_000)
+        < cost.prefill_time(12_000, 4_000)
+        < cost.prefill_time(12_000)
+    )
+    # decode: reading 138 GB of weights over 8 x 2 TB/s dominates a small batch
+    assert 0.01 < cost.decode_step_time(1, 1000) < 0.03
+    assert cost.decode_step_time(64, 64 * 12_000) > cost.decode_step_time(1, 12_000)
+    assert cost.decode_step_time(0, 0) == 0.0
+    assert 1.2e6 < cost.kv_capacity_tokens < 1.4e6  # (640 GB x 0.9 - 138 GB) / 320 KiB
+    h100 = roofline_cost_model("llama3-70b", "H100", tp=8)
+    assert h100.prefill_time(8000) < cost.prefill_time(8000)
+    with pytest.raises(ConfigError, match="unknown GPU"):
+        roofline_cost_model("llama2-70b", "V100")
+
+
+def test_cost_model_file_round_trip(tmp_path):
+    cost = roofline_cost_model("llama3-70b", "H800")
+    path = tmp_path / "cost.json"
+    cost.save(path)
+    data = json.loads(path.read_text())
+    assert data["version"] == 1 and data["model"] == "llama3-70b" and data["source"] == "roofline"
+    assert data["prefill"]["variables"] == ["input_len", "reused_len"]
+    assert set(data["decode"]["fit_error"]) == {"rmse_s", "max_rel", "num_samples"}
+    loaded = CostModel.load(path)
+    for args in ((9000, 0), (9000, 4096), (128_000, 64_000)):
+        assert loaded.prefill_time(*args) == cost.prefill_time(*args)
+    assert loaded.decode_step_time(32, 300_000) == cost.decode_step_time(32, 300_000)
+
+
+def test_bad_cost_model_files_name_the_problem(tmp_path):
+    path = tmp_path / "cost.json"
+    with pytest.raises(CostModelError, match="cannot read"):
+        CostModel.load(path)
+    path.write_text("{not json")
+    with pytest.raises(CostModelError, match="not valid JSON"):
+        CostModel.load(path)
+    path.write_text(json.dumps({"version": 99}))
+    with pytest.raises(CostModelError, match="version 99"):
+        CostModel.load(path)
+    roofline_cost_model("llama2-70b", "A800").save(path)
+    data = json.loads(path.read_text())
+    data["prefill"]["terms"][0]["powers"] = [7, 0]
+    path.write_text(json.dumps(data))
+    with pytest.raises(CostModelError, match=r"powers \(7, 0\)"):
+        CostModel.load(path)
+    del data["decode"]
+    path.write_text(json.dumps(data))
+    with pytest.raises(CostModelError, match="decode"):
+        CostModel.load(path)
+
+
+def test_transfer_time_includes_the_bytes_already_queued():
+    assert CostModel.transfer_time(1000, 100.0, queued_bytes=500) == 15.0
+    net = NetworkState(1000.0)
+    for node in ("a", "b", "c"):
+        net.add_node(node)
+    assert net.estimate("a", "b", 2000, now=0.0) == 2.0
+    assert net.reserve("a", "b", 2000, now=0.0) == 2.0
+    assert net.queued_bytes("a", 0.5) == 1500  # egress of a
+    assert net.estimate("a", "c", 1000, now=0.5) == 2.5  # waits behind 1,500 bytes on a
+    assert net.estimate("c", "b", 1000, now=1.0) == 2.0  # b's ingress is busy too
+    assert net.estimate("c", "a", 1000, now=0.0) == 1.0  # a's ingress is free
+    assert net.estimate("a", "a", 10**9, now=0.0) == 0.0  # local

@@ -1,0 +1,105 @@
+"""The simulator: exact single-request timings, determinism, the coupled baseline, where
+rejections happen, and the Conductor's books after a whole replay."""
+
+import msgspec
+import pytest
+
+from mooncake.sim.cluster import SimConfig
+from mooncake.sim.pool import global_lru_hit_rate
+from mooncake.sim.simulator import Simulator, run_sim
+from mooncake.sim.trace import load_trace
+from tests.sim.toy import FIXTURE, STEP_1, write_toy_cost, write_trace
+
+
+def _result(report):
+    data = msgspec.structs.asdict(report.result)
+    data.pop("wall_s")
+    return data
+
+
+def test_one_request_on_prefill_and_decode_by_hand(tmp_path):
+    cost = write_toy_cost(tmp_path / "cost.json")
+    trace = load_trace(write_trace(tmp_path / "t.jsonl", [(0, 1000, 11, [1, 2])]))
+    sim = Simulator(SimConfig(num_prefill=1, num_decode=1, cost_model_path=cost), trace)
+    result = sim.run().result
+    req = sim.requests[0]
+    tau = STEP_1 + 1001e-6  # one request holding 1,000 prompt tokens + 1 generated
+    assert req.prefill_end == pytest.approx(1.0)  # 1,000 tokens at 1 ms
+    assert req.done_at == pytest.approx(1.0 + 10 * tau)  # 10 decode steps
+    assert req.tbt == pytest.approx(tau)
+    assert (result.completed, result.ttft_p50_s) == (1, pytest.approx(1.0))
+    assert result.prefill_gpu_s == pytest.approx(8.0)  # 1 s on 8 GPUs
+    sim.conductor.check_integrity()
+    assert sim.conductor.num_inflight == 0
+
+
+def test_second_request_reuses_the_cached_prefix(tmp_path):
+    cost = write_toy_cost(tmp_path / "cost.json")
+    rows = [(0, 1024, 2, [1, 2]), (5000, 1500, 2, [1, 2, 3])]
+    sim = Simulator(
+        SimConfig(num_prefill=2, num_decode=1, cost_model_path=cost),
+        load_trace(write_trace(tmp_path / "t.jsonl", rows)),
+    )
+    sim.run()
+    second = sim.requests[1]
+    assert (second.decision.best_blocks, second.reused_blocks) == (2, 2)
+    assert second.prefill_end - second.arrival == pytest.approx((1500 - 1024) / 1000)
+
+
+def test_coupled_instance_chunks_the_prefill_then_decodes(tmp_path):
+    cost = write_toy_cost(tmp_path / "cost.json")
+    trace = load_trace(write_trace(tmp_path / "t.jsonl", [(0, 1000, 3, [1, 2])]))
+    sim = Simulator(SimConfig(num_coupled=1, chunk_tokens=512, cost_model_path=cost), trace)
+    sim.run()
+    req = sim.requests[0]
+    assert req.prefill_end == pytest.approx(0.512 + 0.488)  # two chunked iterations
+    assert req.done_at == pytest.approx(1.0 + 2 * (STEP_1 + 1001e-6))
+
+
+def test_coupled_baseline_slows_tokens_when_prefills_interleave():
+    records = load_trace(FIXTURE)
+    coupled = run_sim(SimConfig(num_coupled=4, rejection="none"), records).result
+    disagg = run_sim(SimConfig(num_prefill=2, num_decode=2, rejection="none"), records).result
+    assert coupled.completed + coupled.rejected == 300
+    assert coupled.tbt_p50_s > disagg.tbt_p50_s  # prefill chunks ride in every decode step
+    assert coupled.local_hit_rate <= coupled.hit_rate  # what a global pool would have held
+
+
+def test_same_seed_same_result():
+    records = load_trace(FIXTURE)
+    cfg = SimConfig(num_prefill=3, num_decode=2, policy="random", seed=5, speed=3.0)
+    assert _result(run_sim(cfg, records)) == _result(run_sim(cfg, records))
+
+
+def test_rejections_before_or_after_prefill_by_mode(tmp_path):
+    # a decode pool of 60k tokens cannot hold the fixture's concurrency at 4x speed
+    cost = write_toy_cost(tmp_path / "cost.json", kv_capacity_tokens=60_000)
+    records = load_trace(FIXTURE)
+    out = {}
+    for mode in ("none", "basic", "predictive"):
+        cfg = SimConfig(
+            num_prefill=4, num_decode=1, speed=4.0, rejection=mode, cost_model_path=cost
+        )
+        sim = Simulator(cfg, records)
+        out[mode] = sim.run().result
+        reasons = {r.decision.reason for r in sim.requests if r.status == "rejected_early"}
+        if mode == "none":
+            assert reasons <= {"ttft_slo"}  # the decode side is only checked after prefill
+        else:
+            assert "decode_load" in reasons
+        sim.conductor.check_integrity()
+        assert sim.conductor.num_inflight == 0
+    assert out["none"].rejected_after_prefill > 0 and out["none"].wasted_prefill_gpu_s > 0
+    assert out["predictive"].rejected_after_prefill < out["none"].rejected_after_prefill
+
+
+def test_pool_never_exceeds_capacity_and_hit_rate_is_bounded_by_the_trace():
+    records = load_trace(FIXTURE)
+    sim = Simulator(SimConfig(num_prefill=2, num_decode=2, pool_blocks=200), records)
+    result = sim.run().result
+    for pool in sim.pools.values():
+        pool.check_integrity()
+        assert len(pool.top) <= 100
+    sim.conductor.check_integrity()
+    assert 0 < result.hit_rate <= global_lru_hit_rate(records, None) + 1e-9
+    assert result.local_hit_rate <= result.hit_rate

@@ -1,0 +1,44 @@
+"""Round-number cost model files and tiny traces for simulator tests.
+
+prefill 1 ms per new token; decode step 10 ms + 1 ms per request + 1 us per KV token;
+1 byte of KV per token; links of 1 GB/s.
+"""
+
+import json
+from pathlib import Path
+
+from mooncake.conductor import CostModel
+from mooncake.conductor.costmodel import COST_MODEL_VERSION, CostModelFile, Poly2, Term
+
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "traces" / "conversation_head300.jsonl"
+STEP_1 = 0.01 + 0.001  # decode step of a batch of one, before its KV term
+
+
+def write_toy_cost(path: Path, kv_capacity_tokens: int = 1_000_000) -> str:
+    CostModel(
+        CostModelFile(
+            version=COST_MODEL_VERSION,
+            model="toy",
+            device="toy",
+            source="profile",
+            kv_bytes_per_token=1,
+            kv_capacity_tokens=kv_capacity_tokens,
+            link_bytes_per_s=1e9,
+            prefill=Poly2(("input_len", "reused_len"), (Term((1, 0), 1e-3), Term((0, 1), -1e-3))),
+            decode=Poly2(
+                ("batch_size", "context_len"),
+                (Term((0, 0), 0.01), Term((1, 0), 1e-3), Term((0, 1), 1e-6)),
+            ),
+        )
+    ).save(path)
+    return str(path)
+
+
+def write_trace(path: Path, rows: list[tuple[int, int, int, list[int]]]) -> Path:
+    """rows of (timestamp ms, input_length, output_length, hash_ids)."""
+    lines = [
+        json.dumps({"timestamp": t, "input_length": i, "output_length": o, "hash_ids": h})
+        for t, i, o, h in rows
+    ]
+    path.write_text("\n".join(lines) + "\n")
+    return path
