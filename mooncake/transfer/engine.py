@@ -1,0 +1,289 @@
+"""The Transfer Engine: register -> submit -> poll.
+
+    engine = TransferEngine("prefill-0", secret)
+    kv = engine.allocate("kv", 1 << 30)                    # shm-backed, peers may map it
+    engine.directory.add_peer("10.0.0.7", 7000)            # or name "pool@10.0.0.7:7000"
+    batch = engine.submit([TransferRequest(TransferOp.READ, "kv", 0, "pool", 4096, 65536)])
+    batch.check(timeout=5.0)                               # or poll() / wait() / cancel()
+
+Requests are validated in full before anything moves (a bad one rejects the whole batch
+with TransferError), cut into slices, spread over the preferred paths of the best transport
+both ends support, and a failed slice is retried on another path within the retry budget.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import msgspec
+
+from mooncake.errors import TransferError
+from mooncake.native.shm import sweep_stale
+from mooncake.transfer.batch import Batch, Slice
+from mooncake.transfer.directory import BaseDirectory, PeerDirectory
+from mooncake.transfer.paths import PathSet, nic_preference_for
+from mooncake.transfer.segment import Region, SegmentTable, range_error
+from mooncake.transfer.server import TcpServer
+from mooncake.transfer.tcp import TcpTransport
+from mooncake.transfer.transport import (
+    BaseTransport,
+    CopyPool,
+    LocalTransport,
+    ShmTransport,
+    Target,
+    TargetCache,
+    host_identity,
+)
+from mooncake.transfer.types import (
+    EndpointDesc,
+    EngineOptions,
+    SegmentDesc,
+    TransferOp,
+    TransferRequest,
+)
+from mooncake.transfer.wire import Op, Status, check_secret
+
+log = logging.getLogger(__name__)
+_encode = msgspec.msgpack.Encoder().encode
+
+
+class TransferEngine:
+    """One node's Transfer Engine: its segments, its server, and its transports."""
+
+    def __init__(
+        self,
+        name: str,
+        secret: bytes | str,
+        options: EngineOptions | None = None,
+        *,
+        host: str = "127.0.0.1",  # address the data-plane server binds
+        port: int = 0,
+        endpoints: list[EndpointDesc] | None = None,  # advertised; default: host:port
+        directory: BaseDirectory | None = None,
+        nic_preference: Mapping[str, Any] | None = None,  # Topology.nic_preference
+        nic_addresses: Mapping[str, str] | None = None,  # local NIC -> source IP for tcp
+        verbs: Any = None,  # pyverbs-like provider for rdma; None = load pyverbs if asked
+    ):
+        self.name = name
+        self.options = options or EngineOptions()
+        self._secret = secret.encode() if isinstance(secret, str) else secret
+        check_secret(self._secret)
+        self.nic_preference = dict(nic_preference or {})
+        self.host_id = host_identity()
+        sweep_stale()  # arenas of this host's crashed nodes would otherwise hold memory
+        self.segments = SegmentTable()
+        self.server = TcpServer(self.segments, self._secret, host, port)
+        self.server.handlers[Op.DESCRIBE] = self._on_describe
+        wildcard = host in ("0.0.0.0", "::", "")
+        self.endpoints = endpoints or [
+            EndpointDesc("", socket.gethostname() if wildcard else host, self.server.port)
+        ]
+        self.directory = directory or PeerDirectory(self._secret, self.options.slice_io_timeout_s)
+        self.num_retries = 0  # slices re-dispatched after a failure
+        self._pool = CopyPool(
+            self._report, self._report_done, self.options.copy_threads, self.options.group_bytes
+        )
+        self._transports: dict[str, BaseTransport] = {
+            "local": LocalTransport(self._report, self._pool, self.segments.get, name),
+            "shm": ShmTransport(self._report, self._pool, self.host_id),
+            "tcp": TcpTransport(
+                self._report, self._report_done, self._secret, self.options, nic_addresses
+            ),
+        }
+        self._targets = TargetCache(
+            self._transports, self.options.protocol,
+            lambda name: self.describe(name) or self.directory.lookup(name),
+        )  # fmt: skip
+        if self.options.protocol in ("rdma", "auto"):
+            from mooncake.transfer.rdma import create_rdma_transport
+
+            try:
+                rdma = create_rdma_transport(self, verbs, required=self.options.protocol == "rdma")
+            except BaseException:
+                self.close()
+                raise
+            if rdma is not None:
+                self._transports["rdma"] = rdma
+
+    @property
+    def transport_names(self) -> list[str]:
+        """Transports this engine can use ("local", "shm", "tcp", and "rdma" if usable)."""
+        return list(self._transports)
+
+    # -- segments ---------------------------------------------------------------------------
+
+    def register(self, name: str, buffer: Any, location: str | None = None) -> SegmentDesc:
+        """Register `buffer` (numpy array, torch tensor, bytearray...) as segment `name`."""
+        return self._publish(self.segments.register(name, buffer, location))
+
+    def allocate(self, name: str, num_bytes: int, location: str = "cpu:0") -> Any:
+        """A new zero-filled shared-memory segment; returns its uint8 numpy array."""
+        region = self.segments.allocate(name, num_bytes, location)
+        self._publish(region)
+        return region.array
+
+    def _publish(self, region: Region) -> SegmentDesc:
+        rdma = self._transports.get("rdma")
+        if rdma is not None:
+            rdma.register_region(region)  # type: ignore[attr-defined]
+        desc = self.describe(region.name)
+        assert desc is not None, region.name
+        self.directory.publish(desc)
+        return desc
+
+    def unregister(self, name: str) -> None:
+        """Remove segment `name`; peers' requests for it fail from now on."""
+        region = self.segments.unregister(name)
+        rdma = self._transports.get("rdma")
+        if rdma is not None:
+            rdma.unregister_region(region)  # type: ignore[attr-defined]
+        self.directory.withdraw(name)
+
+    def describe(self, name: str) -> SegmentDesc | None:
+        """The descriptor peers use to reach local segment `name` (None if not registered)."""
+        region = self.segments.get(name)
+        if region is None:
+            return None
+        pref = nic_preference_for(self.nic_preference, region.location)
+        nics = list(getattr(pref, "preferred", []) or [])
+        return region.describe(self.name, self.host_id, self.endpoints, nics)
+
+    def _on_describe(self, payload: bytes) -> tuple[Status, bytes]:
+        desc = self.describe(payload.decode("utf-8", "replace"))
+        return (Status.OK, _encode(desc)) if desc is not None else (Status.NO_SEGMENT, b"")
+
+    # -- transfers --------------------------------------------------------------------------
+
+    def resolve(self, name: str) -> Target:
+        """The remote segment `name`, resolved and cached; raises TransferError."""
+        return self._targets.resolve(name)
+
+    def forget(self, name: str) -> None:
+        """Drop the cached resolution of `name` (next use asks the directory again)."""
+        self._targets.forget(name)
+
+    def submit(self, requests: Iterable[TransferRequest], timeout: float | None = None) -> Batch:
+        """Validate every request, then start moving them; returns the Batch handle.
+
+        Raises TransferError listing each bad request (unknown segment, range outside a
+        segment, zero length) before anything is transferred. `timeout` (seconds, default
+        options.timeout_s) sets the batch deadline.
+        """
+        reqs = list(requests)
+        plan, errors = [], []
+        for i, r in enumerate(reqs):
+            try:
+                plan.append((r, *self._check(r)))
+            except TransferError as e:
+                errors.append(f"request {i}: {e}")
+        if errors:
+            more = f"\n  ... and {len(errors) - 8} more" if len(errors) > 8 else ""
+            raise TransferError(
+                "batch rejected, nothing was transferred:\n  " + "\n  ".join(errors[:8]) + more
+            )
+        batch = Batch(reqs, time.monotonic() + (timeout or self.options.timeout_s))
+        by_path: dict[Any, list[Slice]] = {}
+        group_bytes = self.options.group_bytes
+        for i, (r, local, target) in enumerate(plan):
+            step = target.transport.slice_bytes(self.options)
+            num_slices = -(-r.length // step)
+            # NOTE: on a transport that coalesces (tcp), consecutive slices share a path up
+            # to group_bytes so they travel as one wire request; groups spread over paths
+            per_path = max(1, group_bytes // step) if target.transport.coalesces else 1
+            paths = self._pathset(target, local.location).spread(-(-num_slices // per_path))
+            if not paths:
+                batch.fail(i, f"every path to node {target.desc.node!r} is paused after "
+                              "repeated failures; retry in a moment")  # fmt: skip
+                continue
+            batch.add_slices(i, num_slices)
+            for k, off in enumerate(range(0, r.length, step)):
+                s = Slice(batch, i, r.op, local, r.local_offset + off, target,
+                          r.remote_offset + off, min(step, r.length - off))  # fmt: skip
+                s.path = paths[k // per_path]
+                by_path.setdefault(s.path, []).append(s)
+        for path, slices in by_path.items():
+            path.dispatch(slices)
+        return batch
+
+    def _check(self, r: TransferRequest) -> tuple[Region, Target]:
+        if not isinstance(r.op, TransferOp):
+            raise TransferError(f"op must be TransferOp.READ or WRITE, got {r.op!r}")
+        local = self.segments.get(r.local_segment)
+        if local is None:
+            raise TransferError(f"local segment {r.local_segment!r} is not registered here")
+        if why := local.bounds_error(r.local_offset, r.length):
+            raise TransferError(why)
+        target = self.resolve(r.remote_segment)
+        desc = target.desc
+        if why := range_error(desc.name, desc.num_bytes, r.remote_offset, r.length):
+            raise TransferError(why)
+        if local.view.mv is None and target.transport.name != "rdma":
+            raise TransferError(f"local segment {local.name!r} is device memory ({local.location});"
+                                " only the rdma transport can move it")  # fmt: skip
+        return local, target
+
+    def _pathset(self, target: Target, location: str) -> PathSet:
+        ps = target.pathsets.get(location)
+        if ps is None:
+            pref = nic_preference_for(self.nic_preference, location)
+            paths = target.transport.paths(target)
+            ps = target.pathsets.setdefault(
+                location, PathSet(paths, pref, target.desc.preferred_nics)
+            )
+        return ps
+
+    def _report_done(self, slices: list[Slice]) -> None:
+        """Successful completion of slices that all went over one path (a transport thread)."""
+        slices[0].path.record_success(sum(s.length for s in slices), len(slices))
+        batch, start = slices[0].batch, 0
+        for k, s in enumerate(slices):
+            if s.batch is not batch:
+                batch.slices_done(slices[start:k])
+                batch, start = s.batch, k
+        batch.slices_done(slices[start:])
+
+    def _report(self, s: Slice, error: str, retryable: bool) -> None:
+        """Completion of one slice attempt, from a transport's thread."""
+        if not error:
+            self._report_done([s])
+            return
+        if retryable and s.path.record_failure():
+            log.warning("path %s paused after repeated failures (last: %s)", s.path.key, error)
+        if not retryable or s.attempt >= self.options.retry_budget:
+            tries = f" (after {s.attempt + 1} attempts)" if retryable else ""
+            s.batch.fail(s.index, f"{error}{tries}")
+            # the descriptor may be stale (segment re-registered, peer restarted elsewhere):
+            # the next submit asks the directory again
+            self.forget(s.batch.requests[s.index].remote_segment)
+            return
+        if not s.batch.is_live(s.index):
+            return
+        s.attempt += 1
+        s.tried.append(s.path)
+        path = self._pathset(s.target, s.local.location).retry(s)
+        if path is None:
+            s.batch.fail(s.index, f"{error}; every other path is paused")
+            return
+        self.num_retries += 1
+        log.info("retrying %r on %s after: %s", s, path.key, error)
+        s.path = path
+        path.dispatch([s])
+
+    def close(self) -> None:
+        """Stop the server and every transport, and unregister every segment."""
+        self.server.close()
+        for t in self._transports.values():
+            t.close()
+        self._pool.close()
+        self._targets.close()
+        self.segments.close()
+
+    def __enter__(self) -> TransferEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,197 @@
+"""The per-node TCP server: one-sided reads and writes of registered segments, and the
+handshake (segment descriptors, RDMA queue-pair exchange) that peers use without a master.
+
+One thread per connection; a connection is served only after it passes the cluster-secret
+handshake. Replies are queued and sent together when the client has nothing more in flight,
+so a group of slices costs one reply syscall. A malformed header closes that connection
+with a logged error; the server goes on serving the others.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import threading
+from collections.abc import Callable
+
+from mooncake.errors import MooncakeError
+from mooncake.transfer import wire
+from mooncake.transfer.segment import Region, SegmentTable
+from mooncake.transfer.wire import REQ, RESP, Op, Status
+
+log = logging.getLogger(__name__)
+
+AUTH_TIMEOUT_S = 5.0  # a client must finish the handshake within this
+MAX_CONNECTIONS = 1024
+FLUSH_BYTES = 512 << 10  # send queued READ replies once they reach this many bytes
+# payload -> (status, reply payload); runs on the connection's thread
+ControlHandler = Callable[[bytes], tuple[Status, bytes]]
+
+
+class _Closing(Exception):
+    """This connection must be closed (reason already logged)."""
+
+
+class TcpServer:
+    """Serves `segments` on host:port (port 0 picks one) to clients that know `secret`."""
+
+    def __init__(
+        self, segments: SegmentTable, secret: bytes, host: str = "127.0.0.1", port: int = 0
+    ):
+        self.segments = segments
+        self.handlers: dict[Op, ControlHandler] = {}  # DESCRIBE, RDMA_CONNECT
+        self._secret = secret
+        self._listener = socket.create_server((host, port), backlog=128, reuse_port=False)
+        self.host, self.port = self._listener.getsockname()[:2]
+        self._conns: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self._closed = False
+        self._thread = threading.Thread(target=self._accept_loop, name="te-accept", daemon=True)
+        self._thread.start()
+
+    def _accept_loop(self) -> None:
+        while not self._closed:
+            try:
+                sock, addr = self._listener.accept()
+            except OSError:
+                break
+            with self._lock:
+                if self._closed or len(self._conns) >= MAX_CONNECTIONS:
+                    log.warning(
+                        "transfer server: refusing %s (closed or too many connections)", addr
+                    )
+                    sock.close()
+                    continue
+                self._conns.add(sock)
+            threading.Thread(
+                target=self._serve, args=(sock, addr), name="te-conn", daemon=True
+            ).start()
+
+    def _serve(self, sock: socket.socket, addr: tuple) -> None:
+        peer = f"{addr[0]}:{addr[1]}"
+        try:
+            wire.tune(sock, AUTH_TIMEOUT_S)
+            wire.server_handshake(sock, self._secret)
+            wire.tune(sock, 0.0)  # authenticated: idle connections may wait indefinitely
+            self._loop(sock, peer)
+        except MooncakeError as e:
+            log.warning("transfer server: rejected %s: %s", peer, e)
+        except _Closing:
+            pass
+        except OSError as e:
+            log.debug("transfer server: connection %s ended: %s", peer, e)
+        finally:
+            with self._lock:
+                self._conns.discard(sock)
+            sock.close()
+
+    def _loop(self, sock: socket.socket, peer: str) -> None:
+        hdr = bytearray(REQ.size)
+        pending: list[bytes | memoryview] = []  # replies not yet sent
+        pending_bytes = 0
+        while True:
+            got = 0
+            if pending:  # flush queued replies as soon as the client has nothing in flight
+                try:
+                    got = sock.recv_into(hdr, REQ.size, socket.MSG_DONTWAIT)
+                    if got == 0:
+                        return
+                except BlockingIOError:
+                    wire.send_all(sock, pending)
+                    pending, pending_bytes = [], 0
+            if got == 0:
+                if not self._recv_header(sock, hdr):
+                    return
+            elif got < REQ.size:
+                wire.recv_exact(sock, memoryview(hdr)[got:])
+            op, _flags, _pad, req_id, token, offset, length = REQ.unpack(hdr)
+            if op == Op.READ or op == Op.WRITE:
+                if length > wire.MAX_DATA_BYTES:
+                    self._malformed(peer, f"slice length {length} > {wire.MAX_DATA_BYTES}")
+                status, region = self._access(token, offset, length)
+                if region is None:
+                    log.warning("transfer server: %s request %d from %s refused: %s",
+                                Op(op).name, req_id, peer, status.name)  # fmt: skip
+                    # NOTE: close after any error reply: a WRITE's payload is on the wire and
+                    # is never read into memory, and clients rely on nothing following it
+                    wire.send_all(sock, [*pending, RESP.pack(status, req_id, 0)])
+                    raise _Closing
+                assert region.view.mv is not None
+                view = region.view.mv[offset : offset + length]
+                if op == Op.WRITE:
+                    got = sock.recv_into(view, length, socket.MSG_WAITALL)
+                    if got != length:  # rare: a signal, or EOF (0)
+                        if got == 0:
+                            raise ConnectionError("peer closed the connection mid-write")
+                        wire.recv_exact(sock, view[got:])
+                    pending.append(RESP.pack(Status.OK, req_id, 0))
+                else:
+                    pending += (RESP.pack(Status.OK, req_id, length), view)
+                    pending_bytes += length
+                    if pending_bytes >= FLUSH_BYTES:
+                        wire.send_all(sock, pending)
+                        pending, pending_bytes = [], 0
+            elif op in self.handlers:
+                if length > wire.MAX_CONTROL_BYTES:
+                    self._malformed(peer, f"control payload {length} > {wire.MAX_CONTROL_BYTES}")
+                payload = bytearray(length)
+                wire.recv_exact(sock, payload)
+                status, reply = self._control(Op(op), bytes(payload), peer)
+                pending += (RESP.pack(status, req_id, len(reply)), reply)
+            else:
+                self._malformed(peer, f"unknown op {op}")
+
+    def _access(self, token: int, offset: int, length: int) -> tuple[Status, Region | None]:
+        """The region a READ/WRITE may touch, or (why not, None)."""
+        region = self.segments.by_token(token)
+        if region is None:
+            return Status.NO_SEGMENT, None
+        if region.view.mv is None:
+            return Status.BAD_REQUEST, None  # device memory: only RDMA reaches it
+        if region.bounds_error(offset, length):
+            return Status.OUT_OF_BOUNDS, None
+        return Status.OK, region
+
+    def _recv_header(self, sock: socket.socket, hdr: bytearray) -> bool:
+        n = sock.recv_into(hdr, REQ.size, socket.MSG_WAITALL)
+        if n == 0:
+            return False  # clean close between requests
+        if n < REQ.size:
+            wire.recv_exact(sock, memoryview(hdr)[n:])
+        return True
+
+    def _control(self, op: Op, payload: bytes, peer: str) -> tuple[Status, bytes]:
+        try:
+            return self.handlers[op](payload)
+        except MooncakeError as e:
+            log.warning("transfer server: %s from %s refused: %s", op.name, peer, e)
+            return Status.BAD_REQUEST, str(e).encode()[:4096]
+        except Exception:
+            log.exception("transfer server: %s from %s failed", op.name, peer)
+            return Status.INTERNAL, b""
+
+    @staticmethod
+    def _malformed(peer: str, why: str) -> None:
+        log.error(
+            "transfer server: malformed request from %s (%s); closing that connection", peer, why
+        )
+        raise _Closing
+
+    def drop_connections(self) -> int:
+        """Close every client connection (clients reconnect on next use); returns how many."""
+        with self._lock:
+            conns = list(self._conns)
+        for sock in conns:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+        return len(conns)
+
+    def close(self) -> None:
+        """Stop accepting and close every connection."""
+        self._closed = True
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)
+        self._listener.close()
+        self.drop_connections()
+        self._thread.join(timeout=2.0)

@@ -1,0 +1,261 @@
+"""The transport interface, the choice of transport per remote segment (`TargetCache`),
+and the two copy transports: `local` (the segment is in this process) and `shm` (the
+segment is in POSIX shared memory of a process on this host).
+
+Copy transports need no socket on the data path: a pool of threads copies slices with
+numpy, which releases the GIL for the memcpy, so two copies run on two cores at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import socket
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from mooncake.errors import TransferError
+from mooncake.native.shm import ShmArena
+from mooncake.transfer.batch import Slice, chunked, contiguous_runs
+from mooncake.transfer.paths import Path, PathSet
+from mooncake.transfer.types import EngineOptions, SegmentDesc, TransferOp
+
+log = logging.getLogger(__name__)
+
+# (slice, error or "" on success, retryable) -> None; the engine's completion entry point
+Report = Callable[[Slice, str, bool], None]
+
+
+@dataclass(eq=False)
+class Target:
+    """A remote segment resolved for transfers: its descriptor and how to reach it."""
+
+    desc: SegmentDesc
+    transport: BaseTransport
+    remote_array: np.ndarray | None = None  # copy transports: the segment's bytes
+    pathsets: dict[str, PathSet] = field(default_factory=dict)  # local location -> paths
+    handle: Any = None  # transport state (e.g. an attached ShmArena)
+
+
+class BaseTransport:
+    """Moves slices to and from one kind of peer memory."""
+
+    name = "base"
+    coalesces = False  # moves adjacent slices of one path as one operation
+
+    def __init__(self, report: Report):
+        self.report = report
+
+    def slice_bytes(self, options: EngineOptions) -> int:
+        """Bytes per slice on this transport (the unit of path choice and retry). Copies and
+        TCP streams gain nothing from slices below group_bytes, only Python overhead; RDMA
+        overrides this with slice_bytes, since every slice is a work request a NIC runs in
+        parallel."""
+        return max(options.slice_bytes, options.group_bytes)
+
+    def can_reach(self, desc: SegmentDesc) -> bool:  # pragma: no cover - interface
+        """Whether this transport can reach `desc` from this node."""
+        raise NotImplementedError
+
+    def open(self, desc: SegmentDesc) -> Target:  # pragma: no cover - interface
+        """Prepare transfers to `desc` (map it, connect...); raises TransferError."""
+        raise NotImplementedError
+
+    def paths(self, target: Target) -> list[Path]:  # pragma: no cover - interface
+        """Every path to `target`'s node."""
+        raise NotImplementedError
+
+    def release(self, target: Target) -> None:
+        """Forget `target` (its segment was re-registered or is no longer used)."""
+
+    def close(self) -> None:
+        """Stop threads and close connections."""
+
+
+class TargetCache:
+    """Remote segments resolved to the best transport both ends support, cached by the name
+    the caller used ("pool" or "pool@host:port")."""
+
+    def __init__(self, transports: dict[str, BaseTransport], protocol: str,
+                 lookup: Callable[[str], SegmentDesc | None]):  # fmt: skip
+        self._transports = transports  # "local", "shm", "tcp", maybe "rdma" (shared, live)
+        self._protocol = protocol  # "auto" or the one to force
+        self._lookup = lookup  # name -> descriptor (own segments, then the directory)
+        self._targets: dict[str, Target] = {}
+        self._lock = threading.Lock()
+
+    def resolve(self, name: str) -> Target:
+        target = self._targets.get(name)
+        if target is not None:
+            return target
+        desc = self._lookup(name)
+        if desc is None:
+            raise TransferError(
+                f"no node has segment {name!r}: register it there, add its owner with "
+                "engine.directory.add_peer(host, port), or name it as NAME@HOST:PORT"
+            )
+        target = self.choose(desc).open(desc)
+        with self._lock:
+            return self._targets.setdefault(name, target)
+
+    def choose(self, desc: SegmentDesc) -> BaseTransport:
+        """local for this engine's own segments, else the forced protocol, else (auto) the
+        first of shm, rdma, tcp that reaches `desc`."""
+        t = self._transports
+        if t["local"].can_reach(desc):
+            return t["local"]
+        order = ["shm", "rdma", "tcp"] if self._protocol == "auto" else [self._protocol]
+        for proto in order:
+            if proto in t and t[proto].can_reach(desc):
+                return t[proto]
+        raise TransferError(
+            f"segment {desc.name!r} on node {desc.node!r} cannot be reached with protocol "
+            f"{self._protocol!r}: it offers {desc.protocols or ['nothing']} "
+            f"(shm needs a shm-backed segment on this host; rdma needs pyverbs and a NIC)"
+        )
+
+    def forget(self, name: str) -> None:
+        """Drop `name`; slices in flight keep their target (and its mapping) alive."""
+        with self._lock:
+            self._targets.pop(name, None)
+
+    def close(self) -> None:
+        with self._lock:
+            targets, self._targets = list(self._targets.values()), {}
+        for target in targets:
+            target.transport.release(target)
+
+
+class CopyPool:
+    """Threads that copy chunks of slices between host arrays; adjacent slices are copied
+    as one run, and numpy releases the GIL during each copy."""
+
+    def __init__(self, report: Report, report_done: Callable[[list[Slice]], None],
+                 num_threads: int, chunk_bytes: int):  # fmt: skip
+        self.report = report
+        self.report_done = report_done
+        self.chunk_bytes = chunk_bytes  # bytes one thread takes at a time
+        self._queue: queue.SimpleQueue[tuple[list[Slice], Path] | None] = queue.SimpleQueue()
+        self._threads = [
+            threading.Thread(target=self._run, name=f"te-copy-{i}", daemon=True)
+            for i in range(max(1, num_threads))
+        ]
+        for t in self._threads:
+            t.start()
+
+    def put(self, slices: list[Slice], path: Path) -> None:
+        for chunk in chunked(slices, self.chunk_bytes):
+            self._queue.put((chunk, path))
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            chunk, path = item
+            for run in contiguous_runs([s for s in chunk if s.batch.is_live(s.index)]):
+                first = run[0]
+                length = sum(s.length for s in run)
+                try:
+                    remote = first.target.remote_array[
+                        first.remote_offset : first.remote_offset + length
+                    ]
+                    local = first.local.array[first.local_offset : first.local_offset + length]
+                    if first.op is TransferOp.READ:
+                        np.copyto(local, remote)
+                    else:
+                        np.copyto(remote, local)
+                except Exception as e:  # a bug or an unmapped segment: fail the run, not the pool
+                    log.exception("copy of %r failed", first)
+                    for s in run:
+                        self.report(s, f"{path.key}: copy failed: {e}", False)
+                else:
+                    self.report_done(run)
+
+    def close(self) -> None:
+        for _ in self._threads:
+            self._queue.put(None)
+
+
+class CopyPath(Path):
+    """The single path of a copy transport."""
+
+    def __init__(self, key: str, pool: CopyPool):
+        super().__init__(key, "", "")
+        self._pool = pool
+
+    def dispatch(self, slices: list[Slice]) -> None:
+        self._pool.put(slices, self)
+
+
+class LocalTransport(BaseTransport):
+    """Segments registered on this very engine: a plain copy."""
+
+    name = "local"
+
+    def __init__(self, report: Report, pool: CopyPool, lookup: Callable[[str], Any], node: str):
+        super().__init__(report)
+        self._lookup = lookup  # segment name -> local Region or None
+        self._node = node
+        self._path = CopyPath("local copy", pool)
+
+    def can_reach(self, desc: SegmentDesc) -> bool:
+        return desc.node == self._node
+
+    def open(self, desc: SegmentDesc) -> Target:
+        region = self._lookup(desc.name)
+        if region is None or region.token != desc.token or region.array is None:
+            raise TransferError(f"segment {desc.name!r} is no longer registered on this node")
+        return Target(desc, self, remote_array=region.array)
+
+    def paths(self, target: Target) -> list[Path]:
+        return [self._path]
+
+
+def host_identity() -> str:
+    """Equal on two processes exactly when they share a host and its /dev/shm."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "?"
+    try:
+        shm_dev = os.stat("/dev/shm").st_dev
+    except OSError:
+        shm_dev = 0
+    return f"{socket.gethostname()}/{boot}/{shm_dev}"
+
+
+class ShmTransport(BaseTransport):
+    """Segments of another process on this host that live in POSIX shared memory: the
+    arena is mapped here once and slices are copied straight into or out of it."""
+
+    name = "shm"
+
+    def __init__(self, report: Report, pool: CopyPool, host_id: str):
+        super().__init__(report)
+        self._host_id = host_id
+        self._path = CopyPath("shm copy", pool)
+
+    def can_reach(self, desc: SegmentDesc) -> bool:
+        return bool(desc.shm_name) and desc.host_id == self._host_id
+
+    def open(self, desc: SegmentDesc) -> Target:
+        try:
+            arena = ShmArena.attach(desc.shm_name, desc.num_bytes)
+        except (OSError, ValueError) as e:
+            raise TransferError(
+                f"cannot map shared memory {desc.shm_name!r} of segment {desc.name!r}: {e}; "
+                "is the peer on this host and alive?"
+            ) from e
+        return Target(desc, self, remote_array=arena.array, handle=arena)
+
+    def paths(self, target: Target) -> list[Path]:
+        return [self._path]
+
+    def release(self, target: Target) -> None:
+        if isinstance(target.handle, ShmArena):
+            target.remote_array = None
+            target.handle.close()

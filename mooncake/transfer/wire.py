@@ -1,0 +1,195 @@
+"""The TCP data-plane protocol: fixed-size headers (never pickled), the HMAC handshake every
+connection passes before it may touch memory, and exact send/receive of buffer lists.
+
+Connection setup (one HMAC per connection, none per slice):
+
+    server -> client  HELLO  magic "MCTE", version, server nonce (32 B)
+    client -> server  AUTH   magic, version, client nonce (32 B), HMAC(secret, "c"|sn|cn)
+    server -> client  PROOF  HMAC(secret, "s"|cn|sn)     (the client checks the server too)
+
+Then requests, each answered in order on the same connection:
+
+    REQ   op u8 | flags u8 | pad u16 | req_id u32 | token u64 | offset u64 | length u64
+          WRITE: followed by `length` payload bytes; READ: nothing;
+          DESCRIBE/RDMA_CONNECT: followed by a msgpack payload of `length` bytes
+    RESP  status u8 | pad 3 | req_id u32 | length u64, then `length` bytes (READ data or a
+          msgpack reply); an error status carries no data, and the server then closes the
+          connection (a rejected WRITE's payload is never read into memory)
+
+A client may send many requests before reading replies; replies come in request order.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import hmac
+import os
+import socket
+import struct
+from collections.abc import Sequence
+from typing import Final
+
+from mooncake.errors import AuthError, ConfigError, ProtocolError
+
+MAGIC: Final = b"MCTE"
+VERSION: Final = 1
+NONCE_BYTES: Final = 32
+HELLO = struct.Struct("!4sHH32s")
+AUTH = struct.Struct("!4sHH32s32s")
+PROOF_BYTES: Final = 32
+REQ = struct.Struct("!BBHIQQQ")
+RESP = struct.Struct("!BxxxIQ")
+MAX_DATA_BYTES: Final = 1 << 30  # one slice; a larger length is malformed
+MAX_CONTROL_BYTES: Final = 1 << 20  # one msgpack control message
+SOCKET_BUFFER_BYTES: Final = 4 << 20
+MIN_SECRET_BYTES: Final = 16  # as the control plane's rule
+
+
+class Op(enum.IntEnum):
+    READ = 1
+    WRITE = 2
+    DESCRIBE = 3  # payload: segment name (utf-8); reply: msgpack SegmentDesc
+    RDMA_CONNECT = 4  # payload/reply: msgpack RdmaConnectMsg
+
+
+class Status(enum.IntEnum):
+    OK = 0
+    NO_SEGMENT = 1  # unknown name or token (unregistered or re-registered)
+    OUT_OF_BOUNDS = 2
+    BAD_REQUEST = 3  # well-formed header the server cannot serve (e.g. rdma not enabled)
+    INTERNAL = 4
+
+
+STATUS_TEXT: Final = {
+    Status.NO_SEGMENT: "the peer has no such segment (unregistered or re-registered)",
+    Status.OUT_OF_BOUNDS: "the peer rejected the range as outside the segment",
+    Status.BAD_REQUEST: "the peer cannot serve this request",
+    Status.INTERNAL: "the peer failed internally (see its log)",
+}
+
+
+def check_secret(secret: bytes) -> None:
+    """Raise ConfigError unless `secret` is long enough to resist guessing from a handshake."""
+    if len(secret) < MIN_SECRET_BYTES:
+        raise ConfigError(
+            f"cluster secret: need at least {MIN_SECRET_BYTES} bytes, got {len(secret)}; "
+            "generate one with `openssl rand -hex 32`"
+        )
+
+
+def status_text(code: int) -> str:
+    """What a non-OK reply status means, in words."""
+    known = Status._value2member_map_.get(code)
+    return STATUS_TEXT.get(known, f"unknown status {code}") if known else f"unknown status {code}"  # type: ignore[call-overload]
+
+
+def _mac(secret: bytes, role: bytes, first: bytes, second: bytes) -> bytes:
+    return hmac.new(secret, role + first + second, hashlib.sha256).digest()
+
+
+def recv_exact(sock: socket.socket, buf: memoryview | bytearray) -> None:
+    """Fill `buf` from `sock`; raises ConnectionError on EOF (blocking sockets only)."""
+    view = memoryview(buf)
+    got, total = 0, len(view)
+    while got < total:
+        n = sock.recv_into(view[got:], total - got, socket.MSG_WAITALL)
+        if n == 0:
+            raise ConnectionError(f"peer closed the connection after {got} of {total} bytes")
+        got += n
+
+
+def recv_until_eof(sock: socket.socket, bufs: list[memoryview]) -> int:
+    """Scatter up to sum(len(b)) bytes from `sock` into `bufs` (recvmsg_into with
+    MSG_WAITALL: usually one syscall); returns the bytes received, fewer only if the peer
+    closed the connection first. Raises OSError on errors and timeouts."""
+    total = sum(len(b) for b in bufs)
+    got = 0
+    while True:
+        n = sock.recvmsg_into(bufs[:1024], 0, socket.MSG_WAITALL)[0]  # IOV_MAX
+        got += n
+        if n == 0 or got >= total:
+            return got
+        bufs = _advance(bufs, n)
+
+
+def send_all(sock: socket.socket, bufs: Sequence[bytes | memoryview]) -> None:
+    """Send every buffer of `bufs` in order with sendmsg, resuming after partial sends."""
+    pending = list(bufs)
+    while pending:
+        batch = pending[:1024]  # IOV_MAX
+        n = sock.sendmsg(batch)
+        if len(batch) == len(pending) and n == sum(len(b) for b in batch):
+            return
+        pending = _advance(pending, n)
+
+
+def _advance(bufs: Sequence[bytes | memoryview], n: int) -> list:
+    out: list = []
+    for i, b in enumerate(bufs):
+        size = len(b)
+        if n < size:
+            out.append(memoryview(b)[n:])
+            out.extend(bufs[i + 1 :])
+            return out
+        n -= size
+    return out
+
+
+def tune(sock: socket.socket, timeout_s: float = 0.0) -> None:
+    """TCP_NODELAY, large buffers, keepalive; kernel-side send/receive timeouts (the socket
+    stays in blocking mode so MSG_WAITALL moves a whole slice in one syscall)."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
+    sock.settimeout(None)
+    sec = int(timeout_s)
+    tv = struct.pack("ll", sec, int((timeout_s - sec) * 1e6))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+
+
+def server_handshake(sock: socket.socket, secret: bytes) -> None:
+    """Authenticate a freshly accepted client; raises AuthError/ProtocolError/OSError."""
+    server_nonce = os.urandom(NONCE_BYTES)
+    sock.sendall(HELLO.pack(MAGIC, VERSION, 0, server_nonce))
+    buf = bytearray(AUTH.size)
+    recv_exact(sock, buf)
+    magic, version, _flags, client_nonce, mac = AUTH.unpack(buf)
+    if magic != MAGIC or version != VERSION:
+        raise ProtocolError(f"bad hello from client: magic {magic!r} version {version}")
+    if not hmac.compare_digest(mac, _mac(secret, b"c", server_nonce, client_nonce)):
+        raise AuthError("client failed the cluster-secret challenge")
+    sock.sendall(_mac(secret, b"s", client_nonce, server_nonce))
+
+
+def client_handshake(sock: socket.socket, secret: bytes) -> None:
+    """Prove knowledge of `secret` to the server and check that it knows it too."""
+    buf = bytearray(HELLO.size)
+    recv_exact(sock, buf)
+    magic, version, _flags, server_nonce = HELLO.unpack(buf)
+    if magic != MAGIC or version != VERSION:
+        raise ProtocolError(f"peer is not a mooncake transfer server (magic {magic!r})")
+    client_nonce = os.urandom(NONCE_BYTES)
+    mac = _mac(secret, b"c", server_nonce, client_nonce)
+    sock.sendall(AUTH.pack(MAGIC, VERSION, 0, client_nonce, mac))
+    proof = bytearray(PROOF_BYTES)
+    recv_exact(sock, proof)
+    if not hmac.compare_digest(bytes(proof), _mac(secret, b"s", client_nonce, server_nonce)):
+        raise AuthError("transfer server failed the cluster-secret challenge")
+
+
+def connect(host: str, port: int, secret: bytes, timeout_s: float) -> socket.socket:
+    """An authenticated, tuned data-plane connection; raises OSError/AuthError/ProtocolError.
+
+    A refused handshake (wrong secret) shows up as AuthError on one side and, on the other,
+    as the server closing the connection (ConnectionError)."""
+    sock = socket.create_connection((host, port), timeout=timeout_s)
+    try:
+        tune(sock, timeout_s)
+        client_handshake(sock, secret)
+    except BaseException:
+        sock.close()
+        raise
+    return sock

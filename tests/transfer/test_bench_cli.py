@@ -1,0 +1,37 @@
+"""`mooncake bench transfer --local`: starts its own target process, measures, and prints the
+JSON object other tools read (keys and sanity of values, never the timings themselves)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+@pytest.mark.parametrize(
+    ("protocol", "op", "baseline"), [("tcp", "read", "socket-stream"), ("shm", "write", "memcpy")]
+)
+def test_local_bench_prints_the_documented_json(protocol: str, op: str, baseline: str) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "mooncake", "bench", "transfer", "--local", "--protocol", protocol,
+         "--op", op, "--block-size", "64KiB", "--batch-size", "4", "--threads", "1",
+         "--duration", "0.2", "--json"],
+        capture_output=True, text=True, timeout=60, check=True,
+    )  # fmt: skip
+    result = json.loads(out.stdout)
+    for key in ("protocol", "op", "block_bytes", "gbps", "baseline_gbps", "p50_us", "p99_us"):
+        assert key in result, key
+    assert (result["protocol"], result["op"], result["block_bytes"]) == (protocol, op, 65536)
+    assert result["baseline"] == baseline and result["gbps"] > 0 and result["baseline_gbps"] > 0
+    assert result["num_batches"] > 0 and result["p99_us"] >= result["p50_us"] > 0
+    assert result["rss_peak_bytes"] > 0 and result["target_rss_peak_bytes"] > 0
+
+
+def test_bad_option_is_a_clear_error() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "mooncake", "bench", "transfer", "--local", "--protocol", "udp"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 2 and "--protocol" in out.stderr

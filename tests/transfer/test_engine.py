@@ -1,0 +1,141 @@
+"""TransferEngine in one process: registration, batches over tcp/shm/local, validation that
+rejects bad requests before anything moves, statuses, cancel and timeouts."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mooncake.errors import TransferError
+from mooncake.transfer import StaticDirectory, TransferOp, TransferRequest, TransferState
+from tests.transfer.conftest import make_engine
+from tests.transfer.peer import pattern
+
+READ, WRITE = TransferOp.READ, TransferOp.WRITE
+
+
+@pytest.mark.parametrize("protocol", ["tcp", "shm"])
+def test_write_then_read_back_moves_exact_bytes(protocol: str) -> None:
+    a, b = make_engine("a", protocol=protocol), make_engine("b", protocol=protocol)
+    try:
+        a.directory.add_peer("127.0.0.1", b.server.port)  # type: ignore[attr-defined]
+        pool = b.allocate("pool", 100_000)
+        src = pattern(50_000)
+        a.register("src", src)
+        dst = np.zeros(50_000, np.uint8)
+        a.register("dst", dst)
+        # odd sizes and offsets: 8 KiB slices with a short tail, several requests
+        reqs = [TransferRequest(WRITE, "src", off, "pool", 777 + off, n)
+                for off, n in [(0, 10_001), (10_001, 1), (10_002, 39_998)]]  # fmt: skip
+        batch = a.submit(reqs)
+        assert batch.check(5.0) == 50_000
+        assert [s.bytes_done for s in batch.poll()] == [10_001, 1, 39_998]
+        assert (pool[777 : 777 + 50_000] == src).all() and not pool[:777].any()
+        assert a.submit([TransferRequest(READ, "dst", 0, "pool", 777, 50_000)]).check(5.0)
+        assert (dst == src).all()
+        assert a.resolve("pool").transport.name == protocol
+    finally:
+        a.close()
+        b.close()
+
+
+def test_segment_of_the_same_engine_is_a_local_copy() -> None:
+    with make_engine("solo") as e:
+        src, dst = pattern(10_000), np.zeros(10_000, np.uint8)
+        e.register("src", src)
+        e.register("dst", dst)
+        e.submit([TransferRequest(READ, "dst", 0, "src", 0, 10_000)]).check(5.0)
+        assert (dst == src).all() and e.resolve("src").transport.name == "local"
+
+
+def test_qualified_name_resolves_without_a_known_peer(engines) -> None:
+    a, b = engines
+    b.register("seg", pattern(8192))
+    dst = np.zeros(8192, np.uint8)
+    a.register("dst", dst)
+    name = f"seg@127.0.0.1:{b.server.port}"
+    a.submit([TransferRequest(READ, "dst", 0, name, 0, 8192)]).check(5.0)
+    assert (dst == pattern(8192)).all()
+
+
+def test_static_directory_serves_published_descriptors() -> None:
+    shared = StaticDirectory()
+    a = make_engine("a", protocol="tcp")
+    b = make_engine("b", protocol="tcp")
+    a.directory = b.directory = shared
+    try:
+        b.register("seg", pattern(4096))
+        assert a.resolve("seg").desc.node == "b"
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.parametrize(
+    ("req", "why"),
+    [
+        (TransferRequest(WRITE, "nope", 0, "pool", 0, 10), "not registered here"),
+        (TransferRequest(WRITE, "src", 0, "missing", 0, 10), "no node has segment"),
+        (TransferRequest(WRITE, "src", 4090, "pool", 0, 10), "outside segment 'src'"),
+        (TransferRequest(WRITE, "src", 0, "pool", 8190, 10), "outside segment 'pool'"),
+        (TransferRequest(WRITE, "src", 0, "pool", -1, 10), "outside segment 'pool'"),
+        (TransferRequest(READ, "src", 0, "pool", 0, 0), "length must be > 0"),
+    ],
+)
+def test_bad_request_rejects_the_whole_batch_and_writes_nothing(engines, req, why) -> None:
+    a, b = engines
+    pool = b.allocate("pool", 8192)
+    a.register("src", pattern(4096))
+    good = TransferRequest(WRITE, "src", 0, "pool", 0, 4096)
+    with pytest.raises(TransferError, match=why):
+        a.submit([good, req])
+    assert not pool.any()
+
+
+def test_register_refuses_duplicates_and_bad_names(engines) -> None:
+    a, _ = engines
+    a.register("x", np.zeros(8, np.uint8))
+    with pytest.raises(TransferError, match="already registered"):
+        a.register("x", np.zeros(8, np.uint8))
+    with pytest.raises(TransferError, match="invalid segment name"):
+        a.register("x@host:1", np.zeros(8, np.uint8))
+    with pytest.raises(TransferError, match="read-only"):
+        a.register("ro", b"bytes")
+
+
+def test_reregistered_segment_fails_stale_requests_then_resolves_anew(engines) -> None:
+    a, b = engines
+    b.register("seg", np.zeros(8192, np.uint8))
+    a.register("src", pattern(4096))
+    req = TransferRequest(WRITE, "src", 0, "seg", 0, 4096)
+    a.submit([req]).check(5.0)
+    b.unregister("seg")
+    fresh = np.zeros(8192, np.uint8)
+    b.register("seg", fresh)  # new token: the cached descriptor is stale
+    status = a.submit([req]).wait(5.0)[0]
+    assert status.state is TransferState.FAILED and "no such segment" in status.reason
+    a.submit([req]).check(5.0)  # the failure dropped the cache; this resolves the new one
+    assert (fresh[:4096] == pattern(4096)).all()
+
+
+def test_cancel_marks_pending_requests_cancelled(engines) -> None:
+    a, b = engines
+    b.allocate("pool", 1 << 20)
+    a.register("src", np.zeros(1 << 20, np.uint8))
+    batch = a.submit([TransferRequest(WRITE, "src", 0, "pool", 0, 1 << 20)] * 4)
+    batch.cancel()
+    states = {s.state for s in batch.wait(5.0)}
+    assert states <= {TransferState.CANCELLED, TransferState.DONE} and batch.is_done
+
+
+def test_empty_batch_is_done_at_once(engines) -> None:
+    a, _ = engines
+    assert a.submit([]).wait(0) == [] and a.submit([]).is_done
+
+
+def test_short_cluster_secret_is_refused() -> None:
+    from mooncake.errors import ConfigError
+    from mooncake.transfer import TransferEngine
+
+    with pytest.raises(ConfigError, match="at least 16 bytes"):
+        TransferEngine("x", "short")

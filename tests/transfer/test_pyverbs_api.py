@@ -1,0 +1,99 @@
+"""The calls of mooncake.native.rdma checked against the real pyverbs (Debian's
+python3-pyverbs), without a device: every class, method and enum the transport uses exists,
+the attribute objects it builds are accepted by pyverbs' constructors and hold the values
+the QP handshake needs, and the fake provider has the same names. Skipped where pyverbs does
+not import. Not exercised: opening a device, registering memory, QP transitions and
+posting on real hardware (no RDMA NIC exists on these machines)."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+from mooncake.errors import TransferError
+from mooncake.native import rdma
+from mooncake.native.rdma import QpEndpoint
+from mooncake.transfer import EngineOptions, TransferEngine
+from tests.transfer import fake_verbs
+
+try:
+    verbs = rdma.load_pyverbs()
+except ImportError as e:  # pragma: no cover - depends on the host
+    pytest.skip(f"pyverbs does not import: {e}", allow_module_level=True)
+
+GID = "fe80:0000:0000:0000:0000:0000:0000:0001"
+METHODS = {
+    "Context": ("query_port", "query_gid", "close"),
+    "MR": ("lkey", "rkey", "close"),
+    "CQ": ("poll", "close"),
+    "QP": ("to_init", "to_rtr", "to_rts", "post_send", "qp_num", "close"),
+    "SendWR": ("set_wr_rdma",),
+    "GID": ("gid",),
+    "PD": ("close",),
+}
+
+
+def test_every_class_method_and_enum_used_exists_in_pyverbs() -> None:
+    for cls, names in METHODS.items():
+        missing = [n for n in names if not hasattr(getattr(verbs, cls), n)]
+        assert not missing, f"pyverbs {cls} lacks {missing}"
+    for name in rdma.USED_ENUMS:
+        assert isinstance(int(getattr(verbs, name)), int)
+
+
+def test_fake_provider_offers_the_same_names_and_enum_values() -> None:
+    for names in rdma.USED.values():
+        for n in names:
+            assert hasattr(fake_verbs, n), n
+    for cls, names in METHODS.items():
+        for n in names:
+            if n not in ("lkey", "rkey", "qp_num", "gid"):  # instance attributes in the fake
+                assert hasattr(getattr(fake_verbs, cls), n), f"fake {cls}.{n}"
+    for name in rdma.USED_ENUMS:
+        assert int(getattr(fake_verbs, name)) == int(getattr(verbs, name)), name
+
+
+def test_documented_parameters_of_the_calls_we_make() -> None:
+    assert ":param address:" in verbs.MR.__init__.__doc__
+    assert ":param comp_vector:" in verbs.CQ.__init__.__doc__
+    assert "(npolled, wcs)" in verbs.CQ.poll.__doc__
+    assert ":param rkey:" in verbs.SendWR.set_wr_rdma.__doc__
+    for kw in ("qp_type", "scq", "rcq", "cap", "sq_sig_all"):
+        assert f":param {kw}:" in verbs.QPInitAttr.__init__.__doc__, kw
+
+
+def test_attribute_builders_are_accepted_by_pyverbs() -> None:
+    init = rdma.build_qp_init_attr(verbs, None, 64)
+    assert init.qp_type == verbs.IBV_QPT_RC and init.max_send_wr == 64
+    attr = rdma.build_init_attr(verbs, 1)
+    assert attr.port_num == 1 and attr.qp_access_flags == rdma.access_flags(verbs)
+    rtr = rdma.build_rtr_attr(verbs, QpEndpoint(GID, 7, 0x1234, 99), 1, 3, verbs.QPAttr().path_mtu)
+    assert (rtr.dest_qp_num, rtr.rq_psn, rtr.ah_attr.dlid, rtr.ah_attr.port_num) == (
+        0x1234,
+        99,
+        7,
+        1,
+    )
+    assert (
+        rtr.ah_attr.is_global == 1 and str(rtr.ah_attr.dgid) == GID and rtr.ah_attr.sgid_index == 3
+    )
+    rts = rdma.build_rts_attr(verbs, rtr, 42)
+    assert (rts.sq_psn, rts.retry_cnt, rts.rnr_retry, rts.timeout) == (42, 7, 7, 14)
+    wr = rdma.build_send_wr(verbs, 5, True, 0x1000, 4096, 11, 0x2000, 22)
+    assert (wr.wr_id, wr.opcode, wr.num_sge) == (5, verbs.IBV_WR_RDMA_WRITE, 1)
+    assert wr.send_flags == verbs.IBV_SEND_SIGNALED
+    read = rdma.build_send_wr(verbs, 6, False, 0x1000, 4096, 11, 0x2000, 22)
+    assert read.opcode == verbs.IBV_WR_RDMA_READ
+
+
+def test_engine_on_real_pyverbs_without_devices_falls_back_or_refuses() -> None:
+    if rdma.list_devices(verbs):  # pragma: no cover - a host with RDMA NICs
+        pytest.skip("this host has RDMA devices")
+    assert inspect.isclass(verbs.PyverbsError)  # get_device_list raised it: no devices
+    with TransferEngine(
+        "auto", b"pyverbs-test-secret-0123456789", EngineOptions(protocol="auto")
+    ) as e:
+        assert e.transport_names == ["local", "shm", "tcp"]
+    with pytest.raises(TransferError, match="no RDMA device"):
+        TransferEngine("rdma", b"pyverbs-test-secret-0123456789", EngineOptions(protocol="rdma"))

@@ -1,0 +1,115 @@
+"""The TCP data plane's security and robustness: the HMAC handshake gates every access,
+malformed or out-of-bounds requests close only their connection, memory stays untouched."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from mooncake.errors import AuthError
+from mooncake.transfer import wire
+from mooncake.transfer.segment import SegmentTable
+from mooncake.transfer.server import TcpServer
+from mooncake.transfer.wire import REQ, RESP, Op, Status
+
+SECRET = b"wire-test-secret-0123456789abcdef"
+
+
+@pytest.fixture
+def served() -> Iterator[tuple[TcpServer, np.ndarray, int]]:
+    table = SegmentTable()
+    mem = np.zeros(4096, dtype=np.uint8)
+    region = table.register("seg", mem)
+    server = TcpServer(table, SECRET)
+    try:
+        yield server, mem, region.token
+    finally:
+        server.close()
+
+
+def _write(sock: socket.socket, token: int, offset: int, data: bytes) -> tuple[int, int]:
+    wire.send_all(sock, [REQ.pack(Op.WRITE, 0, 0, 7, token, offset, len(data)), data])
+    head = bytearray(RESP.size)
+    wire.recv_exact(sock, head)
+    status, rid, _ = RESP.unpack(head)
+    return status, rid
+
+
+def _closed_by_peer(sock: socket.socket) -> bool:
+    """True when the server closed (FIN, or RST because unread data was pending)."""
+    try:
+        return sock.recv(64) == b""
+    except ConnectionResetError:
+        return True
+
+
+def test_authenticated_client_writes_and_reads(served) -> None:
+    server, mem, token = served
+    sock = wire.connect("127.0.0.1", server.port, SECRET, 5.0)
+    assert _write(sock, token, 100, b"hello") == (Status.OK, 7)
+    assert bytes(mem[100:105]) == b"hello"
+    wire.send_all(sock, [REQ.pack(Op.READ, 0, 0, 8, token, 100, 5)])
+    reply = bytearray(RESP.size + 5)
+    wire.recv_exact(sock, reply)
+    assert RESP.unpack_from(reply) == (Status.OK, 8, 5) and reply[RESP.size :] == b"hello"
+    sock.close()
+
+
+def test_wrong_secret_is_refused_before_any_memory_access(served) -> None:
+    server, mem, token = served
+    with pytest.raises((AuthError, ConnectionError, OSError)):
+        sock = wire.connect("127.0.0.1", server.port, b"not-the-cluster-secret-0000", 5.0)
+        _write(sock, token, 0, b"evil")
+    assert not mem.any()
+
+
+def test_client_skipping_the_handshake_cannot_write(served) -> None:
+    server, mem, token = served
+    with socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock:
+        wire.recv_exact(sock, bytearray(wire.HELLO.size))
+        sock.sendall(
+            REQ.pack(Op.WRITE, 0, 0, 1, token, 0, 4).ljust(wire.AUTH.size, b"\0") + b"evil"
+        )
+        assert _closed_by_peer(sock)  # closed without a proof
+    assert not mem.any()
+
+
+@pytest.mark.parametrize(
+    "header",
+    [REQ.pack(99, 0, 0, 1, 0, 0, 0), REQ.pack(Op.WRITE, 0, 0, 1, 0, 0, wire.MAX_DATA_BYTES + 1),
+     REQ.pack(Op.DESCRIBE, 0, 0, 1, 0, 0, wire.MAX_CONTROL_BYTES + 1)],
+    ids=["unknown-op", "oversized-slice", "oversized-control"],
+)  # fmt: skip
+def test_malformed_header_closes_only_that_connection(served, header: bytes, caplog) -> None:
+    server, mem, token = served
+    bad = wire.connect("127.0.0.1", server.port, SECRET, 5.0)
+    bad.sendall(header)
+    assert _closed_by_peer(bad)
+    assert "malformed request" in caplog.text
+    good = wire.connect("127.0.0.1", server.port, SECRET, 5.0)  # the server keeps serving
+    assert _write(good, token, 0, b"ok") == (Status.OK, 7)
+    good.close()
+    bad.close()
+
+
+@pytest.mark.parametrize(("offset", "length"), [(4090, 10), (-1 & (2**64 - 1), 4), (0, 0)])
+def test_out_of_bounds_write_is_rejected_and_writes_nothing(
+    served, offset: int, length: int
+) -> None:
+    server, mem, token = served
+    sock = wire.connect("127.0.0.1", server.port, SECRET, 5.0)
+    status, _ = _write(sock, token, offset, b"x" * length)
+    assert status == Status.OUT_OF_BOUNDS
+    assert _closed_by_peer(sock)  # closed: the payload is never read into memory
+    assert not mem.any()
+    sock.close()
+
+
+def test_unknown_token_is_no_segment(served) -> None:
+    server, _, token = served
+    sock = wire.connect("127.0.0.1", server.port, SECRET, 5.0)
+    assert _write(sock, token + 1, 0, b"x")[0] == Status.NO_SEGMENT
+    sock.close()
