@@ -63,8 +63,9 @@ OPT: dict[str, Any] = {
     "rejection": typer.Option(
         "predictive",
         "--rejection",
-        help="Early rejection: none (decode checks only after prefill), basic (§7.2) or "
-        "predictive (§7.4).",
+        help="Early rejection at arrival: none (only the decode instance checks, after the "
+        "prefill is spent), basic (§7.2: the decode pool's load now) or predictive (§7.4: "
+        "its load forecast for when the request's prefill ends).",
     ),
     "threshold": typer.Option(
         1.5, "--threshold", help="kvcache_balancing_threshold of Algorithm 1 (>= 1)."

@@ -49,6 +49,7 @@ class Conductor:
         self._match_bits: list[int] = []  # their bits in the prefix index
         self._match_full = 0  # OR of _match_bits
         self._tickets: dict[Hashable, tuple[PrefillQueue, DecodeSlots, int]] = {}
+        self._decode_by_name: dict[str, DecodeSlots] = {}
         self._block_bytes = cost.kv_bytes_per_token * params.block_tokens
 
     @classmethod
@@ -91,8 +92,7 @@ class Conductor:
         link_bytes_per_s: float | None = None,
     ) -> None:
         assert not self.is_coupled, "a cluster is either coupled or disaggregated"
-        self.decode.append(DecodeSlots(name, kv_capacity_tokens or self.cost.kv_capacity_tokens))
-        self.forecast.capacity_tokens += self.decode[-1].capacity_tokens
+        self._add_decode(name, kv_capacity_tokens)
         self.add_pool_node(name, link_bytes_per_s)  # its DRAM is part of the pool too
 
     def add_pool_node(self, name: str, link_bytes_per_s: float | None = None) -> None:
@@ -107,8 +107,15 @@ class Conductor:
         assert not self.decode or self.is_coupled, "a cluster is either coupled or disaggregated"
         self.is_coupled = True
         self._add_prefill(name, None)
-        self.decode.append(DecodeSlots(name, kv_capacity_tokens or self.cost.kv_capacity_tokens))
-        self.forecast.capacity_tokens += self.decode[-1].capacity_tokens
+        self._add_decode(name, kv_capacity_tokens)
+
+    def _add_decode(self, name: str, kv_capacity_tokens: int | None) -> None:
+        if name in self._decode_by_name:
+            raise SchedulingError(f"decode instance {name!r} is already registered")
+        slots = DecodeSlots(name, kv_capacity_tokens or self.cost.kv_capacity_tokens)
+        self.decode.append(slots)
+        self._decode_by_name[name] = slots
+        self.forecast.capacity_tokens += slots.capacity_tokens
 
     def _add_prefill(self, name: str, link_bytes_per_s: float | None) -> None:
         if any(q.name == name for q in self.prefill):
@@ -129,6 +136,7 @@ class Conductor:
         """The instance's node is gone: stop placing on it and forget its blocks."""
         self.prefill = [q for q in self.prefill if q.name != name]
         self.decode = [s for s in self.decode if s.name != name]
+        self._decode_by_name.pop(name, None)
         self.forecast.capacity_tokens = sum(s.capacity_tokens for s in self.decode)
         self._pool_nodes = [n for n in self._pool_nodes if n != name]
         self.index.remove_node(name)
@@ -166,10 +174,10 @@ class Conductor:
         )
         plan = self.policy.choose(view)
         # place
-        slots, tbt = self._place_decode(plan.idx, input_len)
+        slots, tbt = self._place_decode(plan.idx, input_len, now)
         # admit
         prefill_load, decode_load, reason = decide(
-            self.cost, p, self.forecast, self.decode, slots, input_len, plan.ttft_s, now
+            self.cost, p, self.forecast, self.decode, input_len, plan.ttft_s, now
         )
         queue = self.prefill[plan.idx]
         src = names[plan.fetch_from] if plan.fetch_from >= 0 else ""
@@ -200,16 +208,25 @@ class Conductor:
             self._tickets[req.req_id] = (queue, slots, input_len)
         return decision
 
-    def _place_decode(self, prefill_idx: int, input_len: int) -> tuple[DecodeSlots, float]:
+    def _place_decode(
+        self, prefill_idx: int, input_len: int, now: float
+    ) -> tuple[DecodeSlots, float]:
         """The decode instance with the lowest predicted TBT among those with room for the
-        request's KV (counting reservations), and that TBT in seconds."""
+        request's KV (its batch's KV now, plus reservations), and that TBT in seconds."""
         step = self.cost.step_fn  # NOTE: batch >= 1 here
         if self.is_coupled:
             s = self.decode[prefill_idx]
-            return s, step(s.num + 1, s.tokens + input_len)
+            return s, step(s.num + 1, s.held_tokens(now) + s.reserved_tokens + input_len)
         best, best_t, best_fits = self.decode[0], float("inf"), False
         for s in self.decode:
-            tokens = s.tokens + input_len
+            dt = now - s.report_t  # NOTE: held_tokens(now), inlined: this loop is hot
+            tokens = (
+                s.active_tokens
+                + s.generated
+                + s.reserved_tokens
+                + input_len
+                + (s.gen_per_s * dt if dt > 0 else 0.0)
+            )
             fits = tokens <= s.capacity_tokens
             if best_fits and not fits:
                 continue
@@ -241,6 +258,19 @@ class Conductor:
         if ticket:
             ticket[1].release(req_id)
             self.forecast.finish_decode(req_id, now)
+
+    def on_decode_report(
+        self, name: str, kv_tokens: int, batch_size: int, step_s: float, now: float
+    ) -> None:
+        """Decode (or coupled) instance `name` reports its batch: `batch_size` requests
+        holding `kv_tokens` of KV at `now`, one step every `step_s` seconds."""
+        slots = self._decode_by_name.get(name)
+        if slots is None:
+            return
+        slots.report(kv_tokens, batch_size, step_s, now)
+        running = sum(len(s.active) for s in self.decode)
+        if running:  # NOTE: tokens/s per decoding request, batch-weighted over the pool
+            self.forecast.gen_per_s = sum(s.gen_per_s for s in self.decode) / running
 
     def on_request_dropped(self, req_id: Hashable, now: float) -> None:
         """The request ended early (rejected by its decode instance, failed, cancelled)."""

@@ -24,8 +24,8 @@ class ConductorParams(msgspec.Struct, frozen=True, kw_only=True):
     tbt_slo_s: float = 0.1  # seconds per token
     balancing_threshold: float = 1.5  # Algorithm 1's kvcache_balancing_threshold
     block_tokens: int = 512  # tokens per KV block (the traces use 512)
-    decode_time_s: float = 20.0  # §7.4's uniform decode time t_d until measured, seconds
-    decode_time_ewma: float = 0.02  # weight of each finished request in the t_d estimate
+    decode_time_s: float = 20.0  # §7.4's uniform decode time t_d until one is measured, s
+    decode_time_ewma: float = 0.02  # weight of a finished request in t_d after 1/ewma of them
     global_pool: bool = True  # False: prefill reuses only its own cache (no remote fetch)
     seed: int = 0  # random policy
 

@@ -104,3 +104,5 @@ class CoupledInstance(DecodeInstance):
                 self.join(req)
                 self.sim.conductor.on_decode_started(req.rid, t)
         self._start_iteration()
+        if self.iterating:
+            self.report()

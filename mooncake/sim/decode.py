@@ -10,6 +10,9 @@ at step s + output_len - 1, and the batch's context is `ctx_base + n * step`.
 
 At the end a request's token gaps are read back from the log: its first gap (first token
 from prefill -> first decode step), then every step of every segment it lived through.
+After every change the instance reports its batch to the Conductor (KV held, batch size,
+step time), as a real decode instance reports its load, so the Conductor sees the KV the
+batch has generated, not only the prompts it placed.
 """
 
 from __future__ import annotations
@@ -92,13 +95,22 @@ class DecodeInstance:
         return slowest_share_mean(gaps, self.sim.tbt_share)
 
     def reschedule(self) -> None:
-        """Price the open segment and schedule the next finish."""
+        """Price the open segment, schedule the next finish and report the batch's load
+        to the Conductor (the batch changed)."""
         self.version += 1
         if self.n == 0:
+            self.report()
             return
         self.tau = max(self.cost.decode_step_time(self.n, self.context_tokens), 1e-6)
         end = self.seg_t0 + (self.targets[0][0] - self.step) * self.tau
         self.sim.push(end, self._tick, self.version)
+        self.report()
+
+    def report(self) -> None:
+        """Tell the Conductor the KV the batch holds and how fast it grows."""
+        self.sim.conductor.on_decode_report(
+            self.name, self.context_tokens, self.n, self.tau, self.seg_t0
+        )
 
     def _tick(self, t: float, version: int) -> None:
         if version != self.version:

@@ -63,15 +63,21 @@ def test_forecast_by_hand():
     f.add_prefilling("d", 20.0, 400)
     assert f.at(10.0) == (2, 500)
     assert f.at(2.0) == (2, 300)
-    assert f.at(25.0) == (2, 700)  # both starts have ended; both prefills have joined
-    f.prefill_done("d", 6.0)  # finished early: counts from t=6 on
-    assert f.at(10.0) == (3, 900)
-    f.finish_decode("a", 4.0)  # measured 4 s: t_d moves halfway there (ewma 0.5)
-    assert f.decode_time_s == pytest.approx(7.0)
+    # "c" joins at 3 and, decoding for t_d = 10 s, has left by 13; "d" joined at 20
+    assert f.at(25.0) == (1, 400)
+    # each decoding request adds 2 tokens a second: by t=10, "b" has 5 s of them, "c" 7 s
+    f.gen_per_s = 2.0
+    assert f.at(10.0) == (2, 500 + 2 * (5 + 7))
+    f.prefill_done("d", 6.0)  # finished early: decodes from t=6 on
+    assert f.at(10.0) == (3, 900 + 2 * (5 + 7 + 4))
+    f.finish_decode("a", 4.0)  # the first measured decode time replaces the prior t_d
+    assert f.decode_time_s == pytest.approx(4.0)
+    f.finish_decode("b", 13.0)  # 8 s; the second counts half (mean of two = ewma 0.5)
+    assert f.decode_time_s == pytest.approx(6.0)
+    assert f.at(10.0) == (1, 400 + 2 * 4)  # t_d = 6: "c" (joined at 3) has left, "d" has not
+    f.drop("d")
     f.drop("c")
-    assert f.at(10.0) == (2, 600)  # "b" (start 5 > 10 - 7) and "d"
-    f.finish_decode("b", 9.0)  # a request that has left no longer counts
-    assert f.at(10.0) == (1, 400)
+    assert f.at(10.0) == (0, 0)
 
 
 def test_predicted_load_by_hand():
@@ -83,6 +89,45 @@ def test_predicted_load_by_hand():
     c.forecast.add_prefilling("c", 3.0, 300)
     load = predicted_decode_load(c.cost, c.params, c.forecast, c.decode, 1_500, t=6.0)
     assert load == pytest.approx(0.125)
+
+
+def _decoding(c, req_id: int, tokens: int, start: float) -> None:
+    """Run a request through prefill on the toy conductor; it decodes from `start`."""
+    assert c.schedule(_req(req_id, tokens), now=start - tokens / 1000).is_accepted
+    c.on_prefill_started(req_id, start - tokens / 1000)
+    c.on_prefill_finished(req_id, start)
+    c.on_decode_started(req_id, start)
+
+
+def test_decode_load_counts_the_kv_the_batch_has_generated():
+    # a request of 4,000 prompt tokens decodes from t=4; at t=5 its instance reports 4,100
+    # tokens of KV and a 10 ms step (100 tokens/s); the Conductor extrapolates from there
+    c = toy_conductor(1, 1, rejection="basic")
+    _decoding(c, 1, 4_000, start=4.0)
+    c.on_decode_report("d0", kv_tokens=4_100, batch_size=1, step_s=0.01, now=5.0)
+    assert c.decode[0].held_tokens(5.5) == pytest.approx(4_150)
+    assert c.forecast.gen_per_s == pytest.approx(100.0)
+    # basic at t=5: (4,100 + 5,950) tokens > 10,000 of room, though the prompts alone fit
+    d = c.schedule(_req(2, 5_950), now=5.0)
+    assert (d.reason, d.decode_load) == ("decode_load", pytest.approx(10_050 / 10_000))
+
+
+def test_predictive_load_by_hand_through_schedule():
+    # t=5: request 1 (4,000 tokens) decodes since t=4 at 100 tokens/s (as above). Request 2
+    # (3,000 tokens) is admitted: prefill 0 s queue + 3 s, ready at t=8. Request 3 (2,300
+    # tokens) waits 3 s and prefills 2.3 s: it reaches decode at t = 10.3, when (t_d = 20 s,
+    # so nobody has left) request 1 holds 4,000 + 100 * 6.3 tokens, request 2 holds
+    # 3,000 + 100 * 2.3, and request 3 adds 2,300: 10,160 tokens of 10,000 -> load 1.016.
+    # Basic sees only the batch now: 4,100 + 2,300 tokens -> 0.64; it admits.
+    for mode, accepted, load in (("predictive", False, 1.016), ("basic", True, 0.64)):
+        c = toy_conductor(1, 1, rejection=mode)
+        _decoding(c, 1, 4_000, start=4.0)
+        c.on_decode_report("d0", kv_tokens=4_100, batch_size=1, step_s=0.01, now=5.0)
+        assert c.schedule(_req(2, 3_000), now=5.0).is_accepted
+        d = c.schedule(_req(3, 2_300), now=5.0)
+        assert d.ttft_s == pytest.approx(5.3)
+        assert (d.is_accepted, d.decode_load) == (accepted, pytest.approx(load)), mode
+        c.check_integrity()
 
 
 def test_decode_side_admission():

@@ -103,3 +103,26 @@ def test_pool_never_exceeds_capacity_and_hit_rate_is_bounded_by_the_trace():
     sim.conductor.check_integrity()
     assert 0 < result.hit_rate <= global_lru_hit_rate(records, None) + 1e-9
     assert result.local_hit_rate <= result.hit_rate
+
+
+def test_decode_instance_reports_the_kv_it_holds_to_the_conductor(tmp_path):
+    cost = write_toy_cost(tmp_path / "cost.json")
+    rows = [(0, 1000, 200, [1, 2]), (100, 1000, 200, [3, 4])]
+    sim = Simulator(
+        SimConfig(num_prefill=1, num_decode=1, cost_model_path=cost),
+        load_trace(write_trace(tmp_path / "t.jsonl", rows)),
+    )
+    inst, slots, seen = sim.decode["d0"], sim.conductor.decode[0], []
+    offer = inst.offer
+
+    def checked_offer(t, req):
+        offer(t, req)
+        # the batch grows one token per request per step until its membership changes
+        for k in (0, 10):
+            held = slots.held_tokens(inst.seg_t0 + k * inst.tau)
+            assert held == pytest.approx(inst.context_tokens + inst.n * k)
+        seen.append(inst.n)
+
+    inst.offer = checked_offer  # type: ignore[method-assign]
+    sim.run()
+    assert seen == [1, 2]  # the second request joined while the first was decoding

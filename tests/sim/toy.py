@@ -14,7 +14,14 @@ FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "traces" / "convers
 STEP_1 = 0.01 + 0.001  # decode step of a batch of one, before its KV term
 
 
-def write_toy_cost(path: Path, kv_capacity_tokens: int = 1_000_000) -> str:
+def write_toy_cost(
+    path: Path,
+    kv_capacity_tokens: int = 1_000_000,
+    step_per_request_s: float = 1e-3,
+    step_per_token_s: float = 1e-6,
+) -> str:
+    """A toy cost model file; the decode step is 10 ms + the given per-request and
+    per-KV-token terms (both 0: every step takes 10 ms whatever the batch)."""
     CostModel(
         CostModelFile(
             version=COST_MODEL_VERSION,
@@ -27,7 +34,11 @@ def write_toy_cost(path: Path, kv_capacity_tokens: int = 1_000_000) -> str:
             prefill=Poly2(("input_len", "reused_len"), (Term((1, 0), 1e-3), Term((0, 1), -1e-3))),
             decode=Poly2(
                 ("batch_size", "context_len"),
-                (Term((0, 0), 0.01), Term((1, 0), 1e-3), Term((0, 1), 1e-6)),
+                (
+                    Term((0, 0), 0.01),
+                    Term((1, 0), step_per_request_s),
+                    Term((0, 1), step_per_token_s),
+                ),
             ),
         )
     ).save(path)
