@@ -22,7 +22,8 @@ def test_structure_md_names_no_missing_module():
     stale = [
         token.strip("`")
         for token in text.split()
-        if token.startswith("`mooncake/") and token.endswith(".py`")
+        if token.startswith("`mooncake/")
+        and token.endswith(".py`")
         and not (ROOT / token.strip("`")).exists()
     ]
     assert not stale, f"docs/structure.md names modules that do not exist: {stale}"

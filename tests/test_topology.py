@@ -261,7 +261,10 @@ def _raise_no_devices() -> list[Any]:
 
 
 def test_pyverbs_absent_or_without_devices_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(sys.modules, "pyverbs", None)
+    def no_pyverbs() -> Any:
+        raise ImportError("No module named 'pyverbs'")
+
+    monkeypatch.setattr("mooncake.native.rdma.load_pyverbs", no_pyverbs)
     assert verbs_info.read_verbs_devices() == verbs_info.VerbsInfo(
         False, [], "pyverbs not installed"
     )

@@ -8,7 +8,6 @@ absent, and with no RDMA device it may raise PyverbsRDMAError: both are normal a
 
 from __future__ import annotations
 
-import importlib
 import logging
 from typing import Any
 
@@ -28,11 +27,14 @@ class VerbsInfo(msgspec.Struct, frozen=True):
 def read_verbs_devices(pyverbs_device: Any | None = None) -> VerbsInfo:
     """List RDMA devices through `pyverbs.device.get_device_list()`; never raises.
 
-    `pyverbs_device` is the seam for the `pyverbs.device` module (None: import it).
+    `pyverbs_device` is the seam for the `pyverbs.device` module (None: load pyverbs the way
+    the rdma transport does, Debian's python3-pyverbs included).
     """
     if pyverbs_device is None:
+        from mooncake.native import rdma
+
         try:
-            pyverbs_device = importlib.import_module("pyverbs.device")
+            pyverbs_device = rdma.load_pyverbs()
         except ImportError:
             return VerbsInfo(False, [], "pyverbs not installed")
     try:
