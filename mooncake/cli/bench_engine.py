@@ -1,0 +1,164 @@
+"""`mooncake bench engine`: the inference engine's figures, each against its baseline."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import typer
+
+from mooncake.cli.app import bench_app
+
+PARTS = ("throughput", "stream", "reuse", "pipeline")
+Row = tuple[str, Any, str]  # (measurement, benchmarks.Timing, figure)
+Section = tuple[str, list[Row]]
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError as e:
+        raise typer.BadParameter(f"expected comma-separated integers, got {text!r}") from e
+
+
+@bench_app.command("engine")
+def bench_engine(
+    parts: str = typer.Option(
+        ",".join(PARTS),
+        "--parts",
+        help="Comma-separated measurements: throughput (prefill and decode tokens/s), stream "
+        "(layer-wise KV store vs prefill alone vs store after prefill), reuse (prefill with "
+        "part of the prompt from the pool vs full), pipeline (2 stages in 2 processes vs 1).",
+    ),
+    model: str = typer.Option("dummy:tiny", help="dummy:NAME or a local HF model directory."),
+    dtype: str = typer.Option("auto", help="auto (float32 on CPU), float32, bfloat16, float16."),
+    block_tokens: int = typer.Option(512, min=1, help="Tokens per KV block (model.block_tokens)."),
+    chunk_tokens: int = typer.Option(1024, min=1, help="Tokens per prefill chunk."),
+    prefill_lens: str = typer.Option("1024,8192", help="Prompt lengths for prefill tokens/s."),
+    decode_batches: str = typer.Option("1,8,32", help="Batch sizes for decode tokens/s."),
+    decode_context: int = typer.Option(1024, min=2, help="Context tokens per decoding request."),
+    decode_steps: int = typer.Option(16, min=2, help="Decode steps timed per batch size."),
+    stream_lens: str = typer.Option(
+        "8192", help="Prompt lengths of the stream measurement (e.g. 2048,8192,16384)."
+    ),
+    sink_bytes_per_s: float = typer.Option(
+        0.0,
+        min=0.0,
+        help="Pace the stream measurement's DRAM sink like a link of this many "
+        "bytes/s (a remote Store); 0 = memory speed.",
+    ),
+    reuse_len: int = typer.Option(8192, min=2, help="Prompt length of the reuse measurement."),
+    reuse_fraction: float = typer.Option(0.5, min=0.0, max=1.0, help="Share of it reused."),
+    pipeline_len: int = typer.Option(
+        16384,
+        min=1,
+        help="Prompt length of the pipeline measurement (may exceed the model's "
+        "max_position_embeddings: RoPE extrapolates, random weights do not mind).",
+    ),
+    repeat: int = typer.Option(3, min=1, help="Runs per variant; best and median are shown."),
+    threads: int = typer.Option(1, min=1, help="torch threads in this process (and each stage)."),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object, not tables."),
+) -> None:
+    """Prefill/decode throughput, layer-wise KV streaming (Figure 7 analog), prefix reuse and
+    chunked pipeline parallelism, on this machine's CPU, with the baselines in the same run."""
+    import torch
+
+    from mooncake.cli.output import print_json
+    from mooncake.engine.benchmarks import Bench
+    from mooncake.engine.modelinfo import load_model_info, resolve_dtype
+
+    chosen = [p.strip() for p in parts.split(",") if p.strip()]
+    unknown = sorted(set(chosen) - set(PARTS))
+    if unknown:
+        raise typer.BadParameter(f"unknown parts {unknown}; choose from {', '.join(PARTS)}")
+    torch.set_num_threads(threads)
+    info = load_model_info(model)
+    kv_dtype = resolve_dtype(info, dtype, "cpu")
+    lens, batches = _ints(prefill_lens), _ints(decode_batches)
+    stream = _ints(stream_lens)
+    longest = max([*lens, *stream, reuse_len, pipeline_len])
+    blocks_decode = max(batches) * -(-(decode_context + decode_steps) // block_tokens)
+    bench = Bench(
+        info,
+        kv_dtype,
+        block_tokens,
+        chunk_tokens,
+        max(2 * -(-longest // block_tokens), blocks_decode) + 4,
+    )
+    report: dict[str, Any] = {
+        "model": model,
+        "dtype": kv_dtype,
+        "block_tokens": block_tokens,
+        "chunk_tokens": chunk_tokens,
+    }
+    tables: list[Section] = []
+
+    def emit(title: str, rows: list[Row]) -> None:
+        tables.append((title, rows))
+        if not json_out:  # print as each part ends: the whole run takes minutes
+            _print_table(f"{title} — {model}, {kv_dtype}, {threads} thread(s)", rows)
+
+    if "throughput" in chosen:
+        rows = []
+        for n in lens:
+            t = bench.prefill_rate(n, repeat)
+            rows.append((f"prefill {n} tokens", t, f"{n / t.best:,.0f} tokens/s"))
+            report[f"prefill_{n}_tokens_per_s"] = n / t.best
+        for b in batches:
+            t = bench.decode_rate(b, decode_context, decode_steps, repeat)
+            name = f"decode batch {b}, {decode_context} ctx"
+            rows.append((name, t, f"{b / t.best:,.0f} tokens/s"))
+            report[f"decode_batch_{b}_tokens_per_s"] = b / t.best
+        emit("throughput (time per prefill / per decode step)", rows)
+    for n in stream if "stream" in chosen else []:
+        s = bench.stream(n, repeat, sink_bytes_per_s)
+        base = s["prefill alone"].best
+        compared = ("layer-wise store", "serialized store")
+        rows = [
+            (k, t, f"{t.best / base:.3f}x prefill" if k in compared else "") for k, t in s.items()
+        ]
+        pace = f", sink paced at {sink_bytes_per_s / 1e6:g} MB/s" if sink_bytes_per_s else ""
+        emit(f"layer-wise KV store into a DRAM pool, {n} tokens{pace} (Figure 7)", rows)
+        report[f"stream_{n}"] = {
+            "layerwise_ratio": s["layer-wise store"].best / base,
+            "serialized_ratio": s["serialized store"].best / base,
+            "store_tail_layerwise_s": s["store tail, layer-wise"].median,
+            "store_after_prefill_serialized_s": s["store after prefill, serialized"].median,
+        }
+    if "reuse" in chosen:
+        r = bench.reuse(reuse_len, reuse_fraction, repeat)
+        full, part = r["full prefill"], next(t for k, t in r.items() if k != "full prefill")
+        cut, cpu_cut = 1 - part.best / full.best, 1 - part.cpu_best / full.cpu_best
+        figure = f"{cut:.0%} less time ({cpu_cut:.0%} less CPU)"
+        emit(
+            f"prefix reuse from the pool, {reuse_len}-token prompt",
+            [("full prefill", full, ""), (part.name, part, figure)],
+        )
+        report["reuse_time_cut"], report["reuse_cpu_cut"] = cut, cpu_cut
+    if "pipeline" in chosen:
+        p = bench.pipeline(pipeline_len, repeat)
+        one, two = p["one process"], p["2-stage pipeline, 2 processes"]
+        figure = f"{two.best / one.best:.2f}x one process"
+        emit(
+            f"chunked pipeline parallelism, {pipeline_len}-token prompt",
+            [("one process", one, ""), (two.name, two, figure)],
+        )
+        report["pipeline_ratio"] = two.best / one.best
+        report["pipeline_ratio_median"] = two.median / one.median
+    if json_out:
+        report["runs_s"] = {k: t.runs for _, rows in tables for k, t, _ in rows}
+        report["cpu_runs_s"] = {k: t.cpu_runs for _, rows in tables for k, t, _ in rows}
+        print_json(report)
+
+
+def _print_table(title: str, rows: list[Row]) -> None:
+    from rich.table import Table
+
+    from mooncake.cli.output import console
+
+    table = Table(title=title)
+    for col in ("measurement", "best s", "median s", "best cpu s", "runs", "figure"):
+        table.add_column(col, justify="left" if col in ("measurement", "figure") else "right")
+    for name, t, figure in rows:
+        cpu = f"{t.cpu_best:.4f}" if t.cpu_runs else ""
+        table.add_row(name, f"{t.best:.4f}", f"{t.median:.4f}", cpu, str(len(t.runs)), figure)
+    console.print(table)

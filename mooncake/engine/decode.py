@@ -1,0 +1,179 @@
+"""Continuous-batching decode over paged KV: requests join and leave at every step.
+
+    step = schedule -> run -> postprocess
+
+- schedule: give every running request a cache slot for its next token, preempting the
+  newest requests when the cache is full (their KV is dropped and recomputed when they are
+  admitted again); then admit waiting requests, oldest first, while the batch is under
+  `max_batch`, the predicted step time (`step_time_fn(batch_size, total_context_len)`)
+  stays under `max_step_time_s` (the TBT SLO), and their blocks fit. A request admitted
+  without its KV (new here, or preempted) is prefilled locally first.
+- run: one forward pass over the batch, one new token per request.
+- postprocess: sample, stream the tokens (`TokenEvent`s), retire finished requests.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable
+
+import torch
+
+from mooncake.engine.kvcache import PagedKVCache
+from mooncake.engine.model import Model, decode_batch
+from mooncake.engine.prefill import PrefillRunner, check_token_ids
+from mooncake.engine.sampler import sample
+from mooncake.engine.sequence import Sequence, TokenEvent
+
+log = logging.getLogger(__name__)
+
+
+class DecodeRunner:
+    """Owns the running batch and the waiting queue of one decode instance."""
+
+    def __init__(
+        self,
+        model: Model,
+        cache: PagedKVCache,
+        *,
+        max_batch: int = 128,
+        max_step_time_s: float | None = None,
+        step_time_fn: Callable[[int, int], float] | None = None,
+        chunk_tokens: int = 1024,
+    ):
+        assert model.is_first and model.is_last, "decode runs the whole model"
+        self.model, self.cache, self.max_batch = model, cache, max_batch
+        self.max_step_time_s, self.step_time_fn = max_step_time_s, step_time_fn
+        self.prefiller = PrefillRunner(model, cache, chunk_tokens=chunk_tokens)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order; preemption takes the last
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a request (with its KV in `seq.block_ids` already, or not); raises ApiError
+        for token ids outside the vocabulary."""
+        check_token_ids(seq.token_ids, self.model.spec.vocab_size)
+        self.waiting.append(seq)
+
+    def abort(self, seq_id: int) -> TokenEvent | None:
+        """Drop a request wherever it is; returns its final event, or None if unknown."""
+        for seq in [*self.running, *self.waiting]:
+            if seq.seq_id == seq_id:
+                self._retire(seq)
+                return seq.finish("abort")
+        return None
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def step(self) -> list[TokenEvent]:
+        """One iteration; returns the tokens produced (and requests ended) in it."""
+        events = self._schedule()
+        if self.running:
+            events += self._postprocess(self._run())
+        return events
+
+    def _schedule(self) -> list[TokenEvent]:
+        bt = self.cache.block_tokens
+        for seq in list(self.running):
+            while seq in self.running and (len(seq.token_ids) - 1) // bt >= len(seq.block_ids):
+                ids = self.cache.allocator.allocate(1)
+                if ids is not None:
+                    seq.block_ids += ids
+                else:
+                    self._preempt(self.running[-1])
+        events: list[TokenEvent] = []
+        context = sum(len(s.token_ids) for s in self.running)
+        while self.waiting and len(self.running) < self.max_batch:
+            seq = self.waiting[0]
+            if self.running and self._too_slow(len(self.running) + 1, context + len(seq.token_ids)):
+                break
+            need = self.cache.blocks_for(len(seq.token_ids)) - len(seq.block_ids)
+            ids = self.cache.allocator.allocate(need) if need > 0 else []
+            if ids is None:
+                if not self.running:  # it would not fit even alone
+                    self.waiting.popleft()
+                    self._retire(seq)
+                    log.warning(
+                        "req %d: %d tokens exceed the KV cache", seq.seq_id, len(seq.token_ids)
+                    )
+                    events.append(seq.finish("abort"))
+                    continue
+                break
+            self.waiting.popleft()
+            seq.block_ids += ids
+            self._fill_kv(seq)
+            self.running.append(seq)
+            context += len(seq.token_ids)
+        return events
+
+    def _too_slow(self, batch_size: int, context_len: int) -> bool:
+        if self.step_time_fn is None or self.max_step_time_s is None:
+            return False
+        return self.step_time_fn(batch_size, context_len) > self.max_step_time_s
+
+    def _fill_kv(self, seq: Sequence) -> None:
+        # Prefill locally whatever of token_ids[:-1] is not in the cache yet.
+        n = len(seq.token_ids) - 1
+        if seq.num_cached_tokens < n:
+            self.prefiller.prefill(
+                seq.token_ids[:n], block_ids=seq.block_ids, num_cached_tokens=seq.num_cached_tokens
+            )
+            seq.num_cached_tokens = n
+
+    def _preempt(self, seq: Sequence) -> None:
+        log.info("req %d preempted: KV cache full", seq.seq_id)
+        self.running.remove(seq)
+        self.cache.free(seq.block_ids)
+        seq.block_ids, seq.num_cached_tokens = [], 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    @torch.inference_mode()
+    def _run(self) -> torch.Tensor:
+        model, seqs = self.model, self.running
+        lens = [len(s.token_ids) for s in seqs]
+        fb = decode_batch(
+            model.inv_freq, [s.block_ids for s in seqs], lens, self.cache.block_tokens,
+            self.prefiller.dtype,
+        )  # fmt: skip
+        tokens = torch.tensor([s.token_ids[-1] for s in seqs], device=model.inv_freq.device)
+        h = model.embed(tokens)
+        for layer in model.layer_ids:
+            h = model.layer(layer)(h, fb, *self.cache.layer(layer))
+        for s, n in zip(seqs, lens, strict=True):
+            s.num_cached_tokens = n
+        return model.compute_logits(h)  # (batch, vocab) float32
+
+    def _postprocess(self, logits: torch.Tensor) -> list[TokenEvent]:
+        seqs = self.running
+        out = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        events = [
+            s.append(t, lp, top)
+            for s, t, lp, top in zip(
+                seqs, out.token_ids, out.logprobs, out.top_logprobs, strict=True
+            )
+        ]
+        for s in [s for s in seqs if s.is_finished]:
+            self._retire(s)
+        return events
+
+    def _retire(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        if seq.block_ids:
+            self.cache.free(seq.block_ids)
+            seq.block_ids = []
+
+    def run_until_done(self) -> dict[int, list[TokenEvent]]:
+        """Step until every request has finished; events per request id (tests, benches)."""
+        by_seq: dict[int, list[TokenEvent]] = {}
+        while self.has_work:
+            for e in self.step():
+                by_seq.setdefault(e.seq_id, []).append(e)
+        return by_seq

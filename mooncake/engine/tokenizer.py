@@ -1,0 +1,179 @@
+"""Tokenizers: bytes for dummy models, the `tokenizers` library for HF directories.
+
+Torch-free (the master tokenizes and hashes prompts). Chat completions render the model's
+own chat template (`chat_template` in tokenizer_config.json, or chat_template.jinja/.json)
+in a sandboxed jinja2 environment, as `transformers` does, then encode the text without
+adding special tokens again (the template writes them).
+"""
+
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from mooncake.errors import ApiError, ConfigError
+
+Message = dict[str, Any]  # {"role": "user", "content": "..."}
+
+# The byte tokenizer's own template: role tags, then an open assistant turn.
+BYTE_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+class BaseTokenizer(ABC):
+    """Text <-> token ids for one model. Stateless; safe to share between threads."""
+
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    chat_template: str | None = None
+    bos_token: str = ""
+    eos_token: str = ""
+
+    @abstractmethod
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    @abstractmethod
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
+
+    def render_chat(self, messages: list[Message], add_generation_prompt: bool = True) -> str:
+        """The prompt text of a chat; raises ApiError if the model has no template or the
+        template rejects the messages (e.g. roles that do not alternate)."""
+        if self.chat_template is None:
+            raise ApiError("this model has no chat template; use /v1/completions")
+        return render_template(
+            self.chat_template,
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token,
+            eos_token=self.eos_token,
+        )
+
+    def encode_chat(self, messages: list[Message], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of a chat prompt (the template already holds the special tokens)."""
+        return self.encode(self.render_chat(messages, add_generation_prompt), False)
+
+
+class ByteTokenizer(BaseTokenizer):
+    """UTF-8 bytes are ids 0-255, 256 is BOS, 257 is EOS.
+
+    Dummy models have random weights and sample ids across their whole vocabulary; ids
+    from 258 up decode to printable ASCII so that their output is visible noise.
+    """
+
+    BOS, EOS, FIRST_EXTRA = 256, 257, 258
+
+    def __init__(self) -> None:
+        self.bos_token_id = self.BOS
+        self.eos_token_ids = (self.EOS,)
+        self.chat_template = BYTE_CHAT_TEMPLATE
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = list(text.encode("utf-8"))
+        return [self.BOS, *ids] if add_special_tokens else ids
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        out = bytearray()
+        for t in token_ids:
+            if t < 256:
+                out.append(t)
+            elif t >= self.FIRST_EXTRA:
+                out.append(32 + (t - self.FIRST_EXTRA) % 95)
+            elif not skip_special_tokens:
+                out += b"<s>" if t == self.BOS else b"</s>"
+        return out.decode("utf-8", errors="replace")
+
+
+def _token_text(value: Any) -> str:
+    # tokenizer_config.json spells special tokens as "..." or {"content": "...", ...}.
+    if isinstance(value, dict):
+        return str(value.get("content", ""))
+    return "" if value is None else str(value)
+
+
+class HFTokenizer(BaseTokenizer):
+    """A Hugging Face `tokenizer.json` with the directory's special tokens and template."""
+
+    def __init__(self, root: Path, eos_token_ids: tuple[int, ...] = ()):
+        try:
+            from tokenizers import Tokenizer
+        except ImportError as e:
+            raise ConfigError("HF model directories need `pip install tokenizers`") from e
+        try:
+            self._tok = Tokenizer.from_file(str(root / "tokenizer.json"))
+        except Exception as e:  # the library raises a bare Exception on a bad file
+            raise ConfigError(f"model.path: cannot load {root}/tokenizer.json: {e}") from e
+        config = _read_json(root / "tokenizer_config.json")
+        self.bos_token = _token_text(config.get("bos_token"))
+        self.eos_token = _token_text(config.get("eos_token"))
+        self.bos_token_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None
+        eos_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
+        ids = list(eos_token_ids)
+        if eos_id is not None and eos_id not in ids:
+            ids.append(eos_id)
+        self.eos_token_ids = tuple(ids)
+        self.chat_template = _find_template(root, config)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return str(self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"cannot read {path}: {e}") from e
+    return data if isinstance(data, dict) else {}
+
+
+def _find_template(root: Path, config: dict[str, Any]) -> str | None:
+    template = config.get("chat_template")
+    if template is None and (root / "chat_template.jinja").exists():
+        template = (root / "chat_template.jinja").read_text()
+    if template is None:
+        template = _read_json(root / "chat_template.json").get("chat_template")
+    if isinstance(template, list):  # [{"name": "default", "template": "..."}, ...]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default") or next(iter(named.values()), None)
+    return template if isinstance(template, str) else None
+
+
+def render_template(template: str, **context: Any) -> str:
+    """Render a chat template in a sandbox (templates come with downloaded models)."""
+    try:
+        from jinja2 import TemplateError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError as e:
+        raise ConfigError("chat templates need `pip install jinja2`") from e
+
+    def raise_exception(message: str) -> None:
+        raise TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    )
+    env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
+    env.globals["raise_exception"] = raise_exception
+    try:
+        return env.from_string(template).render(**context)
+    except TemplateError as e:
+        raise ApiError(f"the chat template rejected these messages: {e}") from e
+
+
+def create_tokenizer(path: str, eos_token_ids: tuple[int, ...] = ()) -> BaseTokenizer:
+    """The tokenizer of `model.path`: bytes for `dummy:*`, tokenizer.json for a directory."""
+    if path.startswith("dummy:"):
+        return ByteTokenizer()
+    root = Path(path)
+    if not (root / "tokenizer.json").exists():
+        raise ConfigError(f"model.path: {path} has no tokenizer.json")
+    return HFTokenizer(root, eos_token_ids)

@@ -1,0 +1,119 @@
+"""Chunked pipeline parallelism: stages in two processes, or threads, equal one process."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from mooncake.engine.kvcache import PagedKVCache
+from mooncake.engine.kvio import DramKVPool
+from mooncake.engine.pipeline import StageServer, prefill_pipelined
+from mooncake.engine.prefill import PrefillRunner
+from mooncake.engine.stagelink import TcpStageLink, local_link_pair
+from mooncake.engine.weights import create_model
+from mooncake.errors import AuthError
+from mooncake.hashing import PrefixHasher
+from tests.engine.conftest import BLOCK, prompt
+
+SECRET = b"pipeline-test-secret-0123456789"
+
+
+@pytest.fixture
+def stage_process() -> Iterator[int]:
+    """A real process serving layers 2-3 of dummy:tiny; yields its port once it is ready."""
+    env = dict(os.environ, MOONCAKE_STAGE_SECRET=SECRET.decode())
+    cmd = [sys.executable, "-m", "mooncake.engine.stage_worker", "--layers", "2:4",
+           "--block-tokens", str(BLOCK), "--num-blocks", "32"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, env=env, text=True)
+    try:
+        assert proc.stdout is not None
+        ready = json.loads(proc.stdout.readline())  # the ready handshake
+        assert ready["ready"]
+        yield int(ready["port"])
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_two_stage_pipeline_in_two_processes_equals_one_process(tiny_info, tiny, stage_process):
+    """Stage 0 here, stage 1 in another process: same first token, same logits, same KV
+    of the second stage's layers as prefilling in one process (chunks off block size).
+    A peer without the cluster secret is refused first, and the stage keeps serving."""
+    ids = prompt(70, seed=11)
+    full_cache = PagedKVCache.for_model(tiny, 16, BLOCK)
+    expected = PrefillRunner(tiny, full_cache, chunk_tokens=12).prefill(ids)
+
+    stage0 = create_model(tiny_info, "float32", "cpu", (0, 2))
+    cache0 = PagedKVCache.for_model(stage0, 16, BLOCK)
+    with pytest.raises(AuthError, match="does not know the cluster secret"):
+        TcpStageLink.connect("127.0.0.1", stage_process, b"wrong-secret-wrong-secret")
+    link = TcpStageLink.connect("127.0.0.1", stage_process, SECRET)  # the worker still serves
+    try:
+        runner0 = PrefillRunner(stage0, cache0, chunk_tokens=12)
+        got = prefill_pipelined(runner0, ids, link, return_remote_kv=True)
+        again = prefill_pipelined(runner0, ids[:20], link, req_id=1)
+    finally:
+        link.close()
+    assert got.logits is not None and expected.logits is not None and again.logits is not None
+    assert int(got.logits.argmax()) == int(expected.logits.argmax())
+    torch.testing.assert_close(got.logits, expected.logits, atol=1e-5, rtol=1e-5)
+    assert sorted(got.remote_kv) == [2, 3]
+    for layer, (k, v) in got.remote_kv.items():
+        ek, ev = full_cache.gather(layer, expected.block_ids, len(ids))
+        torch.testing.assert_close(k, ek, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(v, ev, atol=1e-5, rtol=1e-5)
+    for layer in (0, 1):  # and stage 0's own layers
+        for a, b in zip(
+            cache0.gather(layer, got.block_ids, 70),
+            full_cache.gather(layer, expected.block_ids, 70),
+            strict=True,
+        ):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_three_stage_chain_with_prefix_reuse_equals_one_process(tiny_info, tiny, fingerprint):
+    """Stages as threads (layers 0, 1-2, 3) sharing one pool: a prompt whose prefix each
+    stage loads from the pool yields the one-process logits; all stages store their layers."""
+    hasher = PrefixHasher(BLOCK, SECRET, fingerprint)
+    plain = PrefillRunner(tiny, PagedKVCache.for_model(tiny, 16, BLOCK), chunk_tokens=16)
+    pool = DramKVPool(plain.layout, fingerprint)
+    runners, threads = [], []
+    links = [local_link_pair(), local_link_pair()]
+    for i, layers in enumerate([(0, 1), (1, 3), (3, 4)]):
+        model = create_model(tiny_info, "float32", "cpu", layers)
+        cache = PagedKVCache.for_model(model, 16, BLOCK)
+        runners.append(
+            PrefillRunner(
+                model,
+                cache,
+                chunk_tokens=16,
+                hasher=hasher,
+                source=pool,
+                sink=pool,
+                fingerprint=fingerprint,
+            )
+        )
+        if i:
+            down = links[i][0] if i < 2 else None
+            server = StageServer(runners[i], links[i - 1][1], down)
+            threads.append(threading.Thread(target=server.serve))
+            threads[-1].start()
+    ids = prompt(41, seed=2)
+    expected = plain.prefill(ids)
+    first = prefill_pipelined(runners[0], ids[:24], links[0][0])  # each stage stores its layers
+    assert first.stats.num_stored_blocks == 3
+    second = prefill_pipelined(runners[0], ids, links[0][0], req_id=1)
+    links[0][0].close()
+    for t in threads:
+        t.join(timeout=30)
+    assert second.stats.num_reused_tokens == 3 * BLOCK
+    torch.testing.assert_close(second.logits, expected.logits, atol=1e-5, rtol=1e-5)

@@ -1,0 +1,75 @@
+"""Stage frames cross TCP intact, and malformed frames are refused, never unpickled."""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+import pytest
+import torch
+
+from mooncake.engine.stagelink import (
+    HEADER,
+    MAGIC,
+    FrameKind,
+    StageFrame,
+    StageListener,
+    TcpStageLink,
+)
+from mooncake.errors import TransferError
+
+SECRET = b"stagelink-test-secret-0123"
+
+
+def _pair() -> tuple[TcpStageLink, TcpStageLink]:
+    listener = StageListener(SECRET)
+    accepted: list[TcpStageLink] = []
+    t = threading.Thread(target=lambda: accepted.append(listener.accept(timeout=10)))
+    t.start()
+    client = TcpStageLink.connect("127.0.0.1", listener.port, SECRET)
+    t.join()
+    listener.close()
+    return client, accepted[0]
+
+
+def test_frames_of_every_dtype_round_trip_in_order():
+    a, b = _pair()
+    tensors = [
+        torch.randn(3, 5),
+        torch.randn(2, 2, 4).to(torch.bfloat16),
+        torch.arange(7, dtype=torch.int64),
+        torch.empty(0, 4),
+    ]
+    for i, t in enumerate(tensors):
+        a.send(StageFrame(FrameKind.CHUNK, 9, index=i, start=100 + i, count=len(t), tensor=t))
+    a.send(StageFrame.error(9, "bad block", good_blocks=2, index=1))
+    a.close()
+    for i, t in enumerate(tensors):
+        got = b.recv(timeout=10)
+        assert got is not None and got.tensor is not None
+        assert (got.kind, got.req_id, got.index, got.start) == (FrameKind.CHUNK, 9, i, 100 + i)
+        assert got.tensor.dtype == t.dtype and torch.equal(got.tensor, t)
+    err = b.recv(timeout=10)
+    assert err is not None and (err.message, err.count, err.index) == ("bad block", 2, 1)
+    assert b.recv(timeout=10) is None
+    b.close()
+
+
+@pytest.mark.parametrize(
+    ("header", "message"),
+    [
+        (HEADER.pack(b"HTTP", 1, 2, 1, 1, 0, 0, 0, 0, 4, 0, 0, 0, 16), "not a v1 stage frame"),
+        (HEADER.pack(MAGIC, 1, 99, 1, 1, 0, 0, 0, 0, 4, 0, 0, 0, 16), "bad stage frame header"),
+        (HEADER.pack(MAGIC, 1, 2, 1, 1, 0, 0, 0, 0, 4, 0, 0, 0, 15), "does not match"),
+        (HEADER.pack(MAGIC, 1, 2, 1, 1, 0, 0, 0, 0, 1 << 30, 0, 0, 0, 1 << 32), "exceeds"),
+    ],
+)
+def test_malformed_frames_fail_the_link_with_a_clear_error(header, message):
+    a, b = _pair()
+    raw = socket.socket(fileno=a._sock.fileno())  # bypass the sender: write raw bytes
+    raw.sendall(header + bytes(16))
+    raw.detach()
+    with pytest.raises(TransferError, match=message):
+        b.recv(timeout=10)
+    a.close()
+    b.close()

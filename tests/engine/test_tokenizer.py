@@ -1,0 +1,51 @@
+"""Tokenizers: bytes round-trip; HF directories load tokenizer.json and the chat template."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from mooncake.engine.tokenizer import ByteTokenizer, create_tokenizer
+from mooncake.errors import ApiError
+
+TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}{{ eos_token }}"
+    "{% endfor %}{% if add_generation_prompt %}[assistant] {% endif %}"
+)
+
+
+def test_byte_tokenizer_round_trips_utf8_and_has_a_chat_template():
+    tok = create_tokenizer("dummy:tiny")
+    assert isinstance(tok, ByteTokenizer)
+    ids = tok.encode("héllo")
+    assert ids[0] == tok.bos_token_id and tok.decode(ids) == "héllo"
+    chat = tok.render_chat([{"role": "user", "content": "hi"}])
+    assert chat == "<|user|>\nhi\n<|assistant|>\n"
+    assert all(32 <= ord(c) < 127 for c in tok.decode([300, 511]))
+
+
+def test_hf_directory_tokenizer_applies_the_models_chat_template(tmp_path: Path):
+    tokenizers = pytest.importorskip("tokenizers", reason="pip install tokenizers")
+    vocab = {"<s>": 0, "</s>": 1, "[UNK]": 2, "[user]": 3, "[assistant]": 4, "hi": 5, "there": 6}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens(["<s>", "</s>"])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    config = {"bos_token": "<s>", "eos_token": {"content": "</s>"}, "chat_template": TEMPLATE}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+
+    hf = create_tokenizer(str(tmp_path))
+    assert (hf.bos_token_id, hf.eos_token_ids) == (0, (1,))
+    messages = [{"role": "user", "content": "hi there"}]
+    assert hf.render_chat(messages) == "<s>[user] hi there</s>[assistant] "
+    assert hf.encode_chat(messages) == [0, 3, 5, 6, 1, 4]
+    assert hf.decode([5, 6, 1]) == "hi there"
+
+
+def test_a_template_that_raises_is_an_api_error():
+    tok = ByteTokenizer()
+    tok.chat_template = "{{ raise_exception('roles must alternate') }}"
+    with pytest.raises(ApiError, match="roles must alternate"):
+        tok.render_chat([])
