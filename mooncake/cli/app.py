@@ -70,7 +70,8 @@ def load_verbs() -> None:
     """Import every verb module of `mooncake.cli` so each registers its commands."""
     import mooncake.cli as pkg
 
-    for info in pkgutil.walk_packages(pkg.__path__, prefix="mooncake.cli."):
+    modules = pkgutil.walk_packages(pkg.__path__, prefix="mooncake.cli.")
+    for info in sorted(modules, key=lambda m: m.name):
         if info.name not in ("mooncake.cli.app", "mooncake.cli.output"):
             importlib.import_module(info.name)
 

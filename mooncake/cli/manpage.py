@@ -132,7 +132,7 @@ def iter_commands(
     found: list[tuple[tuple[str, ...], Command]] = []
     if hasattr(group, "list_commands"):
         ctx = typer.Context(group)
-        for name in group.list_commands(ctx):
+        for name in sorted(group.list_commands(ctx)):
             sub = group.get_command(ctx, name)
             if sub is None or sub.hidden:
                 continue
