@@ -1,0 +1,346 @@
+"""The Store's client API, for our prefill/decode nodes and for other engines.
+
+    store = Store.connect("tcp://10.0.0.1:7100", secret)
+    store.put("block-1", kv_bytes, replicas=2)
+    data = store.get("block-1")                  # bytes, or NotFoundError / StoreError
+    buf = store.register_buffer("kv", array)     # zero-copy: the engine moves bytes in place
+    store.put_from("block-2", "kv", offset, size); store.get_into("block-2", "kv", offset)
+    results = store.put_batch(keys, values)      # per-key KeyResult / ValueResult
+    store.close()
+
+Metadata goes to the master (put_start / put_end / get_replicas); bytes go through this
+client's Transfer Engine straight to or from the node owning each replica, never through
+the master. Reads try the local replica, then the cheapest transport (shm before tcp), and
+fall back to the next replica when one fails. Every failure raises StoreError with what
+happened and what to do; a miss raises NotFoundError.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from mooncake.errors import MooncakeError, StoreError, TransferError
+from mooncake.rpc.client import RpcClient
+from mooncake.rpc.wire import Msg
+from mooncake.store import messages as m
+from mooncake.store.node import remote_name
+from mooncake.store.objects import GetResult, KeyResult, PutStartResult, ReplicaDesc, Tier
+from mooncake.store.settings import key_error
+from mooncake.transfer.engine import TransferEngine
+from mooncake.transfer.types import EngineOptions, TransferOp, TransferRequest, TransferState
+
+_COST = {"local": 0, "rdma": 1, "shm": 1, "tcp": 2}  # transport -> rank (lower is cheaper)
+
+
+class NotFoundError(StoreError):
+    """The key has no committed object in the pool."""
+
+
+class ValueResult(msgspec.Struct, frozen=True, kw_only=True):
+    """One key of get_batch: status "ok" with `value`, or why not."""
+
+    key: str
+    status: str  # "ok", "not_found" or "error"
+    message: str = ""
+    value: bytes | None = None  # the object's bytes when ok
+
+    def unwrap(self) -> bytes:
+        """The value; raises NotFoundError or StoreError when the key had none."""
+        if self.value is not None:
+            return self.value
+        raise (NotFoundError if self.status == "not_found" else StoreError)(self.message)
+
+
+class Store:
+    """A connection to the pool: a control channel to the master and a Transfer Engine."""
+
+    def __init__(self, master: RpcClient, engine: TransferEngine, timeout_s: float, staging: int):
+        self.master, self.engine, self.timeout_s = master, engine, timeout_s
+        self.node_id = engine.name
+        self._lock = threading.Lock()  # NOTE: guards the staging buffer, one op at a time
+        self._staging_name = f"{self.node_id}.staging"
+        self._staging = engine.allocate(self._staging_name, staging)
+
+    @classmethod
+    def connect(
+        cls,
+        master_address: str,
+        secret: bytes | str,
+        *,
+        node_id: str = "",  # this node's id: its own replicas are read first
+        host: str = "127.0.0.1",  # address of this client's data-plane server
+        timeout_s: float = 10.0,  # seconds per master call and per transfer batch
+        staging_bytes: int = 16 << 20,  # bytes of the buffer behind put()/get(); grows
+        engine_options: EngineOptions | None = None,
+    ) -> Store:
+        """Connect to the master at `master_address` (e.g. "tcp://10.0.0.1:7100")."""
+        key = secret.encode() if isinstance(secret, str) else secret
+        name = node_id or f"client-{uuid.uuid4().hex[:12]}"
+        engine = TransferEngine(name, key, engine_options, host=host)
+        try:
+            master = RpcClient(master_address, key, timeout_s=timeout_s, max_frame_bytes=64 << 20)
+            return cls(master, engine, timeout_s, staging_bytes)
+        except BaseException:
+            engine.close()
+            raise
+
+    def register_buffer(self, name: str, buffer: Any, location: str | None = None) -> None:
+        """Register `buffer` (numpy array, torch tensor, bytearray) for put_from/get_into."""
+        self.engine.register(name, buffer, location)
+
+    def unregister_buffer(self, name: str) -> None:
+        self.engine.unregister(name)
+
+    def close(self) -> None:
+        self.master.close()
+        self.engine.close()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- single keys -------------------------------------------------------------------------
+
+    def put(self, key: str, value: bytes | memoryview, **opts: Any) -> None:
+        """Store `value` under `key`. Options: replicas (0 = master default), pin_ttl_s,
+        overwrite, tiers. Raises StoreError (exists, no space, a failed write...)."""
+        with self._lock:
+            self._stage(len(value))
+            self._staging[: len(value)] = np.frombuffer(value, dtype=np.uint8)
+            self.put_from(key, self._staging_name, 0, len(value), **opts)
+
+    def put_from(self, key: str, segment: str, offset: int, size: int, **opts: Any) -> None:
+        """Zero-copy put of `size` bytes at `offset` of registered buffer `segment`."""
+        self._check_size(key, size)
+        r = self._call(
+            m.PutStartMsg(self._key(key), size, self.node_id, **opts), m.PutStartReplyMsg
+        )
+        self._raise(r.result)
+        failed = self._write([(r.result, segment, offset)])
+        if failed:
+            self._revoke([key])
+            raise StoreError(f"put of {key!r} failed, nothing was committed: {failed[key]}")
+        self._raise(self._call(m.PutEndMsg(key), m.KeyReplyMsg).result)
+
+    def get(self, key: str) -> bytes:
+        """The value of `key`. Raises NotFoundError on a miss, StoreError on failure."""
+        with self._lock:
+            r = self._get_replicas(key)
+            self._stage(r.size)
+            size = self._read(r, self._staging_name, 0, r.size)
+            return self._staging[:size].tobytes()
+
+    def get_into(self, key: str, segment: str, offset: int, max_size: int = 0) -> int:
+        """Zero-copy read of `key` into registered `segment` at `offset`; returns its size.
+        Raises StoreError when the value is larger than `max_size` (0 = no limit)."""
+        r = self._get_replicas(key)
+        if max_size and r.size > max_size:
+            raise StoreError(f"{key!r} is {r.size} bytes; the buffer offers {max_size}")
+        return self._read(r, segment, offset, r.size)
+
+    def exists(self, key: str) -> bool:
+        r = self._call(m.ExistsMsg(self._key(key)), m.KeyReplyMsg).result
+        if r.status not in ("ok", "not_found"):
+            self._raise(r)
+        return r.status == "ok"
+
+    def remove(self, key: str) -> None:
+        """Remove `key`, waiting up to timeout_s for readers' leases to end; NotFoundError
+        if absent, StoreError if still leased or pinned by then."""
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            r = self._call(m.RemoveMsg(self._key(key)), m.KeyReplyMsg).result
+            if r.status != "leased" or time.monotonic() > deadline:
+                return self._raise(r)
+            time.sleep(0.02)
+
+    # -- batches (per-key results) -----------------------------------------------------------
+
+    def put_batch(
+        self, keys: Sequence[str], values: Sequence[bytes | memoryview], **opts: Any
+    ) -> list[KeyResult]:
+        """Put every key; returns one KeyResult per key (status ok or why not)."""
+        if len(keys) != len(values):
+            raise StoreError(f"put_batch: {len(keys)} keys but {len(values)} values")
+        keys = [self._key(k) for k in keys]
+        sizes = tuple(len(v) for v in values)
+        for k, size in zip(keys, sizes, strict=True):
+            self._check_size(k, size)
+        with self._lock:
+            self._stage(sum(sizes))
+            msg = m.BatchPutStartMsg(tuple(keys), sizes, self.node_id, **opts)
+            starts = self._call(msg, m.BatchPutStartReplyMsg).results
+            plan, off = [], 0
+            for r, v in zip(starts, values, strict=True):
+                if r.status == "ok":
+                    self._staging[off : off + len(v)] = np.frombuffer(v, dtype=np.uint8)
+                    plan.append((r, self._staging_name, off))
+                off += len(v)
+            failed = self._write(plan)
+        if failed:
+            self._revoke(list(failed))
+        ok = tuple(r.key for r in starts if r.status == "ok" and r.key not in failed)
+        ends = {r.key: r for r in self._call(m.BatchPutEndMsg(ok), m.BatchKeyReplyMsg).results}
+        out = []
+        for r in starts:
+            if r.key in failed:
+                out.append(KeyResult(key=r.key, status="error", message=failed[r.key]))
+            else:
+                out.append(
+                    ends.get(r.key) or KeyResult(key=r.key, status=r.status, message=r.message)
+                )
+        return out
+
+    def get_batch(self, keys: Sequence[str]) -> list[ValueResult]:
+        """Get every key; one ValueResult per key, in order."""
+        msg = m.BatchGetReplicasMsg(tuple(self._key(k) for k in keys), self.node_id)
+        out = []
+        for r in self._call(msg, m.BatchGetReplicasReplyMsg).results:
+            try:
+                with self._lock:
+                    self._stage(r.size)
+                    size = self._read(self._checked(r), self._staging_name, 0, r.size)
+                    out.append(
+                        ValueResult(key=r.key, status="ok", value=self._staging[:size].tobytes())
+                    )
+            except StoreError as e:
+                status = "not_found" if isinstance(e, NotFoundError) else "error"
+                out.append(ValueResult(key=r.key, status=status, message=str(e)))
+        return out
+
+    def exists_batch(self, keys: Sequence[str]) -> list[bool]:
+        msg = m.BatchExistsMsg(tuple(self._key(k) for k in keys))
+        return [r.status == "ok" for r in self._call(msg, m.BatchKeyReplyMsg).results]
+
+    def remove_batch(self, keys: Sequence[str]) -> list[KeyResult]:
+        """Remove every key, waiting up to timeout_s for leases; one KeyResult per key."""
+        out = {k: KeyResult(key=k, status="leased") for k in map(self._key, keys)}
+        deadline = time.monotonic() + self.timeout_s
+        while pending := tuple(k for k, r in out.items() if r.status == "leased"):
+            for r in self._call(m.BatchRemoveMsg(pending), m.BatchKeyReplyMsg).results:
+                out[r.key] = r
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.02)
+        return [out[k] for k in keys]
+
+    # -- data movement -----------------------------------------------------------------------
+
+    def _write(self, plan: list[tuple[PutStartResult, str, int]]) -> dict[str, str]:
+        """Write each put's value to all its replicas in one batch; key -> reason it failed."""
+        reqs, owners = [], []
+        for r, seg, off in plan:
+            for d in r.replicas:
+                name = remote_name(d.segment, d.endpoint)
+                reqs.append(TransferRequest(TransferOp.WRITE, seg, off, name, d.offset, d.size))
+                owners.append(r.key)
+        if not reqs:
+            return {}
+        try:
+            statuses = self.engine.submit(reqs, self.timeout_s).wait()
+        except TransferError as e:
+            return {key: str(e) for key in owners}
+        failed: dict[str, str] = {}
+        for key, st in zip(owners, statuses, strict=True):
+            if st.state is not TransferState.DONE:
+                failed.setdefault(key, f"writing a replica: {st.state.value}: {st.reason}")
+        return failed
+
+    def _read(self, r: GetResult, segment: str, offset: int, size: int) -> int:
+        """Copy the value from the best replica that works into `segment` at `offset`."""
+        errors = []
+        for d in self._rank(r.replicas):
+            name = remote_name(d.segment, d.endpoint)
+            req = TransferRequest(TransferOp.READ, segment, offset, name, d.offset, size)
+            try:
+                self.engine.submit([req], self.timeout_s).check()
+                return size
+            except TransferError as e:
+                errors.append(f"{d.node_id}/{d.tier}: {e}")
+                self.engine.forget(name)
+        raise StoreError(f"get of {r.key!r}: every replica failed: " + "; ".join(errors))
+
+    def _rank(self, replicas: Sequence[ReplicaDesc]) -> list[ReplicaDesc]:
+        def cost(d: ReplicaDesc) -> tuple[int, int]:
+            if d.node_id == self.node_id:
+                return 0, _TIER_RANK[d.tier]
+            try:
+                transport = self.engine.resolve(remote_name(d.segment, d.endpoint)).transport
+                return _COST.get(transport.name, 3), _TIER_RANK[d.tier]
+            except TransferError:
+                return 9, 0  # unreachable now: try it last
+
+        return sorted((d for d in replicas if d.tier != "ssd"), key=cost)
+
+    def _get_replicas(self, key: str) -> GetResult:
+        """The replicas of `key`, waiting (up to timeout_s) for a promotion off SSD."""
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            r = self._checked(self._call(m.GetReplicasMsg(self._key(key), self.node_id),
+                                         m.GetReplicasReplyMsg).result)  # fmt: skip
+            if any(d.tier != "ssd" for d in r.replicas):
+                return r
+            if time.monotonic() > deadline:
+                raise StoreError(f"{key!r} is only on SSD and was not promoted to memory "
+                                 f"within {self.timeout_s} s; retry later")  # fmt: skip
+            time.sleep(0.02)
+
+    def _checked(self, r: GetResult) -> GetResult:
+        if r.status == "not_found":
+            raise NotFoundError(f"{r.key!r} is not in the store")
+        if r.status != "ok":
+            raise StoreError(r.message or f"get of {r.key!r}: {r.status}")
+        return r
+
+    # -- helpers -----------------------------------------------------------------------------
+
+    def _stage(self, size: int) -> None:
+        if size > len(self._staging):
+            self.engine.unregister(self._staging_name)
+            self._staging = self.engine.allocate(self._staging_name, 1 << (size - 1).bit_length())
+
+    def _revoke(self, keys: list[str]) -> None:
+        # NOTE: if this fails the master reclaims the unfinished put after put_timeout_s
+        with contextlib.suppress(StoreError):
+            self._call(m.BatchPutRevokeMsg(tuple(keys)), m.BatchKeyReplyMsg)
+
+    @staticmethod
+    def _key(key: str) -> str:
+        if why := key_error(key):
+            raise StoreError(why)
+        return key
+
+    @staticmethod
+    def _check_size(key: str, size: int) -> None:
+        if not 0 < size <= m.MAX_VALUE_BYTES:
+            raise StoreError(f"value of {key!r} is {size} bytes; it must be 1 byte to "
+                             f"{m.MAX_VALUE_BYTES} bytes")  # fmt: skip
+
+    @staticmethod
+    def _raise(r: PutStartResult | KeyResult) -> None:
+        if r.status == "ok":
+            return
+        if r.status == "not_found":
+            raise NotFoundError(r.message or f"{r.key!r} is not in the store")
+        raise StoreError(r.message or f"{r.key!r}: {r.status}")
+
+    def _call(self, msg: Msg, reply_type: type[Any]) -> Any:
+        try:
+            return self.master.call(msg, reply_type)
+        except StoreError:
+            raise
+        except MooncakeError as e:
+            raise StoreError(f"store master {self.master.address}: {e}") from e
+
+
+_TIER_RANK: dict[Tier, int] = {"vram": 0, "dram": 1, "ssd": 2}

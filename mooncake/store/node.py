@@ -1,0 +1,182 @@
+"""What a store node runs: its tiers, mounted with the master, kept alive by heartbeats.
+
+    node = StoreNode("store-0", master_address, secret, TierSizes(dram_bytes=1 << 30))
+    node.start()   # registers segments with the Transfer Engine, mounts them, heartbeats
+    ...
+    node.stop()    # unmounts, closes the engine
+
+Clients read and write the memory tiers straight through the Transfer Engine; the node
+itself only moves bytes when a heartbeat reply tells it to (demote DRAM -> SSD, promote
+SSD -> DRAM, a copy to another node), then confirms the move to the master.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+
+from mooncake.errors import MooncakeError, StoreError
+from mooncake.native.memory import align_up
+from mooncake.rpc.client import RpcClient
+from mooncake.store.messages import (
+    AckMsg,
+    ConfirmMoveMsg,
+    HeartbeatMsg,
+    HeartbeatReplyMsg,
+    KeyReplyMsg,
+    MountSegmentMsg,
+    UnmountSegmentMsg,
+)
+from mooncake.store.objects import Instruction, Tier
+from mooncake.store.tiers import SSD_ALIGN_BYTES, BaseTier, DramTier, SsdTier, VramTier
+from mooncake.transfer.engine import TransferEngine
+from mooncake.transfer.types import EngineOptions, TransferOp, TransferRequest
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TierSizes:
+    """Resolved sizes of one node's tiers (0 = no such tier)."""
+
+    dram_bytes: int = 0
+    vram_bytes: int = 0
+    ssd_bytes: int = 0
+    ssd_path: str = ""  # directory of the SSD tier file
+    vram_device: str = "cuda:0"  # torch device of the VRAM arena ("cpu" in tests)
+
+
+def remote_name(segment: str, endpoint: str) -> str:
+    """The Transfer Engine name of a replica's segment ("seg@host:port" when known)."""
+    return f"{segment}@{endpoint}" if endpoint else segment
+
+
+class StoreNode:
+    """A node's tiers, mounted with the master while it runs."""
+
+    def __init__(
+        self,
+        node_id: str,
+        master_address: str,
+        secret: bytes | str,
+        sizes: TierSizes,
+        *,
+        host: str = "127.0.0.1",  # address the data-plane server binds
+        heartbeat_s: float = 1.0,  # seconds between heartbeats; keep under heartbeat_ttl_s
+        engine_options: EngineOptions | None = None,
+    ):
+        key = secret.encode() if isinstance(secret, str) else secret
+        self.node_id = node_id
+        self.heartbeat_s = heartbeat_s
+        self.engine = TransferEngine(node_id, key, engine_options, host=host)
+        ep = self.engine.endpoints[0]
+        self.endpoint = f"{ep.host}:{ep.port}"
+        self.master = RpcClient(master_address, key, timeout_s=5.0)
+        self.tiers: dict[Tier, BaseTier] = {}
+        try:
+            if sizes.vram_bytes:
+                self.tiers["vram"] = VramTier(
+                    self.engine, f"{node_id}.vram", sizes.vram_bytes, sizes.vram_device
+                )
+            if sizes.dram_bytes:
+                self.tiers["dram"] = DramTier(self.engine, f"{node_id}.dram", sizes.dram_bytes)
+            if sizes.ssd_bytes:
+                if not sizes.ssd_path:
+                    raise StoreError("store.ssd_bytes is set but store.ssd_path is empty; "
+                                     "name a directory on the SSD")  # fmt: skip
+                cap = align_up(sizes.ssd_bytes, SSD_ALIGN_BYTES)
+                self.tiers["ssd"] = SsdTier(sizes.ssd_path, f"{node_id}.ssd", cap)
+        except BaseException:
+            self._close_local()
+            raise
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._loop, name=f"store-node-{node_id}", daemon=True
+        )
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Mount every tier with the master, then heartbeat on a background thread."""
+        self.mount()
+        self._thread.start()
+
+    def mount(self) -> None:
+        for t in self.tiers.values():
+            msg = MountSegmentMsg(self.node_id, t.segment, t.tier, t.capacity_bytes,
+                                  self.endpoint, t.alignment)  # fmt: skip
+            self.master.call(msg, AckMsg)
+        log.info("store node %s mounted %s", self.node_id, ", ".join(self.tiers))
+
+    def stop(self) -> None:
+        """Stop heartbeats, unmount every tier (best effort) and release memory and files."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+        for t in self.tiers.values():
+            try:
+                self.master.call(UnmountSegmentMsg(self.node_id, t.segment), AckMsg, timeout_s=2)
+            except MooncakeError as e:
+                log.warning("unmount of %s failed (the master will expire it): %s", t.segment, e)
+        self._close_local()
+
+    def _close_local(self) -> None:
+        for t in self.tiers.values():
+            t.close()
+        self.engine.close()
+        self.master.close()
+
+    # -- heartbeats and instructions ---------------------------------------------------------
+
+    def heartbeat(self) -> None:
+        """One heartbeat; re-mounts when the master forgot us, then runs the instructions."""
+        reply = self.master.call(HeartbeatMsg(self.node_id), HeartbeatReplyMsg)
+        if not reply.is_known:
+            log.warning("master forgot store node %s; mounting again", self.node_id)
+            self.mount()
+        for ins in reply.instructions:
+            self.carry_out(ins)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.heartbeat_s):
+            try:
+                self.heartbeat()
+            except MooncakeError as e:
+                log.warning("heartbeat of store node %s failed: %s", self.node_id, e)
+
+    def carry_out(self, ins: Instruction) -> None:
+        """Do what one instruction asks; confirm a move to the master (ok or not)."""
+        src = self.tiers.get(ins.src.tier)
+        if ins.kind == "evict":
+            if isinstance(src, SsdTier):
+                src.forget(ins.src.offset)
+            return
+        ok = False
+        try:
+            ok = self._move(ins)
+        except MooncakeError as e:
+            log.warning("move %d of %r failed: %s", ins.move_id, ins.key, e)
+        self.master.call(ConfirmMoveMsg(ins.move_id, ok), KeyReplyMsg)
+
+    def _move(self, ins: Instruction) -> bool:
+        src, dst = self.tiers.get(ins.src.tier), ins.dst
+        if src is None or dst is None or ins.src.segment != src.segment:
+            return False
+        size = ins.src.size
+        if dst.node_id == self.node_id:
+            target = self.tiers.get(dst.tier)
+            if target is None or target.segment != dst.segment:
+                return False
+            target.write(dst.offset, src.read(ins.src.offset, size))
+        elif isinstance(src, DramTier):  # one-sided write straight from our arena
+            name = remote_name(dst.segment, dst.endpoint)
+            req = TransferRequest(
+                TransferOp.WRITE, src.segment, ins.src.offset, name, dst.offset, size
+            )
+            self.engine.submit([req]).check()
+        else:
+            return False  # NOTE: the master only plans cross-node copies from memory tiers
+        if ins.release_src and isinstance(src, SsdTier):
+            src.forget(ins.src.offset)
+        return True

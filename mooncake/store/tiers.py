@@ -1,0 +1,205 @@
+"""A store node's memory and disk that the pool's segments live in.
+
+- `DramTier`: a shared-memory arena registered with the Transfer Engine as one segment, so
+  peers on the same host copy from it without a socket (shm) and remote ones use tcp.
+- `VramTier`: a uint8 torch tensor on a device (`cpu` in tests), registered as one segment.
+  torch is imported only when a VRAM tier is made.
+- `SsdTier`: a file under `ssd_path`; every object carries an xxh3 checksum checked on
+  read. Clients never reach it directly: the node moves bytes between it and DRAM when the
+  master says so (demote on eviction, promote on a hit).
+
+Every tier answers `read(offset, size) -> bytes` and `write(offset, data)` for the node's
+own moves; memory tiers also have a `segment` name that clients hand the Transfer Engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+from typing import Any, Final
+
+import numpy as np
+import xxhash
+
+from mooncake.errors import StoreError
+from mooncake.native.memory import align_up
+from mooncake.store.objects import Tier
+from mooncake.transfer.engine import TransferEngine
+
+log = logging.getLogger(__name__)
+
+SSD_ALIGN_BYTES: Final = 4096  # O_DIRECT needs offsets, lengths and buffers on this grid
+MEMORY_ALIGN_BYTES: Final = 64  # a cache line
+
+
+class BaseTier:
+    """One tier of one node: `capacity_bytes` of storage addressed by byte offset."""
+
+    tier: Tier
+    segment: str  # the segment name mounted with the master
+    capacity_bytes: int
+    alignment: int  # bytes; the master aligns allocations in this tier to it
+
+    def read(self, offset: int, size: int) -> bytes:  # pragma: no cover - interface
+        """A copy of `size` bytes at `offset`; raises StoreError when they cannot be read."""
+        raise NotImplementedError
+
+    def write(self, offset: int, data: bytes | memoryview) -> None:  # pragma: no cover
+        """Store `data` at `offset`; raises StoreError when it cannot."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release the memory or file."""
+
+    def _check(self, offset: int, size: int) -> None:
+        if offset < 0 or size < 0 or offset + size > self.capacity_bytes:
+            raise StoreError(
+                f"{self.tier} tier {self.segment!r}: range [{offset}, {offset + size}) is "
+                f"outside its {self.capacity_bytes} bytes"
+            )
+
+
+class _ArrayTier(BaseTier):
+    """A memory tier whose bytes are a uint8 numpy array registered with the engine."""
+
+    def __init__(self, engine: TransferEngine, segment: str, array: np.ndarray):
+        self.engine, self.segment, self.array = engine, segment, array
+        self.capacity_bytes = int(array.nbytes)
+        self.alignment = MEMORY_ALIGN_BYTES
+
+    def read(self, offset: int, size: int) -> bytes:
+        self._check(offset, size)
+        return self.array[offset : offset + size].tobytes()
+
+    def write(self, offset: int, data: bytes | memoryview) -> None:
+        self._check(offset, len(data))
+        self.array[offset : offset + len(data)] = np.frombuffer(data, dtype=np.uint8)
+
+    def close(self) -> None:
+        self.engine.unregister(self.segment)
+
+
+class DramTier(_ArrayTier):
+    tier: Tier = "dram"
+
+    def __init__(self, engine: TransferEngine, segment: str, capacity_bytes: int):
+        super().__init__(engine, segment, engine.allocate(segment, capacity_bytes))
+
+
+class VramTier(_ArrayTier):
+    tier: Tier = "vram"
+
+    def __init__(
+        self, engine: TransferEngine, segment: str, capacity_bytes: int, device: str = "cuda:0"
+    ):
+        import torch  # only nodes with a VRAM tier pay for the import
+
+        self.tensor: Any = torch.zeros(capacity_bytes, dtype=torch.uint8, device=device)
+        location = "cpu:0" if self.tensor.device.type == "cpu" else str(self.tensor.device)
+        engine.register(segment, self.tensor, location)
+        # NOTE: on a GPU the node's own moves go through the tensor; on cpu it is also numpy
+        array = self.tensor.numpy() if self.tensor.device.type == "cpu" else np.empty(0, np.uint8)
+        super().__init__(engine, segment, array)
+        self.capacity_bytes = capacity_bytes
+
+    def read(self, offset: int, size: int) -> bytes:
+        if self.tensor.device.type == "cpu":
+            return super().read(offset, size)
+        self._check(offset, size)
+        return bytes(self.tensor[offset : offset + size].cpu().numpy().tobytes())
+
+    def write(self, offset: int, data: bytes | memoryview) -> None:
+        if self.tensor.device.type == "cpu":
+            return super().write(offset, data)
+        import torch
+
+        self._check(offset, len(data))
+        src = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        self.tensor[offset : offset + len(data)].copy_(src)
+
+
+class SsdTier(BaseTier):
+    """A file of `capacity_bytes`; O_DIRECT when the filesystem takes it, pread otherwise."""
+
+    tier: Tier = "ssd"
+
+    def __init__(self, ssd_path: str, segment: str, capacity_bytes: int):
+        self.segment = segment
+        self.alignment = SSD_ALIGN_BYTES
+        self.capacity_bytes = capacity_bytes
+        os.makedirs(ssd_path, exist_ok=True)
+        self.path = os.path.join(ssd_path, f"{segment}.pool")
+        self._checksums: dict[int, tuple[int, int]] = {}  # offset -> (size bytes, xxh3_64)
+        flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC
+        try:
+            self.fd = os.open(self.path, flags | getattr(os, "O_DIRECT", 0), 0o600)
+            self.is_direct = hasattr(os, "O_DIRECT")
+        except OSError:  # tmpfs and some others refuse O_DIRECT
+            self.fd = os.open(self.path, flags, 0o600)
+            self.is_direct = False
+        try:
+            os.ftruncate(self.fd, capacity_bytes)
+        except OSError as e:
+            os.close(self.fd)
+            raise StoreError(f"cannot size SSD tier file {self.path} to {capacity_bytes} "
+                             f"bytes: {e}; free space or lower store.ssd_bytes") from e  # fmt: skip
+
+    def write(self, offset: int, data: bytes | memoryview) -> None:
+        size = len(data)
+        self._check(offset, size)
+        buf = self._buffer(size)
+        buf[:size] = data
+        try:
+            self._io(os.pwritev, buf, offset, size)
+        finally:
+            buf.close()
+        self._checksums[offset] = (size, xxhash.xxh3_64_intdigest(data))
+
+    def read(self, offset: int, size: int) -> bytes:
+        self._check(offset, size)
+        want = self._checksums.get(offset)
+        if want is None or want[0] != size:
+            raise StoreError(f"SSD tier {self.segment!r}: no object of {size} bytes at {offset}")
+        buf = self._buffer(size)
+        try:
+            self._io(os.preadv, buf, offset, size)
+            data = bytes(buf[:size])
+        finally:
+            buf.close()
+        if xxhash.xxh3_64_intdigest(data) != want[1]:
+            raise StoreError(
+                f"SSD tier {self.segment!r}: checksum mismatch for the {size}-byte object at "
+                f"offset {offset} in {self.path}; the disk returned corrupt data"
+            )
+        return data
+
+    def forget(self, offset: int) -> None:
+        """The object at `offset` was released; its checksum goes with it."""
+        self._checksums.pop(offset, None)
+
+    def _buffer(self, size: int) -> mmap.mmap:
+        # an anonymous mmap is page-aligned, as O_DIRECT requires of the user buffer
+        return mmap.mmap(-1, align_up(max(size, 1), SSD_ALIGN_BYTES))
+
+    def _io(self, fn: Any, buf: mmap.mmap, offset: int, size: int) -> None:
+        length = align_up(size, SSD_ALIGN_BYTES) if self.is_direct else size
+        length = min(length, len(buf), self.capacity_bytes - offset)
+        if self.is_direct and offset % SSD_ALIGN_BYTES:
+            raise StoreError(f"SSD tier {self.segment!r}: offset {offset} is not 4 KiB aligned")
+        view = memoryview(buf)[:length]
+        try:
+            done = fn(self.fd, [view], offset)
+        except OSError as e:
+            raise StoreError(f"SSD tier I/O on {self.path} at offset {offset} failed: {e}") from e
+        finally:
+            view.release()
+        if done < size:
+            raise StoreError(f"SSD tier {self.path}: short I/O at {offset} ({done} of {size} B)")
+
+    def close(self) -> None:
+        os.close(self.fd)
+        try:
+            os.unlink(self.path)
+        except OSError:
+            log.warning("could not remove SSD tier file %s", self.path)

@@ -1,0 +1,39 @@
+"""Child processes for store tests: a master (StoreService) or a store node (StoreNode).
+
+    python -m tests.store.procs master SECRET
+    python -m tests.store.procs node NODE_ID MASTER_ADDRESS SECRET DRAM_BYTES [SSD_DIR SSD_BYTES]
+
+Each prints "READY <address>" on stdout once serving, then runs until stdin closes.
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def main(argv: list[str]) -> None:
+    if argv[0] == "master":
+        from mooncake.store.service import StoreService
+        from mooncake.store.settings import MetadataConfig
+
+        cfg = MetadataConfig(heartbeat_ttl_s=1.0, lease_ttl_s=0.2)
+        with StoreService(argv[1], cfg) as service:
+            print("READY", service.address, flush=True)
+            sys.stdin.read()
+        return
+    from mooncake.store.node import StoreNode, TierSizes
+
+    node_id, master, secret, dram = argv[1], argv[2], argv[3], int(argv[4])
+    ssd_path, ssd_bytes = (argv[5], int(argv[6])) if len(argv) > 6 else ("", 0)
+    sizes = TierSizes(dram_bytes=dram, ssd_bytes=ssd_bytes, ssd_path=ssd_path)
+    node = StoreNode(node_id, master, secret, sizes, heartbeat_s=0.2)
+    node.start()
+    print("READY", node.endpoint, flush=True)
+    try:
+        sys.stdin.read()
+    finally:
+        node.stop()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

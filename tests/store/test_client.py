@@ -1,0 +1,158 @@
+"""Store client against a master and store nodes running as separate real processes."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from mooncake.errors import StoreError
+from mooncake.store.client import NotFoundError, Store
+from mooncake.store.objects import MAX_KEY_BYTES
+from mooncake.transfer.types import EngineOptions
+from tests.store.cluster import SECRET, Child, start_master, start_node
+
+pytestmark = pytest.mark.timeout(60)
+MIB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[tuple[Child, list[Child]]]:
+    master = start_master()
+    nodes = [start_node(f"n{i}", master, 8 * MIB) for i in range(2)]
+    yield master, nodes
+    for c in [*nodes, master]:
+        c.stop()
+
+
+def _connect(master: Child, protocol: str = "auto") -> Store:
+    opts = EngineOptions(protocol=protocol, timeout_s=5.0)  # type: ignore[arg-type]
+    return Store.connect(master.address, SECRET, timeout_s=5.0, engine_options=opts)
+
+
+@pytest.mark.parametrize("protocol", ["tcp", "shm"])
+def test_put_get_round_trip_is_byte_exact(
+    cluster: tuple[Child, list[Child]], protocol: str
+) -> None:
+    """Values of odd sizes come back byte for byte over tcp and over same-host shm."""
+    master, nodes = cluster
+    with _connect(master, "auto" if protocol == "shm" else "tcp") as store:
+        segment = f"n0.dram@{nodes[0].address}"
+        assert store.engine.resolve(segment).transport.name == protocol
+        for size in (1, 4096, MIB + 3):
+            value = os.urandom(size)
+            key = f"{protocol}-{size}"
+            store.put(key, value)
+            assert store.exists(key)
+            assert store.get(key) == value
+            store.remove(key)
+            assert not store.exists(key)
+
+
+def test_zero_copy_put_from_get_into(cluster: tuple[Child, list[Child]]) -> None:
+    """put_from/get_into move bytes between registered buffers without a staging copy."""
+    master, _ = cluster
+    with _connect(master, "tcp") as store:
+        src = np.frombuffer(os.urandom(2 * MIB), dtype=np.uint8).copy()
+        dst = np.zeros(2 * MIB, dtype=np.uint8)
+        store.register_buffer("src", src)
+        store.register_buffer("dst", dst)
+        store.put_from("zc", "src", 100, MIB)
+        assert store.get_into("zc", "dst", 7) == MIB
+        assert bytes(dst[7 : 7 + MIB]) == bytes(src[100 : 100 + MIB])
+        with pytest.raises(StoreError, match="buffer offers"):
+            store.get_into("zc", "dst", 0, max_size=10)
+        store.remove("zc")
+
+
+def test_batches_answer_per_key(cluster: tuple[Child, list[Child]]) -> None:
+    """A batch answers every key: the hits with their bytes, a miss as not_found."""
+    master, _ = cluster
+    with _connect(master) as store:
+        values = [os.urandom(n) for n in (10, 5000, 70000)]
+        keys = ["b0", "b1", "b2"]
+        assert [r.status for r in store.put_batch(keys, values)] == ["ok"] * 3
+        assert [r.status for r in store.put_batch(["b0"], [b"x"])] == ["exists"]
+        got = store.get_batch([*keys, "missing"])
+        assert [g.value for g in got[:3]] == values
+        assert got[3].status == "not_found" and got[3].value is None
+        with pytest.raises(NotFoundError):
+            got[3].unwrap()
+        assert store.exists_batch(["b1", "nope"]) == [True, False]
+        assert [r.status for r in store.remove_batch(keys)] == ["ok"] * 3
+
+
+def test_bad_requests_get_clear_errors_and_service_goes_on(
+    cluster: tuple[Child, list[Child]],
+) -> None:
+    """Empty or oversized keys, empty or oversized values, misses and duplicates raise a
+    StoreError that says what is wrong; the master keeps serving afterwards."""
+    master, _ = cluster
+    with _connect(master) as store:
+        with pytest.raises(StoreError, match="empty"):
+            store.put("", b"x")
+        with pytest.raises(StoreError, match="limit"):
+            store.put("k" * (MAX_KEY_BYTES + 1), b"x")
+        with pytest.raises(StoreError, match="1 byte"):
+            store.put("empty", b"")
+        with pytest.raises(StoreError, match="free bytes"):
+            store.put("huge", bytes(9 * MIB))
+        with pytest.raises(NotFoundError, match="not in the store"):
+            store.get("never-put")
+        store.put("dup", b"one")
+        with pytest.raises(StoreError, match="already exists"):
+            store.put("dup", b"two")
+        store.put("dup", b"two", overwrite=True)
+        assert store.get("dup") == b"two"
+        store.remove("dup")
+
+
+def test_two_replicas_survive_a_killed_node() -> None:
+    """With replicas=2, killing one store node leaves every committed object readable."""
+    master = start_master()
+    nodes = [start_node(f"k{i}", master, 4 * MIB) for i in range(2)]
+    try:
+        with _connect(master, "tcp") as store:
+            values = {f"r{i}": os.urandom(1000 + 997 * i) for i in range(20)}
+            for k, v in values.items():
+                store.put(k, v, replicas=2)
+            nodes[0].kill()
+            for k, v in values.items():
+                assert store.get(k) == v
+            assert [g.value for g in store.get_batch(list(values))] == list(values.values())
+    finally:
+        for c in [*nodes, master]:
+            c.stop()
+
+
+def test_node_killed_during_gets_never_hangs_or_corrupts() -> None:
+    """While gets of a 2-replica object run, one store node dies: each get returns the
+    exact bytes or raises StoreError, and none outlives its timeout."""
+    master = start_master()
+    nodes = [start_node(f"d{i}", master, 16 * MIB) for i in range(2)]
+    outcomes: list[str] = []
+    try:
+        with _connect(master, "tcp") as store:
+            value = os.urandom(4 * MIB)
+            store.put("big", value, replicas=2)
+
+            def reader() -> None:
+                for _ in range(15):
+                    try:
+                        outcomes.append("ok" if store.get("big") == value else "corrupt")
+                    except StoreError:
+                        outcomes.append("error")
+
+            t = threading.Thread(target=reader)
+            t.start()
+            nodes[1].kill()
+            t.join(timeout=40)
+            assert not t.is_alive(), "a get hung past its timeout"
+            assert "corrupt" not in outcomes and len(outcomes) == 15
+            assert store.get("big") == value  # the survivor still serves it
+    finally:
+        for c in [*nodes, master]:
+            c.stop()

@@ -1,0 +1,54 @@
+"""A store node carries out the master's heartbeat instructions: demote to SSD on eviction,
+promote back to DRAM on a hit; and it unmounts on stop."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from mooncake.store.client import Store
+from mooncake.store.node import StoreNode, TierSizes
+from mooncake.store.service import StoreService
+from mooncake.store.settings import MetadataConfig
+
+pytestmark = pytest.mark.timeout(60)
+SECRET = "node-test-secret-0123456789abcdef"
+KIB = 1024
+
+
+def _tiers_of(service: StoreService, key: str) -> list[str]:
+    with service.lock:
+        obj = service.metadata.objects.get(key)
+        return sorted(r.tier for r in obj.replicas) if obj else []
+
+
+def test_demoted_object_is_promoted_and_read_back(tmp_path: Path) -> None:
+    """Filling DRAM past the high watermark demotes the LRU object to SSD; a get promotes it
+    back to DRAM and returns the same bytes; stop() unmounts every segment."""
+    cfg = MetadataConfig(
+        lease_ttl_s=0.2, heartbeat_ttl_s=5.0, high_watermark=0.9, low_watermark=0.5
+    )
+    with StoreService(SECRET, cfg, tick_s=3600) as service:
+        sizes = TierSizes(dram_bytes=64 * KIB, ssd_bytes=256 * KIB, ssd_path=str(tmp_path))
+        node = StoreNode("s0", service.address, SECRET, sizes, heartbeat_s=0.02)
+        node.start()
+        try:
+            with Store.connect(service.address, SECRET, timeout_s=5.0) as store:
+                values = {f"k{i}": os.urandom(20 * KIB) for i in range(3)}
+                for k, v in values.items():
+                    store.put(k, v)
+                service.tick()  # 94% > high watermark: the two oldest objects are demoted
+                deadline = time.monotonic() + 10
+                while _tiers_of(service, "k0") != ["ssd"]:
+                    assert time.monotonic() < deadline, _tiers_of(service, "k0")
+                    time.sleep(0.01)
+                assert store.get("k0") == values["k0"]  # waits for the promotion
+                assert "dram" in _tiers_of(service, "k0")
+                assert store.get("k2") == values["k2"]
+        finally:
+            node.stop()
+        with service.lock:
+            assert service.metadata.stats().num_segments == 0
