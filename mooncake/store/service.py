@@ -14,11 +14,16 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from typing import TYPE_CHECKING
 
 from mooncake.rpc.server import RpcServer
 from mooncake.store.messages import register
 from mooncake.store.metadata import MetadataService
+from mooncake.store.objects import StoreStats
 from mooncake.store.settings import MetadataConfig
+
+if TYPE_CHECKING:
+    from mooncake.store.metrics import MetricsServer
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +38,7 @@ class StoreService:
         *,
         address: str = "tcp://127.0.0.1:0",
         tick_s: float = 0.0,  # s between housekeeping passes; 0 = a quarter of the lease
+        metrics_port: int | None = None,  # serve /metrics on 127.0.0.1:port (0 = any free)
     ):
         self.metadata = MetadataService(config)
         self.lock = threading.Lock()
@@ -43,6 +49,11 @@ class StoreService:
         self.tick_s = tick_s or max(0.05, min(cfg.lease_ttl_s, cfg.heartbeat_ttl_s) / 4)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="store-service", daemon=True)
+        self.metrics: MetricsServer | None = None
+        if metrics_port is not None:
+            from mooncake.store.metrics import MetricsServer
+
+            self.metrics = MetricsServer(self.stats, port=metrics_port)
 
     @property
     def address(self) -> str:
@@ -53,6 +64,13 @@ class StoreService:
         """Serve requests and start housekeeping; returns once the server is bound."""
         self.server.start()
         self._thread.start()
+        if self.metrics is not None:
+            self.metrics.start()
+
+    def stats(self) -> StoreStats:
+        """A snapshot of the metadata service's counters (taken under the lock)."""
+        with self.lock:
+            return self.metadata.stats()
 
     def tick(self) -> None:
         """One housekeeping pass: drop silent nodes and stale puts, evict above watermark."""
@@ -75,6 +93,8 @@ class StoreService:
 
     def stop(self) -> None:
         """Stop housekeeping and the RPC server."""
+        if self.metrics is not None:
+            self.metrics.stop()
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join()

@@ -1,0 +1,162 @@
+"""What `mooncake bench store` measures: put and get through the Store client API.
+
+For each API (bytes: put/get; zero-copy: put_from/get_into on registered buffers; batch:
+put_batch/get_batch) and each value size, a put phase writes fresh keys for `duration_s`
+(keeping a ring of at most RING_BYTES in the pool: the oldest key is removed, untimed,
+before a new one is written), then a get phase reads those keys round robin for
+`duration_s`. GB/s is value bytes over the summed call time; latency is per call (per
+batch for the batch API). The client has no segment of its own beyond its registered
+buffers (the staging buffer of put/get and the zero-copy buffers).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable
+from typing import Literal
+
+import msgspec
+import numpy as np
+
+from mooncake.errors import StoreError
+from mooncake.store.client import Store
+from mooncake.store.node import remote_name
+from mooncake.transfer.types import EngineOptions
+
+Api = Literal["bytes", "zero-copy", "batch"]
+APIS: tuple[Api, ...] = ("bytes", "zero-copy", "batch")
+RING_BYTES = 64 << 20  # bytes of values a cell keeps in the pool at most
+BATCH_BYTES = 64 << 20  # bytes of values per batch call at most
+MAX_BATCH_KEYS = 8  # keys per batch call at most
+
+# Upstream C++ Mooncake 0.3.13 Store, remote TCP on a 2-core loopback machine like ours
+# (medians, +-20% noise), quoted from ../shared/PAPER.md "Transfer Engine figures". A
+# reference measured elsewhere at another time, not a baseline of this run.
+# (api, value_bytes) -> (put GB/s, get GB/s, put p50 us, get p50 us); None = not quoted.
+UPSTREAM_0_3_13: dict[tuple[str, int], tuple[float | None, ...]] = {
+    ("zero-copy", 1 << 20): (1.0, 1.4, None, None),
+    ("zero-copy", 16 << 20): (1.4, 1.4, None, None),
+    ("bytes", 4 << 10): (None, None, 242.0, 151.0),
+}
+
+
+class StoreBenchRow(msgspec.Struct):
+    """One (api, value size) cell (an element of the --json list)."""
+
+    api: str  # "bytes", "zero-copy" or "batch"
+    value_bytes: int
+    keys_per_call: int  # 1, or keys per put_batch/get_batch call
+    protocol: str  # transport the client used to reach the node ("tcp", "shm", ...)
+    put_gbps: float  # GB/s (1e9 bytes) of values over summed put call time
+    get_gbps: float
+    put_p50_us: float  # per-call latency percentiles, microseconds
+    put_p99_us: float
+    get_p50_us: float
+    get_p99_us: float
+    num_puts: int  # calls measured
+    num_gets: int
+
+
+def _timed(fn: Callable[[], object], lat: list[float]) -> None:
+    t0 = time.perf_counter()
+    fn()
+    lat.append(time.perf_counter() - t0)
+
+
+def _pct(lat: list[float], q: float) -> float:
+    return round(float(np.percentile(lat, q)) * 1e6, 1) if lat else 0.0
+
+
+class StoreBench:
+    """A client connected to a master, measuring cells against one store node."""
+
+    def __init__(self, master_address: str, secret: bytes, protocol: str, node_segment: str):
+        opts = EngineOptions(protocol=protocol)  # type: ignore[arg-type]
+        self.store = Store.connect(master_address, secret, engine_options=opts)
+        self.node_segment = node_segment  # "seg@host:port" of the node's DRAM tier, or ""
+        self.seq = 0
+        self.registered = 0  # bytes of the zero-copy buffers
+
+    def close(self) -> None:
+        self.store.close()
+
+    def protocol(self) -> str:
+        if not self.node_segment:  # a remote cluster: the transport asked for
+            return self.store.engine.options.protocol
+        return self.store.engine.resolve(self.node_segment).transport.name
+
+    def _zero_copy_buffers(self, size: int) -> None:
+        if size > self.registered:
+            if self.registered:
+                self.store.unregister_buffer("bench.src")
+                self.store.unregister_buffer("bench.dst")
+            src = np.random.default_rng(0).integers(0, 256, size, dtype=np.uint8)
+            self.store.register_buffer("bench.src", src)
+            self.store.register_buffer("bench.dst", np.zeros(size, dtype=np.uint8))
+            self.registered = size
+
+    def run(self, api: Api, size: int, duration_s: float) -> StoreBenchRow:
+        """Measure one cell: a put phase, then a get phase, each `duration_s` long."""
+        s = self.store
+        per_call = max(1, min(MAX_BATCH_KEYS, BATCH_BYTES // size)) if api == "batch" else 1
+        ring = max(2, RING_BYTES // (size * per_call))  # calls whose keys stay in the pool
+        value = np.random.default_rng(1).integers(0, 256, size, dtype=np.uint8).tobytes()
+        if api == "zero-copy":
+            self._zero_copy_buffers(size)
+        self.seq += 1
+        prefix = f"bench-{self.seq}-{api}-{size}"
+        live: list[list[str]] = []
+
+        def put(keys: list[str]) -> None:
+            if api == "bytes":
+                s.put(keys[0], value)
+            elif api == "zero-copy":
+                s.put_from(keys[0], "bench.src", 0, size)
+            else:
+                for r in s.put_batch(keys, [value] * len(keys)):
+                    if r.status != "ok":
+                        raise_for(r.key, r.status, r.message)
+
+        def get(keys: list[str]) -> None:
+            if api == "bytes":
+                s.get(keys[0])
+            elif api == "zero-copy":
+                s.get_into(keys[0], "bench.dst", 0, size)
+            else:
+                for v in s.get_batch(keys):
+                    v.unwrap()
+
+        put_lat: list[float] = []
+        get_lat: list[float] = []
+        i, until = 0, time.perf_counter() + duration_s
+        while time.perf_counter() < until or not put_lat:
+            if len(live) >= ring:
+                s.remove_batch(live.pop(0))
+            keys = [f"{prefix}-{i}-{j}" for j in range(per_call)]
+            _timed(functools.partial(put, keys), put_lat)
+            live.append(keys)
+            i += 1
+        i, until = 0, time.perf_counter() + duration_s
+        while time.perf_counter() < until or not get_lat:
+            _timed(functools.partial(get, live[i % len(live)]), get_lat)
+            i += 1
+        s.remove_batch([k for keys in live for k in keys])  # waits out the read leases
+        moved = size * per_call
+        return StoreBenchRow(
+            api=api, value_bytes=size, keys_per_call=per_call, protocol=self.protocol(),
+            put_gbps=round(moved * len(put_lat) / sum(put_lat) / 1e9, 3),
+            get_gbps=round(moved * len(get_lat) / sum(get_lat) / 1e9, 3),
+            put_p50_us=_pct(put_lat, 50), put_p99_us=_pct(put_lat, 99),
+            get_p50_us=_pct(get_lat, 50), get_p99_us=_pct(get_lat, 99),
+            num_puts=len(put_lat), num_gets=len(get_lat),
+        )  # fmt: skip
+
+
+def raise_for(key: str, status: str, message: str) -> None:
+    raise StoreError(message or f"put of {key!r} in the bench: {status}")
+
+
+def node_segment(node_id: str, endpoint: str) -> str:
+    """The Transfer Engine name of a store node's DRAM tier."""
+    return remote_name(f"{node_id}.dram", endpoint)
