@@ -8,6 +8,7 @@ it. Named specs:
 | name         | layers | hidden | heads/kv | head_dim | ffn   | vocab  |
 |--------------|-------:|-------:|---------:|---------:|------:|-------:|
 | `dummy:tiny` | 4      | 256    | 4/2      | 64       | 768   | 512    |
+| `dummy:small`| 2      | 2048   | 16/4     | 128      | 7168  | 512    |
 | `llama2-70b` | 80     | 8192   | 64/8     | 128      | 28672 | 32000  |
 | `llama3-8b`  | 32     | 4096   | 32/8     | 128      | 14336 | 128256 |
 | `llama3-70b` | 80     | 8192   | 64/8     | 128      | 28672 | 128256 |
@@ -16,6 +17,11 @@ Sources: the `config.json` of meta-llama/Llama-2-70b-hf, Meta-Llama-3-8B and
 Meta-Llama-3-70B on Hugging Face. `llama3.1-8b` / `llama3.1-70b` are the llama3 shapes
 with llama3 RoPE scaling and 128k positions. `dummy:tiny` is ours: it runs on 2 CPU
 cores, and its vocabulary leaves room for a byte-level tokenizer (256 bytes + specials).
+`dummy:small` is ours too: LLaMA 3's proportions (head_dim 128, GQA 4:1, SwiGLU width 3.5x
+hidden) in two layers, so an 8k prefill on one CPU core takes ~25 s in float32. At 8k
+tokens its attention/dense FLOP ratio is 0.31 (llama3-8b: 0.15, dummy:tiny: 2.7; the ratio
+scales as tokens / hidden), which bounds the prefill-time cut of reusing half of an 8k
+prompt at 44% (llama3-8b 47%, llama2-70b 48%, dummy:tiny 32%), see `prefill_flops`.
 
 `dummy:<name>` is accepted for every real spec (the paper's "dummy LLaMA2-70B": the real
 shape with random weights). The returned spec keeps the `dummy:` name, because the name
@@ -122,6 +128,18 @@ _TINY = ModelSpec(
     vocab_size=512,
     max_position_embeddings=8192,
 )
+_SMALL = ModelSpec(
+    name="dummy:small",
+    num_layers=2,
+    hidden_size=2048,
+    num_heads=16,
+    num_kv_heads=4,
+    head_dim=128,
+    intermediate_size=7168,
+    vocab_size=512,
+    rope_theta=500000.0,
+    max_position_embeddings=8192,
+)
 _LLAMA2_70B = ModelSpec(
     name="llama2-70b",
     num_layers=80,
@@ -159,6 +177,7 @@ MODEL_SPECS: dict[str, ModelSpec] = {
     s.name: s
     for s in (
         _TINY,
+        _SMALL,
         _LLAMA2_70B,
         _LLAMA3_8B,
         _LLAMA3_70B,

@@ -7,7 +7,9 @@ noisy neighbour slows both alike; each reports the best and the median of its re
   KV left as zeros: the cost of a step does not depend on the values)
 - stream:     prefill alone / with layer-wise store into a DRAM pool / with the store run
               after the prefill (serialized), the paper's Figure 7 analog
-- reuse:      full prefill / the same prompt with a fraction of it reused from the pool
+- reuse:      full prefill / the same prompt with a fraction of it reused from the pool;
+              the CLI sets the time cut beside its FLOP bound (`ModelSpec.prefill_flops`):
+              use `dummy:small`, as on `dummy:tiny` attention caps the cut near 32%
 - pipeline:   one process / a 2-stage pipeline with stage 1 in a second process over TCP
 """
 
@@ -185,9 +187,13 @@ class Bench:
         return timings
 
     # -- prefix reuse -------------------------------------------------------------------
+    def reused_tokens(self, length: int, fraction: float) -> int:
+        """Tokens `reuse` takes from the pool: whole blocks, and never the last token."""
+        return min(int(length * fraction), length - 1) // self.bt * self.bt
+
     def reuse(self, length: int, fraction: float, repeat: int) -> dict[str, Timing]:
         ids = random_prompt(length, self.vocab, seed=2)
-        cached = int(length * fraction) // self.bt * self.bt
+        cached = self.reused_tokens(length, fraction)
         pool = self.pool()
         self.run(self.runner(pool, store=True), ids[:cached])
         reuser = self.runner(pool)

@@ -40,6 +40,22 @@ def test_prefill_flops_count_the_causal_square():
     assert spec.prefill_flops(1000, 1000) == 0
 
 
+def test_dummy_small_has_llama3_proportions_and_a_reuse_bound_over_40_percent():
+    """dummy:small keeps LLaMA 3's head_dim, GQA ratio and MLP width, so half an 8k prompt
+    reused can cut >= 40% of the prefill FLOPs (dummy:tiny, attention-bound, cannot)."""
+    small, l3 = get_model_spec("dummy:small"), get_model_spec("llama3-8b")
+    assert small.head_dim == l3.head_dim
+    assert small.num_heads // small.num_kv_heads == l3.num_heads // l3.num_kv_heads
+    assert small.intermediate_size / small.hidden_size == l3.intermediate_size / l3.hidden_size
+    assert small.vocab_size >= 259
+
+    def bound(name: str) -> float:
+        spec = get_model_spec(name)
+        return 1 - spec.prefill_flops(8192, 4096) / spec.prefill_flops(8192)
+
+    assert bound("dummy:tiny") < 0.40 < bound("dummy:small") < bound("llama3-8b") < 0.5
+
+
 def test_roofline_prefill_is_compute_bound_and_decode_memory_bound():
     cost = roofline_cost_model("llama2-70b", "A800", tp=8)
     spec = get_model_spec("llama2-70b")
