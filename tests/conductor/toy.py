@@ -10,23 +10,32 @@ from mooncake.conductor.costmodel import COST_MODEL_VERSION, CostModelFile, Poly
 BLOCK = 100  # tokens per block
 
 
-def toy_cost(kv_capacity_tokens: int = 10_000) -> CostModel:
-    return CostModel(
-        CostModelFile(
-            version=COST_MODEL_VERSION,
-            model="toy",
-            device="toy",
-            source="profile",
-            kv_bytes_per_token=1,
-            kv_capacity_tokens=kv_capacity_tokens,
-            link_bytes_per_s=1000.0,
-            prefill=Poly2(("input_len", "reused_len"), (Term((1, 0), 1e-3), Term((0, 1), -1e-3))),
-            decode=Poly2(
-                ("batch_size", "context_len"),
-                (Term((0, 0), 0.01), Term((1, 0), 1e-3), Term((0, 1), 1e-6)),
-            ),
-        )
+def toy_cost_file(
+    kv_capacity_tokens: int = 10_000,
+    link_bytes_per_s: float = 1000.0,
+    step_per_request_s: float = 1e-3,
+    step_per_token_s: float = 1e-6,
+) -> CostModelFile:
+    """The round-number cost model: prefill 1 ms per new token; decode step 10 ms + the
+    given per-request and per-KV-token terms; 1 byte of KV per token."""
+    return CostModelFile(
+        version=COST_MODEL_VERSION,
+        model="toy",
+        device="toy",
+        source="profile",
+        kv_bytes_per_token=1,
+        kv_capacity_tokens=kv_capacity_tokens,
+        link_bytes_per_s=link_bytes_per_s,
+        prefill=Poly2(("input_len", "reused_len"), (Term((1, 0), 1e-3), Term((0, 1), -1e-3))),
+        decode=Poly2(
+            ("batch_size", "context_len"),
+            (Term((0, 0), 0.01), Term((1, 0), step_per_request_s), Term((0, 1), step_per_token_s)),
+        ),
     )
+
+
+def toy_cost(kv_capacity_tokens: int = 10_000) -> CostModel:
+    return CostModel(toy_cost_file(kv_capacity_tokens))
 
 
 def toy_conductor(num_prefill: int = 3, num_decode: int = 2, **params) -> Conductor:

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 from mooncake.conductor import CostModel
-from mooncake.conductor.costmodel import COST_MODEL_VERSION, CostModelFile, Poly2, Term
+from tests.conductor.toy import toy_cost_file
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "traces" / "conversation_head300.jsonl"
 STEP_1 = 0.01 + 0.001  # decode step of a batch of one, before its KV term
@@ -22,26 +22,9 @@ def write_toy_cost(
 ) -> str:
     """A toy cost model file; the decode step is 10 ms + the given per-request and
     per-KV-token terms (both 0: every step takes 10 ms whatever the batch)."""
-    CostModel(
-        CostModelFile(
-            version=COST_MODEL_VERSION,
-            model="toy",
-            device="toy",
-            source="profile",
-            kv_bytes_per_token=1,
-            kv_capacity_tokens=kv_capacity_tokens,
-            link_bytes_per_s=1e9,
-            prefill=Poly2(("input_len", "reused_len"), (Term((1, 0), 1e-3), Term((0, 1), -1e-3))),
-            decode=Poly2(
-                ("batch_size", "context_len"),
-                (
-                    Term((0, 0), 0.01),
-                    Term((1, 0), step_per_request_s),
-                    Term((0, 1), step_per_token_s),
-                ),
-            ),
-        )
-    ).save(path)
+    CostModel(toy_cost_file(kv_capacity_tokens, 1e9, step_per_request_s, step_per_token_s)).save(
+        path
+    )
     return str(path)
 
 
