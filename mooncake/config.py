@@ -252,6 +252,11 @@ class PrefillConfig(msgspec.Struct, **_STRUCT):
     pipeline_group_size: Annotated[
         int, knob("Nodes per chunked pipeline-parallel prefill group; 0 = automatic.", ge=0)
     ] = 1
+    kv_cache_bytes: Annotated[
+        Size,
+        knob("Device memory for the paged KV cache of prompts being prefilled: bytes, or a "
+             "percentage of the free GPU (CPU: available) memory.", "size"),
+    ] = Size(num_bytes=1 << 30)  # fmt: skip
 
 
 class DecodeConfig(msgspec.Struct, **_STRUCT):
@@ -261,6 +266,11 @@ class DecodeConfig(msgspec.Struct, **_STRUCT):
     max_tokens_default: Annotated[
         int, knob("Output tokens when a request does not say max_tokens.", ge=1)
     ] = 256
+    kv_cache_bytes: Annotated[
+        Size,
+        knob("Device memory for the paged KV cache of decoding requests: bytes, or a "
+             "percentage of the free GPU (CPU: available) memory.", "size"),
+    ] = Size(num_bytes=2 << 30)  # fmt: skip
 
 
 class SchedulerConfig(msgspec.Struct, **_STRUCT):

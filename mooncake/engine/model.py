@@ -40,7 +40,10 @@ class RMSNorm(nn.Module):
 def rope_inv_freq(spec: ModelSpec) -> Tensor:
     """(head_dim / 2,) float32 rotary frequencies, with the spec's scaling applied."""
     d = spec.head_dim
-    inv = 1.0 / (spec.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    # NOTE: on CPU even inside a meta-device context (meta ops import torch._dynamo)
+    inv = 1.0 / (
+        spec.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64, device="cpu").float() / d)
+    )
     sc = spec.rope_scaling
     if sc is None:
         return inv
@@ -245,9 +248,13 @@ class Model(nn.Module):
         self.is_last = self.end_layer == spec.num_layers
         num_local = self.end_layer - self.first_layer
         self.layers = nn.ModuleList(DecoderLayer(spec, info.qkv_bias) for _ in range(num_local))
+        # NOTE: `_weight` skips Embedding's random init, which on the meta device goes
+        # through torch._refs and imports torch._dynamo (~2 s per process start)
         self.embed_tokens = (
-            nn.Embedding(spec.vocab_size, spec.hidden_size) if self.is_first else None
-        )
+            nn.Embedding(spec.vocab_size, spec.hidden_size,
+                         _weight=torch.empty(spec.vocab_size, spec.hidden_size))
+            if self.is_first else None
+        )  # fmt: skip
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps) if self.is_last else None
         self.lm_head = (
             nn.Linear(spec.hidden_size, spec.vocab_size, bias=False) if self.is_last else None

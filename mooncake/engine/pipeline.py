@@ -39,21 +39,25 @@ def prefill_pipelined(
     *,
     req_id: int = 0,
     return_remote_kv: bool = False,
+    store_remote_kv: bool = False,
     **start_kw: Any,
 ) -> PrefillResult:
     """Prefill a prompt through the stages behind `link`; `runner` is the first stage.
-    Returns the last token's logits, this stage's blocks and (if asked) later stages' KV."""
+    Returns the last token's logits, this stage's blocks and (if asked) later stages' KV.
+    `store_remote_kv`: later stages have no sink of their own; their layers come back to
+    this stage and go into this stage's sink with its own (whole-model objects)."""
+    want_kv = return_remote_kv or store_remote_kv
     try:
-        return _prefill_once(runner, token_ids, link, req_id, return_remote_kv, start_kw)
+        return _prefill_once(runner, token_ids, link, req_id, want_kv, store_remote_kv, start_kw)
     except ReuseMismatchError as e:
         log.warning("req %d: %s; prefilling again with less reuse", req_id, e)
         start_kw["max_reuse_blocks"] = e.num_good_blocks
-        return _prefill_once(runner, token_ids, link, req_id, return_remote_kv, start_kw)
+        return _prefill_once(runner, token_ids, link, req_id, want_kv, store_remote_kv, start_kw)
 
 
 def _prefill_once(
     runner: PrefillRunner, token_ids: Sequence[int], link: BaseStageLink, req_id: int,
-    return_remote_kv: bool, start_kw: dict[str, Any],
+    return_remote_kv: bool, store_remote_kv: bool, start_kw: dict[str, Any],
 ) -> PrefillResult:  # fmt: skip
     st = runner.start(token_ids, req_id=req_id, **start_kw)
     n, chunk = len(st.token_ids), runner.chunk_tokens
@@ -70,6 +74,8 @@ def _prefill_once(
             link.send(StageFrame(FrameKind.CHUNK, req_id, i, start, end - start, h))
         link.send(StageFrame(FrameKind.END, req_id))
         st.logits, remote = _collect(runner, link, req_id, return_remote_kv)
+        if store_remote_kv:
+            runner.store_layers(st, remote)
         result = runner.finish(st)
     except BaseException:
         runner.abort(st)

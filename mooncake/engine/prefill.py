@@ -213,6 +213,18 @@ class PrefillRunner:
             st.logits = model.compute_logits(h[-1:])[0]
         return h
 
+    def store_layers(self, st: PrefillState, kv: dict[int, tuple[Tensor, Tensor]]) -> None:
+        """Queue layers computed elsewhere (each K, V: (num_tokens, kv_heads, head_dim), a
+        later pipeline stage's) into this prefill's objects, for the blocks it stores."""
+        if st.put is None or not kv:
+            return
+        bt = self.cache.block_tokens
+        blocks = range(st.first_store_block, len(st.token_ids) // bt)
+        indices = [b - st.first_store_block for b in blocks]
+        for layer, (k, v) in sorted(kv.items()):
+            ks = [k[b * bt : (b + 1) * bt] for b in blocks]
+            st.put.write_layer(layer, indices, ks, [v[b * bt : (b + 1) * bt] for b in blocks])
+
     def finish(self, st: PrefillState, wait_store: bool = True) -> PrefillResult:
         """Put-end and (by default) wait for it. Without `wait_store` the caller must
         `st.put.wait()` before freeing or reusing the blocks."""

@@ -14,7 +14,8 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from mooncake.engine.sampler import SamplingParams, make_generator
+from mooncake.engine.params import SamplingParams
+from mooncake.engine.sampler import make_generator
 from mooncake.engine.tokenizer import BaseTokenizer
 
 FinishReason = Literal["stop", "length", "abort"]

@@ -14,12 +14,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from mooncake.rpc.server import RpcServer
 from mooncake.store.messages import register
 from mooncake.store.metadata import MetadataService
-from mooncake.store.objects import StoreStats
+from mooncake.store.objects import StoreEvent, StoreStats
 from mooncake.store.settings import MetadataConfig
 
 if TYPE_CHECKING:
@@ -39,8 +40,10 @@ class StoreService:
         address: str = "tcp://127.0.0.1:0",
         tick_s: float = 0.0,  # s between housekeeping passes; 0 = a quarter of the lease
         metrics_port: int | None = None,  # serve /metrics on 127.0.0.1:port (0 = any free)
+        on_events: Callable[[list[StoreEvent]], None] | None = None,  # the Conductor's index
     ):
         self.metadata = MetadataService(config)
+        self.on_events = on_events  # called under the lock, on the housekeeping thread
         self.lock = threading.Lock()
         key = secret.encode() if isinstance(secret, str) else secret
         self.server = RpcServer(address, key, name="store")
@@ -78,7 +81,9 @@ class StoreService:
             now = time.monotonic()
             gone = self.metadata.expire(now)
             num_evicted = self.metadata.evict(now)
-            self.metadata.drain_events()  # NOTE: no Conductor listens yet; keep memory flat
+            events = self.metadata.drain_events()  # NOTE: drained even unheard: memory flat
+            if self.on_events is not None and events:
+                self.on_events(events)
         if gone:
             log.warning("store nodes expired (no heartbeat): %s", ", ".join(gone))
         if num_evicted:

@@ -1,0 +1,77 @@
+"""What the HTTP API serves from: a backend that turns a prompt into a stream of tokens.
+
+The API layer (`mooncake.api.app`) owns HTTP: OpenAI request/response bodies, SSE, API
+keys, error bodies. A backend owns everything behind it: tokenization rules, scheduling,
+the engine. Two backends exist: the master's cluster backend (`roles/master`: Conductor,
+prefill and decode nodes) and `EngineBackend` (`api/engine_backend.py`: one in-process
+engine, used by `mooncake serve --coupled` and by tests).
+
+Errors a backend raises while starting a request (before the first output):
+- `Rejected`: admission refused it (HTTP 429 with Retry-After);
+- `ApiError`: the request itself is bad (HTTP 400), e.g. a prompt longer than the model;
+- any other `MooncakeError`: the cluster cannot serve it now (HTTP 503).
+After the first output a failure ends the stream with `finish_reason="abort"` and `error`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator
+from typing import Literal
+
+import msgspec
+
+from mooncake.engine.params import SamplingParams
+from mooncake.engine.tokenizer import BaseTokenizer
+from mooncake.errors import MooncakeError
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class Rejected(MooncakeError):
+    """Admission refused the request before any work was done (HTTP 429)."""
+
+    def __init__(self, message: str, retry_after_s: float = 1.0):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s  # seconds the client should wait before retrying
+
+
+class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """One request, tokenized, as the API hands it to the backend."""
+
+    req_id: str  # "cmpl-..." / "chatcmpl-...", unique per request
+    prompt_ids: list[int]  # the prompt's token ids (chat template already applied)
+    params: SamplingParams
+    arrival_s: float = 0.0  # time.time() when the HTTP request arrived
+
+
+class Output(msgspec.Struct, frozen=True, kw_only=True):
+    """One step of a request's output stream (a token, or only the end)."""
+
+    token_id: int  # -1 when the event only ends the stream
+    text: str  # new text made certain by this token (may be "")
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None  # (token id, logprob), best first
+    finish_reason: FinishReason | None = None  # set on the last event only
+    error: str = ""  # why the stream aborted (finish_reason == "abort")
+    num_cached_tokens: int = 0  # on the first event: prompt tokens whose KV was reused
+
+
+class BaseBackend(ABC):
+    """A model server the API can send requests to."""
+
+    model_name: str  # the id `/v1/models` lists and requests must name
+    max_model_len: int  # prompt + output tokens at most
+    vocab_size: int = 0  # token ids a prompt may use ([0, vocab_size)); 0 = not told
+    tokenizer: BaseTokenizer
+
+    @abstractmethod
+    def generate(self, req: GenerateRequest) -> AsyncIterator[Output]:
+        """Start `req` and yield its outputs until one carries a finish_reason.
+
+        Raises `Rejected`, `ApiError` or another `MooncakeError` before the first output
+        when the request cannot start. Closing the iterator early aborts the request."""
+
+    async def health(self) -> dict[str, object]:
+        """What `/health` reports; raises MooncakeError when the backend cannot serve."""
+        return {"status": "ok"}

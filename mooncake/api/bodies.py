@@ -1,0 +1,135 @@
+"""OpenAI response bodies: completions and chat completions, whole or as stream chunks.
+
+Shapes follow the OpenAI API reference (and vLLM where OpenAI is silent): one choice
+(index 0); `usage` with `prompt_tokens_details.cached_tokens`; completions' legacy
+logprobs (`tokens`, `token_logprobs`, `top_logprobs`, `text_offset`) and chat's
+(`content: [{token, logprob, bytes, top_logprobs}]`). A streamed request gets one chunk per
+output token (text may be "" while a character or a stop string is still incomplete), so
+a client can time every token.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from mooncake.api.backend import Output
+from mooncake.engine.tokenizer import BaseTokenizer
+
+Body = dict[str, Any]
+
+
+def error_body(
+    message: str, type_: str = "invalid_request_error", param: str | None = None,
+    code: str | int | None = None,
+) -> Body:  # fmt: skip
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def usage_body(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> Body:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+class ResponseBuilder:
+    """Builds the bodies of one request (`is_chat`: chat.completion, else text_completion)."""
+
+    def __init__(
+        self, req_id: str, model: str, is_chat: bool, tokenizer: BaseTokenizer, logprobs: bool
+    ):
+        self.req_id, self.model, self.is_chat = req_id, model, is_chat
+        self.tokenizer, self.logprobs = tokenizer, logprobs
+        self.created = int(time.time())
+        self.text_len = 0  # characters streamed so far (completions' text_offset)
+
+    def _head(self, obj: str) -> Body:
+        return {"id": self.req_id, "object": obj, "created": self.created, "model": self.model}
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    # -- logprobs -----------------------------------------------------------------------
+    def _chat_logprob(self, token_id: int, logprob: float | None) -> Body:
+        text = self._token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    def chat_logprobs(self, outs: Sequence[Output]) -> Body:
+        content = []
+        for o in outs:
+            entry = self._chat_logprob(o.token_id, o.logprob)
+            entry["top_logprobs"] = [self._chat_logprob(t, lp) for t, lp in o.top_logprobs or []]
+            content.append(entry)
+        return {"content": content, "refusal": None}
+
+    def completion_logprobs(self, outs: Sequence[Output]) -> Body:
+        body: Body = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        offset = self.text_len
+        for o in outs:
+            body["tokens"].append(self._token_text(o.token_id))
+            body["token_logprobs"].append(o.logprob)
+            top = o.top_logprobs
+            body["top_logprobs"].append(
+                None if top is None else {self._token_text(t): lp for t, lp in top}
+            )
+            body["text_offset"].append(offset)
+            offset += len(o.text)
+        return body
+
+    def _logprobs(self, outs: Sequence[Output]) -> Body | None:
+        tokens = [o for o in outs if o.token_id >= 0]
+        if not self.logprobs or not tokens:
+            return None
+        return self.chat_logprobs(tokens) if self.is_chat else self.completion_logprobs(tokens)
+
+    # -- whole responses ----------------------------------------------------------------
+    def response(self, outs: Sequence[Output], usage: Body) -> Body:
+        """The non-streamed body of a finished request (`outs` ends with a finish_reason)."""
+        text = "".join(o.text for o in outs)
+        finish = outs[-1].finish_reason if outs else "stop"
+        choice: Body = {"index": 0, "logprobs": self._logprobs(outs), "finish_reason": finish}
+        if self.is_chat:
+            choice["message"] = {"role": "assistant", "content": text, "refusal": None}
+            body = self._head("chat.completion")
+        else:
+            choice["text"] = text
+            body = self._head("text_completion")
+        body["choices"] = [choice]
+        body["usage"] = usage
+        return body
+
+    # -- stream chunks ------------------------------------------------------------------
+    def _chunk(self, choice: Body, include_usage: bool) -> Body:
+        body = self._head("chat.completion.chunk" if self.is_chat else "text_completion")
+        body["choices"] = [choice]
+        if include_usage:
+            body["usage"] = None
+        return body
+
+    def role_chunk(self, include_usage: bool) -> Body:
+        """Chat's first chunk: the assistant role, no content yet."""
+        delta = {"role": "assistant", "content": ""}
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}
+        return self._chunk(choice, include_usage)
+
+    def chunk(self, out: Output, include_usage: bool) -> Body:
+        """The chunk of one output (a token, the end, or both)."""
+        choice: Body = {"index": 0, "logprobs": self._logprobs([out])}
+        if self.is_chat:
+            choice["delta"] = {"content": out.text} if out.token_id >= 0 or out.text else {}
+        else:
+            choice["text"] = out.text
+        choice["finish_reason"] = out.finish_reason
+        self.text_len += len(out.text)
+        return self._chunk(choice, include_usage)
+
+    def usage_chunk(self, usage: Body) -> Body:
+        """The last chunk with `stream_options.include_usage`: no choices, the usage."""
+        body = self._head("chat.completion.chunk" if self.is_chat else "text_completion")
+        body["choices"] = []
+        body["usage"] = usage
+        return body

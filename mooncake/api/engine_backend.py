@@ -1,0 +1,238 @@
+"""A whole model in this process behind the API: the coupled baseline (like one vLLM server).
+
+One background thread owns the engine (`DecodeRunner`: prefill on admission, continuous
+batching) and loops `apply commands -> step -> deliver`. Requests come from asyncio as
+"add"/"abort" commands through a locked inbox; each step's `TokenEvent`s go back to their
+requests' asyncio queues with one `loop.call_soon_threadsafe` per event loop and step.
+Closing a request's iterator early queues an "abort", which frees its KV blocks.
+
+    backend = EngineBackend(ModelConfig(path="dummy:tiny", block_tokens=16), max_batch=8)
+    app = create_app(backend); ...; backend.close()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import socket
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Literal
+
+from mooncake.api.backend import BaseBackend, GenerateRequest, Output
+from mooncake.api.stats import RequestStats
+from mooncake.api.status import NodeStatus, Status
+from mooncake.config import ModelConfig
+from mooncake.engine.prefill import check_token_ids
+from mooncake.engine.sequence import Sequence, TokenEvent
+from mooncake.engine.tokenizer import create_tokenizer
+from mooncake.errors import ApiError, ConfigError, MooncakeError
+
+log = logging.getLogger(__name__)
+DEFAULT_KV_CACHE_BYTES = 512 * 1024 * 1024
+
+
+@dataclass
+class _Pending:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[Output]
+
+
+class EngineBackend(BaseBackend):
+    """Serves `model` from this process; call `close()` when done (stops the thread)."""
+
+    def __init__(
+        self,
+        model: ModelConfig | None = None,
+        *,
+        max_batch: int = 128,
+        chunk_tokens: int = 1024,
+        kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
+        device: str = "cpu",
+        served_model_name: str = "",
+        num_threads: int | None = None,  # torch threads (process-wide); None = torch's default
+    ):
+        import torch
+
+        from mooncake.engine.decode import DecodeRunner
+        from mooncake.engine.kvcache import PagedKVCache
+        from mooncake.engine.modelinfo import load_model_info, resolve_dtype
+        from mooncake.engine.weights import create_model
+
+        config = model or ModelConfig()
+        info = load_model_info(config.path)
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        spec = info.spec
+        self.model = create_model(info, resolve_dtype(info, config.dtype, device), device)
+        elem = next(self.model.parameters()).element_size()
+        block_bytes = spec.num_layers * PagedKVCache.block_bytes_per_layer(
+            config.block_tokens, spec.num_kv_heads, spec.head_dim, elem
+        )
+        num_blocks = kv_cache_bytes // block_bytes
+        if num_blocks < 1:
+            raise ConfigError(
+                f"KV cache: {kv_cache_bytes} bytes hold no block of "
+                f"{config.block_tokens} tokens ({block_bytes} bytes); give more or smaller blocks"
+            )
+        self.cache = PagedKVCache.for_model(self.model, num_blocks, config.block_tokens)
+        self.runner = DecodeRunner(
+            self.model, self.cache, max_batch=max_batch, chunk_tokens=chunk_tokens
+        )
+        self.tokenizer = create_tokenizer(config.path, info.eos_token_ids)
+        self.vocab_size = spec.vocab_size
+        self.model_name = served_model_name or config.path
+        limit = config.max_model_len or spec.max_position_embeddings
+        self.max_model_len = min(limit, num_blocks * config.block_tokens)
+        if self.max_model_len < limit:
+            log.warning("max_model_len cut to %d tokens: the KV cache holds no more",
+                        self.max_model_len)  # fmt: skip
+        self._ids = itertools.count()
+        self._cond = threading.Condition()
+        self._inbox: list[tuple[Literal["add", "abort"], Sequence | int]] = []
+        self._pending: dict[int, _Pending] = {}  # seq_id -> where its outputs go
+        self._is_stopping = False
+        self.num_generated_tokens = 0  # output tokens the engine produced (aborted ones too)
+        self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
+        self._thread.start()
+
+    # -- asyncio side -------------------------------------------------------------------
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[Output]:
+        ids, params = req.prompt_ids, req.params
+        params.validate()
+        check_token_ids(ids, self.vocab_size)
+        if not ids:
+            raise ApiError("the prompt is empty")
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise ApiError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                f"max_model_len ({self.max_model_len})"
+            )
+        seq = Sequence(next(self._ids), ids, params, eos_token_ids=self.tokenizer.eos_token_ids,
+                       max_model_len=self.max_model_len, tokenizer=self.tokenizer)  # fmt: skip
+        queue: asyncio.Queue[Output] = asyncio.Queue()
+        with self._cond:
+            if self._is_stopping or not self._thread.is_alive():
+                raise MooncakeError("the engine has stopped")
+            self._pending[seq.seq_id] = _Pending(asyncio.get_running_loop(), queue)
+            self._inbox.append(("add", seq))
+            self._cond.notify()
+        is_done = False
+        try:
+            while not is_done:
+                out = await queue.get()
+                is_done = out.finish_reason is not None
+                yield out
+        finally:
+            if not is_done:  # the consumer went away: free the request's blocks
+                self._submit("abort", seq.seq_id)
+
+    async def health(self) -> dict[str, object]:
+        if not self._thread.is_alive():
+            raise MooncakeError("the engine thread has stopped")
+        return {"status": "ok", "model": self.model_name, **self.load()}
+
+    def load(self) -> dict[str, int]:
+        """Requests waiting for and in the running batch (read without a lock: a glance)."""
+        return {"num_waiting": len(self.runner.waiting), "num_running": len(self.runner.running)}
+
+    def status(self, stats: RequestStats, *, uptime_s: float, cluster: str = "serve",
+               ttft_slo_s: float = 0.0, tbt_slo_s: float = 0.0) -> Status:  # fmt: skip
+        """The `/v1/status` snapshot of this single-process server: one node, no pool."""
+        snap, load = stats.snapshot(), self.load()
+        node = NodeStatus(
+            node_id=f"{socket.gethostname()}-coupled", role="coupled", address="", state="ready",
+            num_queued=load["num_waiting"], num_running=load["num_running"],
+            load=load["num_running"] / self.runner.max_batch,
+        )  # fmt: skip
+        return Status(
+            cluster=cluster, model=self.model_name, uptime_s=uptime_s, nodes=[node], pool=[],
+            hit_rate=0.0, local_hit_rate=0.0,
+            num_queued=load["num_waiting"], num_running=load["num_running"],
+            num_requests=snap.num_requests, num_completed=snap.num_completed,
+            rejected=snap.num_rejected, num_failed=snap.num_failed,
+            ttft_p50_s=snap.ttft_p50_s, ttft_p90_s=snap.ttft_p90_s,
+            tbt_p50_s=snap.tbt_p50_s, tbt_p90_s=snap.tbt_p90_s,
+            ttft_slo_s=ttft_slo_s, tbt_slo_s=tbt_slo_s,
+        )  # fmt: skip
+
+    def close(self) -> None:
+        """Stop the engine thread; requests still pending end with an abort."""
+        with self._cond:
+            self._is_stopping = True
+            self._cond.notify()
+        self._thread.join(timeout=30)
+
+    def _submit(self, kind: Literal["add", "abort"], item: Sequence | int) -> None:
+        with self._cond:
+            self._inbox.append((kind, item))
+            self._cond.notify()
+
+    # -- engine thread ------------------------------------------------------------------
+    def _loop(self) -> None:
+        runner = self.runner
+        while True:
+            with self._cond:
+                while not (self._inbox or runner.has_work or self._is_stopping):
+                    self._cond.wait()
+                if self._is_stopping:
+                    break
+                inbox, self._inbox = self._inbox, []
+            try:
+                self._apply(inbox)
+                events = runner.step() if runner.has_work else []
+            except Exception as e:  # a bug or out of memory: fail the batch, keep serving
+                log.exception("engine step failed; aborting %d requests", len(self._pending))
+                self._fail_all(f"engine step failed: {e!r}")
+                continue
+            self.num_generated_tokens += sum(e.token_id >= 0 for e in events)
+            self._deliver(events, "")
+        self._fail_all("the engine stopped")
+
+    def _apply(self, inbox: list[tuple[Literal["add", "abort"], Sequence | int]]) -> None:
+        for kind, item in inbox:
+            if kind == "add":
+                assert isinstance(item, Sequence), item
+                self.runner.add(item)  # NOTE: token ids were checked in generate()
+            else:
+                assert isinstance(item, int), item
+                self.runner.abort(item)  # its final event goes nowhere: drop the request
+                with self._cond:
+                    self._pending.pop(item, None)
+
+    def _fail_all(self, error: str) -> None:
+        runner = self.runner
+        events = [e for s in [*runner.running, *runner.waiting] if (e := runner.abort(s.seq_id))]
+        with self._cond:
+            known = {e.seq_id for e in events}
+            events += [TokenEvent(i, -1, "", finish_reason="abort") for i in self._pending
+                       if i not in known]  # fmt: skip
+        self._deliver(events, error)
+
+    def _deliver(self, events: list[TokenEvent], error: str) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Output], Output]]] = {}
+        with self._cond:
+            for e in events:
+                pending = self._pending.get(e.seq_id)
+                if pending is None:
+                    continue  # aborted by its consumer
+                if e.finish_reason is not None:
+                    del self._pending[e.seq_id]
+                why = ""
+                if e.finish_reason == "abort":  # not asked for by its consumer: see above
+                    why = error or "the KV cache cannot hold this request"
+                out = Output(token_id=e.token_id, text=e.text, logprob=e.logprob,
+                             top_logprobs=e.top_logprobs, finish_reason=e.finish_reason,
+                             error=why)  # fmt: skip
+                by_loop.setdefault(pending.loop, []).append((pending.queue, out))
+        for loop, batch in by_loop.items():
+            with contextlib.suppress(RuntimeError):  # a closed loop: nobody is listening
+                loop.call_soon_threadsafe(_put_all, batch)
+
+
+def _put_all(batch: list[tuple[asyncio.Queue[Output], Output]]) -> None:
+    for queue, out in batch:
+        queue.put_nowait(out)

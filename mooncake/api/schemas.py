@@ -1,0 +1,212 @@
+"""OpenAI request bodies, parsed with msgspec, and their translation to `SamplingParams`.
+
+Every field OpenAI documents for /v1/completions and /v1/chat/completions is known here.
+Those we cannot honour are accepted at their neutral value (`echo: false`,
+`presence_penalty: 0`, ...) and refused otherwise; an unknown field is refused, as OpenAI
+does, so a typo never passes silently. Extensions (vLLM's): `top_k` (-1 or 0 = off),
+`stop_token_ids`, `ignore_eos`. A completion prompt is a string or a list of token ids
+(or a list holding exactly one of those).
+
+Every error is an `InvalidRequest` whose message names the field and what is allowed.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, TypeVar
+
+import msgspec
+from msgspec import Meta
+
+from mooncake.engine.params import SamplingParams
+from mooncake.errors import ApiError
+
+T = TypeVar("T")
+_Ge0 = Annotated[float, Meta(ge=0)]
+_Seed = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
+_MaxTokens = Annotated[int, Meta(ge=1)]
+
+
+class InvalidRequest(ApiError):
+    """A request the API refuses (HTTP `status`, OpenAI `invalid_request_error` body)."""
+
+    def __init__(self, message: str, param: str | None = None, *, status: int = 400,
+                 code: str | None = None):  # fmt: skip
+        super().__init__(message)
+        self.param, self.status, self.code = param, status, code
+
+
+class StreamOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    include_usage: bool = False  # a last chunk with `usage` and no choices
+
+
+class _Common(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Fields both endpoints share."""
+
+    model: str | None = None  # None = the served model
+    max_tokens: _MaxTokens | None = None
+    temperature: _Ge0 | None = None
+    top_p: Annotated[float, Meta(gt=0, le=1)] | None = None
+    top_k: Annotated[int, Meta(ge=-1)] | None = None  # extension; -1 and 0 = off
+    seed: _Seed | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[Annotated[int, Meta(ge=0)]] | None = None  # extension
+    ignore_eos: bool = False  # extension
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # accepted, ignored
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+
+
+class CompletionRequest(_Common, forbid_unknown_fields=True, kw_only=True):
+    """Body of POST /v1/completions."""
+
+    prompt: str | list[Any]
+    logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class ContentPart(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class ChatRequest(_Common, forbid_unknown_fields=True, kw_only=True):
+    """Body of POST /v1/chat/completions."""
+
+    messages: list[ChatMessage]
+    max_completion_tokens: _MaxTokens | None = None  # wins over max_tokens
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    parallel_tool_calls: bool | None = None
+    tool_choice: Literal["none"] | None = None
+    tools: list[Any] | None = None
+
+
+def decode_body(body: bytes, body_type: type[T]) -> T:
+    """Parse a JSON body; raises InvalidRequest naming the field that is wrong."""
+    if not body.strip():
+        raise InvalidRequest("the request body is empty; expected a JSON object")
+    try:
+        return msgspec.json.decode(body, type=body_type)
+    except msgspec.ValidationError as e:
+        text = str(e)
+        if text.startswith("Object contains unknown field"):
+            name = text.split("`")[1]
+            raise InvalidRequest(f"Unrecognized request argument supplied: {name}", name) from e
+        if text.startswith("Object missing required field"):
+            name = text.split("`")[1]
+            raise InvalidRequest(f"'{name}' is a required property", name) from e
+        if " - at `$" not in text:  # the top level itself
+            raise InvalidRequest(f"the request body must be a JSON object: {text}") from e
+        what, path = text.rsplit(" - at `$", 1)
+        param = path.rstrip("`").lstrip(".")
+        what = what[0].lower() + what[1:]
+        raise InvalidRequest(f"Invalid value for '{param}': {what}", param) from e
+    except msgspec.DecodeError as e:
+        raise InvalidRequest(f"We could not parse the JSON body of your request: {e}") from e
+
+
+def _refuse_unsupported(req: _Common) -> None:
+    """Fields we know but cannot honour: allowed only at their neutral value."""
+    checks: list[tuple[bool, str, str]] = [
+        (req.n != 1, "n", f"only n=1 is supported, got {req.n}; send one request per sample"),
+        (bool(req.presence_penalty), "presence_penalty", "only 0 is supported"),
+        (bool(req.frequency_penalty), "frequency_penalty", "only 0 is supported"),
+        (bool(req.logit_bias), "logit_bias", "is not supported; leave it empty"),
+        (req.stream_options is not None and not req.stream, "stream_options",
+         "is only allowed when stream is true"),
+    ]  # fmt: skip
+    if isinstance(req, CompletionRequest):
+        checks += [
+            (req.echo, "echo", "is not supported; use echo=false"),
+            (req.best_of not in (None, 1), "best_of", f"only 1 is supported, got {req.best_of}"),
+            (bool(req.suffix), "suffix", "is not supported"),
+        ]
+    if isinstance(req, ChatRequest):
+        checks += [
+            (bool(req.tools), "tools", "tool calling is not supported"),
+            (req.top_logprobs is not None and not req.logprobs, "top_logprobs",
+             "requires logprobs=true"),
+        ]  # fmt: skip
+    for bad, param, message in checks:
+        if bad:
+            raise InvalidRequest(f"{param}: {message}", param)
+
+
+def completion_prompt(req: CompletionRequest) -> str | list[int]:
+    """The one prompt of a completion request: its text, or its token ids."""
+    prompt: Any = req.prompt
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        return prompt
+    if prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return list(prompt)
+    if not prompt:
+        raise InvalidRequest("prompt: must not be empty", "prompt")
+    if all(isinstance(p, str | list) for p in prompt):
+        raise InvalidRequest(
+            f"prompt: batches of prompts are not supported (got {len(prompt)}); "
+            "send one request per prompt",
+            "prompt",
+        )
+    raise InvalidRequest("prompt: expected a string or a list of integer token ids", "prompt")
+
+
+def chat_messages(req: ChatRequest) -> list[dict[str, Any]]:
+    """The messages as the chat template reads them: role and text content."""
+    if not req.messages:
+        raise InvalidRequest("messages: must hold at least one message", "messages")
+    out: list[dict[str, Any]] = []
+    for m in req.messages:
+        content = m.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        msg: dict[str, Any] = {"role": m.role, "content": content or ""}
+        if m.name is not None:
+            msg["name"] = m.name
+        out.append(msg)
+    return out
+
+
+def sampling_params(req: CompletionRequest | ChatRequest, max_tokens: int) -> SamplingParams:
+    """SamplingParams of a parsed request, with `max_tokens` already resolved."""
+    _refuse_unsupported(req)
+    stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    if any(not s for s in stop):
+        raise InvalidRequest("stop: empty stop strings are not allowed", "stop")
+    if isinstance(req, ChatRequest):
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    else:
+        logprobs = req.logprobs
+    params = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=max(0, req.top_k or 0),
+        seed=req.seed,
+        stop=stop,
+        stop_token_ids=tuple(req.stop_token_ids or ()),
+        ignore_eos=req.ignore_eos,
+        logprobs=logprobs,
+    )
+    params.validate()
+    return params
+
+
+def requested_max_tokens(req: CompletionRequest | ChatRequest) -> tuple[int | None, str]:
+    """(max tokens the request asks for or None, the field that said it)."""
+    if isinstance(req, ChatRequest) and req.max_completion_tokens is not None:
+        return req.max_completion_tokens, "max_completion_tokens"
+    return req.max_tokens, "max_tokens"

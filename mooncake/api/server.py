@@ -1,0 +1,100 @@
+"""Run an ASGI app under uvicorn on a socket bound up front, so its URL is known before
+it serves (port 0 picks a free port), in this thread or a background one.
+
+    server = ApiServer(app, "127.0.0.1", 0)
+    server.start_in_thread()          # returns once it accepts connections
+    requests.get(server.url + "/health"); server.stop()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import threading
+from collections.abc import Callable, Iterator
+
+import uvicorn
+from starlette.types import ASGIApp
+
+from mooncake.errors import ConfigError
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on host:port; raises ConfigError naming the address."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    # NOTE: accepted sockets inherit this; without it a response's header and body writes
+    # meet Nagle's algorithm and the client's delayed ACK (~40 ms per request).
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ConfigError(f"api: cannot listen on {host}:{port}: {e.strerror}") from e
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+class _Server(uvicorn.Server):
+    on_ready: Callable[[], None] | None = None
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        # uvicorn re-raises a captured SIGINT/SIGTERM after its graceful shutdown, which
+        # would kill the process before its owner cleans up; here serve() just returns.
+        with super().capture_signals():
+            yield
+            self._captured_signals.clear()
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started and self.on_ready is not None:
+            self.on_ready()
+
+
+class ApiServer:
+    """One uvicorn server over `app` on a socket bound at construction."""
+
+    def __init__(self, app: ASGIApp, host: str = "127.0.0.1", port: int = 0, *,
+                 log_level: str = "warning"):  # fmt: skip
+        self.sock = bind_socket(host, port)
+        self.host, self.port = host, self.sock.getsockname()[1]
+        config = uvicorn.Config(app, log_level=log_level, access_log=False, lifespan="off",
+                                timeout_graceful_shutdown=2)  # fmt: skip
+        self.server = _Server(config)
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        """Base URL, e.g. http://127.0.0.1:8000 (a wildcard host shows as 127.0.0.1)."""
+        host = {"0.0.0.0": "127.0.0.1", "::": "[::1]"}.get(self.host, self.host)
+        host = f"[{host}]" if ":" in host and not host.startswith("[") else host
+        return f"http://{host}:{self.port}"
+
+    async def serve(self, on_ready: Callable[[], None] | None = None) -> None:
+        """Serve until `stop()` (or SIGINT/SIGTERM when run in the main thread: then it
+        returns after a graceful shutdown)."""
+        self.server.on_ready = on_ready
+        await self.server.serve(sockets=[self.sock])
+
+    def start_in_thread(self) -> None:
+        """Serve on a daemon thread; returns when the server accepts connections."""
+        ready = threading.Event()
+        self._thread = threading.Thread(
+            target=lambda: asyncio.run(self.serve(ready.set)), name="api-server", daemon=True
+        )
+        self._thread.start()
+        while not ready.wait(0.05):
+            if not self._thread.is_alive():
+                raise RuntimeError("the API server thread exited before it was ready")
+
+    def stop(self) -> None:
+        """Ask the server to exit and wait for its thread (if any)."""
+        self.server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+            self._thread = None
+        self.sock.close()

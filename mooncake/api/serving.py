@@ -1,0 +1,302 @@
+"""One generation request end to end: parse -> tokenize -> start -> stream or collect.
+
+The backend's first output is awaited before any response is started, so a request the
+backend refuses (`Rejected`, `ApiError`, another `MooncakeError`) gets a real HTTP status
+even when it asked to stream. A streamed response then sends one SSE chunk per output;
+when the client goes away the SSE body is closed, which closes the backend's iterator,
+which aborts the request. Every request is traced in `RequestStats`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import anyio
+import anyio.abc
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from mooncake.api import schemas
+from mooncake.api.backend import BaseBackend, GenerateRequest, Output, Rejected
+from mooncake.api.bodies import Body, ResponseBuilder, error_body, usage_body
+from mooncake.api.schemas import ChatRequest, CompletionRequest, InvalidRequest
+from mooncake.api.stats import Outcome, RequestStats, RequestTrace
+from mooncake.errors import ApiError, MooncakeError
+
+log = logging.getLogger(__name__)
+OPENAI_DEFAULT_MAX_TOKENS = 16  # /v1/completions without max_tokens, as OpenAI does
+
+
+class StreamFailed(MooncakeError):
+    """The backend ended a request with an error (before anything was sent to the client)."""
+
+
+@dataclass
+class ServingContext:
+    backend: BaseBackend
+    stats: RequestStats
+    default_max_tokens: int | None  # None: 16 for completions, the rest of the context for chat
+    max_body_bytes: int
+
+
+def json_response(body: Body, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(msgspec.json.encode(body), status, headers, media_type="application/json")
+
+
+def sse(body: Body) -> bytes:
+    return b"data: " + msgspec.json.encode(body) + b"\n\n"
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refusing (413) one larger than `limit` bytes before reading it all."""
+    declared = request.headers.get("content-length", "")
+    too_big = InvalidRequest(f"the request body exceeds {limit} bytes", status=413)
+    if declared.isdigit() and int(declared) > limit:
+        raise too_big
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_big
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _prompt_ids(ctx: ServingContext, req: CompletionRequest | ChatRequest) -> list[int]:
+    tokenizer = ctx.backend.tokenizer
+    if isinstance(req, ChatRequest):
+        return tokenizer.encode_chat(schemas.chat_messages(req))
+    prompt = schemas.completion_prompt(req)
+    return tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+
+
+def _max_tokens(ctx: ServingContext, req: CompletionRequest | ChatRequest, prompt_len: int) -> int:
+    """The request's max_tokens, checked against the context; raises InvalidRequest."""
+    limit = ctx.backend.max_model_len
+    field = "messages" if isinstance(req, ChatRequest) else "prompt"
+    if prompt_len >= limit:
+        raise InvalidRequest(
+            f"This model's maximum context length is {limit} tokens, but the {field} has "
+            f"{prompt_len} tokens, which leaves no room for output. Please shorten it.",
+            field,
+        )
+    asked, name = schemas.requested_max_tokens(req)
+    if asked is None:
+        fallback = ctx.default_max_tokens
+        if fallback is None and not isinstance(req, ChatRequest):
+            fallback = OPENAI_DEFAULT_MAX_TOKENS
+        return min(fallback or limit, limit - prompt_len)
+    if prompt_len + asked > limit:
+        raise InvalidRequest(
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{prompt_len + asked} tokens ({prompt_len} in the {field}, {asked} in the "
+            f"completion). Please reduce the {field} or {name}.",
+            name,
+        )
+    return asked
+
+
+async def _close(it: AsyncIterator[Output]) -> None:
+    aclose = getattr(it, "aclose", None)
+    if aclose is not None:
+        with anyio.CancelScope(shield=True):
+            await aclose()
+
+
+async def generate(ctx: ServingContext, request: Request, is_chat: bool) -> Response:
+    """Serve one POST /v1/completions or /v1/chat/completions."""
+    trace = ctx.stats.start()
+    arrival_s = time.time()
+    req_id = ("chatcmpl-" if is_chat else "cmpl-") + uuid.uuid4().hex
+    it: AsyncIterator[Output] | None = None
+    try:
+        raw = await read_body(request, ctx.max_body_bytes)
+        req: CompletionRequest | ChatRequest = (
+            schemas.decode_body(raw, ChatRequest)
+            if is_chat
+            else schemas.decode_body(raw, CompletionRequest)
+        )
+        model = ctx.backend.model_name
+        if req.model is not None and req.model != model:
+            raise InvalidRequest(
+                f"The model `{req.model}` does not exist; this server serves `{model}`.",
+                "model", status=404, code="model_not_found",
+            )  # fmt: skip
+        prompt_ids = _prompt_ids(ctx, req)
+        if not prompt_ids:
+            raise InvalidRequest("the prompt is empty", "messages" if is_chat else "prompt")
+        params = schemas.sampling_params(req, _max_tokens(ctx, req, len(prompt_ids)))
+        gen = GenerateRequest(req_id=req_id, prompt_ids=prompt_ids, params=params,
+                              arrival_s=arrival_s)  # fmt: skip
+        it = ctx.backend.generate(gen)
+        first = await it.__anext__()
+        if first.finish_reason == "abort":
+            raise StreamFailed(f"the request was aborted: {first.error or 'no reason given'}")
+    except BaseException as e:
+        if it is not None:
+            await _close(it)
+        trace.end(_outcome_of(e))
+        if isinstance(e, StopAsyncIteration):
+            raise StreamFailed("the backend ended the request without any output") from e
+        raise
+    if first.token_id >= 0:
+        trace.token()
+    trace.prompt(len(prompt_ids), first.num_cached_tokens)
+    builder = ResponseBuilder(req_id, model, is_chat, ctx.backend.tokenizer,
+                              params.logprobs is not None)  # fmt: skip
+    usage = _Usage(len(prompt_ids), first.num_cached_tokens)
+    if req.stream:
+        include_usage = req.stream_options is not None and req.stream_options.include_usage
+        body = _stream(it, first, trace, builder, usage, include_usage)
+        return SSEResponse(body, headers={"X-Request-Id": req_id})
+    return await _collect(request, it, first, trace, builder, usage)
+
+
+def _outcome_of(e: BaseException) -> Outcome:
+    if isinstance(e, Rejected):
+        return "rejected"
+    if isinstance(e, ApiError):
+        return "invalid"
+    if isinstance(e, Exception):  # MooncakeError, StopAsyncIteration, a bug
+        return "failed"
+    return "cancelled"
+
+
+@dataclass
+class _Usage:
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int = 0
+
+    def add(self, out: Output) -> None:
+        self.completion_tokens += out.token_id >= 0
+
+    def body(self) -> Body:
+        return usage_body(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
+
+
+async def _collect(
+    request: Request, it: AsyncIterator[Output], first: Output, trace: RequestTrace,
+    builder: ResponseBuilder, usage: _Usage,
+) -> Response:  # fmt: skip
+    """Gather the outputs into one body; a client that disconnects first aborts the request."""
+    outs, error, is_gone = [first], "", False
+
+    async def pump() -> None:
+        nonlocal error
+        try:
+            while outs[-1].finish_reason is None:
+                out = await it.__anext__()
+                if out.token_id >= 0:
+                    trace.token()
+                outs.append(out)
+        except StopAsyncIteration:
+            error = "the backend ended the request without a finish reason"
+        except MooncakeError as e:
+            error = str(e)
+
+    async def watch(tg: anyio.abc.TaskGroup) -> None:
+        nonlocal is_gone
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        is_gone = True
+        tg.cancel_scope.cancel()
+
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(watch, tg)
+            await pump()
+            tg.cancel_scope.cancel()
+    finally:
+        await _close(it)
+        last = outs[-1].finish_reason
+        trace.end("cancelled" if is_gone else "completed" if last in ("stop", "length")
+                  else "failed")  # fmt: skip
+    if is_gone:
+        log.info("%s: the client went away; request aborted", builder.req_id)
+        return Response(status_code=499)  # nobody reads it
+    if outs[-1].finish_reason == "abort":
+        error = f"the request was aborted: {outs[-1].error or 'no reason given'}"
+    if error:
+        raise StreamFailed(error)
+    for out in outs:
+        usage.add(out)
+    return json_response(builder.response(outs, usage.body()))
+
+
+async def _stream(
+    it: AsyncIterator[Output], first: Output, trace: RequestTrace, builder: ResponseBuilder,
+    usage: _Usage, include_usage: bool,
+) -> AsyncIterator[bytes]:  # fmt: skip
+    outcome: Outcome = "cancelled"  # unless the stream reaches its end
+    try:
+        if builder.is_chat:
+            yield sse(builder.role_chunk(include_usage))
+        out = first
+        while True:
+            if out.finish_reason == "abort":
+                outcome = "failed"
+                message = f"the request was aborted: {out.error or 'no reason given'}"
+                log.warning("%s: %s", builder.req_id, message)
+                yield sse(error_body(message, "server_error", code=503))
+                break
+            usage.add(out)
+            yield sse(builder.chunk(out, include_usage))
+            if out.finish_reason is not None:
+                outcome = "completed"
+                if include_usage:
+                    yield sse(builder.usage_chunk(usage.body()))
+                break
+            try:
+                out = await it.__anext__()
+            except (StopAsyncIteration, MooncakeError) as e:
+                outcome = "failed"
+                message = str(e) or "the backend ended the request without a finish reason"
+                log.warning("%s: %s", builder.req_id, message)
+                yield sse(error_body(message, "server_error", code=503))
+                break
+            if out.token_id >= 0:
+                trace.token()
+        yield b"data: [DONE]\n\n"
+    finally:
+        await _close(it)
+        trace.end(outcome)
+
+
+class SSEResponse(StreamingResponse):
+    """A text/event-stream whose body (and so the backend request) is closed as soon as the
+    client disconnects, whatever the server's ASGI version."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, content: AsyncIterator[bytes], headers: dict[str, str]):
+        super().__init__(content, headers={"Cache-Control": "no-cache",
+                                           "X-Accel-Buffering": "no", **headers})  # fmt: skip
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body = self.body_iterator
+        assert isinstance(body, AsyncIterator), "SSEResponse streams an async generator"
+        try:
+            async with anyio.create_task_group() as tg:
+
+                async def watch() -> None:
+                    await self.listen_for_disconnect(receive)
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(watch)
+                # the client is gone: ASGI >= 2.4 servers raise OSError on send
+                with contextlib.suppress(OSError):
+                    await self.stream_response(send)
+                tg.cancel_scope.cancel()
+        finally:
+            aclose = getattr(body, "aclose", None)
+            if aclose is not None:
+                with anyio.CancelScope(shield=True):
+                    await aclose()

@@ -1,0 +1,68 @@
+"""The status snapshot: what the master serves at `GET /v1/status` and `mooncake status` shows.
+
+One JSON object (msgspec, field names as below). The master builds it on request from
+its registry, the Store's stats and its request records; `mooncake status` polls it.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+NodeState = Literal["starting", "ready", "draining", "down"]  # a node as the master sees it
+
+
+class NodeStatus(msgspec.Struct, frozen=True, kw_only=True):
+    node_id: str
+    role: str  # master | prefill | decode | store
+    address: str  # host:port of its control endpoint
+    state: NodeState
+    gpus: list[str] = []  # e.g. "NVIDIA H800 80GiB"; [] on a CPU node
+    nics: list[str] = []  # RDMA NICs, e.g. "mlx5_0"; [] when none
+    num_queued: int = 0  # requests waiting on this node
+    num_running: int = 0  # requests running on this node
+    load: float = 0.0  # 0..1: prefill busy share, or decode batch / max batch
+    last_seen_s: float = 0.0  # seconds since its last heartbeat
+    pipeline_group: str = ""  # prefill pipeline group this node belongs to, "" if none
+
+
+class TierStatus(msgspec.Struct, frozen=True, kw_only=True):
+    tier: str  # vram | dram | ssd
+    used_bytes: int
+    capacity_bytes: int
+    num_objects: int = 0
+
+
+class Status(msgspec.Struct, frozen=True, kw_only=True):
+    cluster: str
+    model: str
+    uptime_s: float
+    nodes: list[NodeStatus]
+    pool: list[TierStatus]
+    hit_rate: float  # share of prompt blocks found anywhere in the pool (global)
+    local_hit_rate: float  # share a cache local to the chosen prefill node would have hit
+    num_queued: int  # requests admitted and not yet producing tokens
+    num_running: int  # requests decoding
+    num_requests: int  # requests received since start
+    num_completed: int
+    rejected: int  # rejected by admission (HTTP 429)
+    num_failed: int  # ended with an error
+    ttft_p50_s: float | None  # over the recent window; None before any request finished
+    ttft_p90_s: float | None
+    tbt_p50_s: float | None
+    tbt_p90_s: float | None
+    ttft_slo_s: float
+    tbt_slo_s: float
+    transfer_bytes_per_s: float = 0.0  # KV moved between nodes, recent window
+    pool_hits: int = 0  # prompt blocks served from the pool since start
+    pool_lookups: int = 0  # prompt blocks looked up since start
+
+
+def encode_status(status: Status) -> bytes:
+    return msgspec.json.encode(status)
+
+
+def decode_status(data: bytes) -> Status:
+    """Parse a snapshot; raises msgspec.ValidationError / DecodeError on a bad body."""
+    return msgspec.json.decode(data, type=Status)

@@ -1,0 +1,117 @@
+"""`mooncake serve`: one process serving a whole model over the OpenAI API (the coupled,
+vLLM-like baseline to compare a disaggregated cluster against)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from mooncake.cli.app import app
+
+
+@app.command("serve")
+def serve(
+    config_file: Path | None = typer.Option(
+        None,
+        "--config",
+        envvar="MOONCAKE_CONFIG",
+        help="TOML config; serve reads its model, prefill, decode, scheduler, api and "
+        "metrics sections. Flags win over it.",
+    ),  # fmt: skip
+    model: str = typer.Option(
+        "", "--model", help='Model: a local HF directory or "dummy:NAME" (model.path).'
+    ),
+    host: str = typer.Option("", "--host", help="Address to listen on (api.host)."),
+    port: int | None = typer.Option(
+        None, "--port", min=0, max=65535, help="TCP port (api.port); 0 = any free port."
+    ),
+    api_keys: list[str] = typer.Option(
+        [], "--api-key", help="Bearer key clients must send; repeatable (api.api_keys)."
+    ),
+    max_batch: int | None = typer.Option(
+        None, "--max-batch", min=1, help="Most requests decoded together (decode.max_batch)."
+    ),
+    kv_cache: str = typer.Option(
+        "512MiB", "--kv-cache", help="Memory of the paged KV cache, e.g. 512MiB or 4GiB."
+    ),
+    served_model_name: str = typer.Option(
+        "", "--served-model-name", help="Model id clients name (default: the model path)."
+    ),
+    threads: int = typer.Option(
+        0, "--threads", min=0, help="torch CPU threads; 0 = torch's default."
+    ),
+    sets: list[str] = typer.Option(
+        [],
+        "--set",
+        metavar="KEY=VALUE",
+        help="Override one config key, as SECTION.KEY=VALUE; repeatable.",
+    ),  # fmt: skip
+) -> None:
+    """Serve a model from this process over the OpenAI-compatible HTTP API.
+
+    POST /v1/completions and /v1/chat/completions (streaming or not), GET /v1/models,
+    /v1/status, /health and /metrics (on the API port when metrics.port is 0). Prints the
+    URL once it accepts connections; stops on Ctrl-C or SIGTERM.
+    """
+    import asyncio
+    import sys
+    import time
+
+    from prometheus_client import CollectorRegistry
+
+    from mooncake.api.app import create_app
+    from mooncake.api.engine_backend import EngineBackend
+    from mooncake.api.server import ApiServer
+    from mooncake.api.stats import RequestStats
+    from mooncake.api.status import Status
+    from mooncake.cli.output import console
+    from mooncake.config import load_config, parse_set_option, parse_size
+    from mooncake.store.metrics import MetricsServer
+
+    overrides: dict[str, object] = dict(parse_set_option(s) for s in sets)
+    flags = {"model.path": model, "api.host": host, "api.api_keys": api_keys,
+             "decode.max_batch": max_batch}  # fmt: skip
+    overrides.update({k: v for k, v in flags.items() if v})
+    cfg = load_config(config_file, overrides=overrides).config
+    backend = EngineBackend(
+        cfg.model, max_batch=cfg.decode.max_batch, chunk_tokens=cfg.prefill.chunk_tokens,
+        kv_cache_bytes=parse_size(kv_cache), served_model_name=served_model_name,
+        num_threads=threads or None,
+    )  # fmt: skip
+    registry = CollectorRegistry() if cfg.metrics.enabled else None
+    metrics_server = None
+    if registry is not None and cfg.metrics.port:
+        metrics_server = MetricsServer(registry=registry, host=cfg.metrics.host,
+                                       port=cfg.metrics.port)  # fmt: skip
+    stats, started = RequestStats(), time.monotonic()
+
+    async def status() -> Status:
+        return backend.status(stats, uptime_s=time.monotonic() - started, cluster=cfg.cluster.name,
+                              ttft_slo_s=cfg.scheduler.ttft_slo_s,
+                              tbt_slo_s=cfg.scheduler.tbt_slo_s)  # fmt: skip
+
+    api = create_app(
+        backend, api_keys=cfg.api.api_keys, status_fn=status, stats=stats,
+        metrics_registry=registry, default_max_tokens=cfg.decode.max_tokens_default,
+    )  # fmt: skip
+    server = ApiServer(api, cfg.api.host, cfg.api.port if port is None else port)
+
+    def ready() -> None:
+        metrics = f"{server.url}/metrics" if registry is not None else "off"
+        if metrics_server is not None:
+            metrics_server.start()
+            metrics = metrics_server.url
+        console.print(
+            f"mooncake serve: {backend.model_name} listening on {server.url} "
+            f"(OpenAI API at {server.url}/v1, metrics {metrics})",
+            highlight=False, soft_wrap=True,
+        )  # fmt: skip
+        sys.stdout.flush()
+
+    try:
+        asyncio.run(server.serve(ready))
+    finally:
+        if metrics_server is not None:
+            metrics_server.stop()
+        backend.close()

@@ -1,0 +1,266 @@
+"""What `mooncake status` draws: a `Status` snapshot as rich renderables.
+
+Pure functions of the snapshot and the terminal width, so tests render to text. Below
+`WIDE` columns the view fits 80: GPU and NIC names become counts and bars shorten; from
+`WIDE` it shows the names, and from `SIDE_BY_SIDE` the pool sits beside the figures.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:  # rich is imported inside the functions: every verb module loads at start
+    from rich.console import RenderableType
+    from rich.table import Table
+    from rich.text import Text
+
+    from mooncake.api.status import NodeStatus, Status
+
+WIDE = 110  # columns from which nodes show GPU and NIC names and pool bars are longer
+SIDE_BY_SIDE = 140  # columns from which the pool table sits beside the serving figures
+SloVerdict = Literal["within", "over", "unknown"]
+STATE_STYLE = {"ready": "green", "starting": "yellow", "draining": "yellow", "down": "bold red"}
+
+
+def slo_verdict(value_s: float | None, slo_s: float) -> SloVerdict:
+    """`within` when a latency meets its SLO (<=), `over` when not, `unknown` before data."""
+    if value_s is None:
+        return "unknown"
+    return "within" if value_s <= slo_s else "over"
+
+
+def slo_style(value_s: float | None, slo_s: float) -> str:
+    return {"within": "green", "over": "bold red", "unknown": "dim"}[slo_verdict(value_s, slo_s)]
+
+
+def usage_style(fraction: float) -> str:
+    """Color of a load or fill bar: green below 70 %, yellow below 90 %, red above."""
+    return "green" if fraction < 0.7 else "yellow" if fraction < 0.9 else "red"
+
+
+def human_bytes(num_bytes: float) -> str:
+    """Binary units, as memory is sized: 1536 -> "1.5 KiB"."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(num_bytes) < 1024 or unit == "TiB":
+            return f"{num_bytes:.0f} B" if unit == "B" else f"{num_bytes:.1f} {unit}"
+        num_bytes /= 1024
+    raise AssertionError("unreachable")
+
+
+def human_rate(bytes_per_s: float) -> str:
+    """Decimal units, as links are rated: 1.25e9 -> "1.25 GB/s"."""
+    for unit in ("B/s", "kB/s", "MB/s", "GB/s"):
+        if bytes_per_s < 1000 or unit == "GB/s":
+            return f"{bytes_per_s:.0f} {unit}" if unit == "B/s" else f"{bytes_per_s:.2f} {unit}"
+        bytes_per_s /= 1000
+    raise AssertionError("unreachable")
+
+
+def human_duration(seconds: float) -> str:
+    """0.42 -> "0.4s", 75 -> "1m15s", 7384 -> "2h03m", 200000 -> "2d07h"."""
+    if seconds < 10:
+        return f"{seconds:.1f}s"
+    s = int(seconds)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
+
+
+def latency(value_s: float | None) -> str:
+    if value_s is None:
+        return "-"
+    return f"{value_s * 1000:.0f} ms" if value_s < 1 else f"{value_s:.2f} s"
+
+
+def bar(fraction: float, width: int) -> Text:
+    """A `width`-cell bar and the percentage, colored by `usage_style`."""
+    from rich.text import Text
+
+    fraction = min(max(fraction, 0.0), 1.0)
+    filled = round(fraction * width)
+    text = Text("█" * filled + "░" * (width - filled), style=usage_style(fraction))
+    text.append(f" {fraction * 100:3.0f}%")
+    return text
+
+
+def _gpus(gpus: list[str]) -> str:
+    if not gpus:
+        return "-"
+    if len(set(gpus)) == 1:
+        return f"{len(gpus)}× {gpus[0].removeprefix('NVIDIA ')}"
+    return f"{len(gpus)} mixed"
+
+
+def _nics(nics: list[str]) -> str:
+    names = ",".join(nics) or "-"
+    return names if len(names) <= 24 else f"{len(nics)} NICs"
+
+
+def _counts(gpus: list[str], nics: list[str]) -> str:
+    """The narrow layout's "GPU/NIC" cell: "8/4", or "-" for a node with neither."""
+    return f"{len(gpus)}/{len(nics)}" if gpus or nics else "-"
+
+
+def _table(title: str, is_wide: bool) -> Table:
+    from rich import box
+    from rich.table import Table
+
+    return Table(
+        title=title,
+        title_justify="left",
+        title_style="bold",
+        box=box.SIMPLE_HEAD,
+        show_edge=False,
+        padding=(0, 1 if is_wide else 0),  # columns 2 apart when wide, 1 apart in 80
+        collapse_padding=True,
+        pad_edge=False,
+    )
+
+
+def header(status: Status, url: str) -> Text:
+    from rich.text import Text
+
+    text = Text.assemble(
+        ("mooncake ", "bold"),
+        (status.cluster, "bold cyan"),
+        "  model ",
+        (status.model, "bold"),
+        f"  up {human_duration(status.uptime_s)}",
+    )
+    text.append(f"  {url}", style="dim")
+    return text
+
+
+def nodes_table(nodes: list[NodeStatus], width: int) -> Table:
+    from rich.markup import escape
+    from rich.text import Text
+
+    is_wide = width >= WIDE
+    table = _table(f"nodes ({len(nodes)})", is_wide)
+    for name in ("node", "role", "address"):
+        table.add_column(name, no_wrap=True, overflow="ellipsis")
+    table.add_column("state", no_wrap=True)
+    if is_wide:
+        table.add_column("GPUs", no_wrap=True, overflow="ellipsis")
+        table.add_column("NICs", no_wrap=True, overflow="ellipsis")
+    else:
+        table.add_column("GPU/NIC", justify="right", no_wrap=True)
+    table.add_column("q/run", justify="right", no_wrap=True)
+    table.add_column("load", no_wrap=True)
+    table.add_column("seen", justify="right", no_wrap=True)
+    table.add_column("group", no_wrap=True, overflow="ellipsis")
+    order = {"master": 0, "prefill": 1, "decode": 2, "store": 3}
+    for n in sorted(nodes, key=lambda n: (order.get(n.role, 9), n.node_id)):
+        hardware = [escape(_gpus(n.gpus)), escape(_nics(n.nics))] if is_wide else []
+        table.add_row(
+            escape(n.node_id),
+            escape(n.role),
+            escape(n.address),
+            Text(n.state, style=STATE_STYLE.get(n.state, "")),
+            *(hardware or [_counts(n.gpus, n.nics)]),
+            f"{n.num_queued}/{n.num_running}",
+            bar(n.load, 10 if is_wide else 4),
+            human_duration(n.last_seen_s),
+            escape(n.pipeline_group) or "-",
+            style="dim" if n.state == "down" else None,
+        )
+    return table
+
+
+def pool_table(status: Status, width: int) -> Table:
+    from rich.markup import escape
+
+    table = _table("KV pool", width >= WIDE)
+    for name, justify in (("tier", "left"), ("used / capacity", "right"), ("fill", "left")):
+        table.add_column(name, justify=justify, no_wrap=True)  # type: ignore[arg-type]
+    table.add_column("objects", justify="right", no_wrap=True)
+    tiers = sorted(status.pool, key=lambda t: {"vram": 0, "dram": 1, "ssd": 2}.get(t.tier, 9))
+    for t in tiers:
+        fill = t.used_bytes / t.capacity_bytes if t.capacity_bytes else 0.0
+        used = f"{human_bytes(t.used_bytes)} / {human_bytes(t.capacity_bytes)}"
+        table.add_row(
+            escape(t.tier), used, bar(fill, 12 if width >= WIDE else 8), f"{t.num_objects:,}"
+        )
+    if not tiers:
+        table.add_row("-", "no pool memory registered", "", "")
+    return table
+
+
+def metrics_table(status: Status) -> Table:
+    from rich.table import Table
+    from rich.text import Text
+
+    s = status
+    table = Table.grid(padding=(0, 2))
+    table.title, table.title_justify, table.title_style = "serving", "left", "bold"
+    table.add_column(style="bold", no_wrap=True)
+    table.add_column()
+    lookups = f"  ({s.pool_hits:,} of {s.pool_lookups:,} blocks)" if s.pool_lookups else ""
+    table.add_row(
+        "cache hits",
+        f"global {s.hit_rate * 100:.1f}%  local-only {s.local_hit_rate * 100:.1f}%{lookups}",
+    )
+    table.add_row("queues", f"{s.num_queued:,} queued  {s.num_running:,} running")
+    for name, p50, p90, slo in (
+        ("TTFT", s.ttft_p50_s, s.ttft_p90_s, s.ttft_slo_s),
+        ("TBT", s.tbt_p50_s, s.tbt_p90_s, s.tbt_slo_s),
+    ):
+        row = Text.assemble(
+            "P50 ",
+            (latency(p50), slo_style(p50, slo)),
+            "  P90 ",
+            (latency(p90), slo_style(p90, slo)),
+            (f"  SLO {latency(slo)}", "dim"),
+        )
+        table.add_row(name, row)
+    table.add_row(
+        "requests",
+        Text.assemble(
+            f"{s.num_requests:,} received  {s.num_completed:,} completed  ",
+            (f"{s.rejected:,} rejected", "yellow" if s.rejected else ""),
+            "  ",
+            (f"{s.num_failed:,} failed", "red" if s.num_failed else ""),
+        ),
+    )
+    table.add_row("transfer", human_rate(s.transfer_bytes_per_s))
+    return table
+
+
+def render_status(status: Status, url: str, width: int) -> RenderableType:
+    """The whole view of one snapshot for a terminal `width` columns wide."""
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    # NOTE: the nodes table grows with the cluster, so it comes last: a short terminal
+    # crops it, never the figures.
+    parts: list[RenderableType] = [header(status, url), Text()]
+    if width >= SIDE_BY_SIDE:
+        side = Table.grid(padding=(0, 4))
+        side.add_row(metrics_table(status), pool_table(status, width))
+        parts.append(side)
+    else:
+        parts += [metrics_table(status), Text(), pool_table(status, width)]
+    parts += [Text(), nodes_table(status.nodes, width)]
+    return Group(*parts)
+
+
+def render_unreachable(
+    url: str, error: str, down_for_s: float, interval_s: float, last: Status | None, width: int
+) -> RenderableType:
+    """The view while the master does not answer: why, for how long, and the last snapshot."""
+    from rich.console import Group
+    from rich.text import Text
+
+    banner = Text.assemble(
+        ("master unreachable", "bold red"),
+        f" for {human_duration(down_for_s)} at {url}: {error}\n",
+        (f"retrying every {interval_s:g}s (Ctrl-C to quit)", "dim"),
+    )
+    if last is None:
+        return banner
+    return Group(banner, Text("last snapshot:", style="dim"), render_status(last, url, width))

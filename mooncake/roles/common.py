@@ -1,0 +1,185 @@
+"""What every node process shares: identity, the cluster secret, readiness, signals, and
+the link to the master (registration, heartbeats, re-registration after a master restart).
+
+A node reports ready with one JSON line on stdout (`{"ready": true, ...}`), printed once it
+serves and the master accepted it; `mooncake up --local` waits for that line, never sleeps.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from mooncake.config import Config
+from mooncake.errors import MooncakeError
+from mooncake.roles.messages import (
+    AckMsg,
+    DeregisterMsg,
+    NodeHeartbeatMsg,
+    NodeHeartbeatReplyMsg,
+    NodeInfoMsg,
+    NodeLoadMsg,
+    RegisterMsg,
+    RegisterReplyMsg,
+)
+from mooncake.rpc import RpcClient
+from mooncake.topology import Topology, detect_topology
+
+log = logging.getLogger(__name__)
+HEARTBEAT_S = 1.0  # seconds between a node's heartbeats
+NODE_TTL_S = 5.0  # seconds without a heartbeat before the master marks a node down
+
+
+@dataclass
+class NodeContext:
+    """A node's settings and runtime facts (never written back into config)."""
+
+    config: Config
+    node_id: str
+    host: str  # address peers reach this node at
+    secret: bytes
+    topology: Topology
+    stop: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def master_rpc(self) -> str:
+        return f"tcp://{self.config.cluster.master}"
+
+    @property
+    def gpu_names(self) -> list[str]:
+        return [f"{g.name} {g.memory_total_bytes >> 30}GiB" for g in self.topology.gpus]
+
+    @property
+    def device_memory_bytes(self) -> int:
+        """Memory of the device the model runs on: the first GPU, else this host's RAM."""
+        gpus = self.topology.gpus
+        return gpus[0].memory_total_bytes if gpus else self.topology.memory_total_bytes
+
+    @property
+    def nic_names(self) -> list[str]:
+        return [n.name for n in self.topology.nics]
+
+
+def create_context(config: Config, role: str) -> NodeContext:
+    """Resolve identity and secret, detect hardware; raises ConfigError when the cluster has
+    no secret."""
+    secret = config.cluster.require_secret().encode()
+    host = config.node.advertise_address or _default_host(config.cluster.master)
+    node_id = config.node.id or f"{socket.gethostname()}-{role}-{os.getpid()}"
+    topo = detect_topology(nic_allow=list(config.transfer.nics) or None)
+    return NodeContext(config, node_id, host, secret, topo)
+
+
+def _default_host(master: str) -> str:
+    """The local address that routes to the master (loopback for a local cluster)."""
+    host = master.rpartition(":")[0].strip("[]")
+    if host in ("127.0.0.1", "localhost", "::1"):
+        return "127.0.0.1"
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, 9))
+            return str(s.getsockname()[0])
+    except OSError:
+        return socket.gethostname()
+
+
+def install_signal_handlers(stop: threading.Event) -> None:
+    """SIGINT and SIGTERM set `stop` (the role then drains and deregisters)."""
+
+    def handler(signum: int, _frame: Any) -> None:
+        log.info("signal %s: stopping", signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGTERM, handler)
+
+
+def report_ready(**info: Any) -> None:
+    """The ready handshake: one JSON line on stdout."""
+    sys.stdout.write(json.dumps({"ready": True, **info}) + "\n")
+    sys.stdout.flush()
+
+
+class MasterLink:
+    """Registers this node and heartbeats on a thread; registers again when the master
+    forgets it (a master restart), calling `on_registered` with each accepted reply."""
+
+    def __init__(
+        self,
+        ctx: NodeContext,
+        info: NodeInfoMsg,
+        load_fn: Callable[[], NodeLoadMsg] = NodeLoadMsg,
+        on_registered: Callable[[RegisterReplyMsg], None] | None = None,
+    ):
+        self.ctx, self.info, self.load_fn = ctx, info, load_fn
+        self.on_registered = on_registered
+        self.client = RpcClient(ctx.master_rpc, ctx.secret, timeout_s=5.0)
+        self.state: Literal["starting", "ready", "draining"] = "starting"
+        self.reply: RegisterReplyMsg | None = None
+        self._halt = threading.Event()  # heartbeats go on while the node drains
+        self._thread = threading.Thread(target=self._loop, name="master-link", daemon=True)
+
+    def register(self, timeout_s: float = 60.0) -> RegisterReplyMsg:
+        """Register, retrying while the master is not up yet; raises MooncakeError when it
+        refuses this node or stays unreachable for `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                reply = self.client.call(RegisterMsg(self.info), RegisterReplyMsg)
+                break
+            except MooncakeError as e:
+                if time.monotonic() > deadline or self.ctx.stop.is_set():
+                    raise MooncakeError(
+                        f"cannot register with the master at {self.ctx.config.cluster.master}: {e}"
+                    ) from e
+                self.ctx.stop.wait(0.2)
+        if not reply.is_accepted:
+            raise MooncakeError(f"the master refused node {self.info.node_id}: {reply.message}")
+        self.reply = reply
+        if self.on_registered is not None:
+            self.on_registered(reply)
+        return reply
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._halt.wait(HEARTBEAT_S):
+            self.beat()
+
+    def drain(self) -> None:
+        """Tell the master at once that this node takes no new work."""
+        self.state = "draining"
+        self.beat()
+
+    def beat(self) -> None:
+        try:
+            msg = NodeHeartbeatMsg(self.info.node_id, self.load_fn(), self.state)
+            if not self.client.call(msg, NodeHeartbeatReplyMsg).is_known:
+                log.warning(
+                    "the master does not know node %s; registering again", self.info.node_id
+                )
+                self.register(timeout_s=5.0)
+        except MooncakeError as e:
+            log.warning("heartbeat to the master failed: %s", e)
+
+    def deregister(self) -> None:
+        """Leave the cluster (best effort) and close the link."""
+        self.ctx.stop.set()
+        self._halt.set()
+        if self._thread.is_alive():
+            self._thread.join()
+        try:
+            self.client.call(DeregisterMsg(self.info.node_id), AckMsg, timeout_s=2.0)
+        except MooncakeError as e:
+            log.info("deregistration not confirmed: %s", e)
+        self.client.close()

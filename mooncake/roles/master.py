@@ -1,0 +1,342 @@
+"""The master role: the Store's metadata service, the Conductor, the node registry, the
+OpenAI-compatible HTTP API with `/metrics`, `/health` and the `/v1/status` feed.
+
+One control-plane endpoint (`cluster.master`) serves the Store's `store.*` messages and
+the cluster's `node.*`/`master.*` ones. A housekeeping thread marks silent nodes down,
+keeps the Conductor's instances in step with the registry (a prefill group is placed on
+once every stage is ready) and feeds the Store's events into the Conductor's prefix index.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from typing import Literal
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from mooncake.api.app import create_app
+from mooncake.api.server import ApiServer
+from mooncake.api.stats import RequestStats
+from mooncake.api.status import NodeStatus, Status, TierStatus
+from mooncake.conductor import Conductor
+from mooncake.conductor.index import StoreEvent as IndexEvent
+from mooncake.config import Config
+from mooncake.engine.kvstore import parse_kv_key
+from mooncake.engine.modelinfo import load_model_info
+from mooncake.engine.tokenizer import create_tokenizer
+from mooncake.errors import ConfigError
+from mooncake.hashing import PrefixHasher
+from mooncake.roles.cluster import ClusterBackend
+from mooncake.roles.common import HEARTBEAT_S, NODE_TTL_S, report_ready
+from mooncake.roles.messages import (
+    AckMsg,
+    DeregisterMsg,
+    GroupMsg,
+    GroupQueryMsg,
+    NodeHeartbeatMsg,
+    NodeHeartbeatReplyMsg,
+    PrefillEventMsg,
+    RegisterMsg,
+    RegisterReplyMsg,
+    TokensMsg,
+)
+from mooncake.roles.registry import Registry
+from mooncake.store.metrics import StoreCollector
+from mooncake.store.objects import StoreEvent
+from mooncake.store.service import StoreService
+from mooncake.store.settings import MetadataConfig
+
+log = logging.getLogger(__name__)
+TICK_S = 0.25  # seconds between housekeeping passes
+IndexKind = Literal["added", "evicted", "demoted", "node_gone"]
+_KINDS: dict[str, IndexKind] = {
+    "added": "added", "evicted": "evicted", "removed": "evicted", "demoted": "demoted",
+    "promoted": "demoted", "node_gone": "node_gone",
+}  # fmt: skip
+
+
+def create_conductor(cfg: Config, model_name: str) -> Conductor:
+    """The Conductor over the profiled cost model, or the roofline of a known model on
+    H800 x8 when no profile is configured."""
+    name = model_name.removeprefix("dummy:")
+    try:
+        return Conductor.from_config(cfg.scheduler, model=name, gpu="H800",
+                                     block_tokens=cfg.model.block_tokens)  # fmt: skip
+    except ConfigError as e:
+        raise ConfigError(
+            f"scheduler.cost_model_path: no cost model for {model_name} ({e}); run "
+            "`mooncake profile --out FILE` on a prefill node and set scheduler.cost_model_path"
+        ) from e
+
+
+class ClusterCollector(Collector):
+    """Prefix-cache and node figures of the cluster, read on each scrape."""
+
+    def __init__(self, master: Master):
+        self.master = master
+
+    def collect(self) -> Iterator[Metric]:
+        c = self.master.backend.counters
+        for name, doc, value in (
+            ("mooncake_prefix_blocks_looked_up", "Prompt blocks looked up in the pool.",
+             c.lookups),
+            ("mooncake_prefix_blocks_hit", "Prompt blocks held somewhere in the pool.", c.hits),
+            ("mooncake_prefix_blocks_local_hit",
+             "Prompt blocks the chosen prefill node held itself.", c.local_hits),
+            ("mooncake_kv_handoff_bytes", "KV bytes handed from prefill to decode nodes.",
+             c.kv_bytes),
+        ):  # fmt: skip
+            yield CounterMetricFamily(name, doc, value=value)
+        g = GaugeMetricFamily(
+            "mooncake_nodes", "Nodes by role and state.", labels=["role", "state"]
+        )
+        counts: dict[tuple[str, str], int] = {}
+        with self.master.lock:
+            for r in self.master.registry.nodes.values():
+                counts[(r.role, r.state)] = counts.get((r.role, r.state), 0) + 1
+        for (role, state), n in sorted(counts.items()):
+            g.add_metric([role, state], n)
+        yield g
+
+
+class Master:
+    def __init__(self, config: Config):
+        self.config = cfg = config
+        self.secret = cfg.cluster.require_secret().encode()
+        self.started = time.monotonic()
+        self.lock = threading.Lock()  # NOTE: guards the Conductor and the registry
+        info = load_model_info(cfg.model.path)
+        self.model_name = info.spec.name
+        ttl = max(NODE_TTL_S, cfg.store.heartbeat_ttl_s)  # one liveness rule for every node
+        dtype_bytes = 4 if cfg.model.dtype == "float32" else 2
+        self.registry = Registry(info.spec.num_layers, cfg.prefill.pipeline_group_size, ttl,
+                                 info.spec.weight_bytes(dtype_bytes))  # fmt: skip
+        self.conductor = create_conductor(cfg, info.spec.name)
+        max_len = cfg.model.max_model_len or info.spec.max_position_embeddings
+        self.backend = ClusterBackend(
+            self.conductor, self.registry, create_tokenizer(cfg.model.path, info.eos_token_ids),
+            info.spec.name, max_len, self.secret, cfg.model.block_tokens, self.lock,
+        )  # fmt: skip
+        self.backend.on_unreachable = self._mark_down
+        self.backend.vocab_size = info.spec.vocab_size
+        self.fingerprint = ""  # hex, from the first engine node
+        self.store = StoreService(self.secret, MetadataConfig.from_store_config(cfg.store),
+                                  address=f"tcp://{cfg.cluster.master}", tick_s=0.1,
+                                  on_events=self._on_store_events)  # fmt: skip
+        srv = self.store.server
+        srv.register(RegisterMsg, self._on_register)
+        srv.register(NodeHeartbeatMsg, self._on_heartbeat)
+        srv.register(DeregisterMsg, self._on_deregister)
+        srv.register(GroupQueryMsg, self._on_group_query)
+        srv.on_event(PrefillEventMsg, self._on_prefill_event)
+        srv.on_event(TokensMsg, lambda m, _p: self.backend.deliver(m.node_id, m.tokens))
+        self.metrics = CollectorRegistry()
+        self.metrics.register(StoreCollector(self.store.stats))
+        self.metrics.register(ClusterCollector(self))
+        self.stats = RequestStats()
+        app = create_app(self.backend, api_keys=cfg.api.api_keys, status_fn=self.status,
+                         metrics_registry=self.metrics, stats=self.stats,
+                         default_max_tokens=cfg.decode.max_tokens_default)  # fmt: skip
+        self.api = ApiServer(app, cfg.api.host, cfg.api.port)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="master-house", daemon=True)
+        self._instances: set[str] = set()  # Conductor instances (prefill leaders, decoders)
+
+    # -- node handlers (RPC thread) --
+    def _on_register(self, msg: RegisterMsg, _peer: object) -> RegisterReplyMsg:
+        info, cfg = msg.info, self.config
+        fp = info.model_fingerprint
+        if fp:
+            if not self.fingerprint:
+                self.fingerprint = fp
+                self.backend.hasher = PrefixHasher(cfg.model.block_tokens, self.secret,
+                                                   bytes.fromhex(fp))  # fmt: skip
+            elif fp != self.fingerprint:
+                why = (f"node {info.node_id} serves another model or dtype (its KV fingerprint "
+                       "differs from the cluster's)")  # fmt: skip
+                return RegisterReplyMsg(False, why)
+        with self.lock:
+            rec = self.registry.register(info, time.monotonic())
+            group = self.registry.group_msg(rec.node_id) if info.role == "prefill" else None
+        log.info("node %s (%s) registered from %s", info.node_id, info.role, info.rpc_address)
+        return RegisterReplyMsg(True, group=group, block_tokens=cfg.model.block_tokens,
+                                ttft_slo_s=cfg.scheduler.ttft_slo_s,
+                                tbt_slo_s=cfg.scheduler.tbt_slo_s)  # fmt: skip
+
+    def _on_heartbeat(self, msg: NodeHeartbeatMsg, _peer: object) -> NodeHeartbeatReplyMsg:
+        with self.lock:
+            known = self.registry.heartbeat(msg.node_id, msg.load, msg.state, time.monotonic())
+        return NodeHeartbeatReplyMsg(known)
+
+    def _on_deregister(self, msg: DeregisterMsg, _peer: object) -> AckMsg:
+        with self.lock:
+            rec = self.registry.remove(msg.node_id)
+        if rec is not None:
+            log.info("node %s left", msg.node_id)
+            self._drop_instance(msg.node_id)
+        return AckMsg()
+
+    def _on_group_query(self, msg: GroupQueryMsg, _peer: object) -> GroupMsg:
+        with self.lock:
+            return self.registry.group_msg(msg.node_id)
+
+    def _on_prefill_event(self, msg: PrefillEventMsg, _peer: object) -> None:
+        if msg.phase == "failed":
+            log.warning("req %d failed on %s: %s", msg.req_id, msg.node_id, msg.error)
+            return
+        self.backend.on_prefill_event(msg.req_id, msg.phase, msg.num_reused_tokens, msg.kv_bytes)
+
+    def _on_store_events(self, events: list[StoreEvent]) -> None:
+        # NOTE: runs under the store's lock on its thread; the Conductor has its own lock
+        log.debug("%d store events, first %s", len(events), events[0])
+        with self.lock:
+            for e in events:
+                kind = _KINDS.get(e.kind)
+                if kind is None:
+                    continue
+                if kind == "node_gone":
+                    self.conductor.index.apply(IndexEvent(kind="node_gone", node=e.node_id))
+                    continue
+                h = parse_kv_key(e.key)
+                if h is not None:
+                    ev = IndexEvent(kind=kind, node=e.node_id, block_hashes=(h,),
+                                    tier=e.tier or "dram")  # fmt: skip
+                    self.conductor.index.apply(ev)
+
+    # -- housekeeping --
+    def _loop(self) -> None:
+        while not self._stop.wait(TICK_S):
+            try:
+                self.tick()
+            except Exception:
+                log.exception("master housekeeping failed")
+
+    def tick(self) -> None:
+        now = time.monotonic()
+        with self.lock:
+            gone = self.registry.expire(now)
+        for rec in gone:
+            log.warning("node %s (%s) missed its heartbeats: marked down", rec.node_id, rec.role)
+            self._drop_instance(rec.node_id)
+        with self.lock:
+            leaders = self.registry.schedulable_leaders()
+            decoders = self.registry.ready_decoders()
+            pool = {r.node_id for r in self.registry.nodes.values()
+                    if r.state == "ready" and r.role in ("store", "prefill")}  # fmt: skip
+            for name in sorted(leaders - self._instances):
+                self.conductor.add_prefill_instance(name)
+                self._instances.add(name)
+                log.info("prefill group led by %s is schedulable", name)
+            for name in sorted(decoders - self._instances):
+                rec = self.registry.nodes[name]
+                self.conductor.add_decode_instance(name, rec.info.kv_capacity_tokens or None)
+                self._instances.add(name)
+                log.info("decode node %s is schedulable", name)
+            for name in sorted(pool - leaders - decoders):
+                self.conductor.add_pool_node(name)
+            for name in sorted(self._instances - leaders - decoders):
+                self._instances.discard(name)
+                self.conductor.remove_instance(name)
+            cutoff = now - 10.0
+            win = self.backend.counters.kv_window
+            while win and win[0][0] < cutoff:
+                win.pop(0)
+
+    def _mark_down(self, node_id: str) -> None:
+        """A node did not answer a call: down now, not after its heartbeat TTL."""
+        with self.lock:
+            rec = self.registry.nodes.get(node_id)
+            if rec is None or rec.state == "down":
+                return
+            if time.monotonic() - rec.last_seen_s < 2.5 * HEARTBEAT_S:
+                return  # it heartbeats: busy, not dead (the request is placed again anyway)
+            rec.state = "down"
+        log.warning("node %s (%s) does not answer: marked down", node_id, rec.role)
+        self._drop_instance(node_id)
+
+    def _drop_instance(self, node_id: str) -> None:
+        with self.lock:
+            self._instances.discard(node_id)
+            self.conductor.remove_instance(node_id)
+            # a group is gone with any of its stages: its leader stops being placed on
+            for g in self.registry.groups.values():
+                if node_id in g.members and g.leader in self._instances:
+                    self._instances.discard(g.leader)
+                    self.conductor.remove_instance(g.leader)
+        self.backend.on_node_down(node_id)
+
+    # -- the status feed --
+    async def status(self) -> Status:
+        s, st = self.stats.snapshot(), self.store.stats()
+        now = time.monotonic()
+        with self.lock:
+            nodes = [
+                NodeStatus(
+                    node_id=r.node_id,
+                    role=r.role,
+                    address=r.info.rpc_address,
+                    state=r.state,
+                    gpus=r.info.gpus,
+                    nics=r.info.nics,
+                    num_queued=r.load.num_queued,
+                    num_running=r.load.num_running,
+                    load=r.load.load,
+                    last_seen_s=now - r.last_seen_s,
+                    pipeline_group=r.group_id,
+                )  # fmt: skip
+                for r in sorted(self.registry.nodes.values(), key=lambda r: (r.role, r.node_id))
+            ]
+        nodes.insert(0, NodeStatus(node_id="master", role="master", state="ready",
+                                   address=self.config.cluster.master))  # fmt: skip
+        pool = [
+            TierStatus(
+                tier=t,
+                used_bytes=st.tier_used_bytes.get(t, 0),
+                capacity_bytes=cap,
+                num_objects=st.tier_objects.get(t, 0),
+            )  # fmt: skip
+            for t, cap in sorted(st.tier_capacity_bytes.items())
+        ]
+        c = self.backend.counters
+        window = sum(b for _, b in c.kv_window)
+        sched = self.config.scheduler
+        return Status(
+            cluster=self.config.cluster.name, model=self.model_name, uptime_s=now - self.started,
+            nodes=nodes, pool=pool,
+            hit_rate=c.hits / c.lookups if c.lookups else 0.0,
+            local_hit_rate=c.local_hits / c.lookups if c.lookups else 0.0,
+            num_queued=s.num_waiting, num_running=s.num_streaming,
+            num_requests=s.num_requests, num_completed=s.num_completed,
+            rejected=s.num_rejected, num_failed=s.num_failed,
+            ttft_p50_s=s.ttft_p50_s, ttft_p90_s=s.ttft_p90_s,
+            tbt_p50_s=s.tbt_p50_s, tbt_p90_s=s.tbt_p90_s,
+            ttft_slo_s=sched.ttft_slo_s, tbt_slo_s=sched.tbt_slo_s,
+            transfer_bytes_per_s=window / 10.0, pool_hits=c.hits, pool_lookups=c.lookups,
+        )  # fmt: skip
+
+    # -- lifecycle --
+    def serve(self) -> None:
+        """Serve until SIGINT/SIGTERM (uvicorn handles them in the main thread)."""
+        self.store.start()
+        self._thread.start()
+        try:
+            asyncio.run(self.api.serve(on_ready=self._ready))
+        finally:
+            self._stop.set()
+            self._thread.join()
+            self.store.stop()
+
+    def _ready(self) -> None:
+        log.info("master: API at %s, control plane at %s", self.api.url, self.store.address)
+        report_ready(node_id="master", role="master", url=self.api.url,
+                     master=self.store.address)  # fmt: skip
+
+
+def run_master(config: Config) -> None:
+    Master(config).serve()

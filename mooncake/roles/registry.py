@@ -1,0 +1,156 @@
+"""The master's view of its nodes: who registered, their state and load, and the prefill
+pipeline groups it forms. Pure bookkeeping: time is passed in, no I/O.
+
+Groups: prefill nodes are packed in registration order into groups of `group_size`; stage
+s of a group owns layers [s*L/n, (s+1)*L/n). `group_size` 0 is automatic: at the first
+prefill node, the fewest stages whose share of the weights fits in half of that node's
+device memory (the other half holds KV and activations).
+
+A group is schedulable (its leader becomes a Conductor prefill instance) once every stage
+is ready; it stops being schedulable when any of its nodes goes down.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from mooncake.api.status import NodeState
+from mooncake.roles.messages import GroupMsg, NodeInfoMsg, NodeLoadMsg
+
+
+@dataclass
+class NodeRecord:
+    info: NodeInfoMsg
+    registered_s: float
+    last_seen_s: float
+    state: NodeState = "starting"
+    load: NodeLoadMsg = field(default_factory=NodeLoadMsg)
+    group_id: str = ""
+    stage: int = 0
+
+    @property
+    def node_id(self) -> str:
+        return self.info.node_id
+
+    @property
+    def role(self) -> str:
+        return self.info.role
+
+
+@dataclass
+class Group:
+    group_id: str
+    size: int
+    members: list[str] = field(default_factory=list)  # node ids by stage
+
+    @property
+    def leader(self) -> str:
+        return self.members[0] if self.members else ""
+
+
+class Registry:
+    """Nodes by id and prefill groups; `ttl_s` without a heartbeat marks a node down."""
+
+    def __init__(self, num_layers: int, group_size: int, ttl_s: float, weight_bytes: int = 0):
+        assert group_size >= 0, group_size
+        self.num_layers, self.group_size, self.ttl_s = num_layers, group_size, ttl_s
+        self.weight_bytes = weight_bytes  # bytes of the model's weights (automatic groups)
+        self.nodes: dict[str, NodeRecord] = {}
+        self.groups: dict[str, Group] = {}
+        self._num_groups = 0
+
+    def register(self, info: NodeInfoMsg, now: float) -> NodeRecord:
+        """Add or update a node; a prefill node gets (or keeps) a place in a group."""
+        rec = self.nodes.get(info.node_id)
+        if rec is None or rec.state == "down":
+            old = rec
+            rec = NodeRecord(info, now, now)
+            if old is not None and old.group_id in self.groups:
+                rec.group_id, rec.stage = old.group_id, old.stage  # rejoins its group
+            self.nodes[info.node_id] = rec
+        else:
+            rec.info, rec.last_seen_s = info, now
+        if info.role == "prefill" and info.group_id and not rec.group_id:
+            self._rejoin(rec, info.group_id, info.stage)  # a master restarted under it
+        elif info.role == "prefill" and not rec.group_id:
+            self._place(rec)
+        return rec
+
+    def _auto_group_size(self, device_memory_bytes: int) -> int:
+        if device_memory_bytes <= 0 or self.weight_bytes <= 0:
+            return 1
+        return max(1, min(self.num_layers, -(-2 * self.weight_bytes // device_memory_bytes)))
+
+    def _place(self, rec: NodeRecord) -> None:
+        if self.group_size == 0:
+            self.group_size = self._auto_group_size(rec.info.device_memory_bytes)
+        size = min(self.group_size, self.num_layers)
+        group = next((g for g in self.groups.values() if len(g.members) < g.size), None)
+        if group is not None and "" in group.members:  # a stage a restarted master awaits
+            group = None
+        if group is None:
+            self._num_groups += 1
+            group = Group(f"pg{self._num_groups}", size)
+            self.groups[group.group_id] = group
+        rec.group_id, rec.stage = group.group_id, len(group.members)
+        group.members.append(rec.node_id)
+
+    def _rejoin(self, rec: NodeRecord, group_id: str, stage: int) -> None:
+        group = self.groups.get(group_id)
+        if group is None:
+            size = rec.info.group_size or self.group_size or 1
+            group = self.groups[group_id] = Group(group_id, min(size, self.num_layers))
+            self._num_groups = max(self._num_groups, int(group_id.removeprefix("pg") or 0))
+        while len(group.members) <= stage:
+            group.members.append("")
+        group.members[stage] = rec.node_id
+        rec.group_id, rec.stage = group_id, stage
+
+    def group_msg(self, node_id: str) -> GroupMsg:
+        rec = self.nodes[node_id]
+        group = self.groups[rec.group_id]
+        per = self.num_layers / group.size
+        first, end = round(rec.stage * per), round((rec.stage + 1) * per)
+        nxt = ""
+        if rec.stage + 1 < len(group.members):
+            nxt_rec = self.nodes.get(group.members[rec.stage + 1])
+            nxt = nxt_rec.info.stage_address if nxt_rec and nxt_rec.state != "down" else ""
+        return GroupMsg(group.group_id, rec.stage, group.size, first, end, nxt)
+
+    def heartbeat(self, node_id: str, load: NodeLoadMsg, state: NodeState, now: float) -> bool:
+        """Record a heartbeat; False when the node is unknown (or was marked down)."""
+        rec = self.nodes.get(node_id)
+        if rec is None or rec.state == "down":
+            return False
+        rec.last_seen_s, rec.load, rec.state = now, load, state
+        return True
+
+    def expire(self, now: float) -> list[NodeRecord]:
+        """Mark nodes silent for ttl_s down; returns them."""
+        gone = [
+            r for r in self.nodes.values()
+            if r.state != "down" and now - r.last_seen_s > self.ttl_s
+        ]  # fmt: skip
+        for r in gone:
+            r.state = "down"
+        return gone
+
+    def remove(self, node_id: str) -> NodeRecord | None:
+        rec = self.nodes.pop(node_id, None)
+        if rec is not None and rec.group_id in self.groups:
+            group = self.groups[rec.group_id]
+            if all(self.nodes.get(m) is None for m in group.members):
+                del self.groups[rec.group_id]
+        return rec
+
+    def schedulable_leaders(self) -> set[str]:
+        """Leaders of groups whose every stage is ready."""
+        out = set()
+        for g in self.groups.values():
+            recs = [self.nodes.get(m) for m in g.members]
+            if len(recs) == g.size and all(r is not None and r.state == "ready" for r in recs):
+                out.add(g.leader)
+        return out
+
+    def ready_decoders(self) -> set[str]:
+        return {r.node_id for r in self.nodes.values() if r.role == "decode" and r.state == "ready"}

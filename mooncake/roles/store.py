@@ -1,0 +1,60 @@
+"""The store role: this node's memory (a VRAM share, DRAM, SSD) in the KV pool, no model.
+
+Its tiers are sized from config, as bytes or a share of what the topology reports free,
+mounted with the master's Store service (which heartbeats them and sends demote/promote/
+evict instructions), and unmounted cleanly on SIGTERM.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import psutil
+
+from mooncake.errors import ConfigError
+from mooncake.roles.common import MasterLink, NodeContext, install_signal_handlers, report_ready
+from mooncake.roles.messages import NodeInfoMsg, NodeLoadMsg
+from mooncake.roles.worker import engine_options, ssd_bytes
+from mooncake.store.node import StoreNode, TierSizes
+
+log = logging.getLogger(__name__)
+
+
+def tier_sizes(ctx: NodeContext) -> TierSizes:
+    """Resolve [store] sizes against what this node has free."""
+    cfg = ctx.config.store
+    gpus = ctx.topology.gpus
+    vram = cfg.vram_bytes.resolve(gpus[0].memory_free_bytes) if gpus else 0
+    sizes = TierSizes(
+        vram_bytes=vram,
+        dram_bytes=cfg.dram_bytes.resolve(psutil.virtual_memory().available),
+        ssd_bytes=ssd_bytes(cfg.ssd_bytes, cfg.ssd_path),
+        ssd_path=cfg.ssd_path,
+        vram_device="cuda:0",
+    )
+    if not (sizes.vram_bytes or sizes.dram_bytes or sizes.ssd_bytes):
+        raise ConfigError("store: this store node would give the pool nothing; set "
+                          "store.dram_bytes, store.vram_bytes or store.ssd_bytes")  # fmt: skip
+    return sizes
+
+
+def run_store(ctx: NodeContext) -> None:
+    install_signal_handlers(ctx.stop)
+    sizes = tier_sizes(ctx)
+    node = StoreNode(ctx.node_id, ctx.master_rpc, ctx.secret, sizes, host=ctx.host,
+                     engine_options=engine_options(ctx.config))  # fmt: skip
+    capacity = sizes.vram_bytes + sizes.dram_bytes + sizes.ssd_bytes
+    link = MasterLink(ctx, NodeInfoMsg(ctx.node_id, "store", "", ctx.gpu_names, ctx.nic_names),
+                      NodeLoadMsg)  # fmt: skip
+    try:
+        node.start()
+        link.register()
+        link.start()
+        link.state = "ready"
+        report_ready(node_id=ctx.node_id, role="store", capacity_bytes=capacity)
+        log.info("store node %s serves %d bytes (%s)", ctx.node_id, capacity,
+                 ", ".join(node.tiers))  # fmt: skip
+        ctx.stop.wait()
+    finally:
+        link.deregister()
+        node.stop()

@@ -1,0 +1,149 @@
+"""What prefill and decode nodes share: loading the model (or this stage's layers), sizing
+the paged KV cache, the tokenizer, the prefix hasher and the pool (Store) connection."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import psutil
+import torch
+
+from mooncake.config import Config, Size
+from mooncake.engine.kvcache import PagedKVCache
+from mooncake.engine.kvobject import DTYPE_BYTES, KVLayout
+from mooncake.engine.kvstore import StoreKVPool
+from mooncake.engine.model import Model
+from mooncake.engine.modelinfo import ModelInfo, kv_fingerprint, load_model_info, resolve_dtype
+from mooncake.engine.tokenizer import BaseTokenizer, create_tokenizer
+from mooncake.engine.weights import create_model
+from mooncake.errors import ConfigError
+from mooncake.hashing import PrefixHasher
+from mooncake.roles.common import NodeContext
+from mooncake.rpc import RpcClient
+from mooncake.store.client import Store
+from mooncake.store.node import StoreNode, TierSizes
+from mooncake.transfer import EngineOptions
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Worker:
+    """A model (or one pipeline stage of it) with its cache, on this node's device."""
+
+    info: ModelInfo
+    dtype: str
+    model: Model
+    cache: PagedKVCache
+    tokenizer: BaseTokenizer
+    hasher: PrefixHasher
+    fingerprint: bytes
+
+    @property
+    def layout(self) -> KVLayout:
+        s = self.info.spec
+        return KVLayout(s.num_layers, self.cache.block_tokens, s.num_kv_heads, s.head_dim,
+                        self.dtype)  # fmt: skip
+
+    @property
+    def max_model_len(self) -> int:
+        return self.info.spec.max_position_embeddings
+
+
+def device_for(ctx: NodeContext) -> str:
+    return "cuda:0" if ctx.topology.gpus and torch.cuda.is_available() else "cpu"
+
+
+def cache_blocks(size: Size, ctx: NodeContext, info: ModelInfo, dtype: str, num_layers: int,
+                 block_tokens: int, device: str) -> int:  # fmt: skip
+    """How many KV blocks `size` buys for `num_layers` layers on `device`."""
+    if device.startswith("cuda"):
+        free = ctx.topology.gpus[0].memory_free_bytes
+    else:
+        free = psutil.virtual_memory().available
+    num_bytes = size.resolve(free)
+    s = info.spec
+    per_block = 2 * num_layers * block_tokens * s.num_kv_heads * s.head_dim * DTYPE_BYTES[dtype]
+    blocks = num_bytes // per_block
+    if blocks < 2:
+        raise ConfigError(
+            f"KV cache of {num_bytes} bytes holds {blocks} blocks of {block_tokens} tokens; "
+            f"give at least {2 * per_block} bytes (prefill/decode.kv_cache_bytes)"
+        )
+    return int(blocks)
+
+
+def load_worker(
+    ctx: NodeContext, cache_size: Size, layers: tuple[int, int] | None = None
+) -> Worker:
+    """Build the model's layers [a, b) (all by default) and a KV cache of `cache_size`."""
+    cfg = ctx.config
+    device = device_for(ctx)
+    info = load_model_info(cfg.model.path)
+    dtype = resolve_dtype(info, cfg.model.dtype, device)
+    first, end = layers or (0, info.spec.num_layers)
+    model = create_model(info, dtype, device, (first, end))
+    bt = cfg.model.block_tokens
+    num_blocks = cache_blocks(cache_size, ctx, info, dtype, end - first, bt, device)
+    cache = PagedKVCache.for_model(model, num_blocks, bt)
+    fingerprint = kv_fingerprint(info, dtype)
+    hasher = PrefixHasher(bt, ctx.secret, fingerprint)
+    tokenizer = create_tokenizer(cfg.model.path, info.eos_token_ids)
+    log.info("model %s layers [%d, %d) on %s, %s, KV cache %d blocks of %d tokens",
+             info.spec.name, first, end, device, dtype, num_blocks, bt)  # fmt: skip
+    return Worker(info, dtype, model, cache, tokenizer, hasher, fingerprint)
+
+
+def engine_options(cfg: Config) -> EngineOptions:
+    return EngineOptions.from_config(cfg.transfer)
+
+
+def mount_local_tiers(ctx: NodeContext) -> StoreNode | None:
+    """This node's own share of the pool (DRAM, SSD) as a store node, or None if it gives
+    nothing; mounted with the master before the node reports ready."""
+    cfg = ctx.config.store
+    vm = psutil.virtual_memory()
+    sizes = TierSizes(
+        vram_bytes=0,  # NOTE: prefill/decode VRAM holds their own KV caches
+        dram_bytes=cfg.dram_bytes.resolve(vm.available),
+        ssd_bytes=ssd_bytes(cfg.ssd_bytes, cfg.ssd_path),
+        ssd_path=cfg.ssd_path,
+    )
+    if not (sizes.dram_bytes or sizes.ssd_bytes):
+        return None
+    node = StoreNode(ctx.node_id, ctx.master_rpc, ctx.secret, sizes, host=ctx.host,
+                     engine_options=engine_options(ctx.config))  # fmt: skip
+    node.start()
+    return node
+
+
+def ssd_bytes(size: Size, path: str) -> int:
+    if size.is_zero or not path:
+        return 0
+    return size.resolve(psutil.disk_usage(path).free)
+
+
+def connect_pool(
+    ctx: NodeContext, worker: Worker, store_node: StoreNode | None
+) -> tuple[Store, StoreKVPool]:
+    """A Store client and the KV source/sink over it. With local tiers the client shares the
+    store node's Transfer Engine (one engine per process and node id), so this node's own
+    replicas are read in place and new objects are placed here first."""
+    if store_node is None:
+        store = Store.connect(ctx.master_rpc, ctx.secret, node_id=ctx.node_id, host=ctx.host,
+                              engine_options=engine_options(ctx.config))  # fmt: skip
+    else:
+        master = RpcClient(ctx.master_rpc, ctx.secret, timeout_s=10.0, max_frame_bytes=64 << 20)
+        store = Store(master, store_node.engine, 10.0, 16 << 20)
+    return store, StoreKVPool(store, worker.layout, worker.fingerprint)
+
+
+def close_pool(store: Store, pool: StoreKVPool, store_node: StoreNode | None) -> None:
+    """Stop the KV writer, then the client, then (if any) this node's tiers and engine."""
+    pool.close()
+    if store_node is None:
+        store.close()
+        return
+    store.master.close()
+    store_node.stop()

@@ -1,0 +1,32 @@
+"""What the engine alone produces: a DecodeRunner with no API, no thread, no asyncio."""
+
+from __future__ import annotations
+
+from functools import cache
+
+from mooncake.engine.decode import DecodeRunner
+from mooncake.engine.kvcache import PagedKVCache
+from mooncake.engine.model import Model
+from mooncake.engine.modelinfo import load_model_info
+from mooncake.engine.params import SamplingParams
+from mooncake.engine.sequence import Sequence
+from mooncake.engine.tokenizer import ByteTokenizer
+from mooncake.engine.weights import create_model
+from tests.api.conftest import BLOCK, KV_BYTES, MODEL
+
+
+@cache
+def _model() -> Model:
+    return create_model(load_model_info(MODEL), "float32", "cpu")
+
+
+def engine_alone(prompt_ids: list[int], params: SamplingParams) -> tuple[list[int], str]:
+    """(output token ids, output text) of one request decoded by a bare DecodeRunner."""
+    model = _model()
+    cache = PagedKVCache.for_model(model, KV_BYTES // (BLOCK * 4096), BLOCK)
+    runner = DecodeRunner(model, cache)
+    tok = ByteTokenizer()
+    runner.add(Sequence(0, prompt_ids, params, eos_token_ids=tok.eos_token_ids, tokenizer=tok,
+                        max_model_len=cache.num_blocks * BLOCK))  # fmt: skip
+    events = runner.run_until_done()[0]
+    return [e.token_id for e in events if e.token_id >= 0], "".join(e.text for e in events)

@@ -1,0 +1,66 @@
+"""`mooncake serve` as a user runs it: a child process that prints its URL once it
+listens (the ready handshake), serves chat over the OpenAI API with its key, reads flags
+over a config file, and exits cleanly on SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.timeout(90)
+
+
+def test_serve_prints_its_url_serves_chat_and_stops_on_sigterm(tmp_path: Path):
+    config = tmp_path / "serve.toml"
+    config.write_text('[model]\npath = "dummy:tiny"\nblock_tokens = 16\n'
+                      '[decode]\nmax_batch = 4\nmax_tokens_default = 3\n'
+                      '[metrics]\nport = 0\n[api]\nport = 1\n')  # fmt: skip
+    env = {**os.environ, "MOONCAKE_LOG_LEVEL": "warning"}
+    cmd = [sys.executable, "-m", "mooncake", "serve", "--config", str(config),
+           "--host", "127.0.0.1", "--port", "0", "--api-key", "k1", "--kv-cache", "4MiB",
+           "--served-model-name", "tiny", "--threads", "1"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env)  # fmt: skip
+    try:
+        assert proc.stdout is not None and proc.stderr is not None
+        line = proc.stdout.readline()  # printed once the server accepts connections
+        match = re.search(r"listening on (http://127\.0\.0\.1:\d+)", line)
+        assert match, (line, proc.stderr.read() if proc.poll() is not None else "")
+        url = match.group(1)
+        assert f"metrics {url}/metrics" in line  # metrics.port = 0: on the API port
+        headers = {"Authorization": "Bearer k1"}
+        with httpx.Client(base_url=url, headers=headers, timeout=30) as http:
+            models = http.get("/v1/models").json()["data"]
+            assert [(m["id"], m["max_model_len"]) for m in models] == [("tiny", 1024)]
+            body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                    "ignore_eos": True}  # fmt: skip
+            resp = http.post("/v1/chat/completions", json=body).json()
+            assert resp["usage"]["completion_tokens"] == 3  # decode.max_tokens_default
+            assert http.get("/v1/status").json()["num_completed"] == 1
+            assert "mooncake_api_ttft_seconds" in http.get("/metrics").text
+            assert http.get("/v1/models", headers={"Authorization": "Bearer x"}).status_code == 401
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_serve_with_an_unknown_model_names_it():
+    from typer.testing import CliRunner
+
+    from mooncake.cli.app import app, load_verbs
+    from mooncake.errors import ConfigError
+
+    load_verbs()
+    result = CliRunner().invoke(app, ["serve", "--model", "dummy:nope", "--port", "0"])
+    assert isinstance(result.exception, ConfigError)
+    assert "dummy:nope" in str(result.exception)

@@ -1,0 +1,142 @@
+"""`mooncake status`'s view: a Status rendered to text at 80 and 120 columns, SLO colors, units."""
+
+from __future__ import annotations
+
+import io
+
+from rich.console import Console, RenderableType
+
+from mooncake.api.status import NodeStatus, Status, TierStatus
+from mooncake.cli.statusview import (
+    human_bytes,
+    human_duration,
+    human_rate,
+    render_status,
+    slo_style,
+    slo_verdict,
+)
+
+H800 = ["NVIDIA H800 80GiB"] * 8
+
+
+def make_status(**changes: object) -> Status:
+    nodes = [
+        NodeStatus(node_id="master-0", role="master", address="10.0.0.1:7100", state="ready"),
+        NodeStatus(
+            node_id="prefill-0", role="prefill", address="10.0.0.11:7001", state="ready",
+            gpus=H800, nics=["mlx5_0", "mlx5_1", "mlx5_2", "mlx5_3"], num_queued=3,
+            num_running=1, load=0.62, last_seen_s=0.4, pipeline_group="pp0",
+        ),
+        NodeStatus(
+            node_id="prefill-1", role="prefill", address="10.0.0.12:7001", state="draining",
+            gpus=H800, nics=["mlx5_0", "mlx5_1"], num_running=1, load=0.95, last_seen_s=1.2,
+            pipeline_group="pp0",
+        ),
+        NodeStatus(
+            node_id="decode-0", role="decode", address="10.0.0.21:7001", state="ready",
+            gpus=H800, nics=["mlx5_0"], num_queued=2, num_running=48, load=0.75,
+        ),
+        NodeStatus(
+            node_id="store-0", role="store", address="10.0.0.31:7001", state="down",
+            last_seen_s=75.0,
+        ),
+    ]  # fmt: skip
+    pool = [
+        TierStatus(tier="dram", used_bytes=300 << 30, capacity_bytes=512 << 30, num_objects=123456),
+        TierStatus(tier="vram", used_bytes=10 << 30, capacity_bytes=80 << 30, num_objects=2000),
+        TierStatus(tier="ssd", used_bytes=1900 << 30, capacity_bytes=2 << 40, num_objects=999999),
+    ]
+    fields: dict[str, object] = dict(
+        cluster="prod-a", model="llama2-70b", uptime_s=7384.0, nodes=nodes, pool=pool,
+        hit_rate=0.62, local_hit_rate=0.41, num_queued=5, num_running=50, num_requests=12000,
+        num_completed=11800, rejected=150, num_failed=3, ttft_p50_s=1.2, ttft_p90_s=35.0,
+        tbt_p50_s=0.05, tbt_p90_s=0.09, ttft_slo_s=30.0, tbt_slo_s=0.1,
+        transfer_bytes_per_s=3.2e9, pool_hits=80000, pool_lookups=129000,
+    )  # fmt: skip
+    fields.update(changes)
+    return Status(**fields)  # type: ignore[arg-type]
+
+
+def to_text(renderable: RenderableType, width: int) -> str:
+    out = io.StringIO()
+    Console(file=out, width=width, color_system=None, legacy_windows=False).print(renderable)
+    return out.getvalue()
+
+
+def flat(text: str) -> str:
+    """Text with every run of whitespace (incl. wrapped lines) as one space."""
+    return " ".join(text.split())
+
+
+def test_view_at_80_columns_fits_and_keeps_every_cell_whole() -> None:
+    text = to_text(render_status(make_status(), "http://10.0.0.1:8000", 80), 80)
+    lines = text.splitlines()
+    assert max(len(line) for line in lines) <= 80
+    assert "mooncake prod-a  model llama2-70b  up 2h03m" in lines[0]
+    rows = {line.split()[0]: line.split() for line in lines if line[:1].isalpha()}
+    assert rows["prefill-0"] == [
+        "prefill-0", "prefill", "10.0.0.11:7001", "ready", "8/4", "3/1", "██░░", "62%", "0.4s",
+        "pp0",
+    ]  # fmt: skip
+    assert rows["prefill-1"][3] == "draining" and rows["prefill-1"][4] == "8/2"
+    assert rows["decode-0"][4:6] == ["8/1", "2/48"]
+    assert rows["store-0"][3:6] == ["down", "-", "0/0"] and "1m15s" in rows["store-0"]
+    # pool tiers in vram, dram, ssd order, whole cells
+    assert rows["vram"][1:6] == ["10.0", "GiB", "/", "80.0", "GiB"] and rows["vram"][-1] == "2,000"
+    assert rows["dram"][-1] == "123,456" and "59%" in rows["dram"]
+    assert rows["ssd"][1:6] == ["1.9", "TiB", "/", "2.0", "TiB"] and "93%" in rows["ssd"]
+    assert [ln.split()[0] for ln in lines if ln.split()[:1] in (["vram"], ["dram"], ["ssd"])] == [
+        "vram", "dram", "ssd",
+    ]  # fmt: skip
+    body = flat(text)
+    assert "global 62.0% local-only 41.0% (80,000 of 129,000 blocks)" in body
+    assert "queues 5 queued 50 running" in body
+    assert "TTFT P50 1.20 s P90 35.00 s SLO 30.00 s" in body
+    assert "TBT P50 50 ms P90 90 ms SLO 100 ms" in body
+    assert "12,000 received 11,800 completed 150 rejected 3 failed" in body
+    assert "transfer 3.20 GB/s" in body
+
+
+def test_view_at_120_columns_names_gpus_and_nics() -> None:
+    text = to_text(render_status(make_status(), "http://10.0.0.1:8000", 120), 120)
+    assert max(len(line) for line in text.splitlines()) <= 120
+    row = next(line for line in text.splitlines() if line.startswith("prefill-1"))
+    assert row.split()[:9] == [
+        "prefill-1", "prefill", "10.0.0.12:7001", "draining", "8×", "H800", "80GiB",
+        "mlx5_0,mlx5_1", "0/1",
+    ]  # fmt: skip
+    prefill_0 = next(line for line in text.splitlines() if line.startswith("prefill-0"))
+    assert "4 NICs" in prefill_0  # four names do not fit their column: a count instead
+    assert "P90 35.00 s SLO 30.00 s" in flat(text)
+
+
+def test_view_before_any_request_shows_dashes_and_an_empty_pool() -> None:
+    status = make_status(
+        pool=[], ttft_p50_s=None, ttft_p90_s=None, tbt_p50_s=None, tbt_p90_s=None, pool_lookups=0
+    )
+    body = flat(to_text(render_status(status, "http://m:8000", 80), 80))
+    assert "TTFT P50 - P90 - SLO 30.00 s" in body
+    assert "no pool memory registered" in body
+    assert "global 62.0% local-only 41.0% queues" in body  # no block counts without lookups
+
+
+def test_slo_verdict_is_within_at_or_below_the_slo_and_over_above_it() -> None:
+    assert slo_verdict(0.09, 0.1) == "within"
+    assert slo_verdict(0.1, 0.1) == "within"
+    assert slo_verdict(0.1001, 0.1) == "over"
+    assert slo_verdict(None, 0.1) == "unknown"
+    assert (slo_style(1.0, 30.0), slo_style(35.0, 30.0), slo_style(None, 30.0)) == (
+        "green",
+        "bold red",
+        "dim",
+    )
+
+
+def test_human_units() -> None:
+    assert [human_bytes(n) for n in (512, 1536, 3 << 30, 5 << 40)] == [
+        "512 B", "1.5 KiB", "3.0 GiB", "5.0 TiB",
+    ]  # fmt: skip
+    assert [human_rate(r) for r in (999, 1.25e6, 3.2e9)] == ["999 B/s", "1.25 MB/s", "3.20 GB/s"]
+    assert [human_duration(s) for s in (0.42, 42, 75, 7384, 200000)] == [
+        "0.4s", "42s", "1m15s", "2h03m", "2d07h",
+    ]  # fmt: skip

@@ -1,0 +1,121 @@
+"""Failures with real processes: a node killed (SIGKILL) under load. Two single-stage
+prefill groups and two decode nodes, so the cluster can route around each loss."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from mooncake.roles.local import LocalLauncher
+from tests.roles.cluster import local_cluster
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory, cost_cache: Path) -> Iterator[LocalLauncher]:
+    with local_cluster(tmp_path_factory.mktemp("failures"), cost_cache, num_prefill=2,
+                       group_size=1, num_decode=2) as launcher:  # fmt: skip
+        yield launcher
+
+
+def _post(url: str, prompt: list[int], max_tokens: int = 6) -> httpx.Response:
+    body = {"model": "dummy:tiny", "prompt": prompt, "max_tokens": max_tokens,
+            "temperature": 0, "ignore_eos": True}  # fmt: skip
+    return httpx.post(url + "/v1/completions", json=body, timeout=90)
+
+
+def _kill(cluster: LocalLauncher, node_id: str) -> None:
+    child = next(c for c in cluster.children if c.node_id == node_id)
+    child.proc.send_signal(signal.SIGKILL)
+    child.proc.wait()
+
+
+def _state(cluster: LocalLauncher, node_id: str) -> str:
+    nodes = httpx.get(cluster.url + "/v1/status", timeout=10).json()["nodes"]
+    return next(n["state"] for n in nodes if n["node_id"] == node_id)
+
+
+def _prompt(seed: int, n: int = 600) -> list[int]:
+    return [(i * seed + 3) % 250 + 1 for i in range(n)]
+
+
+def test_store_node_killed_only_costs_cache_misses(cluster: LocalLauncher) -> None:
+    for i in range(3):
+        assert _post(cluster.url, _prompt(7 + i)).status_code == 200
+    _kill(cluster, "store-0")
+    results = [_post(cluster.url, _prompt(7 + i)).status_code for i in range(3)]
+    assert results == [200, 200, 200]
+
+
+def test_prefill_node_killed_with_queued_requests(cluster: LocalLauncher) -> None:
+    """Requests queued (or prefilling) on a prefill node that dies are placed again on the
+    other group and complete."""
+    codes: list[int] = []
+
+    def run(seed: int) -> None:
+        codes.append(_post(cluster.url, _prompt(seed)).status_code)
+
+    threads = [threading.Thread(target=run, args=(s,)) for s in range(20, 28)]
+    for t in threads:
+        t.start()
+    time.sleep(0.3)  # NOTE: not a readiness wait: the requests must be in flight when it dies
+    _kill(cluster, "prefill-0")
+    for t in threads:
+        t.join()
+    assert codes == [200] * 8
+    assert _state(cluster, "prefill-0") == "down"
+
+
+def test_decode_node_killed(cluster: LocalLauncher) -> None:
+    """Requests decoding on a dead decode node end with a clear error (or had finished);
+    new requests avoid it."""
+    codes: list[int] = []
+    bodies: list[str] = []
+
+    def run(s: int) -> None:
+        r = _post(cluster.url, _prompt(s, 100), max_tokens=200)
+        codes.append(r.status_code)
+        bodies.append(r.text)
+
+    threads = [threading.Thread(target=run, args=(s,)) for s in range(40, 44)]
+    for t in threads:
+        t.start()
+    time.sleep(1.0)
+    _kill(cluster, "decode-0")
+    for t in threads:
+        t.join()
+    for code, body in zip(codes, bodies, strict=True):
+        assert code == 200 or "decode-0" in body or "failed" in body, body
+    deadline = time.monotonic() + 30
+    while _state(cluster, "decode-0") != "down" and time.monotonic() < deadline:
+        time.sleep(0.2)
+    after = [_post(cluster.url, _prompt(50 + i)).status_code for i in range(3)]
+    assert after == [200, 200, 200]
+
+
+def test_master_restart_nodes_re_register_and_serving_resumes(cluster: LocalLauncher) -> None:
+    """The master dies and comes back on the same addresses; running nodes register again
+    on their own (no restart of theirs) and new requests are served."""
+    pids = {c.node_id: c.proc.pid for c in cluster.children if c.role != "master"}
+    _kill(cluster, "master")
+    cluster.relaunch("master")
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        nodes = httpx.get(cluster.url + "/v1/status", timeout=10).json()["nodes"]
+        ready = {n["node_id"] for n in nodes if n["state"] == "ready"}
+        if {"prefill-1", "decode-1"} <= ready:
+            break
+        time.sleep(0.2)
+    assert {"prefill-1", "decode-1"} <= ready
+    assert _post(cluster.url, _prompt(77)).status_code == 200
+    alive = {c.node_id: c.proc.pid for c in cluster.children if c.role != "master"}
+    assert {k: v for k, v in alive.items() if k in ready} == {
+        k: v for k, v in pids.items() if k in ready
+    }

@@ -1,0 +1,112 @@
+"""The whole design on one machine: `mooncake up --local`'s cluster (master, a 2-stage
+prefill pipeline group, a decode node, a store node; real processes on loopback)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from mooncake.roles.local import LocalLauncher
+from tests.roles.cluster import local_cluster
+
+pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory, cost_cache: Path) -> Iterator[LocalLauncher]:
+    with local_cluster(tmp_path_factory.mktemp("local"), cost_cache) as launcher:
+        yield launcher
+
+
+def _complete(url: str, prompt: list[int] | str, max_tokens: int = 8) -> dict:
+    body = {"model": "dummy:tiny", "prompt": prompt, "max_tokens": max_tokens,
+            "temperature": 0, "ignore_eos": True}  # fmt: skip
+    r = httpx.post(url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _engine_alone(prompt: list[int], max_tokens: int) -> str:
+    """Greedy text of the same model run by one in-process DecodeRunner."""
+    from mooncake.engine.decode import DecodeRunner
+    from mooncake.engine.kvcache import PagedKVCache
+    from mooncake.engine.modelinfo import load_model_info
+    from mooncake.engine.params import SamplingParams
+    from mooncake.engine.sequence import Sequence
+    from mooncake.engine.tokenizer import ByteTokenizer
+    from mooncake.engine.weights import create_model
+
+    torch.set_num_threads(1)
+    info = load_model_info("dummy:tiny")
+    model = create_model(info, "float32", "cpu")
+    runner = DecodeRunner(model, PagedKVCache.for_model(model, 64, 32), chunk_tokens=256)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    runner.add(Sequence(1, prompt, params, tokenizer=ByteTokenizer()))
+    return "".join(e.text for e in runner.run_until_done()[1])
+
+
+def test_greedy_tokens_equal_the_engine_alone(cluster: LocalLauncher) -> None:
+    """Prefill on two pipeline stages, KV handed to the decode node, tokens streamed back
+    through the master: the same greedy text the engine produces in one process."""
+    prompt = [(i * 37 + 11) % 250 + 1 for i in range(150)]
+    got = _complete(cluster.url, prompt, max_tokens=12)
+    assert got["choices"][0]["text"] == _engine_alone(prompt, 12)
+    assert got["usage"]["completion_tokens"] == 12
+
+
+def test_a_shared_prefix_hits_the_pool(cluster: LocalLauncher) -> None:
+    """The second request with the first one's long prefix reuses its KV from the pool; the
+    hit shows in usage, /metrics and the status feed."""
+    base = [(i * 13 + 5) % 250 + 1 for i in range(320)]
+    first = _complete(cluster.url, base + [7, 8, 9])
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    import time
+
+    deadline = time.monotonic() + 10
+    while True:  # the pool's index learns of new blocks within a tick
+        second = _complete(cluster.url, base + [40, 41, 42, 43])
+        cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+        if cached or time.monotonic() > deadline:
+            break
+    assert cached == 320  # ten full 32-token blocks
+    metrics = httpx.get(cluster.url + "/metrics", timeout=10).text
+    hit = [line for line in metrics.splitlines() if line.startswith("mooncake_prefix_blocks_hit")]
+    assert hit and float(hit[0].split()[-1]) >= 10
+    status = httpx.get(cluster.url + "/v1/status", timeout=10).json()
+    assert status["hit_rate"] > 0
+    assert status["pool"] and sum(t["num_objects"] for t in status["pool"]) >= 10
+
+
+def test_status_finds_the_local_cluster_with_no_arguments(cluster: LocalLauncher) -> None:
+    from typer.testing import CliRunner
+
+    from mooncake.cli.app import app, load_verbs
+
+    load_verbs()
+    result = CliRunner().invoke(app, ["status", "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    roles = sorted(n["role"] for n in data["nodes"])
+    assert roles == ["decode", "master", "prefill", "prefill", "store"]
+    assert all(n["state"] == "ready" for n in data["nodes"])
+    assert {n["pipeline_group"] for n in data["nodes"] if n["role"] == "prefill"} == {"pg1"}
+    for key in ("pool", "hit_rate", "ttft_p90_s", "tbt_p90_s", "rejected"):
+        assert key in data
+
+
+def test_the_openai_client_streams_a_chat(cluster: LocalLauncher) -> None:
+    import openai
+
+    client = openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused")
+    chunks = list(client.chat.completions.create(
+        model="dummy:tiny", messages=[{"role": "user", "content": "hello there"}],
+        max_tokens=6, temperature=0, stream=True,
+    ))  # fmt: skip
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert chunks[-1].choices == [] or chunks[-1].choices[0].finish_reason is not None
+    assert isinstance(text, str)
