@@ -105,7 +105,8 @@ def bench_store(
     table = Table(title=f"store put/get, --protocol {protocol}, {duration:g} s per phase "
                         f"({cpu_note()})")  # fmt: skip
     cols = ("api", "value", "keys/call", "via", "put GB/s", "get GB/s", "put p50/p99 us",
-            "get p50/p99 us", "upstream 0.3.13 (PAPER.md, not this run)")  # fmt: skip
+            "get p50/p99 us", "socket p50 w/r us (same run)",
+            "upstream 0.3.13 (PAPER.md, not this run)")  # fmt: skip
     for col in cols:
         table.add_column(col, justify="left" if col in ("api", "via") else "right")
     for r in rows:
@@ -119,6 +120,7 @@ def bench_store(
             r.api, _human(r.value_bytes), str(r.keys_per_call), r.protocol,
             f"{r.put_gbps:.2f}", f"{r.get_gbps:.2f}",
             f"{r.put_p50_us:,.0f}/{r.put_p99_us:,.0f}", f"{r.get_p50_us:,.0f}/{r.get_p99_us:,.0f}",
+            f"{r.socket_put_p50_us:,.0f}/{r.socket_get_p50_us:,.0f}",
             ref_text,
         )  # fmt: skip
     console.print(table)

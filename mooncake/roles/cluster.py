@@ -85,7 +85,8 @@ class ClusterBackend(BaseBackend):
         self.flights: dict[int, Flight] = {}
         self.counters = PoolCounters()
         self.max_retries = 2
-        self._ids = itertools.count(1)
+        # NOTE: ids never repeat across master restarts (nodes outlive the master)
+        self._ids = itertools.count(time.time_ns() // 1000)
         self.on_unreachable: Callable[[str], None] = lambda _node: None  # the master marks it down
         self._clients: dict[str, AsyncRpcClient] = {}
 
@@ -102,6 +103,10 @@ class ClusterBackend(BaseBackend):
         c.hits += flight.decision.best_blocks
         c.local_hits += flight.decision.local_blocks
         self.flights[rid] = flight
+        d = flight.decision
+        log.debug("req %d: %d tokens -> prefill %s, decode %s, reuse %d of %d blocks",
+                  rid, len(req.prompt_ids), d.prefill, d.decode, d.reused_blocks,
+                  len(hashes))  # fmt: skip
         try:
             await self._dispatch_retrying(flight)
         except BaseException:
@@ -122,10 +127,13 @@ class ClusterBackend(BaseBackend):
                              num_cached_tokens=flight.num_cached_tokens if first else 0,
                              )  # fmt: skip
                 first = False
-                yield out
                 if tok.finish_reason is not None:
+                    # NOTE: ended before the last yield: a consumer that stops at the last
+                    # output must not turn a finished request into an abort
                     self._end(flight, dropped=tok.finish_reason == "abort")
+                    yield out
                     return
+                yield out
         finally:
             if not flight.done:  # the client went away (or the loop is closing)
                 await self._abort_remote(flight)
@@ -175,6 +183,7 @@ class ClusterBackend(BaseBackend):
         task = PrefillTaskMsg(flight.req_id, g.prompt_ids, g.params, d.decode,
                               decoder.info.rpc_address, limit)  # fmt: skip
         await self._client(leader.info.rpc_address).call(task, AckMsg, timeout_s=5.0)
+        log.debug("req %d: %s took it", flight.req_id, d.prefill)
 
     def _on_first_token(self, flight: Flight) -> None:
         flight.phase = "decoding"

@@ -171,7 +171,11 @@ class Master:
 
     def _on_heartbeat(self, msg: NodeHeartbeatMsg, _peer: object) -> NodeHeartbeatReplyMsg:
         with self.lock:
+            rec = self.registry.nodes.get(msg.node_id)
+            before = rec.state if rec is not None else ""
             known = self.registry.heartbeat(msg.node_id, msg.load, msg.state, time.monotonic())
+            if known and msg.state != before:  # placeable (or not) from this moment on
+                self._sync_instances()
         return NodeHeartbeatReplyMsg(known)
 
     def _on_deregister(self, msg: DeregisterMsg, _peer: object) -> AckMsg:
@@ -225,28 +229,32 @@ class Master:
             log.warning("node %s (%s) missed its heartbeats: marked down", rec.node_id, rec.role)
             self._drop_instance(rec.node_id)
         with self.lock:
-            leaders = self.registry.schedulable_leaders()
-            decoders = self.registry.ready_decoders()
-            pool = {r.node_id for r in self.registry.nodes.values()
-                    if r.state == "ready" and r.role in ("store", "prefill")}  # fmt: skip
-            for name in sorted(leaders - self._instances):
-                self.conductor.add_prefill_instance(name)
-                self._instances.add(name)
-                log.info("prefill group led by %s is schedulable", name)
-            for name in sorted(decoders - self._instances):
-                rec = self.registry.nodes[name]
-                self.conductor.add_decode_instance(name, rec.info.kv_capacity_tokens or None)
-                self._instances.add(name)
-                log.info("decode node %s is schedulable", name)
-            for name in sorted(pool - leaders - decoders):
-                self.conductor.add_pool_node(name)
-            for name in sorted(self._instances - leaders - decoders):
-                self._instances.discard(name)
-                self.conductor.remove_instance(name)
+            self._sync_instances()
             cutoff = now - 10.0
             win = self.backend.counters.kv_window
             while win and win[0][0] < cutoff:
                 win.pop(0)
+
+    def _sync_instances(self) -> None:
+        """Make the Conductor's instances the registry's schedulable nodes (lock held)."""
+        leaders = self.registry.schedulable_leaders()
+        decoders = self.registry.ready_decoders()
+        pool = {r.node_id for r in self.registry.nodes.values()
+                if r.state == "ready" and r.role in ("store", "prefill")}  # fmt: skip
+        for name in sorted(leaders - self._instances):
+            self.conductor.add_prefill_instance(name)
+            self._instances.add(name)
+            log.info("prefill group led by %s is schedulable", name)
+        for name in sorted(decoders - self._instances):
+            rec = self.registry.nodes[name]
+            self.conductor.add_decode_instance(name, rec.info.kv_capacity_tokens or None)
+            self._instances.add(name)
+            log.info("decode node %s is schedulable", name)
+        for name in sorted(pool - leaders - decoders):
+            self.conductor.add_pool_node(name)
+        for name in sorted(self._instances - leaders - decoders):
+            self._instances.discard(name)
+            self.conductor.remove_instance(name)
 
     def _mark_down(self, node_id: str) -> None:
         """A node did not answer a call: down now, not after its heartbeat TTL."""

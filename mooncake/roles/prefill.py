@@ -56,7 +56,8 @@ class PrefillNode:
         self.ctx = ctx
         cfg = ctx.config
         self.tasks: queue.Queue[PrefillTaskMsg | None] = queue.Queue()
-        self.aborted: set[int] = set()
+        self.queued: set[int] = set()  # req ids in `tasks`
+        self.aborted: set[int] = set()  # of those, the ones to skip
         self.busy = False
         self.server = RpcServer(f"tcp://{ctx.host}:0", ctx.secret, name="prefill")
         self.server.register(PrefillTaskMsg, self._on_task)
@@ -107,11 +108,13 @@ class PrefillNode:
             raise MooncakeError(
                 f"node {self.ctx.node_id} is stage {self.group.stage}, not a leader"
             )
+        self.queued.add(msg.req_id)
         self.tasks.put(msg)
         return AckMsg()
 
     def _on_abort(self, msg: PrefillAbortMsg, _peer: object) -> AckMsg:
-        self.aborted.add(msg.req_id)
+        if msg.req_id in self.queued:  # only a task still waiting can be skipped
+            self.aborted.add(msg.req_id)
         return AckMsg()
 
     def _load(self) -> NodeLoadMsg:
@@ -163,6 +166,7 @@ class PrefillNode:
 
     def _work(self) -> None:
         while (task := self.tasks.get()) is not None:
+            self.queued.discard(task.req_id)
             if task.req_id in self.aborted:
                 self.aborted.discard(task.req_id)
                 continue
@@ -177,6 +181,7 @@ class PrefillNode:
                 self.busy = False
 
     def _run(self, task: PrefillTaskMsg) -> None:
+        log.debug("req %d: prefill of %d tokens", task.req_id, len(task.prompt_ids))
         self._event(task.req_id, "started")
         prompt = task.prompt_ids[:-1]
         kw: dict[str, Any] = {}
@@ -222,6 +227,7 @@ class PrefillNode:
             except BaseException:
                 client.call(DecodeReleaseMsg(task.req_id), AckMsg)
                 raise
+        log.debug("req %d: %d bytes of KV written to %s", task.req_id, sent, task.decode_node)
         client.call(DecodeSubmitMsg(task.req_id, task.prompt_ids, task.params,
                                     list(reply.block_ids), n), AckMsg)  # fmt: skip
         return sent

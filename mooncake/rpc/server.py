@@ -180,6 +180,19 @@ class RpcServer:
 
     def _serve(self, peer: Peer, data: bytes | None) -> None:
         """Handle one frame from `peer`; never raises (a peer must not stop the server)."""
+        out = self.answer(data, peer, self._encoder)
+        if out is not None:
+            self._sock.send(peer.routing_id, _SNDMORE)
+            self._sock.send(out)
+
+    def answer(
+        self, data: bytes | None, peer: Peer, encoder: msgspec.msgpack.Encoder
+    ) -> bytes | None:
+        """Decode one request or event frame, run its handler, and return the reply frame
+        (an error frame if the request was bad or its handler raised; None for an event).
+        Never raises. The server's own loop calls it; another transport may too (the Store's
+        direct channel), from its own thread with that thread's `encoder`: the handlers
+        must then guard their state themselves (the Store's take the service lock)."""
         kind, req_id = wire.KIND_REQUEST, 0
         try:
             if data is None:
@@ -199,35 +212,34 @@ class RpcServer:
             msg = wire.decode_body(info, data, offset)
         except ProtocolError as e:
             self._warn_bad_frame(peer, e)
-            if kind != wire.KIND_EVENT:  # the sender may wait for an answer
-                self._reply_error(peer, req_id, wire.CODE_PROTOCOL, str(e), "ProtocolError")
-            return
+            if kind == wire.KIND_EVENT:  # nobody waits for an answer
+                return None
+            return self._error_frame(encoder, req_id, wire.CODE_PROTOCOL, str(e), "ProtocolError")
         try:
             reply = handler(msg, peer)
             if kind == wire.KIND_EVENT:
-                return
+                return None
             if not isinstance(reply, Msg):
                 raise TypeError(f"handler returned {type(reply).__name__}, not a Msg")
-            out = wire.encode_frame(self._encoder, wire.KIND_REPLY, req_id, reply)
+            return wire.encode_frame(encoder, wire.KIND_REPLY, req_id, reply)
         except MooncakeError as e:
             log.info("%s: %s from %s failed: %s", self.name, info.tag, peer, e)
-            if kind == wire.KIND_REQUEST:
-                self._reply_error(peer, req_id, wire.CODE_ERROR, str(e), type(e).__name__)
-            return
+            if kind != wire.KIND_REQUEST:
+                return None
+            return self._error_frame(encoder, req_id, wire.CODE_ERROR, str(e), type(e).__name__)
         except Exception as e:
             log.exception("%s: handler for %s from %s crashed", self.name, info.tag, peer)
-            if kind == wire.KIND_REQUEST:
-                text = f"internal error in the {info.tag} handler: {type(e).__name__}: {e}"
-                self._reply_error(peer, req_id, wire.CODE_INTERNAL, text, type(e).__name__)
-            return
-        self._sock.send(peer.routing_id, _SNDMORE)
-        self._sock.send(out)
+            if kind != wire.KIND_REQUEST:
+                return None
+            text = f"internal error in the {info.tag} handler: {type(e).__name__}: {e}"
+            return self._error_frame(encoder, req_id, wire.CODE_INTERNAL, text, type(e).__name__)
 
-    def _reply_error(self, peer: Peer, req_id: int, code: str, text: str, rtype: str) -> None:
+    @staticmethod
+    def _error_frame(
+        encoder: msgspec.msgpack.Encoder, req_id: int, code: str, text: str, rtype: str
+    ) -> bytes:
         err = wire.ErrorMsg(code=code, message=text, remote_type=rtype)
-        out = wire.encode_frame(self._encoder, wire.KIND_ERROR, req_id, err)
-        self._sock.send(peer.routing_id, _SNDMORE)
-        self._sock.send(out)
+        return wire.encode_frame(encoder, wire.KIND_ERROR, req_id, err)
 
     def _warn_bad_frame(self, peer: Peer, e: ProtocolError) -> None:
         """Log a bad frame, at most one warning per _LOG_EVERY_S (an authenticated peer's bug)."""

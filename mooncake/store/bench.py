@@ -7,13 +7,21 @@ before a new one is written), then a get phase reads those keys round robin for
 `duration_s`. GB/s is value bytes over the summed call time; latency is per call (per
 batch for the batch API). The client has no segment of its own beyond its registered
 buffers (the staging buffer of put/get and the zero-copy buffers).
+
+Before each cell, the same-run floor (SocketBaseline): one round trip carrying the value
+over a plain socket to another process, so a figure can be read against this machine's
+load at that moment rather than only against a reference measured elsewhere.
 """
 
 from __future__ import annotations
 
 import functools
+import multiprocessing as mp
+import socket
+import struct
 import time
 from collections.abc import Callable
+from multiprocessing.connection import Connection
 from typing import Literal
 
 import msgspec
@@ -22,6 +30,7 @@ import numpy as np
 from mooncake.errors import StoreError
 from mooncake.store.client import Store
 from mooncake.store.node import remote_name
+from mooncake.transfer import wire
 from mooncake.transfer.types import EngineOptions
 
 Api = Literal["bytes", "zero-copy", "batch"]
@@ -41,6 +50,74 @@ UPSTREAM_0_3_13: dict[tuple[str, int], tuple[float | None, ...]] = {
 }
 
 
+_ASK = struct.Struct("!BQ")  # baseline request: op (1 write, 2 read), value bytes
+
+
+def _echo_node(conn: Connection) -> None:
+    """The baseline's peer: one connection; a write is received into a 64 MiB span (a new
+    place each time, as a pool's), a read is sent from it; a 1-byte answer either way."""
+    srv = socket.create_server(("127.0.0.1", 0))
+    conn.send(srv.getsockname()[1])
+    sock, _ = srv.accept()
+    wire.tune(sock)
+    span = memoryview(np.ones(RING_BYTES, np.uint8))  # type: ignore[arg-type]
+    ask, pos = bytearray(_ASK.size), 0
+    while sock.recv_into(ask, _ASK.size, socket.MSG_WAITALL) == _ASK.size:
+        op, size = _ASK.unpack(ask)
+        pos = pos + size if pos + 2 * size <= RING_BYTES else 0
+        view = span[pos : pos + size]
+        if op == 1:
+            wire.recv_exact(sock, view)
+            sock.sendall(b"k")
+        else:
+            wire.send_all(sock, [b"k", view])
+
+
+class SocketBaseline:
+    """The same-run floor of a remote put or get: one request/response round trip that
+    carries the value over a plain tuned TCP socket to another process (no Store, no
+    Transfer Engine). A Store op needs at least two round trips (metadata, then data)."""
+
+    def __init__(self) -> None:
+        ctx = mp.get_context("spawn")
+        parent, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_echo_node, args=(child,), daemon=True)
+        self._proc.start()
+        child.close()
+        if not parent.poll(30):
+            self._proc.kill()
+            raise StoreError("the socket baseline's peer process did not start")
+        self._sock = socket.create_connection(("127.0.0.1", parent.recv()))
+        wire.tune(self._sock)
+
+    def run(self, size: int, seconds: float) -> tuple[float, float]:
+        """p50 microseconds of a write and of a read of `size` bytes, `seconds` each."""
+        data = memoryview(np.ones(size, np.uint8))  # type: ignore[arg-type]
+        ack = bytearray(1)
+        out = []
+        for op in (1, 2):
+            lat: list[float] = []
+            until = time.perf_counter() + seconds
+            while time.perf_counter() < until or not lat:
+                t0 = time.perf_counter()
+                if op == 1:
+                    wire.send_all(self._sock, [_ASK.pack(1, size), data])
+                    wire.recv_exact(self._sock, ack)
+                else:
+                    self._sock.sendall(_ASK.pack(2, size))
+                    wire.recv_exact(self._sock, ack)
+                    wire.recv_exact(self._sock, data)
+                lat.append(time.perf_counter() - t0)
+            out.append(_pct(lat, 50))
+        return out[0], out[1]
+
+    def close(self) -> None:
+        self._sock.close()  # the peer sees EOF and exits
+        self._proc.join(5)
+        if self._proc.is_alive():
+            self._proc.kill()
+
+
 class StoreBenchRow(msgspec.Struct):
     """One (api, value size) cell (an element of the --json list)."""
 
@@ -56,6 +133,10 @@ class StoreBenchRow(msgspec.Struct):
     get_p99_us: float
     num_puts: int  # calls measured
     num_gets: int
+    # the same-run floor: one round trip carrying the value over a plain socket to another
+    # process (SocketBaseline), microseconds p50; 0 when not measured
+    socket_put_p50_us: float = 0.0
+    socket_get_p50_us: float = 0.0
 
 
 def _timed(fn: Callable[[], object], lat: list[float]) -> None:
@@ -71,14 +152,18 @@ def _pct(lat: list[float], q: float) -> float:
 class StoreBench:
     """A client connected to a master, measuring cells against one store node."""
 
-    def __init__(self, master_address: str, secret: bytes, protocol: str, node_segment: str):
+    def __init__(self, master_address: str, secret: bytes, protocol: str, node_segment: str,
+                 baseline: bool = True):  # fmt: skip
         opts = EngineOptions(protocol=protocol)  # type: ignore[arg-type]
         self.store = Store.connect(master_address, secret, engine_options=opts)
         self.node_segment = node_segment  # "seg@host:port" of the node's DRAM tier, or ""
         self.seq = 0
         self.registered = 0  # bytes of the zero-copy buffers
+        self.baseline = SocketBaseline() if baseline else None
 
     def close(self) -> None:
+        if self.baseline is not None:
+            self.baseline.close()
         self.store.close()
 
     def protocol(self) -> str:
@@ -127,6 +212,9 @@ class StoreBench:
                 for v in s.get_batch(keys):
                     v.unwrap()
 
+        floor = (0.0, 0.0)
+        if self.baseline is not None and api != "batch":  # interleaved: the same load
+            floor = self.baseline.run(size, min(0.5, duration_s / 2))
         put_lat: list[float] = []
         get_lat: list[float] = []
         i, until = 0, time.perf_counter() + duration_s
@@ -150,6 +238,7 @@ class StoreBench:
             put_p50_us=_pct(put_lat, 50), put_p99_us=_pct(put_lat, 99),
             get_p50_us=_pct(get_lat, 50), get_p99_us=_pct(get_lat, 99),
             num_puts=len(put_lat), num_gets=len(get_lat),
+            socket_put_p50_us=floor[0], socket_get_p50_us=floor[1],
         )  # fmt: skip
 
 

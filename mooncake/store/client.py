@@ -8,11 +8,13 @@
     results = store.put_batch(keys, values)      # per-key KeyResult / ValueResult
     store.close()
 
-Metadata goes to the master (put_start / put_end / get_replicas); bytes go through this
-client's Transfer Engine straight to or from the node owning each replica, never through
-the master. Reads try the local replica, then the cheapest transport (shm before tcp), and
-fall back to the next replica when one fails. Every failure raises StoreError with what
-happened and what to do; a miss raises NotFoundError.
+Metadata goes to the master (put_start / put_end / get_replicas), on its direct channel
+when it offers one (store/direct.py: no ZeroMQ thread hops), else over the RPC; bytes go
+through this client's Transfer Engine straight to or from the node owning each replica,
+never through the master; a single small transfer runs on the calling thread. Reads try
+the local replica, then the cheapest transport (shm before tcp), and fall back to the next
+replica when one fails. Every failure raises StoreError with what happened and what to
+do; a miss raises NotFoundError.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from mooncake.errors import MooncakeError, StoreError, TransferError
 from mooncake.rpc.client import RpcClient
 from mooncake.rpc.wire import Msg
 from mooncake.store import messages as m
+from mooncake.store.direct import MasterCalls
 from mooncake.store.node import remote_name
 from mooncake.store.objects import GetResult, KeyResult, PutStartResult, ReplicaDesc, Tier
 from mooncake.store.settings import key_error
@@ -62,9 +65,13 @@ class ValueResult(msgspec.Struct, frozen=True, kw_only=True):
 class Store:
     """A connection to the pool: a control channel to the master and a Transfer Engine."""
 
-    def __init__(self, master: RpcClient, engine: TransferEngine, timeout_s: float, staging: int):
+    def __init__(self, master: RpcClient, engine: TransferEngine, timeout_s: float, staging: int,
+                 *, direct: bool = True):  # fmt: skip
+        """`direct`: make the calls on the master's direct channel when it offers one
+        (store/direct.py); False keeps every call on the CURVE-encrypted RPC."""
         self.master, self.engine, self.timeout_s = master, engine, timeout_s
         self.node_id = engine.name
+        self._calls = MasterCalls(master, timeout_s, direct)
         self._lock = threading.Lock()  # NOTE: guards the staging buffer, one op at a time
         self._staging_name = f"{self.node_id}.staging"
         self._staging = engine.allocate(self._staging_name, staging)
@@ -80,6 +87,7 @@ class Store:
         timeout_s: float = 10.0,  # seconds per master call and per transfer batch
         staging_bytes: int = 16 << 20,  # bytes of the buffer behind put()/get(); grows
         engine_options: EngineOptions | None = None,
+        direct: bool = True,  # use the master's direct channel if it offers one
     ) -> Store:
         """Connect to the master at `master_address` (e.g. "tcp://10.0.0.1:7100")."""
         key = secret.encode() if isinstance(secret, str) else secret
@@ -87,7 +95,7 @@ class Store:
         engine = TransferEngine(name, key, engine_options, host=host)
         try:
             master = RpcClient(master_address, key, timeout_s=timeout_s, max_frame_bytes=64 << 20)
-            return cls(master, engine, timeout_s, staging_bytes)
+            return cls(master, engine, timeout_s, staging_bytes, direct=direct)
         except BaseException:
             engine.close()
             raise
@@ -100,6 +108,7 @@ class Store:
         self.engine.unregister(name)
 
     def close(self) -> None:
+        self._calls.close()
         self.master.close()
         self.engine.close()
 
@@ -219,17 +228,23 @@ class Store:
         return out
 
     def exists_batch(self, keys: Sequence[str]) -> list[bool]:
-        msg = m.BatchExistsMsg(tuple(self._key(k) for k in keys))
-        return [r.status == "ok" for r in self._call(msg, m.BatchKeyReplyMsg).results]
+        """Whether each key has a committed object (any number of keys, asked in chunks)."""
+        out = []
+        for start in range(0, len(keys), m.MAX_BATCH):
+            msg = m.BatchExistsMsg(tuple(map(self._key, keys[start : start + m.MAX_BATCH])))
+            out += [r.status == "ok" for r in self._call(msg, m.BatchKeyReplyMsg).results]
+        return out
 
     def remove_batch(self, keys: Sequence[str]) -> list[KeyResult]:
         """Remove every key, waiting up to timeout_s for leases; one KeyResult per key."""
         out = {k: KeyResult(key=k, status="leased") for k in map(self._key, keys)}
         deadline = time.monotonic() + self.timeout_s
         while pending := tuple(k for k, r in out.items() if r.status == "leased"):
-            for r in self._call(m.BatchRemoveMsg(pending), m.BatchKeyReplyMsg).results:
-                out[r.key] = r
-            if time.monotonic() > deadline:
+            for start in range(0, len(pending), m.MAX_BATCH):  # the master's limit per call
+                msg = m.BatchRemoveMsg(pending[start : start + m.MAX_BATCH])
+                for r in self._call(msg, m.BatchKeyReplyMsg).results:
+                    out[r.key] = r
+            if time.monotonic() > deadline or all(r.status != "leased" for r in out.values()):
                 break
             time.sleep(0.02)
         return [out[k] for k in keys]
@@ -247,9 +262,12 @@ class Store:
         if not reqs:
             return {}
         try:
-            statuses = self.engine.submit(reqs, self.timeout_s).wait()
+            batch = self.engine.transfer(reqs, self.timeout_s)
         except TransferError as e:
             return {key: str(e) for key in owners}
+        if not batch.num_open and not batch.has_failures:
+            return {}
+        statuses = batch.poll()
         failed: dict[str, str] = {}
         for key, st in zip(owners, statuses, strict=True):
             if st.state is not TransferState.DONE:
@@ -263,7 +281,7 @@ class Store:
             name = remote_name(d.segment, d.endpoint)
             req = TransferRequest(TransferOp.READ, segment, offset, name, d.offset, size)
             try:
-                self.engine.submit([req], self.timeout_s).check()
+                self.engine.transfer([req], self.timeout_s).check()
                 return size
             except TransferError as e:
                 errors.append(f"{d.node_id}/{d.tier}: {e}")
@@ -280,7 +298,8 @@ class Store:
             except TransferError:
                 return 9, 0  # unreachable now: try it last
 
-        return sorted((d for d in replicas if d.tier != "ssd"), key=cost)
+        in_memory = [d for d in replicas if d.tier != "ssd"]
+        return sorted(in_memory, key=cost) if len(in_memory) > 1 else in_memory
 
     def _get_replicas(self, key: str) -> GetResult:
         """The replicas of `key`, waiting (up to timeout_s) for a promotion off SSD."""
@@ -336,7 +355,7 @@ class Store:
 
     def _call(self, msg: Msg, reply_type: type[Any]) -> Any:
         try:
-            return self.master.call(msg, reply_type)
+            return self._calls.call(msg, reply_type)
         except StoreError:
             raise
         except MooncakeError as e:

@@ -45,9 +45,13 @@ def serve_node(node_id: str, master: str, secret: bytes, dram_bytes: int, conn: 
     from mooncake.store.node import StoreNode, TierSizes
 
     _on_sigterm()
-    node = StoreNode(node_id, master, secret, TierSizes(dram_bytes=dram_bytes), heartbeat_s=0.5)
+    # NOTE: a pool in steady state has had every page written; prefaulting measures that
+    # state rather than the first pass through fresh memory (a page fault per 4 KiB)
+    node = StoreNode(node_id, master, secret, TierSizes(dram_bytes=dram_bytes), heartbeat_s=0.5,
+                     prefault=True)  # fmt: skip
     try:
         node.start()
+        node.populated.wait()
         conn.send(node.endpoint)
         conn.recv()
     finally:

@@ -91,6 +91,14 @@ class StatsMsg(Msg, frozen=True, tag="store.stats"):
     pass
 
 
+class DirectPortMsg(Msg, frozen=True, tag="store.direct_port"):
+    """Which port of the master's host serves the direct channel (see store/direct.py)."""
+
+
+class DirectPortReplyMsg(Msg, frozen=True, tag="store.direct_port_reply"):
+    port: int = 0  # 0 = none: use the RPC for every call
+
+
 class StatsReplyMsg(Msg, frozen=True, tag="store.stats_reply"):
     stats: StoreStats
 

@@ -5,8 +5,10 @@
     ...
     service.stop()
 
-The RPC server calls handlers one at a time; the housekeeping thread (node expiry, stale
-puts, watermark eviction) shares the same lock, so the service never sees two callers.
+The same handlers also answer on the direct channel (store/direct.py: a TCP port beside
+the RPC address, for the clients' hot calls), on that server's connection threads. Every
+handler and the housekeeping thread (node expiry, stale puts, watermark eviction) take the
+same lock, so the service never sees two callers.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from mooncake.rpc.server import RpcServer
-from mooncake.store.messages import register
+from mooncake.store.direct import DirectServer
+from mooncake.store.messages import DirectPortMsg, DirectPortReplyMsg, register
 from mooncake.store.metadata import MetadataService
 from mooncake.store.objects import StoreEvent, StoreStats
 from mooncake.store.settings import MetadataConfig
@@ -41,6 +44,8 @@ class StoreService:
         tick_s: float = 0.0,  # s between housekeeping passes; 0 = a quarter of the lease
         metrics_port: int | None = None,  # serve /metrics on 127.0.0.1:port (0 = any free)
         on_events: Callable[[list[StoreEvent]], None] | None = None,  # the Conductor's index
+        direct: bool = True,  # also answer store.* calls on a direct port (store/direct.py)
+        direct_port: int = 0,  # its TCP port on the RPC address's host; 0 = any free one
     ):
         self.metadata = MetadataService(config)
         self.on_events = on_events  # called under the lock, on the housekeeping thread
@@ -48,6 +53,10 @@ class StoreService:
         key = secret.encode() if isinstance(secret, str) else secret
         self.server = RpcServer(address, key, name="store")
         register(self.server, self.metadata, time.monotonic, lock=self.lock)
+        self._key = key if direct else None  # None: no direct channel
+        self._direct_port = direct_port
+        self.direct: DirectServer | None = None
+        self.server.register(DirectPortMsg, lambda m, peer: DirectPortReplyMsg(self.direct_port))
         cfg = self.metadata.config
         self.tick_s = tick_s or max(0.05, min(cfg.lease_ttl_s, cfg.heartbeat_ttl_s) / 4)
         self._stop = threading.Event()
@@ -63,9 +72,20 @@ class StoreService:
         """The RPC address clients and store nodes connect to (real port after start)."""
         return self.server.address
 
+    @property
+    def direct_port(self) -> int:
+        """Port of the direct channel on the RPC address's host (0 = none)."""
+        return self.direct.port if self.direct is not None else 0
+
     def start(self) -> None:
         """Serve requests and start housekeeping; returns once the server is bound."""
         self.server.start()
+        if self._key is not None:
+            host = self.address.removeprefix("tcp://").rpartition(":")[0].strip("[]")
+            try:
+                self.direct = DirectServer(self.server, self._key, host, self._direct_port)
+            except OSError as e:  # e.g. an IPv6 wildcard: clients keep using the RPC
+                log.warning("store: no direct channel on %s (%s); RPC only", host, e)
         self._thread.start()
         if self.metrics is not None:
             self.metrics.start()
@@ -103,6 +123,8 @@ class StoreService:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join()
+        if self.direct is not None:
+            self.direct.close()
         self.server.stop()
 
     def __enter__(self) -> StoreService:

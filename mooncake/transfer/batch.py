@@ -16,6 +16,7 @@ from mooncake.errors import TransferError
 from mooncake.transfer.types import RequestStatus, TransferOp, TransferRequest, TransferState
 
 _PENDING = TransferState.PENDING
+_DONE = TransferState.DONE
 
 
 class Slice:
@@ -85,15 +86,22 @@ class Batch:
         self.requests = requests
         self.deadline = deadline  # time.monotonic() after which pending requests time out
         self._lock = threading.Lock()
-        self._event = threading.Event()
+        self._event: threading.Event | None = None  # made by the first wait() that blocks
         n = len(requests)
         self._states = [_PENDING] * n
         self._reasons = [""] * n
         self._bytes = [0] * n
         self._remaining = [0] * n  # slices not yet acknowledged, per request
         self._num_open = n
-        if n == 0:
-            self._event.set()
+
+    @classmethod
+    def done(cls, requests: list[TransferRequest]) -> Batch:
+        """A batch whose requests were all moved already (by the caller's own thread)."""
+        batch = cls(requests, 0.0)
+        batch._states = [_DONE] * len(requests)
+        batch._bytes = [r.length for r in requests]
+        batch._num_open = 0
+        return batch
 
     def add_slices(self, index: int, count: int) -> None:
         """Called by the engine before dispatching request `index`'s slices."""
@@ -102,6 +110,16 @@ class Batch:
     def is_live(self, index: int) -> bool:
         """Whether request `index` still wants its slices moved (workers skip it if not)."""
         return self._states[index] is _PENDING and time.monotonic() < self.deadline
+
+    @property
+    def num_open(self) -> int:
+        """Requests still pending (without checking the deadline)."""
+        return self._num_open
+
+    @property
+    def has_failures(self) -> bool:
+        """Whether some request ended other than DONE (failed, timed out, cancelled)."""
+        return not all(st is _DONE or st is _PENDING for st in self._states)
 
     def slices_done(self, slices: list[Slice]) -> None:
         """Record acknowledged slices of this batch (called from worker threads)."""
@@ -125,7 +143,7 @@ class Batch:
         self._states[i] = state
         self._reasons[i] = reason
         self._num_open -= 1
-        if self._num_open == 0:
+        if self._num_open == 0 and self._event is not None:
             self._event.set()
 
     def _expire(self) -> None:
@@ -153,8 +171,15 @@ class Batch:
     def wait(self, timeout: float | None = None) -> list[RequestStatus]:
         """Block until every request ended, `timeout` seconds passed, or the batch deadline;
         then return poll(). Requests pending at the deadline are marked TIMED_OUT."""
-        end = self.deadline if timeout is None else min(self.deadline, time.monotonic() + timeout)
-        self._event.wait(max(0.0, end - time.monotonic()))
+        if self._num_open:  # NOTE: a transfer done by the calling thread skips the Event
+            with self._lock:
+                if self._num_open and self._event is None:
+                    self._event = threading.Event()  # _finish() sets it, under the lock
+                event = self._event
+            if event is not None:
+                now = time.monotonic()
+                end = self.deadline if timeout is None else min(self.deadline, now + timeout)
+                event.wait(max(0.0, end - now))
         return self.poll()
 
     def cancel(self) -> None:
@@ -166,6 +191,8 @@ class Batch:
 
     def check(self, timeout: float | None = None) -> int:
         """wait(timeout), then raise TransferError unless every request is DONE; returns bytes."""
+        if not self._num_open and not self.has_failures:
+            return sum(self._bytes)  # NOTE: ended requests never change state again
         statuses = self.wait(timeout)
         bad = [(i, s) for i, s in enumerate(statuses) if s.state is not TransferState.DONE]
         if bad:

@@ -5,10 +5,14 @@
     engine.directory.add_peer("10.0.0.7", 7000)            # or name "pool@10.0.0.7:7000"
     batch = engine.submit([TransferRequest(TransferOp.READ, "kv", 0, "pool", 4096, 65536)])
     batch.check(timeout=5.0)                               # or poll() / wait() / cancel()
+    engine.transfer([request]).check()                     # submit and wait, in one call
 
 Requests are validated in full before anything moves (a bad one rejects the whole batch
 with TransferError), cut into slices, spread over the preferred paths of the best transport
 both ends support, and a failed slice is retried on another path within the retry budget.
+transfer() lets the calling thread move what it can itself (over tcp: one small request
+with no batch machinery, else the first group), saving the thread hand-offs that dominate
+a small transfer.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from mooncake.transfer.directory import BaseDirectory, PeerDirectory
 from mooncake.transfer.paths import PathSet, nic_preference_for
 from mooncake.transfer.segment import Region, SegmentTable, range_error
 from mooncake.transfer.server import TcpServer
-from mooncake.transfer.tcp import TcpTransport
+from mooncake.transfer.tcp import TcpPath, TcpTransport
 from mooncake.transfer.transport import (
     BaseTransport,
     CopyPool,
@@ -84,6 +88,7 @@ class TransferEngine:
         ]
         self.directory = directory or PeerDirectory(self._secret, self.options.slice_io_timeout_s)
         self.num_retries = 0  # slices re-dispatched after a failure
+        self._io_timeout_s = self.options.slice_io_timeout_s
         self._pool = CopyPool(
             self._report, self._report_done, self.options.copy_threads, self.options.group_bytes
         )
@@ -173,6 +178,63 @@ class TransferEngine:
         segment, zero length) before anything is transferred. `timeout` (seconds, default
         options.timeout_s) sets the batch deadline.
         """
+        batch, by_path = self._plan(requests, timeout)
+        for path, slices in by_path.items():
+            path.dispatch(slices)
+        return batch
+
+    def transfer(self, requests: Iterable[TransferRequest], timeout: float | None = None) -> Batch:
+        """submit() and wait: returns the Batch once every request ended (check() or poll()
+        it). The calling thread moves the first group of slices itself where the transport
+        allows it (tcp), so a small transfer costs no thread hand-off; the rest go to the
+        transport's threads as with submit(). Raises TransferError as submit() does."""
+        reqs = list(requests)
+        if len(reqs) == 1 and self._move_now(reqs[0], timeout):
+            return Batch.done(reqs)
+        batch, by_path = self._plan(reqs, timeout)
+        # NOTE: a stalled socket blocks its thread for up to slice_io_timeout_s: not the
+        # caller's when that is past the batch deadline
+        can_inline = (timeout or self.options.timeout_s) >= self._io_timeout_s
+        inline = None
+        for path, slices in by_path.items():
+            if inline is None and can_inline and isinstance(path, TcpPath):
+                inline = path, slices
+            else:
+                path.dispatch(slices)
+        if inline is not None:
+            inline[0].run_inline(inline[1])
+        if batch.num_open:
+            batch.wait()
+        return batch
+
+    def _move_now(self, r: TransferRequest, timeout: float | None) -> bool:
+        """Move one small tcp request on this thread without the batch machinery (the
+        Store's usual get and put); False when it does not qualify or did not work out,
+        and then nothing is recorded: the general path does it (and raises, retries,
+        reports) as for any request."""
+        try:
+            local, target = self._check(r)
+        except TransferError:
+            return False  # the general path raises it, worded for the batch
+        transport = target.transport
+        if not isinstance(transport, TcpTransport) or r.length > transport.slice_bytes(
+            self.options
+        ):
+            return False
+        if (timeout or self.options.timeout_s) < self._io_timeout_s:
+            return False  # as in transfer(): not past the deadline
+        paths = self._pathset(target, local.location).paths
+        path = paths[0] if len(paths) == 1 else self._pathset(target, local.location).first()
+        if not isinstance(path, TcpPath):
+            return False
+        mem = local.view.mv[r.local_offset : r.local_offset + r.length]  # type: ignore[index]
+        return path.move_now(r.op, mem, target.desc.token, r.remote_offset)
+
+    def _plan(
+        self, requests: Iterable[TransferRequest], timeout: float | None
+    ) -> tuple[Batch, dict[Any, list[Slice]]]:
+        """Validate `requests` (TransferError if any is bad), cut them into slices and
+        choose each slice's path; returns the batch and path -> slices, nothing dispatched."""
         reqs = list(requests)
         plan, errors = [], []
         for i, r in enumerate(reqs):
@@ -190,6 +252,15 @@ class TransferEngine:
         group_bytes = self.options.group_bytes
         for i, (r, local, target) in enumerate(plan):
             step = target.transport.slice_bytes(self.options)
+            if r.length <= step:  # one slice (most requests): the loop below in fewer steps
+                paths = self._pathset(target, local.location).spread(1)
+                if paths:
+                    batch.add_slices(i, 1)
+                    s = Slice(batch, i, r.op, local, r.local_offset, target, r.remote_offset,
+                              r.length)  # fmt: skip
+                    s.path = paths[0]
+                    by_path.setdefault(s.path, []).append(s)
+                    continue
             num_slices = -(-r.length // step)
             # NOTE: on a transport that coalesces (tcp), consecutive slices share a path up
             # to group_bytes so they travel as one wire request; groups spread over paths
@@ -205,9 +276,7 @@ class TransferEngine:
                           r.remote_offset + off, min(step, r.length - off))  # fmt: skip
                 s.path = paths[k // per_path]
                 by_path.setdefault(s.path, []).append(s)
-        for path, slices in by_path.items():
-            path.dispatch(slices)
-        return batch
+        return batch, by_path
 
     def _check(self, r: TransferRequest) -> tuple[Region, Target]:
         if not isinstance(r.op, TransferOp):
@@ -215,12 +284,13 @@ class TransferEngine:
         local = self.segments.get(r.local_segment)
         if local is None:
             raise TransferError(f"local segment {r.local_segment!r} is not registered here")
-        if why := local.bounds_error(r.local_offset, r.length):
-            raise TransferError(why)
+        length, offset = r.length, r.local_offset
+        if length <= 0 or offset < 0 or offset + length > local.view.num_bytes:
+            raise TransferError(local.bounds_error(offset, length))
         target = self.resolve(r.remote_segment)
-        desc = target.desc
-        if why := range_error(desc.name, desc.num_bytes, r.remote_offset, r.length):
-            raise TransferError(why)
+        desc, offset = target.desc, r.remote_offset
+        if offset < 0 or offset + length > desc.num_bytes:
+            raise TransferError(range_error(desc.name, desc.num_bytes, offset, length))
         if local.view.mv is None and target.transport.name != "rdma":
             raise TransferError(f"local segment {local.name!r} is device memory ({local.location});"
                                 " only the rdma transport can move it")  # fmt: skip
@@ -238,6 +308,11 @@ class TransferEngine:
 
     def _report_done(self, slices: list[Slice]) -> None:
         """Successful completion of slices that all went over one path (a transport thread)."""
+        if len(slices) == 1:
+            s = slices[0]
+            s.path.record_success(s.length)
+            s.batch.slices_done(slices)
+            return
         slices[0].path.record_success(sum(s.length for s in slices), len(slices))
         batch, start = slices[0].batch, 0
         for k, s in enumerate(slices):

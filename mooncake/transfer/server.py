@@ -2,9 +2,10 @@
 handshake (segment descriptors, RDMA queue-pair exchange) that peers use without a master.
 
 One thread per connection; a connection is served only after it passes the cluster-secret
-handshake. Replies are queued and sent together when the client has nothing more in flight,
-so a group of slices costs one reply syscall. A malformed header closes that connection
-with a logged error; the server goes on serving the others.
+handshake. Replies are queued and sent together when the client says it waits (FLAG_FLUSH
+on its last request) or has nothing more in flight, so a group of slices costs one reply
+syscall. A malformed header closes that connection with a logged error; the server goes
+on serving the others.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ log = logging.getLogger(__name__)
 AUTH_TIMEOUT_S = 5.0  # a client must finish the handshake within this
 MAX_CONNECTIONS = 1024
 FLUSH_BYTES = 512 << 10  # send queued READ replies once they reach this many bytes
+_READ, _WRITE, _OK, _FLUSH = int(Op.READ), int(Op.WRITE), int(Status.OK), wire.FLAG_FLUSH
 # payload -> (status, reply payload); runs on the connection's thread
 ControlHandler = Callable[[bytes], tuple[Status, bytes]]
 
@@ -92,7 +94,7 @@ class TcpServer:
         pending_bytes = 0
         while True:
             got = 0
-            if pending:  # flush queued replies as soon as the client has nothing in flight
+            if pending:  # no FLAG_FLUSH: send once the client has nothing more in flight
                 try:
                     got = sock.recv_into(hdr, REQ.size, socket.MSG_DONTWAIT)
                     if got == 0:
@@ -105,8 +107,8 @@ class TcpServer:
                     return
             elif got < REQ.size:
                 wire.recv_exact(sock, memoryview(hdr)[got:])
-            op, _flags, _pad, req_id, token, offset, length = REQ.unpack(hdr)
-            if op == Op.READ or op == Op.WRITE:
+            op, flags, _pad, req_id, token, offset, length = REQ.unpack(hdr)
+            if op in (_READ, _WRITE):
                 if length > wire.MAX_DATA_BYTES:
                     self._malformed(peer, f"slice length {length} > {wire.MAX_DATA_BYTES}")
                 status, region = self._access(token, offset, length)
@@ -119,28 +121,32 @@ class TcpServer:
                     raise _Closing
                 assert region.view.mv is not None
                 view = region.view.mv[offset : offset + length]
-                if op == Op.WRITE:
+                if op == _WRITE:
                     got = sock.recv_into(view, length, socket.MSG_WAITALL)
                     if got != length:  # rare: a signal, or EOF (0)
                         if got == 0:
                             raise ConnectionError("peer closed the connection mid-write")
                         wire.recv_exact(sock, view[got:])
-                    pending.append(RESP.pack(Status.OK, req_id, 0))
+                    pending.append(RESP.pack(_OK, req_id, 0))
                 else:
-                    pending += (RESP.pack(Status.OK, req_id, length), view)
+                    pending += (RESP.pack(_OK, req_id, length), view)
                     pending_bytes += length
-                    if pending_bytes >= FLUSH_BYTES:
-                        wire.send_all(sock, pending)
-                        pending, pending_bytes = [], 0
             elif op in self.handlers:
                 if length > wire.MAX_CONTROL_BYTES:
                     self._malformed(peer, f"control payload {length} > {wire.MAX_CONTROL_BYTES}")
                 payload = bytearray(length)
-                wire.recv_exact(sock, payload)
-                status, reply = self._control(Op(op), bytes(payload), peer)
+                got = sock.recv_into(payload, length, socket.MSG_WAITALL) if length else 0
+                if got != length:  # rare: a signal, or EOF (0)
+                    if got == 0:
+                        raise ConnectionError("peer closed the connection mid-request")
+                    wire.recv_exact(sock, memoryview(payload)[got:])
+                status, reply = self._control(op, bytes(payload), peer)
                 pending += (RESP.pack(status, req_id, len(reply)), reply)
             else:
                 self._malformed(peer, f"unknown op {op}")
+            if flags & _FLUSH or pending_bytes >= FLUSH_BYTES:
+                wire.send_all(sock, pending)
+                pending, pending_bytes = [], 0
 
     def _access(self, token: int, offset: int, length: int) -> tuple[Status, Region | None]:
         """The region a READ/WRITE may touch, or (why not, None)."""
@@ -161,14 +167,14 @@ class TcpServer:
             wire.recv_exact(sock, memoryview(hdr)[n:])
         return True
 
-    def _control(self, op: Op, payload: bytes, peer: str) -> tuple[Status, bytes]:
+    def _control(self, op: int, payload: bytes, peer: str) -> tuple[Status, bytes]:
         try:
-            return self.handlers[op](payload)
+            return self.handlers[op](payload)  # type: ignore[index]
         except MooncakeError as e:
-            log.warning("transfer server: %s from %s refused: %s", op.name, peer, e)
+            log.warning("transfer server: %s from %s refused: %s", Op(op).name, peer, e)
             return Status.BAD_REQUEST, str(e).encode()[:4096]
         except Exception:
-            log.exception("transfer server: %s from %s failed", op.name, peer)
+            log.exception("transfer server: %s from %s failed", Op(op).name, peer)
             return Status.INTERNAL, b""
 
     @staticmethod

@@ -7,16 +7,21 @@ registered memory, then scatters the replies with recvmsg_into into the register
 no intermediate bytes objects, and the socket calls release the GIL while the kernel
 copies. Adjacent slices travel as one wire request. A broken connection fails its slices
 as retryable and is re-opened on the next use.
+
+TransferEngine.transfer() runs on the caller's thread instead (run_inline, move_now), over
+connections kept idle for it: no queue, no worker wake-up, no completion hand-off. The
+last request before a wait carries FLAG_FLUSH, so the server answers without a probe.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import queue
 import socket
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 from mooncake.errors import MooncakeError, ProtocolError
 from mooncake.transfer import wire
@@ -24,11 +29,13 @@ from mooncake.transfer.batch import Slice, chunked, contiguous_runs
 from mooncake.transfer.paths import Path
 from mooncake.transfer.transport import BaseTransport, Report, Target
 from mooncake.transfer.types import EngineOptions, SegmentDesc, TransferOp
-from mooncake.transfer.wire import REQ, RESP, Op, Status
+from mooncake.transfer.wire import FLAG_FLUSH, REQ, RESP, Op, Status
 
 log = logging.getLogger(__name__)
 
 MAX_GROUP_SLICES = 64
+_OK = int(Status.OK)
+_Conn = tuple[socket.socket, Iterator[int]]  # an authenticated connection, its request ids
 
 
 class TcpPath(Path):
@@ -46,6 +53,7 @@ class TcpPath(Path):
         self._queue: queue.SimpleQueue[list[Slice] | None] = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
         self._socks: set[socket.socket] = set()
+        self._idle: list[_Conn] = []  # connections of inline callers, not in use
         self._lock = threading.Lock()
         self._closed = False
 
@@ -87,11 +95,34 @@ class TcpPath(Path):
             self._socks.discard(sock)
         sock.close()
 
+    def run_inline(self, slices: list[Slice]) -> None:
+        """Move `slices` on the calling thread over an idle connection of this path (its
+        first group; further groups go to the workers), reporting each slice exactly as the
+        workers do. Saves the two thread hand-offs of a queued group: the fixed cost of a
+        small synchronous transfer."""
+        group = slices
+        if len(slices) > 1:
+            chunks = chunked(slices, self._transport.options.group_bytes, MAX_GROUP_SLICES)
+            if len(chunks) > 1:
+                if not self._threads:
+                    self._start()
+                for chunk in chunks[1:]:
+                    self._queue.put(chunk)
+            group = [s for s in chunks[0] if s.batch.is_live(s.index)]
+            if not group:
+                return
+        try:
+            conn: _Conn | None = self._idle.pop()  # NOTE: list.pop/append are atomic
+        except IndexError:
+            conn = None
+        conn = self._move(conn, group)
+        if conn is not None:
+            self._idle.append(conn)  # close() shuts every socket down, idle ones included
+
     def _work(self) -> None:
-        q, report = self._queue, self._transport.report
+        q = self._queue
         group_bytes = self._transport.options.group_bytes
-        sock: socket.socket | None = None
-        req_ids = iter(range(1, 1 << 62))
+        conn: _Conn | None = None
         while (chunk := q.get()) is not None:
             group = list(chunk)
             num_bytes = sum(s.length for s in group)
@@ -106,31 +137,101 @@ class TcpPath(Path):
                 group += more
                 num_bytes += sum(s.length for s in more)
             group = [g for g in group if g.batch.is_live(g.index)]
-            if not group:
-                continue
-            if self.is_paused():  # hand them back at once: the engine re-routes them
-                for g in group:
-                    report(g, f"{self.key}: path paused after repeated failures", True)
-                continue
-            done = 0
-            try:
-                if sock is None:
-                    sock = self._connect()
-                done = self._run_group(sock, group, req_ids)
-            except (OSError, MooncakeError) as e:
-                if sock is not None:
-                    self._drop(sock)
-                    sock = None
-                why = f"{self.key}: {type(e).__name__}: {e}"
-                if isinstance(e, BlockingIOError | TimeoutError):  # SO_RCVTIMEO / SO_SNDTIMEO
-                    limit = self._transport.options.slice_io_timeout_s
-                    why = f"{self.key}: no progress within {limit:g} s"
-                for g in group[done:]:
-                    report(g, why, True)
-        if sock is not None:
-            self._drop(sock)
+            if group:
+                conn = self._move(conn, group)
+        if conn is not None:
+            self._drop(conn[0])
 
-    def _run_group(self, sock: socket.socket, group: list[Slice], req_ids) -> int:
+    def _move(self, conn: _Conn | None, group: list[Slice]) -> _Conn | None:
+        """Run `group` over `conn` (connecting if None) and report every slice; returns the
+        connection, or None if it broke (its slices are reported as retryable)."""
+        report = self._transport.report
+        if self.is_paused():  # hand them back at once: the engine re-routes them
+            for g in group:
+                report(g, f"{self.key}: path paused after repeated failures", True)
+            return conn
+        done = 0
+        try:
+            if conn is None:
+                conn = (self._connect(), itertools.count(1))
+            if len(group) == 1:
+                done = self._run_one(conn[0], group[0], next(conn[1]) & 0xFFFFFFFF)
+            else:
+                done = self._run_group(conn[0], group, conn[1])
+            return conn
+        except (OSError, MooncakeError) as e:
+            if conn is not None:
+                self._drop(conn[0])
+            why = f"{self.key}: {type(e).__name__}: {e}"
+            if isinstance(e, BlockingIOError | TimeoutError):  # SO_RCVTIMEO / SO_SNDTIMEO
+                limit = self._transport.options.slice_io_timeout_s
+                why = f"{self.key}: no progress within {limit:g} s"
+            for g in group[done:]:
+                report(g, why, True)
+            return None
+
+    def move_now(self, op: TransferOp, mem: memoryview, token: int, remote_offset: int) -> bool:
+        """Move `mem` to or from [remote_offset, +len(mem)) of the remote segment `token` on
+        the calling thread over an idle connection: no Slice, no queue, no report. False if
+        it did not work out (paused path, broken connection, a refusal): nothing is
+        recorded, and the caller moves it again the general way, which retries and
+        reports. A repeat is harmless: a read or write of the same bytes."""
+        if self.is_paused():
+            return False
+        try:
+            conn: _Conn | None = self._idle.pop()  # NOTE: list.pop/append are atomic
+        except IndexError:
+            conn = None
+        try:
+            if conn is None:
+                conn = (self._connect(), itertools.count(1))
+            rid = next(conn[1]) & 0xFFFFFFFF
+            if self._exchange(conn[0], op, mem, token, remote_offset, rid) == _OK:
+                self.record_success(len(mem))
+                self._idle.append(conn)  # close() shuts every socket down, idle ones too
+                return True
+        except (OSError, MooncakeError):
+            pass
+        if conn is not None:
+            self._drop(conn[0])  # NOTE: the server closes it after a refusal anyway
+        return False
+
+    def _run_one(self, sock: socket.socket, s: Slice, rid: int) -> int:
+        """_run_group() of a group of one slice, in fewer steps (the small transfer's path)."""
+        mem = s.local.view.mv[s.local_offset : s.local_offset + s.length]
+        status = self._exchange(sock, s.op, mem, s.target.desc.token, s.remote_offset, rid)
+        if status != _OK:  # the server closes the connection after an error
+            self._transport.report(s, f"{self.key}: {wire.status_text(status)}", False)
+        else:
+            self._transport.report_done([s])
+        return 1
+
+    @staticmethod
+    def _exchange(sock: socket.socket, op: TransferOp, mem: memoryview, token: int,
+                  remote_offset: int, rid: int) -> int:  # fmt: skip
+        """One READ or WRITE request and its reply; returns the reply status. Raises
+        OSError/ProtocolError when the connection broke or the reply does not fit."""
+        length = len(mem)
+        hdr = REQ.pack(op, FLAG_FLUSH, 0, rid, token, remote_offset, length)
+        head = bytearray(RESP.size)
+        is_read = op is TransferOp.READ
+        wire.send_all(sock, (hdr,) if is_read else (hdr, mem))
+        want = RESP.size + length if is_read else RESP.size
+        got = wire.recv_until_eof(sock, [memoryview(head), mem] if is_read else [memoryview(head)])
+        if got < RESP.size:
+            raise ConnectionError("connection closed with the reply missing")
+        status, got_id, got_length = RESP.unpack(head)
+        if got_id != rid:
+            raise ProtocolError(f"reply for request {got_id}, expected {rid}")
+        if status != _OK:
+            return int(status)
+        if is_read and got_length != length:
+            raise ProtocolError(f"read reply of {got_length} bytes, expected {length}")
+        if got < want:
+            raise ConnectionError("connection closed in the middle of a read reply")
+        return _OK
+
+    def _run_group(self, sock: socket.socket, group: list[Slice], req_ids: Iterator[int]) -> int:
         """Send every slice of `group` (one sendmsg), then scatter every reply (status
         headers, READ data straight into the registered memory) with as few recvmsg_into
         calls as the kernel allows; returns how many slices were reported. Raises
@@ -152,7 +253,8 @@ class TcpPath(Path):
             ids.append(rid)
             lengths.append(length)
             token = first.target.desc.token
-            iov.append(REQ.pack(first.op, 0, 0, rid, token, first.remote_offset, length))
+            flags = FLAG_FLUSH if i == len(runs) - 1 else 0  # then the replies, please
+            iov.append(REQ.pack(first.op, flags, 0, rid, token, first.remote_offset, length))
             mem = first.local.view.mv[first.local_offset : first.local_offset + length]
             head = hv[i * RESP.size : (i + 1) * RESP.size]
             if first.op is TransferOp.WRITE:
@@ -191,6 +293,7 @@ class TcpPath(Path):
         with self._lock:
             self._closed = True
             socks = list(self._socks)
+            self._idle.clear()
         for _ in self._threads:
             self._queue.put(None)
         for sock in socks:
@@ -247,7 +350,7 @@ def control_call(host: str, port: int, secret: bytes, op: Op, payload: bytes,
     """One control request (DESCRIBE, RDMA_CONNECT) on a fresh authenticated connection."""
     sock = wire.connect(host, port, secret, timeout_s)
     try:
-        wire.send_all(sock, [REQ.pack(op, 0, 0, 1, 0, 0, len(payload)), payload])
+        wire.send_all(sock, [REQ.pack(op, FLAG_FLUSH, 0, 1, 0, 0, len(payload)), payload])
         head = bytearray(RESP.size)
         wire.recv_exact(sock, head)
         status, _rid, length = RESP.unpack(head)

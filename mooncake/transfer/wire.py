@@ -11,12 +11,15 @@ Then requests, each answered in order on the same connection:
 
     REQ   op u8 | flags u8 | pad u16 | req_id u32 | token u64 | offset u64 | length u64
           WRITE: followed by `length` payload bytes; READ: nothing;
-          DESCRIBE/RDMA_CONNECT: followed by a msgpack payload of `length` bytes
+          DESCRIBE/RDMA_CONNECT/CALL: followed by a msgpack payload of `length` bytes
     RESP  status u8 | pad 3 | req_id u32 | length u64, then `length` bytes (READ data or a
           msgpack reply); an error status carries no data, and the server then closes the
           connection (a rejected WRITE's payload is never read into memory)
 
 A client may send many requests before reading replies; replies come in request order.
+The server sends its queued replies when a request carries FLAG_FLUSH (the client marks
+the last request before it waits), or, for requests without it, once nothing more has
+arrived (one extra receive attempt per reply batch).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ AUTH = struct.Struct("!4sHH32s32s")
 PROOF_BYTES: Final = 32
 REQ = struct.Struct("!BBHIQQQ")
 RESP = struct.Struct("!BxxxIQ")
+FLAG_FLUSH: Final = 1  # REQ flags: the client waits now; reply without waiting for more
 MAX_DATA_BYTES: Final = 1 << 30  # one slice; a larger length is malformed
 MAX_CONTROL_BYTES: Final = 1 << 20  # one msgpack control message
 SOCKET_BUFFER_BYTES: Final = 4 << 20
@@ -51,6 +55,7 @@ class Op(enum.IntEnum):
     WRITE = 2
     DESCRIBE = 3  # payload: segment name (utf-8); reply: msgpack SegmentDesc
     RDMA_CONNECT = 4  # payload/reply: msgpack RdmaConnectMsg
+    CALL = 5  # payload/reply: a control-plane frame (mooncake.rpc.wire), e.g. store.* calls
 
 
 class Status(enum.IntEnum):
@@ -103,7 +108,7 @@ def recv_until_eof(sock: socket.socket, bufs: list[memoryview]) -> int:
     """Scatter up to sum(len(b)) bytes from `sock` into `bufs` (recvmsg_into with
     MSG_WAITALL: usually one syscall); returns the bytes received, fewer only if the peer
     closed the connection first. Raises OSError on errors and timeouts."""
-    total = sum(len(b) for b in bufs)
+    total = sum(map(len, bufs))
     got = 0
     while True:
         n = sock.recvmsg_into(bufs[:1024], 0, socket.MSG_WAITALL)[0]  # IOV_MAX
@@ -115,11 +120,11 @@ def recv_until_eof(sock: socket.socket, bufs: list[memoryview]) -> int:
 
 def send_all(sock: socket.socket, bufs: Sequence[bytes | memoryview]) -> None:
     """Send every buffer of `bufs` in order with sendmsg, resuming after partial sends."""
-    pending = list(bufs)
+    pending = bufs
     while pending:
-        batch = pending[:1024]  # IOV_MAX
+        batch = pending[:1024] if len(pending) > 1024 else pending  # IOV_MAX
         n = sock.sendmsg(batch)
-        if len(batch) == len(pending) and n == sum(len(b) for b in batch):
+        if batch is pending and n == sum(map(len, batch)):
             return
         pending = _advance(pending, n)
 

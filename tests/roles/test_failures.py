@@ -20,8 +20,10 @@ pytestmark = pytest.mark.timeout(300)
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory, cost_cache: Path) -> Iterator[LocalLauncher]:
+    # NOTE: admission off: these tests are about failures, not overload
     with local_cluster(tmp_path_factory.mktemp("failures"), cost_cache, num_prefill=2,
-                       group_size=1, num_decode=2) as launcher:  # fmt: skip
+                       group_size=1, num_decode=2,
+                       extra={"scheduler.rejection": "none"}) as launcher:  # fmt: skip
         yield launcher
 
 

@@ -33,6 +33,11 @@ def _complete(url: str, prompt: list[int] | str, max_tokens: int = 8) -> dict:
 
 def _engine_alone(prompt: list[int], max_tokens: int) -> str:
     """Greedy text of the same model run by one in-process DecodeRunner."""
+    return "".join(e.text for e in _engine_events(prompt, max_tokens))
+
+
+def _engine_events(prompt: list[int], max_tokens: int) -> list:
+    """Greedy token events of the same model run by one in-process DecodeRunner."""
     from mooncake.engine.decode import DecodeRunner
     from mooncake.engine.kvcache import PagedKVCache
     from mooncake.engine.modelinfo import load_model_info
@@ -47,7 +52,7 @@ def _engine_alone(prompt: list[int], max_tokens: int) -> str:
     runner = DecodeRunner(model, PagedKVCache.for_model(model, 64, 32), chunk_tokens=256)
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     runner.add(Sequence(1, prompt, params, tokenizer=ByteTokenizer()))
-    return "".join(e.text for e in runner.run_until_done()[1])
+    return runner.run_until_done()[1]
 
 
 def test_greedy_tokens_equal_the_engine_alone(cluster: LocalLauncher) -> None:
@@ -110,3 +115,23 @@ def test_the_openai_client_streams_a_chat(cluster: LocalLauncher) -> None:
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert chunks[-1].choices == [] or chunks[-1].choices[0].finish_reason is not None
     assert isinstance(text, str)
+
+
+def test_the_next_turn_of_a_conversation_reuses_the_decoded_tokens_kv(
+    cluster: LocalLauncher,
+) -> None:
+    """The decode node stores the KV of the output too: a follow-up prompt made of the
+    first prompt, its answer and a new message reuses blocks that only decode computed."""
+    import time
+
+    prompt = [(i * 29 + 3) % 250 + 1 for i in range(150)]
+    answer = [e.token_id for e in _engine_events(prompt, 40)]
+    _complete(cluster.url, prompt, max_tokens=40)
+    follow_up = prompt + answer + [1, 2, 3]  # 193 tokens; 149 + 40 - 1 = 188 have KV
+    deadline = time.monotonic() + 10
+    while True:  # the pool's index learns of new blocks within a tick
+        got = _complete(cluster.url, follow_up, max_tokens=2)
+        cached = got["usage"]["prompt_tokens_details"]["cached_tokens"]
+        if cached == 160 or time.monotonic() > deadline:
+            break
+    assert cached == 160  # blocks 0-3 from prefill, block 4 (tokens 128-159) from decode

@@ -10,7 +10,7 @@ import pytest
 import zmq
 
 from mooncake.errors import ProtocolError, RpcTimeout
-from mooncake.rpc import RemoteError, RemoteProtocolError, RpcClient, wire
+from mooncake.rpc import Peer, RemoteError, RemoteProtocolError, RpcClient, wire
 
 from .conftest import (
     MAX_FRAME_BYTES,
@@ -191,3 +191,24 @@ def test_no_auth_mode_serves_plain_clients() -> None:
             assert c.call(EchoMsg("plain"), EchoMsg).text == "plain"
     finally:
         plain.server.stop()
+
+
+def test_answer_runs_the_handler_on_the_callers_thread_and_returns_the_frame(
+    served: Served,
+) -> None:
+    """answer() (what another transport uses) returns the reply frame a client would get:
+    the handler's reply, an error frame for a failing handler or an unknown type, and no
+    frame for an event."""
+    enc, peer = msgspec.msgpack.Encoder(), Peer(b"", "direct")
+    out = served.server.answer(request_frame(EchoMsg("hi", 1), req_id=9), peer, enc)
+    assert out is not None
+    assert wire.decode_frame(out, {b"test.echo": wire.msg_type(EchoMsg)}) == (
+        wire.KIND_REPLY, 9, EchoMsg("hi", 1),
+    )  # fmt: skip
+    failed = served.server.answer(request_frame(FailMsg(crash=False)), peer, enc)
+    assert failed is not None and decode_error(failed)[1].remote_type == "StoreError"
+    unknown = served.server.answer(request_frame(UnservedMsg()), peer, enc)
+    assert unknown is not None and decode_error(unknown)[1].code == wire.CODE_PROTOCOL
+    event = wire.encode_frame(enc, wire.KIND_EVENT, 0, BeatMsg(3))
+    assert served.server.answer(event, peer, enc) is None
+    assert served.events.get(timeout=5.0) == BeatMsg(3)

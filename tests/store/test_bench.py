@@ -28,6 +28,9 @@ def test_bench_store_local_json_has_a_row_per_api_with_the_documented_keys() -> 
                     "get_p99_us", "num_puts", "num_gets"):  # fmt: skip
             assert r[key] > 0, (r["api"], key)
         assert r["put_p50_us"] <= r["put_p99_us"] and r["get_p50_us"] <= r["get_p99_us"]
+        # the same-run floor (a plain socket round trip with the value) for single-key APIs
+        has_floor = r["socket_put_p50_us"] > 0 and r["socket_get_p50_us"] > 0
+        assert has_floor == (r["api"] != "batch"), r
 
 
 def test_bench_store_rejects_an_unknown_protocol_with_a_clear_error() -> None:

@@ -52,3 +52,24 @@ def test_demoted_object_is_promoted_and_read_back(tmp_path: Path) -> None:
             node.stop()
         with service.lock:
             assert service.metadata.stats().num_segments == 0
+
+
+def test_populate_leaves_the_bytes_and_the_node_says_when_it_is_done() -> None:
+    """populate() faults pages in without changing a byte (clients may already write);
+    a node's `populated` is set once its DRAM tier is done, and stop() waits for it."""
+    import numpy as np
+
+    from mooncake.native.shm import ShmArena
+    from mooncake.store.node import populate
+
+    with ShmArena.create(1 << 20) as arena:
+        arena.array[::999] = np.arange(len(arena.array[::999])) % 251
+        before = arena.array.copy()
+        populate(arena.array)
+        assert (arena.array == before).all()
+    with StoreService(SECRET, MetadataConfig()) as service:
+        node = StoreNode("p0", service.address, SECRET, TierSizes(dram_bytes=4 << 20),
+                         prefault=True)  # fmt: skip
+        node.start()
+        assert node.populated.wait(10.0)
+        node.stop()

@@ -4,6 +4,7 @@ adjacent slices form runs (one wire request / one copy); settings come from [tra
 
 from __future__ import annotations
 
+import threading
 import time
 
 from mooncake.config import TransferConfig
@@ -37,6 +38,19 @@ def test_pending_requests_time_out_at_the_deadline() -> None:
     b = _batch(1, deadline_s=0.0)
     b.add_slices(0, 1)
     assert b.wait(5.0)[0].state is TransferState.TIMED_OUT and not b.is_live(0)
+
+
+def test_wait_wakes_when_another_thread_finishes_the_last_slice() -> None:
+    """wait() blocks (its Event is made on demand) until a worker thread reports the last
+    slice, and check() of the ended batch returns its bytes at once."""
+    b = _batch(1)
+    b.add_slices(0, 1)
+    s = Slice(b, 0, W, "L", 0, "T", 0, 10)
+    worker = threading.Timer(0.05, b.slices_done, ([s],))
+    worker.start()
+    assert b.wait(10.0)[0].state is TransferState.DONE and b.num_open == 0
+    worker.join()
+    assert b.check() == 10
 
 
 def _s(local_off: int, remote_off: int, n: int, op: TransferOp = W, target: str = "T") -> Slice:

@@ -139,3 +139,42 @@ def test_short_cluster_secret_is_refused() -> None:
 
     with pytest.raises(ConfigError, match="at least 16 bytes"):
         TransferEngine("x", "short")
+
+
+@pytest.mark.parametrize("size", [1, 4096, 50_000])
+def test_transfer_moves_exact_bytes_and_returns_an_ended_batch(engines, size: int) -> None:
+    """transfer() (the calling thread moves the first group itself, the rest goes to the
+    workers) writes and reads back the same bytes as submit(), and returns only once
+    every request ended."""
+    a, b = engines
+    pool = b.allocate("pool", 100_000)
+    src, dst = pattern(size), np.zeros(size, np.uint8)
+    a.register("src", src)
+    a.register("dst", dst)
+    batch = a.transfer([TransferRequest(WRITE, "src", 0, "pool", 333, size)])
+    assert batch.is_done and batch.check(0) == size
+    assert (pool[333 : 333 + size] == src).all() and not pool[:333].any()
+    assert a.transfer([TransferRequest(READ, "dst", 0, "pool", 333, size)]).check(0) == size
+    assert (dst == src).all()
+
+
+def test_transfer_rejects_bad_requests_as_submit_does(engines) -> None:
+    a, b = engines
+    pool = b.allocate("pool", 8192)
+    a.register("src", pattern(4096))
+    with pytest.raises(TransferError, match="outside segment 'pool'"):
+        a.transfer([TransferRequest(WRITE, "src", 0, "pool", 8000, 4096)])
+    assert not pool.any()
+
+
+def test_transfer_reports_a_refused_request_as_failed(engines) -> None:
+    """A request the peer refuses (its segment was re-registered) fails, it never hangs."""
+    a, b = engines
+    b.register("seg", np.zeros(8192, np.uint8))
+    a.register("src", pattern(4096))
+    req = TransferRequest(WRITE, "src", 0, "seg", 0, 4096)
+    a.transfer([req]).check(5.0)
+    b.unregister("seg")
+    b.register("seg", np.zeros(8192, np.uint8))
+    status = a.transfer([req]).poll()[0]
+    assert status.state is TransferState.FAILED and "no such segment" in status.reason

@@ -77,3 +77,29 @@ def test_path_that_keeps_failing_is_paused_and_then_fails_fast(peer: PeerProcess
         assert path.is_paused()
         second = e.submit([req]).wait(10.0)[0]
         assert second.state is TransferState.FAILED and "paused" in second.reason
+
+
+def test_transfer_retries_on_a_fresh_connection_after_the_peer_dropped_it(
+    peer: PeerProcess,
+) -> None:
+    """transfer() keeps its connections between calls; when the peer drops them, the
+    failed slice is retried (on a new connection) and the bytes arrive."""
+    with _initiator(peer) as e:
+        dst = np.zeros(4096, np.uint8)
+        e.register("dst", dst)
+        req = TransferRequest(READ, "dst", 0, "pool", 0, 4096)
+        e.transfer([req]).check(5.0)
+        assert peer.call("drop") >= 1
+        dst[:] = 0
+        e.transfer([req]).check(5.0)
+        assert (dst == pattern(4096)).all()
+
+
+def test_transfer_to_a_killed_peer_fails_within_the_deadline(peer: PeerProcess) -> None:
+    with _initiator(peer, timeout_s=2.0, retry_budget=1) as e:
+        e.register("dst", np.zeros(4096, np.uint8))
+        req = TransferRequest(READ, "dst", 0, "pool", 0, 4096)
+        e.transfer([req]).check(5.0)
+        peer.kill()
+        batch = e.transfer([req])
+        assert batch.is_done and batch.poll()[0].state is not DONE

@@ -113,3 +113,22 @@ def test_unknown_token_is_no_segment(served) -> None:
     sock = wire.connect("127.0.0.1", server.port, SECRET, 5.0)
     assert _write(sock, token + 1, 0, b"x")[0] == Status.NO_SEGMENT
     sock.close()
+
+
+def test_pipelined_requests_are_answered_in_order_when_the_last_asks_to_flush(served) -> None:
+    """Requests without FLAG_FLUSH are queued; the one carrying it sends every reply, in
+    request order (and a lone request with it is answered at once)."""
+    server, mem, token = served
+    mem[:6] = np.frombuffer(b"abcdef", np.uint8)
+    sock = wire.connect("127.0.0.1", server.port, SECRET, 5.0)
+    reqs = [REQ.pack(Op.READ, wire.FLAG_FLUSH if i == 2 else 0, 0, 20 + i, token, 2 * i, 2)
+            for i in range(3)]  # fmt: skip
+    wire.send_all(sock, reqs)
+    reply = bytearray(3 * (RESP.size + 2))
+    wire.recv_exact(sock, reply)
+    step = RESP.size + 2
+    for i in range(3):
+        assert RESP.unpack_from(reply, i * step) == (Status.OK, 20 + i, 2)
+        assert reply[i * step + RESP.size : (i + 1) * step] == b"abcdef"[2 * i : 2 * i + 2]
+    assert _write(sock, token, 0, b"Z") == (Status.OK, 7)  # flags 0: answered after a probe
+    sock.close()
