@@ -63,9 +63,10 @@ OPT: dict[str, Any] = {
     "rejection": typer.Option(
         "predictive",
         "--rejection",
-        help="Early rejection at arrival: none (only the decode instance checks, after the "
-        "prefill is spent), basic (§7.2: the decode pool's load now) or predictive (§7.4: "
-        "its load forecast for when the request's prefill ends).",
+        help="Early rejection: none (only the decode instance checks, after the prefill is "
+        "spent), basic (§7.2: at arrival, the decode pool's load now) or predictive (§7.4: "
+        "at arrival, its load forecast for when the request's prefill ends; again as the "
+        "prefill is about to start, choosing the decode instance the KV goes to).",
     ),
     "threshold": typer.Option(
         1.5, "--threshold", help="kvcache_balancing_threshold of Algorithm 1 (>= 1)."

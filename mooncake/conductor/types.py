@@ -12,7 +12,7 @@ from mooncake.errors import ConfigError
 POLICIES = ("random", "load_balance", "cache_aware", "kvcache_centric")
 REJECTION_MODES = ("none", "basic", "predictive")
 
-RejectReason = Literal["", "ttft_slo", "decode_load", "no_instance"]
+RejectReason = Literal["", "ttft_slo", "decode_load", "no_instance", "unknown_request"]
 
 
 class ConductorParams(msgspec.Struct, frozen=True, kw_only=True):
@@ -26,6 +26,9 @@ class ConductorParams(msgspec.Struct, frozen=True, kw_only=True):
     block_tokens: int = 512  # tokens per KV block (the traces use 512)
     decode_time_s: float = 20.0  # §7.4's uniform decode time t_d until one is measured, s
     decode_time_ewma: float = 0.02  # weight of a finished request in t_d after 1/ewma of them
+    # predictive, at arrival: reject when the predicted decode load is over 1 by this many
+    # standard deviations of the forecast's measured error (the check at prefill start is sharp)
+    forecast_sigmas: float = 2.0
     global_pool: bool = True  # False: prefill reuses only its own cache (no remote fetch)
     seed: int = 0  # random policy
 
@@ -44,6 +47,8 @@ class ConductorParams(msgspec.Struct, frozen=True, kw_only=True):
             problems.append(f"balancing_threshold: must be >= 1.0, got {self.balancing_threshold}")
         if self.block_tokens < 1:
             problems.append(f"block_tokens: must be >= 1, got {self.block_tokens}")
+        if not self.forecast_sigmas >= 0:
+            problems.append(f"forecast_sigmas: must be >= 0, got {self.forecast_sigmas}")
         if not 0 < self.decode_time_ewma <= 1:
             problems.append(f"decode_time_ewma: must be in (0, 1], got {self.decode_time_ewma}")
         if problems:
@@ -87,3 +92,14 @@ class Decision(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def fetch_blocks(self) -> int:
         return self.reused_blocks - self.local_blocks if self.fetch_from else 0
+
+
+class PrefillAdmission(msgspec.Struct, frozen=True, kw_only=True):
+    """The Conductor's answer when a request's prefill is about to start
+    (`Conductor.admit_prefill`): run it, streaming its KV to `decode`, or drop it."""
+
+    req_id: int
+    is_accepted: bool
+    decode: str = ""  # decode instance its KV streams to (may differ from the Decision's)
+    reason: RejectReason = ""  # why it was rejected ("" when accepted)
+    decode_load: float = 0.0  # predicted load of `decode` when the KV lands (predictive)

@@ -21,9 +21,11 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
+import msgspec
+
 from mooncake.api.backend import BaseBackend, GenerateRequest, Output, Rejected
 from mooncake.conductor import Conductor
-from mooncake.conductor.types import Decision, ScheduleRequest
+from mooncake.conductor.types import Decision, PrefillAdmission, ScheduleRequest
 from mooncake.engine.tokenizer import BaseTokenizer
 from mooncake.errors import ApiError, MooncakeError, SchedulingError
 from mooncake.hashing import PrefixHasher
@@ -38,6 +40,7 @@ from mooncake.roles.registry import Registry
 from mooncake.rpc import AsyncRpcClient
 
 log = logging.getLogger(__name__)
+REJECTED = "rejected: "  # error prefix of a request the Conductor refused at prefill start
 
 
 @dataclass
@@ -119,6 +122,9 @@ class ClusterBackend(BaseBackend):
                 if tok.req_id == -1:  # a re-placement asked us to send the task again
                     await self._dispatch_retrying(flight)
                     continue
+                if first and tok.error.startswith(REJECTED):  # before any output: a 429
+                    self._end(flight, dropped=True)
+                    raise Rejected(tok.error.removeprefix(REJECTED), retry_after_s=2.0)
                 if first:
                     self._on_first_token(flight)
                 out = Output(token_id=tok.token_id, text=tok.text, logprob=tok.logprob,
@@ -156,15 +162,18 @@ class ClusterBackend(BaseBackend):
         """Send the task; a leader that does not answer is reported down and the request
         is placed again (up to max_retries times)."""
         for attempt in range(self.max_retries + 1):
+            target = flight.decision  # NOTE: a node failure may re-place it while we wait
             try:
                 await self._dispatch(flight)
                 return
             except MooncakeError as e:
-                node = flight.decision.prefill
-                if attempt == self.max_retries:
-                    raise
+                node = target.prefill
                 log.warning("req %d: prefill node %s did not take it (%s)", flight.req_id, node, e)
                 self.on_unreachable(node)
+                if flight.decision is not target:
+                    return  # placed again meanwhile; that placement dispatches it
+                if attempt == self.max_retries:
+                    raise
                 with self.lock:
                     self.conductor.on_request_dropped(flight.req_id, time.monotonic())
                 g = flight.gen
@@ -237,6 +246,22 @@ class ClusterBackend(BaseBackend):
                 continue
             if flight is not None:
                 loop.call_soon_threadsafe(flight.queue.put_nowait, tok)
+
+    def on_prefill_admission(self, req_id: int, adm: PrefillAdmission) -> None:
+        """The Conductor's decision at prefill start (RPC thread): follow a moved decode
+        node, or tell the client its request was rejected before any work."""
+        flight, loop = self.flights.get(req_id), self.loop
+        if flight is None or loop is None:
+            return
+        if adm.is_accepted:
+            flight.phase = "prefilling"
+            if adm.decode and adm.decode != flight.decision.decode:
+                flight.decision = msgspec.structs.replace(flight.decision, decode=adm.decode)
+            return
+        if adm.reason != "unknown_request":
+            end = TokenMsg(req_id, -1, "", finish_reason="abort",
+                           error=f"{REJECTED}the cluster is overloaded ({adm.reason})")  # fmt: skip
+            loop.call_soon_threadsafe(flight.queue.put_nowait, end)
 
     def on_prefill_event(self, req_id: int, phase: str, reused: int, kv_bytes: int) -> None:
         flight = self.flights.get(req_id)

@@ -33,7 +33,7 @@ from mooncake.engine.tokenizer import create_tokenizer
 from mooncake.errors import ConfigError
 from mooncake.hashing import PrefixHasher
 from mooncake.roles.cluster import ClusterBackend
-from mooncake.roles.common import HEARTBEAT_S, NODE_TTL_S, report_ready
+from mooncake.roles.common import NODE_TTL_S, report_ready
 from mooncake.roles.messages import (
     AckMsg,
     DeregisterMsg,
@@ -42,6 +42,8 @@ from mooncake.roles.messages import (
     NodeHeartbeatMsg,
     NodeHeartbeatReplyMsg,
     PrefillEventMsg,
+    PrefillStartMsg,
+    PrefillStartReplyMsg,
     RegisterMsg,
     RegisterReplyMsg,
     TokensMsg,
@@ -135,6 +137,7 @@ class Master:
         srv.register(DeregisterMsg, self._on_deregister)
         srv.register(GroupQueryMsg, self._on_group_query)
         srv.on_event(PrefillEventMsg, self._on_prefill_event)
+        srv.register(PrefillStartMsg, self._on_prefill_start)
         srv.on_event(TokensMsg, lambda m, _p: self.backend.deliver(m.node_id, m.tokens))
         self.metrics = CollectorRegistry()
         self.metrics.register(StoreCollector(self.store.stats))
@@ -189,6 +192,16 @@ class Master:
     def _on_group_query(self, msg: GroupQueryMsg, _peer: object) -> GroupMsg:
         with self.lock:
             return self.registry.group_msg(msg.node_id)
+
+    def _on_prefill_start(self, msg: PrefillStartMsg, _peer: object) -> PrefillStartReplyMsg:
+        with self.lock:
+            adm = self.conductor.admit_prefill(msg.req_id, time.monotonic())
+            rec = self.registry.nodes.get(adm.decode) if adm.is_accepted else None
+        self.backend.on_prefill_admission(msg.req_id, adm)
+        if not adm.is_accepted:
+            return PrefillStartReplyMsg(False, reason=adm.reason)
+        address = rec.info.rpc_address if rec is not None else ""
+        return PrefillStartReplyMsg(True, adm.decode if address else "", address)
 
     def _on_prefill_event(self, msg: PrefillEventMsg, _peer: object) -> None:
         if msg.phase == "failed":
@@ -257,13 +270,14 @@ class Master:
             self.conductor.remove_instance(name)
 
     def _mark_down(self, node_id: str) -> None:
-        """A node did not answer a call: down now, not after its heartbeat TTL."""
+        """A node did not take a call (timeout, refused connection): down now, not after
+        its heartbeat TTL, so the request's next placement avoids it."""
         with self.lock:
             rec = self.registry.nodes.get(node_id)
             if rec is None or rec.state == "down":
                 return
-            if time.monotonic() - rec.last_seen_s < 2.5 * HEARTBEAT_S:
-                return  # it heartbeats: busy, not dead (the request is placed again anyway)
+            # NOTE: a live node marked down by mistake learns it from its next heartbeat
+            # and registers again within a second or two
             rec.state = "down"
         log.warning("node %s (%s) does not answer: marked down", node_id, rec.role)
         self._drop_instance(node_id)

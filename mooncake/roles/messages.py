@@ -113,6 +113,21 @@ class PrefillAbortMsg(Msg, frozen=True, tag="prefill.abort"):
     req_id: int
 
 
+class PrefillStartMsg(Msg, frozen=True, tag="master.prefill_start"):
+    """Prefill leader -> master, just before a task's prefill starts: still admitted, and
+    to which decode node does its KV go? (the Conductor's second, later decision, §7.4)"""
+
+    req_id: int
+    node_id: Name
+
+
+class PrefillStartReplyMsg(Msg, frozen=True, tag="master.prefill_start_reply"):
+    is_accepted: bool  # False: skip it (rejected now, or no longer wanted)
+    decode_node: str = ""  # where its KV goes ("" = as the task said)
+    decode_address: str = ""
+    reason: str = ""
+
+
 class PrefillEventMsg(Msg, frozen=True, tag="master.prefill_event"):
     """Prefill node -> master: a task started, finished or failed."""
 

@@ -40,6 +40,8 @@ from mooncake.roles.messages import (
     NodeLoadMsg,
     PrefillAbortMsg,
     PrefillEventMsg,
+    PrefillStartMsg,
+    PrefillStartReplyMsg,
     PrefillTaskMsg,
     TokenMsg,
     TokensMsg,
@@ -180,9 +182,31 @@ class PrefillNode:
             finally:
                 self.busy = False
 
+    def _admit(self, task: PrefillTaskMsg) -> PrefillTaskMsg | None:
+        """Ask the master whether the task still runs and where its KV goes now; None =
+        skip it. An unreachable master keeps the task as it was placed."""
+        try:
+            reply = self.link.client.call(
+                PrefillStartMsg(task.req_id, self.ctx.node_id), PrefillStartReplyMsg
+            )
+        except MooncakeError as e:
+            log.warning("req %d: admission check failed, running it as placed: %s",
+                        task.req_id, e)  # fmt: skip
+            return task
+        if not reply.is_accepted:
+            log.info("req %d: not prefilled (%s)", task.req_id, reply.reason)
+            return None
+        if reply.decode_node and reply.decode_node != task.decode_node:
+            return msgspec.structs.replace(task, decode_node=reply.decode_node,
+                                           decode_address=reply.decode_address)  # fmt: skip
+        return task
+
     def _run(self, task: PrefillTaskMsg) -> None:
+        admitted = self._admit(task)
+        if admitted is None:
+            return
+        task = admitted
         log.debug("req %d: prefill of %d tokens", task.req_id, len(task.prompt_ids))
-        self._event(task.req_id, "started")
         prompt = task.prompt_ids[:-1]
         kw: dict[str, Any] = {}
         if task.max_reuse_blocks >= 0:

@@ -31,7 +31,7 @@ class SimRequest:
         self.input_len = input_len  # tokens
         self.output_len = output_len  # tokens, the first from prefill
         self.hashes = hashes
-        self.status = "pending"  # pending | done | rejected_early | rejected_late
+        self.status = "pending"  # pending | done | rejected_early | rejected_start | rejected_late
         self.decision: Any = None
         self.fetch_ready = 0.0  # when fetched prefix blocks have arrived
         self.reused_blocks = 0
@@ -64,7 +64,8 @@ class SimResult(msgspec.Struct, kw_only=True):
     requests: int
     completed: int
     rejected: int
-    rejected_before_prefill: int
+    rejected_before_prefill: int  # at arrival or when the prefill was about to start
+    rejected_at_prefill_start: int  # of which when the prefill was about to start
     rejected_after_prefill: int
     ttft_mean_s: float
     ttft_p50_s: float
@@ -123,7 +124,8 @@ def summarize(
         requests=len(reqs),
         completed=len(done),
         rejected=sum(r.status.startswith("rejected") for r in reqs),
-        rejected_before_prefill=sum(r.status == "rejected_early" for r in reqs),
+        rejected_before_prefill=sum(r.status in ("rejected_early", "rejected_start") for r in reqs),
+        rejected_at_prefill_start=sum(r.status == "rejected_start" for r in reqs),
         rejected_after_prefill=sum(r.status == "rejected_late" for r in reqs),
         ttft_mean_s=float(ttft.mean()) if len(ttft) else 0.0,
         ttft_p50_s=_pct(ttft, 50),

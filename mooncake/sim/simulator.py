@@ -5,7 +5,8 @@ so a run is a pure function of the config and the trace. Arrivals are merged fro
 sorted trace instead of being pushed up front. Per request:
 
     arrive -> Conductor.schedule -> [fetch booked on the network] -> prefill queue
-    -> prefill (KV streamed to decode) -> decode admission -> batch -> finish
+    -> Conductor.admit_prefill -> prefill (KV streamed to decode) -> decode admission
+    -> batch -> finish
 
 and the same Conductor hears every step back (`on_prefill_started`, ...), while the pool
 reports every block it gains or loses to the Conductor's prefix index.
@@ -139,6 +140,11 @@ class Simulator:
     def decode_finished(self, req: SimRequest, t: float) -> None:
         req.status, req.done_at = "done", t
         self.conductor.on_decode_finished(req.rid, t)
+
+    def rejected_at_start(self, req: SimRequest, t: float) -> None:
+        """The Conductor rejected the request as its prefill was about to start (it has
+        already dropped it from its books)."""
+        req.status, req.done_at = "rejected_start", t
 
     def rejected_late(self, req: SimRequest, t: float) -> None:
         """The decode instance refused the request after its prefill was spent."""

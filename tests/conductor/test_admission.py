@@ -7,7 +7,7 @@ import pytest
 
 from mooncake.conductor import ScheduleRequest
 from mooncake.conductor.admission import decode_can_admit, predicted_decode_load
-from mooncake.conductor.load import DecodeForecast, PrefillQueue
+from mooncake.conductor.load import PrefillQueue
 from tests.conductor.toy import toy_conductor, toy_cost
 
 
@@ -28,7 +28,7 @@ def test_ttft_over_slo_is_rejected_before_prefill_in_every_mode():
 
 def _fill_decode(c, tokens: int) -> None:
     c.decode[0].reserve("old", tokens)
-    c.decode[0].activate("old")
+    c.decode[0].activate("old", 0.0)
 
 
 def test_basic_rejects_on_the_current_decode_load_none_does_not():
@@ -52,43 +52,18 @@ def test_basic_ignores_requests_still_in_prefill_predictive_does_not():
         assert d.is_accepted is accepted, mode
 
 
-def test_forecast_by_hand():
-    # t_d = 10 s. Decode starts: 100 tokens at t=0, 200 at t=5. In prefill: 300 tokens ready
-    # at t=3, 400 at t=20. At t = 10: the first start has ended (0 <= 10 - 10), the second
-    # has not; the 300-token request has joined, the 400-token one has not.
-    f = DecodeForecast(decode_time_s=10.0, ewma=0.5)
-    f.start_decode("a", 0.0, 100)
-    f.start_decode("b", 5.0, 200)
-    f.add_prefilling("c", 3.0, 300)
-    f.add_prefilling("d", 20.0, 400)
-    assert f.at(10.0) == (2, 500)
-    assert f.at(2.0) == (2, 300)
-    # "c" joins at 3 and, decoding for t_d = 10 s, has left by 13; "d" joined at 20
-    assert f.at(25.0) == (1, 400)
-    # each decoding request adds 2 tokens a second: by t=10, "b" has 5 s of them, "c" 7 s
-    f.gen_per_s = 2.0
-    assert f.at(10.0) == (2, 500 + 2 * (5 + 7))
-    f.prefill_done("d", 6.0)  # finished early: decodes from t=6 on
-    assert f.at(10.0) == (3, 900 + 2 * (5 + 7 + 4))
-    f.finish_decode("a", 4.0)  # the first measured decode time replaces the prior t_d
-    assert f.decode_time_s == pytest.approx(4.0)
-    f.finish_decode("b", 13.0)  # 8 s; the second counts half (mean of two = ewma 0.5)
-    assert f.decode_time_s == pytest.approx(6.0)
-    assert f.at(10.0) == (1, 400 + 2 * 4)  # t_d = 6: "c" (joined at 3) has left, "d" has not
-    f.drop("d")
-    f.drop("c")
-    assert f.at(10.0) == (0, 0)
-
-
 def test_predicted_load_by_hand():
-    # 2 decode instances of 10,000 tokens; forecast at t: 2 requests, 500 tokens; the new
-    # request adds 1 and 1,500 tokens -> per instance 1.5 requests and 1,000 tokens:
-    # TBT = 10 ms + 1.5 ms + 1 ms = 12.5 ms -> 0.125 of a 100 ms SLO; memory 0.1.
+    # 2 decode instances of 10,000 tokens, t_d = 20 s (the prior: nothing measured yet).
+    # At now = 5, 2 requests holding 600 tokens decode; a prefill of 300 tokens ends at 8.
+    # At t = 10 (h = 5 s): a share 1 - 5/20 = 0.75 of the batch remains (1.5 requests, 450
+    # tokens), the 300-token request has landed and decodes; the new one adds 1 and 1,500:
+    # per instance 1.75 requests and 1,125 tokens: TBT = 10 + 1.75 + 1.125 = 12.875 ms.
     c = toy_conductor(1, 2, rejection="predictive")
-    c.forecast.start_decode("b", 5.0, 200)
-    c.forecast.add_prefilling("c", 3.0, 300)
-    load = predicted_decode_load(c.cost, c.params, c.forecast, c.decode, 1_500, t=6.0)
-    assert load == pytest.approx(0.125)
+    c.forecast.add_prefilling("c", 8.0, 300)
+    load = predicted_decode_load(
+        c.cost, c.params, c.forecast, 2, (2, 600.0), 1_500, now=5.0, t=10.0
+    )
+    assert load == pytest.approx(0.12875)
 
 
 def _decoding(c, req_id: int, tokens: int, start: float) -> None:
@@ -113,19 +88,20 @@ def test_decode_load_counts_the_kv_the_batch_has_generated():
 
 
 def test_predictive_load_by_hand_through_schedule():
-    # t=5: request 1 (4,000 tokens) decodes since t=4 at 100 tokens/s (as above). Request 2
-    # (3,000 tokens) is admitted: prefill 0 s queue + 3 s, ready at t=8. Request 3 (2,300
-    # tokens) waits 3 s and prefills 2.3 s: it reaches decode at t = 10.3, when (t_d = 20 s,
-    # so nobody has left) request 1 holds 4,000 + 100 * 6.3 tokens, request 2 holds
-    # 3,000 + 100 * 2.3, and request 3 adds 2,300: 10,160 tokens of 10,000 -> load 1.016.
-    # Basic sees only the batch now: 4,100 + 2,300 tokens -> 0.64; it admits.
-    for mode, accepted, load in (("predictive", False, 1.016), ("basic", True, 0.64)):
+    # t=5: request 1 (4,000 tokens) decodes since t=4 and its instance reports 4,100 tokens
+    # of KV, 100 tokens/s. Request 2 (3,000 tokens) is admitted: no queue, 3 s of prefill,
+    # it lands at t=8. Request 3 (4,000 tokens) waits 3 s and prefills 4 s: it lands at
+    # t=12 (h = 7 s). With t_d = 20 s a share 1 - 7/20 = 0.65 of the batch is left then:
+    # 0.65 * (4,100 + 100 * 7) = 3,120 tokens; request 2 holds 3,000 + 100 * 4 = 3,400;
+    # request 3 adds 4,000: 10,520 of 10,000 tokens -> load 1.052, rejected. Basic sees
+    # only the batch now: 4,100 + 4,000 tokens -> 0.81; it admits.
+    for mode, accepted, load in (("predictive", False, 1.052), ("basic", True, 0.81)):
         c = toy_conductor(1, 1, rejection=mode)
         _decoding(c, 1, 4_000, start=4.0)
         c.on_decode_report("d0", kv_tokens=4_100, batch_size=1, step_s=0.01, now=5.0)
         assert c.schedule(_req(2, 3_000), now=5.0).is_accepted
-        d = c.schedule(_req(3, 2_300), now=5.0)
-        assert d.ttft_s == pytest.approx(5.3)
+        d = c.schedule(_req(3, 4_000), now=5.0)
+        assert d.ttft_s == pytest.approx(7.0)
         assert (d.is_accepted, d.decode_load) == (accepted, pytest.approx(load)), mode
         c.check_integrity()
 

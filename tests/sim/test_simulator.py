@@ -126,3 +126,41 @@ def test_decode_instance_reports_the_kv_it_holds_to_the_conductor(tmp_path):
     inst.offer = checked_offer  # type: ignore[method-assign]
     sim.run()
     assert seen == [1, 2]  # the second request joined while the first was decoding
+
+
+def test_predictive_decides_again_as_each_prefill_starts(tmp_path):
+    """With two small decode pools, some requests' KV goes to another decode instance than
+    the one chosen at arrival (the one predicted to have room when it lands), and some are
+    rejected as their prefill is about to start: those spend no prefill at all."""
+    cost = write_toy_cost(tmp_path / "cost.json", kv_capacity_tokens=40_000)
+    sim = Simulator(
+        SimConfig(num_prefill=4, num_decode=2, speed=4.0, cost_model_path=cost),
+        load_trace(FIXTURE),
+    )
+    first = {}
+    schedule = sim.conductor.schedule
+
+    def remember(req, now):
+        d = schedule(req, now)
+        first[req.req_id] = d.decode
+        return d
+
+    served = {}
+    for name, inst in sim.decode.items():
+
+        def offer(t, req, inst=inst, name=name):
+            served[req.rid] = name
+            type(inst).offer(inst, t, req)
+
+        inst.offer = offer  # type: ignore[method-assign]
+    sim.conductor.schedule = remember  # type: ignore[method-assign]
+    result = sim.run().result
+    moved = [r for r in sim.requests if r.rid in served and served[r.rid] != first[r.rid]]
+    assert moved and all(
+        served[r.rid] == r.decision.decode for r in sim.requests if r.rid in served
+    )
+    at_start = [r for r in sim.requests if r.status == "rejected_start"]
+    assert len(at_start) == result.rejected_at_prefill_start > 0
+    assert all(r.prefill_start < 0 and r.prefill_s == 0 for r in at_start)
+    sim.conductor.check_integrity()
+    assert sim.conductor.num_inflight == 0
