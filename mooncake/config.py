@@ -299,6 +299,14 @@ class SchedulerConfig(msgspec.Struct, **_STRUCT):
             "request's prefill ends, which avoids load oscillation)."
         ),
     ] = "predictive"
+    forecast_sigmas: Annotated[
+        float,
+        knob(
+            "Predictive rejection at arrival waits for the predicted decode load to exceed 1 "
+            "by this many standard deviations of the forecast's own measured error.",
+            ge=0,
+        ),
+    ] = 2.0
     cost_model_path: Annotated[
         str, knob('Cost model written by `mooncake profile`; "" = analytic roofline.')
     ] = ""

@@ -85,6 +85,7 @@ class Conductor:
             ttft_slo_s=cfg.ttft_slo_s,
             tbt_slo_s=cfg.tbt_slo_s,
             balancing_threshold=cfg.balancing_threshold,
+            forecast_sigmas=cfg.forecast_sigmas,
             block_tokens=block_tokens,
             seed=seed,
         )

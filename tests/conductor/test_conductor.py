@@ -67,12 +67,16 @@ def test_coupled_instances_decode_where_they_prefill_and_never_fetch():
 def test_from_config_uses_the_scheduler_section():
     from mooncake.config import SchedulerConfig
 
-    cfg = SchedulerConfig(policy="cache_aware", rejection="basic", ttft_slo_s=12.0)
+    cfg = SchedulerConfig(
+        policy="cache_aware", rejection="basic", ttft_slo_s=12.0, forecast_sigmas=1.5
+    )
     c = Conductor.from_config(cfg, model="llama3-70b", gpu="H100")
-    assert (c.params.policy, c.params.rejection, c.params.ttft_slo_s) == (
+    p = c.params
+    assert (p.policy, p.rejection, p.ttft_slo_s, p.forecast_sigmas) == (
         "cache_aware",
         "basic",
         12.0,
+        1.5,
     )
     assert c.policy.name == "cache_aware" and c.cost.spec.model == "llama3-70b"
 
