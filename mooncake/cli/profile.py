@@ -58,10 +58,9 @@ def profile(
 
     from mooncake.cli.output import console, err_console, print_json
     from mooncake.config import load_config
-    from mooncake.engine.benchmarks import Bench
     from mooncake.engine.kvobject import DTYPE_BYTES
     from mooncake.engine.modelinfo import load_model_info, resolve_dtype
-    from mooncake.engine.profiling import build_cost_model, profile_decode, profile_prefill
+    from mooncake.engine.profiling import profile_cost_model
     from mooncake.errors import ConfigError
 
     cfg = load_config(config).config
@@ -75,9 +74,6 @@ def profile(
     dtype = resolve_dtype(info, cfg.model.dtype, "cpu")
     lens = _numbers(input_lens, int)
     batches, ctxs = _numbers(batch_sizes, int), _numbers(contexts, int)
-    bt = cfg.model.block_tokens
-    blocks = max(2 * -(-max(lens) // bt), max(batches) * -(-(max(ctxs) + decode_steps) // bt)) + 4
-    bench = Bench(info, dtype, bt, cfg.prefill.chunk_tokens, blocks)
     if not kv_capacity_tokens:
         per_token = info.spec.kv_bytes_per_token(DTYPE_BYTES[dtype])
         kv_capacity_tokens = psutil.virtual_memory().available // 2 // per_token
@@ -87,9 +83,11 @@ def profile(
         def show(what: str) -> None:
             status.update(f"profiling: {what}")
 
-        prefill = profile_prefill(bench, lens, _numbers(reuse_fractions, float), repeat, show)
-        decode = profile_decode(bench, batches, ctxs, decode_steps, repeat, show)
-    model = build_cost_model(bench, prefill, decode, int(kv_capacity_tokens), link_bytes_per_s)
+        model, prefill, decode = profile_cost_model(
+            info, dtype, cfg.model.block_tokens, cfg.prefill.chunk_tokens, lens,
+            _numbers(reuse_fractions, float), batches, ctxs, decode_steps, repeat,
+            int(kv_capacity_tokens), link_bytes_per_s, show,
+        )  # fmt: skip
     target.parent.mkdir(parents=True, exist_ok=True)
     model.save(target)
     if json_out:

@@ -32,6 +32,7 @@ from mooncake.conductor.costmodel import (
 )
 from mooncake.engine.benchmarks import Bench, random_prompt
 from mooncake.engine.kvobject import DTYPE_BYTES
+from mooncake.engine.modelinfo import ModelInfo
 from mooncake.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -140,3 +141,22 @@ def build_cost_model(
             decode=fit_poly2(decode, DECODE_POWERS, ("batch_size", "context_len")),
         )
     )
+
+
+def profile_cost_model(
+    info: ModelInfo, dtype: str, block_tokens: int, chunk_tokens: int,
+    input_lens: Sequence[int], reuse_fractions: Sequence[float],
+    batch_sizes: Sequence[int], contexts: Sequence[int], decode_steps: int, repeat: int,
+    kv_capacity_tokens: int, link_bytes_per_s: float,
+    progress: Callable[[str], None] = lambda _: None,
+) -> tuple[CostModel, list[Sample], list[Sample]]:  # fmt: skip
+    """Measure this process's prefill and decode times and fit the cost model; returns it
+    with the prefill and decode samples it was fitted to."""
+    bt = block_tokens
+    blocks = max(2 * -(-max(input_lens) // bt),
+                 max(batch_sizes) * -(-(max(contexts) + decode_steps) // bt)) + 4  # fmt: skip
+    bench = Bench(info, dtype, bt, chunk_tokens, blocks)
+    prefill = profile_prefill(bench, input_lens, reuse_fractions, repeat, progress)
+    decode = profile_decode(bench, batch_sizes, contexts, decode_steps, repeat, progress)
+    model = build_cost_model(bench, prefill, decode, kv_capacity_tokens, link_bytes_per_s)
+    return model, prefill, decode

@@ -18,6 +18,7 @@ import itertools
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
@@ -49,14 +50,12 @@ class Flight:
 
     req_id: int
     gen: GenerateRequest
+    block_hashes: list[int]  # the prompt's, hashed once (placing again reuses them)
     queue: asyncio.Queue[TokenMsg]
     decision: Decision
     phase: str = "queued"  # queued (at prefill) | prefilling | decoding
     num_cached_tokens: int = 0
-    num_retries: int = 0
-    kv_bytes: int = 0
     done: bool = False
-    started_s: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -65,7 +64,17 @@ class PoolCounters:
     hits: int = 0  # of those, held anywhere in the pool
     local_hits: int = 0  # held by the chosen prefill node itself
     kv_bytes: int = 0  # KV handed from prefill to decode nodes
-    kv_window: list[tuple[float, int]] = field(default_factory=list)  # (time, bytes), recent
+    kv_window: deque[tuple[float, int]] = field(default_factory=deque)  # (time, bytes)
+
+    def add_kv(self, now: float, num_bytes: int) -> None:
+        self.kv_bytes += num_bytes
+        self.kv_window.append((now, num_bytes))
+
+    def kv_bytes_per_s(self, now: float, window_s: float = 10.0) -> float:
+        """KV handed off over the last `window_s` seconds, per second (drops older ones)."""
+        while self.kv_window and self.kv_window[0][0] < now - window_s:
+            self.kv_window.popleft()
+        return sum(b for _, b in self.kv_window) / window_s
 
 
 class ClusterBackend(BaseBackend):
@@ -100,7 +109,8 @@ class ClusterBackend(BaseBackend):
             raise MooncakeError("no prefill or decode node has joined yet; retry shortly")
         rid = next(self._ids)
         hashes = self.hasher.hash_blocks(req.prompt_ids)
-        flight = Flight(rid, req, asyncio.Queue(), self._place(rid, len(req.prompt_ids), hashes))
+        decision = self._place(rid, len(req.prompt_ids), hashes)
+        flight = Flight(rid, req, hashes, asyncio.Queue(), decision)
         c = self.counters
         c.lookups += len(hashes)
         c.hits += flight.decision.best_blocks
@@ -176,9 +186,7 @@ class ClusterBackend(BaseBackend):
                     raise
                 with self.lock:
                     self.conductor.on_request_dropped(flight.req_id, time.monotonic())
-                g = flight.gen
-                hashes = self.hasher.hash_blocks(g.prompt_ids) if self.hasher else []
-                flight.decision = self._place(flight.req_id, len(g.prompt_ids), hashes)
+                flight.decision = self._replacement(flight)
 
     async def _dispatch(self, flight: Flight) -> None:
         d = flight.decision
@@ -263,23 +271,16 @@ class ClusterBackend(BaseBackend):
                            error=f"{REJECTED}the cluster is overloaded ({adm.reason})")  # fmt: skip
             loop.call_soon_threadsafe(flight.queue.put_nowait, end)
 
-    def on_prefill_event(self, req_id: int, phase: str, reused: int, kv_bytes: int) -> None:
-        flight = self.flights.get(req_id)
+    def on_prefill_finished(self, req_id: int, reused: int, kv_bytes: int) -> None:
+        """A prefill node computed the request and handed its KV to decode (RPC thread);
+        the start was recorded by `on_prefill_admission`."""
         now = time.monotonic()
         with self.lock:
-            if phase == "started":
-                self.conductor.on_prefill_started(req_id, now)
-            elif phase == "finished":
-                self.conductor.on_prefill_finished(req_id, now)
-        if flight is None:
-            return
-        if phase == "started":
-            flight.phase = "prefilling"
-        elif phase == "finished":
+            self.conductor.on_prefill_finished(req_id, now)
+            self.counters.add_kv(now, kv_bytes)
+        flight = self.flights.get(req_id)
+        if flight is not None:
             flight.num_cached_tokens = reused
-            flight.kv_bytes = kv_bytes
-            self.counters.kv_bytes += kv_bytes
-            self.counters.kv_window.append((now, kv_bytes))
 
     def on_node_down(self, node_id: str) -> None:
         """Re-place requests still queued on a dead prefill group; fail those whose decode
@@ -305,15 +306,15 @@ class ClusterBackend(BaseBackend):
         with self.lock:
             self.conductor.on_request_dropped(flight.req_id, time.monotonic())
         try:
-            g = flight.gen
-            hashes = self.hasher.hash_blocks(g.prompt_ids) if self.hasher else []
-            flight.decision = self._place(flight.req_id, len(g.prompt_ids), hashes)
-            flight.num_retries += 1
+            flight.decision = self._replacement(flight)
             log.info("req %d placed again on %s", flight.req_id, flight.decision.prefill)
             flight.queue.put_nowait(TokenMsg(-1, -1, ""))
         except (MooncakeError, ApiError) as e:
             flight.queue.put_nowait(TokenMsg(flight.req_id, -1, "", finish_reason="abort",
                                              error=f"could not place it again: {e}"))  # fmt: skip
+
+    def _replacement(self, flight: Flight) -> Decision:
+        return self._place(flight.req_id, len(flight.gen.prompt_ids), flight.block_hashes)
 
     async def close(self) -> None:
         for c in self._clients.values():

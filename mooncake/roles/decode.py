@@ -15,6 +15,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -47,10 +49,12 @@ class StoringDecodeRunner(DecodeRunner):
     """A DecodeRunner that hands a finished request's blocks to `on_retire` before it
     frees them."""
 
-    on_retire: object = None
+    def __init__(self, *args: Any, on_retire: Callable[[Sequence], None], **kw: Any):
+        super().__init__(*args, **kw)
+        self.on_retire = on_retire
 
     def _retire(self, seq: Sequence) -> None:
-        if seq.block_ids and seq.finish_reason in ("stop", "length") and callable(self.on_retire):
+        if seq.block_ids and seq.finish_reason in ("stop", "length"):
             try:
                 self.on_retire(seq)
             except Exception:  # storing is an optimisation; the request already succeeded
@@ -79,8 +83,8 @@ class DecodeNode:
             w.model, w.cache, max_batch=cfg.decode.max_batch,
             max_step_time_s=cfg.scheduler.tbt_slo_s if step_fn else None,
             step_time_fn=step_fn, chunk_tokens=cfg.prefill.chunk_tokens,
+            on_retire=self._store_output_kv,
         )  # fmt: skip
-        self.runner.on_retire = self._store_output_kv
         self.server = RpcServer(f"tcp://{ctx.host}:0", ctx.secret, name="decode")
         self.server.register(DecodeReserveMsg, self._on_reserve)
         self.server.register(DecodeSubmitMsg, self._on_submit)

@@ -31,6 +31,7 @@ from mooncake.errors import MooncakeError
 from mooncake.roles.runfile import LocalCluster, remove_runfile, write_runfile
 
 log = logging.getLogger(__name__)
+DECODE_KV_BYTES = 128 << 20  # the decode node's KV cache (and the cost model's capacity)
 READY_TIMEOUT_S = 180.0  # seconds a node may take to load and report ready
 
 
@@ -80,7 +81,7 @@ def write_config(plan: LocalPlan, path: Path, secret: str, master_port: int,
             "pipeline_group_size": plan.group_size,
             "kv_cache_bytes": "64MiB",
         },
-        "decode": {"kv_cache_bytes": "128MiB", "max_batch": 32},
+        "decode": {"kv_cache_bytes": DECODE_KV_BYTES, "max_batch": 32},
         "store": {"dram_bytes": "256MiB" if plan.pool else "0", "heartbeat_ttl_s": 6.0},
         "api": {"host": plan.api_host, "port": plan.api_port},
         "scheduler": {"cost_model_path": cost_model},
@@ -272,9 +273,9 @@ def ensure_cost_model(plan: LocalPlan, cache_dir: Path,
         return Path(plan.cost_model_path)
     import torch
 
-    from mooncake.engine.benchmarks import Bench
+    from mooncake.engine.kvobject import DTYPE_BYTES
     from mooncake.engine.modelinfo import load_model_info, resolve_dtype
-    from mooncake.engine.profiling import build_cost_model, profile_decode, profile_prefill
+    from mooncake.engine.profiling import profile_cost_model
 
     name = plan.model.replace(":", "-").replace("/", "_")
     tag = f"{name}-b{plan.block_tokens}-c{plan.chunk_tokens}"
@@ -287,14 +288,11 @@ def ensure_cost_model(plan: LocalPlan, cache_dir: Path,
     try:
         info = load_model_info(plan.model)
         dtype = resolve_dtype(info, "auto", "cpu")
-        lens = [64, 256, 512, 1024]
-        bt = plan.block_tokens
-        blocks = 2 * (max(lens) // bt + 1) + 16 * (512 // bt + 2) + 8
-        bench = Bench(info, dtype, bt, plan.chunk_tokens, blocks)
-        prefill = profile_prefill(bench, lens, [0.0, 0.5], 1, on_progress)
-        decode = profile_decode(bench, [1, 4, 16], [64, 256], 4, 1, on_progress)
-        capacity = (128 << 20) // info.spec.kv_bytes_per_token(4)
-        model = build_cost_model(bench, prefill, decode, int(capacity), 2e9)
+        capacity = DECODE_KV_BYTES // info.spec.kv_bytes_per_token(DTYPE_BYTES[dtype])
+        model, _, _ = profile_cost_model(
+            info, dtype, plan.block_tokens, plan.chunk_tokens, [64, 256, 512, 1024],
+            [0.0, 0.5], [1, 4, 16], [64, 256], 4, 1, capacity, 2e9, on_progress,
+        )  # fmt: skip
     finally:
         torch.set_num_threads(threads)
     path.parent.mkdir(parents=True, exist_ok=True)

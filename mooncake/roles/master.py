@@ -207,7 +207,7 @@ class Master:
         if msg.phase == "failed":
             log.warning("req %d failed on %s: %s", msg.req_id, msg.node_id, msg.error)
             return
-        self.backend.on_prefill_event(msg.req_id, msg.phase, msg.num_reused_tokens, msg.kv_bytes)
+        self.backend.on_prefill_finished(msg.req_id, msg.num_reused_tokens, msg.kv_bytes)
 
     def _on_store_events(self, events: list[StoreEvent]) -> None:
         # NOTE: runs under the store's lock on its thread; the Conductor has its own lock
@@ -243,10 +243,6 @@ class Master:
             self._drop_instance(rec.node_id)
         with self.lock:
             self._sync_instances()
-            cutoff = now - 10.0
-            win = self.backend.counters.kv_window
-            while win and win[0][0] < cutoff:
-                win.pop(0)
 
     def _sync_instances(self) -> None:
         """Make the Conductor's instances the registry's schedulable nodes (lock held)."""
@@ -285,12 +281,8 @@ class Master:
     def _drop_instance(self, node_id: str) -> None:
         with self.lock:
             self._instances.discard(node_id)
-            self.conductor.remove_instance(node_id)
-            # a group is gone with any of its stages: its leader stops being placed on
-            for g in self.registry.groups.values():
-                if node_id in g.members and g.leader in self._instances:
-                    self._instances.discard(g.leader)
-                    self.conductor.remove_instance(g.leader)
+            self.conductor.remove_instance(node_id)  # as a pool node too
+            self._sync_instances()  # NOTE: also drops the leader of a group it was a stage of
         self.backend.on_node_down(node_id)
 
     # -- the status feed --
@@ -326,7 +318,8 @@ class Master:
             for t, cap in sorted(st.tier_capacity_bytes.items())
         ]
         c = self.backend.counters
-        window = sum(b for _, b in c.kv_window)
+        with self.lock:
+            kv_rate = c.kv_bytes_per_s(now)
         sched = self.config.scheduler
         return Status(
             cluster=self.config.cluster.name, model=self.model_name, uptime_s=now - self.started,
@@ -339,7 +332,7 @@ class Master:
             ttft_p50_s=s.ttft_p50_s, ttft_p90_s=s.ttft_p90_s,
             tbt_p50_s=s.tbt_p50_s, tbt_p90_s=s.tbt_p90_s,
             ttft_slo_s=sched.ttft_slo_s, tbt_slo_s=sched.tbt_slo_s,
-            transfer_bytes_per_s=window / 10.0, pool_hits=c.hits, pool_lookups=c.lookups,
+            transfer_bytes_per_s=kv_rate, pool_hits=c.hits, pool_lookups=c.lookups,
         )  # fmt: skip
 
     # -- lifecycle --

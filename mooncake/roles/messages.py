@@ -129,11 +129,11 @@ class PrefillStartReplyMsg(Msg, frozen=True, tag="master.prefill_start_reply"):
 
 
 class PrefillEventMsg(Msg, frozen=True, tag="master.prefill_event"):
-    """Prefill node -> master: a task started, finished or failed."""
+    """Prefill node -> master: a task finished (its KV is with the decode node) or failed."""
 
     req_id: int
     node_id: Name
-    phase: Literal["started", "finished", "failed"]
+    phase: Literal["finished", "failed"]  # the start is asked for: PrefillStartMsg
     num_reused_tokens: int = 0
     num_stored_blocks: int = 0
     kv_bytes: int = 0  # bytes handed to the decode node

@@ -110,11 +110,19 @@ def test_the_openai_client_streams_a_chat(cluster: LocalLauncher) -> None:
     client = openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused")
     chunks = list(client.chat.completions.create(
         model="dummy:tiny", messages=[{"role": "user", "content": "hello there"}],
-        max_tokens=6, temperature=0, stream=True,
+        max_tokens=6, temperature=0, stream=True, extra_body={"ignore_eos": True},
     ))  # fmt: skip
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    assert chunks[-1].choices == [] or chunks[-1].choices[0].finish_reason is not None
-    assert isinstance(text, str)
+    finish = [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ]
+    whole = client.chat.completions.create(
+        model="dummy:tiny", messages=[{"role": "user", "content": "hello there"}],
+        max_tokens=6, temperature=0, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert finish == ["length"] and whole.usage is not None
+    assert whole.usage.completion_tokens == 6
+    assert text == whole.choices[0].message.content  # greedy: streamed == not streamed
 
 
 def test_the_next_turn_of_a_conversation_reuses_the_decoded_tokens_kv(
