@@ -68,6 +68,13 @@ OPT: dict[str, Any] = {
         "at arrival, its load forecast for when the request's prefill ends; again as the "
         "prefill is about to start, choosing the decode instance the KV goes to).",
     ),
+    "late_binding": typer.Option(
+        True,
+        "--late-binding/--arrival-binding",
+        help="Choose the decode instance a request's KV goes to when its prefill starts, "
+        "from the §7.4 per-instance forecast, in every rejection mode (default); or keep "
+        "the one chosen at arrival (predictive mode still re-chooses at prefill start).",
+    ),
     "threshold": typer.Option(
         1.5, "--threshold", help="kvcache_balancing_threshold of Algorithm 1 (>= 1)."
     ),
@@ -129,6 +136,7 @@ def _config(kw: dict[str, Any]) -> SimConfig:
         dram_bytes=parse_size(kw["dram_bytes"]), ssd_bytes=parse_size(kw["ssd_bytes"]),
         block_tokens=kw["block_tokens"], chunk_tokens=kw["chunk_tokens"],
         speed=kw.get("speed", 1.0), limit=kw["limit"], seed=kw["seed"],
+        late_binding=kw.get("late_binding", True),
     )  # fmt: skip
 
 
@@ -136,7 +144,11 @@ def _cluster_name(cfg: SimConfig) -> str:
     shape = (
         f"{cfg.num_coupled} coupled" if cfg.is_coupled else f"{cfg.num_prefill}P+{cfg.num_decode}D"
     )
-    return f"{shape}, {cfg.model} on {cfg.gpu} x{cfg.tp}, {cfg.policy}, rejection {cfg.rejection}"
+    binding = "" if cfg.late_binding or cfg.is_coupled else ", decode bound at arrival"
+    return (
+        f"{shape}, {cfg.model} on {cfg.gpu} x{cfg.tp}, {cfg.policy}, "
+        f"rejection {cfg.rejection}{binding}"
+    )
 
 
 @sim_app.callback(invoke_without_command=True)
@@ -148,7 +160,7 @@ def sim_run(
     ),
     prefill: int = OPT["prefill"], decode: int = OPT["decode"], coupled: int = OPT["coupled"],
     policy: str = OPT["policy"], rejection: str = OPT["rejection"],
-    threshold: float = OPT["threshold"],
+    late_binding: bool = OPT["late_binding"], threshold: float = OPT["threshold"],
     gpu: str = OPT["gpu"], model: str = OPT["model"], tp: int = OPT["tp"],
     cost_model: Path | None = OPT["cost_model"], pool_blocks: int | None = OPT["pool_blocks"],
     dram_bytes: str = OPT["dram_bytes"], ssd_bytes: str = OPT["ssd_bytes"],

@@ -6,8 +6,10 @@ Pure logic (no sockets, threads or clock), shared by the real master and the sim
 prefill / decode-step times, transfer times; the `mooncake profile` file format),
 `roofline` (analytic cost model of a named GPU and model), `network` (bytes queued per
 link), `policy` (random, load_balance, cache_aware, kvcache_centric = Algorithm 1),
-`load` (queue times, decode reservations, the §7.4 forecast), `admission` (early
-rejection none / basic / predictive), `types` (settings, requests, decisions).
+`load` (prefill queue times, decode batches and reservations), `forecast` (decode times
+and the §7.4 pool forecast), `books` (tickets kept by progress reports), `placement`
+(which decode instance, at arrival and at prefill start), `admission` (early rejection
+none / basic / predictive), `types` (settings, requests, decisions).
 """
 
 from mooncake.conductor.conductor import Conductor

@@ -24,55 +24,23 @@ Modes (`ConductorParams.rejection`):
   a TTFT ahead on the conversation trace, where decode times are long-tailed). The
   forecast is refreshed when the prefill is about to start (`place_at_start`): the queue
   wait is behind the request and the horizon is only its prefill time, and each batch's
-  requests are known with their ages, so the forecast is sharp. The KV is streamed to
-  the decode instance with the lowest predicted load when it lands (the destination is
-  needed only then: KV streams layer by layer from the prefill's start), and the request
-  is rejected, still before any prefill is spent, when even that load is over 1.
+  requests are known with their ages, so the forecast is sharp; the request is rejected,
+  still before any prefill is spent, when even the best instance's load is over 1.
+
+Which decode instance gets the KV is placement (`mooncake.conductor.placement`), and late
+binding at prefill start applies in every mode, so the modes differ only in their
+rejection rule. Measured on the conversation trace (9P+2D, 15P+3D, 18P+4D, 3-4 speeds
+each) the three rules then reject within a few percent of each other, in no stable order:
+decode KV room binds, the decode instance's own check at landing sees it exactly, and an
+arrival-time view is a TTFT (~25 s, the saturated prefill queue) stale, longer than a
+request decodes (~20 s).
 """
 
 from __future__ import annotations
 
-import heapq
-import itertools
-import math
-from collections.abc import Hashable
-
-import numpy as np
-
 from mooncake.conductor.costmodel import CostModel
-from mooncake.conductor.load import DecodeForecast, DecodeSlots
+from mooncake.conductor.forecast import DecodeForecast, ForecastError
 from mooncake.conductor.types import ConductorParams, RejectReason
-
-
-class ForecastError:
-    """How far the arrival-time forecasts of the decode pool's KV were from what the pool
-    then held: the root mean square of (predicted - held) / the pool's KV room, over the
-    forecasts that have come due (their mean, then an exponential moving average once
-    1/weight are counted). Pure: the caller says what the pool holds when."""
-
-    def __init__(self, weight: float = 0.01):
-        self.mean_sq = 0.0
-        self.num = 0
-        self._weight = weight
-        self._due: list[tuple[float, int, float]] = []  # heap of (t, seq, predicted KV)
-        self._seq = itertools.count()
-
-    @property
-    def rms(self) -> float:
-        return math.sqrt(self.mean_sq)
-
-    def expect(self, t: float, tokens: float) -> None:
-        """A forecast: the pool will hold `tokens` of KV at time t."""
-        heapq.heappush(self._due, (t, next(self._seq), tokens))
-
-    def settle(self, now: float, held_tokens: float, capacity_tokens: float) -> None:
-        """The pool holds `held_tokens` at `now`: score every forecast due by now."""
-        due = self._due
-        while due and due[0][0] <= now:
-            err = (heapq.heappop(due)[2] - held_tokens) / capacity_tokens
-            self.num += 1
-            w = max(1.0 / self.num, self._weight)
-            self.mean_sq += w * (err * err - self.mean_sq)
 
 
 def decode_load(
@@ -141,64 +109,6 @@ def decide(
     if mode == "predictive":  # the pool at t, with this request if it is admitted
         errors.expect(t, tokens_at + (0 if reason else input_len))
     return prefill, dec, reason
-
-
-def instance_loads_at(
-    cost: CostModel,
-    tbt_slo_s: float,
-    forecast: DecodeForecast,
-    decode: list[DecodeSlots],
-    req_id: Hashable,
-    input_len: int,
-    now: float,
-    t: float,
-) -> list[float]:
-    """Each decode instance's predicted load at t >= now if this request joins it then:
-    each request of its batch still decoding at t given how long it has decoded
-    (`DecodeTimes.still_decoding`), holding its prompt and what it will have generated,
-    plus the requests whose prefill has started, that are bound to it and predicted to
-    end by t, plus this request."""
-    times, g, h = forecast.times, forecast.gen_per_s, t - now
-    sizes = [len(s.active) for s in decode]
-    total = sum(sizes)
-    n_run, tok_run = [0.0] * len(decode), [0.0] * len(decode)
-    if total:  # NOTE: one vectorized pass over every batch of the pool
-        chain = itertools.chain.from_iterable
-        ages = now - np.fromiter(chain(s.since.values() for s in decode), float, total)
-        prompts = np.fromiter(chain(s.active.values() for s in decode), float, total)
-        owner = np.repeat(np.arange(len(decode)), sizes)
-        stay = times.still_decoding(ages, h)
-        n_run = np.bincount(owner, stay, len(decode)).tolist()
-        tok_run = np.bincount(owner, stay * (prompts + g * (ages + h)), len(decode)).tolist()
-    loads = []
-    for i, slots in enumerate(decode):
-        n, tokens = n_run[i] + 1.0, tok_run[i] + input_len
-        reserved = slots.reserved
-        for other, ready in slots.incoming.items():
-            if ready <= t and other != req_id:
-                lag = t - ready if ready > now else h
-                s = times.survival(lag)
-                n += s
-                tokens += s * (reserved[other] + g * lag)
-        loads.append(decode_load(cost, tbt_slo_s, n, tokens, slots.capacity_tokens))
-    return loads
-
-
-def place_at_start(
-    cost: CostModel,
-    tbt_slo_s: float,
-    forecast: DecodeForecast,
-    decode: list[DecodeSlots],
-    req_id: Hashable,
-    input_len: int,
-    now: float,
-    ready_at: float,
-) -> tuple[DecodeSlots, float]:
-    """§7.4 refreshed when the prefill starts: the decode instance with the lowest load
-    predicted for when the request's KV lands (`ready_at`), and that load (> 1: reject)."""
-    loads = instance_loads_at(cost, tbt_slo_s, forecast, decode, req_id, input_len, now, ready_at)
-    best = min(range(len(decode)), key=loads.__getitem__)
-    return decode[best], loads[best]
 
 
 def decode_can_admit(

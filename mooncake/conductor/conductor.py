@@ -9,23 +9,26 @@
 - place: the decode instance with the lowest predicted TBT that has room for the KV;
 - admit: early rejection (`mooncake.conductor.admission`).
 
-`admit_prefill` is the second look, when the prefill is about to start: in predictive
-mode it refreshes the §7.4 forecast, re-chooses the decode instance the KV streams to and
-may still reject (before any prefill is spent). Everything else is bookkeeping from
-progress reports (`on_prefill_started`, ...) and store events (`index`). Pure logic: no
-sockets, threads or clock; `now` is passed in.
+`admit_prefill` is the second look, when the prefill is about to start: it re-chooses the
+decode instance the KV streams to from the §7.4 forecast (late binding, in every mode
+unless `late_binding` is off), and in predictive mode may still reject (before any prefill
+is spent). Everything else is bookkeeping from progress reports (`on_prefill_started`,
+..., in `mooncake.conductor.books`) and store events (`index`). Pure logic: no sockets,
+threads or clock; `now` is passed in.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable
 from typing import TYPE_CHECKING
 
-from mooncake.conductor.admission import ForecastError, decide, place_at_start
+from mooncake.conductor.admission import decide
+from mooncake.conductor.books import Books
 from mooncake.conductor.costmodel import CostModel
+from mooncake.conductor.forecast import DecodeForecast, ForecastError
 from mooncake.conductor.index import PrefixIndex
-from mooncake.conductor.load import DecodeForecast, DecodeSlots, PrefillQueue
+from mooncake.conductor.load import DecodeSlots, PrefillQueue
 from mooncake.conductor.network import NetworkState
+from mooncake.conductor.placement import place_at_start, place_decode
 from mooncake.conductor.policy import PrefillView, create_policy
 from mooncake.conductor.types import (
     ConductorParams,
@@ -40,26 +43,22 @@ if TYPE_CHECKING:
     from mooncake.config import SchedulerConfig
 
 
-class Conductor:
+class Conductor(Books):
     """Global scheduler over prefill and decode (or coupled) instances."""
 
     def __init__(self, params: ConductorParams, cost: CostModel):
+        super().__init__(DecodeForecast(params.decode_time_s, params.decode_time_ewma))
         self.params = params
         self.cost = cost
         self.index = PrefixIndex()
         self.network = NetworkState(cost.link_bytes_per_s)
         self.policy = create_policy(params.policy, params.balancing_threshold, params.seed)
-        self.forecast = DecodeForecast(params.decode_time_s, params.decode_time_ewma)
         self.forecast_error = ForecastError()  # of the arrival-time forecasts (predictive)
-        self.prefill: list[PrefillQueue] = []
-        self.decode: list[DecodeSlots] = []
         self.is_coupled = False
         self._pool_nodes: list[str] = []  # nodes whose blocks prefill may fetch, but not prefill
         self._match_names: list[str] = []  # prefill instances, then the other pool nodes
         self._match_bits: list[int] = []  # their bits in the prefix index
         self._match_full = 0  # OR of _match_bits
-        self._tickets: dict[Hashable, tuple[PrefillQueue, DecodeSlots, int]] = {}
-        self._decode_by_name: dict[str, DecodeSlots] = {}
         self._block_bytes = cost.kv_bytes_per_token * params.block_tokens
 
     @classmethod
@@ -214,10 +213,8 @@ class Conductor:
             replications=replications,
         )
         if not reason:
-            queue.add(req.req_id, view.prefill_s(plan.reused_blocks))
-            slots.reserve(req.req_id, input_len)
-            self.forecast.add_prefilling(req.req_id, now + plan.ttft_s, input_len)
-            self._tickets[req.req_id] = (queue, slots, input_len)
+            prefill_s = view.prefill_s(plan.reused_blocks)
+            self._book(req.req_id, queue, prefill_s, slots, input_len, now + plan.ttft_s)
         return decision
 
     def _place_decode(
@@ -226,39 +223,25 @@ class Conductor:
         """The decode instance with the lowest predicted TBT among those with room for the
         request's KV (its batch's KV now, plus reservations), that TBT in seconds, and the
         (requests, KV tokens) decoding now over the whole decode pool."""
-        step = self.cost.step_fn  # NOTE: batch >= 1 here
         if self.is_coupled:
             s = self.decode[prefill_idx]
             n = sum(len(x.active) for x in self.decode)
             held = sum(x.held_tokens(now) for x in self.decode)
-            tbt = step(s.num + 1, s.held_tokens(now) + s.reserved_tokens + input_len)
+            tbt = self.cost.step_fn(s.num + 1, s.held_tokens(now) + s.reserved_tokens + input_len)
             return s, tbt, (n, held)
-        best, best_t, best_fits = self.decode[0], float("inf"), False
-        pool_n, pool_held = 0, 0.0
-        for s in self.decode:
-            dt = now - s.report_t  # NOTE: held_tokens(now), inlined: this loop is hot
-            held = s.active_tokens + s.generated + (s.gen_per_s * dt if dt > 0 else 0.0)
-            pool_n += len(s.active)
-            pool_held += held
-            tokens = held + s.reserved_tokens + input_len
-            fits = tokens <= s.capacity_tokens
-            if best_fits and not fits:
-                continue
-            t = step(s.num + 1, tokens)
-            if t < best_t or (fits and not best_fits):
-                best, best_t, best_fits = s, t, fits
-        return best, best_t, (pool_n, pool_held)
+        return place_decode(self.decode, self.cost.step_fn, input_len, now)
 
     def admit_prefill(
         self, req_id: int, now: float, prefill_s: float | None = None
     ) -> PrefillAdmission:
         """The request's prefill is about to start and will take `prefill_s` seconds (default:
         as predicted when it was scheduled). Records the start (as `on_prefill_started`)
-        and returns where its KV streams. In predictive mode it first refreshes the §7.4
-        forecast for the moment the KV lands: the decode instance with the lowest predicted
-        load gets it (its reservation moves there), and when even that load is over 1 the
-        request is rejected and dropped, before any prefill is spent. A request the
-        Conductor does not track is not accepted."""
+        and returns where its KV streams. With late binding (or in predictive mode) it
+        first refreshes the §7.4 forecast for the moment the KV lands: the decode instance
+        with the lowest predicted load gets it (its reservation moves there); in
+        predictive mode, when even that load is over 1, the request is rejected and
+        dropped, before any prefill is spent. A request the Conductor does not track is
+        not accepted."""
         ticket = self._tickets.get(req_id)
         if ticket is None:
             return PrefillAdmission(req_id=req_id, is_accepted=False, reason="unknown_request")
@@ -266,97 +249,26 @@ class Conductor:
         if prefill_s is None:
             prefill_s = queue.req_s.get(req_id, 0.0)
         load = 0.0
-        if self.params.rejection == "predictive" and not self.is_coupled:
+        predictive = self.params.rejection == "predictive"
+        if (predictive or self.params.late_binding) and not self.is_coupled:
             best, load = place_at_start(
                 self.cost, self.params.tbt_slo_s, self.forecast, self.decode, req_id, tokens,
                 now, now + prefill_s,
             )  # fmt: skip
-            if load > 1.0:
+            if predictive and load > 1.0:
                 self.on_request_dropped(req_id, now)
                 return PrefillAdmission(
                     req_id=req_id, is_accepted=False, decode=slots.name,
                     reason="decode_load", decode_load=load,
                 )  # fmt: skip
-            if best is not slots:
-                slots.release(req_id)
-                best.reserve(req_id, tokens)
-                self._tickets[req_id] = (queue, best, tokens)
-                slots = best
+            self._rebind(req_id, best)
+            slots = best
         self._start_prefill(req_id, now, prefill_s)
         return PrefillAdmission(
             req_id=req_id, is_accepted=True, decode=slots.name, decode_load=load
         )
 
-    def _start_prefill(self, req_id: Hashable, now: float, prefill_s: float | None) -> None:
-        queue, slots, _ = self._tickets[req_id]
-        queue.start(req_id, now, prefill_s)
-        ready = now + queue.req_s.get(req_id, 0.0)
-        if req_id in slots.reserved:
-            slots.incoming[req_id] = ready
-        self.forecast.prefill_ends_at(req_id, ready)
-
-    # -- progress reports --------------------------------------------------------------
-    def on_prefill_started(self, req_id: Hashable, now: float) -> None:
-        """The request's prefill started (its predicted end refreshes the forecast)."""
-        if req_id in self._tickets:
-            self._start_prefill(req_id, now, None)
-
-    def on_prefill_finished(self, req_id: Hashable, now: float) -> None:
-        ticket = self._tickets.get(req_id)
-        if ticket:
-            ticket[0].finish(req_id)
-            if req_id in ticket[1].incoming:
-                ticket[1].incoming[req_id] = now
-            self.forecast.prefill_ends_at(req_id, now)
-
-    def on_decode_started(self, req_id: Hashable, now: float) -> None:
-        ticket = self._tickets.get(req_id)
-        if ticket:
-            ticket[1].activate(req_id, now)
-            self.forecast.start_decode(req_id, now)
-
-    def on_decode_finished(self, req_id: Hashable, now: float) -> None:
-        ticket = self._tickets.pop(req_id, None)
-        if ticket:
-            ticket[1].release(req_id)
-            self.forecast.finish_decode(req_id, now)
-
-    def on_decode_report(
-        self, name: str, kv_tokens: int, batch_size: int, step_s: float, now: float
-    ) -> None:
-        """Decode (or coupled) instance `name` reports its batch: `batch_size` requests
-        holding `kv_tokens` of KV at `now`, one step every `step_s` seconds."""
-        slots = self._decode_by_name.get(name)
-        if slots is None:
-            return
-        slots.report(kv_tokens, batch_size, step_s, now)
-        running = sum(len(s.active) for s in self.decode)
-        if running:  # NOTE: tokens/s per decoding request, batch-weighted over the pool
-            self.forecast.gen_per_s = sum(s.gen_per_s for s in self.decode) / running
-
-    def on_request_dropped(self, req_id: Hashable, now: float) -> None:
-        """The request ended early (rejected by its decode instance, failed, cancelled)."""
-        ticket = self._tickets.pop(req_id, None)
-        if ticket:
-            ticket[0].finish(req_id)
-            ticket[1].release(req_id)
-            self.forecast.drop(req_id)
-
-    @property
-    def num_inflight(self) -> int:
-        return len(self._tickets)
-
     def check_integrity(self) -> None:
         """Assert the index is consistent and every load entry belongs to a live ticket."""
         self.index.check_integrity()
-        for q in self.prefill:
-            assert set(q.req_s) <= set(self._tickets), (q.name, set(q.req_s) - set(self._tickets))
-            assert abs(q.pending_s - sum(q.req_s.values())) < 1e-6, (q.name, q.pending_s)
-        for s in self.decode:
-            assert s.active_tokens == sum(s.active.values()), s.name
-            assert list(s.since) == list(s.active), s.name
-            assert s.reserved_tokens == sum(s.reserved.values()), s.name
-            assert s.num == len(s.active) + len(s.reserved), (s.name, s.num)
-            assert s.tokens == s.active_tokens + s.reserved_tokens, (s.name, s.tokens)
-            assert not (set(s.active) | set(s.reserved)) - set(self._tickets), s.name
-            assert set(s.incoming) <= set(s.reserved), (s.name, set(s.incoming) - set(s.reserved))
+        self.check_books()

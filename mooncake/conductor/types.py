@@ -29,6 +29,10 @@ class ConductorParams(msgspec.Struct, frozen=True, kw_only=True):
     # predictive, at arrival: reject when the predicted decode load is over 1 by this many
     # standard deviations of the forecast's measured error (the check at prefill start is sharp)
     forecast_sigmas: float = 2.0
+    # choose the decode instance when the prefill starts (from the §7.4 per-instance
+    # forecast), in every rejection mode; False: keep the one chosen at arrival, except
+    # in predictive mode, whose check at prefill start chooses it anyway
+    late_binding: bool = True
     global_pool: bool = True  # False: prefill reuses only its own cache (no remote fetch)
     seed: int = 0  # random policy
 

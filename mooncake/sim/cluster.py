@@ -41,6 +41,7 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
     speed: float = 1.0  # replay speed factor: 2 = arrivals twice as dense
     limit: int | None = None  # replay only the first N requests
     tbt_share: float = 0.1  # a request's TBT = mean of this slowest share of its gaps
+    late_binding: bool = True  # choose the decode instance at prefill start, in every mode
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -85,6 +86,7 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
             balancing_threshold=self.balancing_threshold,
             block_tokens=self.block_tokens,
             global_pool=not self.is_coupled,
+            late_binding=self.late_binding,
             seed=self.seed,
         )
 

@@ -65,6 +65,8 @@ class SimResult(msgspec.Struct, kw_only=True):
     completed: int
     rejected: int
     rejected_before_prefill: int  # at arrival or when the prefill was about to start
+    rejected_ttft_slo: int  # of which at arrival: predicted TTFT over the SLO
+    rejected_decode_load: int  # of which at arrival: decode load over the limit
     rejected_at_prefill_start: int  # of which when the prefill was about to start
     rejected_after_prefill: int
     ttft_mean_s: float
@@ -93,6 +95,10 @@ class SimReport:
     result: SimResult
     ttft_s: list[float] = field(default_factory=list)  # completed requests
     tbt_s: list[float] = field(default_factory=list)
+
+
+def _early(reqs: list[SimRequest], reason: str) -> int:
+    return sum(r.status == "rejected_early" and r.decision.reason == reason for r in reqs)
 
 
 def _pct(values: np.ndarray, q: float) -> float:
@@ -125,6 +131,8 @@ def summarize(
         completed=len(done),
         rejected=sum(r.status.startswith("rejected") for r in reqs),
         rejected_before_prefill=sum(r.status in ("rejected_early", "rejected_start") for r in reqs),
+        rejected_ttft_slo=_early(reqs, "ttft_slo"),
+        rejected_decode_load=_early(reqs, "decode_load"),
         rejected_at_prefill_start=sum(r.status == "rejected_start" for r in reqs),
         rejected_after_prefill=sum(r.status == "rejected_late" for r in reqs),
         ttft_mean_s=float(ttft.mean()) if len(ttft) else 0.0,

@@ -35,6 +35,7 @@ def stats(svc: MetadataService) -> StoreStats:
 def check_service(svc: MetadataService) -> None:
     """Assert the objects, replicas, LRU lists, segments and moves all agree."""
     svc.space.check_integrity()
+    svc.slots.check_integrity()
     seg_keys: dict[str, set[str]] = {name: set() for name in svc.space.segments}
     taken: dict[str, set[int]] = {name: set() for name in svc.space.segments}
     for key, obj in svc.objects.items():

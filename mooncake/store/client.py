@@ -10,11 +10,14 @@
 
 Metadata goes to the master (put_start / put_end / get_replicas), on its direct channel
 when it offers one (store/direct.py: no ZeroMQ thread hops), else over the RPC; bytes go
-through this client's Transfer Engine straight to or from the node owning each replica,
-never through the master; a single small transfer runs on the calling thread. Reads try
-the local replica, then the cheapest transport (shm before tcp), and fall back to the next
-replica when one fails. Every failure raises StoreError with what happened and what to
-do; a miss raises NotFoundError.
+through this client's Transfer Engine straight to or from the node owning each replica
+(store/datapath.py), never through the master. Round trips per call, once warm:
+
+    put, put_from   2: write into a write slot (store/slots.py), commit it
+    get, get_into   1 while the last read's lease lasts (store/grants.py), else 2
+
+Every failure raises StoreError with what happened and what to do; a miss raises
+NotFoundError.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import contextlib
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import msgspec
@@ -33,14 +36,13 @@ from mooncake.errors import MooncakeError, StoreError, TransferError
 from mooncake.rpc.client import RpcClient
 from mooncake.rpc.wire import Msg
 from mooncake.store import messages as m
+from mooncake.store.datapath import DataPath
 from mooncake.store.direct import MasterCalls
-from mooncake.store.node import remote_name
-from mooncake.store.objects import GetResult, KeyResult, PutStartResult, ReplicaDesc, Tier
+from mooncake.store.grants import LocationCache, PutShape, SlotPool
+from mooncake.store.objects import GetResult, KeyResult, PutStartResult
 from mooncake.store.settings import key_error
 from mooncake.transfer.engine import TransferEngine
-from mooncake.transfer.types import EngineOptions, TransferOp, TransferRequest, TransferState
-
-_COST = {"local": 0, "rdma": 1, "shm": 1, "tcp": 2}  # transport -> rank (lower is cheaper)
+from mooncake.transfer.types import EngineOptions
 
 
 class NotFoundError(StoreError):
@@ -66,11 +68,16 @@ class Store:
     """A connection to the pool: a control channel to the master and a Transfer Engine."""
 
     def __init__(self, master: RpcClient, engine: TransferEngine, timeout_s: float, staging: int,
-                 *, direct: bool = True):  # fmt: skip
+                 *, direct: bool = True, reuse_grants: bool = True):  # fmt: skip
         """`direct`: make the calls on the master's direct channel when it offers one
-        (store/direct.py); False keeps every call on the CURVE-encrypted RPC."""
+        (store/direct.py); False keeps every call on the CURVE-encrypted RPC.
+        `reuse_grants`: reuse read leases and write slots (store/grants.py); False asks
+        the master on every call, as a client of upstream Mooncake does."""
         self.master, self.engine, self.timeout_s = master, engine, timeout_s
         self.node_id = engine.name
+        self.data = DataPath(engine, self.node_id, timeout_s)
+        self.locations = LocationCache() if reuse_grants else None
+        self.slots = SlotPool() if reuse_grants else None
         self._calls = MasterCalls(master, timeout_s, direct)
         self._lock = threading.Lock()  # NOTE: guards the staging buffer, one op at a time
         self._staging_name = f"{self.node_id}.staging"
@@ -88,6 +95,7 @@ class Store:
         staging_bytes: int = 16 << 20,  # bytes of the buffer behind put()/get(); grows
         engine_options: EngineOptions | None = None,
         direct: bool = True,  # use the master's direct channel if it offers one
+        reuse_grants: bool = True,  # reuse read leases and write slots (store/grants.py)
     ) -> Store:
         """Connect to the master at `master_address` (e.g. "tcp://10.0.0.1:7100")."""
         key = secret.encode() if isinstance(secret, str) else secret
@@ -95,7 +103,8 @@ class Store:
         engine = TransferEngine(name, key, engine_options, host=host)
         try:
             master = RpcClient(master_address, key, timeout_s=timeout_s, max_frame_bytes=64 << 20)
-            return cls(master, engine, timeout_s, staging_bytes, direct=direct)
+            return cls(master, engine, timeout_s, staging_bytes, direct=direct,
+                       reuse_grants=reuse_grants)  # fmt: skip
         except BaseException:
             engine.close()
             raise
@@ -108,6 +117,10 @@ class Store:
         self.engine.unregister(name)
 
     def close(self) -> None:
+        """Give back unused write slots (best effort) and close the connections."""
+        if self.slots is not None and (ids := self.slots.drain()):
+            with contextlib.suppress(MooncakeError):
+                self._call(m.ReleaseSlotsMsg(tuple(ids), self.node_id), m.AckMsg)
         self._calls.close()
         self.master.close()
         self.engine.close()
@@ -131,31 +144,76 @@ class Store:
     def put_from(self, key: str, segment: str, offset: int, size: int, **opts: Any) -> None:
         """Zero-copy put of `size` bytes at `offset` of registered buffer `segment`."""
         self._check_size(key, size)
-        r = self._call(
-            m.PutStartMsg(self._key(key), size, self.node_id, **opts), m.PutStartReplyMsg
-        )
-        self._raise(r.result)
-        failed = self._write([(r.result, segment, offset)])
+        key = self._key(key)
+        self._forget_locations([key])
+        shape = PutShape(size, opts.get("replicas", 0), tuple(opts.get("tiers", ("dram",))))
+        taken = self.slots.take(shape, time.monotonic()) if self.slots is not None else None
+        if taken is not None:
+            return self._put_into_slot(key, shape, taken, segment, offset, opts)
+        reserve = self.slots.want(size) if self.slots is not None else 0
+        sent_at = time.monotonic()
+        reply = self._call(m.PutStartMsg(key, size, self.node_id, **opts, reserve=reserve),
+                           m.PutStartReplyMsg)  # fmt: skip
+        if self.slots is not None and reply.slots:
+            self.slots.add(shape, reply.slots, sent_at)
+        r = reply.result
+        self._raise(r)
+        failed = self.data.write([(key, r.replicas, segment, offset)])
         if failed:
             self._revoke([key])
             raise StoreError(f"put of {key!r} failed, nothing was committed: {failed[key]}")
         self._raise(self._call(m.PutEndMsg(key), m.KeyReplyMsg).result)
 
+    def _put_into_slot(self, key: str, shape: PutShape, taken: Any, segment: str, offset: int,
+                       opts: dict[str, Any]) -> None:  # fmt: skip
+        assert self.slots is not None
+        slot = taken[0]
+        failed = self.data.write([(key, slot.replicas, segment, offset)])
+        if failed:
+            with contextlib.suppress(StoreError):
+                self._call(m.ReleaseSlotsMsg((slot.slot_id,), self.node_id), m.AckMsg)
+            raise StoreError(f"put of {key!r} failed, nothing was committed: {failed[key]}")
+        sent_at = time.monotonic()
+        msg = m.PutSlotMsg(key, slot.slot_id, self.node_id, opts.get("pin_ttl_s", 0.0),
+                           opts.get("overwrite", False))  # fmt: skip
+        reply = self._call(msg, m.PutSlotReplyMsg)
+        if reply.slot is not None:
+            self.slots.add(shape, (reply.slot,), sent_at)
+        if reply.result.status in ("exists", "busy", "leased"):  # the slot is still ours
+            self.slots.give_back(shape, taken)
+        self._raise(reply.result)
+
     def get(self, key: str) -> bytes:
         """The value of `key`. Raises NotFoundError on a miss, StoreError on failure."""
         with self._lock:
-            r = self._get_replicas(key)
-            self._stage(r.size)
-            size = self._read(r, self._staging_name, 0, r.size)
+            size = self._get(key, self._staging_name, 0, 0, staging=True)
             return self._staging[:size].tobytes()
 
     def get_into(self, key: str, segment: str, offset: int, max_size: int = 0) -> int:
         """Zero-copy read of `key` into registered `segment` at `offset`; returns its size.
         Raises StoreError when the value is larger than `max_size` (0 = no limit)."""
+        return self._get(self._key(key), segment, offset, max_size)
+
+    def _get(self, key: str, segment: str, offset: int, max_size: int, staging: bool = False
+             ) -> int:  # fmt: skip
+        if self.locations is not None and (hit := self.locations.get(key, time.monotonic())):
+            replica, size = hit
+            if (not max_size or size <= max_size) and not (staging and size > len(self._staging)):
+                try:
+                    self.data.read_one(replica, segment, offset, size)
+                    return size
+                except TransferError:
+                    self.locations.drop(key)  # moved or gone: ask the master
+        sent_at = time.monotonic()
         r = self._get_replicas(key)
         if max_size and r.size > max_size:
             raise StoreError(f"{key!r} is {r.size} bytes; the buffer offers {max_size}")
-        return self._read(r, segment, offset, r.size)
+        if staging:
+            self._stage(r.size)
+        used = self.data.read(key, r.replicas, segment, offset, r.size)
+        if self.locations is not None:
+            self.locations.put(key, used, r.size, sent_at, r.lease_ttl_s)
+        return r.size
 
     def exists(self, key: str) -> bool:
         r = self._call(m.ExistsMsg(self._key(key)), m.KeyReplyMsg).result
@@ -166,6 +224,7 @@ class Store:
     def remove(self, key: str) -> None:
         """Remove `key`, waiting up to timeout_s for readers' leases to end; NotFoundError
         if absent, StoreError if still leased or pinned by then."""
+        self._forget_locations([key])
         deadline = time.monotonic() + self.timeout_s
         while True:
             r = self._call(m.RemoveMsg(self._key(key)), m.KeyReplyMsg).result
@@ -182,6 +241,7 @@ class Store:
         if len(keys) != len(values):
             raise StoreError(f"put_batch: {len(keys)} keys but {len(values)} values")
         keys = [self._key(k) for k in keys]
+        self._forget_locations(keys)
         sizes = tuple(len(v) for v in values)
         for k, size in zip(keys, sizes, strict=True):
             self._check_size(k, size)
@@ -193,9 +253,9 @@ class Store:
             for r, v in zip(starts, values, strict=True):
                 if r.status == "ok":
                     self._staging[off : off + len(v)] = np.frombuffer(v, dtype=np.uint8)
-                    plan.append((r, self._staging_name, off))
+                    plan.append((r.key, r.replicas, self._staging_name, off))
                 off += len(v)
-            failed = self._write(plan)
+            failed = self.data.write(plan)
         if failed:
             self._revoke(list(failed))
         ok = tuple(r.key for r in starts if r.status == "ok" and r.key not in failed)
@@ -218,10 +278,9 @@ class Store:
             try:
                 with self._lock:
                     self._stage(r.size)
-                    size = self._read(self._checked(r), self._staging_name, 0, r.size)
-                    out.append(
-                        ValueResult(key=r.key, status="ok", value=self._staging[:size].tobytes())
-                    )
+                    self.data.read(r.key, self._checked(r).replicas, self._staging_name, 0, r.size)
+                    value = self._staging[: r.size].tobytes()
+                out.append(ValueResult(key=r.key, status="ok", value=value))
             except StoreError as e:
                 status = "not_found" if isinstance(e, NotFoundError) else "error"
                 out.append(ValueResult(key=r.key, status=status, message=str(e)))
@@ -238,6 +297,7 @@ class Store:
     def remove_batch(self, keys: Sequence[str]) -> list[KeyResult]:
         """Remove every key, waiting up to timeout_s for leases; one KeyResult per key."""
         out = {k: KeyResult(key=k, status="leased") for k in map(self._key, keys)}
+        self._forget_locations(out)
         deadline = time.monotonic() + self.timeout_s
         while pending := tuple(k for k, r in out.items() if r.status == "leased"):
             for start in range(0, len(pending), m.MAX_BATCH):  # the master's limit per call
@@ -249,57 +309,7 @@ class Store:
             time.sleep(0.02)
         return [out[k] for k in keys]
 
-    # -- data movement -----------------------------------------------------------------------
-
-    def _write(self, plan: list[tuple[PutStartResult, str, int]]) -> dict[str, str]:
-        """Write each put's value to all its replicas in one batch; key -> reason it failed."""
-        reqs, owners = [], []
-        for r, seg, off in plan:
-            for d in r.replicas:
-                name = remote_name(d.segment, d.endpoint)
-                reqs.append(TransferRequest(TransferOp.WRITE, seg, off, name, d.offset, d.size))
-                owners.append(r.key)
-        if not reqs:
-            return {}
-        try:
-            batch = self.engine.transfer(reqs, self.timeout_s)
-        except TransferError as e:
-            return {key: str(e) for key in owners}
-        if not batch.num_open and not batch.has_failures:
-            return {}
-        statuses = batch.poll()
-        failed: dict[str, str] = {}
-        for key, st in zip(owners, statuses, strict=True):
-            if st.state is not TransferState.DONE:
-                failed.setdefault(key, f"writing a replica: {st.state.value}: {st.reason}")
-        return failed
-
-    def _read(self, r: GetResult, segment: str, offset: int, size: int) -> int:
-        """Copy the value from the best replica that works into `segment` at `offset`."""
-        errors = []
-        for d in self._rank(r.replicas):
-            name = remote_name(d.segment, d.endpoint)
-            req = TransferRequest(TransferOp.READ, segment, offset, name, d.offset, size)
-            try:
-                self.engine.transfer([req], self.timeout_s).check()
-                return size
-            except TransferError as e:
-                errors.append(f"{d.node_id}/{d.tier}: {e}")
-                self.engine.forget(name)
-        raise StoreError(f"get of {r.key!r}: every replica failed: " + "; ".join(errors))
-
-    def _rank(self, replicas: Sequence[ReplicaDesc]) -> list[ReplicaDesc]:
-        def cost(d: ReplicaDesc) -> tuple[int, int]:
-            if d.node_id == self.node_id:
-                return 0, _TIER_RANK[d.tier]
-            try:
-                transport = self.engine.resolve(remote_name(d.segment, d.endpoint)).transport
-                return _COST.get(transport.name, 3), _TIER_RANK[d.tier]
-            except TransferError:
-                return 9, 0  # unreachable now: try it last
-
-        in_memory = [d for d in replicas if d.tier != "ssd"]
-        return sorted(in_memory, key=cost) if len(in_memory) > 1 else in_memory
+    # -- helpers -----------------------------------------------------------------------------
 
     def _get_replicas(self, key: str) -> GetResult:
         """The replicas of `key`, waiting (up to timeout_s) for a promotion off SSD."""
@@ -321,7 +331,10 @@ class Store:
             raise StoreError(r.message or f"get of {r.key!r}: {r.status}")
         return r
 
-    # -- helpers -----------------------------------------------------------------------------
+    def _forget_locations(self, keys: Iterable[str]) -> None:
+        if self.locations is not None:
+            for key in keys:
+                self.locations.drop(key)
 
     def _stage(self, size: int) -> None:
         if size > len(self._staging):
@@ -360,6 +373,3 @@ class Store:
             raise
         except MooncakeError as e:
             raise StoreError(f"store master {self.master.address}: {e}") from e
-
-
-_TIER_RANK: dict[Tier, int] = {"vram": 0, "dram": 1, "ssd": 2}

@@ -165,7 +165,7 @@ class Evictor:
         high = svc.config.high_watermark
         for src in sources:
             for tier in tiers:
-                cands = space.candidates(tier, obj.size, holders - {src.node_id})
+                cands = space.candidates(tier, obj.size, holders - {src.node_id}, now)
                 if kind == "promote":  # never promote into a tier that must then evict
                     cands = [
                         s for s in cands if space.share(tier, s.allocator.aligned(obj.size)) <= high

@@ -28,8 +28,10 @@ from mooncake.store.objects import (
     Instruction,
     KeyResult,
     PutStartResult,
+    Slot,
     StoreStats,
 )
+from mooncake.store.slots import MAX_RESERVE, SlotSpec
 
 MAX_BATCH: Final = 4096  # keys per batch request
 MAX_VALUE_BYTES: Final = 1 << 40  # bytes of one object
@@ -58,6 +60,8 @@ class MountSegmentMsg(Msg, frozen=True, tag="store.mount_segment"):
     capacity_bytes: Annotated[int, Meta(gt=0, le=1 << 50)]
     endpoint: Annotated[str, Meta(max_length=300)] = ""  # host:port of its transfer server
     alignment: Annotated[int, Meta(ge=0, le=1 << 20)] = 0  # bytes; 0 = tier default
+    token: Annotated[int, Meta(ge=0)] = 0  # the registration's engine token (u64)
+    is_remount: bool = False  # this memory was mounted with an earlier master
 
 
 class UnmountSegmentMsg(Msg, frozen=True, tag="store.unmount_segment"):
@@ -70,9 +74,9 @@ class HeartbeatMsg(Msg, frozen=True, tag="store.heartbeat"):
 
 
 class AckMsg(Msg, frozen=True, tag="store.ack"):
-    """Reply to mount and unmount."""
+    """Reply to mount, unmount and release_slots."""
 
-    num_replicas_dropped: int = 0  # unmount: replicas that lived in the segment
+    num_replicas_dropped: int = 0  # unmount: replicas that lived in the segment; release: slots
 
 
 class HeartbeatReplyMsg(Msg, frozen=True, tag="store.heartbeat_reply"):
@@ -114,6 +118,7 @@ class PutStartMsg(Msg, frozen=True, tag="store.put_start"):
     tiers: Tiers = ("dram",)  # tiers to try, in order
     pin_ttl_s: Seconds = 0.0  # soft pin after commit, renewed by reads; 0 = none
     overwrite: bool = False
+    reserve: Annotated[int, Meta(ge=0, le=MAX_RESERVE)] = 0  # write slots to add (slots.py)
 
 
 class BatchPutStartMsg(Msg, frozen=True, tag="store.batch_put_start"):
@@ -128,6 +133,30 @@ class BatchPutStartMsg(Msg, frozen=True, tag="store.batch_put_start"):
 
 class PutStartReplyMsg(Msg, frozen=True, tag="store.put_start_reply"):
     result: PutStartResult
+    slots: tuple[Slot, ...] = ()  # the write slots reserved for the writer's next puts
+
+
+class PutSlotMsg(Msg, frozen=True, tag="store.put_slot"):
+    """Commit the value written into write slot `slot_id` as `key` (store/slots.py)."""
+
+    key: Key
+    slot_id: Annotated[int, Meta(ge=1)]
+    node_id: OptName = ""  # the writer the slot was reserved for
+    pin_ttl_s: Seconds = 0.0
+    overwrite: bool = False
+    refill: bool = True  # reserve another slot like it
+
+
+class PutSlotReplyMsg(Msg, frozen=True, tag="store.put_slot_reply"):
+    result: KeyResult
+    slot: Slot | None = None  # the refill, when asked for and there was room
+
+
+class ReleaseSlotsMsg(Msg, frozen=True, tag="store.release_slots"):
+    """Give back unused write slots (a client closing)."""
+
+    slot_ids: Annotated[tuple[Annotated[int, Meta(ge=1)], ...], Meta(max_length=MAX_BATCH)]
+    node_id: OptName = ""
 
 
 class BatchPutStartReplyMsg(Msg, frozen=True, tag="store.batch_put_start_reply"):
@@ -204,7 +233,16 @@ def _put_start(s: MetadataService, m: PutStartMsg, now: float) -> Msg:
     r = s.put_start(
         m.key, m.size_bytes, now, m.node_id, m.replicas, m.tiers, m.pin_ttl_s, m.overwrite
     )
-    return PutStartReplyMsg(r)
+    if not m.reserve or r.status != "ok":
+        return PutStartReplyMsg(r)
+    spec = SlotSpec(m.node_id, m.replicas, m.tiers)
+    return PutStartReplyMsg(r, tuple(s.slots.reserve(m.size_bytes, m.reserve, spec, now)))
+
+
+def _put_slot(s: MetadataService, m: PutSlotMsg, now: float) -> Msg:
+    book = s.slots
+    return PutSlotReplyMsg(*book.commit(m.key, m.slot_id, m.node_id, now, m.pin_ttl_s,
+                                        m.overwrite, m.refill))  # fmt: skip
 
 
 def _batch_put_start(s: MetadataService, m: BatchPutStartMsg, now: float) -> Msg:
@@ -219,7 +257,8 @@ def _heartbeat(s: MetadataService, m: HeartbeatMsg, now: float) -> Msg:
 
 
 def _mount(s: MetadataService, m: MountSegmentMsg, now: float) -> Msg:
-    s.mount_segment(m.node_id, m.segment, m.tier, m.capacity_bytes, now, m.endpoint, m.alignment)
+    s.mount_segment(m.node_id, m.segment, m.tier, m.capacity_bytes, now, m.endpoint, m.alignment,
+                    m.token, m.is_remount)  # fmt: skip
     return AckMsg()
 
 
@@ -232,6 +271,8 @@ _HANDLERS: dict[type, Callable[[MetadataService, Any, float], Msg]] = {
     PutStartMsg: _put_start,
     BatchPutStartMsg: _batch_put_start,
     PutEndMsg: lambda s, m, now: KeyReplyMsg(s.put_end(m.key, now)),
+    PutSlotMsg: _put_slot,
+    ReleaseSlotsMsg: lambda s, m, now: AckMsg(s.slots.release(m.slot_ids, m.node_id, now)),
     BatchPutEndMsg: lambda s, m, now: BatchKeyReplyMsg(tuple(s.batch_put_end(m.keys, now))),
     PutRevokeMsg: lambda s, m, now: KeyReplyMsg(s.put_revoke(m.key, now)),
     BatchPutRevokeMsg: lambda s, m, now: BatchKeyReplyMsg(tuple(s.batch_put_revoke(m.keys, now))),

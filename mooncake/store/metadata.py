@@ -50,6 +50,7 @@ from mooncake.store.objects import (
 from mooncake.store.placement import create_placement
 from mooncake.store.segments import SegmentManager
 from mooncake.store.settings import MetadataConfig, key_error
+from mooncake.store.slots import SlotBook
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +73,7 @@ class MetadataService:
         self.counters = Counters()
         self.placement = create_placement(config.placement, config.seed)
         self.evictor = Evictor(self)
+        self.slots = SlotBook(self)
         self._events: list[StoreEvent] = []
         self._instructions: dict[str, list[Instruction]] = {}  # node id -> its instructions
 
@@ -90,11 +92,25 @@ class MetadataService:
         now: float,
         endpoint: str = "",
         alignment: int = 0,
+        token: int = 0,
+        is_remount: bool = False,
     ) -> None:
         """Add `capacity` bytes of `tier` owned by `node_id`; also a heartbeat. Mounting the
-        same segment twice is a no-op; a conflicting mount raises StoreError."""
+        same segment twice is a no-op; a conflicting mount raises StoreError.
+
+        `token` names the registration: the same node mounting the segment with another
+        token restarted, so the old one's objects are gone (lost events) before the new one
+        is added. `is_remount`: the node mounted this memory with a previous master (this
+        one restarted); nothing is placed in it for lease_ttl_s, while clients may still
+        use that master's read leases and write slots on it."""
         self.space.heartbeat(node_id, now)
-        if self.space.mount(node_id, name, tier, capacity, endpoint, alignment):
+        old = self.space.segments.get(name)
+        if old is not None and old.node_id == node_id and old.token != token:
+            log.warning("segment %s of node %s was registered again: its objects are gone",
+                        name, node_id)  # fmt: skip
+            membership.lose_segment(self, old, now, emit="evicted")
+        usable_from = now + self.config.lease_ttl_s if is_remount else 0.0
+        if self.space.mount(node_id, name, tier, capacity, endpoint, alignment, token, usable_from):
             log.info("mounted %s segment %s of %d bytes on node %s", tier, name, capacity, node_id)
 
     def unmount_segment(self, node_id: str, name: str, now: float) -> int:
@@ -141,40 +157,56 @@ class MetadataService:
             err = err or f"put of {key!r}: unknown tier(s) {bad or tiers!r}; use vram, dram, ssd"
         if err:
             return PutStartResult(key=key, status="error", message=err)
-        obj = self.objects.get(key)
-        if obj is not None:
-            if not obj.is_committed:
-                msg = f"{key!r} is being written by {obj.writer or 'another client'}"
-                return PutStartResult(key=key, status="busy", message=msg)
-            if not overwrite:
-                msg = f"{key!r} already exists; pass overwrite=True to replace it"
-                return PutStartResult(key=key, status="exists", message=msg)
-            refusal = self._removal_refusal(obj, now)
-            if refusal:
-                return PutStartResult(key=key, status=refusal.status, message=refusal.message)
-            self.drop(obj, now, emit="removed")
-        want = replicas or self.config.replicas
-        chosen: list[Replica] = []
-        used_nodes: set[str] = set()
-        for tier in cast("list[Tier]", tiers):
-            for seg in self.placement.rank(self.space.candidates(tier, size, used_nodes), writer):
-                replica = None if seg.node_id in used_nodes else self.space.allocate(seg, key, size)
-                if replica is not None:
-                    chosen.append(replica)
-                    used_nodes.add(seg.node_id)
-                    if len(chosen) == want:
-                        break
-            if len(chosen) == want:
-                break
+        refusal = self.clear_for_put(key, overwrite, now)
+        if refusal:
+            return PutStartResult(key=key, status=refusal.status, message=refusal.message)
+        chosen = self.allocate_replicas(key, size, writer, replicas, tiers, now)
         if not chosen:
-            for t in cast("list[Tier]", tiers):
-                self.evictor.note_pressure(t, size)
             msg = f"no {'/'.join(tiers)} segment has {size} free bytes for {key!r}; retry shortly"
             return PutStartResult(key=key, status="no_space", message=msg)
         obj = ObjectRecord(key, size, writer, now, chosen, pin_ttl_s=max(pin_ttl_s, 0.0))
         self.objects[key] = obj
         self.writing[key] = None
         return PutStartResult(key=key, status="ok", replicas=tuple(r.desc() for r in chosen))
+
+    def clear_for_put(self, key: str, overwrite: bool, now: float) -> KeyResult | None:
+        """None if a put of `key` may go ahead (an old value it overwrites is removed),
+        else why not: busy (a put in flight), exists, leased, or pinned."""
+        obj = self.objects.get(key)
+        if obj is None:
+            return None
+        if not obj.is_committed:
+            msg = f"{key!r} is being written by {obj.writer or 'another client'}"
+            return KeyResult(key=key, status="busy", message=msg)
+        if not overwrite:
+            msg = f"{key!r} already exists; pass overwrite=True to replace it"
+            return KeyResult(key=key, status="exists", message=msg)
+        refusal = self._removal_refusal(obj, now)
+        if refusal:
+            return refusal
+        self.drop(obj, now, emit="removed")
+        return None
+
+    def allocate_replicas(self, key: str, size: int, writer: str, replicas: int,
+                          tiers: Sequence[str], now: float) -> list[Replica]:  # fmt: skip
+        """Up to `replicas` (0 = config) PROCESSING replicas of `key` on distinct nodes, in
+        the first of `tiers` with room; [] (and eviction told of the pressure) if none."""
+        want = replicas or self.config.replicas
+        chosen: list[Replica] = []
+        used_nodes: set[str] = set()
+        for tier in cast("list[Tier]", tiers):
+            for seg in self.placement.rank(self.space.candidates(tier, size, used_nodes, now),
+                                           writer):  # fmt: skip
+                replica = None if seg.node_id in used_nodes else self.space.allocate(seg, key, size)
+                if replica is not None:
+                    chosen.append(replica)
+                    used_nodes.add(seg.node_id)
+                    if len(chosen) == want:
+                        return chosen
+        if not chosen:
+            for t in cast("list[Tier]", tiers):
+                self.evictor.note_pressure(t, size)
+        return chosen
 
     def put_end(self, key: str, now: float) -> KeyResult:
         """Commit `key`: its replicas become readable. Repeating it is harmless."""
@@ -376,6 +408,7 @@ class MetadataService:
             self.detach(obj, r, now, emit)
         del self.objects[obj.key]
         self.writing.pop(obj.key, None)
+        self.slots.forget(obj.key)
 
 
 def _unknown_put(key: str) -> str:

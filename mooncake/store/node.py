@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import mmap
+import secrets
 import threading
 from dataclasses import dataclass
 
@@ -93,6 +94,7 @@ class StoreNode:
         ep = self.engine.endpoints[0]
         self.endpoint = f"{ep.host}:{ep.port}"
         self.master = RpcClient(master_address, key, timeout_s=5.0)
+        self._ssd_token = secrets.randbits(63) or 1  # this process's SSD file: a new one
         self.tiers: dict[Tier, BaseTier] = {}
         try:
             if sizes.vram_bytes:
@@ -129,10 +131,14 @@ class StoreNode:
         self.mount()
         self._thread.start()
 
-    def mount(self) -> None:
+    def mount(self, is_remount: bool = False) -> None:
+        """Mount every tier; `is_remount`: to a master that forgot us (it restarted), so
+        clients may still hold grants of the previous one on this memory."""
         for t in self.tiers.values():
+            region = self.engine.segments.get(t.segment)  # SSD: not a Transfer Engine segment
+            token = region.token if region is not None else self._ssd_token
             msg = MountSegmentMsg(self.node_id, t.segment, t.tier, t.capacity_bytes,
-                                  self.endpoint, t.alignment)  # fmt: skip
+                                  self.endpoint, t.alignment, token, is_remount)  # fmt: skip
             self.master.call(msg, AckMsg)
         log.info("store node %s mounted %s", self.node_id, ", ".join(self.tiers))
 
@@ -168,7 +174,7 @@ class StoreNode:
         reply = self.master.call(HeartbeatMsg(self.node_id), HeartbeatReplyMsg)
         if not reply.is_known:
             log.warning("master forgot store node %s; mounting again", self.node_id)
-            self.mount()
+            self.mount(is_remount=True)
         for ins in reply.instructions:
             self.carry_out(ins)
 

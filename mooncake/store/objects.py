@@ -42,6 +42,7 @@ class ReplicaDesc(msgspec.Struct, frozen=True, kw_only=True):
     offset: int  # bytes from the segment's start
     size: int  # bytes of the value (the allocation may be larger by alignment)
     state: ReplicaState
+    token: int = 0  # the segment's Transfer Engine token when mounted; 0 = not given
 
 
 class PutStartResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -51,6 +52,14 @@ class PutStartResult(msgspec.Struct, frozen=True, kw_only=True):
     status: Status
     message: str = ""  # what went wrong and what to do; "" when ok
     replicas: tuple[ReplicaDesc, ...] = ()  # status ok: write the value to every one
+
+
+class Slot(msgspec.Struct, frozen=True, kw_only=True):
+    """Space reserved for the writer's next put of the same size (store/slots.py)."""
+
+    slot_id: int
+    replicas: tuple[ReplicaDesc, ...]  # write the value to every one, then commit
+    ttl_s: float  # seconds from asking during which the slot may be written
 
 
 class GetResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -147,6 +156,11 @@ class Segment:
     endpoint: str
     allocator: OffsetAllocator
     keys: set[str] = field(default_factory=set)  # keys with a replica here
+    token: int = 0  # the owner's Transfer Engine token of this registration; 0 = none
+    # s: no new allocation before then. A segment mounted again to a master that did not
+    # know it (it restarted) may still be read and written by clients holding a previous
+    # master's grants (read leases, write slots) until those run out.
+    usable_from: float = 0.0
 
     @property
     def capacity(self) -> int:
@@ -183,6 +197,7 @@ class Replica:
             offset=self.offset,
             size=self.size,
             state=self.state,
+            token=s.token,
         )
 
 

@@ -41,10 +41,12 @@ class SegmentManager:
         return known
 
     def mount(
-        self, node_id: str, name: str, tier: str, capacity: int, endpoint: str, alignment: int
-    ) -> Segment | None:
+        self, node_id: str, name: str, tier: str, capacity: int, endpoint: str, alignment: int,
+        token: int = 0, usable_from: float = 0.0,
+    ) -> Segment | None:  # fmt: skip
         """Add a segment; None if this exact segment is already mounted (idempotent).
-        Raises StoreError for a bad name or tier, or a name another mount owns."""
+        Raises StoreError for a bad name or tier, or a name another mount owns (the caller
+        unmounts a previous registration of the same node's segment first)."""
         for what, value in (("node id", node_id), ("segment name", name)):
             if not value or len(value.encode()) > MAX_NAME_BYTES:
                 raise StoreError(f"mount: {what} {value!r} must be 1..{MAX_NAME_BYTES} bytes")
@@ -57,15 +59,19 @@ class SegmentManager:
         alignment = alignment or (SSD_ALIGNMENT if tier == "ssd" else DEFAULT_ALIGNMENT)
         old = self.segments.get(name)
         if old is not None:
-            same = (old.node_id, old.tier, old.capacity, old.endpoint, old.allocator.alignment)
-            if same == (node_id, tier, capacity, endpoint, alignment):
+            same = (old.node_id, old.tier, old.capacity, old.endpoint, old.allocator.alignment,
+                    old.token)  # fmt: skip
+            if same == (node_id, tier, capacity, endpoint, alignment, token):
                 return None
             raise StoreError(
                 f"mount of segment {name!r} by node {node_id!r}: the name is already mounted "
                 f"by node {old.node_id!r} as {old.tier} of {old.capacity} bytes; unmount it "
                 "first or pick a unique segment name"
             )
-        seg = Segment(name, node_id, tier, endpoint, OffsetAllocator(capacity, alignment, self.fit))
+        allocator = OffsetAllocator(capacity, alignment, self.fit)
+        seg = Segment(
+            name, node_id, tier, endpoint, allocator, token=token, usable_from=usable_from
+        )
         self.segments[name] = seg
         self.node_segments.setdefault(node_id, []).append(seg)
         self.tier_segments[seg.tier].append(seg)
@@ -92,13 +98,16 @@ class SegmentManager:
 
     # -- space ---------------------------------------------------------------------------
 
-    def candidates(self, tier: Tier, size: int, exclude_nodes: Iterable[str]) -> list[Segment]:
-        """Segments of `tier` with a free block for `size` bytes, on nodes not excluded."""
+    def candidates(
+        self, tier: Tier, size: int, exclude_nodes: Iterable[str], now: float
+    ) -> list[Segment]:
+        """Segments of `tier` usable at `now` with a free block for `size` bytes, on nodes
+        not excluded."""
         excluded = set(exclude_nodes)
         return [
             s
             for s in self.tier_segments[tier]
-            if s.node_id not in excluded and s.allocator.can_fit(size)
+            if s.node_id not in excluded and s.usable_from <= now and s.allocator.can_fit(size)
         ]
 
     def allocate(self, seg: Segment, key: str, size: int) -> Replica | None:

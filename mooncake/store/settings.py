@@ -62,6 +62,8 @@ def key_error(key: str) -> str:
     """Why `key` is not a valid object key ("" if it is)."""
     if not key:
         return "an object key must not be empty"
+    if key[0] == "\x00":
+        return f"key {key[:40]!r} starts with NUL, which the store reserves for its own records"
     if len(key) * 4 > MAX_KEY_BYTES and len(key.encode()) > MAX_KEY_BYTES:
         return (
             f"key {key[:40]!r}... is {len(key.encode())} bytes, over the {MAX_KEY_BYTES}-byte "

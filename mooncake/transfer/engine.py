@@ -288,6 +288,14 @@ class TransferEngine:
         if length <= 0 or offset < 0 or offset + length > local.view.num_bytes:
             raise TransferError(local.bounds_error(offset, length))
         target = self.resolve(r.remote_segment)
+        if r.remote_token and target.desc.token != r.remote_token:
+            self.forget(r.remote_segment)  # our descriptor may be the stale one
+            target = self.resolve(r.remote_segment)
+            if target.desc.token != r.remote_token:
+                raise TransferError(
+                    f"segment {r.remote_segment!r} was registered again since the request's "
+                    "descriptor was issued (token mismatch); ask its owner for a fresh one"
+                )
         desc, offset = target.desc, r.remote_offset
         if offset < 0 or offset + length > desc.num_bytes:
             raise TransferError(range_error(desc.name, desc.num_bytes, offset, length))

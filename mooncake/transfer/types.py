@@ -41,6 +41,9 @@ class TransferRequest(msgspec.Struct, frozen=True):
     remote_segment: str  # name of the peer's segment ("name" or "name@host:port")
     remote_offset: int  # bytes from the start of the remote segment
     length: int  # bytes, > 0
+    # the remote segment's token (SegmentDesc.token) when the caller's offsets came with
+    # it, e.g. from the Store's master: 0 = any; else a re-registered segment is refused
+    remote_token: int = 0
 
 
 class RequestStatus(msgspec.Struct, frozen=True):

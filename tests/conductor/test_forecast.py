@@ -9,8 +9,7 @@ import numpy as np
 import pytest
 
 from mooncake.conductor import ScheduleRequest
-from mooncake.conductor.admission import ForecastError
-from mooncake.conductor.load import DecodeForecast, DecodeTimes
+from mooncake.conductor.forecast import DecodeForecast, DecodeTimes, ForecastError
 from tests.conductor.toy import toy_conductor
 
 
@@ -128,12 +127,53 @@ def test_predictive_rejects_at_prefill_start_what_the_arrival_forecast_let_throu
     assert c.admit_prefill(2, 2.5).reason == "unknown_request"
 
 
-def test_other_modes_start_every_prefill_where_it_was_placed():
+def _two_batches_and_three_requests(c) -> None:
+    """The scene of the test above, up to request 2's prefill start."""
+    for i in range(2):
+        c.decode[i].reserve(f"batch{i}", 5_000)
+        c.decode[i].activate(f"batch{i}", 0.0)
+    _schedule(c, 1, 3_000, 0.0)
+    c.admit_prefill(1, 0.0)
+    assert _schedule(c, 2, 1_500, 0.0).decode == "d1"
+    _schedule(c, 3, 3_500, 0.0)
+    c.admit_prefill(3, 0.0)
+
+
+def test_late_binding_moves_the_kv_in_every_mode_and_only_predictive_rejects_at_start():
+    """Late binding is placement, not rejection: none and basic move request 2's KV to d0
+    as predictive does, and none of them rejects a request whose best load is under 1."""
+    for mode in ("none", "basic", "predictive"):
+        c = toy_conductor(3, 2, rejection=mode)
+        _two_batches_and_three_requests(c)
+        grant = c.admit_prefill(2, 1.0, prefill_s=3.0)
+        assert (grant.is_accepted, grant.decode, grant.decode_load) == (True, "d0", 0.95), mode
+        assert 2 in c.decode[0].reserved and c.decode[0].incoming[2] == 4.0, mode
+        assert 2 not in c.decode[1].reserved and c.decode[1].reserved_tokens == 3_500, mode
+
+
+def test_without_late_binding_other_modes_start_every_prefill_where_it_was_placed():
     for mode in ("none", "basic"):
-        c = toy_conductor(2, 1, rejection=mode)
-        c.decode[0].reserve("batch", 9_000)
+        c = toy_conductor(3, 2, rejection=mode, late_binding=False)
+        _two_batches_and_three_requests(c)
+        grant = c.admit_prefill(2, 1.0, prefill_s=3.0)
+        assert (grant.is_accepted, grant.decode) == (True, "d1"), mode
+        assert c.prefill[1].running == 2 and c.decode[1].incoming[2] == 4.0, mode
+    # predictive re-chooses at prefill start whatever the setting: its check needs it
+    c = toy_conductor(3, 2, rejection="predictive", late_binding=False)
+    _two_batches_and_three_requests(c)
+    assert c.admit_prefill(2, 1.0, prefill_s=3.0).decode == "d0"
+
+
+def test_none_and_basic_start_a_prefill_whose_decode_load_is_over_1():
+    """The decode instance, not the Conductor, refuses it later in these modes."""
+    for mode in ("none", "basic"):
+        c = toy_conductor(1, 1, rejection=mode)
+        c.decode[0].reserve("batch", 7_000)
         c.decode[0].activate("batch", 0.0)
-        _schedule(c, 1, 500, 0.0)
-        grant = c.admit_prefill(1, 0.0)
-        assert (grant.is_accepted, grant.decode) == (True, "d0"), mode
-        assert c.prefill[0].running == 1 and c.decode[0].incoming == {1: 0.5}
+        _schedule(c, 1, 2_500, 0.0)
+        _schedule(c, 2, 2_000, 0.0)
+        c.admit_prefill(1, 0.0)
+        c.on_prefill_finished(1, 2.5)
+        grant = c.admit_prefill(2, 2.5)
+        assert (grant.is_accepted, grant.decode_load) == (True, pytest.approx(1.15)), mode
+        assert c.prefill[0].running == 2, mode

@@ -80,3 +80,17 @@ def test_rejections_ordered_predictive_below_none_and_basic(runs):
     assert pred.completed > max(none.completed, basic.completed)
     for mode in ("none", "basic", "predictive"):
         assert runs[mode][0].requests == NUM
+
+
+def test_the_report_breaks_rejections_down_by_when_and_why(runs):
+    """Every rejection is counted once: at arrival for TTFT or decode load, when the
+    prefill was about to start, or after the prefill (the only ones wasting prefill)."""
+    for mode in ("none", "basic", "predictive"):
+        result, sim = runs[mode]
+        pattern = _pattern(sim)
+        assert result.rejected_ttft_slo == pattern.count("T"), mode
+        assert result.rejected_decode_load == pattern.count("d"), mode
+        assert result.rejected_at_prefill_start == pattern.count("s"), mode
+        assert result.rejected_after_prefill == pattern.count("L"), mode
+        assert result.rejected == sum(map(pattern.count, "TdsL")), mode
+    assert runs["none"][0].rejected_decode_load == 0  # none never checks decode at arrival

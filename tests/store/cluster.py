@@ -40,8 +40,8 @@ class Child:
                 self.kill()
 
 
-def start_master() -> Child:
-    return Child("master", SECRET)
+def start_master(lease_ttl_s: float = 0.2) -> Child:
+    return Child("master", SECRET, str(lease_ttl_s))
 
 
 def start_node(node_id: str, master: Child, dram_bytes: int, *ssd: str) -> Child:

@@ -118,6 +118,33 @@ def test_reregistered_segment_fails_stale_requests_then_resolves_anew(engines) -
     assert (fresh[:4096] == pattern(4096)).all()
 
 
+@pytest.mark.parametrize("protocol", ["tcp", "shm"])
+def test_request_with_a_stale_token_never_reaches_the_new_registration(protocol: str) -> None:
+    """A request naming the token its offsets came with is refused once the segment was
+    registered again, even after the initiator resolved the new registration; without a
+    token it reaches the new one."""
+    a, b = make_engine("a", protocol=protocol), make_engine("b", protocol=protocol)
+    a.directory.add_peer("127.0.0.1", b.server.port)  # type: ignore[attr-defined]
+    try:
+        b.allocate("seg", 8192)  # shm-backed, so both transports reach it
+        old = b.describe("seg").token  # type: ignore[union-attr]
+        a.register("src", pattern(4096))
+        a.transfer([TransferRequest(WRITE, "src", 0, "seg", 0, 4096, old)]).check()
+        b.unregister("seg")
+        fresh = b.allocate("seg", 8192)
+        new = b.describe("seg").token  # type: ignore[union-attr]
+        a.forget("seg")
+        assert a.resolve("seg").desc.token == new
+        with pytest.raises(TransferError, match="registered again"):
+            a.transfer([TransferRequest(WRITE, "src", 0, "seg", 0, 4096, old)])
+        assert not fresh.any()
+        a.transfer([TransferRequest(WRITE, "src", 0, "seg", 0, 4096, new)]).check()
+        assert (fresh[:4096] == pattern(4096)).all()
+    finally:
+        a.close()
+        b.close()
+
+
 def test_cancel_marks_pending_requests_cancelled(engines) -> None:
     a, b = engines
     b.allocate("pool", 1 << 20)

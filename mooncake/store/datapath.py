@@ -1,0 +1,96 @@
+"""How a Store client moves bytes: straight between its registered memory and the replicas'
+segments, through its Transfer Engine, never through the master.
+
+Every request carries the token the replica's segment was mounted with, so a segment that
+was registered again since the master handed out the offsets (its node restarted) is
+refused instead of written or read. Reads try the client's own replica first, then the
+cheapest transport (shm before tcp), memory tiers only, and fall back to the next replica
+when one fails.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from mooncake.errors import StoreError, TransferError
+from mooncake.store.node import remote_name
+from mooncake.store.objects import ReplicaDesc, Tier
+from mooncake.transfer.engine import TransferEngine
+from mooncake.transfer.types import TransferOp, TransferRequest, TransferState
+
+_COST = {"local": 0, "rdma": 1, "shm": 1, "tcp": 2}  # transport -> rank (lower is cheaper)
+_TIER_RANK: dict[Tier, int] = {"vram": 0, "dram": 1, "ssd": 2}
+
+# (key, replicas to write, local segment, offset in it)
+WritePlan = list[tuple[str, Sequence[ReplicaDesc], str, int]]
+
+
+class DataPath:
+    """The data plane of one client: `engine`, named `node_id` in the pool."""
+
+    def __init__(self, engine: TransferEngine, node_id: str, timeout_s: float):
+        self.engine, self.node_id, self.timeout_s = engine, node_id, timeout_s
+
+    def write(self, plan: WritePlan) -> dict[str, str]:
+        """Write each value to all its replicas in one batch; key -> why it failed."""
+        reqs, owners = [], []
+        for key, replicas, seg, off in plan:
+            for d in replicas:
+                reqs.append(_request(TransferOp.WRITE, seg, off, d, d.size))
+                owners.append(key)
+        if not reqs:
+            return {}
+        try:
+            batch = self.engine.transfer(reqs, self.timeout_s)
+        except TransferError as e:
+            return {key: str(e) for key in owners}
+        if not batch.num_open and not batch.has_failures:
+            return {}
+        failed: dict[str, str] = {}
+        for key, st in zip(owners, batch.poll(), strict=True):
+            if st.state is not TransferState.DONE:
+                failed.setdefault(key, f"writing a replica: {st.state.value}: {st.reason}")
+        return failed
+
+    def read_one(self, d: ReplicaDesc, segment: str, offset: int, size: int) -> None:
+        """Copy `size` bytes of replica `d` into `segment` at `offset`; TransferError."""
+        try:
+            self.engine.transfer([_request(TransferOp.READ, segment, offset, d, size)],
+                                 self.timeout_s).check()  # fmt: skip
+        except TransferError:
+            self.engine.forget(remote_name(d.segment, d.endpoint))
+            raise
+
+    def read(self, key: str, replicas: Sequence[ReplicaDesc], segment: str, offset: int,
+             size: int) -> ReplicaDesc:  # fmt: skip
+        """Copy the value from the best replica that works; returns that replica."""
+        errors = []
+        for d in self.rank(replicas):
+            try:
+                self.read_one(d, segment, offset, size)
+                return d
+            except TransferError as e:
+                errors.append(f"{d.node_id}/{d.tier}: {e}")
+        raise StoreError(f"get of {key!r}: every replica failed: " + "; ".join(errors))
+
+    def rank(self, replicas: Sequence[ReplicaDesc]) -> list[ReplicaDesc]:
+        """The memory-tier replicas, cheapest to read first."""
+
+        def cost(d: ReplicaDesc) -> tuple[int, int]:
+            if d.node_id == self.node_id:
+                return 0, _TIER_RANK[d.tier]
+            try:
+                transport = self.engine.resolve(remote_name(d.segment, d.endpoint)).transport
+                return _COST.get(transport.name, 3), _TIER_RANK[d.tier]
+            except TransferError:
+                return 9, 0  # unreachable now: try it last
+
+        in_memory = [d for d in replicas if d.tier != "ssd"]
+        return sorted(in_memory, key=cost) if len(in_memory) > 1 else in_memory
+
+
+def _request(
+    op: TransferOp, segment: str, offset: int, d: ReplicaDesc, size: int
+) -> TransferRequest:
+    name = remote_name(d.segment, d.endpoint)
+    return TransferRequest(op, segment, offset, name, d.offset, size, d.token)

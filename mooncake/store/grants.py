@@ -1,0 +1,125 @@
+"""What a Store client may reuse of the master's answers without asking again.
+
+- `LocationCache`: a get leases its object for `lease_ttl_s` (the master neither evicts,
+  removes nor overwrites it until then), so for that long the replica the client read is
+  where the value still is: a repeated get reads it again with one round trip, to the
+  node, instead of two. An entry expires a margin before the lease, counted from when the
+  client *sent* its request (the master's lease started later).
+- `SlotPool`: write slots (store/slots.py) by put shape, each usable until its grant runs
+  out, counted the same way.
+
+Both are per client and thread-safe; neither talks to anyone.
+
+    cache.put(key, replica, size, sent_at + lease_ttl_s)
+    hit = cache.get(key, time.monotonic())         # (replica, size) or None
+    pool.add(shape, slots, sent_at); slot, until = pool.take(shape, time.monotonic())
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from typing import NamedTuple
+
+from mooncake.store.objects import ReplicaDesc, Slot
+
+MARGIN = 0.8  # share of a grant's length the client relies on (clock rates, scheduling)
+
+
+class PutShape(NamedTuple):
+    """The put options a write slot stands for."""
+
+    size: int  # bytes
+    replicas: int  # 0 = the master's default
+    tiers: tuple[str, ...]
+
+
+class LocationCache:
+    """key -> (replica, size, expiry) of recent reads, least recently used first."""
+
+    def __init__(self, max_entries: int = 1 << 16):
+        self.max_entries = max_entries
+        self._entries: OrderedDict[str, tuple[ReplicaDesc, int, float]] = OrderedDict()
+        self._lock = threading.Lock()
+        self.num_hits = 0  # gets served without asking the master
+
+    def get(self, key: str, now: float) -> tuple[ReplicaDesc, int] | None:
+        """The replica and size of `key` if its lease still covers `now`."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                return None
+            if entry[2] <= now:
+                del self._entries[key]
+                return None
+            self._entries.move_to_end(key)
+            self.num_hits += 1
+            return entry[0], entry[1]
+
+    def put(self, key: str, replica: ReplicaDesc, size: int, sent_at: float, ttl_s: float) -> None:
+        """Remember where `key` was read; its lease of `ttl_s` began after `sent_at`."""
+        if ttl_s <= 0:
+            return
+        with self._lock:
+            self._entries[key] = (replica, size, sent_at + ttl_s * MARGIN)
+            self._entries.move_to_end(key)
+            if len(self._entries) > self.max_entries:
+                self._entries.popitem(last=False)
+
+    def drop(self, key: str) -> None:
+        with self._lock:
+            self._entries.pop(key, None)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
+
+class SlotPool:
+    """Write slots by put shape, each with the time until which it may be written."""
+
+    def __init__(self, max_bytes: int = 32 << 20, max_slots: int = 4):
+        self.max_bytes, self.max_slots = max_bytes, max_slots  # held per shape, at most
+        self._slots: dict[PutShape, list[tuple[Slot, float]]] = {}
+        self._expired: list[int] = []  # slot ids to give back
+        self._lock = threading.Lock()
+
+    def want(self, size: int) -> int:
+        """How many slots of `size` bytes to ask for."""
+        return max(0, min(self.max_slots, self.max_bytes // size))
+
+    def add(self, shape: PutShape, slots: tuple[Slot, ...], sent_at: float) -> None:
+        with self._lock:
+            held = self._slots.setdefault(shape, [])
+            held += [(s, sent_at + s.ttl_s * MARGIN) for s in slots]
+
+    def take(self, shape: PutShape, now: float) -> tuple[Slot, float] | None:
+        """A slot for a put of this shape that may still be written, with the time until
+        which it may, or None. Expired ones are kept for drain() (the master would also
+        reclaim them after put_timeout_s)."""
+        with self._lock:
+            held = self._slots.get(shape)
+            while held:
+                slot, until = held.pop()
+                if until > now:
+                    return slot, until
+                self._expired.append(slot.slot_id)
+            return None
+
+    def give_back(self, shape: PutShape, taken: tuple[Slot, float]) -> None:
+        """Return a slot taken with take() and not used (its commit was refused)."""
+        with self._lock:
+            self._slots.setdefault(shape, []).append(taken)
+
+    def held(self) -> list[Slot]:
+        """Every slot held now (expired or not), for inspection."""
+        with self._lock:
+            return [s for held in self._slots.values() for s, _ in held]
+
+    def drain(self) -> list[int]:
+        """Every slot id held or expired (the pool is empty afterwards): to release."""
+        with self._lock:
+            ids = self._expired + [s.slot_id for held in self._slots.values() for s, _ in held]
+            self._slots.clear()
+            self._expired = []
+            return ids
