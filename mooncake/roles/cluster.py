@@ -26,7 +26,12 @@ import msgspec
 
 from mooncake.api.backend import BaseBackend, GenerateRequest, Output, Rejected
 from mooncake.conductor import Conductor
-from mooncake.conductor.types import Decision, PrefillAdmission, ScheduleRequest
+from mooncake.conductor.types import (
+    Decision,
+    PrefillAdmission,
+    ReplicationOrder,
+    ScheduleRequest,
+)
 from mooncake.engine.tokenizer import BaseTokenizer
 from mooncake.errors import ApiError, MooncakeError, SchedulingError
 from mooncake.hashing import PrefixHasher
@@ -100,6 +105,8 @@ class ClusterBackend(BaseBackend):
         # NOTE: ids never repeat across master restarts (nodes outlive the master)
         self._ids = itertools.count(time.time_ns() // 1000)
         self.on_unreachable: Callable[[str], None] = lambda _node: None  # the master marks it down
+        # hot-spot replication orders of the Conductor, for the Store to carry out
+        self.on_replicate: Callable[[ReplicationOrder], None] = lambda _order: None
         self._clients: dict[str, AsyncRpcClient] = {}
 
     # -- the API's entry point --
@@ -161,6 +168,8 @@ class ClusterBackend(BaseBackend):
                 d = self.conductor.schedule(ScheduleRequest(rid, n, hashes), time.monotonic())
             except SchedulingError as e:
                 raise MooncakeError(f"cannot place the request: {e}") from e
+        for order in d.replications:
+            self.on_replicate(order)
         if not d.is_accepted:
             if d.reason == "no_instance":
                 raise MooncakeError("no prefill group or decode node is ready; retry shortly")

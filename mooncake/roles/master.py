@@ -24,10 +24,10 @@ from mooncake.api.app import create_app
 from mooncake.api.server import ApiServer
 from mooncake.api.stats import RequestStats
 from mooncake.api.status import NodeStatus, Status, TierStatus
-from mooncake.conductor import Conductor
+from mooncake.conductor import Conductor, ReplicationOrder
 from mooncake.conductor.index import StoreEvent as IndexEvent
 from mooncake.config import Config
-from mooncake.engine.kvstore import parse_kv_key
+from mooncake.engine.kvstore import kv_key, parse_kv_key
 from mooncake.engine.modelinfo import load_model_info
 from mooncake.engine.tokenizer import create_tokenizer
 from mooncake.errors import ConfigError
@@ -126,6 +126,7 @@ class Master:
             info.spec.name, max_len, self.secret, cfg.model.block_tokens, self.lock,
         )  # fmt: skip
         self.backend.on_unreachable = self._mark_down
+        self.backend.on_replicate = self._replicate
         self.backend.vocab_size = info.spec.vocab_size
         self.fingerprint = ""  # hex, from the first engine node
         self.store = StoreService(self.secret, MetadataConfig.from_store_config(cfg.store),
@@ -208,6 +209,15 @@ class Master:
             log.warning("req %d failed on %s: %s", msg.req_id, msg.node_id, msg.error)
             return
         self.backend.on_prefill_finished(msg.req_id, msg.num_reused_tokens, msg.kv_bytes)
+
+    def _replicate(self, order: ReplicationOrder) -> None:
+        """Carry out a Conductor's hot-spot replication: the blocks' pool objects get a
+        copy in the destination node's DRAM (the Store's move machinery; added events then
+        tell the prefix index)."""
+        keys = [kv_key(h) for h in order.block_hashes if isinstance(h, int)]
+        started = self.store.replicate(keys, order.dst)
+        log.debug("replicating %d of %d blocks %s -> %s", started, len(keys), order.src,
+                  order.dst)  # fmt: skip
 
     def _on_store_events(self, events: list[StoreEvent]) -> None:
         # NOTE: runs under the store's lock on its thread; the Conductor has its own lock

@@ -28,6 +28,7 @@ def stats(svc: MetadataService) -> StoreStats:
         evictions=c.evictions,
         demotions=c.demotions,
         promotions=c.promotions,
+        replications=c.replications,
         lost_objects=c.lost_objects,
     )
 

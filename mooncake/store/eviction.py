@@ -16,7 +16,8 @@ Lower tiers: vram -> dram -> ssd; ssd victims are dropped. A move allocates the 
 as a PROCESSING replica (the same node preferred) and instructs the source's owner to copy;
 `confirm` commits the copy and releases the source (after readers' leases). A read of an
 object found only on SSD starts a promotion back to DRAM the same way, when DRAM is under
-its high watermark. Decisions are data (Instructions, StoreEvents) queued on the service.
+its high watermark; so does a hot-spot replication (`replicate`: a copy to another node's
+DRAM, the source kept). Decisions are data (Instructions, StoreEvents) queued on the service.
 """
 
 from __future__ import annotations
@@ -42,12 +43,15 @@ if TYPE_CHECKING:
     from mooncake.store.metadata import MetadataService
 
 
+MoveKind = Literal["demote", "promote", "replicate"]
+
+
 @dataclass(eq=False)
 class Move:
     """A copy between tiers in flight: `dst` is PROCESSING until confirmed."""
 
     move_id: int
-    kind: Literal["demote", "promote"]
+    kind: MoveKind
     key: str
     src: Replica
     dst: Replica
@@ -148,11 +152,20 @@ class Evictor:
         sources = sorted(obj.complete(), key=lambda r: r.node_id != reader)
         return self._start_move(obj, sources, "promote", ("dram",), reader, now) is not None
 
+    def replicate(self, obj: ObjectRecord, dst_node: str, now: float) -> bool:
+        """Start copying a committed object's memory replica to `dst_node`'s DRAM (a hot
+        spot, Algorithm 1); False if it is moving, already there, or has no room there
+        under the high watermark."""
+        if obj.move_id or not obj.is_committed or any(r.node_id == dst_node for r in obj.replicas):
+            return False
+        sources = [r for r in obj.complete() if r.tier != "ssd"]
+        return self._start_move(obj, sources, "replicate", ("dram",), dst_node, now) is not None
+
     def _start_move(
         self,
         obj: ObjectRecord,
         sources: Sequence[Replica],
-        kind: Literal["demote", "promote"],
+        kind: MoveKind,
         tiers: Sequence[Tier],
         prefer: str,
         now: float,
@@ -166,14 +179,16 @@ class Evictor:
         for src in sources:
             for tier in tiers:
                 cands = space.candidates(tier, obj.size, holders - {src.node_id}, now)
-                if kind == "promote":  # never promote into a tier that must then evict
+                if kind == "replicate":  # a copy for that node, nowhere else
+                    cands = [s for s in cands if s.node_id == prefer]
+                if kind != "demote":  # never copy up into a tier that must then evict
                     cands = [
                         s for s in cands if space.share(tier, s.allocator.aligned(obj.size)) <= high
                     ]
                 dst = self._allocate(cands, src.node_id, prefer, obj.key, obj.size)
                 if dst is None:
                     continue
-                release = kind == "demote" or dst.node_id == src.node_id
+                release = kind == "demote" or (kind == "promote" and dst.node_id == src.node_id)
                 move_id, self._next_move_id = self._next_move_id, self._next_move_id + 1
                 self.moves[move_id] = Move(move_id, kind, obj.key, src, dst, release, now)
                 obj.move_id = move_id
@@ -228,8 +243,10 @@ class Evictor:
             svc.emit("added", mv.key, mv.dst.node_id, mv.dst.tier)
         if mv.kind == "demote":
             svc.counters.demotions += 1
-        else:
+        elif mv.kind == "promote":
             svc.counters.promotions += 1
+        else:
+            svc.counters.replications += 1
         return KeyResult(key=mv.key, status="ok")
 
     def on_replica_lost(self, obj: ObjectRecord, replica: Replica, now: float) -> None:

@@ -347,6 +347,18 @@ class MetadataService:
         """Run one eviction pass (see eviction.py); returns the number of victims."""
         return self.evictor.run(now)
 
+    def replicate(self, keys: Sequence[str], dst_node: str, now: float) -> int:
+        """Start copying each committed key to `dst_node`'s DRAM (hot-spot replication:
+        Conductor decisions); keys missing, moving, already there or without room there are
+        skipped. Returns how many copies started; each commits when the source's owner
+        confirms it (an added event)."""
+        started = 0
+        for key in keys:
+            obj = self.objects.get(key)
+            if obj is not None and self.evictor.replicate(obj, dst_node, now):
+                started += 1
+        return started
+
     def confirm_move(self, move_id: int, ok: bool, now: float) -> KeyResult:
         """The data plane finished (ok) or failed a demote/promote instruction."""
         return self.evictor.confirm(move_id, ok, now)

@@ -34,6 +34,7 @@ _COUNTERS = (  # StoreStats field -> (metric name without _total, help)
     ("evictions", "mooncake_store_evictions", "Replicas evicted above the high watermark."),
     ("demotions", "mooncake_store_demotions", "Replicas moved down a tier (DRAM -> SSD)."),
     ("promotions", "mooncake_store_promotions", "Replicas moved up a tier on a hit."),
+    ("replications", "mooncake_store_replications", "Hot-spot copies made on another node."),
     ("lost_objects", "mooncake_store_lost_objects", "Objects lost with their last replica."),
 )
 

@@ -101,11 +101,11 @@ class Instruction(msgspec.Struct, frozen=True, kw_only=True):
     """A decision the data plane carries out, sent to the node owning `src`.
 
     evict: `src` was released (informational: the owner may discard the bytes).
-    demote / promote: copy `src` into `dst`, then confirm_move(move_id, ok); on success the
-    service commits `dst` and (when `release_src`) releases `src`.
+    demote / promote / replicate: copy `src` into `dst`, then confirm_move(move_id, ok); on
+    success the service commits `dst` and (when `release_src`) releases `src`.
     """
 
-    kind: Literal["evict", "demote", "promote"]
+    kind: Literal["evict", "demote", "promote", "replicate"]
     key: str
     src: ReplicaDesc
     dst: ReplicaDesc | None = None
@@ -130,6 +130,7 @@ class StoreStats(msgspec.Struct, frozen=True, kw_only=True):
     demotions: int  # moves confirmed
     promotions: int
     lost_objects: int  # objects gone with a node or segment
+    replications: int = 0  # hot-spot copies to another node confirmed
 
 
 @dataclass
@@ -144,6 +145,7 @@ class Counters:
     demotions: int = 0
     promotions: int = 0
     lost_objects: int = 0
+    replications: int = 0
 
 
 @dataclass(eq=False)

@@ -95,6 +95,11 @@ class StoreService:
         with self.lock:
             return self.metadata.stats()
 
+    def replicate(self, keys: list[str], dst_node: str) -> int:
+        """Start hot-spot copies of `keys` to `dst_node` (see MetadataService.replicate)."""
+        with self.lock:
+            return self.metadata.replicate(keys, dst_node, time.monotonic())
+
     def tick(self) -> None:
         """One housekeeping pass: drop silent nodes and stale puts, evict above watermark."""
         with self.lock:

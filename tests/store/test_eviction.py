@@ -171,3 +171,37 @@ def test_replicated_victims_keep_one_demoted_copy():
             svc.confirm_move(m.move_id, True, 20.0)
     assert all(len(svc.objects[f"k{i}"].replicas) == 1 for i in range(3))
     svc.check_integrity()
+
+
+def test_hot_spot_replication_copies_to_the_named_node_and_keeps_the_source():
+    """replicate() asks the source's owner to copy into the destination node's DRAM; the
+    confirmed copy is an added replica there and the source stays. Keys already there,
+    moving, missing, or with no room there (or only above the high watermark) are skipped."""
+    svc = make_service({"a": {"dram": 512}, "b": {"dram": 512}}, **WM)
+    for i in range(2):
+        assert put(svc, f"k{i}", 64, writer="a") == "ok"
+    svc.drain_events()
+    assert svc.replicate(["k0", "k1", "missing"], "b", 1.0) == 2
+    assert svc.replicate(["k0"], "b", 1.0) == 0  # its copy is in flight
+    first, second = svc.drain_instructions("a")
+    assert (first.kind, first.key, first.src.node_id, dst(first).node_id) == (
+        "replicate",
+        "k0",
+        "a",
+        "b",
+    )
+    assert not first.release_src
+    svc.confirm_move(first.move_id, True, 2.0)
+    svc.confirm_move(second.move_id, False, 2.0)  # a failed copy frees its destination
+    svc.check_integrity()
+    assert kinds(svc) == [("added", "k0", "b", "dram")]
+    assert sorted(r.node_id for r in svc.get_replicas("k0", 3.0).replicas) == ["a", "b"]
+    assert [r.node_id for r in svc.get_replicas("k1", 3.0).replicas] == ["a"]
+    assert svc.replicate(["k0"], "b", 4.0) == 0  # already there
+    assert svc.counters.replications == 1
+    fill_b = make_service({"a": {"dram": 512}, "b": {"dram": 512}}, **WM)
+    for i in range(8):
+        assert put(fill_b, f"b{i}", 64, writer="b") == "ok"
+    assert put(fill_b, "hot", 64, writer="a") == "ok"
+    assert fill_b.replicate(["hot"], "b", 1.0) == 0  # b has no room
+    fill_b.check_integrity()

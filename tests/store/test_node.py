@@ -73,3 +73,39 @@ def test_populate_leaves_the_bytes_and_the_node_says_when_it_is_done() -> None:
         node.start()
         assert node.populated.wait(10.0)
         node.stop()
+
+
+def test_replicated_object_survives_its_source_node() -> None:
+    """A hot-spot replication is carried out by the source node (a one-sided write into
+    the other node's DRAM): once confirmed, the object reads back byte for byte with the
+    source node gone."""
+    cfg = MetadataConfig(lease_ttl_s=0.2, heartbeat_ttl_s=5.0)
+    with StoreService(SECRET, cfg, tick_s=3600) as service:
+        nodes = {n: StoreNode(n, service.address, SECRET, TierSizes(dram_bytes=256 * KIB),
+                              heartbeat_s=0.02) for n in ("s0", "s1")}  # fmt: skip
+        for node in nodes.values():
+            node.start()
+        try:
+            with Store.connect(service.address, SECRET, timeout_s=5.0) as store:
+                value = os.urandom(40 * KIB)
+                store.put("hot", value, replicas=1)
+                (src,) = _nodes_of(service, "hot")
+                other = "s1" if src == "s0" else "s0"
+                assert service.replicate(["hot"], other) == 1
+                deadline = time.monotonic() + 10
+                while _nodes_of(service, "hot") != ["s0", "s1"]:
+                    assert time.monotonic() < deadline, _nodes_of(service, "hot")
+                    time.sleep(0.01)
+                nodes.pop(src).stop()  # unmounts: only the copy is left
+                assert _nodes_of(service, "hot") == [other]
+                assert store.get("hot") == value
+        finally:
+            for node in nodes.values():
+                node.stop()
+
+
+def _nodes_of(service: StoreService, key: str) -> list[str]:
+    with service.lock:
+        obj = service.metadata.objects.get(key)
+        done = obj.complete() if obj else []
+        return sorted(r.node_id for r in done)
