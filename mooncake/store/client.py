@@ -174,11 +174,12 @@ class Store:
                 self._call(m.ReleaseSlotsMsg((slot.slot_id,), self.node_id), m.AckMsg)
             raise StoreError(f"put of {key!r} failed, nothing was committed: {failed[key]}")
         sent_at = time.monotonic()
+        refill = self.slots.refill(shape)
         msg = m.PutSlotMsg(key, slot.slot_id, self.node_id, opts.get("pin_ttl_s", 0.0),
-                           opts.get("overwrite", False))  # fmt: skip
+                           opts.get("overwrite", False), refill)  # fmt: skip
         reply = self._call(msg, m.PutSlotReplyMsg)
-        if reply.slot is not None:
-            self.slots.add(shape, (reply.slot,), sent_at)
+        if reply.slots:
+            self.slots.add(shape, reply.slots, sent_at)
         if reply.result.status in ("exists", "busy", "leased"):  # the slot is still ours
             self.slots.give_back(shape, taken)
         self._raise(reply.result)

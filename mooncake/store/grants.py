@@ -106,6 +106,12 @@ class SlotPool:
                 self._expired.append(slot.slot_id)
             return None
 
+    def refill(self, shape: PutShape) -> int:
+        """How many slots to ask for with a commit of this shape: a batch once the last
+        one held is in use, none before (allocations come a few at a time)."""
+        with self._lock:
+            return 0 if self._slots.get(shape) else self.want(shape.size)
+
     def give_back(self, shape: PutShape, taken: tuple[Slot, float]) -> None:
         """Return a slot taken with take() and not used (its commit was refused)."""
         with self._lock:

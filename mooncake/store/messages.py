@@ -144,12 +144,12 @@ class PutSlotMsg(Msg, frozen=True, tag="store.put_slot"):
     node_id: OptName = ""  # the writer the slot was reserved for
     pin_ttl_s: Seconds = 0.0
     overwrite: bool = False
-    refill: bool = True  # reserve another slot like it
+    refill: Annotated[int, Meta(ge=0, le=MAX_RESERVE)] = 0  # new slots like it to reserve
 
 
 class PutSlotReplyMsg(Msg, frozen=True, tag="store.put_slot_reply"):
     result: KeyResult
-    slot: Slot | None = None  # the refill, when asked for and there was room
+    slots: tuple[Slot, ...] = ()  # the refill, as many as asked for and there was room for
 
 
 class ReleaseSlotsMsg(Msg, frozen=True, tag="store.release_slots"):

@@ -188,22 +188,27 @@ class MetadataService:
         return None
 
     def allocate_replicas(self, key: str, size: int, writer: str, replicas: int,
-                          tiers: Sequence[str], now: float) -> list[Replica]:  # fmt: skip
+                          tiers: Sequence[str], now: float, spare_only: bool = False,
+                          ) -> list[Replica]:  # fmt: skip
         """Up to `replicas` (0 = config) PROCESSING replicas of `key` on distinct nodes, in
-        the first of `tiers` with room; [] (and eviction told of the pressure) if none."""
-        want = replicas or self.config.replicas
+        the first of `tiers` with room; [] (and eviction told of the pressure) if none.
+        `spare_only`: only in a tier that stays under its high watermark, so that nothing
+        is evicted for it (write slots: space held ahead must not push data out)."""
+        want, high = replicas or self.config.replicas, self.config.high_watermark
         chosen: list[Replica] = []
         used_nodes: set[str] = set()
         for tier in cast("list[Tier]", tiers):
             for seg in self.placement.rank(self.space.candidates(tier, size, used_nodes, now),
                                            writer):  # fmt: skip
+                if spare_only and self.space.share(tier, seg.allocator.aligned(size)) > high:
+                    break  # NOTE: the share is the tier's: no other segment is spare either
                 replica = None if seg.node_id in used_nodes else self.space.allocate(seg, key, size)
                 if replica is not None:
                     chosen.append(replica)
                     used_nodes.add(seg.node_id)
                     if len(chosen) == want:
                         return chosen
-        if not chosen:
+        if not chosen and not spare_only:
             for t in cast("list[Tier]", tiers):
                 self.evictor.note_pressure(t, size)
         return chosen

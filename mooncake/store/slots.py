@@ -5,14 +5,18 @@ replicas, put_end commits), and with fixed-size values (KV blocks) the first one
 the same question. So a put_start may also reserve up to `reserve` slots: allocations of
 the same size, replica count and tiers, held for that writer as uncommitted objects under
 an internal key. The writer's next put of that shape writes straight into a slot and
-commits it under its real key (`commit`): two round trips. The commit's reply carries a
-fresh slot when `refill` asks for one, so a steady stream of puts stays at two.
+commits it under its real key (`commit`): two round trips. A commit may ask for `refill`
+new slots like it (the writer's last one used: a batch of allocations every few puts,
+not one per put), so a steady stream of puts stays at two.
 
-    put_start(k1, reserve=4) -> replicas of k1 + 4 slots      (3 round trips, once)
-    write k2 into slot 7; commit(k2, slot=7, refill) -> ok + slot 11      (2 round trips)
+    put_start(k1, reserve=4) -> replicas of k1 + 4 slots             (3 round trips, once)
+    write k2 into slot 7; commit(k2, slot=7) -> ok                   (2 round trips)
+    write k5 into slot 9; commit(k5, slot=9, refill=4) -> ok + 4 slots
 
 A slot is an ordinary PROCESSING object: eviction skips it, a node's death takes its
 replicas, and an unused one is reclaimed after put_timeout_s like any unfinished put.
+Slots are only carved out of spare space: never where the tier would pass its high
+watermark, so holding space ahead never evicts anything.
 Writers use a slot only within `grant_ttl_s` of asking for it (the master may restart and
 lose its books; a remounted segment takes no new objects for that long, see
 `MetadataService.mount_segment`), so a write never lands in space the master gave away.
@@ -58,14 +62,15 @@ class SlotBook:
         return self.svc.config.lease_ttl_s
 
     def reserve(self, size: int, count: int, spec: SlotSpec, now: float) -> list[Slot]:
-        """Up to `count` new slots of `size` bytes (fewer when space runs out, never more
-        than MAX_RESERVE or MAX_RESERVE_BYTES in all)."""
+        """Up to `count` new slots of `size` bytes (fewer when spare space runs out, never
+        more than MAX_RESERVE or MAX_RESERVE_BYTES in all)."""
         svc, out = self.svc, []
         count = min(count, MAX_RESERVE, MAX_RESERVE_BYTES // size)
         for _ in range(count):
             slot_id = next(self._ids)
             key = slot_key(slot_id)
-            chosen = svc.allocate_replicas(key, size, spec.writer, spec.replicas, spec.tiers, now)
+            chosen = svc.allocate_replicas(key, size, spec.writer, spec.replicas, spec.tiers, now,
+                                           spare_only=True)  # fmt: skip
             if not chosen:
                 break
             svc.objects[key] = ObjectRecord(key, size, spec.writer, now, chosen)
@@ -82,10 +87,10 @@ class SlotBook:
         now: float,
         pin_ttl_s: float = 0.0,
         overwrite: bool = False,
-        refill: bool = False,
-    ) -> tuple[KeyResult, Slot | None]:
+        refill: int = 0,
+    ) -> tuple[KeyResult, tuple[Slot, ...]]:
         """Commit the bytes written into slot `slot_id` as `key` (readable from now on),
-        and reserve one more slot like it if `refill`. A refusal for the key (exists,
+        and reserve up to `refill` more slots like it. A refusal for the key (exists,
         busy, leased) leaves the slot reserved for the writer's next put; an unknown slot
         (reclaimed, or already used) is an error: put again without it."""
         svc = self.svc
@@ -96,17 +101,16 @@ class SlotBook:
                 f"write slot {slot_id} is not held by {writer!r}: it was reclaimed after "
                 "put_timeout_s, already committed, or never reserved; put the key again"
             )
-            return KeyResult(key=key, status="error", message=msg), None
+            return KeyResult(key=key, status="error", message=msg), ()
         if err := key_error(key):
-            return KeyResult(key=key, status="error", message=err), None
+            return KeyResult(key=key, status="error", message=err), ()
         refusal = svc.clear_for_put(key, overwrite, now)
         if refusal:
-            return refusal, None
+            return refusal, ()
         self._rekey(obj, key, pin_ttl_s)
         del self.specs[slot_id]
         result = svc.put_end(key, now)
-        fresh = self.reserve(obj.size, 1, spec, now) if refill else []
-        return result, fresh[0] if fresh else None
+        return result, tuple(self.reserve(obj.size, refill, spec, now)) if refill else ()
 
     def release(self, slot_ids: Sequence[int], writer: str, now: float) -> int:
         """Give back the writer's unused slots; returns how many were freed."""

@@ -10,16 +10,16 @@ SPEC = SlotSpec("w", 1, ("dram",))
 
 def test_reserved_slot_commits_under_the_real_key_at_its_offsets() -> None:
     """A slot is an allocation held for the writer; committing it makes the key readable
-    exactly where the slot was, refills one slot, and frees nothing."""
+    exactly where the slot was, reserves the refill asked for, and frees nothing."""
     svc = make_service({"a": {"dram": 4096}})
     slots = svc.slots.reserve(256, 3, SPEC, now=0.0)
     svc.check_integrity()
     assert len(slots) == 3 and len({s.replicas[0].offset for s in slots}) == 3
     assert svc.get_replicas("k", 0.0).status == "not_found"
     used = svc.space.tier_used["dram"]
-    result, fresh = svc.slots.commit("k", slots[0].slot_id, "w", 1.0, refill=True)
+    result, fresh = svc.slots.commit("k", slots[0].slot_id, "w", 1.0, refill=1)
     svc.check_integrity()
-    assert result.status == "ok" and fresh is not None
+    assert result.status == "ok" and len(fresh) == 1
     got = svc.get_replicas("k", 1.0)
     assert got.status == "ok" and got.size == 256
     assert got.replicas[0].offset == slots[0].replicas[0].offset
@@ -120,3 +120,22 @@ def test_remounted_segment_takes_no_object_while_old_grants_may_be_used() -> Non
     assert svc.put_start("k", 64, 11.0).status == "no_space"
     assert svc.slots.reserve(64, 1, SPEC, now=11.0) == []
     assert put(svc, "k", 64, now=12.5) == "ok"
+
+
+def test_slots_take_only_spare_space_and_never_cause_eviction() -> None:
+    """Reserving stops where the tier would pass its high watermark; no eviction
+    pressure is noted for slots, so committed objects stay."""
+    svc = make_service({"a": {"dram": 1024}}, high_watermark=0.5, low_watermark=0.25)
+    assert put(svc, "data", 256) == "ok"
+    assert len(svc.slots.reserve(128, 8, SPEC, now=0.0)) == 2  # 256 + 2 * 128 = the mark
+    assert svc.evict(1.0) == 0 and svc.get_replicas("data", 1.0).status == "ok"
+    svc.check_integrity()
+
+
+def test_a_multi_replica_slot_stops_at_the_mark_replica_by_replica() -> None:
+    svc = make_service({"a": {"dram": 1024}, "b": {"dram": 1024}}, high_watermark=0.5,
+                       low_watermark=0.25)  # fmt: skip
+    (slot,) = svc.slots.reserve(512, 8, SlotSpec("w", 2, ("dram",)), now=0.0)
+    assert len(slot.replicas) == 2 and svc.space.share("dram") == 0.5
+    assert svc.slots.reserve(512, 8, SlotSpec("w", 2, ("dram",)), now=0.0) == []
+    svc.check_integrity()
