@@ -15,6 +15,7 @@ through this client's Transfer Engine straight to or from the node owning each r
 
     put, put_from   2: write into a write slot (store/slots.py), commit it
     get, get_into   1 while the last read's lease lasts (store/grants.py), else 2
+    get_batch       1 lookup for the keys not read within their lease, then all reads at once
 
 Every failure raises StoreError with what happened and what to do; a miss raises
 NotFoundError.
@@ -36,10 +37,10 @@ from mooncake.errors import MooncakeError, StoreError, TransferError
 from mooncake.rpc.client import RpcClient
 from mooncake.rpc.wire import Msg
 from mooncake.store import messages as m
-from mooncake.store.datapath import DataPath
+from mooncake.store.datapath import DataPath, ReadPlan
 from mooncake.store.direct import MasterCalls
 from mooncake.store.grants import LocationCache, PutShape, SlotPool
-from mooncake.store.objects import GetResult, KeyResult, PutStartResult
+from mooncake.store.objects import GetResult, KeyResult, PutStartResult, ReplicaDesc
 from mooncake.store.settings import key_error
 from mooncake.transfer.engine import TransferEngine
 from mooncake.transfer.types import EngineOptions
@@ -272,20 +273,50 @@ class Store:
         return out
 
     def get_batch(self, keys: Sequence[str]) -> list[ValueResult]:
-        """Get every key; one ValueResult per key, in order."""
-        msg = m.BatchGetReplicasMsg(tuple(self._key(k) for k in keys), self.node_id)
-        out = []
-        for r in self._call(msg, m.BatchGetReplicasReplyMsg).results:
-            try:
-                with self._lock:
-                    self._stage(r.size)
-                    self.data.read(r.key, self._checked(r).replicas, self._staging_name, 0, r.size)
-                    value = self._staging[: r.size].tobytes()
-                out.append(ValueResult(key=r.key, status="ok", value=value))
-            except StoreError as e:
-                status = "not_found" if isinstance(e, NotFoundError) else "error"
-                out.append(ValueResult(key=r.key, status=status, message=str(e)))
-        return out
+        """Get every key; one ValueResult per key, in order. One lookup for the keys not
+        read within their lease, then every value in one overlapping batch of reads."""
+        wanted = list(dict.fromkeys(self._key(k) for k in keys))
+        found: dict[str, tuple[list[ReplicaDesc], int]] = {}  # key -> (replicas, size)
+        now, cache = time.monotonic(), self.locations
+        for key in wanted:
+            if cache is not None and (hit := cache.get(key, now)):
+                found[key] = [hit[0]], hit[1]
+        out: dict[str, ValueResult] = {}
+        cold = tuple(k for k in wanted if k not in found)
+        sent_at, ttl = time.monotonic(), 0.0
+        for start in range(0, len(cold), m.MAX_BATCH):
+            msg = m.BatchGetReplicasMsg(cold[start : start + m.MAX_BATCH], self.node_id)
+            for r in self._call(msg, m.BatchGetReplicasReplyMsg).results:
+                replicas = self.data.rank(r.replicas) if r.status == "ok" else []
+                if replicas:
+                    found[r.key], ttl = (replicas, r.size), r.lease_ttl_s
+                else:
+                    out[r.key] = _miss(r)
+        with self._lock:
+            self._stage(sum(size for _, size in found.values()))
+            plan: ReadPlan = []
+            off = 0
+            for key, (replicas, size) in found.items():
+                plan.append((key, replicas, self._staging_name, off, size))
+                off += size
+            failed, moved = self.data.read_many(plan)
+            for key, tried, _, off, size in plan:
+                if key in failed and key not in cold:  # a stale location: ask the master
+                    self._forget_locations([key])
+                    try:  # NOTE: a value grown since does not fit its place: an error
+                        size = self._get(key, self._staging_name, off, size)
+                        del failed[key]
+                    except StoreError as e:
+                        out[key] = ValueResult(key=key, status=_status(e), message=str(e))
+                        continue
+                if key in failed:
+                    out[key] = ValueResult(key=key, status="error", message=failed[key])
+                    continue
+                out[key] = ValueResult(key=key, status="ok",
+                                       value=self._staging[off : off + size].tobytes())  # fmt: skip
+                if cache is not None and (key in cold or key in moved):
+                    cache.put(key, moved.get(key, tried[0]), size, sent_at, ttl)
+        return [out[k] for k in map(self._key, keys)]
 
     def exists_batch(self, keys: Sequence[str]) -> list[bool]:
         """Whether each key has a committed object (any number of keys, asked in chunks)."""
@@ -374,3 +405,17 @@ class Store:
             raise
         except MooncakeError as e:
             raise StoreError(f"store master {self.master.address}: {e}") from e
+
+
+def _miss(r: GetResult) -> ValueResult:
+    """The ValueResult of a lookup that found no readable replica."""
+    if r.status == "not_found":
+        return ValueResult(key=r.key, status="not_found", message=f"{r.key!r} is not in the store")
+    if r.status == "ok":  # only on SSD: the lookup started a promotion back to memory
+        why = f"{r.key!r} is only on SSD; it is being promoted to memory: retry shortly"
+        return ValueResult(key=r.key, status="error", message=why)
+    return ValueResult(key=r.key, status="error", message=r.message or f"{r.key!r}: {r.status}")
+
+
+def _status(e: StoreError) -> str:
+    return "not_found" if isinstance(e, NotFoundError) else "error"

@@ -23,6 +23,8 @@ _TIER_RANK: dict[Tier, int] = {"vram": 0, "dram": 1, "ssd": 2}
 
 # (key, replicas to write, local segment, offset in it)
 WritePlan = list[tuple[str, Sequence[ReplicaDesc], str, int]]
+# (key, replicas to read from in order, local segment, offset in it, bytes)
+ReadPlan = list[tuple[str, Sequence[ReplicaDesc], str, int, int]]
 
 
 class DataPath:
@@ -72,6 +74,33 @@ class DataPath:
             except TransferError as e:
                 errors.append(f"{d.node_id}/{d.tier}: {e}")
         raise StoreError(f"get of {key!r}: every replica failed: " + "; ".join(errors))
+
+    def read_many(self, plan: ReadPlan) -> tuple[dict[str, str], dict[str, ReplicaDesc]]:
+        """Read every key from its first replica in one batch (the transfers overlap), then
+        each key that failed from its other replicas in turn. Returns (key -> why it
+        failed, key -> the later replica it was read from instead)."""
+        if not plan:
+            return {}, {}
+        reqs = [_request(TransferOp.READ, seg, off, reps[0], size)
+                for _, reps, seg, off, size in plan]  # fmt: skip
+        firsts: list[str] = []
+        try:
+            statuses = self.engine.transfer(reqs, self.timeout_s).poll()
+            firsts = [f"{st.state.value}: {st.reason}" if st.state is not TransferState.DONE
+                      else "" for st in statuses]  # fmt: skip
+        except TransferError as e:  # a bad descriptor rejects the batch: go key by key
+            firsts = [str(e)] * len(plan)
+        failed, moved = {}, {}
+        for (key, reps, seg, off, size), why in zip(plan, firsts, strict=True):
+            if not why:
+                continue
+            self.engine.forget(remote_name(reps[0].segment, reps[0].endpoint))
+            try:
+                moved[key] = self.read(key, reps[1:], seg, off, size)
+            except StoreError as e:
+                failed[key] = f"{reps[0].node_id}/{reps[0].tier}: {why}" + (
+                    f"; {e}" if len(reps) > 1 else "")  # fmt: skip
+        return failed, moved
 
     def rank(self, replicas: Sequence[ReplicaDesc]) -> list[ReplicaDesc]:
         """The memory-tier replicas, cheapest to read first."""

@@ -56,8 +56,9 @@ def test_slot_pool_hands_out_fresh_slots_and_gives_back_expired_ones() -> None:
 
 @pytest.mark.timeout(60)
 def test_warm_get_needs_no_master_and_puts_commit_into_slots() -> None:
-    """Real processes. A second get of a key within its lease reads the replica with the
-    master stopped; the second put of a size lands in a slot the first put reserved."""
+    """Real processes. A second get (or get_batch) of a key within its lease reads the
+    replica with the master stopped; the second put of a size lands in a slot the first
+    put reserved."""
     master = start_master(lease_ttl_s=30.0)
     node = start_node("n0", master, 8 << 20)
     opts = EngineOptions(protocol="tcp", timeout_s=5.0)
@@ -71,12 +72,40 @@ def test_warm_get_needs_no_master_and_puts_commit_into_slots() -> None:
             store.put("k2", value[::-1])
             assert store.get("k2") == value[::-1]
             assert store.data.rank(store._get_replicas("k2").replicas)[0].offset in offsets
+            assert [v.value for v in store.get_batch(["k1", "k2"])] == [value, value[::-1]]
             os.kill(master.proc.pid, signal.SIGSTOP)
             try:
                 assert store.get("k2") == value[::-1]
-                assert store.locations.num_hits >= 1
+                assert [v.value for v in store.get_batch(["k2", "k1", "k2"])] == [
+                    value[::-1], value, value[::-1]]  # fmt: skip
+                assert store.locations.num_hits >= 3
             finally:
                 os.kill(master.proc.pid, signal.SIGCONT)
     finally:
         node.stop()
         master.stop()
+
+
+@pytest.mark.timeout(60)
+def test_a_cached_location_on_a_dead_node_falls_back_to_the_master() -> None:
+    """The node a warm location points at dies: get and get_batch drop the location, ask
+    the master and read the surviving replica."""
+    master = start_master(lease_ttl_s=30.0)
+    nodes = {n: start_node(n, master, 8 << 20) for n in ("a0", "a1")}
+    opts = EngineOptions(protocol="tcp", timeout_s=5.0)
+    try:
+        with Store.connect(master.address, SECRET, timeout_s=5.0, engine_options=opts) as store:
+            values = {f"k{i}": os.urandom(5000 + i) for i in range(4)}
+            for k, v in values.items():
+                store.put(k, v, replicas=2)
+            assert [r.value for r in store.get_batch(list(values))] == list(values.values())
+            assert store.locations is not None
+            hit = store.locations.get("k0", 0.0)
+            assert hit is not None
+            node_id = hit[0].node_id
+            nodes.pop(node_id).kill()
+            assert [r.value for r in store.get_batch(list(values))] == list(values.values())
+            assert store.get("k0") == values["k0"]
+    finally:
+        for c in [*nodes.values(), master]:
+            c.stop()
