@@ -166,6 +166,12 @@ class Conductor(Books):
         lens = held[: len(self.prefill)]
         best_len = max(held)
         best_idx = held.index(best_len) if best_len else -1
+        if best_len < len(hashes) and p.global_pool:  # the pool's prefix, maybe split
+            pool_len = self.index.pool_prefix_len(hashes, self._match_full)
+            if pool_len > best_len:  # NOTE: priced from the holder of the first block past
+                mask = self.index.holders_mask(hashes[best_len])  # the longest run
+                best_idx = next(i for i, b in enumerate(self._match_bits) if b & mask)
+                best_len = pool_len
         names = self._match_names
         # estimate
         view = PrefillView(

@@ -3,7 +3,8 @@
 Keys are block hashes, opaque and hashable (the real cluster's 128-bit prefix-chained
 ints, the trace's `hash_ids`). The Store reports every change as a `StoreEvent` (added,
 evicted, demoted, node gone); the Conductor asks `prefix_lens`: for each candidate node,
-how many leading blocks of a request it holds.
+how many leading blocks of a request it holds, and `pool_prefix_len`: how many the pool
+holds, wherever each block is.
 
 NOTE: nodes are bits of an int, so a block's holders are one bitmask (`_any`) and the
 match walks the request's hashes once, AND-ing masks, whatever the number of nodes; a
@@ -170,6 +171,21 @@ class PrefixIndex:
             else:
                 lens.append(n)
         return lens
+
+    def holders_mask(self, h: Hashable) -> int:
+        """The bits of the nodes holding block `h` (0: none)."""
+        return self._any.get(h, 0)
+
+    def pool_prefix_len(self, hashes: Sequence[Hashable], full: int) -> int:
+        """How many leading `hashes` the pool holds, each on some node of mask `full`: the
+        global pool's prefix, which may be split across nodes (blocks a prefill node
+        wrote, then blocks a decode node stored from the answer)."""
+        get, n = self._any.get, 0
+        for h in hashes:
+            if not get(h, 0) & full:
+                break
+            n += 1
+        return n
 
     def check_integrity(self) -> None:
         """Assert the masks agree: `_any` is the union of the tiers, tiers are disjoint,

@@ -79,6 +79,12 @@ class NodePool:
                 break
         return n
 
+    def touch(self, hashes: Iterable[int]) -> None:
+        """Blocks were read here: refresh those the node holds (a prefix split across
+        nodes is read from each holder, so some of `hashes` may be elsewhere)."""
+        top, ssd = self.top.blocks, self.ssd.blocks if self.ssd else {}
+        self.store([h for h in hashes if h in top or h in ssd])
+
     def store(self, hashes: Iterable[int]) -> None:
         """Blocks were written or read here: make them the most recent in the top tier."""
         top, ssd = self.top.blocks, self.ssd

@@ -112,7 +112,7 @@ class Simulator:
             return
         if d.fetch_from:
             hashes = req.hashes[d.local_blocks : d.reused_blocks]
-            self.pools[d.fetch_from].store(hashes)  # the read refreshes the source's LRU
+            self.pools[d.fetch_from].touch(hashes)  # the read refreshes the source's LRU
             nbytes = len(hashes) * self.block_tokens * self.cost.kv_bytes_per_token
             req.fetch_ready = self.network.reserve(d.fetch_from, d.prefill, nbytes, t)
         if self.coupled:

@@ -90,3 +90,18 @@ def test_blocks_on_a_pool_only_node_are_fetched_from_it():
     assert d.replications[0].src == "store0"
     c.remove_instance("store0")
     assert c.schedule(ScheduleRequest(2, 400, [1, 2, 3, 4]), now=0.0).best_blocks == 0
+
+
+def test_a_prefix_split_across_nodes_counts_whole_and_is_replicated_to_the_prefill():
+    """The pool is global: blocks 0-1 on the prefill node and 2-4 on a decode node (the
+    answer's blocks it stored) make a 5-block prefix, fetched (priced from the node
+    holding the first missing block) and replicated to the prefill node."""
+    c = toy_conductor(2, 1)
+    c.index.add("p1", [1, 2])
+    c.index.add("d0", [3, 4, 5])  # not a prefix of its own: block 1 is not on d0
+    d = c.schedule(ScheduleRequest(1, 600, [1, 2, 3, 4, 5, 6]), now=0.0)
+    assert (d.prefill, d.local_blocks, d.best_blocks, d.reused_blocks) == ("p1", 2, 5, 5)
+    assert d.fetch_from == "d0"
+    (order,) = d.replications
+    assert (order.block_hashes, order.src, order.dst) == ((3, 4, 5), "d0", "p1")
+    assert c.index.pool_prefix_len([1, 2, 3, 9, 5], c._match_full) == 3

@@ -63,3 +63,13 @@ def test_adding_twice_is_idempotent():
     idx.add("a", [1, 2])
     assert idx.node_blocks["a"] == 4
     idx.check_integrity()
+
+
+def test_the_pool_prefix_may_be_split_across_nodes():
+    idx = _index()
+    idx.apply(StoreEvent(kind="added", node="c", block_hashes=(7, 8), tier="dram"))
+    full = idx.bit("a") | idx.bit("b") | idx.bit("c")
+    assert idx.pool_prefix_len([1, 2, 3, BIG, 7, 8, 9], full) == 6
+    assert idx.pool_prefix_len([1, 2, 3, BIG, 7], idx.bit("b") | idx.bit("c")) == 2
+    assert idx.pool_prefix_len([9, 1], full) == 0
+    assert idx.holders_mask(7) == idx.bit("c") and idx.holders_mask(99) == 0

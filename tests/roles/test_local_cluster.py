@@ -143,3 +143,32 @@ def test_the_next_turn_of_a_conversation_reuses_the_decoded_tokens_kv(
         if cached == 160 or time.monotonic() > deadline:
             break
     assert cached == 160  # blocks 0-3 from prefill, block 4 (tokens 128-159) from decode
+
+
+def test_a_hot_prefix_held_elsewhere_is_replicated_to_the_prefill_node(
+    cluster: LocalLauncher,
+) -> None:
+    """Algorithm 1 over the global pool: when the prefix the pool holds (here one block
+    the prefill node wrote, then answer blocks the decode node stored) beats the prefill
+    node's own by more than the balancing threshold, the master has the Store copy the
+    missing blocks to the prefill node."""
+    import time
+
+    def replications() -> float:
+        metrics = httpx.get(cluster.url + "/metrics", timeout=10).text
+        line = next(x for x in metrics.splitlines() if x.startswith("mooncake_store_replications"))
+        return float(line.split()[-1])
+
+    before = replications()
+    prompt = [(i * 37 + 11) % 250 + 1 for i in range(40)]
+    answer = [e.token_id for e in _engine_events(prompt, 120)]
+    _complete(cluster.url, prompt, max_tokens=120)
+    follow_up = prompt + answer + [4, 5, 6]  # 1 block from prefill, 4 more from decode
+    deadline = time.monotonic() + 15
+    while True:  # the prefix index learns of the decode node's blocks within a tick
+        got = _complete(cluster.url, follow_up, max_tokens=2)
+        if replications() > before or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert replications() > before
+    assert got["usage"]["prompt_tokens_details"]["cached_tokens"] >= 128
