@@ -83,23 +83,26 @@ class DataPath:
             return {}, {}
         reqs = [_request(TransferOp.READ, seg, off, reps[0], size)
                 for _, reps, seg, off, size in plan]  # fmt: skip
-        firsts: list[str] = []
+        start = 1  # replicas still to try per key after the batch: the others
         try:
             statuses = self.engine.transfer(reqs, self.timeout_s).poll()
             firsts = [f"{st.state.value}: {st.reason}" if st.state is not TransferState.DONE
                       else "" for st in statuses]  # fmt: skip
-        except TransferError as e:  # a bad descriptor rejects the batch: go key by key
-            firsts = [str(e)] * len(plan)
+        except TransferError:  # one bad descriptor rejects the batch: each key on its own
+            firsts, start = ["not tried"] * len(plan), 0
         failed, moved = {}, {}
         for (key, reps, seg, off, size), why in zip(plan, firsts, strict=True):
             if not why:
                 continue
-            self.engine.forget(remote_name(reps[0].segment, reps[0].endpoint))
+            if start:
+                self.engine.forget(remote_name(reps[0].segment, reps[0].endpoint))
             try:
-                moved[key] = self.read(key, reps[1:], seg, off, size)
+                used = self.read(key, reps[start:], seg, off, size)
+                if used is not reps[0]:
+                    moved[key] = used
             except StoreError as e:
-                failed[key] = f"{reps[0].node_id}/{reps[0].tier}: {why}" + (
-                    f"; {e}" if len(reps) > 1 else "")  # fmt: skip
+                first = f"{reps[0].node_id}/{reps[0].tier}: {why}; " if start else ""
+                failed[key] = first + str(e)
         return failed, moved
 
     def rank(self, replicas: Sequence[ReplicaDesc]) -> list[ReplicaDesc]:
