@@ -15,6 +15,7 @@ through this client's Transfer Engine straight to or from the node owning each r
 
     put, put_from   2: write into a write slot (store/slots.py), commit it
     get, get_into   1 while the last read's lease lasts (store/grants.py), else 2
+    put_batch       2 when every value has the same size (a slot each, one commit)
     get_batch       1 lookup for the keys not read within their lease, then all reads at once
 
 Every failure raises StoreError with what happened and what to do; a miss raises
@@ -37,10 +38,10 @@ from mooncake.errors import MooncakeError, StoreError, TransferError
 from mooncake.rpc.client import RpcClient
 from mooncake.rpc.wire import Msg
 from mooncake.store import messages as m
-from mooncake.store.datapath import DataPath, ReadPlan
+from mooncake.store.datapath import DataPath, ReadPlan, WritePlan
 from mooncake.store.direct import MasterCalls
 from mooncake.store.grants import LocationCache, PutShape, SlotPool
-from mooncake.store.objects import GetResult, KeyResult, PutStartResult, ReplicaDesc
+from mooncake.store.objects import GetResult, KeyResult, PutStartResult, ReplicaDesc, Slot
 from mooncake.store.settings import key_error
 from mooncake.transfer.engine import TransferEngine
 from mooncake.transfer.types import EngineOptions
@@ -247,10 +248,21 @@ class Store:
         sizes = tuple(len(v) for v in values)
         for k, size in zip(keys, sizes, strict=True):
             self._check_size(k, size)
+        shape = None  # every value the same size: write slots apply
+        if self.slots is not None and keys and len(set(sizes)) == 1:
+            shape = PutShape(sizes[0], opts.get("replicas", 0), tuple(opts.get("tiers", ("dram",))))
+            taken = self.slots.take_many(shape, len(keys), time.monotonic())
+            if taken:
+                return self._put_batch_into_slots(keys, values, shape, taken, opts)
         with self._lock:
             self._stage(sum(sizes))
-            msg = m.BatchPutStartMsg(tuple(keys), sizes, self.node_id, **opts)
-            starts = self._call(msg, m.BatchPutStartReplyMsg).results
+            reserve = self.slots.want(sizes[0], len(keys)) if self.slots and shape else 0
+            msg = m.BatchPutStartMsg(tuple(keys), sizes, self.node_id, **opts, reserve=reserve)
+            sent_at = time.monotonic()
+            reply = self._call(msg, m.BatchPutStartReplyMsg)
+            if self.slots is not None and shape is not None and reply.slots:
+                self.slots.add(shape, reply.slots, sent_at)
+            starts = reply.results
             plan, off = [], 0
             for r, v in zip(starts, values, strict=True):
                 if r.status == "ok":
@@ -270,6 +282,45 @@ class Store:
                 out.append(
                     ends.get(r.key) or KeyResult(key=r.key, status=r.status, message=r.message)
                 )
+        return out
+
+    def _put_batch_into_slots(self, keys: list[str], values: Sequence[bytes | memoryview],
+                              shape: PutShape, taken: list[tuple[Slot, float]],
+                              opts: dict[str, Any]) -> list[KeyResult]:  # fmt: skip
+        assert self.slots is not None
+        with self._lock:
+            self._stage(shape.size * len(keys))
+            plan: WritePlan = []
+            for i, (key, value, (slot, _)) in enumerate(zip(keys, values, taken, strict=True)):
+                off = i * shape.size
+                self._staging[off : off + shape.size] = np.frombuffer(value, dtype=np.uint8)
+                plan.append((key, slot.replicas, self._staging_name, off))
+            failed = self.data.write(plan)
+        if failed:
+            bad = tuple(s.slot_id for k, (s, _) in zip(keys, taken, strict=True) if k in failed)
+            with contextlib.suppress(StoreError):
+                self._call(m.ReleaseSlotsMsg(bad, self.node_id), m.AckMsg)
+        todo = [(k, t) for k, t in zip(keys, taken, strict=True) if k not in failed]
+        if not todo:
+            return [KeyResult(key=k, status="error", message=failed[k]) for k in keys]
+        sent_at = time.monotonic()
+        msg = m.BatchPutSlotMsg(tuple(k for k, _ in todo), tuple(t[0].slot_id for _, t in todo),
+                                self.node_id, opts.get("pin_ttl_s", 0.0),
+                                opts.get("overwrite", False),
+                                self.slots.refill(shape, len(keys)))  # fmt: skip
+        reply = self._call(msg, m.BatchPutSlotReplyMsg)
+        if reply.slots:
+            self.slots.add(shape, reply.slots, sent_at)
+        answers = iter(reply.results)  # NOTE: one per key not failed, in order
+        out = []
+        for i, key in enumerate(keys):
+            if key in failed:  # NOTE: todo left out every key in failed
+                out.append(KeyResult(key=key, status="error", message=failed[key]))
+                continue
+            r = next(answers)
+            if r.status in ("exists", "busy", "leased"):  # the slot is still ours
+                self.slots.give_back(shape, taken[i])
+            out.append(r)
         return out
 
     def get_batch(self, keys: Sequence[str]) -> list[ValueResult]:

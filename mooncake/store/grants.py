@@ -78,15 +78,18 @@ class LocationCache:
 class SlotPool:
     """Write slots by put shape, each with the time until which it may be written."""
 
-    def __init__(self, max_bytes: int = 32 << 20, max_slots: int = 4):
-        self.max_bytes, self.max_slots = max_bytes, max_slots  # held per shape, at most
+    def __init__(self, max_bytes: int = 32 << 20, max_slots: int = 4, max_batch: int = 64):
+        # held per shape, at most: max_slots for single puts, up to max_batch for batches,
+        # never more than max_bytes
+        self.max_bytes, self.max_slots, self.max_batch = max_bytes, max_slots, max_batch
         self._slots: dict[PutShape, list[tuple[Slot, float]]] = {}
         self._expired: list[int] = []  # slot ids to give back
         self._lock = threading.Lock()
 
-    def want(self, size: int) -> int:
-        """How many slots of `size` bytes to ask for."""
-        return max(0, min(self.max_slots, self.max_bytes // size))
+    def want(self, size: int, count: int = 1) -> int:
+        """How many slots of `size` bytes to ask for, for puts of `count` values at once."""
+        held_for = max(self.max_slots, min(2 * count, self.max_batch))
+        return max(0, min(held_for, self.max_bytes // size))
 
     def add(self, shape: PutShape, slots: tuple[Slot, ...], sent_at: float) -> None:
         with self._lock:
@@ -106,11 +109,25 @@ class SlotPool:
                 self._expired.append(slot.slot_id)
             return None
 
-    def refill(self, shape: PutShape) -> int:
-        """How many slots to ask for with a commit of this shape: a batch once the last
-        one held is in use, none before (allocations come a few at a time)."""
+    def refill(self, shape: PutShape, count: int = 1) -> int:
+        """How many slots to ask for with a commit of this shape, for puts of `count`
+        values at once: a batch once fewer than `count` are left, none before
+        (allocations come a few at a time)."""
         with self._lock:
-            return 0 if self._slots.get(shape) else self.want(shape.size)
+            held = len(self._slots.get(shape, ()))
+        return 0 if held >= count else max(0, self.want(shape.size, count) - held)
+
+    def take_many(self, shape: PutShape, count: int, now: float) -> list[tuple[Slot, float]]:
+        """`count` slots for puts of this shape, or none at all (too few still usable)."""
+        taken: list[tuple[Slot, float]] = []
+        for _ in range(count):
+            got = self.take(shape, now)
+            if got is None:
+                for t in taken:
+                    self.give_back(shape, t)
+                return []
+            taken.append(got)
+        return taken
 
     def give_back(self, shape: PutShape, taken: tuple[Slot, float]) -> None:
         """Return a slot taken with take() and not used (its commit was refused)."""

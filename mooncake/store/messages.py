@@ -129,6 +129,8 @@ class BatchPutStartMsg(Msg, frozen=True, tag="store.batch_put_start"):
     tiers: Tiers = ("dram",)
     pin_ttl_s: Seconds = 0.0
     overwrite: bool = False
+    # write slots to add, when every value has the same size (slots.py)
+    reserve: Annotated[int, Meta(ge=0, le=MAX_RESERVE)] = 0
 
 
 class PutStartReplyMsg(Msg, frozen=True, tag="store.put_start_reply"):
@@ -152,6 +154,22 @@ class PutSlotReplyMsg(Msg, frozen=True, tag="store.put_slot_reply"):
     slots: tuple[Slot, ...] = ()  # the refill, as many as asked for and there was room for
 
 
+class BatchPutSlotMsg(Msg, frozen=True, tag="store.batch_put_slot"):
+    """Commit each key's value written into its write slot (slot_ids[i] for keys[i])."""
+
+    keys: Keys
+    slot_ids: Annotated[tuple[Annotated[int, Meta(ge=1)], ...], Meta(max_length=MAX_BATCH)]
+    node_id: OptName = ""
+    pin_ttl_s: Seconds = 0.0
+    overwrite: bool = False
+    refill: Annotated[int, Meta(ge=0, le=MAX_RESERVE)] = 0  # new slots like them to reserve
+
+
+class BatchPutSlotReplyMsg(Msg, frozen=True, tag="store.batch_put_slot_reply"):
+    results: tuple[KeyResult, ...]
+    slots: tuple[Slot, ...] = ()
+
+
 class ReleaseSlotsMsg(Msg, frozen=True, tag="store.release_slots"):
     """Give back unused write slots (a client closing)."""
 
@@ -161,6 +179,7 @@ class ReleaseSlotsMsg(Msg, frozen=True, tag="store.release_slots"):
 
 class BatchPutStartReplyMsg(Msg, frozen=True, tag="store.batch_put_start_reply"):
     results: tuple[PutStartResult, ...]
+    slots: tuple[Slot, ...] = ()  # the write slots reserved for the writer's next batches
 
 
 class PutEndMsg(Msg, frozen=True, tag="store.put_end"):
@@ -248,7 +267,18 @@ def _put_slot(s: MetadataService, m: PutSlotMsg, now: float) -> Msg:
 def _batch_put_start(s: MetadataService, m: BatchPutStartMsg, now: float) -> Msg:
     opts = {"writer": m.node_id, "replicas": m.replicas, "tiers": m.tiers}
     opts |= {"pin_ttl_s": m.pin_ttl_s, "overwrite": m.overwrite}
-    return BatchPutStartReplyMsg(tuple(s.batch_put_start(m.keys, m.sizes_bytes, now, **opts)))
+    results = tuple(s.batch_put_start(m.keys, m.sizes_bytes, now, **opts))
+    sizes = set(m.sizes_bytes)
+    if not m.reserve or len(sizes) != 1 or not any(r.status == "ok" for r in results):
+        return BatchPutStartReplyMsg(results)
+    spec = SlotSpec(m.node_id, m.replicas, m.tiers)
+    return BatchPutStartReplyMsg(results, tuple(s.slots.reserve(sizes.pop(), m.reserve, spec, now)))
+
+
+def _batch_put_slot(s: MetadataService, m: BatchPutSlotMsg, now: float) -> Msg:
+    results, slots = s.slots.commit_many(m.keys, m.slot_ids, m.node_id, now, m.pin_ttl_s,
+                                         m.overwrite, m.refill)  # fmt: skip
+    return BatchPutSlotReplyMsg(tuple(results), slots)
 
 
 def _heartbeat(s: MetadataService, m: HeartbeatMsg, now: float) -> Msg:
@@ -272,6 +302,7 @@ _HANDLERS: dict[type, Callable[[MetadataService, Any, float], Msg]] = {
     BatchPutStartMsg: _batch_put_start,
     PutEndMsg: lambda s, m, now: KeyReplyMsg(s.put_end(m.key, now)),
     PutSlotMsg: _put_slot,
+    BatchPutSlotMsg: _batch_put_slot,
     ReleaseSlotsMsg: lambda s, m, now: AckMsg(s.slots.release(m.slot_ids, m.node_id, now)),
     BatchPutEndMsg: lambda s, m, now: BatchKeyReplyMsg(tuple(s.batch_put_end(m.keys, now))),
     PutRevokeMsg: lambda s, m, now: KeyReplyMsg(s.put_revoke(m.key, now)),

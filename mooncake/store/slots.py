@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from mooncake.store.metadata import MetadataService
 
 SLOT_KEY_PREFIX: Final = "\x00slot:"  # user keys cannot start with NUL (key_error)
-MAX_RESERVE: Final = 8  # slots per request
+MAX_RESERVE: Final = 64  # slots per request (a batch of puts takes one each)
 MAX_RESERVE_BYTES: Final = 64 << 20  # bytes of slots per request
 
 
@@ -111,6 +111,29 @@ class SlotBook:
         del self.specs[slot_id]
         result = svc.put_end(key, now)
         return result, tuple(self.reserve(obj.size, refill, spec, now)) if refill else ()
+
+    def commit_many(
+        self,
+        keys: Sequence[str],
+        slot_ids: Sequence[int],
+        writer: str,
+        now: float,
+        pin_ttl_s: float = 0.0,
+        overwrite: bool = False,
+        refill: int = 0,
+    ) -> tuple[list[KeyResult], tuple[Slot, ...]]:
+        """commit() of each key into its slot (a batch of puts), then up to `refill` new
+        slots like the first one committed."""
+        if len(keys) != len(slot_ids):
+            msg = f"{len(keys)} keys but {len(slot_ids)} write slots; send one slot per key"
+            return [KeyResult(key=k, status="error", message=msg) for k in keys], ()
+        like = next(((self.specs[i], self.svc.objects[slot_key(i)].size) for i in slot_ids
+                     if i in self.specs and slot_key(i) in self.svc.objects), None)  # fmt: skip
+        results = [self.commit(k, i, writer, now, pin_ttl_s, overwrite)[0]
+                   for k, i in zip(keys, slot_ids, strict=True)]  # fmt: skip
+        if not refill or like is None or like[0].writer != writer:
+            return results, ()
+        return results, tuple(self.reserve(like[1], refill, like[0], now))
 
     def release(self, slot_ids: Sequence[int], writer: str, now: float) -> int:
         """Give back the writer's unused slots; returns how many were freed."""

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import os
 import signal
+from typing import Any
 
 import pytest
 
+from mooncake.rpc.wire import Msg
 from mooncake.store.client import Store
 from mooncake.store.grants import MARGIN, LocationCache, PutShape, SlotPool
 from mooncake.store.objects import ReplicaDesc, Slot
@@ -73,6 +75,20 @@ def test_warm_get_needs_no_master_and_puts_commit_into_slots() -> None:
             assert store.get("k2") == value[::-1]
             assert store.data.rank(store._get_replicas("k2").replicas)[0].offset in offsets
             assert [v.value for v in store.get_batch(["k1", "k2"])] == [value, value[::-1]]
+            sent: list[str] = []
+            call = store._call
+
+            def counting(msg: Msg, reply_type: type[Any]) -> Any:
+                sent.append(type(msg).__name__)
+                return call(msg, reply_type)
+
+            store._call = counting  # type: ignore[method-assign]
+            for batch in ([f"b{i}" for i in range(6)], [f"c{i}" for i in range(6)]):
+                assert all(r.status == "ok" for r in store.put_batch(batch, [value] * 6))
+            store._call = call  # type: ignore[method-assign]
+            # the first batch reserved slots with its put_start; the second used them
+            assert sent == ["BatchPutStartMsg", "BatchPutEndMsg", "BatchPutSlotMsg"]
+            assert [v.value for v in store.get_batch(batch)] == [value] * 6
             os.kill(master.proc.pid, signal.SIGSTOP)
             try:
                 assert store.get("k2") == value[::-1]

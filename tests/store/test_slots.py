@@ -139,3 +139,19 @@ def test_a_multi_replica_slot_stops_at_the_mark_replica_by_replica() -> None:
     assert len(slot.replicas) == 2 and svc.space.share("dram") == 0.5
     assert svc.slots.reserve(512, 8, SlotSpec("w", 2, ("dram",)), now=0.0) == []
     svc.check_integrity()
+
+
+def test_a_batch_commits_into_its_slots_key_by_key_then_refills() -> None:
+    """commit_many commits each key into its own slot (a refusal fails only that key and
+    keeps its slot), and reserves the refill like the first slot."""
+    svc = make_service({"a": {"dram": 8192}})
+    assert put(svc, "old", 128) == "ok"
+    slots = svc.slots.reserve(128, 3, SPEC, now=0.0)
+    ids = [s.slot_id for s in slots]
+    results, fresh = svc.slots.commit_many(["k0", "old", "k2"], ids, "w", 1.0, refill=2)
+    assert [r.status for r in results] == ["ok", "exists", "ok"]
+    assert len(fresh) == 2 and all(s.replicas[0].size == 128 for s in fresh)
+    assert set(svc.slots.specs) == {ids[1], *(s.slot_id for s in fresh)}
+    bad, _ = svc.slots.commit_many(["x"], [], "w", 1.0)
+    assert bad[0].status == "error" and "one slot per key" in bad[0].message
+    svc.check_integrity()
