@@ -109,7 +109,9 @@ def print_comparison(name: str, rows: list[tuple[float, Any, Any]], json_out: bo
     from mooncake.cli.output import console, print_json
 
     if json_out:
-        print_json([{"speed": s, name: v, **_fields(r)} for s, v, r in rows])
+        import msgspec
+
+        print_json([{"speed": s, name: v, **msgspec.structs.asdict(r)} for s, v, r in rows])
         return
     from rich.table import Table
 
@@ -124,9 +126,3 @@ def print_comparison(name: str, rows: list[tuple[float, Any, Any]], json_out: bo
         cells = [fmt.format(getattr(r, f)) for f, _, fmt in COLUMNS]
         table.add_row(f"x{speed:g}", str(value), *cells)
     console.print(table)
-
-
-def _fields(result: Any) -> dict[str, Any]:
-    import msgspec
-
-    return msgspec.structs.asdict(result)

@@ -49,7 +49,7 @@ def place_decode(
     return best, best_t, (pool_n, pool_held)
 
 
-def instance_loads_at(
+def place_at_start(
     cost: CostModel,
     tbt_slo_s: float,
     forecast: DecodeForecast,
@@ -57,13 +57,15 @@ def instance_loads_at(
     req_id: Hashable,
     input_len: int,
     now: float,
-    t: float,
-) -> list[float]:
-    """Each decode instance's predicted load at t >= now if this request joins it then:
-    each request of its batch still decoding at t given how long it has decoded
-    (`DecodeTimes.still_decoding`), holding its prompt and what it will have generated,
-    plus the requests whose prefill has started, that are bound to it and predicted to
-    end by t, plus this request."""
+    ready_at: float,
+) -> tuple[DecodeSlots, float]:
+    """§7.4 refreshed when the prefill starts: the decode instance with the lowest load
+    predicted for when the request's KV lands (`ready_at`), and that load (> 1: reject).
+    An instance's load at t = ready_at counts each request of its batch still decoding at
+    t given how long it has decoded (`DecodeTimes.still_decoding`), holding its prompt and
+    what it will have generated, plus the requests whose prefill has started, that are
+    bound to it and predicted to end by t, plus this request."""
+    t = ready_at
     times, g, h = forecast.times, forecast.gen_per_s, t - now
     sizes = [len(s.active) for s in decode]
     total = sum(sizes)
@@ -87,21 +89,5 @@ def instance_loads_at(
                 n += s
                 tokens += s * (reserved[other] + g * lag)
         loads.append(decode_load(cost, tbt_slo_s, n, tokens, slots.capacity_tokens))
-    return loads
-
-
-def place_at_start(
-    cost: CostModel,
-    tbt_slo_s: float,
-    forecast: DecodeForecast,
-    decode: list[DecodeSlots],
-    req_id: Hashable,
-    input_len: int,
-    now: float,
-    ready_at: float,
-) -> tuple[DecodeSlots, float]:
-    """§7.4 refreshed when the prefill starts: the decode instance with the lowest load
-    predicted for when the request's KV lands (`ready_at`), and that load (> 1: reject)."""
-    loads = instance_loads_at(cost, tbt_slo_s, forecast, decode, req_id, input_len, now, ready_at)
     best = min(range(len(decode)), key=loads.__getitem__)
     return decode[best], loads[best]

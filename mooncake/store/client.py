@@ -28,7 +28,7 @@ import contextlib
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import msgspec
@@ -38,13 +38,16 @@ from mooncake.errors import MooncakeError, StoreError, TransferError
 from mooncake.rpc.client import RpcClient
 from mooncake.rpc.wire import Msg
 from mooncake.store import messages as m
-from mooncake.store.datapath import DataPath, ReadPlan, WritePlan
+from mooncake.store.datapath import DataPath, ReadPlan
 from mooncake.store.direct import MasterCalls
 from mooncake.store.grants import LocationCache, PutShape, SlotPool
 from mooncake.store.objects import GetResult, KeyResult, PutStartResult, ReplicaDesc, Slot
 from mooncake.store.settings import key_error
 from mooncake.transfer.engine import TransferEngine
 from mooncake.transfer.types import EngineOptions
+
+# (key, slot taken from the pool with its deadline, local segment, offset in it)
+SlotEntry = tuple[str, tuple[Slot, float], str, int]
 
 
 class NotFoundError(StoreError):
@@ -151,7 +154,9 @@ class Store:
         shape = PutShape(size, opts.get("replicas", 0), tuple(opts.get("tiers", ("dram",))))
         taken = self.slots.take(shape, time.monotonic()) if self.slots is not None else None
         if taken is not None:
-            return self._put_into_slot(key, shape, taken, segment, offset, opts)
+            return self._raise(
+                self._put_into_slots(shape, [(key, taken, segment, offset)], opts)[0]
+            )
         reserve = self.slots.want(size) if self.slots is not None else 0
         sent_at = time.monotonic()
         reply = self._call(m.PutStartMsg(key, size, self.node_id, **opts, reserve=reserve),
@@ -165,26 +170,6 @@ class Store:
             self._revoke([key])
             raise StoreError(f"put of {key!r} failed, nothing was committed: {failed[key]}")
         self._raise(self._call(m.PutEndMsg(key), m.KeyReplyMsg).result)
-
-    def _put_into_slot(self, key: str, shape: PutShape, taken: Any, segment: str, offset: int,
-                       opts: dict[str, Any]) -> None:  # fmt: skip
-        assert self.slots is not None
-        slot = taken[0]
-        failed = self.data.write([(key, slot.replicas, segment, offset)])
-        if failed:
-            with contextlib.suppress(StoreError):
-                self._call(m.ReleaseSlotsMsg((slot.slot_id,), self.node_id), m.AckMsg)
-            raise StoreError(f"put of {key!r} failed, nothing was committed: {failed[key]}")
-        sent_at = time.monotonic()
-        refill = self.slots.refill(shape)
-        msg = m.PutSlotMsg(key, slot.slot_id, self.node_id, opts.get("pin_ttl_s", 0.0),
-                           opts.get("overwrite", False), refill)  # fmt: skip
-        reply = self._call(msg, m.PutSlotReplyMsg)
-        if reply.slots:
-            self.slots.add(shape, reply.slots, sent_at)
-        if reply.result.status in ("exists", "busy", "leased"):  # the slot is still ours
-            self.slots.give_back(shape, taken)
-        self._raise(reply.result)
 
     def get(self, key: str) -> bytes:
         """The value of `key`. Raises NotFoundError on a miss, StoreError on failure."""
@@ -253,7 +238,14 @@ class Store:
             shape = PutShape(sizes[0], opts.get("replicas", 0), tuple(opts.get("tiers", ("dram",))))
             taken = self.slots.take_many(shape, len(keys), time.monotonic())
             if taken:
-                return self._put_batch_into_slots(keys, values, shape, taken, opts)
+                with self._lock:
+                    self._stage(shape.size * len(keys))
+                    entries: list[SlotEntry] = []
+                    for i, (key, value, t) in enumerate(zip(keys, values, taken, strict=True)):
+                        off = i * shape.size
+                        self._staging[off : off + shape.size] = np.frombuffer(value, np.uint8)
+                        entries.append((key, t, self._staging_name, off))
+                    return self._put_into_slots(shape, entries, opts)
         with self._lock:
             self._stage(sum(sizes))
             reserve = self.slots.want(sizes[0], len(keys)) if self.slots and shape else 0
@@ -284,42 +276,38 @@ class Store:
                 )
         return out
 
-    def _put_batch_into_slots(self, keys: list[str], values: Sequence[bytes | memoryview],
-                              shape: PutShape, taken: list[tuple[Slot, float]],
-                              opts: dict[str, Any]) -> list[KeyResult]:  # fmt: skip
+    def _put_into_slots(self, shape: PutShape, entries: list[SlotEntry], opts: dict[str, Any]
+                        ) -> list[KeyResult]:  # fmt: skip
+        """Write each (key, taken slot, local segment, offset) into its slot, commit those
+        written in one call (which refills the pool), keep the slots of refused keys; one
+        KeyResult per entry."""
         assert self.slots is not None
-        with self._lock:
-            self._stage(shape.size * len(keys))
-            plan: WritePlan = []
-            for i, (key, value, (slot, _)) in enumerate(zip(keys, values, taken, strict=True)):
-                off = i * shape.size
-                self._staging[off : off + shape.size] = np.frombuffer(value, dtype=np.uint8)
-                plan.append((key, slot.replicas, self._staging_name, off))
-            failed = self.data.write(plan)
+        failed = self.data.write([(k, t[0].replicas, seg, off) for k, t, seg, off in entries])
         if failed:
-            bad = tuple(s.slot_id for k, (s, _) in zip(keys, taken, strict=True) if k in failed)
+            bad = tuple(t[0].slot_id for k, t, _, _ in entries if k in failed)
             with contextlib.suppress(StoreError):
                 self._call(m.ReleaseSlotsMsg(bad, self.node_id), m.AckMsg)
-        todo = [(k, t) for k, t in zip(keys, taken, strict=True) if k not in failed]
-        if not todo:
-            return [KeyResult(key=k, status="error", message=failed[k]) for k in keys]
-        sent_at = time.monotonic()
-        msg = m.BatchPutSlotMsg(tuple(k for k, _ in todo), tuple(t[0].slot_id for _, t in todo),
-                                self.node_id, opts.get("pin_ttl_s", 0.0),
-                                opts.get("overwrite", False),
-                                self.slots.refill(shape, len(keys)))  # fmt: skip
-        reply = self._call(msg, m.BatchPutSlotReplyMsg)
-        if reply.slots:
-            self.slots.add(shape, reply.slots, sent_at)
-        answers = iter(reply.results)  # NOTE: one per key not failed, in order
+        todo = [(k, t) for k, t, _, _ in entries if k not in failed]
+        answers: Iterator[KeyResult] = iter(())
+        if todo:
+            sent_at = time.monotonic()
+            msg = m.BatchPutSlotMsg(tuple(k for k, _ in todo), tuple(t[0].slot_id for _, t in todo),
+                                    self.node_id, opts.get("pin_ttl_s", 0.0),
+                                    opts.get("overwrite", False),
+                                    self.slots.refill(shape, len(entries)))  # fmt: skip
+            reply = self._call(msg, m.BatchPutSlotReplyMsg)
+            if reply.slots:
+                self.slots.add(shape, reply.slots, sent_at)
+            answers = iter(reply.results)  # NOTE: one per entry not failed, in order
         out = []
-        for i, key in enumerate(keys):
+        for key, taken, _, _ in entries:
             if key in failed:  # NOTE: todo left out every key in failed
-                out.append(KeyResult(key=key, status="error", message=failed[key]))
+                why = f"put of {key!r} failed, nothing was committed: {failed[key]}"
+                out.append(KeyResult(key=key, status="error", message=why))
                 continue
             r = next(answers)
             if r.status in ("exists", "busy", "leased"):  # the slot is still ours
-                self.slots.give_back(shape, taken[i])
+                self.slots.give_back(shape, taken)
             out.append(r)
         return out
 

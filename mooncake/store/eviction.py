@@ -105,6 +105,7 @@ class Evictor:
             return []
         freed_in: dict[Segment, list[int]] = {}  # segment -> offsets the victims free
         freed, chosen, objects = 0, [], self.svc.objects
+        at_mark = 0 if used <= target else None  # victims the watermark alone needs
         for key in self.svc.lru[tier]:
             obj = objects[key]
             if obj.is_protected(now):
@@ -117,8 +118,12 @@ class Evictor:
                     offsets = freed_in.setdefault(r.segment, [])
                     offsets.append(r.offset)
                     met = met or alloc.largest_free_after(offsets) >= alloc.aligned(need)
-            if met and used - freed <= target:
+            if at_mark is None and used - freed <= target:
+                at_mark = len(chosen)
+            if met and at_mark is not None:
                 break
+        if not met:  # NOTE: no eviction makes room for the put: evict for the watermark only
+            return chosen[:at_mark] if at_mark is not None else chosen
         return chosen
 
     def _evict(self, obj: ObjectRecord, tier: Tier, now: float) -> None:

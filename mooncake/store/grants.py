@@ -70,10 +70,6 @@ class LocationCache:
         with self._lock:
             self._entries.pop(key, None)
 
-    def clear(self) -> None:
-        with self._lock:
-            self._entries.clear()
-
 
 class SlotPool:
     """Write slots by put shape, each with the time until which it may be written."""

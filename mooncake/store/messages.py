@@ -138,24 +138,9 @@ class PutStartReplyMsg(Msg, frozen=True, tag="store.put_start_reply"):
     slots: tuple[Slot, ...] = ()  # the write slots reserved for the writer's next puts
 
 
-class PutSlotMsg(Msg, frozen=True, tag="store.put_slot"):
-    """Commit the value written into write slot `slot_id` as `key` (store/slots.py)."""
-
-    key: Key
-    slot_id: Annotated[int, Meta(ge=1)]
-    node_id: OptName = ""  # the writer the slot was reserved for
-    pin_ttl_s: Seconds = 0.0
-    overwrite: bool = False
-    refill: Annotated[int, Meta(ge=0, le=MAX_RESERVE)] = 0  # new slots like it to reserve
-
-
-class PutSlotReplyMsg(Msg, frozen=True, tag="store.put_slot_reply"):
-    result: KeyResult
-    slots: tuple[Slot, ...] = ()  # the refill, as many as asked for and there was room for
-
-
 class BatchPutSlotMsg(Msg, frozen=True, tag="store.batch_put_slot"):
-    """Commit each key's value written into its write slot (slot_ids[i] for keys[i])."""
+    """Commit each key's value written into its write slot (slot_ids[i] for keys[i]):
+    the second round trip of a put or put_batch that used slots (store/slots.py)."""
 
     keys: Keys
     slot_ids: Annotated[tuple[Annotated[int, Meta(ge=1)], ...], Meta(max_length=MAX_BATCH)]
@@ -258,12 +243,6 @@ def _put_start(s: MetadataService, m: PutStartMsg, now: float) -> Msg:
     return PutStartReplyMsg(r, tuple(s.slots.reserve(m.size_bytes, m.reserve, spec, now)))
 
 
-def _put_slot(s: MetadataService, m: PutSlotMsg, now: float) -> Msg:
-    book = s.slots
-    return PutSlotReplyMsg(*book.commit(m.key, m.slot_id, m.node_id, now, m.pin_ttl_s,
-                                        m.overwrite, m.refill))  # fmt: skip
-
-
 def _batch_put_start(s: MetadataService, m: BatchPutStartMsg, now: float) -> Msg:
     opts = {"writer": m.node_id, "replicas": m.replicas, "tiers": m.tiers}
     opts |= {"pin_ttl_s": m.pin_ttl_s, "overwrite": m.overwrite}
@@ -301,7 +280,6 @@ _HANDLERS: dict[type, Callable[[MetadataService, Any, float], Msg]] = {
     PutStartMsg: _put_start,
     BatchPutStartMsg: _batch_put_start,
     PutEndMsg: lambda s, m, now: KeyReplyMsg(s.put_end(m.key, now)),
-    PutSlotMsg: _put_slot,
     BatchPutSlotMsg: _batch_put_slot,
     ReleaseSlotsMsg: lambda s, m, now: AckMsg(s.slots.release(m.slot_ids, m.node_id, now)),
     BatchPutEndMsg: lambda s, m, now: BatchKeyReplyMsg(tuple(s.batch_put_end(m.keys, now))),

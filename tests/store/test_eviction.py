@@ -160,6 +160,18 @@ def test_a_put_that_found_no_room_makes_eviction_free_a_large_enough_block():
     svc.check_integrity()
 
 
+def test_a_put_no_eviction_can_make_room_for_evicts_nothing():
+    """A value larger than any segment could hold (or than evicting every unprotected
+    object would free) is refused, and eviction does not empty the tier for it."""
+    svc = make_service({"a": {"dram": 512}}, high_watermark=0.9, low_watermark=0.8)
+    for i in range(3):
+        put(svc, f"k{i}", 128, now=float(i))
+    assert svc.put_start("huge", 1024, 10.0).status == "no_space"
+    assert svc.evict(10.0) == 0
+    assert all(svc.exists(f"k{i}", 10.0).status == "ok" for i in range(3))
+    svc.check_integrity()
+
+
 def test_replicated_victims_keep_one_demoted_copy():
     svc = make_service({n: {"dram": 512, "ssd": 4096} for n in "ab"}, replicas=2, **WM)
     fill(svc, 7)
