@@ -221,6 +221,16 @@ class TransferConfig(msgspec.Struct, **_STRUCT):
     ] = 4
     retry_budget: Annotated[int, knob("Retries of a failed slice, on other paths.", ge=0)] = 3
     timeout_s: Annotated[float, knob("Seconds before a transfer is declared failed.", gt=0)] = 10.0
+    spin_us: Annotated[
+        float,
+        knob(
+            "Microseconds a thread waiting for a small reply (a Store call, a TCP slice) polls "
+            "before it sleeps; a wake-up costs tens of microseconds on a VM. 0 = sleep at "
+            "once.",
+            ge=0,
+            le=10000,
+        ),
+    ] = 200.0
 
 
 class ModelConfig(msgspec.Struct, **_STRUCT):

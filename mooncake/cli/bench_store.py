@@ -6,6 +6,7 @@ import typer
 
 from mooncake.cli.app import bench_app
 from mooncake.errors import ConfigError
+from mooncake.transfer.types import EngineOptions
 
 
 @bench_app.command("store")
@@ -42,6 +43,21 @@ def bench_store(
         "--protocol",
         help="tcp: reach the node as if it were on another host; auto: let a same-host node "
         "be read and written through shared memory.",
+    ),
+    warmup: float = typer.Option(
+        2.0,
+        "--warmup",
+        min=0.0,
+        help="Untimed seconds of 4 KiB puts and gets before the first "
+        "cell (freshly started processes run slower for their first seconds).",
+    ),
+    spin_us: float = typer.Option(
+        EngineOptions.spin_us,
+        "--spin-us",
+        min=0.0,
+        max=10000.0,
+        help="Microseconds the client polls for a reply before it sleeps ([transfer] "
+        "spin_us); 0 sleeps at once.",
     ),
     pool_size: str = typer.Option(
         "512MiB", "--pool-size", help="DRAM tier of the --local store node."
@@ -87,8 +103,9 @@ def bench_store(
         segment = ""
     rows = []
     try:
-        runner = bench.StoreBench(master, key, protocol, segment)
+        runner = bench.StoreBench(master, key, protocol, segment, spin_us=spin_us)
         try:
+            runner.warm_up(warmup)
             for api in api_list:
                 for size in size_list:
                     rows.append(runner.run(api, size, duration))  # type: ignore[arg-type]

@@ -5,8 +5,9 @@ put_batch/get_batch) and each value size, a put phase writes fresh keys for `dur
 (keeping a ring of at most RING_BYTES in the pool: the oldest key is removed, untimed,
 before a new one is written), then a get phase reads those keys round robin for
 `duration_s`. GB/s is value bytes over the summed call time; latency is per call (per
-batch for the batch API). The client has no segment of its own beyond its registered
-buffers (the staging buffer of put/get and the zero-copy buffers).
+batch for the batch API). Before the first cell, `warm_up` runs untimed. The client has no
+segment of its own beyond its registered buffers (the staging buffer of put/get and the
+zero-copy buffers).
 
 Before each cell, the same-run floor (SocketBaseline): one round trip carrying the value
 over a plain socket to another process, so a figure can be read against this machine's
@@ -153,8 +154,8 @@ class StoreBench:
     """A client connected to a master, measuring cells against one store node."""
 
     def __init__(self, master_address: str, secret: bytes, protocol: str, node_segment: str,
-                 baseline: bool = True):  # fmt: skip
-        opts = EngineOptions(protocol=protocol)  # type: ignore[arg-type]
+                 baseline: bool = True, spin_us: float = EngineOptions.spin_us):  # fmt: skip
+        opts = EngineOptions(protocol=protocol, spin_us=spin_us)  # type: ignore[arg-type]
         self.store = Store.connect(master_address, secret, engine_options=opts)
         self.node_segment = node_segment  # "seg@host:port" of the node's DRAM tier, or ""
         self.seq = 0
@@ -170,6 +171,18 @@ class StoreBench:
         if not self.node_segment:  # a remote cluster: the transport asked for
             return self.store.engine.options.protocol
         return self.store.engine.resolve(self.node_segment).transport.name
+
+    def warm_up(self, seconds: float) -> None:
+        """Untimed 4 KiB puts and gets for `seconds` (connections opened, slots reserved,
+        processes past their first slow seconds), then their keys removed."""
+        value, keys = bytes(4096), list[str]()
+        until = time.perf_counter() + seconds
+        while time.perf_counter() < until:
+            keys.append(f"bench-warmup-{len(keys)}")
+            self.store.put(keys[-1], value)
+            self.store.get(keys[-1])
+        if keys:
+            self.store.remove_batch(keys)
 
     def _zero_copy_buffers(self, size: int) -> None:
         if size > self.registered:

@@ -83,7 +83,7 @@ class Store:
         self.data = DataPath(engine, self.node_id, timeout_s)
         self.locations = LocationCache() if reuse_grants else None
         self.slots = SlotPool() if reuse_grants else None
-        self._calls = MasterCalls(master, timeout_s, direct)
+        self._calls = MasterCalls(master, timeout_s, direct, engine.options.spin_us * 1e-6)
         self._lock = threading.Lock()  # NOTE: guards the staging buffer, one op at a time
         self._staging_name = f"{self.node_id}.staging"
         self._staging = engine.allocate(self._staging_name, staging)

@@ -4,7 +4,8 @@ A ZeroMQ call wakes six threads in turn (caller, its I/O thread, the master's I/
 the handler thread, and back); on a 2-core VM each wake-up costs tens of microseconds, so
 a call takes 150-250 us where the handler needs 5-25. Here the caller's own thread sends
 the request frame on its own connection and a thread of the master's `TcpServer` answers
-it with the same handlers (`RpcServer.answer`, under the service lock): two wake-ups.
+it with the same handlers (`RpcServer.answer`, under the service lock): two wake-ups, or
+one when the reply comes within the caller's polling spin (`[transfer] spin_us`).
 
     server = DirectServer(rpc_server, secret, host)     # in StoreService; port -> clients
     channel = DirectChannel(host, server.port, secret, timeout_s=10.0)
@@ -88,11 +89,14 @@ class DirectChannel:
 
     def __init__(self, host: str, port: int, secret: bytes, *, timeout_s: float,
                  connect_timeout_s: float = 0.0,  # 0 = timeout_s
-                 max_reply_bytes: int = 64 << 20):  # fmt: skip
+                 max_reply_bytes: int = 64 << 20,
+                 spin_s: float = 0.0):  # fmt: skip
+        """`spin_s`: seconds a call polls for its reply before sleeping (wire.poll_readable)."""
         self.address = f"{host}:{port}"
         self.host, self.port, self.timeout_s = host, port, timeout_s
         self.connect_timeout_s = connect_timeout_s or timeout_s
         self.max_reply_bytes = max_reply_bytes
+        self.spin_s = spin_s
         self._secret = secret
         self._local = threading.local()
         self._socks: set[socket.socket] = set()
@@ -116,6 +120,7 @@ class DirectChannel:
             raise DirectTooLarge(f"a {len(frame)}-byte request is too large for it")
         try:
             wire.send_all(sock, (REQ.pack(_CALL, FLAG_FLUSH, 0, req_id, 0, 0, len(frame)), frame))
+            wire.poll_readable(sock, self.spin_s)
             got = sock.recv_into(buf)  # NOTE: a small reply arrives whole: one syscall
             if got < RESP.size:
                 wire.recv_exact(sock, memoryview(buf)[got : RESP.size])
@@ -182,8 +187,9 @@ class MasterCalls:
     master restarted on another port), over the RPC otherwise and for oversized requests.
     Raises what RpcClient.call raises."""
 
-    def __init__(self, rpc: RpcClient, timeout_s: float, use_direct: bool = True):
-        self.rpc, self.timeout_s = rpc, timeout_s
+    def __init__(self, rpc: RpcClient, timeout_s: float, use_direct: bool = True,
+                 spin_s: float = 0.0):  # fmt: skip
+        self.rpc, self.timeout_s, self.spin_s = rpc, timeout_s, spin_s
         self.direct: DirectChannel | None = None
         self._known = not use_direct  # True once we know whether the master offers one
         self._ask_after = 0.0  # time.monotonic() before which the RPC carries every call
@@ -222,7 +228,8 @@ class MasterCalls:
                     host = self.rpc.address.removeprefix("tcp://").rpartition(":")[0]
                     self.direct = DirectChannel(host.strip("[]"), port, self.rpc.secret,
                                                 timeout_s=self.timeout_s,
-                                                connect_timeout_s=CONNECT_TIMEOUT_S)  # fmt: skip
+                                                connect_timeout_s=CONNECT_TIMEOUT_S,
+                                                spin_s=self.spin_s)  # fmt: skip
                 self._known = True
             return self.direct
 

@@ -24,6 +24,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import msgspec
+import numpy as np
 
 from mooncake.errors import TransferError
 from mooncake.native.shm import sweep_stale
@@ -208,7 +209,8 @@ class TransferEngine:
         return batch
 
     def _move_now(self, r: TransferRequest, timeout: float | None) -> bool:
-        """Move one small tcp request on this thread without the batch machinery (the
+        """Move one small tcp, shm or local request on this thread (a copy, or one exchange
+        over an idle connection) without the batch machinery (the
         Store's usual get and put); False when it does not qualify or did not work out,
         and then nothing is recorded: the general path does it (and raises, retries,
         reports) as for any request."""
@@ -217,9 +219,14 @@ class TransferEngine:
         except TransferError:
             return False  # the general path raises it, worded for the batch
         transport = target.transport
-        if not isinstance(transport, TcpTransport) or r.length > transport.slice_bytes(
-            self.options
-        ):
+        if r.length > transport.slice_bytes(self.options):
+            return False
+        if target.remote_array is not None and local.array is not None:  # shm, local: a copy
+            remote = target.remote_array[r.remote_offset : r.remote_offset + r.length]
+            mine = local.array[r.local_offset : r.local_offset + r.length]
+            np.copyto(*((mine, remote) if r.op is TransferOp.READ else (remote, mine)))
+            return True
+        if not isinstance(transport, TcpTransport):
             return False
         if (timeout or self.options.timeout_s) < self._io_timeout_s:
             return False  # as in transfer(): not past the deadline

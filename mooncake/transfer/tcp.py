@@ -11,6 +11,8 @@ as retryable and is re-opened on the next use.
 TransferEngine.transfer() runs on the caller's thread instead (run_inline, move_now), over
 connections kept idle for it: no queue, no worker wake-up, no completion hand-off. The
 last request before a wait carries FLAG_FLUSH, so the server answers without a probe.
+The caller's thread awaits replies by polling for up to `spin_us` before it sleeps
+(wire.recv_until_eof); the workers sleep at once.
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ class TcpPath(Path):
         self._idle: list[_Conn] = []  # connections of inline callers, not in use
         self._lock = threading.Lock()
         self._closed = False
+        self._spin_s = opts.spin_us * 1e-6  # polling for a reply before sleeping
 
     def dispatch(self, slices: list[Slice]) -> None:
         """Queue `slices` in chunks of at most group_bytes (one chunk = one queue item)."""
@@ -115,7 +118,7 @@ class TcpPath(Path):
             conn: _Conn | None = self._idle.pop()  # NOTE: list.pop/append are atomic
         except IndexError:
             conn = None
-        conn = self._move(conn, group)
+        conn = self._move(conn, group, self._spin_s)
         if conn is not None:
             self._idle.append(conn)  # close() shuts every socket down, idle ones included
 
@@ -142,9 +145,12 @@ class TcpPath(Path):
         if conn is not None:
             self._drop(conn[0])
 
-    def _move(self, conn: _Conn | None, group: list[Slice]) -> _Conn | None:
+    def _move(self, conn: _Conn | None, group: list[Slice], spin_s: float = 0.0
+              ) -> _Conn | None:  # fmt: skip
         """Run `group` over `conn` (connecting if None) and report every slice; returns the
-        connection, or None if it broke (its slices are reported as retryable)."""
+        connection, or None if it broke (its slices are reported as retryable). `spin_s`:
+        polling for the replies before sleeping, on a caller's thread only (a worker that
+        polled would take the GIL from the compute it is meant to overlap)."""
         report = self._transport.report
         if self.is_paused():  # hand them back at once: the engine re-routes them
             for g in group:
@@ -155,9 +161,9 @@ class TcpPath(Path):
             if conn is None:
                 conn = (self._connect(), itertools.count(1))
             if len(group) == 1:
-                done = self._run_one(conn[0], group[0], next(conn[1]) & 0xFFFFFFFF)
+                done = self._run_one(conn[0], group[0], next(conn[1]) & 0xFFFFFFFF, spin_s)
             else:
-                done = self._run_group(conn[0], group, conn[1])
+                done = self._run_group(conn[0], group, conn[1], spin_s)
             return conn
         except (OSError, MooncakeError) as e:
             if conn is not None:
@@ -186,7 +192,7 @@ class TcpPath(Path):
             if conn is None:
                 conn = (self._connect(), itertools.count(1))
             rid = next(conn[1]) & 0xFFFFFFFF
-            if self._exchange(conn[0], op, mem, token, remote_offset, rid) == _OK:
+            if self._exchange(conn[0], op, mem, token, remote_offset, rid, self._spin_s) == _OK:
                 self.record_success(len(mem))
                 self._idle.append(conn)  # close() shuts every socket down, idle ones too
                 return True
@@ -196,10 +202,11 @@ class TcpPath(Path):
             self._drop(conn[0])  # NOTE: the server closes it after a refusal anyway
         return False
 
-    def _run_one(self, sock: socket.socket, s: Slice, rid: int) -> int:
+    def _run_one(self, sock: socket.socket, s: Slice, rid: int, spin_s: float) -> int:
         """_run_group() of a group of one slice, in fewer steps (the small transfer's path)."""
         mem = s.local.view.mv[s.local_offset : s.local_offset + s.length]
-        status = self._exchange(sock, s.op, mem, s.target.desc.token, s.remote_offset, rid)
+        status = self._exchange(sock, s.op, mem, s.target.desc.token, s.remote_offset, rid,
+                                spin_s)  # fmt: skip
         if status != _OK:  # the server closes the connection after an error
             self._transport.report(s, f"{self.key}: {wire.status_text(status)}", False)
         else:
@@ -208,7 +215,7 @@ class TcpPath(Path):
 
     @staticmethod
     def _exchange(sock: socket.socket, op: TransferOp, mem: memoryview, token: int,
-                  remote_offset: int, rid: int) -> int:  # fmt: skip
+                  remote_offset: int, rid: int, spin_s: float) -> int:  # fmt: skip
         """One READ or WRITE request and its reply; returns the reply status. Raises
         OSError/ProtocolError when the connection broke or the reply does not fit."""
         length = len(mem)
@@ -217,7 +224,8 @@ class TcpPath(Path):
         is_read = op is TransferOp.READ
         wire.send_all(sock, (hdr,) if is_read else (hdr, mem))
         want = RESP.size + length if is_read else RESP.size
-        got = wire.recv_until_eof(sock, [memoryview(head), mem] if is_read else [memoryview(head)])
+        got = wire.recv_until_eof(sock, [memoryview(head), mem] if is_read else [memoryview(head)],
+                                  spin_s)  # fmt: skip
         if got < RESP.size:
             raise ConnectionError("connection closed with the reply missing")
         status, got_id, got_length = RESP.unpack(head)
@@ -231,7 +239,8 @@ class TcpPath(Path):
             raise ConnectionError("connection closed in the middle of a read reply")
         return _OK
 
-    def _run_group(self, sock: socket.socket, group: list[Slice], req_ids: Iterator[int]) -> int:
+    def _run_group(self, sock: socket.socket, group: list[Slice], req_ids: Iterator[int],
+                   spin_s: float) -> int:  # fmt: skip
         """Send every slice of `group` (one sendmsg), then scatter every reply (status
         headers, READ data straight into the registered memory) with as few recvmsg_into
         calls as the kernel allows; returns how many slices were reported. Raises
@@ -263,7 +272,7 @@ class TcpPath(Path):
             else:
                 rx += (head, mem)
         wire.send_all(sock, iov)
-        got = wire.recv_until_eof(sock, rx)
+        got = wire.recv_until_eof(sock, rx, spin_s)
         pos = reported = 0
         for i, run in enumerate(runs):
             if got - pos < RESP.size:

@@ -107,6 +107,7 @@ class EngineOptions:
     pause_s: float = 1.0  # first pause of a failing path; doubles while it keeps failing
     copy_threads: int = 2  # threads doing shm and local copies
     group_bytes: int = 1 << 20  # bytes of slices a TCP connection sends before reading replies
+    spin_us: float = 200.0  # microseconds a thread polls for a reply before it sleeps
 
     @property
     def slice_io_timeout_s(self) -> float:
@@ -125,6 +126,7 @@ class EngineOptions:
             "connections_per_peer": cfg.connections_per_peer,
             "retry_budget": cfg.retry_budget,
             "timeout_s": cfg.timeout_s,
+            "spin_us": cfg.spin_us,
         }
         fields.update(overrides)
         return cls(**fields)  # type: ignore[arg-type]

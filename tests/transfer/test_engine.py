@@ -205,3 +205,31 @@ def test_transfer_reports_a_refused_request_as_failed(engines) -> None:
     b.register("seg", np.zeros(8192, np.uint8))
     status = a.transfer([req]).poll()[0]
     assert status.state is TransferState.FAILED and "no such segment" in status.reason
+
+
+@pytest.mark.parametrize("protocol", ["shm", "local"])
+def test_a_small_copy_runs_on_the_calling_thread(protocol: str) -> None:
+    """transfer() of one request up to a slice, to a shm or local segment, is copied by the
+    caller (no copy-thread hand-off): it completes with the copy threads unable to take
+    work, byte for byte, while a submit() does go to them."""
+    a = make_engine("a", protocol="shm")
+    b = a if protocol == "local" else make_engine("b", protocol="shm")
+    try:
+        if b is not a:
+            a.directory.add_peer("127.0.0.1", b.server.port)  # type: ignore[attr-defined]
+        pool = b.allocate("pool", 1 << 20)
+        src, dst = pattern(4096), np.zeros(4096, np.uint8)
+        a.register("src", src)
+        a.register("dst", dst)
+        handed: list[object] = []
+        a._pool.put = lambda slices, path: handed.append(slices)  # type: ignore[method-assign]
+        a.transfer([TransferRequest(WRITE, "src", 0, "pool", 100, 4096)], 2.0).check()
+        a.transfer([TransferRequest(READ, "dst", 0, "pool", 100, 4096)], 2.0).check()
+        assert handed == [] and (pool[100:4196] == src).all() and (dst == src).all()
+        assert a.resolve("pool").transport.name == protocol
+        a.submit([TransferRequest(READ, "dst", 0, "pool", 0, 4096)])
+        assert len(handed) == 1  # the asynchronous form stays on the copy threads
+    finally:
+        a.close()
+        if b is not a:
+            b.close()

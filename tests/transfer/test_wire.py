@@ -132,3 +132,56 @@ def test_pipelined_requests_are_answered_in_order_when_the_last_asks_to_flush(se
         assert reply[i * step + RESP.size : (i + 1) * step] == b"abcdef"[2 * i : 2 * i + 2]
     assert _write(sock, token, 0, b"Z") == (Status.OK, 7)  # flags 0: answered after a probe
     sock.close()
+
+
+@pytest.fixture
+def tcp_pair() -> Iterator[tuple[socket.socket, socket.socket]]:
+    """A tuned loopback TCP connection: (reader, writer)."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        writer = socket.create_connection(listener.getsockname()[:2])
+        reader, _ = listener.accept()
+    wire.tune(reader, 5.0)
+    try:
+        yield reader, writer
+    finally:
+        reader.close()
+        writer.close()
+
+
+def test_polling_finds_pending_bytes_without_taking_them(tcp_pair) -> None:
+    reader, writer = tcp_pair
+    assert wire.poll_readable(reader, 0.0) is False  # no spin: never polls
+    assert wire.poll_readable(reader, 0.002) is False  # nothing came within the spin
+    writer.sendall(b"abc")
+    deadline = 200
+    while not wire.poll_readable(reader, 0.01):
+        deadline -= 1
+        assert deadline, "three bytes sent on loopback never became readable"
+    assert reader.recv(3) == b"abc"  # polling consumed nothing
+
+
+@pytest.mark.parametrize("spin_s", [0.0, 0.0005, 0.05])
+def test_a_reply_in_pieces_lands_whole_with_or_without_polling(tcp_pair, spin_s: float) -> None:
+    """Pieces that come within the spin and after it (sleeping in the kernel for the rest)
+    are scattered in order over the buffers; EOF first returns what came."""
+    import threading
+    import time
+
+    reader, writer = tcp_pair
+    data = bytes(range(256)) * 40
+
+    def send_in_pieces() -> None:
+        for i, cut in enumerate((0, 7, 5000, len(data))[:-1]):
+            time.sleep(0.001 * i * i)
+            writer.sendall(data[cut : (7, 5000, len(data))[i]])
+
+    bufs = [memoryview(bytearray(n)) for n in (3, 9000, len(data) - 9003)]
+    sender = threading.Thread(target=send_in_pieces)
+    sender.start()
+    got = wire.recv_until_eof(reader, bufs, spin_s)
+    sender.join()
+    assert got == len(data) and b"".join(bytes(b) for b in bufs) == data
+    writer.sendall(b"xy")
+    writer.shutdown(socket.SHUT_WR)
+    tail = [memoryview(bytearray(10))]
+    assert wire.recv_until_eof(reader, tail, spin_s) == 2 and bytes(tail[0][:2]) == b"xy"
