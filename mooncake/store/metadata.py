@@ -5,10 +5,9 @@ the simulator and the tests run the same code. The master serves it over RPC
 (`mooncake.store.messages`); clients then move bytes with the Transfer Engine straight to or
 from the segment owners, never through the master.
 
-Write protocol: put_start allocates `replicas` PROCESSING replicas on distinct nodes (the
-placement strategy ranks segments); the writer fills them; put_end commits (readers see
-the object) or put_revoke abandons (the space is freed). A put never ended is reclaimed
-after `put_timeout_s`, or at once when its writer's node expires.
+Writes (`writes.py`): put_start allocates PROCESSING replicas on distinct nodes, the writer
+fills them, put_end commits (readers see the object) or put_revoke abandons. A put never
+ended is reclaimed after `put_timeout_s`, or at once when its writer's node expires.
 
 Reads: get_replicas grants a lease of `lease_ttl_s` (renewed by every read): a leased
 object is neither evicted nor removed. remove of a leased object is refused with status
@@ -27,7 +26,6 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import cast
 
 from mooncake.errors import StoreError
 from mooncake.store import audit, membership
@@ -51,6 +49,7 @@ from mooncake.store.placement import create_placement
 from mooncake.store.segments import SegmentManager
 from mooncake.store.settings import MetadataConfig, key_error
 from mooncake.store.slots import SlotBook
+from mooncake.store.writes import WriteProtocol, removal_refusal
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +73,7 @@ class MetadataService:
         self.placement = create_placement(config.placement, config.seed)
         self.evictor = Evictor(self)
         self.slots = SlotBook(self)
+        self.writes = WriteProtocol(self)
         self._events: list[StoreEvent] = []
         self._instructions: dict[str, list[Instruction]] = {}  # node id -> its instructions
 
@@ -132,7 +132,7 @@ class MetadataService:
         ended. Returns the ids of the dropped nodes."""
         return membership.expire_nodes(self, now)
 
-    # -- write protocol ------------------------------------------------------------------
+    # -- write protocol (the logic: writes.py) ------------------------------------------
 
     def put_start(
         self,
@@ -149,43 +149,13 @@ class MetadataService:
         distinct nodes, trying `tiers` in order. Status ok (at least one replica), exists,
         busy (another put in flight), leased (overwrite of a leased object), no_space
         (retry after eviction ran), or error."""
-        err = key_error(key) or (
-            f"size of {key!r} must be > 0 bytes, got {size}" if size <= 0 else ""
-        )
-        bad = [t for t in tiers if t not in TIERS]
-        if bad or not tiers:
-            err = err or f"put of {key!r}: unknown tier(s) {bad or tiers!r}; use vram, dram, ssd"
-        if err:
-            return PutStartResult(key=key, status="error", message=err)
-        refusal = self.clear_for_put(key, overwrite, now)
-        if refusal:
-            return PutStartResult(key=key, status=refusal.status, message=refusal.message)
-        chosen = self.allocate_replicas(key, size, writer, replicas, tiers, now)
-        if not chosen:
-            msg = f"no {'/'.join(tiers)} segment has {size} free bytes for {key!r}; retry shortly"
-            return PutStartResult(key=key, status="no_space", message=msg)
-        obj = ObjectRecord(key, size, writer, now, chosen, pin_ttl_s=max(pin_ttl_s, 0.0))
-        self.objects[key] = obj
-        self.writing[key] = None
-        return PutStartResult(key=key, status="ok", replicas=tuple(r.desc() for r in chosen))
+        return self.writes.put_start(key, size, now, writer, replicas, tiers, pin_ttl_s, overwrite)
 
     def clear_for_put(self, key: str, overwrite: bool, now: float) -> KeyResult | None:
         """None if a put of `key` may go ahead (an old value it overwrites is removed),
-        else why not: busy (a put in flight), exists, leased, or pinned."""
-        obj = self.objects.get(key)
-        if obj is None:
-            return None
-        if not obj.is_committed:
-            msg = f"{key!r} is being written by {obj.writer or 'another client'}"
-            return KeyResult(key=key, status="busy", message=msg)
-        if not overwrite:
-            msg = f"{key!r} already exists; pass overwrite=True to replace it"
-            return KeyResult(key=key, status="exists", message=msg)
-        refusal = self._removal_refusal(obj, now)
-        if refusal:
-            return refusal
-        self.drop(obj, now, emit="removed")
-        return None
+        else why not: busy (a put or a tier move in flight), exists, or leased (a pin does
+        not refuse it: it only shields from eviction)."""
+        return self.writes.clear_for_put(key, overwrite, now)
 
     def allocate_replicas(self, key: str, size: int, writer: str, replicas: int,
                           tiers: Sequence[str], now: float, spare_only: bool = False,
@@ -194,51 +164,15 @@ class MetadataService:
         the first of `tiers` with room; [] (and eviction told of the pressure) if none.
         `spare_only`: only in a tier that stays under its high watermark, so that nothing
         is evicted for it (write slots: space held ahead must not push data out)."""
-        want, high = replicas or self.config.replicas, self.config.high_watermark
-        chosen: list[Replica] = []
-        used_nodes: set[str] = set()
-        for tier in cast("list[Tier]", tiers):
-            for seg in self.placement.rank(self.space.candidates(tier, size, used_nodes, now),
-                                           writer):  # fmt: skip
-                if spare_only and self.space.share(tier, seg.allocator.aligned(size)) > high:
-                    break  # NOTE: the share is the tier's: no other segment is spare either
-                replica = None if seg.node_id in used_nodes else self.space.allocate(seg, key, size)
-                if replica is not None:
-                    chosen.append(replica)
-                    used_nodes.add(seg.node_id)
-                    if len(chosen) == want:
-                        return chosen
-        if not chosen and not spare_only:
-            for t in cast("list[Tier]", tiers):
-                self.evictor.note_pressure(t, size)
-        return chosen
+        return self.writes.allocate_replicas(key, size, writer, replicas, tiers, now, spare_only)
 
     def put_end(self, key: str, now: float) -> KeyResult:
         """Commit `key`: its replicas become readable. Repeating it is harmless."""
-        obj = self.objects.get(key)
-        if obj is None:
-            return KeyResult(key=key, status="not_found", message=_unknown_put(key))
-        if not obj.is_committed:
-            obj.is_committed = True
-            del self.writing[key]
-            obj.pin_until = now + obj.pin_ttl_s if obj.pin_ttl_s else 0.0
-            for r in obj.replicas:
-                r.state = COMPLETE
-                self.lru[r.tier][key] = None
-                self.emit("added", key, r.node_id, r.tier)
-            self.counters.puts += 1
-        return KeyResult(key=key, status="ok")
+        return self.writes.put_end(key, now)
 
     def put_revoke(self, key: str, now: float) -> KeyResult:
         """Abandon an uncommitted put and free its space."""
-        obj = self.objects.get(key)
-        if obj is None:
-            return KeyResult(key=key, status="not_found", message=_unknown_put(key))
-        if obj.is_committed:
-            msg = f"put_revoke of {key!r}: the put was already committed; use remove"
-            return KeyResult(key=key, status="error", message=msg)
-        self.drop(obj, now, emit=None)
-        return KeyResult(key=key, status="ok")
+        return self.writes.put_revoke(key, now)
 
     def write_error(self, key: str, segment: str, offset: int, length: int) -> str:
         """Why writing [offset, offset+length) of `segment` for `key` is not allowed ("" if
@@ -290,7 +224,7 @@ class MetadataService:
         if obj is None:
             err = key_error(key)
             return KeyResult(key=key, status="error" if err else "not_found", message=err)
-        refusal = self._removal_refusal(obj, now)
+        refusal = removal_refusal(obj, now)
         if refusal:
             return refusal
         self.drop(obj, now, emit="removed")
@@ -306,34 +240,18 @@ class MetadataService:
         obj.pin_until = now + obj.pin_ttl_s if obj.pin_ttl_s else 0.0
         return KeyResult(key=key, status="ok")
 
-    def _removal_refusal(self, obj: ObjectRecord, now: float) -> KeyResult | None:
-        key = obj.key
-        if not obj.is_committed:
-            msg = f"{key!r} is being written; its writer must put_end or put_revoke it first"
-            return KeyResult(key=key, status="busy", message=msg)
-        if obj.move_id:
-            msg = f"{key!r} is moving between tiers; retry in a moment"
-            return KeyResult(key=key, status="busy", message=msg)
-        if obj.lease_until > now:
-            left = obj.lease_until - now
-            msg = f"{key!r} is leased by a reader for {left:.3f} s more; retry after that"
-            return KeyResult(key=key, status="leased", message=msg)
-        return None
-
     # -- batches: one result per key, in order -------------------------------------------
 
     def batch_put_start(
         self, keys: Sequence[str], sizes: Sequence[int], now: float, **kw: object
     ) -> list[PutStartResult]:
-        if len(keys) != len(sizes):
-            raise StoreError(f"batch put_start: {len(keys)} keys but {len(sizes)} sizes")
-        return [self.put_start(k, s, now, **kw) for k, s in zip(keys, sizes, strict=True)]  # type: ignore[arg-type]
+        return self.writes.batch_put_start(keys, sizes, now, **kw)
 
     def batch_put_end(self, keys: Sequence[str], now: float) -> list[KeyResult]:
-        return [self.put_end(k, now) for k in keys]
+        return self.writes.batch_put_end(keys, now)
 
     def batch_put_revoke(self, keys: Sequence[str], now: float) -> list[KeyResult]:
-        return [self.put_revoke(k, now) for k in keys]
+        return self.writes.batch_put_revoke(keys, now)
 
     def batch_get_replicas(
         self, keys: Sequence[str], now: float, reader: str = ""
@@ -426,10 +344,3 @@ class MetadataService:
         del self.objects[obj.key]
         self.writing.pop(obj.key, None)
         self.slots.forget(obj.key)
-
-
-def _unknown_put(key: str) -> str:
-    return (
-        f"no put of {key!r} is in progress: put_start was never called, or the put was "
-        "revoked, or reclaimed after put_timeout_s; start the put again"
-    )

@@ -1,0 +1,180 @@
+"""The write protocol: how an object gets into the pool, and what may stop it.
+
+put_start allocates `replicas` PROCESSING replicas on distinct nodes (the placement strategy
+ranks segments; the first of the put's tiers with room wins, and a put that finds none
+tells eviction of the pressure); the writer fills them; put_end commits (readers see the
+object) or put_revoke abandons (the space is freed). A put never ended is reclaimed after
+`put_timeout_s`, or at once when its writer's node expires (`membership.py`).
+
+A put of a key that exists is refused (busy while another put is in flight, exists unless
+it overwrites); an overwrite removes the old value first, under the same rule as remove
+(`removal_refusal`: not while leased or moving). Write slots (`slots.py`) reuse
+`clear_for_put` and `allocate_replicas` for the puts they stand in for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, cast
+
+from mooncake.errors import StoreError
+from mooncake.store.objects import (
+    COMPLETE,
+    TIERS,
+    KeyResult,
+    ObjectRecord,
+    PutStartResult,
+    Replica,
+    Tier,
+)
+from mooncake.store.settings import key_error
+
+if TYPE_CHECKING:
+    from mooncake.store.metadata import MetadataService
+
+
+class WriteProtocol:
+    """put_start / put_end / put_revoke over the service's objects and segments."""
+
+    def __init__(self, svc: MetadataService):
+        self.svc = svc
+
+    def put_start(
+        self,
+        key: str,
+        size: int,
+        now: float,
+        writer: str = "",
+        replicas: int = 0,
+        tiers: Sequence[str] = ("dram",),
+        pin_ttl_s: float = 0.0,
+        overwrite: bool = False,
+    ) -> PutStartResult:
+        """Check the request, make way for the key, allocate, record it as PROCESSING."""
+        err = key_error(key) or (
+            f"size of {key!r} must be > 0 bytes, got {size}" if size <= 0 else ""
+        )
+        bad = [t for t in tiers if t not in TIERS]
+        if bad or not tiers:
+            err = err or f"put of {key!r}: unknown tier(s) {bad or tiers!r}; use vram, dram, ssd"
+        if err:
+            return PutStartResult(key=key, status="error", message=err)
+        refusal = self.clear_for_put(key, overwrite, now)
+        if refusal:
+            return PutStartResult(key=key, status=refusal.status, message=refusal.message)
+        chosen = self.allocate_replicas(key, size, writer, replicas, tiers, now)
+        if not chosen:
+            msg = f"no {'/'.join(tiers)} segment has {size} free bytes for {key!r}; retry shortly"
+            return PutStartResult(key=key, status="no_space", message=msg)
+        svc = self.svc
+        obj = ObjectRecord(key, size, writer, now, chosen, pin_ttl_s=max(pin_ttl_s, 0.0))
+        svc.objects[key] = obj
+        svc.writing[key] = None
+        return PutStartResult(key=key, status="ok", replicas=tuple(r.desc() for r in chosen))
+
+    def clear_for_put(self, key: str, overwrite: bool, now: float) -> KeyResult | None:
+        """None if the put may go ahead (an old value it overwrites is dropped), else why not."""
+        obj = self.svc.objects.get(key)
+        if obj is None:
+            return None
+        if not obj.is_committed:
+            msg = f"{key!r} is being written by {obj.writer or 'another client'}"
+            return KeyResult(key=key, status="busy", message=msg)
+        if not overwrite:
+            msg = f"{key!r} already exists; pass overwrite=True to replace it"
+            return KeyResult(key=key, status="exists", message=msg)
+        refusal = removal_refusal(obj, now)
+        if refusal:
+            return refusal
+        self.svc.drop(obj, now, emit="removed")
+        return None
+
+    def allocate_replicas(self, key: str, size: int, writer: str, replicas: int,
+                          tiers: Sequence[str], now: float, spare_only: bool = False,
+                          ) -> list[Replica]:  # fmt: skip
+        """Replicas on distinct nodes in the first of `tiers` with room, best ranked first."""
+        svc = self.svc
+        want, high = replicas or svc.config.replicas, svc.config.high_watermark
+        chosen: list[Replica] = []
+        used_nodes: set[str] = set()
+        for tier in cast("list[Tier]", tiers):
+            for seg in svc.placement.rank(svc.space.candidates(tier, size, used_nodes, now),
+                                          writer):  # fmt: skip
+                if spare_only and svc.space.share(tier, seg.allocator.aligned(size)) > high:
+                    break  # NOTE: the share is the tier's: no other segment is spare either
+                replica = None if seg.node_id in used_nodes else svc.space.allocate(seg, key, size)
+                if replica is not None:
+                    chosen.append(replica)
+                    used_nodes.add(seg.node_id)
+                    if len(chosen) == want:
+                        return chosen
+        if not chosen and not spare_only:
+            for t in cast("list[Tier]", tiers):
+                svc.evictor.note_pressure(t, size)
+        return chosen
+
+    def put_end(self, key: str, now: float) -> KeyResult:
+        """Mark the replicas COMPLETE, put them in their tiers' LRU, emit added events."""
+        svc = self.svc
+        obj = svc.objects.get(key)
+        if obj is None:
+            return KeyResult(key=key, status="not_found", message=_unknown_put(key))
+        if not obj.is_committed:
+            obj.is_committed = True
+            del svc.writing[key]
+            obj.pin_until = now + obj.pin_ttl_s if obj.pin_ttl_s else 0.0
+            for r in obj.replicas:
+                r.state = COMPLETE
+                svc.lru[r.tier][key] = None
+                svc.emit("added", key, r.node_id, r.tier)
+            svc.counters.puts += 1
+        return KeyResult(key=key, status="ok")
+
+    def put_revoke(self, key: str, now: float) -> KeyResult:
+        """Drop an uncommitted object (no events: readers never saw it)."""
+        obj = self.svc.objects.get(key)
+        if obj is None:
+            return KeyResult(key=key, status="not_found", message=_unknown_put(key))
+        if obj.is_committed:
+            msg = f"put_revoke of {key!r}: the put was already committed; use remove"
+            return KeyResult(key=key, status="error", message=msg)
+        self.svc.drop(obj, now, emit=None)
+        return KeyResult(key=key, status="ok")
+
+    # -- batches: one result per key, in order -------------------------------------------
+
+    def batch_put_start(
+        self, keys: Sequence[str], sizes: Sequence[int], now: float, **kw: object
+    ) -> list[PutStartResult]:
+        if len(keys) != len(sizes):
+            raise StoreError(f"batch put_start: {len(keys)} keys but {len(sizes)} sizes")
+        return [self.put_start(k, s, now, **kw) for k, s in zip(keys, sizes, strict=True)]  # type: ignore[arg-type]
+
+    def batch_put_end(self, keys: Sequence[str], now: float) -> list[KeyResult]:
+        return [self.put_end(k, now) for k in keys]
+
+    def batch_put_revoke(self, keys: Sequence[str], now: float) -> list[KeyResult]:
+        return [self.put_revoke(k, now) for k in keys]
+
+
+def removal_refusal(obj: ObjectRecord, now: float) -> KeyResult | None:
+    """Why `obj` may not be removed or overwritten now (busy, leased), or None."""
+    key = obj.key
+    if not obj.is_committed:
+        msg = f"{key!r} is being written; its writer must put_end or put_revoke it first"
+        return KeyResult(key=key, status="busy", message=msg)
+    if obj.move_id:
+        msg = f"{key!r} is moving between tiers; retry in a moment"
+        return KeyResult(key=key, status="busy", message=msg)
+    if obj.lease_until > now:
+        left = obj.lease_until - now
+        msg = f"{key!r} is leased by a reader for {left:.3f} s more; retry after that"
+        return KeyResult(key=key, status="leased", message=msg)
+    return None
+
+
+def _unknown_put(key: str) -> str:
+    return (
+        f"no put of {key!r} is in progress: put_start was never called, or the put was "
+        "revoked, or reclaimed after put_timeout_s; start the put again"
+    )
