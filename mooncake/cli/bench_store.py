@@ -59,6 +59,14 @@ def bench_store(
         help="Microseconds the client polls for a reply before it sleeps ([transfer] "
         "spin_us); 0 sleeps at once.",
     ),
+    repeat: int = typer.Option(
+        1,
+        "--repeat",
+        min=1,
+        max=100,
+        help="Measure every cell this many times, in rounds "
+        "(each round goes through every cell), and report each figure's median over them.",
+    ),
     pool_size: str = typer.Option(
         "512MiB", "--pool-size", help="DRAM tier of the --local store node."
     ),
@@ -71,7 +79,8 @@ def bench_store(
     For each API and size, a put phase writes fresh keys for --duration seconds (keeping at
     most 64 MiB of them in the pool; older ones are removed, untimed), then a get phase reads
     them back for --duration seconds. GB/s is value bytes over summed call time; latency is
-    per call (per batch call for the batch API). The table quotes upstream Mooncake 0.3.13's
+    per call (per batch call for the batch API). With --repeat N, each figure is the median
+    of N measurements taken in rounds. The table quotes upstream Mooncake 0.3.13's
     figures from PAPER.md as a reference: measured elsewhere, not a baseline of this run.
     """
     from mooncake.cli.output import console, print_json
@@ -101,14 +110,16 @@ def bench_store(
         raise ConfigError("give --local, or --master ADDRESS and --secret (>= 16 characters)")
     else:
         segment = ""
-    rows = []
+    cells = [(api, size) for api in api_list for size in size_list]
+    runs: dict[tuple[str, int], list[bench.StoreBenchRow]] = {cell: [] for cell in cells}
     try:
         runner = bench.StoreBench(master, key, protocol, segment, spin_us=spin_us)
         try:
             runner.warm_up(warmup)
-            for api in api_list:
-                for size in size_list:
-                    rows.append(runner.run(api, size, duration))  # type: ignore[arg-type]
+            for _ in range(repeat):
+                for api, size in cells:
+                    runs[api, size].append(runner.run(api, size, duration))  # type: ignore[arg-type]
+            rows = [bench.median_row(runs[cell]) for cell in cells]
         finally:
             runner.close()
     finally:

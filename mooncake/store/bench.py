@@ -138,6 +138,23 @@ class StoreBenchRow(msgspec.Struct):
     # process (SocketBaseline), microseconds p50; 0 when not measured
     socket_put_p50_us: float = 0.0
     socket_get_p50_us: float = 0.0
+    repeats: int = 1  # measurements of this cell its figures are the medians of
+
+
+def median_row(rows: list[StoreBenchRow]) -> StoreBenchRow:
+    """One row for repeated measurements of a cell: the median of each figure, the calls
+    summed."""
+    if len(rows) == 1:
+        return rows[0]
+    first = rows[0]
+    figures = {name: float(np.median([getattr(r, name) for r in rows]))
+               for name in ("put_gbps", "get_gbps", "put_p50_us", "put_p99_us", "get_p50_us",
+                            "get_p99_us", "socket_put_p50_us", "socket_get_p50_us")}  # fmt: skip
+    return msgspec.structs.replace(
+        first, **{k: round(v, 3 if k.endswith("gbps") else 1) for k, v in figures.items()},
+        num_puts=sum(r.num_puts for r in rows), num_gets=sum(r.num_gets for r in rows),
+        repeats=len(rows),
+    )  # fmt: skip
 
 
 def _timed(fn: Callable[[], object], lat: list[float]) -> None:
