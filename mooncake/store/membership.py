@@ -12,6 +12,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from mooncake.store.objects import EventKind, Segment
+from mooncake.store.slots import SLOT_KEY_PREFIX
 
 if TYPE_CHECKING:
     from mooncake.store.metadata import MetadataService
@@ -34,11 +35,17 @@ def expire_nodes(svc: MetadataService, now: float) -> list[str]:
         if segments:  # a client without segments held nothing
             svc.emit("node_gone", "", node_id)
         log.warning("node %s sent no heartbeat for %.1f s: dropped", node_id, silent_s)
+    unused_slots: dict[str, int] = {}  # writer -> write slots it never used
     for key in list(svc.writing):
         obj = svc.objects[key]
         if obj.writer in dead or now - obj.started_at > svc.config.put_timeout_s:
-            log.warning("reclaiming put of %r by %r: never ended", key, obj.writer)
+            if key.startswith(SLOT_KEY_PREFIX):  # held ahead and not needed: routine
+                unused_slots[obj.writer] = unused_slots.get(obj.writer, 0) + 1
+            else:
+                log.warning("reclaiming put of %r by %r: never ended", key, obj.writer)
             svc.drop(obj, now, emit=None)
+    for writer, n in unused_slots.items():
+        log.info("reclaimed %d write slots %r left unused for put_timeout_s", n, writer)
     svc.evictor.expire_moves(now)
     svc.space.release_due(now)
     return dead
