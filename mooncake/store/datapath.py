@@ -42,6 +42,12 @@ class DataPath:
                 owners.append(key)
         if not reqs:
             return {}
+        if len(reqs) == 1:  # a put of one replica: no Batch unless it has to wait
+            try:
+                self.engine.move(reqs[0], self.timeout_s)
+                return {}
+            except TransferError as e:
+                return {owners[0]: f"writing a replica: {e}"}
         try:
             batch = self.engine.transfer(reqs, self.timeout_s)
         except TransferError as e:
@@ -57,8 +63,7 @@ class DataPath:
     def read_one(self, d: ReplicaDesc, segment: str, offset: int, size: int) -> None:
         """Copy `size` bytes of replica `d` into `segment` at `offset`; TransferError."""
         try:
-            self.engine.transfer([_request(TransferOp.READ, segment, offset, d, size)],
-                                 self.timeout_s).check()  # fmt: skip
+            self.engine.move(_request(TransferOp.READ, segment, offset, d, size), self.timeout_s)
         except TransferError:
             self.engine.forget(remote_name(d.segment, d.endpoint))
             raise

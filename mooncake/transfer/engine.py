@@ -208,6 +208,12 @@ class TransferEngine:
             batch.wait()
         return batch
 
+    def move(self, r: TransferRequest, timeout: float | None = None) -> None:
+        """Move one request and wait for it; raises TransferError if it did not end DONE.
+        transfer([r]).check() without building a Batch when the caller's thread moves it."""
+        if not self._move_now(r, timeout):
+            self.transfer([r], timeout).check()
+
     def _move_now(self, r: TransferRequest, timeout: float | None) -> bool:
         """Move one small tcp, shm or local request on this thread (a copy, or one exchange
         over an idle connection) without the batch machinery (the

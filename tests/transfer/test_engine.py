@@ -233,3 +233,20 @@ def test_a_small_copy_runs_on_the_calling_thread(protocol: str) -> None:
         a.close()
         if b is not a:
             b.close()
+
+
+def test_move_waits_for_one_request_and_raises_when_it_fails(engines) -> None:
+    """move(): one request moved and waited for (on the caller's thread when small, through
+    the workers when larger than a slice); a bad or failed request raises TransferError."""
+    a, b = engines
+    pool = b.allocate("pool", 4 << 20)
+    src = pattern(3 << 20)
+    a.register("src", src)
+    a.move(TransferRequest(WRITE, "src", 0, "pool", 10, 4096))
+    a.move(TransferRequest(WRITE, "src", 0, "pool", 1 << 20, 3 << 20), 5.0)  # > one slice
+    assert (pool[10:4106] == src[:4096]).all() and (pool[1 << 20 :] == src).all()
+    with pytest.raises(TransferError, match="outside segment 'pool'"):
+        a.move(TransferRequest(WRITE, "src", 0, "pool", (4 << 20) - 10, 4096))
+    b.unregister("pool")
+    with pytest.raises(TransferError):
+        a.move(TransferRequest(READ, "src", 0, "pool", 0, 4096), 2.0)
