@@ -130,8 +130,9 @@ def bench_store(
         return
     from rich.table import Table
 
-    table = Table(title=f"store put/get, --protocol {protocol}, {duration:g} s per phase "
-                        f"({cpu_note()})")  # fmt: skip
+    medians = f", medians of {repeat} rounds" if repeat > 1 else ""
+    table = Table(title=f"store put/get, --protocol {protocol}, {duration:g} s per phase"
+                        f"{medians} ({cpu_note()})")  # fmt: skip
     cols = ("api", "value", "keys/call", "via", "put GB/s", "get GB/s", "put p50/p99 us",
             "get p50/p99 us", "socket p50 w/r us (same run)",
             "upstream 0.3.13 (PAPER.md, not this run)")  # fmt: skip
