@@ -91,7 +91,7 @@ class DirectChannel:
                  connect_timeout_s: float = 0.0,  # 0 = timeout_s
                  max_reply_bytes: int = 64 << 20,
                  spin_s: float = 0.0):  # fmt: skip
-        """`spin_s`: seconds a call polls for its reply before sleeping (wire.poll_readable)."""
+        """`spin_s`: seconds a call polls for its reply before sleeping (wire.recv_some)."""
         self.address = f"{host}:{port}"
         self.host, self.port, self.timeout_s = host, port, timeout_s
         self.connect_timeout_s = connect_timeout_s or timeout_s
@@ -120,8 +120,7 @@ class DirectChannel:
             raise DirectTooLarge(f"a {len(frame)}-byte request is too large for it")
         try:
             wire.send_all(sock, (REQ.pack(_CALL, FLAG_FLUSH, 0, req_id, 0, 0, len(frame)), frame))
-            wire.poll_readable(sock, self.spin_s)
-            got = sock.recv_into(buf)  # NOTE: a small reply arrives whole: one syscall
+            got = wire.recv_some(sock, buf, self.spin_s)  # NOTE: a small reply arrives whole
             if got < RESP.size:
                 wire.recv_exact(sock, memoryview(buf)[got : RESP.size])
                 got = RESP.size

@@ -94,23 +94,23 @@ def _mac(secret: bytes, role: bytes, first: bytes, second: bytes) -> bytes:
     return hmac.new(secret, role + first + second, hashlib.sha256).digest()
 
 
-def poll_readable(sock: socket.socket, spin_s: float) -> bool:
-    """Poll `sock` without sleeping, for up to `spin_s` seconds, until it has bytes (or EOF)
-    to read; True if it has. A reply that comes within the spin costs the caller no
-    wake-up: on a VM, waking a sleeping thread (and its idle virtual CPU) adds tens of
-    microseconds to a round trip that is itself tens of microseconds (busy polling, as
-    RDMA completion queues are polled). The caller then reads as usual."""
-    if spin_s <= 0:
-        return False
-    peek = bytearray(1)
-    until = time.perf_counter() + spin_s
-    while True:
-        try:
-            sock.recv_into(peek, 1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-            return True
-        except BlockingIOError:
-            if time.perf_counter() > until:
-                return False
+def recv_some(sock: socket.socket, buf: bytearray | memoryview, spin_s: float = 0.0) -> int:
+    """One recv_into `buf` (up to its length); returns the bytes received, 0 at EOF.
+
+    `spin_s` > 0: poll without sleeping for up to `spin_s` seconds first. A reply that
+    comes within the spin costs the caller no wake-up: on a VM, waking a sleeping thread
+    (and its idle virtual CPU) adds tens of microseconds to a round trip that is itself
+    tens of microseconds (busy polling, as RDMA completion queues are polled). Then, or
+    without a spin, a blocking receive (the socket's SO_RCVTIMEO applies)."""
+    if spin_s > 0:
+        until = time.perf_counter() + spin_s
+        while True:
+            try:
+                return sock.recv_into(buf, 0, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                if time.perf_counter() > until:
+                    break
+    return sock.recv_into(buf)
 
 
 def recv_exact(sock: socket.socket, buf: memoryview | bytearray) -> None:
@@ -130,7 +130,7 @@ def recv_until_eof(sock: socket.socket, bufs: list[memoryview], spin_s: float = 
     closed the connection first. Raises OSError on errors and timeouts.
 
     `spin_s` > 0: first poll without sleeping for as long as bytes keep coming within
-    `spin_s` of each other (see `poll_readable`), then sleep in the kernel for the rest."""
+    `spin_s` of each other (see `recv_some`), then sleep in the kernel for the rest."""
     total = sum(map(len, bufs))
     got = 0
     if spin_s > 0:

@@ -148,16 +148,22 @@ def tcp_pair() -> Iterator[tuple[socket.socket, socket.socket]]:
         writer.close()
 
 
-def test_polling_finds_pending_bytes_without_taking_them(tcp_pair) -> None:
+@pytest.mark.parametrize("spin_s", [0.0, 0.002])
+def test_one_receive_takes_what_came_polled_or_not(tcp_pair, spin_s: float) -> None:
+    """recv_some returns the bytes that came (up to the buffer), sleeps in the kernel once
+    the spin is over, and reports EOF as 0."""
+    import threading
+
     reader, writer = tcp_pair
-    assert wire.poll_readable(reader, 0.0) is False  # no spin: never polls
-    assert wire.poll_readable(reader, 0.002) is False  # nothing came within the spin
+    buf = bytearray(8)
     writer.sendall(b"abc")
-    deadline = 200
-    while not wire.poll_readable(reader, 0.01):
-        deadline -= 1
-        assert deadline, "three bytes sent on loopback never became readable"
-    assert reader.recv(3) == b"abc"  # polling consumed nothing
+    assert bytes(buf[: wire.recv_some(reader, buf, spin_s)]) == b"abc"
+    later = threading.Timer(0.05, writer.sendall, args=(b"0123456789",))  # after the spin
+    later.start()
+    assert wire.recv_some(reader, buf, spin_s) == 8 and bytes(buf) == b"01234567"  # waited
+    later.join()
+    writer.shutdown(socket.SHUT_WR)
+    assert wire.recv_some(reader, buf, spin_s) == 2 and wire.recv_some(reader, buf, spin_s) == 0
 
 
 @pytest.mark.parametrize("spin_s", [0.0, 0.0005, 0.05])
