@@ -84,7 +84,7 @@ class BatchCalls:
             self._check_size(k, size)
         shape = None  # every value the same size: write slots apply
         if self.slots is not None and keys and len(set(sizes)) == 1:
-            shape = PutShape(sizes[0], opts.get("replicas", 0), tuple(opts.get("tiers", ("dram",))))
+            shape = PutShape.of(sizes[0], opts)
             taken = self.slots.take_many(shape, len(keys), time.monotonic())
             if taken:
                 with self._lock:

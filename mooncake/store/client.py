@@ -129,7 +129,7 @@ class Store(BatchCalls):
         self._check_size(key, size)
         key = self._key(key)
         self._forget_locations([key])
-        shape = PutShape(size, opts.get("replicas", 0), tuple(opts.get("tiers", ("dram",))))
+        shape = PutShape.of(size, opts)
         taken = self.slots.take(shape, time.monotonic()) if self.slots is not None else None
         if taken is not None:
             return self._raise(

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from typing import NamedTuple
+from collections.abc import Mapping
+from typing import Any, NamedTuple
 
 from mooncake.store.objects import ReplicaDesc, Slot
 
@@ -32,6 +33,11 @@ class PutShape(NamedTuple):
     size: int  # bytes
     replicas: int  # 0 = the master's default
     tiers: tuple[str, ...]
+
+    @classmethod
+    def of(cls, size: int, opts: Mapping[str, Any]) -> PutShape:
+        """The shape of a put of `size` bytes with the client's put options `opts`."""
+        return cls(size, opts.get("replicas", 0), tuple(opts.get("tiers", ("dram",))))
 
 
 class LocationCache:

@@ -24,7 +24,6 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import msgspec
-import numpy as np
 
 from mooncake.errors import TransferError
 from mooncake.native.shm import sweep_stale
@@ -41,6 +40,7 @@ from mooncake.transfer.transport import (
     ShmTransport,
     Target,
     TargetCache,
+    copy,
     host_identity,
 )
 from mooncake.transfer.types import (
@@ -228,9 +228,7 @@ class TransferEngine:
         if r.length > transport.slice_bytes(self.options):
             return False
         if target.remote_array is not None and local.array is not None:  # shm, local: a copy
-            remote = target.remote_array[r.remote_offset : r.remote_offset + r.length]
-            mine = local.array[r.local_offset : r.local_offset + r.length]
-            np.copyto(*((mine, remote) if r.op is TransferOp.READ else (remote, mine)))
+            copy(r.op, local.array, r.local_offset, target.remote_array, r.remote_offset, r.length)
             return True
         if not isinstance(transport, TcpTransport):
             return False

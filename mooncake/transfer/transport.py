@@ -131,6 +131,14 @@ class TargetCache:
             target.transport.release(target)
 
 
+def copy(op: TransferOp, local: np.ndarray, local_offset: int, remote: np.ndarray,
+         remote_offset: int, length: int) -> None:  # fmt: skip
+    """One copy transport move: READ copies remote -> local, WRITE local -> remote."""
+    mine = local[local_offset : local_offset + length]
+    theirs = remote[remote_offset : remote_offset + length]
+    np.copyto(*((mine, theirs) if op is TransferOp.READ else (theirs, mine)))
+
+
 class CopyPool:
     """Threads that copy chunks of slices between host arrays; adjacent slices are copied
     as one run, and numpy releases the GIL during each copy."""
@@ -159,14 +167,8 @@ class CopyPool:
                 first = run[0]
                 length = sum(s.length for s in run)
                 try:
-                    remote = first.target.remote_array[
-                        first.remote_offset : first.remote_offset + length
-                    ]
-                    local = first.local.array[first.local_offset : first.local_offset + length]
-                    if first.op is TransferOp.READ:
-                        np.copyto(local, remote)
-                    else:
-                        np.copyto(remote, local)
+                    copy(first.op, first.local.array, first.local_offset,
+                         first.target.remote_array, first.remote_offset, length)  # fmt: skip
                 except Exception as e:  # a bug or an unmapped segment: fail the run, not the pool
                     log.exception("copy of %r failed", first)
                     for s in run:

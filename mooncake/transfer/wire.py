@@ -31,8 +31,8 @@ import os
 import socket
 import struct
 import time
-from collections.abc import Sequence
-from typing import Final
+from collections.abc import Callable, Sequence
+from typing import Any, Final
 
 from mooncake.errors import AuthError, ConfigError, ProtocolError
 
@@ -103,14 +103,22 @@ def recv_some(sock: socket.socket, buf: bytearray | memoryview, spin_s: float = 
     tens of microseconds (busy polling, as RDMA completion queues are polled). Then, or
     without a spin, a blocking receive (the socket's SO_RCVTIMEO applies)."""
     if spin_s > 0:
-        until = time.perf_counter() + spin_s
-        while True:
-            try:
-                return sock.recv_into(buf, 0, socket.MSG_DONTWAIT)
-            except BlockingIOError:
-                if time.perf_counter() > until:
-                    break
+        n: int | None = _polled(spin_s, sock.recv_into, buf, 0, socket.MSG_DONTWAIT)
+        if n is not None:
+            return n
     return sock.recv_into(buf)
+
+
+def _polled(spin_s: float, receive: Callable[..., Any], *args: Any) -> Any:
+    """`receive(*args)` (a MSG_DONTWAIT receive) retried until it returns, for up to
+    `spin_s` seconds; None if nothing came by then."""
+    until = time.perf_counter() + spin_s
+    while True:
+        try:
+            return receive(*args)
+        except BlockingIOError:
+            if time.perf_counter() > until:
+                return None
 
 
 def recv_exact(sock: socket.socket, buf: memoryview | bytearray) -> None:
@@ -133,20 +141,15 @@ def recv_until_eof(sock: socket.socket, bufs: list[memoryview], spin_s: float = 
     `spin_s` of each other (see `recv_some`), then sleep in the kernel for the rest."""
     total = sum(map(len, bufs))
     got = 0
-    if spin_s > 0:
-        until = time.perf_counter() + spin_s
-        while True:
-            try:
-                n = sock.recvmsg_into(bufs[:1024], 0, socket.MSG_DONTWAIT)[0]  # IOV_MAX
-            except BlockingIOError:
-                if time.perf_counter() > until:
-                    break
-                continue
-            got += n
-            if n == 0 or got >= total:
-                return got
-            bufs = _advance(bufs, n)
-            until = time.perf_counter() + spin_s
+    while spin_s > 0:
+        got_msg = _polled(spin_s, sock.recvmsg_into, bufs[:1024], 0, socket.MSG_DONTWAIT)
+        if got_msg is None:
+            break
+        n = got_msg[0]
+        got += n
+        if n == 0 or got >= total:
+            return got
+        bufs = _advance(bufs, n)
     while True:
         n = sock.recvmsg_into(bufs[:1024], 0, socket.MSG_WAITALL)[0]  # IOV_MAX
         got += n
