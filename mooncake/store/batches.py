@@ -119,10 +119,11 @@ class BatchCalls:
         for r in starts:
             if r.key in failed:
                 out.append(KeyResult(key=r.key, status="error", message=failed[r.key]))
-            else:
-                out.append(
-                    ends.get(r.key) or KeyResult(key=r.key, status=r.status, message=r.message)
-                )
+                continue
+            end = ends.get(r.key)
+            if end is not None and end.status == "ok":
+                self._learn(r.key, r.replicas)
+            out.append(end or KeyResult(key=r.key, status=r.status, message=r.message))
         return out
 
     def _put_into_slots(self, shape: PutShape, entries: list[SlotEntry], opts: dict[str, Any]
@@ -157,6 +158,8 @@ class BatchCalls:
             r = next(answers)
             if r.status in ("exists", "busy", "leased"):  # the slot is still ours
                 self.slots.give_back(shape, taken)
+            elif r.status == "ok":
+                self._learn(key, taken[0].replicas)
             out.append(r)
         return out
 
@@ -233,6 +236,12 @@ class BatchCalls:
         if self.locations is not None:
             for key in keys:
                 self.locations.drop(key)
+
+    def _learn(self, key: str, replicas: Sequence[ReplicaDesc]) -> None:
+        """Remember where this client just wrote `key` (the replica it would read first),
+        as a hint for its next get (store/grants.py)."""
+        if self.locations is not None and (ranked := self.data.rank(replicas)):
+            self.locations.learn(key, ranked[0], ranked[0].size)
 
     def _stage(self, size: int) -> None:
         if size > len(self._staging):

@@ -39,8 +39,8 @@ from mooncake.store import messages as m
 from mooncake.store.batches import BatchCalls, NotFoundError, ValueResult
 from mooncake.store.datapath import DataPath
 from mooncake.store.direct import MasterCalls
-from mooncake.store.grants import LocationCache, PutShape, SlotPool
-from mooncake.store.objects import GetResult
+from mooncake.store.grants import MARGIN, LocationCache, PutShape, SlotPool
+from mooncake.store.objects import GetResult, ReplicaDesc
 from mooncake.transfer.engine import TransferEngine
 from mooncake.transfer.types import EngineOptions
 
@@ -148,6 +148,7 @@ class Store(BatchCalls):
             self._revoke([key])
             raise StoreError(f"put of {key!r} failed, nothing was committed: {failed[key]}")
         self._raise(self._call(m.PutEndMsg(key), m.KeyReplyMsg).result)
+        self._learn(key, r.replicas)
 
     def get(self, key: str) -> bytes:
         """The value of `key`. Raises NotFoundError on a miss, StoreError on failure."""
@@ -162,18 +163,34 @@ class Store(BatchCalls):
 
     def _get(self, key: str, segment: str, offset: int, max_size: int, staging: bool = False
              ) -> int:  # fmt: skip
-        if self.locations is not None and (hit := self.locations.get(key, time.monotonic())):
-            replica, size = hit
-            if (not max_size or size <= max_size) and not (staging and size > len(self._staging)):
+        """Read `key` into `segment` at `offset`; returns its size. Within a lease: one
+        round trip, to the node. Else, when this client knows where the value was (a hint:
+        its own put, a read whose lease ended), it reads there while it asks the master,
+        and keeps those bytes if the master's answer still lists that replica: the two
+        round trips overlap. On failure the buffer's bytes are unspecified."""
+        cache, guess = self.locations, None
+        if cache is not None:
+            fits = len(self._staging) if staging else max_size or 1 << 62
+            if (hit := cache.get(key, time.monotonic())) and hit[1] <= fits:
                 try:
-                    self.data.read_one(replica, segment, offset, size)
-                    return size
+                    self.data.read_one(hit[0], segment, offset, hit[1])
+                    return hit[1]
                 except TransferError:
-                    self.locations.drop(key)  # moved or gone: ask the master
+                    cache.drop(key)  # moved or gone: ask the master
+            elif (hint := cache.guess(key)) and hint[1] <= fits:
+                finish = self.data.start_read(hint[0], segment, offset, hint[1])
+                guess = None if finish is None else (hint[0], finish)
         sent_at = time.monotonic()
-        r = self._get_replicas(key)
+        try:
+            r = self._get_replicas(key)
+        finally:
+            is_read = guess is not None and guess[1]()  # NOTE: always collect the reply
         if max_size and r.size > max_size:
             raise StoreError(f"{key!r} is {r.size} bytes; the buffer offers {max_size}")
+        if is_read and cache is not None and (kept := self._still_there(guess, r, sent_at)):
+            cache.put(key, kept, r.size, sent_at, r.lease_ttl_s)
+            cache.num_overlapped += 1
+            return r.size
         if staging:
             self._stage(r.size)
         used = self.data.read(key, r.replicas, segment, offset, r.size)
@@ -199,6 +216,21 @@ class Store(BatchCalls):
             time.sleep(0.02)
 
     # -- helpers -----------------------------------------------------------------------------
+
+    @staticmethod
+    def _still_there(guess: Any, r: GetResult, sent_at: float) -> ReplicaDesc | None:
+        """The replica read on a hint, if those bytes are the value `r` describes: `r`
+        lists that very allocation (replica ids are never reused, and a committed
+        replica's bytes never change while it exists), so it held the value from when
+        the hint was learned until the master answered; and the read ended within the
+        lease that answer granted, so it cannot have read after a reuse either."""
+        was = guess[0]
+        if not was.replica_id or time.monotonic() - sent_at >= r.lease_ttl_s * MARGIN:
+            return None
+        for d in r.replicas:
+            if d.replica_id == was.replica_id and d.segment == was.segment and d.size == r.size:
+                return d
+        return None
 
     def _get_replicas(self, key: str) -> GetResult:
         """The replicas of `key`, waiting (up to timeout_s) for a promotion off SSD."""

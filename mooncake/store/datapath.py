@@ -10,7 +10,7 @@ when one fails.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from mooncake.errors import StoreError, TransferError
 from mooncake.store.node import remote_name
@@ -67,6 +67,14 @@ class DataPath:
         except TransferError:
             self.engine.forget(remote_name(d.segment, d.endpoint))
             raise
+
+    def start_read(self, d: ReplicaDesc, segment: str, offset: int, size: int
+                   ) -> Callable[[], bool] | None:  # fmt: skip
+        """Begin reading replica `d` on this thread, for the caller to finish after other
+        work: the call returned says whether the bytes arrived. None if it cannot begin
+        without a lookup or a connect (TransferEngine.start): nothing was sent."""
+        return self.engine.start(_request(TransferOp.READ, segment, offset, d, size),
+                                 self.timeout_s)  # fmt: skip
 
     def read(self, key: str, replicas: Sequence[ReplicaDesc], segment: str, offset: int,
              size: int) -> ReplicaDesc:  # fmt: skip

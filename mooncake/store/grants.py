@@ -3,15 +3,20 @@
 - `LocationCache`: a get leases its object for `lease_ttl_s` (the master neither evicts,
   removes nor overwrites it until then), so for that long the replica the client read is
   where the value still is: a repeated get reads it again with one round trip, to the
-  node, instead of two. An entry expires a margin before the lease, counted from when the
-  client *sent* its request (the master's lease started later).
+  node, instead of two. The lease ends a margin before the master's, counted from when
+  the client *sent* its request (the master's lease started later). After that the entry
+  stays as a hint (`guess`), as do the replicas of the client's own puts: where the value
+  was. A get then reads there while it asks the master, and keeps what it read only if
+  the master's answer still lists that very replica (its `replica_id`: store/client.py).
 - `SlotPool`: write slots (store/slots.py) by put shape, each usable until its grant runs
   out, counted the same way.
 
 Both are per client and thread-safe; neither talks to anyone.
 
-    cache.put(key, replica, size, sent_at + lease_ttl_s)
-    hit = cache.get(key, time.monotonic())         # (replica, size) or None
+    cache.put(key, replica, size, sent_at, lease_ttl_s)
+    hit = cache.get(key, time.monotonic())         # (replica, size) within the lease, or None
+    cache.learn(key, replica, size)                # a hint only (a put's replica)
+    hint = cache.guess(key)                        # (replica, size) of the last known place
     pool.add(shape, slots, sent_at); slot, until = pool.take(shape, time.monotonic())
 """
 
@@ -41,33 +46,43 @@ class PutShape(NamedTuple):
 
 
 class LocationCache:
-    """key -> (replica, size, expiry) of recent reads, least recently used first."""
+    """key -> (replica, size, lease end) of recent reads and puts, least recently used
+    first; a lease end of 0 is a hint only."""
 
     def __init__(self, max_entries: int = 1 << 16):
         self.max_entries = max_entries
         self._entries: OrderedDict[str, tuple[ReplicaDesc, int, float]] = OrderedDict()
         self._lock = threading.Lock()
         self.num_hits = 0  # gets served without asking the master
+        self.num_overlapped = 0  # gets that read a hint while asking the master, and kept it
 
     def get(self, key: str, now: float) -> tuple[ReplicaDesc, int] | None:
         """The replica and size of `key` if its lease still covers `now`."""
         with self._lock:
             entry = self._entries.get(key)
-            if entry is None:
-                return None
-            if entry[2] <= now:
-                del self._entries[key]
+            if entry is None or entry[2] <= now:
                 return None
             self._entries.move_to_end(key)
             self.num_hits += 1
             return entry[0], entry[1]
 
+    def guess(self, key: str) -> tuple[ReplicaDesc, int] | None:
+        """Where `key` was last known to be, leased or not (it may have moved since)."""
+        with self._lock:
+            entry = self._entries.get(key)
+            return None if entry is None else (entry[0], entry[1])
+
     def put(self, key: str, replica: ReplicaDesc, size: int, sent_at: float, ttl_s: float) -> None:
         """Remember where `key` was read; its lease of `ttl_s` began after `sent_at`."""
-        if ttl_s <= 0:
-            return
+        self._add(key, (replica, size, sent_at + ttl_s * MARGIN if ttl_s > 0 else 0.0))
+
+    def learn(self, key: str, replica: ReplicaDesc, size: int) -> None:
+        """Remember where `key` was just written: a hint, with no lease."""
+        self._add(key, (replica, size, 0.0))
+
+    def _add(self, key: str, entry: tuple[ReplicaDesc, int, float]) -> None:
         with self._lock:
-            self._entries[key] = (replica, size, sent_at + ttl_s * MARGIN)
+            self._entries[key] = entry
             self._entries.move_to_end(key)
             if len(self._entries) > self.max_entries:
                 self._entries.popitem(last=False)

@@ -43,6 +43,9 @@ class ReplicaDesc(msgspec.Struct, frozen=True, kw_only=True):
     size: int  # bytes of the value (the allocation may be larger by alignment)
     state: ReplicaState
     token: int = 0  # the segment's Transfer Engine token when mounted; 0 = not given
+    # unique per allocation, never reused (a master restart starts from a random base):
+    # a client that knew this replica id can tell it is still the same bytes (store/grants.py)
+    replica_id: int = 0
 
 
 class PutStartResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -180,6 +183,7 @@ class Replica:
     offset: int  # bytes
     size: int  # bytes of the value
     state: ReplicaState = PROCESSING
+    replica_id: int = 0  # see ReplicaDesc.replica_id
 
     @property
     def node_id(self) -> str:
@@ -200,6 +204,7 @@ class Replica:
             size=self.size,
             state=self.state,
             token=s.token,
+            replica_id=self.replica_id,
         )
 
 

@@ -8,6 +8,8 @@ copying from it.
 
 from __future__ import annotations
 
+import itertools
+import secrets
 from collections.abc import Iterable
 
 from mooncake.errors import StoreError
@@ -30,6 +32,9 @@ class SegmentManager:
         self.tier_usable: dict[Tier, int] = dict.fromkeys(TIERS, 0)  # bytes
         self.tier_used: dict[Tier, int] = dict.fromkeys(TIERS, 0)  # bytes, incl. deferred
         self.deferred: list[tuple[float, Replica]] = []  # (free at s, released replica)
+        # replica ids: from a random base, so a restarted master does not hand out ids
+        # that clients still remember from before
+        self._replica_ids = itertools.count(secrets.randbits(62) + 1)
 
     # -- nodes and segments --------------------------------------------------------------
 
@@ -117,7 +122,7 @@ class SegmentManager:
             return None
         self.tier_used[seg.tier] += seg.allocator.size_of(offset) or 0
         seg.keys.add(key)
-        return Replica(seg, offset, size)
+        return Replica(seg, offset, size, replica_id=next(self._replica_ids))
 
     def free(self, key: str, replica: Replica, until: float = 0.0, now: float = 0.0) -> None:
         """Detach `replica` of `key` from its segment; its range is freed now, or when

@@ -20,13 +20,14 @@ from __future__ import annotations
 import logging
 import socket
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import msgspec
 
 from mooncake.errors import TransferError
 from mooncake.native.shm import sweep_stale
+from mooncake.transfer import inline
 from mooncake.transfer.batch import Batch, Slice
 from mooncake.transfer.directory import BaseDirectory, PeerDirectory
 from mooncake.transfer.paths import PathSet, nic_preference_for
@@ -40,7 +41,6 @@ from mooncake.transfer.transport import (
     ShmTransport,
     Target,
     TargetCache,
-    copy,
     host_identity,
 )
 from mooncake.transfer.types import (
@@ -190,20 +190,20 @@ class TransferEngine:
         allows it (tcp), so a small transfer costs no thread hand-off; the rest go to the
         transport's threads as with submit(). Raises TransferError as submit() does."""
         reqs = list(requests)
-        if len(reqs) == 1 and self._move_now(reqs[0], timeout):
+        if len(reqs) == 1 and inline.move_now(self, reqs[0], timeout):
             return Batch.done(reqs)
         batch, by_path = self._plan(reqs, timeout)
         # NOTE: a stalled socket blocks its thread for up to slice_io_timeout_s: not the
         # caller's when that is past the batch deadline
         can_inline = (timeout or self.options.timeout_s) >= self._io_timeout_s
-        inline = None
+        here = None
         for path, slices in by_path.items():
-            if inline is None and can_inline and isinstance(path, TcpPath):
-                inline = path, slices
+            if here is None and can_inline and isinstance(path, TcpPath):
+                here = path, slices
             else:
                 path.dispatch(slices)
-        if inline is not None:
-            inline[0].run_inline(inline[1])
+        if here is not None:
+            here[0].run_inline(here[1])
         if batch.num_open:
             batch.wait()
         return batch
@@ -211,35 +211,15 @@ class TransferEngine:
     def move(self, r: TransferRequest, timeout: float | None = None) -> None:
         """Move one request and wait for it; raises TransferError if it did not end DONE.
         transfer([r]).check() without building a Batch when the caller's thread moves it."""
-        if not self._move_now(r, timeout):
+        if not inline.move_now(self, r, timeout):
             self.transfer([r], timeout).check()
 
-    def _move_now(self, r: TransferRequest, timeout: float | None) -> bool:
-        """Move one small tcp, shm or local request on this thread (a copy, or one exchange
-        over an idle connection) without the batch machinery (the
-        Store's usual get and put); False when it does not qualify or did not work out,
-        and then nothing is recorded: the general path does it (and raises, retries,
-        reports) as for any request."""
-        try:
-            local, target = self._check(r)
-        except TransferError:
-            return False  # the general path raises it, worded for the batch
-        transport = target.transport
-        if r.length > transport.slice_bytes(self.options):
-            return False
-        if target.remote_array is not None and local.array is not None:  # shm, local: a copy
-            copy(r.op, local.array, r.local_offset, target.remote_array, r.remote_offset, r.length)
-            return True
-        if not isinstance(transport, TcpTransport):
-            return False
-        if (timeout or self.options.timeout_s) < self._io_timeout_s:
-            return False  # as in transfer(): not past the deadline
-        paths = self._pathset(target, local.location).paths
-        path = paths[0] if len(paths) == 1 else self._pathset(target, local.location).first()
-        if not isinstance(path, TcpPath):
-            return False
-        mem = local.view.mv[r.local_offset : r.local_offset + r.length]  # type: ignore[index]
-        return path.move_now(r.op, mem, target.desc.token, r.remote_offset)
+    def start(self, r: TransferRequest, timeout: float | None = None
+              ) -> Callable[[], bool] | None:  # fmt: skip
+        """Begin one small request on this thread; returns the call that waits for it
+        (True once moved, False if it failed: move() it then), or None if it cannot
+        begin that way (nothing sent). See transfer/inline.py."""
+        return inline.start_move(self, r, timeout)
 
     def _plan(
         self, requests: Iterable[TransferRequest], timeout: float | None

@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 MAX_GROUP_SLICES = 64
 _OK = int(Status.OK)
 _Conn = tuple[socket.socket, Iterator[int]]  # an authenticated connection, its request ids
+_Started = tuple[_Conn, int]  # a connection with one request in flight, and its id
 
 
 class TcpPath(Path):
@@ -182,62 +183,58 @@ class TcpPath(Path):
         it did not work out (paused path, broken connection, a refusal): nothing is
         recorded, and the caller moves it again the general way, which retries and
         reports. A repeat is harmless: a read or write of the same bytes."""
+        started = self.start_now(op, mem, token, remote_offset, connect=True)
+        return started is not None and self.finish_now(started, op, mem)
+
+    def start_now(self, op: TransferOp, mem: memoryview, token: int, remote_offset: int,
+                  connect: bool = False) -> _Started | None:  # fmt: skip
+        """The first half of move_now(): send the request, and hold its connection until
+        finish_now() takes the reply (other work may happen between the two). None if
+        nothing was sent: the path is paused, the send failed, or no connection is idle and
+        `connect` is False (a connect to a dead host can take seconds)."""
         if self.is_paused():
-            return False
+            return None
         try:
             conn: _Conn | None = self._idle.pop()  # NOTE: list.pop/append are atomic
         except IndexError:
             conn = None
         try:
             if conn is None:
+                if not connect:
+                    return None
                 conn = (self._connect(), itertools.count(1))
             rid = next(conn[1]) & 0xFFFFFFFF
-            if self._exchange(conn[0], op, mem, token, remote_offset, rid, self._spin_s) == _OK:
+            wire.send_request(conn[0], op, mem, token, remote_offset, rid)
+            return conn, rid
+        except (OSError, MooncakeError):
+            if conn is not None:
+                self._drop(conn[0])
+            return None
+
+    def finish_now(self, started: _Started, op: TransferOp, mem: memoryview) -> bool:
+        """The second half of move_now(): wait for the reply of the request start_now()
+        sent (polling up to spin_us first); False if it failed, as move_now()."""
+        conn, rid = started
+        try:
+            if wire.recv_reply(conn[0], op, mem, rid, self._spin_s) == _OK:
                 self.record_success(len(mem))
                 self._idle.append(conn)  # close() shuts every socket down, idle ones too
                 return True
         except (OSError, MooncakeError):
             pass
-        if conn is not None:
-            self._drop(conn[0])  # NOTE: the server closes it after a refusal anyway
+        self._drop(conn[0])  # NOTE: the server closes it after a refusal anyway
         return False
 
     def _run_one(self, sock: socket.socket, s: Slice, rid: int, spin_s: float) -> int:
         """_run_group() of a group of one slice, in fewer steps (the small transfer's path)."""
         mem = s.local.view.mv[s.local_offset : s.local_offset + s.length]
-        status = self._exchange(sock, s.op, mem, s.target.desc.token, s.remote_offset, rid,
-                                spin_s)  # fmt: skip
+        wire.send_request(sock, s.op, mem, s.target.desc.token, s.remote_offset, rid)
+        status = wire.recv_reply(sock, s.op, mem, rid, spin_s)
         if status != _OK:  # the server closes the connection after an error
             self._transport.report(s, f"{self.key}: {wire.status_text(status)}", False)
         else:
             self._transport.report_done([s])
         return 1
-
-    @staticmethod
-    def _exchange(sock: socket.socket, op: TransferOp, mem: memoryview, token: int,
-                  remote_offset: int, rid: int, spin_s: float) -> int:  # fmt: skip
-        """One READ or WRITE request and its reply; returns the reply status. Raises
-        OSError/ProtocolError when the connection broke or the reply does not fit."""
-        length = len(mem)
-        hdr = REQ.pack(op, FLAG_FLUSH, 0, rid, token, remote_offset, length)
-        head = bytearray(RESP.size)
-        is_read = op is TransferOp.READ
-        wire.send_all(sock, (hdr,) if is_read else (hdr, mem))
-        want = RESP.size + length if is_read else RESP.size
-        got = wire.recv_until_eof(sock, [memoryview(head), mem] if is_read else [memoryview(head)],
-                                  spin_s)  # fmt: skip
-        if got < RESP.size:
-            raise ConnectionError("connection closed with the reply missing")
-        status, got_id, got_length = RESP.unpack(head)
-        if got_id != rid:
-            raise ProtocolError(f"reply for request {got_id}, expected {rid}")
-        if status != _OK:
-            return int(status)
-        if is_read and got_length != length:
-            raise ProtocolError(f"read reply of {got_length} bytes, expected {length}")
-        if got < want:
-            raise ConnectionError("connection closed in the middle of a read reply")
-        return _OK
 
     def _run_group(self, sock: socket.socket, group: list[Slice], req_ids: Iterator[int],
                    spin_s: float) -> int:  # fmt: skip

@@ -89,6 +89,10 @@ class TargetCache:
         self._targets: dict[str, Target] = {}
         self._lock = threading.Lock()
 
+    def peek(self, name: str) -> Target | None:
+        """The target of `name` if already resolved (never asks anyone)."""
+        return self._targets.get(name)
+
     def resolve(self, name: str) -> Target:
         target = self._targets.get(name)
         if target is not None:

@@ -169,6 +169,36 @@ def send_all(sock: socket.socket, bufs: Sequence[bytes | memoryview]) -> None:
         pending = _advance(pending, n)
 
 
+def send_request(sock: socket.socket, op: int, mem: memoryview, token: int, remote_offset: int,
+                 rid: int) -> None:  # fmt: skip
+    """One READ or WRITE request `rid` of len(mem) bytes (a WRITE carries `mem`), flagged
+    for a reply at once."""
+    hdr = REQ.pack(op, FLAG_FLUSH, 0, rid, token, remote_offset, len(mem))
+    send_all(sock, (hdr,) if op == Op.READ else (hdr, mem))
+
+
+def recv_reply(sock: socket.socket, op: int, mem: memoryview, rid: int, spin_s: float) -> int:
+    """The reply to send_request()'s `rid` (a READ's data lands in `mem`); returns its
+    status. Raises OSError/ProtocolError when the connection broke or the reply does not
+    fit. `spin_s`: polling before sleeping (recv_until_eof)."""
+    length = len(mem)
+    head = bytearray(RESP.size)
+    is_read = op == Op.READ
+    got = recv_until_eof(sock, [memoryview(head), mem] if is_read else [memoryview(head)], spin_s)
+    if got < RESP.size:
+        raise ConnectionError("connection closed with the reply missing")
+    status, got_id, got_length = RESP.unpack(head)
+    if got_id != rid:
+        raise ProtocolError(f"reply for request {got_id}, expected {rid}")
+    if status != Status.OK:
+        return int(status)
+    if is_read and got_length != length:
+        raise ProtocolError(f"read reply of {got_length} bytes, expected {length}")
+    if got < (RESP.size + length if is_read else RESP.size):
+        raise ConnectionError("connection closed in the middle of a read reply")
+    return int(Status.OK)
+
+
 def _advance(bufs: Sequence[bytes | memoryview], n: int) -> list:
     out: list = []
     for i, b in enumerate(bufs):

@@ -24,10 +24,19 @@ def test_location_is_reused_only_inside_the_lease_counted_from_sending() -> None
     cache = LocationCache(max_entries=2)
     cache.put("a", REPLICA, 8, sent_at=10.0, ttl_s=1.0)
     assert cache.get("a", 10.0 + MARGIN - 0.01) == (REPLICA, 8)
-    assert cache.get("a", 10.0 + MARGIN) is None  # expired, and forgotten
-    assert cache.get("a", 10.0) is None
+    assert cache.get("a", 10.0 + MARGIN) is None  # expired: no longer a lease...
+    assert cache.guess("a") == (REPLICA, 8)  # ...but still where the value was
     cache.put("z", REPLICA, 8, sent_at=10.0, ttl_s=0.0)  # no lease: nothing to reuse
-    assert cache.get("z", 10.0) is None
+    assert cache.get("z", 10.0) is None and cache.guess("z") == (REPLICA, 8)
+
+
+def test_a_learned_location_is_a_hint_never_a_lease() -> None:
+    cache = LocationCache()
+    cache.learn("w", REPLICA, 8)  # where this client wrote it
+    assert cache.get("w", 0.0) is None
+    assert cache.guess("w") == (REPLICA, 8)
+    cache.drop("w")
+    assert cache.guess("w") is None
 
 
 def test_location_cache_keeps_the_most_recently_used_entries() -> None:
