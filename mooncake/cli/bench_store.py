@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import typer
 
 from mooncake.cli.app import bench_app
 from mooncake.errors import ConfigError
 from mooncake.transfer.types import EngineOptions
+
+if TYPE_CHECKING:
+    from rich.table import Table
+
+    from mooncake.store.bench import StoreBenchRow
 
 
 @bench_app.command("store")
@@ -70,6 +77,15 @@ def bench_store(
     pool_size: str = typer.Option(
         "512MiB", "--pool-size", help="DRAM tier of the --local store node."
     ),
+    upstream: str = typer.Option(
+        "",
+        "--upstream",
+        envvar="MOONCAKE_UPSTREAM_PYTHON",
+        help="Python of a venv with upstream Mooncake 0.3.13 (scripts/upstream-venv makes "
+        "one): also run upstream's C++ Store (its master, a store node of --pool-size and a "
+        "client, over tcp on 127.0.0.1), each cell right after ours, and report its figures "
+        "in the same rows. Needs --local: a remote cluster has no upstream twin.",
+    ),
     as_json: bool = typer.Option(
         False, "--json", help="Print a JSON list of rows (one per API and size) instead of a table."
     ),
@@ -80,13 +96,20 @@ def bench_store(
     most 64 MiB of them in the pool; older ones are removed, untimed), then a get phase reads
     them back for --duration seconds. GB/s is value bytes over summed call time; latency is
     per call (per batch call for the batch API). With --repeat N, each figure is the median
-    of N measurements taken in rounds. The table quotes upstream Mooncake 0.3.13's
-    figures from PAPER.md as a reference: measured elsewhere, not a baseline of this run.
+    of N measurements taken in rounds. With --upstream, upstream Mooncake's Store is
+    measured the same way in the same run (cell by cell, interleaved with ours, so both see
+    the same load); without it, the table quotes upstream Mooncake 0.3.13's figures from
+    PAPER.md as a reference: measured elsewhere, not a baseline of this run.
     """
+    import contextlib
+
+    import msgspec
+
     from mooncake.cli.output import console, print_json
     from mooncake.config import parse_size
     from mooncake.store import bench
     from mooncake.store.localproc import LocalCluster
+    from mooncake.store.upstream import UpstreamStore
     from mooncake.transfer.bench import cpu_note, new_secret
 
     if protocol not in ("tcp", "auto"):
@@ -97,6 +120,11 @@ def bench_store(
     size_list = [parse_size(t.strip()) for t in sizes.split(",") if t.strip()]
     if not size_list or min(size_list) <= 0:
         raise ConfigError(f"--sizes: expected sizes > 0, got {sizes!r}")
+    if upstream and not local:
+        raise ConfigError(
+            "--upstream needs --local (upstream's Store runs on this machine "
+            "beside a local cluster of ours, not beside a remote --master)"
+        )
     key = secret.encode()
     cluster = None
     if local:
@@ -112,47 +140,87 @@ def bench_store(
         segment = ""
     cells = [(api, size) for api in api_list for size in size_list]
     runs: dict[tuple[str, int], list[bench.StoreBenchRow]] = {cell: [] for cell in cells}
-    try:
-        runner = bench.StoreBench(master, key, protocol, segment, spin_us=spin_us)
-        try:
-            runner.warm_up(warmup)
-            for _ in range(repeat):
-                for api, size in cells:
-                    runs[api, size].append(runner.run(api, size, duration))  # type: ignore[arg-type]
-            rows = [bench.median_row(runs[cell]) for cell in cells]
-        finally:
-            runner.close()
-    finally:
+    with contextlib.ExitStack() as stack:
         if cluster is not None:
-            cluster.stop()
+            stack.callback(cluster.stop)
+        twin = (
+            stack.enter_context(UpstreamStore(upstream, parse_size(pool_size)))
+            if upstream
+            else None
+        )
+        runner = bench.StoreBench(master, key, protocol, segment, spin_us=spin_us)
+        stack.callback(runner.close)
+        runner.warm_up(warmup)
+        twin_warmup = warmup  # upstream's warm-up: before its first cell
+        for _ in range(repeat):
+            for api, size in cells:
+                row = runner.run(api, size, duration)  # type: ignore[arg-type]
+                if twin is not None:  # right after ours: the same load
+                    up = twin.run(api, size, duration, warmup_s=twin_warmup)
+                    twin_warmup = 0.0
+                    row = msgspec.structs.replace(
+                        row, upstream_put_gbps=up.put_gbps, upstream_get_gbps=up.get_gbps,
+                        upstream_put_p50_us=up.put_p50_us, upstream_get_p50_us=up.get_p50_us,
+                    )  # fmt: skip
+                runs[api, size].append(row)
+        rows = [bench.median_row(runs[cell]) for cell in cells]
     if as_json:
         print_json(rows)
         return
+    medians = f", medians of {repeat} rounds" if repeat > 1 else ""
+    console.print(
+        _table(
+            rows,
+            f"store put/get, --protocol {protocol}, {duration:g} s per "
+            f"phase{medians} ({cpu_note()})",
+            has_upstream=bool(upstream),
+        )
+    )
+
+
+def _table(rows: list[StoreBenchRow], title: str, has_upstream: bool) -> Table:
+    """Our figures per row, then upstream's: measured in this run (--upstream) with
+    our/upstream GB/s ratios, or else the reference quoted from PAPER.md."""
     from rich.table import Table
 
-    medians = f", medians of {repeat} rounds" if repeat > 1 else ""
-    table = Table(title=f"store put/get, --protocol {protocol}, {duration:g} s per phase"
-                        f"{medians} ({cpu_note()})")  # fmt: skip
-    cols = ("api", "value", "keys/call", "via", "put GB/s", "get GB/s", "put p50/p99 us",
-            "get p50/p99 us", "socket p50 w/r us (same run)",
-            "upstream 0.3.13 (PAPER.md, not this run)")  # fmt: skip
+    from mooncake.store.bench import UPSTREAM_0_3_13
+
+    table = Table(title=title)
+    cols = ["api", "value", "keys/call", "via", "put GB/s", "get GB/s", "put p50/p99 us",
+            "get p50/p99 us", "socket p50 w/r us (same run)"]  # fmt: skip
+    if has_upstream:
+        cols += ["upstream put/get GB/s (same run)", "upstream p50 put/get us",
+                 "ours/upstream put/get GB/s"]  # fmt: skip
+    else:
+        cols += ["upstream 0.3.13 (PAPER.md, not this run)"]
     for col in cols:
         table.add_column(col, justify="left" if col in ("api", "via") else "right")
     for r in rows:
-        ref = bench.UPSTREAM_0_3_13.get((r.api, r.value_bytes))
-        ref_text = "-"
-        if ref is not None:
-            gbps = f"{ref[0]}/{ref[1]} GB/s" if ref[0] is not None else ""
-            p50 = f"p50 {ref[2]:g}/{ref[3]:g} us" if ref[2] is not None else ""
-            ref_text = gbps or p50
-        table.add_row(
+        cells = [
             r.api, _human(r.value_bytes), str(r.keys_per_call), r.protocol,
             f"{r.put_gbps:.2f}", f"{r.get_gbps:.2f}",
             f"{r.put_p50_us:,.0f}/{r.put_p99_us:,.0f}", f"{r.get_p50_us:,.0f}/{r.get_p99_us:,.0f}",
             f"{r.socket_put_p50_us:,.0f}/{r.socket_get_p50_us:,.0f}",
-            ref_text,
-        )  # fmt: skip
-    console.print(table)
+        ]  # fmt: skip
+        if has_upstream:
+            cells += [f"{r.upstream_put_gbps:.2f}/{r.upstream_get_gbps:.2f}",
+                      f"{r.upstream_put_p50_us:,.0f}/{r.upstream_get_p50_us:,.0f}",
+                      f"{_ratio(r.put_gbps, r.upstream_put_gbps)}/"
+                      f"{_ratio(r.get_gbps, r.upstream_get_gbps)}"]  # fmt: skip
+        else:
+            ref = UPSTREAM_0_3_13.get((r.api, r.value_bytes))
+            ref_text = "-"
+            if ref is not None:
+                gbps = f"{ref[0]}/{ref[1]} GB/s" if ref[0] is not None else ""
+                p50 = f"p50 {ref[2]:g}/{ref[3]:g} us" if ref[2] is not None else ""
+                ref_text = gbps or p50
+            cells.append(ref_text)
+        table.add_row(*cells)
+    return table
+
+
+def _ratio(ours: float, theirs: float) -> str:
+    return f"{ours / theirs:.2f}x" if ours > 0 and theirs > 0 else "-"
 
 
 def _human(n: int) -> str:

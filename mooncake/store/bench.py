@@ -7,11 +7,19 @@ before a new one is written), then a get phase reads those keys round robin for
 `duration_s`. GB/s is value bytes over the summed call time; latency is per call (per
 batch for the batch API). Before the first cell, `warm_up` runs untimed. The client has no
 segment of its own beyond its registered buffers (the staging buffer of put/get and the
-zero-copy buffers).
+zero-copy buffers). It reads back what it wrote, as a prefill node reads the KV blocks it
+stored: a get's lookup at the master then overlaps the read at the place its own put
+left (a hint, store/grants.py), kept when the master still lists that replica. The
+share of gets served so is in `gets_on_hint`, and of those within a read lease (one
+round trip, no lookup) in `gets_on_lease`.
 
 Before each cell, the same-run floor (SocketBaseline): one round trip carrying the value
 over a plain socket to another process, so a figure can be read against this machine's
 load at that moment rather than only against a reference measured elsewhere.
+
+With `bench store --upstream PYTHON`, upstream Mooncake's C++ Store runs the same loop
+(mooncake/store/upstream_driver.py, which must stay in step with `StoreBench.run`) right
+after each of our cells: the `upstream_*` figures of a row.
 """
 
 from __future__ import annotations
@@ -138,6 +146,14 @@ class StoreBenchRow(msgspec.Struct):
     # process (SocketBaseline), microseconds p50; 0 when not measured
     socket_put_p50_us: float = 0.0
     socket_get_p50_us: float = 0.0
+    # upstream Mooncake's C++ Store measured in the same run, cell by cell right after ours
+    # (bench store --upstream; mooncake.store.upstream); 0 when not measured
+    upstream_put_gbps: float = 0.0  # GB/s, as put_gbps
+    upstream_get_gbps: float = 0.0
+    upstream_put_p50_us: float = 0.0  # microseconds, as put_p50_us
+    upstream_get_p50_us: float = 0.0
+    gets_on_hint: float = 0.0  # share of keys read: overlapped with their lookup (a hint)
+    gets_on_lease: float = 0.0  # share of keys read: within a read lease, with no lookup
     repeats: int = 1  # measurements of this cell its figures are the medians of
 
 
@@ -149,18 +165,32 @@ def median_row(rows: list[StoreBenchRow]) -> StoreBenchRow:
     first = rows[0]
     figures = {name: float(np.median([getattr(r, name) for r in rows]))
                for name in ("put_gbps", "get_gbps", "put_p50_us", "put_p99_us", "get_p50_us",
-                            "get_p99_us", "socket_put_p50_us", "socket_get_p50_us")}  # fmt: skip
+                            "get_p99_us", "socket_put_p50_us", "socket_get_p50_us",
+                            "upstream_put_gbps", "upstream_get_gbps", "upstream_put_p50_us",
+                            "upstream_get_p50_us", "gets_on_hint", "gets_on_lease")}  # fmt: skip
     return msgspec.structs.replace(
-        first, **{k: round(v, 3 if k.endswith("gbps") else 1) for k, v in figures.items()},
+        first, **{k: _sig(v) if k.endswith("gbps") or k.startswith("gets_on") else round(v, 1)
+                  for k, v in figures.items()},
         num_puts=sum(r.num_puts for r in rows), num_gets=sum(r.num_gets for r in rows),
         repeats=len(rows),
     )  # fmt: skip
+
+
+def keys_per_call(api: str, size: int) -> int:
+    """Keys per put/get call of a cell: 1, or for the batch API as many values as fit
+    BATCH_BYTES, at most MAX_BATCH_KEYS."""
+    return max(1, min(MAX_BATCH_KEYS, BATCH_BYTES // size)) if api == "batch" else 1
 
 
 def _timed(fn: Callable[[], object], lat: list[float]) -> None:
     t0 = time.perf_counter()
     fn()
     lat.append(time.perf_counter() - t0)
+
+
+def _sig(x: float) -> float:
+    """`x` to 4 significant digits (GB/s of 4 KiB values is ~0.01: ratios need digits)."""
+    return float(f"{x:.4g}")
 
 
 def _pct(lat: list[float], q: float) -> float:
@@ -214,7 +244,7 @@ class StoreBench:
     def run(self, api: Api, size: int, duration_s: float) -> StoreBenchRow:
         """Measure one cell: a put phase, then a get phase, each `duration_s` long."""
         s = self.store
-        per_call = max(1, min(MAX_BATCH_KEYS, BATCH_BYTES // size)) if api == "batch" else 1
+        per_call = keys_per_call(api, size)
         ring = max(2, RING_BYTES // (size * per_call))  # calls whose keys stay in the pool
         value = np.random.default_rng(1).integers(0, 256, size, dtype=np.uint8).tobytes()
         if api == "zero-copy":
@@ -255,20 +285,28 @@ class StoreBench:
             _timed(functools.partial(put, keys), put_lat)
             live.append(keys)
             i += 1
+        cache = s.locations
+        before = (cache.num_overlapped, cache.num_hits) if cache is not None else (0, 0)
         i, until = 0, time.perf_counter() + duration_s
         while time.perf_counter() < until or not get_lat:
             _timed(functools.partial(get, live[i % len(live)]), get_lat)
             i += 1
+        on_hint = on_lease = 0.0
+        if cache is not None:
+            num_keys = len(get_lat) * per_call
+            on_hint = _sig((cache.num_overlapped - before[0]) / num_keys)
+            on_lease = _sig((cache.num_hits - before[1]) / num_keys)
         s.remove_batch([k for keys in live for k in keys])  # waits out the read leases
         moved = size * per_call
         return StoreBenchRow(
             api=api, value_bytes=size, keys_per_call=per_call, protocol=self.protocol(),
-            put_gbps=round(moved * len(put_lat) / sum(put_lat) / 1e9, 3),
-            get_gbps=round(moved * len(get_lat) / sum(get_lat) / 1e9, 3),
+            put_gbps=_sig(moved * len(put_lat) / sum(put_lat) / 1e9),
+            get_gbps=_sig(moved * len(get_lat) / sum(get_lat) / 1e9),
             put_p50_us=_pct(put_lat, 50), put_p99_us=_pct(put_lat, 99),
             get_p50_us=_pct(get_lat, 50), get_p99_us=_pct(get_lat, 99),
             num_puts=len(put_lat), num_gets=len(get_lat),
             socket_put_p50_us=floor[0], socket_get_p50_us=floor[1],
+            gets_on_hint=on_hint, gets_on_lease=on_lease,
         )  # fmt: skip
 
 

@@ -52,14 +52,38 @@ def test_median_row_takes_each_figure_apart_and_sums_the_calls() -> None:
         return StoreBenchRow(
             api="bytes", value_bytes=4096, keys_per_call=1, protocol="tcp", put_gbps=gbps,
             get_gbps=2 * gbps, put_p50_us=p50, put_p99_us=3 * p50, get_p50_us=p50 / 2,
-            get_p99_us=p50, num_puts=calls, num_gets=calls,
+            get_p99_us=p50, num_puts=calls, num_gets=calls, upstream_put_gbps=gbps / 2,
+            upstream_get_gbps=gbps / 4, upstream_put_p50_us=p50 + 1, upstream_get_p50_us=p50 + 2,
         )  # fmt: skip
 
     m = median_row([row(1.0, 300.0, 10), row(3.0, 100.0, 20), row(2.0, 900.0, 30)])
     assert (m.put_gbps, m.get_gbps, m.put_p50_us, m.put_p99_us, m.get_p50_us) == (
         2.0, 4.0, 300.0, 900.0, 150.0)  # fmt: skip
+    assert (m.upstream_put_gbps, m.upstream_get_gbps, m.upstream_put_p50_us,
+            m.upstream_get_p50_us) == (1.0, 0.5, 301.0, 302.0)  # fmt: skip
     assert (m.num_puts, m.num_gets, m.repeats) == (60, 60, 3)
     assert median_row([row(1.0, 5.0, 1)]).repeats == 1
+
+
+def test_the_table_shows_upstreams_same_run_figures_and_our_ratios_when_measured() -> None:
+    from rich.console import Console
+
+    from mooncake.cli.bench_store import _table
+    from mooncake.store.bench import StoreBenchRow
+
+    r = StoreBenchRow(
+        api="zero-copy", value_bytes=1 << 20, keys_per_call=1, protocol="tcp", put_gbps=1.5,
+        get_gbps=0.5, put_p50_us=700.0, put_p99_us=900.0, get_p50_us=2000.0, get_p99_us=3000.0,
+        num_puts=10, num_gets=10, upstream_put_gbps=1.0, upstream_get_gbps=1.0,
+        upstream_put_p50_us=1000.0, upstream_get_p50_us=1000.0,
+    )  # fmt: skip
+    console = Console(width=400, record=True)
+    console.print(_table([r], "t", has_upstream=True))
+    text = console.export_text()
+    assert "1.00/1.00" in text and "1,000/1,000" in text and "1.50x/0.50x" in text
+    assert "PAPER.md" not in text  # the quoted reference only without --upstream
+    console.print(_table([r], "t", has_upstream=False))
+    assert "1.0/1.4 GB/s" in console.export_text()  # PAPER.md's zero-copy 1 MiB figures
 
 
 def test_bench_store_rejects_an_unknown_protocol_with_a_clear_error() -> None:
