@@ -183,11 +183,16 @@ class Store(BatchCalls):
         sent_at = time.monotonic()
         try:
             r = self._get_replicas(key)
-        finally:
-            is_read = guess is not None and guess[1]()  # NOTE: always collect the reply
+        except BaseException:
+            if guess is not None:
+                guess[1](False)  # NOTE: always end it: here without waiting
+            raise
+        kept = self._still_there(guess, r, sent_at) if guess is not None else None
+        if guess is not None and not guess[1](kept is not None):
+            kept = None  # NOTE: a replica the master does not list: abandoned unread
         if max_size and r.size > max_size:
             raise StoreError(f"{key!r} is {r.size} bytes; the buffer offers {max_size}")
-        if is_read and cache is not None and (kept := self._still_there(guess, r, sent_at)):
+        if kept is not None and cache is not None and self._in_lease(r, sent_at):
             cache.put(key, kept, r.size, sent_at, r.lease_ttl_s)
             cache.num_overlapped += 1
             return r.size
@@ -219,18 +224,21 @@ class Store(BatchCalls):
 
     @staticmethod
     def _still_there(guess: Any, r: GetResult, sent_at: float) -> ReplicaDesc | None:
-        """The replica read on a hint, if those bytes are the value `r` describes: `r`
-        lists that very allocation (replica ids are never reused, and a committed
-        replica's bytes never change while it exists), so it held the value from when
-        the hint was learned until the master answered; and the read ended within the
-        lease that answer granted, so it cannot have read after a reuse either."""
+        """The replica a hinted read went to, if `r` (the master's answer) still lists that
+        very allocation: replica ids are never reused, and a committed replica's bytes
+        never change while it exists, so it held the value from when the hint was learned
+        until the master answered. _in_lease() must also hold once the read is done."""
         was = guess[0]
-        if not was.replica_id or time.monotonic() - sent_at >= r.lease_ttl_s * MARGIN:
-            return None
         for d in r.replicas:
-            if d.replica_id == was.replica_id and d.segment == was.segment and d.size == r.size:
-                return d
+            if was.replica_id and d.replica_id == was.replica_id and d.segment == was.segment:
+                return d if d.size == r.size else None
         return None
+
+    @staticmethod
+    def _in_lease(r: GetResult, sent_at: float) -> bool:
+        """The read that just ended ended within the lease `r` granted (counted from
+        before the ask): so it cannot have read after the range was reused either."""
+        return time.monotonic() - sent_at < r.lease_ttl_s * MARGIN
 
     def _get_replicas(self, key: str) -> GetResult:
         """The replicas of `key`, waiting (up to timeout_s) for a promotion off SSD."""

@@ -10,12 +10,13 @@ when one fails.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from mooncake.errors import StoreError, TransferError
 from mooncake.store.node import remote_name
 from mooncake.store.objects import ReplicaDesc, Tier
 from mooncake.transfer.engine import TransferEngine
+from mooncake.transfer.inline import Finish
 from mooncake.transfer.types import TransferOp, TransferRequest, TransferState
 
 _COST = {"local": 0, "rdma": 1, "shm": 1, "tcp": 2}  # transport -> rank (lower is cheaper)
@@ -69,10 +70,11 @@ class DataPath:
             raise
 
     def start_read(self, d: ReplicaDesc, segment: str, offset: int, size: int
-                   ) -> Callable[[], bool] | None:  # fmt: skip
+                   ) -> Finish | None:  # fmt: skip
         """Begin reading replica `d` on this thread, for the caller to finish after other
-        work: the call returned says whether the bytes arrived. None if it cannot begin
-        without a lookup or a connect (TransferEngine.start): nothing was sent."""
+        work: finish() says whether the bytes arrived, finish(False) abandons the read.
+        None if it cannot begin without a lookup or a connect (TransferEngine.start):
+        nothing was sent."""
         return self.engine.start(_request(TransferOp.READ, segment, offset, d, size),
                                  self.timeout_s)  # fmt: skip
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import socket
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import msgspec
@@ -214,11 +214,11 @@ class TransferEngine:
         if not inline.move_now(self, r, timeout):
             self.transfer([r], timeout).check()
 
-    def start(self, r: TransferRequest, timeout: float | None = None
-              ) -> Callable[[], bool] | None:  # fmt: skip
-        """Begin one small request on this thread; returns the call that waits for it
-        (True once moved, False if it failed: move() it then), or None if it cannot
-        begin that way (nothing sent). See transfer/inline.py."""
+    def start(self, r: TransferRequest, timeout: float | None = None) -> inline.Finish | None:
+        """Begin one small request on this thread; returns the call that ends it:
+        finish() waits (True once moved, False if it failed: move() it then),
+        finish(False) abandons it. None if it cannot begin that way (nothing sent).
+        See transfer/inline.py."""
         return inline.start_move(self, r, timeout)
 
     def _plan(

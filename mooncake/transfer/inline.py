@@ -10,6 +10,7 @@ where a value is while it already reads it from where it was: store/client.py).
     if not move_now(engine, request, timeout): ...   # the general path: engine.transfer()
     finish = start_move(engine, request, timeout)      # None: could not start this way
     ... ; done = finish()                              # True once moved
+    ... ; finish(False)                                # or: not wanted after all
 
 Neither raises nor records a failure: a request that does not qualify or does not work
 out is left to the general path, which retries and reports (a repeat is harmless: the
@@ -30,7 +31,10 @@ if TYPE_CHECKING:
     from mooncake.transfer.engine import TransferEngine
 
 
-def _done() -> bool:
+Finish = Callable[[bool], bool]  # finish(wait=True): True once moved; finish(False) abandons
+
+
+def _done(wait: bool = True) -> bool:
     return True
 
 
@@ -78,14 +82,17 @@ def move_now(engine: TransferEngine, r: TransferRequest, timeout: float | None) 
 
 
 def start_move(engine: TransferEngine, r: TransferRequest, timeout: float | None
-               ) -> Callable[[], bool] | None:  # fmt: skip
-    """Begin moving one small request on this thread and return what finishes it (True
-    once moved, False if it failed); None if it cannot begin this way, nothing sent.
+               ) -> Finish | None:  # fmt: skip
+    """Begin moving one small request on this thread and return what finishes it: with
+    wait=True (the default) True once moved, False if it failed; with wait=False it is
+    abandoned (a tcp request's connection is closed unread, with no wait for a node that
+    may be gone). None if it cannot begin this way: nothing was sent.
 
     Only to a segment already resolved, with the request's token, and over tcp only on an
     idle connection: never a lookup or a connect, which can take seconds when the node is
     gone. A copy (shm, local) is made at once; over tcp the request is sent now and the
-    reply is taken by the returned call, which must be made (it gives the connection back)."""
+    reply is taken by the returned call, which must be made (it gives the connection back
+    or closes it)."""
     known = engine._targets.peek(r.remote_segment)
     if known is None or (r.remote_token and known.desc.token != r.remote_token):
         return None
@@ -98,4 +105,11 @@ def start_move(engine: TransferEngine, r: TransferRequest, timeout: float | None
     started = path.start_now(r.op, mem, token, r.remote_offset)
     if started is None:
         return None
-    return lambda: path.finish_now(started, r.op, mem)
+
+    def finish(wait: bool = True) -> bool:
+        if wait:
+            return path.finish_now(started, r.op, mem)
+        path.abandon_now(started)
+        return False
+
+    return finish

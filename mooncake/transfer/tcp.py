@@ -211,6 +211,12 @@ class TcpPath(Path):
                 self._drop(conn[0])
             return None
 
+    def abandon_now(self, started: _Started) -> None:
+        """Give up on the request start_now() sent: its connection is closed unread (the
+        reply would be waited for in vain if the node is gone; a node that is there sees
+        the connection end)."""
+        self._drop(started[0][0])
+
     def finish_now(self, started: _Started, op: TransferOp, mem: memoryview) -> bool:
         """The second half of move_now(): wait for the reply of the request start_now()
         sent (polling up to spin_us first); False if it failed, as move_now()."""

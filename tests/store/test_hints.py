@@ -6,6 +6,8 @@ is never returned from its old place."""
 from __future__ import annotations
 
 import os
+import signal
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -80,11 +82,11 @@ def test_a_range_reused_by_another_key_is_never_returned(cluster: Child) -> None
 
 
 @pytest.mark.timeout(60)
-def test_a_removed_value_is_not_found_and_the_connection_stays_usable(cluster: Child) -> None:
+def test_a_removed_value_is_not_found_and_later_gets_still_overlap(cluster: Child) -> None:
     with _connect(cluster) as writer, _connect(cluster) as other:
         value = os.urandom(4096)
-        writer.put("gone", value)
-        writer.put("kept", value[::-1])
+        for key in ("gone", "kept", "kept2"):
+            writer.put(key, value)
         other.remove("gone")
         with pytest.raises(NotFoundError):
             writer.get("gone")  # its bytes still sit at the hinted place
@@ -92,5 +94,40 @@ def test_a_removed_value_is_not_found_and_the_connection_stays_usable(cluster: C
         writer.register_buffer("buf", buf)
         with pytest.raises(NotFoundError):
             writer.get_into("gone", "buf", 0)
-        assert writer.get("kept") == value[::-1]  # the hinted read's reply was collected
-        assert writer.locations is not None and writer.locations.num_overlapped == 1
+        assert writer.locations is not None and writer.locations.num_overlapped == 0
+        # the abandoned reads closed their connection: the next get connects again...
+        assert writer.get("kept") == value
+        # ...after which hinted reads overlap again, the stale replies never taken
+        assert writer.get("kept2") == value and writer.locations.num_overlapped >= 1
+
+
+@pytest.mark.timeout(60)
+def test_a_hint_on_a_hung_node_is_abandoned_not_waited_for() -> None:
+    """The node a hint points at hangs (SIGSTOP: its kernel still accepts bytes, nothing
+    answers). Once the master has dropped that node, a get reads the other replica at
+    once: the hinted read is abandoned, not waited for until the socket's timeout."""
+    master = start_master(lease_ttl_s=0.2)
+    nodes = {n: start_node(n, master, 1 << 20) for n in ("h0", "h1")}
+    opts = EngineOptions(protocol="tcp", timeout_s=30.0)  # a socket may stall 7.5 s
+    hung = None
+    try:
+        with Store.connect(master.address, SECRET, timeout_s=30.0, engine_options=opts) as w:
+            value = os.urandom(4096)
+            w.put("k", value, replicas=2)
+            assert w.locations is not None
+            hint = w.locations.guess("k")
+            assert hint is not None
+            hung = nodes[hint[0].node_id]
+            os.kill(hung.proc.pid, signal.SIGSTOP)
+            deadline = time.monotonic() + 20
+            while hint[0].node_id in {d.node_id for d in w._get_replicas("k").replicas}:
+                assert time.monotonic() < deadline, "the master never dropped the hung node"
+                time.sleep(0.2)  # heartbeat_ttl_s is 1 s
+            started = time.monotonic()
+            assert w.get("k") == value
+            assert time.monotonic() - started < opts.slice_io_timeout_s / 2
+    finally:
+        if hung is not None:
+            os.kill(hung.proc.pid, signal.SIGCONT)
+        for c in [*nodes.values(), master]:
+            c.stop()

@@ -72,3 +72,19 @@ def test_a_shm_start_is_a_copy_made_at_once() -> None:
     finally:
         a.close()
         b.close()
+
+
+def test_an_abandoned_start_closes_its_connection_unread(engines) -> None:
+    """finish(False): the reply is never waited for (the node may be gone); the connection
+    is closed, so no stale reply is ever taken for a later request."""
+    a, b = engines
+    pool = b.allocate("pool", 1 << 16)
+    pool[:] = pattern(1 << 16)
+    dst = np.zeros(4096, np.uint8)
+    a.register("dst", dst)
+    a.move(TransferRequest(READ, "dst", 0, "pool", 0, 4096))
+    finish = a.start(TransferRequest(READ, "dst", 0, "pool", 8192, 4096))
+    assert finish is not None and finish(False) is False
+    assert a.start(TransferRequest(READ, "dst", 0, "pool", 0, 4096)) is None  # none idle
+    a.move(TransferRequest(READ, "dst", 0, "pool", 4096, 4096))  # a new connection
+    assert (dst == pool[4096:8192]).all()
