@@ -58,7 +58,7 @@ class DirectServer:
     def __init__(self, rpc: RpcServer, secret: bytes, host: str = "127.0.0.1", port: int = 0):
         self._rpc = rpc
         self._local = threading.local()  # a msgpack encoder per connection thread
-        self._tcp = TcpServer(SegmentTable(), secret, host, port)
+        self._tcp = TcpServer(SegmentTable(native=False), secret, host, port)
         self._tcp.handlers[Op.CALL] = self._answer
         self.port: int = self._tcp.port
 

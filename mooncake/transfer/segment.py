@@ -7,17 +7,22 @@ bounds-checked here, on the owner's side, whatever the initiator checked.
 
 from __future__ import annotations
 
+import logging
 import secrets
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from mooncake.errors import TransferError
+from mooncake.native.dataloop import SegmentIndex
 from mooncake.native.memory import BufferView, buffer_view
 from mooncake.native.shm import ShmArena, new_name
 from mooncake.transfer.types import EndpointDesc, RdmaKeyDesc, SegmentDesc
+
+log = logging.getLogger(__name__)
 
 MAX_NAME_BYTES = 256  # segment names are short identifiers, never payloads
 
@@ -79,10 +84,16 @@ def check_name(name: str) -> None:
 class SegmentTable:
     """Thread-safe registry of this node's segments by name and by wire token."""
 
-    def __init__(self) -> None:
+    def __init__(self, native: bool = True) -> None:
+        """`native`: also index host-memory segments for the C request loop when it was
+        built (native/dataloop.py), so the TcpServer serving this table uses it."""
         self._lock = threading.Lock()
         self._by_name: dict[str, Region] = {}
         self._by_token: dict[int, Region] = {}
+        self.native = SegmentIndex.create() if native else None
+        # called when a removal waits on a loop stuck on a stalled peer (the server sets it
+        # to drop its connections, which frees the loop)
+        self.on_stuck: Callable[[], object] = lambda: None
 
     def register(self, name: str, buffer: Any, location: str | None = None) -> Region:
         """Register `buffer` (no copy) under `name`; raises TransferError if the name is taken
@@ -117,7 +128,16 @@ class SegmentTable:
                 )
             self._by_name[region.name] = region
             self._by_token[region.token] = region
+            while self.native is not None and region.array is not None:
+                if self.native.add(region.token, region.array) != 1:
+                    break  # NOTE: added, or the table is full and Python serves it
+                self._stuck(region.name)
         return region
+
+    def _stuck(self, name: str) -> None:
+        log.warning("segment %r: a transfer is stuck on a stalled peer; dropping connections "
+                    "to change the served segments", name)  # fmt: skip
+        self.on_stuck()
 
     def unregister(self, name: str) -> Region:
         """Remove `name` (its shm arena, if any, is unlinked); raises TransferError if unknown."""
@@ -126,6 +146,8 @@ class SegmentTable:
             if region is None:
                 raise TransferError(f"segment {name!r} is not registered here")
             del self._by_token[region.token]
+        while self.native is not None and not self.native.remove(region.token):
+            self._stuck(name)
         if region.arena is not None:
             region.arena.close()
         return region

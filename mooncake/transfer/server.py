@@ -15,11 +15,15 @@ import logging
 import socket
 import threading
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from mooncake.errors import MooncakeError
 from mooncake.transfer import wire
 from mooncake.transfer.segment import Region, SegmentTable
 from mooncake.transfer.wire import REQ, RESP, Op, Status
+
+if TYPE_CHECKING:
+    from mooncake.native.dataloop import SegmentIndex
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +46,7 @@ class TcpServer:
         self, segments: SegmentTable, secret: bytes, host: str = "127.0.0.1", port: int = 0
     ):
         self.segments = segments
+        segments.on_stuck = self.drop_connections  # frees a native loop held by a stalled peer
         self.handlers: dict[Op, ControlHandler] = {}  # DESCRIBE, RDMA_CONNECT
         self._secret = secret
         self._listener = socket.create_server((host, port), backlog=128, reuse_port=False)
@@ -89,6 +94,9 @@ class TcpServer:
             sock.close()
 
     def _loop(self, sock: socket.socket, peer: str) -> None:
+        index = self.segments.native
+        if index is not None:
+            return self._native_loop(sock, peer, index)
         hdr = bytearray(REQ.size)
         pending: list[bytes | memoryview] = []  # replies not yet sent
         pending_bytes = 0
@@ -107,46 +115,71 @@ class TcpServer:
                     return
             elif got < REQ.size:
                 wire.recv_exact(sock, memoryview(hdr)[got:])
-            op, flags, _pad, req_id, token, offset, length = REQ.unpack(hdr)
-            if op in (_READ, _WRITE):
-                if length > wire.MAX_DATA_BYTES:
-                    self._malformed(peer, f"slice length {length} > {wire.MAX_DATA_BYTES}")
-                status, region = self._access(token, offset, length)
-                if region is None:
-                    log.warning("transfer server: %s request %d from %s refused: %s",
-                                Op(op).name, req_id, peer, status.name)  # fmt: skip
-                    # NOTE: close after any error reply: a WRITE's payload is on the wire and
-                    # is never read into memory, and clients rely on nothing following it
-                    wire.send_all(sock, [*pending, RESP.pack(status, req_id, 0)])
-                    raise _Closing
-                assert region.view.mv is not None
-                view = region.view.mv[offset : offset + length]
-                if op == _WRITE:
-                    got = sock.recv_into(view, length, socket.MSG_WAITALL)
-                    if got != length:  # rare: a signal, or EOF (0)
-                        if got == 0:
-                            raise ConnectionError("peer closed the connection mid-write")
-                        wire.recv_exact(sock, view[got:])
-                    pending.append(RESP.pack(_OK, req_id, 0))
-                else:
-                    pending += (RESP.pack(_OK, req_id, length), view)
-                    pending_bytes += length
-            elif op in self.handlers:
-                if length > wire.MAX_CONTROL_BYTES:
-                    self._malformed(peer, f"control payload {length} > {wire.MAX_CONTROL_BYTES}")
-                payload = bytearray(length)
-                got = sock.recv_into(payload, length, socket.MSG_WAITALL) if length else 0
-                if got != length:  # rare: a signal, or EOF (0)
-                    if got == 0:
-                        raise ConnectionError("peer closed the connection mid-request")
-                    wire.recv_exact(sock, memoryview(payload)[got:])
-                status, reply = self._control(op, bytes(payload), peer)
-                pending += (RESP.pack(status, req_id, len(reply)), reply)
-            else:
-                self._malformed(peer, f"unknown op {op}")
+            flags, added = self._request(sock, peer, hdr, pending)
+            pending_bytes += added
             if flags & _FLUSH or pending_bytes >= FLUSH_BYTES:
                 wire.send_all(sock, pending)
                 pending, pending_bytes = [], 0
+
+    def _native_loop(self, sock: socket.socket, peer: str, index: SegmentIndex) -> None:
+        """The C loop serves READ/WRITE requests (native/dataloop.py); whatever it hands
+        back (control ops, refusals, segments it does not hold) is answered here, one
+        request at a time."""
+        fd = sock.fileno()
+        while True:
+            rc, hdr = index.serve(fd)
+            if rc == 0:
+                return
+            if rc < 0:
+                raise ConnectionError("the connection broke in the native data loop")
+            pending: list[bytes | memoryview] = []
+            self._request(sock, peer, hdr, pending)
+            wire.send_all(sock, pending)
+
+    def _request(self, sock: socket.socket, peer: str, hdr: bytes | bytearray,
+                 pending: list[bytes | memoryview]) -> tuple[int, int]:  # fmt: skip
+        """Serve the request whose header is `hdr` (reading its payload), queueing its
+        reply on `pending`; returns (its flags, bytes of READ data queued). Raises
+        _Closing after a refusal or a malformed request (the reason logged)."""
+        op, flags, _pad, req_id, token, offset, length = REQ.unpack(hdr)
+        added = 0
+        if op in (_READ, _WRITE):
+            if length > wire.MAX_DATA_BYTES:
+                self._malformed(peer, f"slice length {length} > {wire.MAX_DATA_BYTES}")
+            status, region = self._access(token, offset, length)
+            if region is None:
+                log.warning("transfer server: %s request %d from %s refused: %s",
+                            Op(op).name, req_id, peer, status.name)  # fmt: skip
+                # NOTE: close after any error reply: a WRITE's payload is on the wire and
+                # is never read into memory, and clients rely on nothing following it
+                wire.send_all(sock, [*pending, RESP.pack(status, req_id, 0)])
+                raise _Closing
+            assert region.view.mv is not None
+            view = region.view.mv[offset : offset + length]
+            if op == _WRITE:
+                got = sock.recv_into(view, length, socket.MSG_WAITALL)
+                if got != length:  # rare: a signal, or EOF (0)
+                    if got == 0:
+                        raise ConnectionError("peer closed the connection mid-write")
+                    wire.recv_exact(sock, view[got:])
+                pending.append(RESP.pack(_OK, req_id, 0))
+            else:
+                pending += (RESP.pack(_OK, req_id, length), view)
+                added = length
+        elif op in self.handlers:
+            if length > wire.MAX_CONTROL_BYTES:
+                self._malformed(peer, f"control payload {length} > {wire.MAX_CONTROL_BYTES}")
+            payload = bytearray(length)
+            got = sock.recv_into(payload, length, socket.MSG_WAITALL) if length else 0
+            if got != length:  # rare: a signal, or EOF (0)
+                if got == 0:
+                    raise ConnectionError("peer closed the connection mid-request")
+                wire.recv_exact(sock, memoryview(payload)[got:])
+            status, reply = self._control(op, bytes(payload), peer)
+            pending += (RESP.pack(status, req_id, len(reply)), reply)
+        else:
+            self._malformed(peer, f"unknown op {op}")
+        return flags, added
 
     def _access(self, token: int, offset: int, length: int) -> tuple[Status, Region | None]:
         """The region a READ/WRITE may touch, or (why not, None)."""

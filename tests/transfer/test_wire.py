@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 
 from mooncake.errors import AuthError
+from mooncake.native import dataloop
+from mooncake.native.dataloop import library
 from mooncake.transfer import wire
 from mooncake.transfer.segment import SegmentTable
 from mooncake.transfer.server import TcpServer
@@ -18,9 +20,12 @@ from mooncake.transfer.wire import REQ, RESP, Op, Status
 SECRET = b"wire-test-secret-0123456789abcdef"
 
 
-@pytest.fixture
-def served() -> Iterator[tuple[TcpServer, np.ndarray, int]]:
-    table = SegmentTable()
+@pytest.fixture(params=["native", "python"])
+def served(request: pytest.FixtureRequest) -> Iterator[tuple[TcpServer, np.ndarray, int]]:
+    """A server of one 4 KiB segment, with the C request loop and with the Python one."""
+    if request.param == "native" and library() is None:
+        pytest.skip("the native data loop was not built (no C compiler at install)")
+    table = SegmentTable(native=request.param == "native")
     mem = np.zeros(4096, dtype=np.uint8)
     region = table.register("seg", mem)
     server = TcpServer(table, SECRET)
@@ -191,3 +196,31 @@ def test_a_reply_in_pieces_lands_whole_with_or_without_polling(tcp_pair, spin_s:
     writer.shutdown(socket.SHUT_WR)
     tail = [memoryview(bytearray(10))]
     assert wire.recv_until_eof(reader, tail, spin_s) == 2 and bytes(tail[0][:2]) == b"xy"
+
+
+def test_the_native_loops_wire_constants_are_the_wires() -> None:
+    assert (REQ.size, wire.MAX_DATA_BYTES) == (dataloop.REQ_BYTES, dataloop.MAX_DATA_BYTES)
+
+
+@pytest.mark.skipif(library() is None, reason="the native data loop was not built")
+def test_unregister_frees_a_native_loop_stuck_on_a_stalled_writer() -> None:
+    """A peer sends a WRITE's header and part of its payload, then stalls, while the C loop
+    holds the segment: unregistering it drops the connections that hold it (after a
+    bounded wait), completes, and later requests for it are refused. (The Python loop
+    does not wait: its memoryview keeps the memory alive.)"""
+    table = SegmentTable(native=True)
+    token = table.register("seg", np.zeros(4096, dtype=np.uint8)).token
+    server = TcpServer(table, SECRET)
+    try:
+        stalled = wire.connect("127.0.0.1", server.port, SECRET, 5.0)
+        wire.send_all(stalled, [REQ.pack(Op.WRITE, 0, 0, 1, token, 0, 4096), b"x" * 100])
+        good = wire.connect("127.0.0.1", server.port, SECRET, 5.0)
+        assert _write(good, token, 200, b"ok")[0] == Status.OK  # served beside it
+        table.unregister("seg")
+        assert _closed_by_peer(stalled)
+        late = wire.connect("127.0.0.1", server.port, SECRET, 5.0)
+        assert _write(late, token, 0, b"no")[0] == Status.NO_SEGMENT
+        for sock in (stalled, good, late):
+            sock.close()
+    finally:
+        server.close()
