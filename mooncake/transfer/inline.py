@@ -20,7 +20,7 @@ same bytes read or written again).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from mooncake.errors import TransferError
 from mooncake.transfer.tcp import TcpPath, TcpTransport
@@ -31,7 +31,11 @@ if TYPE_CHECKING:
     from mooncake.transfer.engine import TransferEngine
 
 
-Finish = Callable[[bool], bool]  # finish(wait=True): True once moved; finish(False) abandons
+class Finish(Protocol):
+    """Ends a started move: finish() waits (True once moved, False if it failed);
+    finish(False) abandons it."""
+
+    def __call__(self, wait: bool = True) -> bool: ...
 
 
 def _done(wait: bool = True) -> bool:

@@ -88,3 +88,46 @@ def test_an_abandoned_start_closes_its_connection_unread(engines) -> None:
     assert a.start(TransferRequest(READ, "dst", 0, "pool", 0, 4096)) is None  # none idle
     a.move(TransferRequest(READ, "dst", 0, "pool", 4096, 4096))  # a new connection
     assert (dst == pool[4096:8192]).all()
+
+
+def test_segments_come_and_go_while_transfers_run(engines) -> None:
+    """The server's segment table changes (register, unregister) while four threads move
+    bytes to and from another segment: every transfer completes byte for byte, and a
+    removed segment is refused (native/dataloop.py's lock; the Python loop alike)."""
+    import threading
+
+    from mooncake.errors import TransferError
+
+    a, b = engines
+    pool = b.allocate("pool", 1 << 20)
+    errors: list[str] = []
+    stop = threading.Event()
+
+    def mover(k: int) -> None:
+        src, dst = pattern(8192) ^ k, np.zeros(8192, np.uint8)
+        a.register(f"src{k}", src)
+        a.register(f"dst{k}", dst)
+        while not stop.is_set():
+            a.move(TransferRequest(WRITE, f"src{k}", 0, "pool", k * 8192, 8192))
+            a.move(TransferRequest(READ, f"dst{k}", 0, "pool", k * 8192, 8192))
+            if not (dst == src).all():
+                errors.append(f"thread {k} read back other bytes")
+
+    threads = [threading.Thread(target=mover, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    try:
+        for i in range(30):
+            b.allocate(f"extra{i}", 4096)
+            a.move(TransferRequest(WRITE, "src0", 0, f"extra{i}", 0, 4096))
+            b.unregister(f"extra{i}")
+            try:
+                a.move(TransferRequest(READ, "dst0", 0, f"extra{i}", 0, 4096), 2.0)
+                errors.append(f"extra{i} was served after it was unregistered")
+            except TransferError:
+                pass
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(10)
+    assert errors == [] and pool.any()
