@@ -66,6 +66,13 @@ def bench_transfer(
         help="Cluster secret shared by target and initiator (random with --local).",
     ),
     no_baseline: bool = typer.Option(False, "--no-baseline", help="Skip the baseline measurement."),
+    busy_target: bool = typer.Option(
+        False,
+        "--busy-target",
+        help="With --local: the target also runs a pure-Python thread all along, as a model "
+        "node's engine thread does; reports the share of its speed it kept "
+        "(target_busy_share), and the figures show whether serving waits for the GIL.",
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of a table."),
 ) -> None:
     """Measure one-sided transfers (GB/s, requests/s, p50/p99 batch latency, peak RSS).
@@ -104,10 +111,12 @@ def bench_transfer(
         )
         bench.serve_target(key, host, port, buffer_bytes, None)
         return
+    if busy_target and not local:
+        raise ConfigError("--busy-target needs --local: the bench starts that target itself")
     proc = pipe = None
     if local:
         key = key or bench.new_secret()
-        proc, pipe, thost, tport = bench.start_local_target(key, buffer_bytes)
+        proc, pipe, thost, tport = bench.start_local_target(key, buffer_bytes, busy_target)
     else:
         thost, _, tport_text = target.rpartition(":")
         if not thost or not tport_text.isdigit() or len(key) < 16:
@@ -131,10 +140,11 @@ def bench_transfer(
             baseline.close()
         if pipe is not None and proc is not None:
             pipe.send("stop")
-            target_peak = pipe.recv() if pipe.poll(10) else 0
+            target_peak, busy_share = pipe.recv() if pipe.poll(10) else (0, 0.0)
             proc.join(10)
     if local:
         result.target_rss_peak_bytes = target_peak
+        result.target_busy_share = round(busy_share, 3)
     used = result.protocol
     if as_json:
         print_json(result)
@@ -149,7 +159,8 @@ def bench_transfer(
     table = Table(title=title)
     baseline_col = f"{result.baseline or 'baseline'} GB/s"
     columns = ("GB/s", "requests/s", "p50 us", "p99 us", baseline_col, "ratio", "retries")
-    for col in (*columns, "RSS start/end/peak MiB", "target peak MiB"):
+    busy_cols = ("target busy thread kept",) if busy_target else ()
+    for col in (*columns, "RSS start/end/peak MiB", "target peak MiB", *busy_cols):
         table.add_column(col, justify="right")
     mib = 1 << 20
     table.add_row(
@@ -159,5 +170,6 @@ def bench_transfer(
         "/".join(str(n // mib) for n in (result.rss_start_bytes, result.rss_end_bytes,
                                           result.rss_peak_bytes)),
         str(result.target_rss_peak_bytes // mib) if result.target_rss_peak_bytes else "-",
+        *([f"{result.target_busy_share:.0%}"] if busy_target else []),
     )  # fmt: skip
     console.print(table)

@@ -58,6 +58,9 @@ class BenchResult(msgspec.Struct):
     rss_peak_bytes: int  # initiator peak RSS (getrusage)
     rss_trace_bytes: list[int]  # initiator RSS sampled every 5 s of the measurement
     target_rss_peak_bytes: int  # target process peak RSS (0 when not --local)
+    # --busy-target: the speed a pure-Python thread in the target kept while the target
+    # served, as a share of its speed before (0 when not measured)
+    target_busy_share: float = 0.0
 
 
 class LatencyHistogram:
@@ -97,34 +100,66 @@ def peak_rss_bytes() -> int:
 
 
 def serve_target(
-    secret: bytes, host: str, port: int, buffer_bytes: int, conn: Connection | None
-) -> None:
+    secret: bytes, host: str, port: int, buffer_bytes: int, conn: Connection | None,
+    busy: bool = False,
+) -> None:  # fmt: skip
     """Run a target node; with `conn` (from --local) report (host, port) on it once ready and
-    stop when the parent sends anything, answering with this process's peak RSS."""
+    stop when the parent sends anything, answering with (peak RSS, busy share).
+
+    `busy`: a thread runs pure Python all along, as a model node's engine thread does (its
+    speed alone is measured first); the busy share is the speed it kept while serving. The
+    initiator's figures then show whether serving waits for the GIL."""
     if threading.current_thread() is threading.main_thread():  # close (unlink) on SIGTERM
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     engine = TransferEngine(
         "bench-target", secret, EngineOptions(protocol="auto"), host=host, port=port
     )
+    stop, rates = threading.Event(), list[float]()
+    worker = threading.Thread(target=_busy, args=(stop, rates), daemon=True)
     try:
         engine.allocate(SEGMENT, buffer_bytes)
         if conn is None:
             threading.Event().wait()
             return
+        if busy:
+            alone = _busy_rate(1.0)
+            worker.start()
         conn.send((engine.server.host, engine.server.port))
         conn.recv()
-        conn.send(peak_rss_bytes())
+        share = 0.0
+        if busy:
+            stop.set()
+            worker.join(5)
+            share = rates[0] / alone if rates and alone else 0.0
+        conn.send((peak_rss_bytes(), share))
     finally:
         engine.close()
 
 
-def start_local_target(secret: bytes, buffer_bytes: int) -> tuple[Any, Connection, str, int]:
+def _busy_rate(seconds: float, stop: threading.Event | None = None) -> float:
+    """Rounds per second of a pure-Python loop, for `seconds` or until `stop`."""
+    rounds, start = 0, time.perf_counter()
+    until = start + seconds
+    while time.perf_counter() < until and not (stop is not None and stop.is_set()):
+        sum(i * i for i in range(200))
+        rounds += 1
+    return rounds / (time.perf_counter() - start)
+
+
+def _busy(stop: threading.Event, rates: list[float]) -> None:
+    rates.append(_busy_rate(1e9, stop))
+
+
+def start_local_target(secret: bytes, buffer_bytes: int, busy: bool = False
+                       ) -> tuple[Any, Connection, str, int]:  # fmt: skip
     """Start a target process on loopback; returns (process, pipe, host, port) once it is
     serving (the child reports its port on the pipe: a handshake, not a sleep)."""
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(
-        target=serve_target, args=(secret, "127.0.0.1", 0, buffer_bytes, child), daemon=True
+        target=serve_target,
+        args=(secret, "127.0.0.1", 0, buffer_bytes, child, busy),
+        daemon=True,
     )
     proc.start()
     child.close()

@@ -35,3 +35,23 @@ def test_bad_option_is_a_clear_error() -> None:
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert out.returncode == 2 and "--protocol" in out.stderr
+
+
+def test_busy_target_reports_the_share_its_python_thread_kept() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "mooncake", "bench", "transfer", "--local", "--op", "read",
+         "--block-size", "4KiB", "--batch-size", "1", "--duration", "0.2", "--no-baseline",
+         "--busy-target", "--json"],
+        capture_output=True, text=True, timeout=60, check=True,
+    )  # fmt: skip
+    result = json.loads(out.stdout)
+    assert result["num_batches"] > 0 and 0 < result["target_busy_share"] <= 2.0
+
+
+def test_busy_target_needs_local() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "mooncake", "bench", "transfer", "--target", "127.0.0.1:1",
+         "--secret", "x" * 32, "--busy-target"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode != 0 and "--busy-target needs --local" in out.stderr
