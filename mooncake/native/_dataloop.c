@@ -49,6 +49,8 @@ typedef struct {
     segment_t segments[MAX_SEGMENTS];
 } table_t;
 
+/* A table lives as long as its process: a serving thread may still be inside dl_serve when
+ * its server closes, so it is never freed. */
 table_t *dl_table_new(void) {
     table_t *t = calloc(1, sizeof(table_t));
     if (t == NULL) return NULL;
@@ -58,12 +60,6 @@ table_t *dl_table_new(void) {
     pthread_rwlock_init(&t->lock, &attr);
     pthread_rwlockattr_destroy(&attr);
     return t;
-}
-
-void dl_table_free(table_t *t) {
-    if (t == NULL) return;
-    pthread_rwlock_destroy(&t->lock);
-    free(t);
 }
 
 /* The table locked for writing within timeout_ms: 0, else 1 (a loop is stuck on a stalled

@@ -64,7 +64,6 @@ def library() -> ctypes.CDLL | None:
         u64, ptr = ctypes.c_uint64, ctypes.c_void_p
         lib.dl_table_new.restype = ptr
         lib.dl_table_new.argtypes = []
-        lib.dl_table_free.argtypes = [ptr]
         lib.dl_add.argtypes = [ptr, u64, ptr, u64, ctypes.c_int]
         lib.dl_remove.argtypes = [ptr, u64, ctypes.c_int]
         lib.dl_serve.argtypes = [ptr, ctypes.c_int, ctypes.c_char_p, u64, u64]

@@ -42,6 +42,7 @@ from mooncake.store.direct import MasterCalls
 from mooncake.store.grants import MARGIN, LocationCache, PutShape, SlotPool
 from mooncake.store.objects import GetResult, ReplicaDesc
 from mooncake.transfer.engine import TransferEngine
+from mooncake.transfer.inline import Finish
 from mooncake.transfer.types import EngineOptions
 
 __all__ = ["NotFoundError", "Store", "ValueResult"]
@@ -168,7 +169,8 @@ class Store(BatchCalls):
         its own put, a read whose lease ended), it reads there while it asks the master,
         and keeps those bytes if the master's answer still lists that replica: the two
         round trips overlap. On failure the buffer's bytes are unspecified."""
-        cache, guess = self.locations, None
+        cache = self.locations
+        guess: tuple[ReplicaDesc, Finish] | None = None  # a hinted read under way
         if cache is not None:
             fits = len(self._staging) if staging else max_size or 1 << 62
             if (hit := cache.get(key, time.monotonic())) and hit[1] <= fits:
@@ -187,7 +189,7 @@ class Store(BatchCalls):
             if guess is not None:
                 guess[1](False)  # NOTE: always end it: here without waiting
             raise
-        kept = self._still_there(guess, r, sent_at) if guess is not None else None
+        kept = self._still_there(guess, r) if guess is not None else None
         if guess is not None and not guess[1](kept is not None):
             kept = None  # NOTE: a replica the master does not list: abandoned unread
         if max_size and r.size > max_size:
@@ -223,7 +225,7 @@ class Store(BatchCalls):
     # -- helpers -----------------------------------------------------------------------------
 
     @staticmethod
-    def _still_there(guess: Any, r: GetResult, sent_at: float) -> ReplicaDesc | None:
+    def _still_there(guess: tuple[ReplicaDesc, Finish], r: GetResult) -> ReplicaDesc | None:
         """The replica a hinted read went to, if `r` (the master's answer) still lists that
         very allocation: replica ids are never reused, and a committed replica's bytes
         never change while it exists, so it held the value from when the hint was learned

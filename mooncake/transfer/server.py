@@ -5,7 +5,8 @@ One thread per connection; a connection is served only after it passes the clust
 handshake. Replies are queued and sent together when the client says it waits (FLAG_FLUSH
 on its last request) or has nothing more in flight, so a group of slices costs one reply
 syscall. A malformed header closes that connection with a logged error; the server goes
-on serving the others.
+on serving the others. When the C loop was built (native/dataloop.py), READ and WRITE
+requests are served by it with the GIL released, and everything else comes back here.
 """
 
 from __future__ import annotations
