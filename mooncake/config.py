@@ -12,9 +12,7 @@ live in the topology's `NodeInfo`, never here.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
-from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -22,80 +20,9 @@ import msgspec
 from msgspec import Meta
 
 from mooncake.errors import ConfigError
+from mooncake.sizes import Size
 
-# unit (lower-case) -> bytes; bare K/M/G/T are binary, as `ls -h` and most tools read them
-_UNITS = {"": 1, "b": 1}
-for _i, _p in enumerate("kmgtp", start=1):
-    _UNITS[f"{_p}b"] = 1000**_i
-    _UNITS[f"{_p}ib"] = _UNITS[_p] = 1024**_i
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*$")
-_PERCENT_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*%\s*$")
-SIZE_HELP = 'bytes as an integer or with a unit: "4096", "512MB", "64KiB", "1.5TiB"'
 CONFIG_ENV = "MOONCAKE_CONFIG"  # environment variable naming the config file, if any
-
-
-def parse_size(text: str | int) -> int:
-    """Bytes in `text`: an integer or a number with a unit (B, KB/MB/GB/TB = powers of 1000,
-    KiB/MiB/GiB/TiB and bare K/M/G/T = powers of 1024; case-insensitive; decimals allowed and
-    rounded down to whole bytes). Raises ConfigError on anything else, including negatives."""
-    if isinstance(text, bool) or not isinstance(text, int | str):
-        raise ConfigError(f"expected a size ({SIZE_HELP}), got {text!r}")
-    if isinstance(text, int):
-        if text < 0:
-            raise ConfigError(f"expected a size >= 0, got {text}")
-        return text
-    m = _SIZE_RE.match(text)
-    unit = m.group(2).lower() if m else ""
-    if m is None or unit not in _UNITS:
-        raise ConfigError(f"expected a size ({SIZE_HELP}), got {text!r}")
-    try:
-        return int(Decimal(m.group(1)) * _UNITS[unit])
-    except InvalidOperation as e:  # pragma: no cover - the regex admits only decimals
-        raise ConfigError(f"expected a size ({SIZE_HELP}), got {text!r}") from e
-
-
-def format_size(num_bytes: int) -> str:
-    """Shortest exact spelling of `num_bytes`: "64KiB", "512MB", "1000" (parse_size inverts it)."""
-    for unit in ("PiB", "TiB", "GiB", "MiB", "KiB", "PB", "TB", "GB", "MB", "KB"):
-        scale = _UNITS[unit.lower()]
-        if num_bytes and num_bytes % scale == 0:
-            return f"{num_bytes // scale}{unit}"
-    return str(num_bytes)
-
-
-class Size(msgspec.Struct, frozen=True):
-    """A memory budget: absolute bytes, or a share of the free bytes the topology reports."""
-
-    num_bytes: int = 0  # bytes; used when fraction is None
-    fraction: float | None = None  # share of free bytes in [0, 1] ("80%" -> 0.8), or None
-
-    @classmethod
-    def parse(cls, text: str | int) -> Size:
-        """A Size from `text` ("80%", "64GiB", 4096); raises ConfigError when malformed."""
-        if isinstance(text, str) and "%" in text:
-            m = _PERCENT_RE.match(text)
-            if m is None or Decimal(m.group(1)) > 100:
-                raise ConfigError(
-                    f'expected a percentage of free memory in 0%..100% like "80%", got {text!r}'
-                )
-            return cls(fraction=float(Decimal(m.group(1)) / 100))
-        return cls(num_bytes=parse_size(text))
-
-    @property
-    def is_zero(self) -> bool:
-        """True when this tier is disabled (0 bytes or 0%)."""
-        return not self.fraction and self.num_bytes == 0
-
-    def resolve(self, free_bytes: int) -> int:
-        """Bytes to use on a node whose topology reports `free_bytes` free (pure, no I/O)."""
-        if self.fraction is None:
-            return self.num_bytes
-        return int(free_bytes * self.fraction)
-
-    def __str__(self) -> str:
-        if self.fraction is None:
-            return format_size(self.num_bytes)
-        return f"{self.fraction * 100:g}%"
 
 
 def knob(doc: str, kind: str = "", **constraints: Any) -> Meta:
@@ -194,6 +121,16 @@ class StoreConfig(msgspec.Struct, **_STRUCT):
     low_watermark: Annotated[
         float, knob("Fill fraction eviction brings the pool down to; < high_watermark.", gt=0, le=1)
     ] = 0.85
+    copy_ahead_watermark: Annotated[
+        float,
+        knob(
+            "Fill fraction of a tier past which its least recently used blocks are also "
+            "copied to the tier below (DRAM -> SSD) ahead of eviction, so that eviction and "
+            "a put into a full tier free memory at once; >= high_watermark: no copies ahead.",
+            gt=0,
+            le=1,
+        ),
+    ] = 0.5
     lease_ttl_s: Annotated[
         float, knob("Seconds a reader's lease pins a block against eviction.", gt=0)
     ] = 5.0
@@ -231,6 +168,23 @@ class TransferConfig(msgspec.Struct, **_STRUCT):
             le=10000,
         ),
     ] = 200.0
+    handshake_timeout_s: Annotated[
+        float,
+        knob(
+            "Seconds a new connection to a transfer server or a pipeline stage has to "
+            "finish the cluster-secret handshake, in all (a peer trickling bytes is cut "
+            "off then).",
+            gt=0,
+        ),
+    ] = 5.0
+    max_handshakes_per_peer: Annotated[
+        int,
+        knob(
+            "Connections from one address that may be in the handshake at once; more are "
+            "refused until those finish (authenticated connections do not count).",
+            ge=1,
+        ),
+    ] = 64
 
 
 class ModelConfig(msgspec.Struct, **_STRUCT):
@@ -267,6 +221,15 @@ class PrefillConfig(msgspec.Struct, **_STRUCT):
         knob("Device memory for the paged KV cache of prompts being prefilled: bytes, or a "
              "percentage of the free GPU (CPU: available) memory.", "size"),
     ] = Size(num_bytes=1 << 30)  # fmt: skip
+    stage_retry_s: Annotated[
+        float,
+        knob(
+            "Longest pause between a pipeline leader's attempts to reach its next stage "
+            "after the link broke (it asks the master where that stage is now, backing "
+            "off from a tenth of this); its group takes no requests meanwhile.",
+            gt=0,
+        ),
+    ] = 2.0
 
 
 class DecodeConfig(msgspec.Struct, **_STRUCT):
@@ -281,6 +244,40 @@ class DecodeConfig(msgspec.Struct, **_STRUCT):
         knob("Device memory for the paged KV cache of decoding requests: bytes, or a "
              "percentage of the free GPU (CPU: available) memory.", "size"),
     ] = Size(num_bytes=2 << 30)  # fmt: skip
+    drain_s: Annotated[
+        float,
+        knob(
+            "Seconds a stopping decode node lets its running requests finish before it "
+            "ends them with an error.",
+            ge=0,
+        ),
+    ] = 30.0
+    reserve_ttl_s: Annotated[
+        float,
+        knob(
+            "Seconds blocks reserved for a prefill node's KV stay set aside without the "
+            "request being submitted; then they are freed (its prefill node died or "
+            "gave up).",
+            gt=0,
+        ),
+    ] = 120.0
+    max_step_failures: Annotated[
+        int,
+        knob(
+            "Consecutive failed decode steps (each ends the requests of that step with "
+            "an error) after which the node stops reporting ready and exits, for its "
+            "supervisor to restart it.",
+            ge=1,
+        ),
+    ] = 3
+    stall_timeout_s: Annotated[
+        float,
+        knob(
+            "Seconds one decode step may run before the node declares its step loop "
+            "stuck, fails its requests and exits (for its supervisor to restart it).",
+            gt=0,
+        ),
+    ] = 120.0
 
 
 class SchedulerConfig(msgspec.Struct, **_STRUCT):
@@ -320,6 +317,14 @@ class SchedulerConfig(msgspec.Struct, **_STRUCT):
     cost_model_path: Annotated[
         str, knob('Cost model written by `mooncake profile`; "" = analytic roofline.')
     ] = ""
+    replace_wait_s: Annotated[
+        float,
+        knob(
+            "Seconds a request whose prefill or decode node died waits for a node to place "
+            "it on again (a restarted one, once it is ready); then it fails.",
+            ge=0,
+        ),
+    ] = 60.0
 
 
 class ApiConfig(msgspec.Struct, **_STRUCT):

@@ -16,7 +16,8 @@ from typing import Any
 import msgspec
 
 from mooncake import config as cfg
-from mooncake.config import Config, Size, format_size
+from mooncake.config import Config
+from mooncake.sizes import Size, format_size
 
 
 @dataclass(frozen=True)

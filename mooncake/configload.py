@@ -16,9 +16,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from mooncake.config import MIN_SECRET_LEN, Config, LoadedConfig, Size, parse_size
+from mooncake.config import MIN_SECRET_LEN, Config, LoadedConfig
 from mooncake.configdoc import ALL_FIELDS, FIELDS, SECTIONS, FieldSpec
 from mooncake.errors import ConfigError
+from mooncake.sizes import Size, parse_size
 
 _TRUE = ("true", "1", "yes", "on")
 _FALSE = ("false", "0", "no", "off")
@@ -247,6 +248,20 @@ class _Layers:
             s: t(**{k: self.values[f"{s}.{k}"] for k in FIELDS[s]}) for s, t in SECTIONS.items()
         }
         return Config(**sections)
+
+
+def typed_override(dotted: str, value: object) -> object:
+    """The value of a `--set SECTION.KEY=VALUE` flag (text, or already typed) as TOML would
+    hold it for that key: a bool, int, float, list of strings, or a string (sizes, names).
+    Raises ConfigError naming the key when it is unknown or the value does not fit it."""
+    layers = _Layers()
+    layers.read_overrides({dotted: value})
+    if layers.errors:
+        raise ConfigError(layers.errors)
+    typed = layers.values[dotted]
+    if isinstance(typed, Size):
+        return str(typed)  # "64MiB", "80%": what Size.parse reads back
+    return list(typed) if isinstance(typed, tuple) else typed
 
 
 def load(

@@ -9,15 +9,14 @@ import pytest
 
 from mooncake.config import (
     Config,
-    Size,
     StoreConfig,
     TransferConfig,
     load_config,
     parse_set_option,
-    parse_size,
 )
 from mooncake.configdoc import ALL_FIELDS, FIELDS, render_example
 from mooncake.errors import ConfigError
+from mooncake.sizes import Size, parse_size
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "mooncake.toml.example"
 

@@ -4,6 +4,7 @@
   `Rejected`); the master's cluster backend and `EngineBackend` implement it.
 - `app.py`: `create_app(backend, ...)`: routes, API keys, OpenAI error bodies.
 - `schemas.py` / `bodies.py`: request bodies in (msgspec), response bodies and chunks out.
+- `openapi.py`: the OpenAPI 3.1 document of the routes, served at `/openapi.json`.
 - `serving.py`: one generation request: parse, tokenize, start, stream (SSE) or collect.
 - `stats.py`: `RequestStats`: outcome counts and recent TTFT/TBT, plus Prometheus metrics.
 - `status.py`: the `/v1/status` snapshot that `mooncake status` reads.

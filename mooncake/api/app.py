@@ -5,8 +5,10 @@
 
 Routes: POST /v1/completions and /v1/chat/completions (`serving.generate`), GET /v1/models
 (and /v1/models/{id}), GET /v1/status (the `Status` snapshot, when `status_fn` is given),
-GET /health (open), GET /metrics (open; when `metrics_registry` is given). With API keys
-every /v1 route needs `Authorization: Bearer KEY`.
+GET /metrics (when `metrics_registry` is given and `serve_metrics`), GET /health and GET
+/openapi.json (the OpenAPI 3.1 document of these routes, `openapi.py`). With API keys every
+route but /health and /openapi.json needs `Authorization: Bearer KEY` (/metrics too:
+Prometheus sends one with `authorization: {credentials: KEY}` in its scrape config).
 
 Errors are `{"error": {"message", "type", "param", "code"}}`: InvalidRequest -> its
 status (400, 401, 404, 413); other ApiError -> 400; Rejected -> 429 with Retry-After (whole
@@ -23,15 +25,16 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 
 from fastapi import Depends, FastAPI
-from prometheus_client import CollectorRegistry, make_asgi_app
+from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import choose_encoder
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Route
-from starlette.types import ASGIApp, Receive, Scope, Send
 
+from mooncake import __version__
 from mooncake.api.backend import BaseBackend, Rejected
 from mooncake.api.bodies import error_body
+from mooncake.api.openapi import openapi_document
 from mooncake.api.schemas import InvalidRequest
 from mooncake.api.serving import ServingContext, generate, json_response
 from mooncake.api.stats import RequestStats
@@ -40,17 +43,6 @@ from mooncake.errors import ApiError, MooncakeError
 
 log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 32 * 1024 * 1024  # a 128k-token id prompt is ~1 MB of JSON
-
-
-class _Asgi:
-    """Lets Starlette route one exact path to an ASGI app (a plain function would be
-    taken for a request handler)."""
-
-    def __init__(self, app: ASGIApp):
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await self.app(scope, receive, send)
 
 
 def _key_checker(api_keys: Sequence[str]) -> Callable[[Request], None]:
@@ -128,11 +120,13 @@ def create_app(
     metrics_registry: CollectorRegistry | None = None,
     stats: RequestStats | None = None,
     default_max_tokens: int | None = None,
+    serve_metrics: bool = True,
 ) -> FastAPI:
     """The HTTP app over `backend`. Records every generation request in `stats` (a new
     RequestStats if None; also at `app.state.stats`), which counts into Prometheus metrics
-    in `metrics_registry` when given. `default_max_tokens` applies when a request names
-    none (None: OpenAI's 16 for completions, the rest of the context for chat)."""
+    in `metrics_registry` when given; `serve_metrics` serves that registry at /metrics
+    (False when it has a port of its own). `default_max_tokens` applies when a request
+    names none (None: OpenAI's 16 for completions, the rest of the context for chat)."""
     stats = stats or RequestStats()
     if metrics_registry is not None:
         stats.register_metrics(metrics_registry)
@@ -190,6 +184,24 @@ def create_app(
             log.warning("health check failed: %s", e)
             return json_response({"status": "error", "error": str(e)}, 503)
 
-    if metrics_registry is not None:
-        app.router.routes.append(Route("/metrics", _Asgi(make_asgi_app(metrics_registry))))
+    if metrics_registry is not None and serve_metrics:
+        registry = metrics_registry
+
+        @app.get("/metrics", dependencies=auth)
+        async def metrics(request: Request) -> Response:
+            encode, content_type = choose_encoder(request.headers.get("accept", ""))
+            return Response(encode(registry), headers={"Content-Type": content_type})
+
+    document = openapi_document(
+        title="mooncake",
+        version=__version__,
+        has_keys=any(api_keys),
+        has_status=status_fn is not None,
+        has_metrics=metrics_registry is not None and serve_metrics,
+    )
+
+    @app.get("/openapi.json")
+    async def openapi() -> Response:
+        return json_response(document)
+
     return app

@@ -12,18 +12,40 @@ Every error is an `InvalidRequest` whose message names the field and what is all
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 from msgspec import Meta
 
-from mooncake.engine.params import SamplingParams
+from mooncake.engine.params import (
+    MAX_INT32,
+    MAX_TEMPERATURE,
+    MIN_TEMPERATURE,
+    MIN_TOP_P,
+    InvalidSamplingParams,
+    SamplingParams,
+)
 from mooncake.errors import ApiError
 
 T = TypeVar("T")
-_Ge0 = Annotated[float, Meta(ge=0)]
+_Temperature = Annotated[
+    float,
+    Meta(ge=0, le=MAX_TEMPERATURE, description=f"0 = greedy; else at least {MIN_TEMPERATURE:g}"),
+]
 _Seed = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
 _MaxTokens = Annotated[int, Meta(ge=1)]
+TokenId = Annotated[int, Meta(ge=0, le=MAX_INT32)]  # the backend's vocabulary is checked later
+
+
+def _only(**schema: object) -> Meta:
+    """What the JSON Schema allows of a field parsed in a wider type, so that a refusal
+    (`_refuse_unsupported`, `chat_messages`, ...) can say why; no check of its own."""
+    return Meta(extra_json_schema=schema)
+
+
+_StopString = Annotated[str, _only(minLength=1)]
+_TokenIds = Annotated[list[TokenId], _only(minItems=1)]
 
 
 class InvalidRequest(ApiError):
@@ -44,30 +66,35 @@ class _Common(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     model: str | None = None  # None = the served model
     max_tokens: _MaxTokens | None = None
-    temperature: _Ge0 | None = None
-    top_p: Annotated[float, Meta(gt=0, le=1)] | None = None
-    top_k: Annotated[int, Meta(ge=-1)] | None = None  # extension; -1 and 0 = off
+    temperature: _Temperature | None = None
+    top_p: Annotated[float, Meta(ge=MIN_TOP_P, le=1)] | None = None
+    top_k: Annotated[int, Meta(ge=-1, le=MAX_INT32)] | None = None  # extension; -1, 0 = off
     seed: _Seed | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[Annotated[int, Meta(ge=0)]] | None = None  # extension
+    stop: _StopString | list[_StopString] | None = None
+    stop_token_ids: list[TokenId] | None = None  # extension
     ignore_eos: bool = False  # extension
-    n: int = 1
+    n: Annotated[int, _only(const=1)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted, ignored
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: Annotated[float, _only(const=0)] | None = None
+    frequency_penalty: Annotated[float, _only(const=0)] | None = None
+    logit_bias: Annotated[dict[str, float], _only(maxProperties=0)] | None = None
 
 
 class CompletionRequest(_Common, forbid_unknown_fields=True, kw_only=True):
-    """Body of POST /v1/completions."""
+    """Body of POST /v1/completions. Besides each field's schema: `prompt` is one prompt
+    (text, token ids below the model's vocab_size, or a list holding one of those);
+    `stream_options` needs `stream`; the prompt's tokens plus `max_tokens` fit in the
+    model's max_model_len."""
 
-    prompt: str | list[Any]
+    # text, token ids, or a batch of either (refused unless it holds one prompt); typed to
+    # the depth a prompt has, so a deeper one is refused naming where
+    prompt: str | Annotated[list[str | TokenId | _TokenIds], _only(minItems=1)]
     logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
-    echo: bool = False
-    best_of: int | None = None
-    suffix: str | None = None
+    echo: Annotated[bool, _only(const=False)] = False
+    best_of: Annotated[int, _only(const=1)] | None = None
+    suffix: Annotated[str, _only(maxLength=0)] | None = None
 
 
 class ContentPart(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -82,15 +109,17 @@ class ChatMessage(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 class ChatRequest(_Common, forbid_unknown_fields=True, kw_only=True):
-    """Body of POST /v1/chat/completions."""
+    """Body of POST /v1/chat/completions. Besides each field's schema: `top_logprobs`
+    needs `logprobs`; `stream_options` needs `stream`; the templated messages plus
+    `max_completion_tokens` (or `max_tokens`) fit in the model's max_model_len."""
 
-    messages: list[ChatMessage]
+    messages: Annotated[list[ChatMessage], _only(minItems=1)]
     max_completion_tokens: _MaxTokens | None = None  # wins over max_tokens
     logprobs: bool = False
     top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
     parallel_tool_calls: bool | None = None
     tool_choice: Literal["none"] | None = None
-    tools: list[Any] | None = None
+    tools: Annotated[list[Any], _only(maxItems=0)] | None = None
 
 
 def decode_body(body: bytes, body_type: type[T]) -> T:
@@ -115,6 +144,58 @@ def decode_body(body: bytes, body_type: type[T]) -> T:
         raise InvalidRequest(f"Invalid value for '{param}': {what}", param) from e
     except msgspec.DecodeError as e:
         raise InvalidRequest(f"We could not parse the JSON body of your request: {e}") from e
+    except UnicodeDecodeError as e:  # in a string: msgspec checks UTF-8 as it decodes one
+        bad = _first_bad_utf8(body)
+        field = _field_at(body, offset=bad)
+        where = f", in '{field}'" if field else ""
+        raise InvalidRequest(
+            f"the request body is not valid UTF-8 (at byte {bad}{where}); send JSON in UTF-8",
+            field,
+        ) from e
+    except RecursionError as e:  # a value of Any type (e.g. `tools`) nested too deep
+        field = _field_at(body, max_depth=MAX_NESTING)
+        what = f"'{field}'" if field else "the request body"
+        raise InvalidRequest(
+            f"{what} nests arrays or objects too deeply; at most {MAX_NESTING} levels are allowed",
+            field,
+        ) from e
+
+
+MAX_NESTING = 100  # levels of arrays/objects the error names; msgspec stops near 1000
+# a JSON string (as a unit, so brackets inside it do not count), ":" after it for a key;
+# or a bracket
+_JSON_TOKEN = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"(\s*:)?|[\[\]{}]', re.DOTALL)
+
+
+def _first_bad_utf8(body: bytes) -> int:
+    try:
+        body.decode()
+    except UnicodeDecodeError as e:
+        return e.start
+    return 0
+
+
+def _field_at(body: bytes, *, offset: int = -1, max_depth: int = 0) -> str | None:
+    """The top-level field of the JSON object `body` whose value holds byte `offset`
+    (offset >= 0), or that first nests deeper than `max_depth`; None if not found.
+    Only called on the error paths: it scans the body in Python."""
+    depth, key = 0, None
+    for m in _JSON_TOKEN.finditer(body):
+        if 0 <= offset < m.start():
+            return key
+        tok = m.group()
+        if m.group(1) is not None:  # a key
+            if depth == 1:
+                if m.start() <= offset < m.end():
+                    return None  # the key itself is not UTF-8
+                key = tok[1 : tok.rindex(b'"')].decode("utf-8", "replace")
+        elif tok in (b"[", b"{"):
+            depth += 1
+            if max_depth and depth > max_depth + 1:
+                return key
+        elif tok in (b"]", b"}"):
+            depth -= 1
+    return key if offset >= 0 else None
 
 
 def _refuse_unsupported(req: _Common) -> None:
@@ -190,19 +271,20 @@ def sampling_params(req: CompletionRequest | ChatRequest, max_tokens: int) -> Sa
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
     else:
         logprobs = req.logprobs
-    params = SamplingParams(
-        max_tokens=max_tokens,
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
-        top_k=max(0, req.top_k or 0),
-        seed=req.seed,
-        stop=stop,
-        stop_token_ids=tuple(req.stop_token_ids or ()),
-        ignore_eos=req.ignore_eos,
-        logprobs=logprobs,
-    )
-    params.validate()
-    return params
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=max(0, req.top_k or 0),
+            seed=req.seed,
+            stop=stop,
+            stop_token_ids=tuple(req.stop_token_ids or ()),
+            ignore_eos=req.ignore_eos,
+            logprobs=logprobs,
+        )  # validated as it is built
+    except InvalidSamplingParams as e:
+        raise InvalidRequest(str(e), e.param) from e
 
 
 def requested_max_tokens(req: CompletionRequest | ChatRequest) -> tuple[int | None, str]:

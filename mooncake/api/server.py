@@ -38,6 +38,10 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _http_url(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 class _Server(uvicorn.Server):
     on_ready: Callable[[], None] | None = None
 
@@ -69,10 +73,14 @@ class ApiServer:
 
     @property
     def url(self) -> str:
-        """Base URL, e.g. http://127.0.0.1:8000 (a wildcard host shows as 127.0.0.1)."""
-        host = {"0.0.0.0": "127.0.0.1", "::": "[::1]"}.get(self.host, self.host)
-        host = f"[{host}]" if ":" in host and not host.startswith("[") else host
-        return f"http://{host}:{self.port}"
+        """Base URL to connect to, e.g. http://127.0.0.1:8000 (a wildcard host shows as
+        127.0.0.1)."""
+        return _http_url({"0.0.0.0": "127.0.0.1", "::": "::1"}.get(self.host, self.host), self.port)
+
+    @property
+    def bound_url(self) -> str:
+        """The address listened on, as a URL (http://0.0.0.0:8000 for every interface)."""
+        return _http_url(self.host, self.port)
 
     async def serve(self, on_ready: Callable[[], None] | None = None) -> None:
         """Serve until `stop()` (or SIGINT/SIGTERM when run in the main thread: then it

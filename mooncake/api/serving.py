@@ -13,7 +13,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 import anyio
@@ -77,6 +77,18 @@ def _prompt_ids(ctx: ServingContext, req: CompletionRequest | ChatRequest) -> li
     return tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
 
 
+def _check_vocab(ctx: ServingContext, ids: Sequence[int], field: str) -> None:
+    """Refuse token ids the model has no embedding for (a node would fail on them)."""
+    vocab = ctx.backend.vocab_size
+    if vocab and ids and (min(ids) < 0 or max(ids) >= vocab):
+        bad = next(t for t in ids if not 0 <= t < vocab)
+        raise InvalidRequest(
+            f"{field}: token id {bad} is outside the model's vocabulary of {vocab} "
+            f"(ids 0 to {vocab - 1})",
+            field,
+        )
+
+
 def _max_tokens(ctx: ServingContext, req: CompletionRequest | ChatRequest, prompt_len: int) -> int:
     """The request's max_tokens, checked against the context; raises InvalidRequest."""
     limit = ctx.backend.max_model_len
@@ -130,9 +142,12 @@ async def generate(ctx: ServingContext, request: Request, is_chat: bool) -> Resp
                 "model", status=404, code="model_not_found",
             )  # fmt: skip
         prompt_ids = _prompt_ids(ctx, req)
+        field = "messages" if is_chat else "prompt"
         if not prompt_ids:
-            raise InvalidRequest("the prompt is empty", "messages" if is_chat else "prompt")
+            raise InvalidRequest("the prompt is empty", field)
+        _check_vocab(ctx, prompt_ids, field)
         params = schemas.sampling_params(req, _max_tokens(ctx, req, len(prompt_ids)))
+        _check_vocab(ctx, params.stop_token_ids, "stop_token_ids")
         gen = GenerateRequest(req_id=req_id, prompt_ids=prompt_ids, params=params,
                               arrival_s=arrival_s)  # fmt: skip
         it = ctx.backend.generate(gen)

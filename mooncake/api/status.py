@@ -10,7 +10,7 @@ from typing import Literal
 
 import msgspec
 
-NodeState = Literal["starting", "ready", "draining", "down"]  # a node as the master sees it
+NodeState = Literal["starting", "ready", "draining", "failed", "down"]  # as the master sees it
 
 
 class NodeStatus(msgspec.Struct, frozen=True, kw_only=True):

@@ -106,7 +106,7 @@ def bench_store(
     import msgspec
 
     from mooncake.cli.output import console, print_json
-    from mooncake.config import parse_size
+    from mooncake.sizes import parse_size
     from mooncake.store import bench
     from mooncake.store.localproc import LocalCluster
     from mooncake.store.upstream import UpstreamStore

@@ -10,7 +10,7 @@ from mooncake.errors import ConfigError, TransferError
 
 
 def _size(text: str, what: str) -> int:
-    from mooncake.config import parse_size
+    from mooncake.sizes import parse_size
 
     value = parse_size(text)
     if value <= 0:

@@ -9,6 +9,8 @@ import typer
 
 from mooncake.cli.app import app
 
+LOCALHOST = "127.0.0.1"
+
 
 @app.command("serve")
 def serve(
@@ -22,7 +24,13 @@ def serve(
     model: str = typer.Option(
         "", "--model", help='Model: a local HF directory or "dummy:NAME" (model.path).'
     ),
-    host: str = typer.Option("", "--host", help="Address to listen on (api.host)."),
+    host: str = typer.Option(
+        "",
+        "--host",
+        help="Address to listen on (api.host). Unless set here, in the config or the "
+        "environment: 127.0.0.1, this machine only (0.0.0.0 = every interface). /metrics on "
+        "its own port (metrics.port) listens on 127.0.0.1 too unless metrics.host is set.",
+    ),
     port: int | None = typer.Option(
         None, "--port", min=0, max=65535, help="TCP port (api.port); 0 = any free port."
     ),
@@ -51,8 +59,10 @@ def serve(
     """Serve a model from this process over the OpenAI-compatible HTTP API.
 
     POST /v1/completions and /v1/chat/completions (streaming or not), GET /v1/models,
-    /v1/status, /health and /metrics (on the API port when metrics.port is 0). Prints the
-    URL once it accepts connections; stops on Ctrl-C or SIGTERM.
+    /v1/status, /health, /openapi.json and /metrics (on the API port, behind the API key,
+    when metrics.port is 0; else on its own port, without a key; none when
+    metrics.enabled is false). Prints the address it listens on once it accepts
+    connections; stops on Ctrl-C or SIGTERM.
     """
     import asyncio
     import sys
@@ -66,14 +76,22 @@ def serve(
     from mooncake.api.stats import RequestStats
     from mooncake.api.status import Status
     from mooncake.cli.output import console
-    from mooncake.config import load_config, parse_set_option, parse_size
+    from mooncake.config import load_config, parse_set_option
+    from mooncake.errors import ConfigError
+    from mooncake.sizes import parse_size
     from mooncake.store.metrics import MetricsServer
 
     overrides: dict[str, object] = dict(parse_set_option(s) for s in sets)
     flags = {"model.path": model, "api.host": host, "api.api_keys": api_keys,
              "decode.max_batch": max_batch}  # fmt: skip
     overrides.update({k: v for k, v in flags.items() if v})
-    cfg = load_config(config_file, overrides=overrides).config
+    loaded = load_config(config_file, overrides=overrides)
+    cfg = loaded.config
+    # NOTE: the config's 0.0.0.0 suits a cluster's master; one process started by hand
+    # serves this machine unless told otherwise
+    is_default = {k: loaded.sources[k] == "default" for k in ("api.host", "metrics.host")}
+    api_host = LOCALHOST if is_default["api.host"] else cfg.api.host
+    metrics_host = LOCALHOST if is_default["metrics.host"] else cfg.metrics.host
     backend = EngineBackend(
         cfg.model, max_batch=cfg.decode.max_batch, chunk_tokens=cfg.prefill.chunk_tokens,
         kv_cache_bytes=parse_size(kv_cache), served_model_name=served_model_name,
@@ -82,7 +100,7 @@ def serve(
     registry = CollectorRegistry() if cfg.metrics.enabled else None
     metrics_server = None
     if registry is not None and cfg.metrics.port:
-        metrics_server = MetricsServer(registry=registry, host=cfg.metrics.host,
+        metrics_server = MetricsServer(registry=registry, host=metrics_host,
                                        port=cfg.metrics.port)  # fmt: skip
     stats, started = RequestStats(), time.monotonic()
 
@@ -94,22 +112,32 @@ def serve(
     api = create_app(
         backend, api_keys=cfg.api.api_keys, status_fn=status, stats=stats,
         metrics_registry=registry, default_max_tokens=cfg.decode.max_tokens_default,
+        serve_metrics=metrics_server is None,
     )  # fmt: skip
-    server = ApiServer(api, cfg.api.host, cfg.api.port if port is None else port)
+    server = ApiServer(api, api_host, cfg.api.port if port is None else port)
 
     def ready() -> None:
         metrics = f"{server.url}/metrics" if registry is not None else "off"
         if metrics_server is not None:
-            metrics_server.start()
             metrics = metrics_server.url
+        everywhere = ", every interface" if server.host in ("0.0.0.0", "::") else ""
         console.print(
-            f"mooncake serve: {backend.model_name} listening on {server.url} "
+            f"mooncake serve: {backend.model_name} listening on {server.bound_url}{everywhere} "
             f"(OpenAI API at {server.url}/v1, metrics {metrics})",
             highlight=False, soft_wrap=True,
         )  # fmt: skip
         sys.stdout.flush()
 
     try:
+        if metrics_server is not None:
+            try:
+                metrics_server.start()
+            except OSError as e:
+                raise ConfigError(
+                    f"metrics: cannot listen on {metrics_host}:{cfg.metrics.port}: "
+                    f"{e.strerror}; set metrics.port to a free port, or to 0 to serve /metrics "
+                    "on the API port"
+                ) from e
         asyncio.run(server.serve(ready))
     finally:
         if metrics_server is not None:

@@ -125,8 +125,8 @@ OPT: dict[str, Any] = {
 
 
 def _config(kw: dict[str, Any]) -> SimConfig:
-    from mooncake.config import parse_size
     from mooncake.sim.cluster import SimConfig
+    from mooncake.sizes import parse_size
 
     return SimConfig(
         num_prefill=kw["prefill"], num_decode=kw["decode"], num_coupled=kw["coupled"],

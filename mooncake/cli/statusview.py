@@ -19,7 +19,13 @@ if TYPE_CHECKING:  # rich is imported inside the functions: every verb module lo
 WIDE = 110  # columns from which nodes show GPU and NIC names and pool bars are longer
 SIDE_BY_SIDE = 140  # columns from which the pool table sits beside the serving figures
 SloVerdict = Literal["within", "over", "unknown"]
-STATE_STYLE = {"ready": "green", "starting": "yellow", "draining": "yellow", "down": "bold red"}
+STATE_STYLE = {
+    "ready": "green",
+    "starting": "yellow",
+    "draining": "yellow",
+    "failed": "bold red",
+    "down": "bold red",
+}
 
 
 def slo_verdict(value_s: float | None, slo_s: float) -> SloVerdict:

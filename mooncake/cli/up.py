@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 
 from mooncake.cli.app import app
 from mooncake.cli.config_cmd import SET_HELP, _load
+from mooncake.roles.supervisor import RestartPolicy
+
+if TYPE_CHECKING:
+    from mooncake.roles.local import LocalPlan
 
 
 @app.command("up")
@@ -50,16 +55,43 @@ def up(
     run_dir: Path | None = typer.Option(
         None,
         "--run-dir",
-        help="--local: where the generated config goes (default: a "
-        "directory under the user's runtime dir).",
-    ),  # fmt: skip
+        help="--local: where the generated config (it holds the cluster secret) and the cost "
+        "model cache go: a directory of yours nobody else may write in (default: "
+        "$XDG_RUNTIME_DIR/mooncake-UID, else /tmp/mooncake-UID, created 0700).",
+    ),
+    restart_limit: int = typer.Option(
+        RestartPolicy.limit,
+        "--restart-limit",
+        min=0,
+        help=f"--local: a node that exits is restarted (after {RestartPolicy.backoff_s:g} s, "
+        f"doubling up to {RestartPolicy.max_backoff_s:g} s) at most this many times within "
+        f"{RestartPolicy.window_s:g} s; its next exit stops the cluster. 0 = any exit stops "
+        "the cluster.",
+    ),
 ) -> None:
     """Start one node in its role and serve until SIGINT/SIGTERM (then drain and deregister),
     or with --local a whole cluster as separate processes on loopback, printing the URL
-    to send OpenAI-compatible requests to. Ctrl-C stops every process."""
+    to send OpenAI-compatible requests to; a node of it that exits is restarted (see
+    --restart-limit). Ctrl-C stops every process."""
     if local:
-        _up_local(num_prefill, group_size, num_decode, num_store, model, port, block_tokens,
-                  pool, run_dir, sets, cost_model)  # fmt: skip
+        from mooncake.config import parse_set_option
+        from mooncake.roles.local import LocalPlan
+        from mooncake.roles.runfile import default_run_dir
+
+        plan = LocalPlan(
+            model=model,
+            num_prefill=num_prefill,
+            group_size=min(group_size, num_prefill),
+            num_decode=num_decode,
+            num_store=num_store,
+            api_port=port,
+            block_tokens=block_tokens,
+            pool=pool,
+            run_dir=run_dir or default_run_dir(),
+            cost_model_path=str(cost_model or ""),
+            extra=dict(parse_set_option(s) for s in sets),
+        )
+        _up_local(plan, RestartPolicy(limit=restart_limit))
         return
     import logging
 
@@ -74,52 +106,52 @@ def up(
     run_node(cfg, the_role)
 
 
-def _up_local(num_prefill: int, group_size: int, num_decode: int, num_store: int, model: str,
-              port: int, block_tokens: int, pool: bool, run_dir: Path | None,
-              sets: list[str], cost_model: Path | None) -> None:  # fmt: skip
+def _up_local(plan: LocalPlan, policy: RestartPolicy) -> None:
+    """Start the cluster, supervise it until Ctrl-C (or a node exits too often), stop it."""
     import signal
     import threading
 
     from mooncake.cli.output import console, err_console
-    from mooncake.config import parse_set_option
-    from mooncake.roles.local import LocalLauncher, LocalPlan, ensure_cost_model
-    from mooncake.roles.runfile import read_runfile, runfile_path
+    from mooncake.roles.local import LocalLauncher, ensure_cost_model
+    from mooncake.roles.runfile import read_runfile
+    from mooncake.roles.supervisor import NodeEvent
 
     running = read_runfile()
     if running is not None:
-        raise typer.BadParameter(f"a local cluster already runs at {running.url} (master pid "
-                                 f"{running.pids.get('master')}); stop it first")  # fmt: skip
-    base = run_dir or runfile_path().parent
-    plan = LocalPlan(model=model, num_prefill=num_prefill, group_size=min(group_size, num_prefill),
-                     num_decode=num_decode, num_store=num_store, api_port=port,
-                     block_tokens=block_tokens, pool=pool, run_dir=base,
-                     cost_model_path=str(cost_model or ""),
-                     extra=dict(parse_set_option(s) for s in sets))  # fmt: skip
+        raise typer.BadParameter(
+            f"a local cluster already runs at {running.url} (master pid "
+            f"{running.pids.get('master')}); stop it first"
+        )
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     with err_console.status("starting the local cluster") as status:
-        cost = ensure_cost_model(plan, base / "cache", lambda s: status.update(s))
-        launcher = LocalLauncher(plan, lambda s: status.update(s))
+        cost = ensure_cost_model(plan, plan.run_dir / "cache", lambda s: status.update(s))
+        launcher = LocalLauncher(plan, lambda s: status.update(s), policy)
         info = launcher.start(str(cost))
-    console.print(f"[bold green]mooncake local cluster ready[/]: {info.url}  "
-                  f"({num_prefill} prefill, {num_decode} decode, "
-                  f"{num_store if pool else 0} store; model {model})")  # fmt: skip
+    num_store = plan.num_store if plan.pool else 0
     console.print(
-        f"  try: curl {info.url}/v1/completions -H 'Content-Type: application/json' "
-        f'-d \'{{"model": "{model}", "prompt": "Hello", "max_tokens": 16}}\''
+        f"[bold green]mooncake local cluster ready[/]: {info.url}  ({plan.num_prefill} prefill, "
+        f"{plan.num_decode} decode, {num_store} store; model {plan.model})"
+    )
+    key = " -H 'Authorization: Bearer KEY'" if info.api_key else ""  # KEY: of api.api_keys
+    console.print(
+        f"  try: curl {info.url}/v1/completions -H 'Content-Type: application/json'{key} "
+        f'-d \'{{"model": "{plan.model}", "prompt": "Hello", "max_tokens": 16}}\''
     )
     console.print("  watch: mooncake status    load: mooncake replay TRACE    stop: Ctrl-C")
-    code = 0
-    watcher = threading.Thread(target=lambda: stop.set() if launcher.wait() else None,
-                               daemon=True)  # fmt: skip
-    watcher.start()
-    stop.wait()
-    crashed = [c for c in launcher.children if c.proc.poll() not in (None, 0)]
-    if crashed:
-        code = 1
-        err_console.print(f"[red]{crashed[0].node_id} exited; stopping the cluster[/]")
+    if policy.limit:
+        console.print(
+            f"  a node that exits is restarted (at most {policy.limit} times in "
+            f"{policy.window_s:g} s); to restart one, kill it: pids in {launcher.runfile}"
+        )
+
+    def show(event: NodeEvent) -> None:
+        color = {"exited": "yellow", "ready": "green", "gave_up": "red"}.get(event.kind, "")
+        err_console.print(f"[{color}]{event.message}[/]" if color else event.message)
+
+    reason = launcher.supervise(stop, show)
     err_console.print("stopping the local cluster")
     launcher.stop()
-    if code:
-        raise typer.Exit(code)
+    if reason is not None:
+        raise typer.Exit(1)

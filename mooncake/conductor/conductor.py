@@ -5,7 +5,8 @@
 - match: the global prefix index gives each prefill instance's local prefix and the best
   prefix anywhere;
 - estimate + choose: the policy (Algorithm 1 for kvcache_centric) predicts TTFT per
-  instance from its queue, the cost model and the network load, and picks one;
+  instance from its queue, the cost model (reading blocks held on SSD only at the SSD's
+  read bandwidth) and the network load, and picks one;
 - place: the decode instance with the lowest predicted TBT that has room for the KV;
 - admit: early rejection (`mooncake.conductor.admission`).
 
@@ -173,7 +174,8 @@ class Conductor(Books):
                 best_idx = next(i for i, b in enumerate(self._match_bits) if b & mask)
                 best_len = pool_len
         names = self._match_names
-        # estimate
+        # estimate (blocks the pool holds on SSD only are priced at the SSD's read cost)
+        ssd = self.index.ssd_only_counts(hashes, self._match_full)
         view = PrefillView(
             input_len=input_len,
             num_blocks=len(hashes),
@@ -188,6 +190,10 @@ class Conductor(Books):
                 names[src], names[dst], blocks * self._block_bytes, now
             ),
         )
+        if ssd:
+            view.read_s = lambda blocks: self.cost.ssd_read_time(
+                ssd[min(blocks, len(ssd) - 1)] * self._block_bytes
+            )
         plan = self.policy.choose(view)
         # place
         slots, tbt, running = self._place_decode(plan.idx, input_len, now)

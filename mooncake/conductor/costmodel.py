@@ -2,7 +2,8 @@
 
 - prefill time (s)      = P(input_len, reused_len), a polynomial in two variables;
 - decode step time (s)  = D(batch_size, total_context_len), a polynomial in two variables;
-- transfer time (s)     = (bytes + bytes already queued on the path) / path bandwidth.
+- transfer time (s)     = (bytes + bytes already queued on the path) / path bandwidth;
+- SSD read time (s)     = bytes / ssd_read_bytes_per_s, for blocks the pool holds on SSD only.
 
 The polynomials come from `mooncake profile` (a fit to measured runs) or from the analytic
 roofline of a named GPU and model (`mooncake.conductor.roofline`). Both are stored in the
@@ -16,6 +17,8 @@ same JSON file format, written by `CostModel.save` and read by `CostModel.load`:
       "kv_bytes_per_token": 327680,         # bytes of K+V per token, all layers
       "kv_capacity_tokens": 1330000,        # tokens of KV one instance's VRAM holds
       "link_bytes_per_s": 1e11,             # default NIC bandwidth of a node, bytes/s
+      "ssd_read_bytes_per_s": 2e9,          # SSD read bandwidth of a pool node, bytes/s
+                                            # (optional; default 2e9, an NVMe SSD)
       "prefill": {"variables": ["input_len", "reused_len"],
                   "terms": [{"powers": [1, 0], "coef": 1.3e-4}, ...],   # seconds
                   "fit_error": {"rmse_s": 0.0, "max_rel": 0.0, "num_samples": 0}},
@@ -40,6 +43,7 @@ import msgspec
 from mooncake.errors import MooncakeError
 
 COST_MODEL_VERSION = 1
+DEFAULT_SSD_READ_BYTES_PER_S = 2e9  # bytes/s
 
 
 class CostModelError(MooncakeError):
@@ -75,6 +79,9 @@ class CostModelFile(msgspec.Struct, frozen=True, kw_only=True):
     link_bytes_per_s: float  # bytes/s of a node's NIC
     prefill: Poly2
     decode: Poly2
+    # bytes/s one pool node reads KV from its SSD tier at (a reader of a block held on SSD
+    # only waits for it); the default is a datacenter NVMe SSD's, conservatively
+    ssd_read_bytes_per_s: float = DEFAULT_SSD_READ_BYTES_PER_S
 
 
 def _power(var: str, n: int) -> list[str]:
@@ -107,6 +114,11 @@ class CostModel:
         self.kv_bytes_per_token = spec.kv_bytes_per_token
         self.kv_capacity_tokens = spec.kv_capacity_tokens
         self.link_bytes_per_s = spec.link_bytes_per_s
+        if not spec.ssd_read_bytes_per_s > 0:
+            raise CostModelError(
+                f"ssd_read_bytes_per_s must be > 0 bytes/s, got {spec.ssd_read_bytes_per_s}"
+            )
+        self.ssd_read_bytes_per_s = spec.ssd_read_bytes_per_s
 
     def prefill_time(self, input_len: int, reused_len: int = 0) -> float:
         """Seconds to prefill `input_len` tokens when the first `reused_len` have KV already."""
@@ -134,6 +146,10 @@ class CostModel:
         for end, start in chunks:
             t += self.chunk_time(end, start)
         return t
+
+    def ssd_read_time(self, num_bytes: float) -> float:
+        """Seconds to read `num_bytes` of KV off a pool node's SSD."""
+        return num_bytes / self.ssd_read_bytes_per_s if num_bytes > 0 else 0.0
 
     @staticmethod
     def transfer_time(num_bytes: float, bytes_per_s: float, queued_bytes: float = 0.0) -> float:

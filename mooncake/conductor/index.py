@@ -8,8 +8,9 @@ holds, wherever each block is.
 
 NOTE: nodes are bits of an int, so a block's holders are one bitmask (`_any`) and the
 match walks the request's hashes once, AND-ing masks, whatever the number of nodes; a
-node's tier for a block is the tier whose mask has its bit (a node keeps a block in one
-tier at a time).
+node's tier for a block is the tier whose mask has its bit: its fastest (a node may keep
+a copy lower too, as the Store does, but a reader reads the fastest, so the events only
+report that one).
 """
 
 from __future__ import annotations
@@ -186,6 +187,24 @@ class PrefixIndex:
                 break
             n += 1
         return n
+
+    def ssd_only_counts(self, hashes: Sequence[Hashable], full: int) -> list[int]:
+        """Running counts over the pool's prefix of `hashes` (held on some node of mask
+        `full`) of the blocks held there on SSD only (no node of `full` has them in
+        memory): entry i counts blocks 0..i-1, so a reader of the first n blocks reads
+        entry n of them off an SSD. [] when no block is on SSD anywhere."""
+        ssd = self._tier["ssd"]
+        if not ssd:
+            return []
+        get_any, dram, vram = self._any.get, self._tier["dram"], self._tier["vram"]
+        counts, n = [0], 0
+        for h in hashes:
+            if not get_any(h, 0) & full:
+                break
+            if ssd.get(h, 0) & full and not (dram.get(h, 0) | vram.get(h, 0)) & full:
+                n += 1
+            counts.append(n)
+        return counts
 
     def check_integrity(self) -> None:
         """Assert the masks agree: `_any` is the union of the tiers, tiers are disjoint,

@@ -17,6 +17,10 @@ chosen instance already holds; only kvcache_centric fetches from other nodes.
     replicate blocks [p.prefix_len, best_prefix_len) from best_instance to p
         if best_prefix_len / p.prefix_len > threshold.
 
+T_prefill(len, n) here includes reading the first n blocks' KV where the pool holds it on
+SSD only (`PrefillView.read_s`: the SSD's read cost; memory-resident blocks cost nothing
+locally and T_transfer remotely).
+
 NOTE: the paper leaves p.prefix_len = 0 open; here a zero local match counts as "remote is
 better" (ratio = infinity) whenever best_prefix_len > 0, and as recompute when nothing is
 cached anywhere. At ratio == threshold p fetches but does not replicate, as written.
@@ -46,6 +50,8 @@ class PrefillView:
     can_fetch: bool  # False when instances cannot read each other's cache
     prefill_s: Callable[[int], float]  # reused blocks -> T_prefill, seconds
     transfer_s: Callable[[int, int, int], float]  # (src, dst, blocks) -> T_transfer, seconds
+    # reused blocks -> seconds reading those of them held on SSD only (0: none on SSD)
+    read_s: Callable[[int], float] = lambda _blocks: 0.0
 
 
 @dataclass(slots=True, frozen=True)
@@ -79,8 +85,9 @@ class BasePolicy:
     @staticmethod
     def local(view: PrefillView, i: int) -> PrefillPlan:
         """Run on instance i, reusing only what it holds."""
-        ttft = view.queue_s[i] + view.prefill_s(view.prefix_lens[i])
-        return PrefillPlan(i, view.prefix_lens[i], -1, ttft, False)
+        n = view.prefix_lens[i]
+        ttft = view.queue_s[i] + view.prefill_s(n) + view.read_s(n)
+        return PrefillPlan(i, n, -1, ttft, False)
 
 
 class RandomPolicy(BasePolicy):
@@ -123,7 +130,7 @@ class KVCacheCentricPolicy(BasePolicy):
         best_len, best_idx, thr = view.best_len, view.best_idx, self.threshold
         queue, lens = view.queue_s, view.prefix_lens
         recompute_s: dict[int, float] = {}  # prefix_len -> T_prefill (few distinct values)
-        fetch_prefill_s = view.prefill_s(best_len)
+        fetch_prefill_s = view.prefill_s(best_len) + view.read_s(best_len)
         best_ttft, idx, reused, src = math.inf, 0, 0, -1
         for i, p_len in enumerate(lens):
             if (
@@ -133,7 +140,7 @@ class KVCacheCentricPolicy(BasePolicy):
             ):
                 t = recompute_s.get(p_len)
                 if t is None:
-                    t = recompute_s[p_len] = view.prefill_s(p_len)
+                    t = recompute_s[p_len] = view.prefill_s(p_len) + view.read_s(p_len)
                 ttft = queue[i] + t
                 if ttft < best_ttft:
                     best_ttft, idx, reused, src = ttft, i, p_len, -1

@@ -104,8 +104,8 @@ class DecodeRunner:
                 break
             self.waiting.popleft()
             seq.block_ids += ids
+            self.running.append(seq)  # NOTE: before the fill, so a failed fill frees its blocks
             self._fill_kv(seq)
-            self.running.append(seq)
             context += len(seq.token_ids)
         return events
 

@@ -4,13 +4,16 @@ One pool object per block, under `kv_key(block_hash)`; the hash already covers t
 model fingerprint, the cluster seed and the tenant salt, so keys never collide across
 models. Writing reuses `DramKVPool`'s layer-wise builders (a writer thread copies each
 finished layer into the object while the next one computes); a completed object is put
-into the Store in one batch at commit. Reading asks the master which leading blocks exist
-(one call) and fetches them in one batch; the prefill runner validates every object.
+into the Store in one batch at commit, into DRAM, or SSD when DRAM cannot make room at
+once (`PUT_TIERS`). Reading asks the master which leading blocks exist (one call) and
+fetches them in one batch, from whichever tier holds each (SSD replicas are read where
+they are); the prefill runner validates every object.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Sequence
 
 from mooncake.engine.kvio import Buffer, DramKVPool
@@ -20,6 +23,9 @@ from mooncake.store.client import Store
 
 log = logging.getLogger(__name__)
 KEY_PREFIX = "kv/"
+# NOTE: DRAM first; the master drops copies there to make room at once, and a block goes
+# to SSD only when it cannot (its victims are not copied yet): a block is never dropped
+PUT_TIERS = ("dram", "ssd")
 
 
 def kv_key(block_hash: int) -> str:
@@ -54,11 +60,21 @@ class StoreKVPool(DramKVPool):
             return
         keys = [kv_key(h) for h, _ in objects]
         values = [memoryview(data) for _, data in objects]
-        results = self.store.put_batch(keys, values, replicas=self.replicas)
-        for r in results:
-            if r.status not in ("ok", "exists"):
-                self.num_put_failures += 1
-                log.warning("KV block %s not stored: %s %s", r.key, r.status, r.message)
+        results = self.store.put_batch(keys, values, replicas=self.replicas, tiers=PUT_TIERS)
+        # exists / busy: the block is (being) stored by another writer already
+        failed = [r for r in results if r.status not in ("ok", "exists", "busy")]
+        if failed:
+            self.num_put_failures += len(failed)
+            counts = Counter(r.status for r in failed)
+            log.warning(
+                "%d of %d KV blocks not stored (%s; %d so far), e.g. %s: %s",
+                len(failed),
+                len(results),
+                ", ".join(f"{n} {status}" for status, n in counts.items()),
+                self.num_put_failures,
+                failed[0].key,
+                failed[0].message,
+            )
 
     def match_prefix(self, block_hashes: Sequence[int]) -> int:
         if not block_hashes:

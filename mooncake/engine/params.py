@@ -1,4 +1,21 @@
-"""Sampling parameters of one request: torch-free, so the master and the API share them."""
+"""Sampling parameters of one request: torch-free, so the master and the API share them.
+
+A `SamplingParams` that exists is valid: `__post_init__` runs `validate()` whenever one is
+built, also when a decode node decodes one from the wire (msgspec calls it there too, and
+`rpc/wire.py` answers such a message as a protocol error), so a node never trusts what a
+peer sent. The bounds are what the sampler computes with in float32 and what a msgpack
+integer carries:
+
+| field            | allowed                                                  |
+|------------------|----------------------------------------------------------|
+| `max_tokens`     | 1 .. MAX_INT32                                           |
+| `temperature`    | 0 (greedy), or MIN_TEMPERATURE (1e-5) .. MAX_TEMPERATURE |
+| `top_p`          | MIN_TOP_P (1e-5) .. 1                                    |
+| `top_k`          | 0 (off) .. MAX_INT32                                     |
+| `seed`           | None or a signed 64-bit integer                          |
+| `stop_token_ids` | each 0 .. MAX_INT32 (the API also checks the vocabulary) |
+| `logprobs`       | None or 0 .. MAX_LOGPROBS (20)                           |
+"""
 
 from __future__ import annotations
 
@@ -6,9 +23,27 @@ import msgspec
 
 from mooncake.errors import ApiError
 
+# NOTE: below this a temperature divides logits past float32's range (vLLM's
+# _SAMPLING_EPS is the same); 0 asks for greedy decoding.
+MIN_TEMPERATURE = 1e-5
+# NOTE: far past the point where every distribution is uniform; without a bound a value
+# beyond float32's range would become inf in the sampler and inf / inf is NaN
+MAX_TEMPERATURE = 1e6
+MIN_TOP_P = 1e-5  # smaller values already keep only the top token; tiny ones underflow float32
+MAX_INT32 = 2**31 - 1  # token ids and counts; larger ones name no token and overflow the wire
+MAX_LOGPROBS = 20  # as OpenAI allows
+
+
+class InvalidSamplingParams(ApiError):
+    """A sampling parameter out of its range; `param` names the field."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
-    """How to pick each output token, and when to stop."""
+    """How to pick each output token, and when to stop (valid by construction)."""
 
     max_tokens: int = 256  # output tokens at most
     temperature: float = 1.0  # 0 = greedy
@@ -20,19 +55,42 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     ignore_eos: bool = False  # keep going past EOS (benchmarks)
     logprobs: int | None = None  # None: none; 0: the chosen token's; n: and the top n
 
+    def __post_init__(self) -> None:
+        self.validate()
+
     def validate(self) -> None:
-        """Raise ApiError naming the first bad field."""
-        problems = [
-            (self.max_tokens < 1, f"max_tokens must be >= 1, got {self.max_tokens}"),
-            (self.temperature < 0, f"temperature must be >= 0, got {self.temperature}"),
-            (self.top_k < 0, f"top_k must be >= 0, got {self.top_k}"),
-            (not 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
-            (self.logprobs is not None and not 0 <= self.logprobs <= 20, "logprobs must be 0-20"),
-        ]
-        for bad, message in problems:
-            if bad:
-                raise ApiError(message)
+        """Raise InvalidSamplingParams naming the first bad field and what is allowed."""
+        t, p = self.temperature, self.top_p
+        _require(
+            1 <= self.max_tokens <= MAX_INT32, "max_tokens", f"in [1, {MAX_INT32}]", self.max_tokens
+        )
+        _require(
+            t == 0 or MIN_TEMPERATURE <= t <= MAX_TEMPERATURE,
+            "temperature",
+            f"0 (greedy) or in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}]",
+            t,
+        )
+        _require(
+            0 <= self.top_k <= MAX_INT32, "top_k", f"in [0, {MAX_INT32}] (0 = off)", self.top_k
+        )
+        _require(MIN_TOP_P <= p <= 1, "top_p", f"in [{MIN_TOP_P:g}, 1]", p)
+        if self.seed is not None:
+            _require(-(2**63) <= self.seed < 2**63, "seed", "a signed 64-bit integer", self.seed)
+        for i in self.stop_token_ids:
+            _require(0 <= i <= MAX_INT32, "stop_token_ids", f"token ids in [0, {MAX_INT32}]", i)
+        if self.logprobs is not None:
+            _require(
+                0 <= self.logprobs <= MAX_LOGPROBS,
+                "logprobs",
+                f"in [0, {MAX_LOGPROBS}]",
+                self.logprobs,
+            )
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
+
+
+def _require(is_ok: bool, param: str, allowed: str, got: object) -> None:
+    if not is_ok:
+        raise InvalidSamplingParams(f"{param} must be {allowed}, got {got!r}", param)

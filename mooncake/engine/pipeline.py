@@ -130,13 +130,34 @@ class StageServer:
         self._failed: set[int] = set()  # requests answered with ERROR; their frames are dropped
 
     def serve(self) -> None:
-        """Handle frames until upstream closes; then close downstream, wait for its last
-        answers, and close upstream (so the previous stage's relay ends too)."""
+        """Handle frames until upstream closes or breaks; then drop the requests it left
+        half done (their KV blocks go back to the cache), close downstream, wait for its
+        last answers, and close upstream (so the previous stage's relay ends too)."""
         relay = None
         if self.downstream is not None:
             relay = threading.Thread(target=self._relay_up, name="stage-relay", daemon=True)
             relay.start()
-        while (frame := self.upstream.recv()) is not None:
+        try:
+            self._serve_frames()
+        finally:
+            for req in list(self._states):  # NOTE: cut off by the link: nobody finishes them
+                self._drop(req)
+            self._failed.clear()
+            if self.downstream is not None:
+                self.downstream.close()
+            if relay is not None:
+                relay.join()
+            self.upstream.close()
+
+    def _serve_frames(self) -> None:
+        while True:
+            try:
+                frame = self.upstream.recv()
+            except TransferError as e:  # the upstream stage died or sent garbage
+                log.warning("upstream stage link failed: %s", e)
+                return
+            if frame is None:
+                return
             try:
                 self._handle(frame)
             except Exception as e:  # a bad request never kills the stage
@@ -145,14 +166,13 @@ class StageServer:
                 self._failed.add(frame.req_id)
                 reuse = isinstance(e, ReuseMismatchError)
                 good = e.num_good_blocks if isinstance(e, ReuseMismatchError) else 0
-                self.upstream.send(
-                    StageFrame.error(frame.req_id, str(e), good, ERROR_REUSE if reuse else 0)
-                )
-        if self.downstream is not None:
-            self.downstream.close()
-        if relay is not None:
-            relay.join()
-        self.upstream.close()
+                try:
+                    self.upstream.send(
+                        StageFrame.error(frame.req_id, str(e), good, ERROR_REUSE if reuse else 0)
+                    )
+                except TransferError as send_error:  # upstream is gone: nobody to tell
+                    log.warning("upstream stage link failed: %s", send_error)
+                    return
 
     def _handle(self, frame: StageFrame) -> None:
         req, runner, down = frame.req_id, self.runner, self.downstream
@@ -205,5 +225,8 @@ class StageServer:
 
     def _relay_up(self) -> None:
         assert self.downstream is not None
-        while (frame := self.downstream.recv()) is not None:
-            self.upstream.send(frame)
+        try:
+            while (frame := self.downstream.recv()) is not None:
+                self.upstream.send(frame)
+        except TransferError as e:  # either neighbour is gone; `serve` winds down
+            log.warning("stage relay ended: %s", e)

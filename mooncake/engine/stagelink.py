@@ -15,20 +15,23 @@ A frame is a fixed header plus the raw bytes of at most one tensor (never pickle
 
 `LocalStageLink` pairs pass frames through queues (stages as threads of one process);
 `TcpStageLink` carries them over TCP after a mutual HMAC-SHA256 challenge on the cluster
-secret. Sends are asynchronous (a sender thread), receives are read ahead (a reader
-thread), so a stage never waits on the network while it could compute.
+secret (`stageauth`). Sends are asynchronous (a sender thread), receives are read ahead
+(a reader thread), so a stage never waits on the network while it could compute. A link
+that broke (the peer died, an error) says so at once (`ended`), so a leader need not wait
+for its next request to find out. `StageListener` runs each handshake on its own thread, within
+a deadline for the whole exchange and a bound per peer address, so that slow or hostile
+peers never hold up the stage's real upstream.
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
+import contextlib
 import logging
-import os
 import queue
 import socket
 import struct
 import threading
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from enum import IntEnum
@@ -37,7 +40,9 @@ from typing import Final
 import torch
 from torch import Tensor
 
-from mooncake.errors import AuthError, ConfigError, ProtocolError, TransferError
+from mooncake.engine import stageauth
+from mooncake.errors import AuthError, ProtocolError, TransferError
+from mooncake.transfer import wire
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +59,6 @@ _DTYPES: Final = {
     5: torch.uint8,
 }
 _CODES: Final = {v: k for k, v in _DTYPES.items()}
-_HELLO: Final = b"MCSL-HELLO-v1"
-_NONCE_BYTES: Final = 32
 
 
 class FrameKind(IntEnum):
@@ -208,19 +211,30 @@ class TcpStageLink(BaseStageLink):
         self._out: queue.SimpleQueue[StageFrame | None] = queue.SimpleQueue()
         self._in: queue.SimpleQueue[StageFrame | BaseException | None] = queue.SimpleQueue()
         self._failed: BaseException | None = None
+        self.ended = threading.Event()  # set once the link carries no more frames either way
         self._sender = threading.Thread(target=self._send_loop, name="stage-send", daemon=True)
         self._reader = threading.Thread(target=self._read_loop, name="stage-read", daemon=True)
         self._sender.start()
         self._reader.start()
 
     @classmethod
-    def connect(cls, host: str, port: int, secret: bytes, timeout: float = 10.0) -> TcpStageLink:
-        """Dial the next stage and prove both sides know `secret`; raises AuthError."""
+    def connect(
+        cls, host: str, port: int, secret: bytes, timeout: float = wire.HANDSHAKE_TIMEOUT_S
+    ) -> TcpStageLink:
+        """Dial the next stage and prove both sides know `secret`, all within `timeout`
+        seconds; raises AuthError (wrong secret, or no answer in time) or TransferError."""
+        deadline = time.monotonic() + timeout
         try:
             sock = socket.create_connection((host, port), timeout=timeout)
         except OSError as e:
             raise TransferError(f"cannot reach pipeline stage at {host}:{port}: {e}") from e
-        _client_handshake(sock, secret)
+        try:
+            stageauth.client_handshake(sock, secret, deadline)
+        except (OSError, AuthError) as e:
+            sock.close()
+            if isinstance(e, AuthError):
+                raise
+            raise AuthError(f"no handshake with the pipeline stage at {host}:{port}: {e}") from e
         sock.settimeout(None)
         return cls(sock)
 
@@ -233,6 +247,7 @@ class TcpStageLink(BaseStageLink):
                     self._sock.sendall(payload)
             self._sock.shutdown(socket.SHUT_WR)
         except OSError as e:
+            self.ended.set()  # NOTE: before _failed, so a failing send() sees `ended` set
             self._failed = e
             log.warning("stage link send failed: %s", e)
 
@@ -240,8 +255,10 @@ class TcpStageLink(BaseStageLink):
         try:
             while (frame := _read_frame(self._sock, self._max)) is not None:
                 self._in.put(frame)
+            self.ended.set()  # NOTE: before the None, so a failing recv() sees it set
             self._in.put(None)
         except (OSError, ProtocolError) as e:
+            self.ended.set()
             self._in.put(e)
 
     def send(self, frame: StageFrame) -> None:
@@ -264,65 +281,110 @@ class TcpStageLink(BaseStageLink):
     def close(self) -> None:
         self._out.put(None)
         self._sender.join()
+        with contextlib.suppress(OSError):  # wakes our reader (a close alone would not)
+            self._sock.shutdown(socket.SHUT_RDWR)
         self._sock.close()
 
-
-def _mac(secret: bytes, label: bytes, *nonces: bytes) -> bytes:
-    return hmac.new(
-        secret, b"mooncake-stage|" + label + b"|" + b"".join(nonces), hashlib.sha256
-    ).digest()
-
-
-def _check_secret(secret: bytes) -> None:
-    if len(secret) < 16:
-        raise ConfigError("pipeline stages need a cluster secret of at least 16 bytes")
-
-
-def _client_handshake(sock: socket.socket, secret: bytes) -> None:
-    _check_secret(secret)
-    hello = _recv_exact(sock, len(_HELLO) + _NONCE_BYTES)
-    if hello is None or not hello.startswith(_HELLO):
-        raise AuthError("the peer is not a mooncake pipeline stage")
-    server_nonce, my_nonce = bytes(hello[len(_HELLO) :]), os.urandom(_NONCE_BYTES)
-    sock.sendall(my_nonce + _mac(secret, b"client", server_nonce, my_nonce))
-    proof = _recv_exact(sock, 32)
-    if proof is None or not hmac.compare_digest(
-        bytes(proof), _mac(secret, b"server", my_nonce, server_nonce)
-    ):
-        raise AuthError("the pipeline stage does not know the cluster secret")
+    def abort(self) -> None:
+        """Close at once, dropping queued frames (the peer is gone or being replaced)."""
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)  # a sender stuck on a stalled peer fails
+        self.close()
 
 
 class StageListener:
-    """Accepts authenticated links from the previous stage (bind 127.0.0.1:0 in tests)."""
+    """Accepts authenticated links from the previous stage (bind 127.0.0.1:0 in tests).
 
-    def __init__(self, secret: bytes, host: str = "127.0.0.1", port: int = 0):
-        _check_secret(secret)
-        self._secret = secret
+    An accept thread hands each connection to a handshake thread, which must finish the
+    challenge within `handshake_timeout_s` in all; at most `max_handshakes_per_peer`
+    connections from one address are in the handshake at once (more are refused).
+    Authenticated links queue for `accept`; peers that fail are logged and closed."""
+
+    def __init__(
+        self,
+        secret: bytes,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        handshake_timeout_s: float = wire.HANDSHAKE_TIMEOUT_S,
+        max_handshakes_per_peer: int = wire.MAX_HANDSHAKES_PER_PEER,
+    ):
+        stageauth.check_secret(secret)
+        self._secret, self.handshake_timeout_s = secret, handshake_timeout_s
+        self._slots = wire.HandshakeSlots(max_handshakes_per_peer)
         self._sock = socket.create_server((host, port))
         self.port: int = self._sock.getsockname()[1]
+        self._links: queue.SimpleQueue[TcpStageLink | None] = queue.SimpleQueue()  # None: closed
+        self._closed = False
+        self._lock = threading.Lock()
+        threading.Thread(target=self._accept_loop, name="stage-accept", daemon=True).start()
 
     def accept(self, timeout: float | None = None) -> TcpStageLink:
-        """The next authenticated link; raises AuthError for a peer without the secret."""
-        self._sock.settimeout(timeout)
-        sock, addr = self._sock.accept()
-        sock.settimeout(10.0)
-        nonce = os.urandom(_NONCE_BYTES)
+        """The next authenticated link; raises TimeoutError when none came within
+        `timeout` seconds, OSError once the listener is closed."""
         try:
-            sock.sendall(_HELLO + nonce)
-            reply = _recv_exact(sock, _NONCE_BYTES + 32)
-            if reply is None:
-                raise AuthError(f"stage peer {addr} hung up during the handshake")
-            client_nonce = bytes(reply[:_NONCE_BYTES])
-            if not hmac.compare_digest(
-                bytes(reply[_NONCE_BYTES:]), _mac(self._secret, b"client", nonce, client_nonce)
-            ):
-                raise AuthError(f"stage peer {addr} does not know the cluster secret")
-            sock.sendall(_mac(self._secret, b"server", client_nonce, nonce))
-        except (OSError, AuthError):
+            link = self._links.get(timeout=timeout)
+        except queue.Empty as e:
+            raise TimeoutError(f"no pipeline stage connected within {timeout} s") from e
+        if link is None:
+            self._links.put(None)  # every later accept fails the same way
+            raise OSError("the stage listener is closed")
+        return link
+
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                sock, addr = self._sock.accept()
+            except OSError:  # closed
+                break
+            if not self._slots.take(addr[0]):
+                log.warning(
+                    "refusing a stage link from %s: %d of its connections are already in "
+                    "the handshake",
+                    addr[0],
+                    self._slots.limit,
+                )
+                sock.close()
+                continue
+            auth = threading.Thread(
+                target=self._handshake, args=(sock, addr), name="stage-auth", daemon=True
+            )
+            auth.start()
+        self._links.put(None)
+
+    def _handshake(self, sock: socket.socket, addr: tuple) -> None:
+        deadline = time.monotonic() + self.handshake_timeout_s
+        try:
+            stageauth.server_handshake(sock, self._secret, deadline)
+            sock.settimeout(None)
+        except (OSError, AuthError) as e:
+            why = str(e)
+            if isinstance(e, TimeoutError):
+                why = f"no complete handshake within {self.handshake_timeout_s:g} s"
+            log.warning("refused a stage link from %s:%s: %s", addr[0], addr[1], why)
             sock.close()
-            raise
-        sock.settimeout(None)
-        return TcpStageLink(sock)
+            return
+        finally:
+            self._slots.give_back(addr[0])
+        with self._lock:
+            if not self._closed:
+                self._links.put(TcpStageLink(sock))
+                return
+        sock.close()
 
     def close(self) -> None:
+        """Stop accepting; links not yet taken by `accept` are closed."""
+        with self._lock:
+            self._closed = True
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
         self._sock.close()
+        while True:
+            try:
+                link = self._links.get_nowait()
+            except queue.Empty:
+                break
+            if link is None:
+                self._links.put(None)
+                break
+            link.close()

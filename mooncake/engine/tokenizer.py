@@ -167,6 +167,10 @@ def render_template(template: str, **context: Any) -> str:
         return env.from_string(template).render(**context)
     except TemplateError as e:
         raise ApiError(f"the chat template rejected these messages: {e}") from e
+    except (TypeError, ValueError, KeyError, AttributeError, IndexError) as e:
+        # NOTE: a template written for other messages (e.g. `content + ...` on a None
+        # content) fails on them; the messages are the caller's to change
+        raise ApiError(f"the chat template cannot render these messages: {e}") from e
 
 
 def create_tokenizer(path: str, eos_token_ids: tuple[int, ...] = ()) -> BaseTokenizer:

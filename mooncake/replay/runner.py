@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
@@ -138,7 +138,6 @@ async def replay_async(
             on_start(info, prompts)
         gate = asyncio.Semaphore(cfg.concurrency) if cfg.concurrency else None
         t0 = time.perf_counter()
-        first_ms = records[0].timestamp
 
         async def one(i: int, rec: TraceRecord) -> RequestRecord:
             body = request_body(rec, prompts, cfg, info.model)
@@ -151,13 +150,7 @@ async def replay_async(
                 on_record(done)
             return done
 
-        tasks = []
-        for i, rec in enumerate(records):
-            delay = (rec.timestamp - first_ms) / 1000.0 / cfg.speed - (time.perf_counter() - t0)
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(one(i, rec)))
-        done = await asyncio.gather(*tasks)
+        done = await send_at_arrivals(records, cfg.speed, t0, one)
     run = RunInfo(
         url=url,
         model=info.model,
@@ -171,6 +164,24 @@ async def replay_async(
         prompt_format=cfg.prompt_format,
     )
     return summarize(list(done), run)
+
+
+async def send_at_arrivals(
+    records: list[TraceRecord],
+    speed: float,
+    t0: float,
+    one: Callable[[int, TraceRecord], Coroutine[Any, Any, RequestRecord]],
+) -> list[RequestRecord]:
+    """Start `one(i, record)` at each record's timestamp / `speed` (seconds after `t0`, a
+    perf_counter reading), all in flight at once; their records in trace order."""
+    first_ms = records[0].timestamp
+    tasks: list[asyncio.Task[RequestRecord]] = []
+    for i, rec in enumerate(records):
+        delay = (rec.timestamp - first_ms) / 1000.0 / speed - (time.perf_counter() - t0)
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(one(i, rec)))
+    return list(await asyncio.gather(*tasks))
 
 
 def replay(

@@ -7,8 +7,12 @@
                   asyncio queue; the first one is the TTFT
     end           finished, failed or cancelled: the Conductor's load is released
 
-Node failures: requests waiting on a prefill node that went down are placed again; those
-on a decode node that went down end with an error naming it.
+Node failures: a request whose prefill or decode node went down is placed again under a
+new request id (so late outputs of the dead placement are dropped): before its first token
+it is prefilled again; while decoding, its prompt and the tokens already streamed are
+prefilled again (mostly pool hits) and decoding goes on for the tokens still owed. When no
+node can take it, it waits up to `scheduler.replace_wait_s` for one (a restarted node),
+then ends with an error naming why.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from mooncake.conductor.types import (
 from mooncake.engine.tokenizer import BaseTokenizer
 from mooncake.errors import ApiError, MooncakeError, SchedulingError
 from mooncake.hashing import PrefixHasher
+from mooncake.roles.flight import Flight
 from mooncake.roles.messages import (
     AckMsg,
     DecodeAbortMsg,
@@ -47,20 +52,6 @@ from mooncake.rpc import AsyncRpcClient
 
 log = logging.getLogger(__name__)
 REJECTED = "rejected: "  # error prefix of a request the Conductor refused at prefill start
-
-
-@dataclass
-class Flight:
-    """A request in the cluster."""
-
-    req_id: int
-    gen: GenerateRequest
-    block_hashes: list[int]  # the prompt's, hashed once (placing again reuses them)
-    queue: asyncio.Queue[TokenMsg]
-    decision: Decision
-    phase: str = "queued"  # queued (at prefill) | prefilling | decoding
-    num_cached_tokens: int = 0
-    done: bool = False
 
 
 @dataclass
@@ -102,12 +93,15 @@ class ClusterBackend(BaseBackend):
         self.flights: dict[int, Flight] = {}
         self.counters = PoolCounters()
         self.max_retries = 2
+        self.replace_wait_s = 60.0  # [scheduler] replace_wait_s
+        self.replace_poll_s = 0.25  # between attempts to place a request again
         # NOTE: ids never repeat across master restarts (nodes outlive the master)
         self._ids = itertools.count(time.time_ns() // 1000)
         self.on_unreachable: Callable[[str], None] = lambda _node: None  # the master marks it down
         # hot-spot replication orders of the Conductor, for the Store to carry out
         self.on_replicate: Callable[[ReplicationOrder], None] = lambda _order: None
         self._clients: dict[str, AsyncRpcClient] = {}
+        self._tasks: set[asyncio.Future[None]] = set()  # re-placements under way
 
     # -- the API's entry point --
     async def generate(self, req: GenerateRequest) -> AsyncIterator[Output]:
@@ -142,8 +136,10 @@ class ClusterBackend(BaseBackend):
                 if first and tok.error.startswith(REJECTED):  # before any output: a 429
                     self._end(flight, dropped=True)
                     raise Rejected(tok.error.removeprefix(REJECTED), retry_after_s=2.0)
-                if first:
+                if flight.phase != "decoding":  # the first token of this placement
                     self._on_first_token(flight)
+                if tok.token_id >= 0:
+                    flight.output_ids.append(tok.token_id)
                 out = Output(token_id=tok.token_id, text=tok.text, logprob=tok.logprob,
                              top_logprobs=tok.top_logprobs, finish_reason=tok.finish_reason,
                              error=tok.error,
@@ -189,24 +185,22 @@ class ClusterBackend(BaseBackend):
                 node = target.prefill
                 log.warning("req %d: prefill node %s did not take it (%s)", flight.req_id, node, e)
                 self.on_unreachable(node)
-                if flight.decision is not target:
+                if flight.decision is not target or flight.is_replacing:
                     return  # placed again meanwhile; that placement dispatches it
                 if attempt == self.max_retries:
                     raise
-                with self.lock:
-                    self.conductor.on_request_dropped(flight.req_id, time.monotonic())
-                flight.decision = self._replacement(flight)
+                if not await self._place_again(flight):
+                    return  # its end is queued
 
     async def _dispatch(self, flight: Flight) -> None:
         d = flight.decision
         leader, decoder = self.registry.nodes.get(d.prefill), self.registry.nodes.get(d.decode)
         if leader is None or decoder is None:
             raise MooncakeError(f"node {d.prefill if leader is None else d.decode} left")
-        g = flight.gen
         # NOTE: the index lags the pool by a tick; a limit only where the Conductor chose to
         # recompute blocks it knows are held (Algorithm 1's balancing rule)
         limit = d.reused_blocks if d.reused_blocks < d.best_blocks else -1
-        task = PrefillTaskMsg(flight.req_id, g.prompt_ids, g.params, d.decode,
+        task = PrefillTaskMsg(flight.req_id, flight.task_prompt, flight.task_params, d.decode,
                               decoder.info.rpc_address, limit)  # fmt: skip
         await self._client(leader.info.rpc_address).call(task, AckMsg, timeout_s=5.0)
         log.debug("req %d: %s took it", flight.req_id, d.prefill)
@@ -254,14 +248,17 @@ class ClusterBackend(BaseBackend):
             return
         for tok in tokens:
             flight = self.flights.get(tok.req_id)
-            d = flight.decision if flight is not None else None
-            if (
-                d is not None
-                and tok.finish_reason == "abort"
-                and node_id not in (d.prefill, d.decode)
-            ):
+            if flight is None:
+                continue  # ended, or placed again under a new id
+            d = flight.decision
+            # NOTE: outputs come from the decode node; failures from either node
+            senders = (d.prefill, d.decode) if tok.finish_reason == "abort" else (d.decode,)
+            if node_id not in senders:
                 continue
-            if flight is not None:
+            if tok.finish_reason == "abort" and node_id == d.prefill and flight.phase != "decoding":
+                # its prefill (or the hand-off to decode) failed: try another placement
+                loop.call_soon_threadsafe(self._replace, flight, node_id, tok)
+            else:
                 loop.call_soon_threadsafe(flight.queue.put_nowait, tok)
 
     def on_prefill_admission(self, req_id: int, adm: PrefillAdmission) -> None:
@@ -292,38 +289,105 @@ class ClusterBackend(BaseBackend):
             flight.num_cached_tokens = reused
 
     def on_node_down(self, node_id: str) -> None:
-        """Re-place requests still queued on a dead prefill group; fail those whose decode
-        node died (thread-safe: called from the master's housekeeping thread)."""
+        """Place again every request the dead node was working on, except those already
+        decoding elsewhere (thread-safe: called from the master's housekeeping thread)."""
         loop = self.loop
         if loop is None:
             return
         for flight in list(self.flights.values()):
             d = flight.decision
-            if node_id not in (d.prefill, d.decode):
-                continue
-            if flight.phase != "decoding":  # its KV is not on a decode node yet: redo it
+            if d.decode == node_id or (d.prefill == node_id and flight.phase != "decoding"):
                 loop.call_soon_threadsafe(self._replace, flight, node_id)
-            elif d.decode == node_id:
-                end = TokenMsg(flight.req_id, -1, "", finish_reason="abort",
-                               error=f"decode node {node_id} failed while generating")  # fmt: skip
-                loop.call_soon_threadsafe(flight.queue.put_nowait, end)
 
-    def _replace(self, flight: Flight, node_id: str) -> None:
-        """On the loop: schedule the request again and tell its generator to dispatch."""
-        if flight.done or node_id not in (flight.decision.prefill, flight.decision.decode):
-            return  # finished, or already moved away from the dead node
-        with self.lock:
-            self.conductor.on_request_dropped(flight.req_id, time.monotonic())
+    def _replace(self, flight: Flight, node_id: str, failure: TokenMsg | None = None) -> None:
+        """On the loop: place the request again, then tell its generator to dispatch.
+        `failure`: the prefill node's report that ended this placement."""
+        if flight.done or flight.is_replacing:
+            return
+        if node_id not in (flight.decision.prefill, flight.decision.decode):
+            return  # already moved away from the dead node
+        if failure is not None:
+            flight.last_error = failure.error
+            if flight.num_placements > self.max_retries:
+                flight.queue.put_nowait(failure)  # it failed on every node tried
+                return
+
+        async def replace() -> None:
+            if await self._place_again(flight) and not flight.done:
+                flight.queue.put_nowait(TokenMsg(-1, -1, ""))
+
+        task = asyncio.ensure_future(replace())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _place_again(self, flight: Flight) -> bool:
+        """Give the request a new id and a new placement, waiting up to replace_wait_s for a
+        node to take it; False when it ended meanwhile or none took it (or it was moved too
+        often: then its end, with the error, is queued)."""
+        flight.is_replacing = True
         try:
-            flight.decision = self._replacement(flight)
-            log.info("req %d placed again on %s", flight.req_id, flight.decision.prefill)
-            flight.queue.put_nowait(TokenMsg(-1, -1, ""))
+            await self._abort_remote(flight)  # NOTE: a live node stops work nobody awaits
+            old = flight.req_id
+            self.flights.pop(old, None)
+            with self.lock:
+                self.conductor.on_request_dropped(old, time.monotonic())
+            flight.req_id = next(self._ids)
+            self.flights[flight.req_id] = flight
+            flight.phase = "queued"
+            flight.num_placements += 1
+            if flight.num_placements > self.max_retries + 2:
+                why = f"; the last failure: {flight.last_error}" if flight.last_error else ""
+                raise MooncakeError(f"it was placed {flight.num_placements - 1} times{why}")
+            deadline = time.monotonic() + self.replace_wait_s
+            while True:
+                try:
+                    flight.decision = self._replacement(flight)
+                    break
+                except (MooncakeError, ApiError) as e:
+                    if flight.done:
+                        return False
+                    if time.monotonic() >= deadline:
+                        raise MooncakeError(
+                            f"no node took it within {self.replace_wait_s:.0f} s: {e}"
+                        ) from e
+                    await asyncio.sleep(self.replace_poll_s)
+            d = flight.decision
+            log.info(
+                "req %d (was %d) placed again on %s, %s", flight.req_id, old, d.prefill, d.decode
+            )
+            return True
         except (MooncakeError, ApiError) as e:
-            flight.queue.put_nowait(TokenMsg(flight.req_id, -1, "", finish_reason="abort",
-                                             error=f"could not place it again: {e}"))  # fmt: skip
+            end = TokenMsg(
+                flight.req_id, -1, "", finish_reason="abort", error=f"could not place it again: {e}"
+            )
+            flight.queue.put_nowait(end)
+            return False
+        finally:
+            flight.is_replacing = False
 
     def _replacement(self, flight: Flight) -> Decision:
-        return self._place(flight.req_id, len(flight.gen.prompt_ids), flight.block_hashes)
+        prompt = flight.task_prompt
+        assert self.hasher is not None
+        hashes = flight.block_hashes
+        if flight.output_ids:
+            hashes = self.hasher.hash_blocks(prompt)
+        return self._place(flight.req_id, len(prompt), hashes)
+
+    async def health(self) -> dict[str, object]:
+        """ok while a prefill group and a decode node can take requests; raises
+        MooncakeError naming what is missing otherwise."""
+        with self.lock:
+            leaders = self.registry.schedulable_leaders()
+            decoders = self.registry.ready_decoders()
+        if not leaders or not decoders:
+            missing = "prefill group" if not leaders else "decode node"
+            raise MooncakeError(f"no {missing} is ready to take requests")
+        return {
+            "status": "ok",
+            "num_prefill_groups": len(leaders),
+            "num_decode_nodes": len(decoders),
+            "num_running": len(self.flights),
+        }
 
     async def close(self) -> None:
         for c in self._clients.values():

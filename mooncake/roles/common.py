@@ -123,7 +123,7 @@ class MasterLink:
         self.ctx, self.info, self.load_fn = ctx, info, load_fn
         self.on_registered = on_registered
         self.client = RpcClient(ctx.master_rpc, ctx.secret, timeout_s=5.0)
-        self.state: Literal["starting", "ready", "draining"] = "starting"
+        self.state: Literal["starting", "ready", "draining", "failed"] = "starting"
         self.reply: RegisterReplyMsg | None = None
         self._halt = threading.Event()  # heartbeats go on while the node drains
         self._thread = threading.Thread(target=self._loop, name="master-link", daemon=True)

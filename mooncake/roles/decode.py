@@ -1,11 +1,19 @@
 """The decode role: continuous-batching decode of requests whose KV a prefill node wrote
 into this node's cache; tokens stream back to the master after every step.
 
-    reserve   a prefill node asks for blocks; they are set aside for that request
+    reserve   a prefill node asks for blocks; they are set aside for that request (for
+              `decode.reserve_ttl_s` at most: a prefill node that dies never submits)
     submit    its KV is in them: the request joins the waiting queue
     step      DecodeRunner: schedule -> run -> postprocess; the step's tokens go to the master
     retire    a finished request's new full blocks (its output's KV) go to the pool, so the
               conversation's next turn hits the cache
+
+A step that raises ends the requests of its batch with an error and the loop goes on;
+`decode.max_step_failures` failed steps in a row, a dead loop or a step stuck for
+`decode.stall_timeout_s` make the node report "failed", end every request it holds with an
+error and exit, for its supervisor to restart it (roles/watchdog.py). A node the master
+marked down (it was unreachable: stopped, partitioned) drops what it held when it registers
+again: the master has re-placed or failed those requests meanwhile.
 
 The runner is not thread-safe: RPC handlers and the step loop share `lock`.
 """
@@ -25,7 +33,13 @@ from mooncake.engine.decode import DecodeRunner
 from mooncake.engine.kvhandoff import place_cache_in_segments
 from mooncake.engine.sequence import Sequence, TokenEvent
 from mooncake.errors import MooncakeError
-from mooncake.roles.common import MasterLink, NodeContext, install_signal_handlers, report_ready
+from mooncake.roles.common import (
+    HEARTBEAT_S,
+    MasterLink,
+    NodeContext,
+    install_signal_handlers,
+    report_ready,
+)
 from mooncake.roles.messages import (
     AckMsg,
     DecodeAbortMsg,
@@ -35,14 +49,15 @@ from mooncake.roles.messages import (
     DecodeSubmitMsg,
     NodeInfoMsg,
     NodeLoadMsg,
+    RegisterReplyMsg,
     TokenMsg,
     TokensMsg,
 )
+from mooncake.roles.watchdog import LoopWatch, NodeFailed
 from mooncake.roles.worker import Worker, close_pool, connect_pool, load_worker, mount_local_tiers
 from mooncake.rpc import RpcServer
 
 log = logging.getLogger(__name__)
-DRAIN_S = 30.0  # seconds a stopping decode node lets its running requests finish
 
 
 class StoringDecodeRunner(DecodeRunner):
@@ -69,7 +84,7 @@ class DecodeNode:
         self.lock = threading.Lock()
         self.wake = threading.Event()
         self.halt = threading.Event()  # set after draining: the step loop ends
-        self.reserved: dict[int, list[int]] = {}  # req_id -> blocks set aside for its KV
+        self.reserved: dict[int, tuple[list[int], float]] = {}  # req_id -> (blocks, when)
         self.store_node = mount_local_tiers(ctx)
         self.worker: Worker = load_worker(ctx, cfg.decode.kv_cache_bytes)
         w = self.worker
@@ -96,7 +111,9 @@ class DecodeNode:
             w.fingerprint.hex(), kv_capacity_tokens=w.cache.num_blocks * w.cache.block_tokens,
             max_batch=cfg.decode.max_batch,
         )  # fmt: skip
-        self.link = MasterLink(ctx, info, self._load)
+        self.is_registered = False
+        self.watch = LoopWatch("decode-loop", self._loop, cfg.decode.stall_timeout_s)
+        self.link = MasterLink(ctx, info, self._load, self._on_registered)
         self.link.register()
         self.link.start()
 
@@ -110,14 +127,14 @@ class DecodeNode:
             ids = cache.allocator.allocate(need) if need <= spare else None
             if ids is None:
                 return DecodeReserveReplyMsg([])
-            self.reserved[msg.req_id] = ids
+            self.reserved[msg.req_id] = (ids, time.monotonic())
         ep = self.store.engine.endpoints[0]
         return DecodeReserveReplyMsg(ids, self.kv_prefix, f"{ep.host}:{ep.port}")
 
     def _on_submit(self, msg: DecodeSubmitMsg, _peer: object) -> AckMsg:
         w = self.worker
         with self.lock:
-            blocks = self.reserved.pop(msg.req_id, [])
+            blocks = self.reserved.pop(msg.req_id, ([], 0.0))[0]
             if msg.block_ids != blocks[: len(msg.block_ids)]:
                 self.worker.cache.free(blocks)
                 raise MooncakeError(f"req {msg.req_id}: submitted blocks were not reserved")
@@ -132,14 +149,51 @@ class DecodeNode:
 
     def _on_release(self, msg: DecodeReleaseMsg, _peer: object) -> AckMsg:
         with self.lock:
-            self.worker.cache.free(self.reserved.pop(msg.req_id, []))
+            self.worker.cache.free(self.reserved.pop(msg.req_id, ([], 0.0))[0])
         return AckMsg()
 
     def _on_abort(self, msg: DecodeAbortMsg, _peer: object) -> AckMsg:
         with self.lock:
-            self.worker.cache.free(self.reserved.pop(msg.req_id, []))
+            self.worker.cache.free(self.reserved.pop(msg.req_id, ([], 0.0))[0])
             self.runner.abort(msg.req_id)
         return AckMsg()
+
+    def _on_registered(self, reply: RegisterReplyMsg) -> None:
+        """Registered again (the master restarted, or marked this node down while it was
+        unreachable): every request held here was failed or re-placed meanwhile."""
+        if not self.is_registered:
+            self.is_registered = True
+            return  # the first registration: nothing is held yet
+        with self.lock:
+            dropped = [s.seq_id for s in [*self.runner.running, *self.runner.waiting]]
+            for req_id in dropped:
+                self.runner.abort(req_id)
+            num_reserved = len(self.reserved)
+            for blocks, _ in self.reserved.values():
+                self.worker.cache.free(blocks)
+            self.reserved.clear()
+        if dropped or num_reserved:
+            log.warning(
+                "registered again: dropped %d requests and %d reservations the "
+                "master no longer tracks",
+                len(dropped),
+                num_reserved,
+            )
+
+    def _expire_reservations(self, now: float) -> None:
+        ttl = self.ctx.config.decode.reserve_ttl_s
+        if not self.lock.acquire(timeout=HEARTBEAT_S):
+            return  # a step holds it; next time
+        try:
+            old = [r for r, (_, at) in self.reserved.items() if now - at > ttl]
+            for req_id in old:
+                self.worker.cache.free(self.reserved.pop(req_id)[0])
+        finally:
+            self.lock.release()
+        if old:
+            log.warning(
+                "freed %d reservations never submitted within %.0f s: %s", len(old), ttl, old[:8]
+            )
 
     def _load(self) -> NodeLoadMsg:
         r = self.runner
@@ -151,32 +205,77 @@ class DecodeNode:
 
     # -- the step loop --
     def serve(self) -> None:
+        """Serve until stopped (drain, then close); raises NodeFailed when the step loop
+        died or is stuck (the node is closed first)."""
         self.link.state = "ready"
         report_ready(node_id=self.ctx.node_id, role="decode")
-        loop = threading.Thread(target=self._loop, name="decode-loop", daemon=True)
-        loop.start()
-        self.ctx.stop.wait()
+        self.watch.start()
+        problem = ""
+        while not problem and not self.ctx.stop.wait(HEARTBEAT_S):
+            now = time.monotonic()
+            problem = self.watch.problem(now)
+            self._expire_reservations(now)
+        if problem:
+            self._fail(problem)
+            raise NodeFailed(f"decode node {self.ctx.node_id}: {problem}")
         self.link.drain()
-        deadline = time.monotonic() + DRAIN_S
+        deadline = time.monotonic() + self.ctx.config.decode.drain_s
         while (self.runner.has_work or self.reserved) and time.monotonic() < deadline:
+            if self.watch.problem():
+                break
             time.sleep(0.05)  # running requests finish; nothing new is placed here
         self.halt.set()
-        loop.join(timeout=30)
+        self.watch.join(timeout_s=self.ctx.config.decode.stall_timeout_s)
         self.close()
 
-    def _loop(self) -> None:
+    def _fail(self, problem: str) -> None:
+        """The loop cannot serve: not ready any more, every held request ended with an
+        error naming why, then leave the cluster."""
+        log.error("%s; ending every request held here and exiting", problem)
+        self.link.state = "failed"
+        self.link.beat()  # placements stop now, not at the next heartbeat
+        self.halt.set()
+        # NOTE: a stuck step still holds the lock: read the queues without it (a glance)
+        held = [*self.runner.running, *self.runner.waiting]
+        events = [TokenEvent(s.seq_id, -1, "", finish_reason="abort") for s in held]
+        self._send(events, error=f"the decode node failed: {problem}")
+        self.close()
+
+    def _loop(self, watch: LoopWatch) -> None:
+        failures = 0
+        max_failures = self.ctx.config.decode.max_step_failures
         while not self.halt.is_set():
-            with self.lock:
-                events = self.runner.step() if self.runner.has_work else []
+            with self.lock, watch.busy():
+                try:
+                    events = []
+                    if self.runner.has_work:
+                        events = self.runner.step()
+                        failures = 0
+                except Exception as e:
+                    failures += 1
+                    log.exception("decode step failed (%d in a row)", failures)
+                    events = self._end_running()
+                    error = f"the decode step failed: {type(e).__name__}: {e}"
+                    if failures >= max_failures:
+                        watch.fail(f"{failures} decode steps failed in a row, the last: {e}")
+                else:
+                    error = ""
             if events:
-                self._send(events)
+                self._send(events, error)
             elif not self.runner.has_work:
                 self.wake.wait(0.05)
                 self.wake.clear()
+            if watch.failure:
+                return
         with self.lock:  # stopping: end what is still running, clearly
             ended = [self.runner.abort(s.seq_id) for s in [*self.runner.running,
                                                            *self.runner.waiting]]  # fmt: skip
         self._send([e for e in ended if e is not None], error="the decode node is shutting down")
+
+    def _end_running(self) -> list[TokenEvent]:
+        """End the running batch after a failed step (lock held); waiting requests stay."""
+        ended = [self.runner.abort(s.seq_id) for s in list(self.runner.running)]
+        return [e for e in ended if e is not None]
 
     def _send(self, events: list[TokenEvent], error: str = "") -> None:
         if not events:
@@ -215,5 +314,7 @@ class DecodeNode:
 
 
 def run_decode(ctx: NodeContext) -> None:
+    """Serve as a decode node until SIGINT/SIGTERM; raises NodeFailed when the step loop
+    failed (the process then exits with an error, for its supervisor to restart it)."""
     install_signal_handlers(ctx.stop)
     DecodeNode(ctx).serve()

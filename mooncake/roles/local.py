@@ -2,12 +2,13 @@
 
     master  +  prefill x N (one pipeline group of `group_size`)  +  decode x M  +  store x K
 
-The launcher writes one config (a fresh secret, free ports, the small model), profiles
-the model once for the Conductor's cost model (cached per model and shape), starts the
-master, then the other nodes, each reporting ready with a JSON line on stdout (no sleeps),
-writes the runfile `mooncake status` and `mooncake replay` read, and on SIGINT/SIGTERM
-stops every child (SIGTERM, then SIGKILL after a grace period). Children die with the
-launcher even if it is killed (PR_SET_PDEATHSIG).
+The launcher writes one config (a fresh secret, free ports, the small model) into a private
+run directory (see `runfile`), profiles the model once for the Conductor's cost model
+(cached per model and shape), starts the master and the other nodes, each reporting ready
+with a JSON line on stdout (no sleeps), and writes the runfile `mooncake status` and
+`mooncake replay` read. `supervise` restarts nodes that exit (`supervisor.Supervisor`);
+`stop` ends every child (SIGTERM, then SIGKILL once its grace, longer than a decode node's
+drain, is over). Children die with the launcher even if it is killed (PR_SET_PDEATHSIG).
 """
 
 from __future__ import annotations
@@ -17,22 +18,38 @@ import json
 import logging
 import os
 import secrets
-import selectors
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mooncake.config import Config, load_config
+from mooncake.configload import typed_override
 from mooncake.errors import MooncakeError
-from mooncake.roles.runfile import LocalCluster, remove_runfile, write_runfile
+from mooncake.native.shm import sweep_stale
+from mooncake.roles.runfile import (
+    LocalCluster,
+    private_dir,
+    remove_runfile,
+    runfile_path,
+    write_private,
+    write_runfile,
+)
+from mooncake.roles.supervisor import Child, NodeEvent, RestartPolicy, Supervisor, wait_ready
 
 log = logging.getLogger(__name__)
 DECODE_KV_BYTES = 128 << 20  # the decode node's KV cache (and the cost model's capacity)
 READY_TIMEOUT_S = 180.0  # seconds a node may take to load and report ready
+SCHEDULABLE_TIMEOUT_S = 30.0  # seconds for the master to see every ready node
+DEFAULT_DRAIN_S = 30.0  # a decode node's drain when the config has no decode.drain_s
+CONFIG_NAME = "mooncake-local.toml"
 
 
 @dataclass
@@ -51,7 +68,8 @@ class LocalPlan:
     pool: bool = True  # False: no store node and no pool share (a no-reuse baseline)
     cost_model_path: str = ""  # "" = profile once and cache
     run_dir: Path = field(default_factory=lambda: Path.cwd())
-    extra: dict[str, object] = field(default_factory=dict)  # more config keys "sec.key"
+    # more config keys: "section.key" -> a value, typed or as --set text ("false", "64MiB")
+    extra: dict[str, object] = field(default_factory=dict)
 
 
 def free_port() -> int:
@@ -70,8 +88,11 @@ def _toml_value(v: object) -> str:
     return json.dumps(str(v))
 
 
-def write_config(plan: LocalPlan, path: Path, secret: str, master_port: int,
-                 cost_model: str) -> None:  # fmt: skip
+def write_config(
+    plan: LocalPlan, path: Path, secret: str, master_port: int, cost_model: str
+) -> Path:
+    """Write the cluster's config (mode 0600: it holds the secret) without following a
+    symlink; `plan.extra` values are typed by their key. Raises ConfigError, RunDirError."""
     sections: dict[str, dict[str, object]] = {
         "cluster": {"name": "local", "master": f"127.0.0.1:{master_port}", "secret": secret},
         "node": {"advertise_address": "127.0.0.1"},
@@ -84,19 +105,19 @@ def write_config(plan: LocalPlan, path: Path, secret: str, master_port: int,
         "decode": {"kv_cache_bytes": DECODE_KV_BYTES, "max_batch": 32},
         "store": {"dram_bytes": "256MiB" if plan.pool else "0", "heartbeat_ttl_s": 6.0},
         "api": {"host": plan.api_host, "port": plan.api_port},
+        "metrics": {"host": "127.0.0.1", "port": 0},  # /metrics on the API port
         "scheduler": {"cost_model_path": cost_model},
         "transfer": {"protocol": "auto"},
     }
     for key, value in plan.extra.items():
         sec, _, name = key.partition(".")
-        sections.setdefault(sec, {})[name] = value
+        sections.setdefault(sec, {})[name] = typed_override(key, value)
     lines = []
     for sec, kv in sections.items():
         lines.append(f"[{sec}]")
         lines += [f"{k} = {_toml_value(v)}" for k, v in kv.items()]
         lines.append("")
-    path.write_text("\n".join(lines))
-    path.chmod(0o600)  # it holds the secret
+    return write_private(path.parent, path.name, "\n".join(lines).encode())
 
 
 def _die_with_parent() -> None:
@@ -105,164 +126,212 @@ def _die_with_parent() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the launcher's to handle
 
 
-@dataclass
-class Child:
-    node_id: str
-    role: str
-    proc: subprocess.Popen[bytes]
-    ready: dict[str, object] = field(default_factory=dict)
-
-
 class LocalLauncher:
     """The running children of one local cluster."""
 
-    def __init__(self, plan: LocalPlan, on_progress: Callable[[str], None] = lambda _: None):
-        self.plan, self.on_progress = plan, on_progress
+    def __init__(
+        self,
+        plan: LocalPlan,
+        on_progress: Callable[[str], None] = lambda _: None,
+        policy: RestartPolicy = RestartPolicy(),
+    ):
+        self.plan, self.on_progress, self.policy = plan, on_progress, policy
         self.children: list[Child] = []
-        self.config_path = plan.run_dir / "mooncake-local.toml"
+        self.config_path = plan.run_dir / CONFIG_NAME
+        self.runfile = runfile_path()
         self.url = ""
+        self.api_key = ""  # the first of api.api_keys, for the launcher's own calls
         self.is_stopping = False
+        self.info: LocalCluster | None = None  # what the runfile says, once started
+        self._drain_s = DEFAULT_DRAIN_S  # decode.drain_s of the generated config
+        self._master_port = 0
+        self._lock = threading.Lock()  # children, is_stopping, the runfile
+        # NOTE: PR_SET_PDEATHSIG fires when the *thread* that forked a child ends, so every
+        # child is forked on this one long-lived thread, never on a supervising thread
+        self._forker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="local-fork")
 
-    def start(self, cost_model: str) -> LocalCluster:
+    def configure(self, cost_model: str) -> Config:
+        """Write the generated config (a fresh secret, free ports) into the checked run
+        directory and load it back; starts nothing. Raises ConfigError, RunDirError."""
         plan = self.plan
-        plan.run_dir.mkdir(parents=True, exist_ok=True)
-        master_port = free_port()
+        private_dir(plan.run_dir)
+        private_dir(self.runfile.parent, tighten=True)
+        self._master_port = free_port()
         if plan.api_port == 0:
             plan.api_port = free_port()
         secret = secrets.token_urlsafe(24)
-        write_config(plan, self.config_path, secret, master_port, cost_model)
+        write_config(plan, self.config_path, secret, self._master_port, cost_model)
+        config = load_config(self.config_path).config
+        self.api_key = config.api.api_keys[0] if config.api.api_keys else ""
+        self._drain_s = float(getattr(config.decode, "drain_s", DEFAULT_DRAIN_S))
+        return config
+
+    def start(self, cost_model: str) -> LocalCluster:
+        """Configure, start every node, wait until the master places on all of them, write
+        the runfile; returns what it says. Stops what it started if any of it fails."""
+        self.configure(cost_model)
+        plan = self.plan
         try:
             # NOTE: all at once; nodes retry registering until the master is up
-            master = self._launch("master", "master")
-            nodes = [("prefill", f"prefill-{i}") for i in range(plan.num_prefill)]
+            nodes = [("master", "master")]
+            nodes += [("prefill", f"prefill-{i}") for i in range(plan.num_prefill)]
             nodes += [("decode", f"decode-{i}") for i in range(plan.num_decode)]
             if plan.pool:
                 nodes += [("store", f"store-{i}") for i in range(plan.num_store)]
-            pending = [self._launch(role, nid) for role, nid in nodes]
-            self._wait_ready(master)
-            self.url = str(master.ready.get("url", ""))
-            for child in pending:
+            self.children += [self._launch(role, nid) for role, nid in nodes]
+            for child in self.children:  # the master first
                 self._wait_ready(child)
+            self.url = str(self.children[0].ready.get("url", ""))
             self._wait_schedulable()
+            with self._lock:
+                self._write_runfile()
         except BaseException:
             self.stop()
             raise
-        info = LocalCluster(url=self.url, master=f"127.0.0.1:{master_port}",
-                            config_path=str(self.config_path),
-                            pids={c.node_id: c.proc.pid for c in self.children})  # fmt: skip
-        write_runfile(info)
-        return info
+        assert self.info is not None
+        return self.info
+
+    def _write_runfile(self) -> None:
+        """The runfile with the children's current pids; the caller holds the lock."""
+        self.info = LocalCluster(
+            url=self.url,
+            master=f"127.0.0.1:{self._master_port}",
+            config_path=str(self.config_path),
+            pids={c.node_id: c.proc.pid for c in self.children},
+            api_key=self.api_key,
+        )
+        write_runfile(self.info, self.runfile)
 
     def _launch(self, role: str, node_id: str) -> Child:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
         cmd = [sys.executable, "-m", "mooncake", "up", "--role", role,
                "--config", str(self.config_path), "--set", f"node.id={node_id}"]  # fmt: skip
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, env=env,
-                                preexec_fn=_die_with_parent)  # fmt: skip
-        child = Child(node_id, role, proc)
-        self.children.append(child)
+        proc = self._forker.submit(
+            subprocess.Popen, cmd, stdout=subprocess.PIPE, env=env, preexec_fn=_die_with_parent
+        ).result()
         self.on_progress(f"starting {node_id}")
+        return Child(node_id, role, proc)
+
+    def _replace(self, node_id: str) -> Child:
+        """Start `node_id` again in place of its exited process; the caller holds the lock."""
+        i = next(i for i, c in enumerate(self.children) if c.node_id == node_id)
+        old = self.children[i]
+        if old.proc.stdout is not None:
+            old.proc.stdout.close()
+        self.children[i] = child = self._launch(old.role, node_id)
+        if self.info is not None:
+            self._write_runfile()
         return child
 
     def relaunch(self, node_id: str) -> Child:
         """Start a node again (after it died or was stopped) with the same config; returns
-        once it reports ready."""
-        old = next(c for c in self.children if c.node_id == node_id)
-        if old.proc.poll() is None:
-            raise MooncakeError(f"{node_id} is still running (pid {old.proc.pid})")
-        self.children.remove(old)
-        return self._spawn(old.role, node_id)
-
-    def _spawn(self, role: str, node_id: str) -> Child:
-        child = self._launch(role, node_id)
+        once it reports ready. For a launcher nobody `supervise`s."""
+        with self._lock:
+            old = next(c for c in self.children if c.node_id == node_id)
+            if old.proc.poll() is None:
+                raise MooncakeError(f"{node_id} is still running (pid {old.proc.pid})")
+            child = self._replace(node_id)
         self._wait_ready(child)
         return child
 
-    def _wait_ready(self, child: Child) -> None:
-        """Read the child's stdout until its JSON ready line (or its exit)."""
-        assert child.proc.stdout is not None
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        sel = selectors.DefaultSelector()
-        sel.register(child.proc.stdout, selectors.EVENT_READ)
-        buf = b""
-        try:
-            while time.monotonic() < deadline:
-                if not sel.select(timeout=0.5):
-                    if child.proc.poll() is not None:
-                        break
-                    continue
-                chunk = os.read(child.proc.stdout.fileno(), 65536)
-                if not chunk:
-                    break
-                buf += chunk
-                while b"\n" in buf:
-                    line, buf = buf.split(b"\n", 1)
-                    try:
-                        msg = json.loads(line)
-                    except ValueError:
-                        continue
-                    if isinstance(msg, dict) and msg.get("ready"):
-                        child.ready = msg
-                        self.on_progress(f"{child.node_id} ready")
-                        return
-        finally:
-            sel.close()
-        code = child.proc.poll()
-        raise MooncakeError(
-            f"{child.node_id} ({child.role}) did not report ready"
-            + (f": it exited with code {code} (its log is above)" if code is not None
-               else f" within {READY_TIMEOUT_S:.0f} s")
-        )  # fmt: skip
+    # the supervisor's view (supervisor.Nodes)
+    def processes(self) -> dict[str, subprocess.Popen[bytes]]:
+        with self._lock:
+            return {} if self.is_stopping else {c.node_id: c.proc for c in self.children}
 
-    def _wait_schedulable(self, timeout_s: float = 30.0) -> None:
+    def respawn(self, node_id: str) -> subprocess.Popen[bytes] | None:
+        with self._lock:
+            if self.is_stopping:
+                return None
+            child = self._replace(node_id)
+        threading.Thread(target=self._await_respawn, args=(child,), daemon=True).start()
+        return child.proc
+
+    def is_ready(self, node_id: str) -> bool:
+        with self._lock:
+            return any(c.node_id == node_id and c.ready for c in self.children)
+
+    def _await_respawn(self, child: Child) -> None:
+        try:
+            self._wait_ready(child)
+        except (MooncakeError, OSError, ValueError) as e:  # ValueError: stop() closed stdout
+            if self.is_stopping:
+                return
+            log.warning("%s", e)
+            if child.proc.poll() is None:  # hung while starting: the supervisor restarts it
+                child.proc.kill()
+
+    def supervise(
+        self, stop: threading.Event, on_event: Callable[[NodeEvent], None] = lambda _: None
+    ) -> str | None:
+        """Restart nodes that exit (with backoff, up to the policy's limit) until `stop` is
+        set (returns None) or a node exits too often (returns why; the caller then stops
+        the cluster). Runs on the calling thread; updates the runfile's pids."""
+        return Supervisor(self, self.policy).run(stop, on_event)
+
+    def _wait_ready(self, child: Child) -> None:
+        wait_ready(child, READY_TIMEOUT_S)
+        self.on_progress(f"{child.node_id} ready")
+
+    def _wait_schedulable(self) -> None:
         """Wait until the master places on the prefill group and the decode node."""
         import httpx
 
-        deadline = time.monotonic() + timeout_s
+        deadline = time.monotonic() + SCHEDULABLE_TIMEOUT_S
         want = len(self.children) - 1  # every node but the master
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        why = "no answer"
         while time.monotonic() < deadline:
             try:
-                nodes = httpx.get(self.url + "/v1/status", timeout=2.0).json()["nodes"]
-                ready = [n for n in nodes if n["role"] != "master" and n["state"] == "ready"]
-                if len(ready) >= want:
+                r = httpx.get(self.url + "/v1/status", headers=headers, timeout=2.0)
+                nodes = r.json()["nodes"] if r.status_code == 200 else []
+                ready = sum(n["role"] != "master" and n["state"] == "ready" for n in nodes)
+                if ready >= want:
                     return
-            except (httpx.HTTPError, KeyError, ValueError, TypeError):
-                pass
+                why = f"{ready} of {want} nodes ready" if nodes else f"HTTP {r.status_code}"
+            except (httpx.HTTPError, KeyError, ValueError, TypeError) as e:
+                why = str(e) or type(e).__name__
             time.sleep(0.1)
-        raise MooncakeError("the local cluster's nodes did not all become ready in time")
+        raise MooncakeError(f"the local cluster's nodes did not all become ready ({why})")
 
-    def wait(self) -> int:
-        """Block until a child exits (a crash) or a signal arrives; returns its code."""
-        while not self.is_stopping:
-            for c in self.children:
-                code = c.proc.poll()
-                if code is not None and not self.is_stopping:
-                    log.error("%s (%s) exited with code %s", c.node_id, c.role, code)
-                    return code or 1
-            time.sleep(0.2)
-        return 0
+    def stop_grace_s(self, role: str) -> float:
+        """Seconds a node of `role` may take to exit after SIGTERM before it is killed:
+        the policy's stop_grace_s, plus decode.drain_s for a decode node."""
+        return self.policy.stop_grace_s + (self._drain_s if role == "decode" else 0.0)
 
-    def stop(self, grace_s: float = 15.0) -> None:
-        """SIGTERM every child (nodes first, master last), then SIGKILL stragglers."""
-        self.is_stopping = True
-        order = [c for c in self.children if c.role != "master"]
-        order += [c for c in self.children if c.role == "master"]
-        for group in (order[:-1], order[-1:]) if order else ():
+    def stop(self, grace_s: float | None = None) -> None:
+        """SIGTERM every child (nodes first, master last; with SIGCONT, so a stopped one
+        acts on it), SIGKILL those still running after their grace (`grace_s`, or
+        stop_grace_s), and sweep the shared memory the killed ones left. Idempotent."""
+        with self._lock:
+            self.is_stopping = True
+            children = list(self.children)
+        is_killed = False
+        nodes = [c for c in children if c.role != "master"]
+        masters = [c for c in children if c.role == "master"]
+        for group in (nodes, masters):
+            started = time.monotonic()
             for c in group:
                 if c.proc.poll() is None:
                     c.proc.send_signal(signal.SIGTERM)
-            deadline = time.monotonic() + grace_s
+                    c.proc.send_signal(signal.SIGCONT)
             for c in group:
+                grace = self.stop_grace_s(c.role) if grace_s is None else grace_s
                 try:
-                    c.proc.wait(max(0.1, deadline - time.monotonic()))
+                    c.proc.wait(max(0.1, started + grace - time.monotonic()))
                 except subprocess.TimeoutExpired:
-                    log.warning("%s did not stop in %.0f s; killing it", c.node_id, grace_s)
+                    log.warning("%s did not stop in %.0f s; killing it", c.node_id, grace)
                     c.proc.kill()
                     c.proc.wait()
-        for c in self.children:
+                    is_killed = True
+        if is_killed:
+            sweep_stale()  # a killed node never unlinked its /dev/shm arenas
+        for c in children:
             if c.proc.stdout is not None:
                 c.proc.stdout.close()
-        remove_runfile()
+        self._forker.shutdown(wait=False)
+        if self.info is not None:
+            remove_runfile(self.runfile)
 
 
 def ensure_cost_model(plan: LocalPlan, cache_dir: Path,
@@ -279,7 +348,7 @@ def ensure_cost_model(plan: LocalPlan, cache_dir: Path,
 
     name = plan.model.replace(":", "-").replace("/", "_")
     tag = f"{name}-b{plan.block_tokens}-c{plan.chunk_tokens}"
-    path = cache_dir / f"costmodel-{tag}.json"
+    path = private_dir(cache_dir) / f"costmodel-{tag}.json"
     if path.exists():
         return path
     on_progress(f"profiling {plan.model} once for the Conductor's cost model")
@@ -295,6 +364,6 @@ def ensure_cost_model(plan: LocalPlan, cache_dir: Path,
         )  # fmt: skip
     finally:
         torch.set_num_threads(threads)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    model.save(path)
-    return path
+    with tempfile.TemporaryDirectory() as tmp:  # save() follows symlinks; write_private not
+        model.save(Path(tmp) / path.name)
+        return write_private(cache_dir, path.name, (Path(tmp) / path.name).read_bytes())

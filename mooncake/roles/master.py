@@ -1,5 +1,6 @@
 """The master role: the Store's metadata service, the Conductor, the node registry, the
-OpenAI-compatible HTTP API with `/metrics`, `/health` and the `/v1/status` feed.
+OpenAI-compatible HTTP API with `/health` and the `/v1/status` feed, and `/metrics` (on the
+API port or its own, as `[metrics]` says).
 
 One control-plane endpoint (`cluster.master`) serves the Store's `store.*` messages and
 the cluster's `node.*`/`master.*` ones. A housekeeping thread marks silent nodes down,
@@ -49,7 +50,7 @@ from mooncake.roles.messages import (
     TokensMsg,
 )
 from mooncake.roles.registry import Registry
-from mooncake.store.metrics import StoreCollector
+from mooncake.store.metrics import MetricsServer, StoreCollector
 from mooncake.store.objects import StoreEvent
 from mooncake.store.service import StoreService
 from mooncake.store.settings import MetadataConfig
@@ -128,6 +129,7 @@ class Master:
         self.backend.on_unreachable = self._mark_down
         self.backend.on_replicate = self._replicate
         self.backend.vocab_size = info.spec.vocab_size
+        self.backend.replace_wait_s = cfg.scheduler.replace_wait_s
         self.fingerprint = ""  # hex, from the first engine node
         self.store = StoreService(self.secret, MetadataConfig.from_store_config(cfg.store),
                                   address=f"tcp://{cfg.cluster.master}", tick_s=0.1,
@@ -144,9 +146,19 @@ class Master:
         self.metrics.register(StoreCollector(self.store.stats))
         self.metrics.register(ClusterCollector(self))
         self.stats = RequestStats()
+        # NOTE: /metrics follows [metrics]: off when disabled, on its own port (no key: bind
+        # metrics.host to a private address) when metrics.port is set, else on the API port
+        # behind the API keys
+        m = cfg.metrics
+        self.metrics_server = (
+            MetricsServer(registry=self.metrics, host=m.host, port=m.port)
+            if m.enabled and m.port
+            else None
+        )
         app = create_app(self.backend, api_keys=cfg.api.api_keys, status_fn=self.status,
                          metrics_registry=self.metrics, stats=self.stats,
-                         default_max_tokens=cfg.decode.max_tokens_default)  # fmt: skip
+                         default_max_tokens=cfg.decode.max_tokens_default,
+                         serve_metrics=m.enabled and not m.port)  # fmt: skip
         self.api = ApiServer(app, cfg.api.host, cfg.api.port)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="master-house", daemon=True)
@@ -351,14 +363,26 @@ class Master:
         self.store.start()
         self._thread.start()
         try:
+            if self.metrics_server is not None:
+                try:
+                    self.metrics_server.start()
+                except OSError as e:
+                    raise ConfigError(
+                        f"metrics: cannot listen on {self.metrics_server.url}: "
+                        f"{e.strerror}; set metrics.port (0 = the API port)"
+                    ) from e
             asyncio.run(self.api.serve(on_ready=self._ready))
         finally:
+            if self.metrics_server is not None:
+                self.metrics_server.stop()
             self._stop.set()
             self._thread.join()
             self.store.stop()
 
     def _ready(self) -> None:
-        log.info("master: API at %s, control plane at %s", self.api.url, self.store.address)
+        metrics = self.metrics_server.url if self.metrics_server else f"{self.api.url}/metrics"
+        metrics = metrics if self.config.metrics.enabled else "off"
+        log.info("master: API %s, rpc %s, metrics %s", self.api.url, self.store.address, metrics)
         report_ready(node_id="master", role="master", url=self.api.url,
                      master=self.store.address)  # fmt: skip
 

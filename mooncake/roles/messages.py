@@ -80,7 +80,7 @@ class NodeLoadMsg(Msg, frozen=True, tag="node.load"):
 class NodeHeartbeatMsg(Msg, frozen=True, tag="node.heartbeat"):
     node_id: Name
     load: NodeLoadMsg = NodeLoadMsg()
-    state: Literal["starting", "ready", "draining"] = "ready"
+    state: Literal["starting", "ready", "draining", "failed"] = "ready"  # failed: its loop died
 
 
 class NodeHeartbeatReplyMsg(Msg, frozen=True, tag="node.heartbeat_reply"):

@@ -10,6 +10,14 @@ serve their upstream link. Per task on the leader:
                     prompt[:-1]: the decode node computes the last prompt token itself
     hand off        reserve blocks on the decode node, write the KV into them, submit
     report          started / finished / failed events to the master
+
+A leader of a group of 2+ holds a link to stage 1 (`_keep_group`). When it breaks (stage
+1 died), the leader reports "starting" at once, so the master stops placing on the group,
+and only then reports the task it was running and those it holds as failed before any
+KV reached a decode node (the master may place them again). It asks the master where
+stage 1 listens now and dials it, backing off, until the restarted stage answers: then
+it is ready again. A later stage serves one upstream link at a time; a new one (its
+leader restarted, or dialled again) replaces it.
 """
 
 from __future__ import annotations
@@ -18,7 +26,7 @@ import logging
 import queue
 import threading
 import time
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
@@ -26,7 +34,7 @@ from mooncake.engine.kvhandoff import place_cache_in_segments, send_kv
 from mooncake.engine.pipeline import StageServer, prefill_pipelined
 from mooncake.engine.prefill import PrefillResult, PrefillRunner
 from mooncake.engine.stagelink import StageListener, TcpStageLink
-from mooncake.errors import AuthError, MooncakeError, TransferError
+from mooncake.errors import MooncakeError, TransferError
 from mooncake.roles.common import MasterLink, NodeContext, install_signal_handlers, report_ready
 from mooncake.roles.messages import (
     AckMsg,
@@ -51,6 +59,10 @@ from mooncake.rpc import RpcClient, RpcServer
 
 log = logging.getLogger(__name__)
 RESERVE_TIMEOUT_S = 30.0  # seconds to wait for room on the decode node
+
+
+class GroupBroken(TransferError):
+    """The leader has no working link to its next stage: the task goes back to the master."""
 
 
 class PrefillNode:
@@ -84,10 +96,21 @@ class PrefillNode:
             source=self.pool, sink=self.pool if self.group.stage == 0 else None,
             fingerprint=w.fingerprint,
         )  # fmt: skip
-        self.next_link: TcpStageLink | None = None
+        self.next_link: TcpStageLink | None = None  # leader: the link to stage 1, if up
+        self._formed = threading.Event()  # leader: set while it holds that link
+        # NOTE: held while the master is told the group's state, so that a task reported
+        # for re-placement reaches it after the leader left the schedulable set
+        self._group_lock = threading.Lock()
         self.listener: StageListener | None = None
         if self.group.stage > 0:
-            self.listener = StageListener(ctx.secret, ctx.host, 0)
+            t = cfg.transfer
+            self.listener = StageListener(
+                ctx.secret,
+                ctx.host,
+                0,
+                handshake_timeout_s=t.handshake_timeout_s,
+                max_handshakes_per_peer=t.max_handshakes_per_peer,
+            )
             self.link.info = NodeInfoMsg(
                 ctx.node_id, "prefill", self.server.address, ctx.gpu_names, ctx.nic_names,
                 w.fingerprint.hex(), stage_address=f"{ctx.host}:{self.listener.port}",
@@ -126,45 +149,106 @@ class PrefillNode:
     # -- serving --
     def serve(self) -> None:
         """Serve until stopped; then drain the queue's current task, deregister, clean up."""
+        is_leader = self.group.stage == 0 and self.group.group_size > 1
         if self.group.stage > 0:
-            threading.Thread(target=self._serve_stage, name="stage", daemon=True).start()
-        elif self.group.group_size > 1:
-            self._connect_next()
-        self.link.state = "ready"
-        report_ready(node_id=self.ctx.node_id, role="prefill", stage=self.group.stage,
-                     group=self.group.group_id)  # fmt: skip
+            threading.Thread(target=self._serve_stage, name="stage-accept", daemon=True).start()
+        if is_leader:  # ready once stage 1 answers
+            threading.Thread(target=self._keep_group, name="stage-keeper", daemon=True).start()
+        else:
+            self.link.state = "ready"
         worker = threading.Thread(target=self._work, name="prefill-worker", daemon=True)
         worker.start()
+        while is_leader and not (self._formed.is_set() or self.ctx.stop.is_set()):
+            self._formed.wait(self.ctx.config.prefill.stage_retry_s)
+        if not self.ctx.stop.is_set():
+            g = self.group
+            report_ready(node_id=self.ctx.node_id, role="prefill", stage=g.stage, group=g.group_id)
         self.ctx.stop.wait()
         self.link.drain()  # queued tasks still run; nothing new is placed here
         self.tasks.put(None)
         worker.join(timeout=30)
         self.close()
 
-    def _connect_next(self) -> None:
+    def _keep_group(self) -> None:
+        """Leader of a group of 2+: hold a link to stage 1. Without one the group takes no
+        requests; the leader asks the master where stage 1 listens now and dials it,
+        pausing from a tenth of [prefill] stage_retry_s up to it between attempts."""
+        retry_s = self.ctx.config.prefill.stage_retry_s
+        gid, pause_s = self.group.group_id, 0.0
         while not self.ctx.stop.is_set():
-            group = self.link.client.call(GroupQueryMsg(self.ctx.node_id), GroupMsg)
-            if group.next_stage_address:
-                host, _, port = group.next_stage_address.rpartition(":")
-                self.next_link = TcpStageLink.connect(host, int(port), self.ctx.secret)
-                log.info("pipeline group %s: connected to stage 1 at %s", group.group_id,
-                         group.next_stage_address)  # fmt: skip
-                return
-            self.ctx.stop.wait(0.1)
+            link = self.next_link
+            if link is not None:
+                if link.ended.wait(retry_s):  # NOTE: a timeout only looks at `stop` again
+                    log.warning("pipeline group %s: the link to stage 1 broke", gid)
+                    self._lose_next_link(link)
+                continue
+            try:
+                link = self._dial_next()
+            except MooncakeError as e:
+                log.info("pipeline group %s: stage 1 does not answer yet: %s", gid, e)
+            if link is not None:
+                self._hold_next_link(link)
+                pause_s = 0.0
+                continue
+            pause_s = min(retry_s, max(retry_s / 10, 2 * pause_s))
+            self.ctx.stop.wait(pause_s)
+
+    def _dial_next(self) -> TcpStageLink | None:
+        """A link to stage 1 where the master says it listens now (None: not known yet)."""
+        group = self.link.client.call(GroupQueryMsg(self.ctx.node_id), GroupMsg)
+        if not group.next_stage_address:
+            return None
+        host, _, port = group.next_stage_address.rpartition(":")
+        timeout_s = self.ctx.config.transfer.handshake_timeout_s
+        link = TcpStageLink.connect(host, int(port), self.ctx.secret, timeout_s)
+        log.info("pipeline group %s: stage 1 at %s", group.group_id, group.next_stage_address)
+        return link
+
+    def _hold_next_link(self, link: TcpStageLink) -> None:
+        with self._group_lock:
+            self.next_link = link
+            self._formed.set()
+            self._tell_master("ready")
+
+    def _lose_next_link(self, link: TcpStageLink | None) -> None:
+        """`link` broke: not ready until another is up. Returns once the master knows (for
+        None, once a report under way is done), so that tasks reported after this call
+        are placed elsewhere."""
+        with self._group_lock:
+            if link is None or self.next_link is not link:
+                return  # already reported, or a new link is up
+            self.next_link = None
+            self._formed.clear()
+            self._tell_master("starting")
+        link.abort()
+
+    def _tell_master(self, state: Literal["ready", "starting"]) -> None:
+        if self.link.state in ("ready", "starting"):  # NOTE: never undoes draining or failed
+            self.link.state = state
+            self.link.beat()  # at once, not at the next heartbeat
 
     def _serve_stage(self) -> None:
+        """Stage > 0: serve the upstream link. A new authenticated link (the leader came
+        back, or dialled again after its link broke) replaces the one being served."""
         assert self.listener is not None
-        while not self.ctx.stop.is_set():
+        serving: tuple[TcpStageLink, threading.Thread] | None = None
+        while True:
             try:
-                upstream = self.listener.accept(timeout=0.5)
-            except TimeoutError:
-                continue
+                upstream = self.listener.accept()
             except OSError:  # the listener closed: stopping
-                return
-            except AuthError as e:
-                log.warning("%s", e)
-                continue
-            StageServer(self.runner, upstream).serve()
+                break
+            if serving is not None:
+                old, thread = serving
+                if thread.is_alive():
+                    log.info("a new link from the leader replaces the one being served")
+                old.abort()
+                thread.join()
+            server = StageServer(self.runner, upstream)
+            thread = threading.Thread(target=server.serve, name="stage", daemon=True)
+            thread.start()
+            serving = (upstream, thread)
+        if serving is not None:
+            serving[0].abort()
 
     def _work(self) -> None:
         while (task := self.tasks.get()) is not None:
@@ -175,6 +259,10 @@ class PrefillNode:
             self.busy = True
             try:
                 self._run(task)
+            except GroupBroken as e:  # NOTE: the master now knows the group is not ready
+                log.warning("req %d: %s", task.req_id, e)
+                self._event(task.req_id, "failed", error=str(e))
+                self._fail_to_client(task.req_id, f"prefill node {self.ctx.node_id}: {e}")
             except Exception as e:  # a failed request never stops the node
                 log.exception("req %d failed", task.req_id)
                 self._event(task.req_id, "failed", error=str(e))
@@ -202,6 +290,11 @@ class PrefillNode:
         return task
 
     def _run(self, task: PrefillTaskMsg) -> None:
+        link = self.next_link
+        is_piped = self.group.group_size > 1 and len(task.prompt_ids) > 1
+        if is_piped and (link is None or link.ended.is_set()):
+            self._lose_next_link(link)
+            raise GroupBroken(f"pipeline group {self.group.group_id} has lost its stage 1")
         admitted = self._admit(task)
         if admitted is None:
             return
@@ -213,9 +306,16 @@ class PrefillNode:
             kw["max_reuse_blocks"] = task.max_reuse_blocks
         if len(prompt) == 0:
             result = None  # one-token prompt: the decode node computes it
-        elif self.next_link is not None:
-            result = prefill_pipelined(self.runner, prompt, self.next_link, req_id=task.req_id,
-                                       store_remote_kv=True, **kw)  # fmt: skip
+        elif link is not None:
+            try:
+                result = prefill_pipelined(
+                    self.runner, prompt, link, req_id=task.req_id, store_remote_kv=True, **kw
+                )
+            except TransferError as e:
+                if link.ended.is_set():  # the link broke under it: not this request's fault
+                    self._lose_next_link(link)
+                    raise GroupBroken(f"the link to stage 1 broke: {e}") from e
+                raise
         else:
             result = self.runner.prefill(prompt, req_id=task.req_id, **kw)
         try:

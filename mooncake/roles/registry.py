@@ -7,7 +7,10 @@ prefill node, the fewest stages whose share of the weights fits in half of that 
 device memory (the other half holds KV and activations).
 
 A group is schedulable (its leader becomes a Conductor prefill instance) once every stage
-is ready; it stops being schedulable when any of its nodes goes down.
+is ready; it stops being schedulable when any of its nodes goes down, or when its leader
+says it is not ready (it lost its link to the next stage, and dials it again). A node
+that comes back under its id, after a crash or a clean stop, takes its old place (its
+stage's layers) in its group; `group_msg` then tells its neighbour where it listens now.
 """
 
 from __future__ import annotations
@@ -73,8 +76,19 @@ class Registry:
         if info.role == "prefill" and info.group_id and not rec.group_id:
             self._rejoin(rec, info.group_id, info.stage)  # a master restarted under it
         elif info.role == "prefill" and not rec.group_id:
-            self._place(rec)
+            place = self._old_place(info.node_id)
+            if place is not None:  # deregistered (a clean stop) and started again
+                self._rejoin(rec, *place)
+            else:
+                self._place(rec)
         return rec
+
+    def _old_place(self, node_id: str) -> tuple[str, int] | None:
+        """(group, stage) still listing `node_id` as a member, if any."""
+        for g in self.groups.values():
+            if node_id in g.members:
+                return g.group_id, g.members.index(node_id)
+        return None
 
     def _auto_group_size(self, device_memory_bytes: int) -> int:
         if device_memory_bytes <= 0 or self.weight_bytes <= 0:

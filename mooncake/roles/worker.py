@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import psutil
 import torch
 
-from mooncake.config import Config, Size
+from mooncake.config import Config
 from mooncake.engine.kvcache import PagedKVCache
 from mooncake.engine.kvobject import DTYPE_BYTES, KVLayout
 from mooncake.engine.kvstore import StoreKVPool
@@ -21,6 +21,7 @@ from mooncake.errors import ConfigError
 from mooncake.hashing import PrefixHasher
 from mooncake.roles.common import NodeContext
 from mooncake.rpc import RpcClient
+from mooncake.sizes import Size
 from mooncake.store.client import Store
 from mooncake.store.node import StoreNode, TierSizes
 from mooncake.transfer import EngineOptions

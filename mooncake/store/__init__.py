@@ -8,7 +8,8 @@ Modules
 - `segments`: nodes, mounted segments, per-tier byte totals, replica allocation.
 - `placement`: replica placement strategies (local_first, free_ratio, random).
 - `metadata`: `MetadataService`, the master's pure-logic metadata (put/get/remove/pin...).
-- `eviction`: watermark eviction, demotion to SSD, promotion on a hit.
+- `eviction`: watermark eviction, copies ahead to SSD, room made at once for a put.
+- `moves`: tier moves in flight (demote, copy ahead, promote on a hit, replicate).
 - `membership`: node expiry and segment loss.
 - `audit`: stats snapshot and integrity check.
 - `messages`: the `*Msg` wire structs and `handle()` that serves them from the service.

@@ -29,6 +29,7 @@ def stats(svc: MetadataService) -> StoreStats:
         demotions=c.demotions,
         promotions=c.promotions,
         replications=c.replications,
+        copies=c.copies,
         lost_objects=c.lost_objects,
     )
 
@@ -43,7 +44,8 @@ def check_service(svc: MetadataService) -> None:
         assert obj.key == key and obj.replicas, f"{key}: empty or misfiled record"
         assert (key in svc.writing) != obj.is_committed, f"{key}: writing list wrong"
         done = obj.complete()
-        assert len({r.node_id for r in done}) == len(done), f"{key}: two replicas on a node"
+        where = {(r.node_id, r.tier) for r in done}
+        assert len(where) == len(done), f"{key}: two replicas in one tier of a node"
         if obj.is_committed:
             assert done, f"{key}: committed without a COMPLETE replica"
             assert len(obj.replicas) - len(done) == (1 if obj.move_id else 0), key
@@ -65,7 +67,7 @@ def check_service(svc: MetadataService) -> None:
     for name, seg in svc.space.segments.items():
         assert seg.keys == seg_keys[name], f"segment {name}: key set out of sync"
         assert set(seg.allocator.allocations()) == taken[name], f"{name}: leaked ranges"
-    svc.evictor.check_integrity()
+    svc.mover.check_integrity()
 
 
 def write_error(svc: MetadataService, key: str, segment: str, offset: int, length: int) -> str:

@@ -278,8 +278,8 @@ def _miss(r: GetResult) -> ValueResult:
     """The ValueResult of a lookup that found no readable replica."""
     if r.status == "not_found":
         return ValueResult(key=r.key, status="not_found", message=f"{r.key!r} is not in the store")
-    if r.status == "ok":  # only on SSD: the lookup started a promotion back to memory
-        why = f"{r.key!r} is only on SSD; it is being promoted to memory: retry shortly"
+    if r.status == "ok":  # NOTE: a committed object always has a replica; not on the wire
+        why = f"{r.key!r}: the master listed no replica to read; retry"
         return ValueResult(key=r.key, status="error", message=why)
     return ValueResult(key=r.key, status="error", message=r.message or f"{r.key!r}: {r.status}")
 

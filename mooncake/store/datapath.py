@@ -3,9 +3,10 @@ segments, through its Transfer Engine, never through the master.
 
 Every request carries the token the replica's segment was mounted with, so a segment that
 was registered again since the master handed out the offsets (its node restarted) is
-refused instead of written or read. Reads try the client's own replica first, then the
-cheapest transport (shm before tcp), memory tiers only, and fall back to the next replica
-when one fails.
+refused instead of written or read. Reads try memory replicas first (the client's own,
+then the cheapest transport: shm before tcp), then SSD replicas (the owner serves its SSD
+file as a segment: the bytes come straight from the disk), and fall back to the next
+replica when one fails.
 """
 
 from __future__ import annotations
@@ -121,19 +122,20 @@ class DataPath:
         return failed, moved
 
     def rank(self, replicas: Sequence[ReplicaDesc]) -> list[ReplicaDesc]:
-        """The memory-tier replicas, cheapest to read first."""
+        """The replicas, cheapest to read first: memory before SSD (the reader's own SSD
+        too: a page fault reads the disk), then by transport and tier."""
 
-        def cost(d: ReplicaDesc) -> tuple[int, int]:
+        def cost(d: ReplicaDesc) -> tuple[bool, int, int]:
+            on_ssd = d.tier == "ssd"
             if d.node_id == self.node_id:
-                return 0, _TIER_RANK[d.tier]
+                return on_ssd, 0, _TIER_RANK[d.tier]
             try:
                 transport = self.engine.resolve(remote_name(d.segment, d.endpoint)).transport
-                return _COST.get(transport.name, 3), _TIER_RANK[d.tier]
+                return on_ssd, _COST.get(transport.name, 3), _TIER_RANK[d.tier]
             except TransferError:
-                return 9, 0  # unreachable now: try it last
+                return on_ssd, 9, 0  # unreachable now: try it last
 
-        in_memory = [d for d in replicas if d.tier != "ssd"]
-        return sorted(in_memory, key=cost) if len(in_memory) > 1 else in_memory
+        return sorted(replicas, key=cost) if len(replicas) > 1 else list(replicas)
 
 
 def _request(

@@ -55,10 +55,27 @@ _BUF_BYTES = 64 << 10  # receive buffer of a connection: a reply this small take
 class DirectServer:
     """Answers the request frames of `rpc`'s handlers on a TcpServer bound to `host`."""
 
-    def __init__(self, rpc: RpcServer, secret: bytes, host: str = "127.0.0.1", port: int = 0):
+    def __init__(
+        self,
+        rpc: RpcServer,
+        secret: bytes,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        handshake_timeout_s: float = wire.HANDSHAKE_TIMEOUT_S,
+        max_handshakes_per_peer: int = wire.MAX_HANDSHAKES_PER_PEER,
+    ):
+        """`handshake_timeout_s`, `max_handshakes_per_peer`: [transfer]'s, as TcpServer's."""
         self._rpc = rpc
         self._local = threading.local()  # a msgpack encoder per connection thread
-        self._tcp = TcpServer(SegmentTable(native=False), secret, host, port)
+        self._tcp = TcpServer(
+            SegmentTable(native=False),
+            secret,
+            host,
+            port,
+            handshake_timeout_s=handshake_timeout_s,
+            max_handshakes_per_peer=max_handshakes_per_peer,
+        )
         self._tcp.handlers[Op.CALL] = self._answer
         self.port: int = self._tcp.port
 

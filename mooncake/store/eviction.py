@@ -1,38 +1,47 @@
-"""Eviction and tier moves: keeping each tier under its watermark without losing objects
-that have somewhere to go.
+"""Eviction: keeping each tier under its watermark without losing objects that have
+somewhere to go, and making room for a put at once.
 
-A pass (`run`) looks at the tiers fastest first. A tier whose used share is above the high
-watermark (or where a put just found no room: "pressure") gives up victims in LRU order,
-skipping leased, pinned, uncommitted and moving objects, until its share would be under the
-low watermark (and the pressured put would fit). For each victim, the replicas in that tier:
+Tiers, fastest first: vram -> dram -> ssd. An object is *clean* in a tier when it also has
+a committed replica in another tier (typically a copy on SSD of the same node): dropping
+its replica here loses nothing and frees the memory at once. A pass (`run`) does, per tier:
 
-    | victim has a replica in another tier | what happens                                   |
-    |--------------------------------------|------------------------------------------------|
-    | yes                                  | dropped (evicted events, evict instructions)   |
-    | no, a lower tier has room            | one demoted (move), the others dropped         |
-    | no, nowhere to go                    | dropped: the object leaves the pool            |
+1. evict: when the used share is above the high watermark (or a put found no room:
+   "pressure"), victims in LRU order (skipping leased, pinned, uncommitted and moving
+   objects) until the share would be under the low watermark (and the put would fit);
+2. copy ahead: when the used share is above `copy_ahead_watermark`, the least recently
+   used objects past that share get a copy in the tier below (the replica here is kept),
+   so that they are clean by the time they become victims.
 
-Lower tiers: vram -> dram -> ssd; ssd victims are dropped. A move allocates the destination
-as a PROCESSING replica (the same node preferred) and instructs the source's owner to copy;
-`confirm` commits the copy and releases the source (after readers' leases). A read of an
-object found only on SSD starts a promotion back to DRAM the same way, when DRAM is under
-its high watermark; so does a hot-spot replication (`replicate`: a copy to another node's
-DRAM, the source kept). Decisions are data (Instructions, StoreEvents) queued on the service.
+For each victim, its replicas in the tier:
+
+    | victim                                 | what happens                                 |
+    |----------------------------------------|----------------------------------------------|
+    | clean (a replica in another tier)      | dropped: demoted events when the same node   |
+    |                                        | keeps it lower, else evicted                 |
+    | not clean, a lower tier has room       | one demoted (a move), the others dropped     |
+    | not clean, nowhere to go               | dropped: the object leaves the pool          |
+
+A put that finds no room does not wait for a pass (`make_room`): in the allocation path it
+drops replicas of objects that keep another (clean ones), least recently used first, until
+the value fits. Objects without another replica are dropped for it only where no lower
+tier is mounted (the policy above would drop them too); otherwise they wait for their
+demotion and the put goes on to its next tier (the KV pool asks for DRAM, then SSD), or
+answers no_space when none has room. Protected objects are never touched; when dropping
+every candidate would not make the value fit, nothing is dropped.
+
+The moves themselves (copies between tiers and nodes, confirmed by the data plane) are
+`moves.py`'s.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from mooncake.store.objects import (
     COMPLETE,
-    LOWER_TIER,
     TIERS,
-    EventKind,
     Instruction,
-    KeyResult,
     ObjectRecord,
     Replica,
     Segment,
@@ -41,48 +50,39 @@ from mooncake.store.objects import (
 
 if TYPE_CHECKING:
     from mooncake.store.metadata import MetadataService
+    from mooncake.store.moves import Mover
 
-
-MoveKind = Literal["demote", "promote", "replicate"]
-
-
-@dataclass(eq=False)
-class Move:
-    """A copy between tiers in flight: `dst` is PROCESSING until confirmed."""
-
-    move_id: int
-    kind: MoveKind
-    key: str
-    src: Replica
-    dst: Replica
-    release_src: bool  # the source is released once the copy is confirmed
-    started_at: float  # s
-
-
-_DONE: dict[str, EventKind] = {"demote": "demoted", "promote": "promoted"}
+# tier -> where its victims may move (copies ahead too), first choice first
+BELOW: dict[Tier, tuple[Tier, ...]] = {"vram": ("dram", "ssd"), "dram": ("ssd",), "ssd": ()}
 
 
 def _aligned(r: Replica) -> int:
     return r.segment.allocator.aligned(r.size)
 
 
+def is_clean(obj: ObjectRecord, tier: Tier) -> bool:
+    """Whether `obj` has a committed replica outside `tier` (so its replicas in `tier` may go
+    without losing it)."""
+    return any(r.tier != tier and r.state == COMPLETE for r in obj.replicas)
+
+
 class Evictor:
-    """Eviction passes and the moves they (and promotions) start."""
+    """Eviction passes, copies ahead, and room made for puts."""
 
     def __init__(self, svc: MetadataService):
         self.svc = svc
-        self.moves: dict[int, Move] = {}  # move id -> move
+        self.mover: Mover = svc.mover
         self.pressure: dict[Tier, int] = {}  # tier -> largest size a put found no room for
-        self._next_move_id = 1
 
     def note_pressure(self, tier: Tier, size: int) -> None:
         """A put of `size` bytes found no room in `tier`: the next pass makes some."""
         self.pressure[tier] = max(self.pressure.get(tier, 0), size)
 
-    # -- eviction ------------------------------------------------------------------------
+    # -- passes --------------------------------------------------------------------------
 
     def run(self, now: float) -> int:
-        """One pass over every tier; returns the number of victim objects."""
+        """One pass over every tier (evict, then copy ahead); returns the number of victim
+        objects."""
         self.svc.space.release_due(now)  # ranges whose readers' leases ended
         victims = 0
         for tier in TIERS:
@@ -90,13 +90,14 @@ class Evictor:
             for obj in chosen:
                 self._evict(obj, tier, now)
             victims += len(chosen)
+            self._copy_ahead(tier, now)
         return victims
 
     def _choose(self, tier: Tier, now: float) -> list[ObjectRecord]:
         space, cfg = self.svc.space, self.svc.config
         need = self.pressure.pop(tier, 0)
         usable = space.tier_usable[tier]
-        used = space.tier_used[tier] - self._pending_release(tier)
+        used = space.tier_used[tier] - self.mover.pending_release(tier)
         over = used > cfg.high_watermark * usable
         target = cfg.low_watermark * usable if over else used
         segs = space.tier_segments[tier]
@@ -127,161 +128,108 @@ class Evictor:
         return chosen
 
     def _evict(self, obj: ObjectRecord, tier: Tier, now: float) -> None:
-        svc = self.svc
         here = [r for r in obj.replicas if r.tier == tier]
         kept = None
-        lower = LOWER_TIER[tier]
-        if lower is not None and len(here) == len(obj.replicas):
-            chain: tuple[Tier, ...] = ("dram", "ssd") if tier == "vram" else ("ssd",)
-            kept = self._start_move(obj, here, "demote", chain, "", now)
-        for r in here:
-            if r is not kept:
-                desc = r.desc()
-                svc.detach(obj, r, now, emit="evicted")
+        if BELOW[tier] and not is_clean(obj, tier):
+            kept = self.mover.start(obj, here, "demote", BELOW[tier], "", now)
+        self._drop(obj, [r for r in here if r is not kept], now)
+
+    def _drop(self, obj: ObjectRecord, replicas: Iterable[Replica], now: float) -> None:
+        """Drop `replicas` of an unprotected `obj` (and `obj` when none is left). A replica
+        whose node keeps the object in a lower tier counts as demoted, others as evicted."""
+        svc = self.svc
+        for r in replicas:
+            desc = r.desc()
+            svc.detach(obj, r, now, emit="evicted")
+            rank = TIERS.index(r.tier)
+            left = [TIERS.index(o.tier) for o in obj.complete() if o.node_id == r.node_id]
+            if left and min(left) > rank:
+                svc.counters.demotions += 1
+            else:
                 svc.counters.evictions += 1
-                svc.instruct(r.node_id, Instruction(kind="evict", key=obj.key, src=desc))
+            svc.instruct(r.node_id, Instruction(kind="evict", key=obj.key, src=desc))
         if not obj.replicas:
             svc.drop(obj, now, emit=None)
 
-    def _pending_release(self, tier: Tier) -> int:
-        """Bytes of `tier` that confirmed moves will free."""
-        return sum(
-            _aligned(m.src) for m in self.moves.values() if m.release_src and m.src.tier == tier
+    def _copy_ahead(self, tier: Tier, now: float) -> None:
+        """Copy the least recently used objects past `copy_ahead_watermark` of `tier` to
+        the tier below, keeping them here; stops at the first that finds no room there."""
+        svc, space = self.svc, self.svc.space
+        below = BELOW[tier]
+        if not below or not any(space.tier_segments[t] for t in below):
+            return
+        usable = space.tier_usable[tier]
+        excess = (
+            space.tier_used[tier]
+            - self.mover.pending_release(tier)
+            - svc.config.copy_ahead_watermark * usable
         )
+        covered = 0  # bytes of the LRU end that are clean or on their way
+        for key in svc.lru[tier]:
+            if covered >= excess:
+                return
+            obj = svc.objects[key]
+            here = [r for r in obj.replicas if r.tier == tier]
+            moving = self.mover.moves[obj.move_id].kind if obj.move_id else ""
+            if moving == "demote":  # NOTE: already out of `excess` (pending release)
+                continue
+            if obj.is_protected(now) and not moving:
+                continue  # not a victim soon: the copies must cover others
+            covered += sum(_aligned(r) for r in here)
+            if moving or is_clean(obj, tier):
+                continue
+            if self.mover.start(obj, here, "copy", below, "", now) is None:
+                return  # NOTE: no room below; that tier's own pass evicts, the next retries
 
-    # -- moves ---------------------------------------------------------------------------
+    # -- room for a put ------------------------------------------------------------------
+
+    def make_room(self, tier: Tier, size: int, now: float) -> bool:
+        """Drop replicas in one segment of `tier` (usable now) until it can take `size`
+        bytes: replicas whose object keeps another one (a copy), least recently used first;
+        where no lower tier is mounted (victims have nowhere to go), then also objects'
+        last replicas. Never a protected object's. False, dropping nothing, if that does
+        not make room."""
+        space = self.svc.space
+        segs = {s for s in space.tier_segments[tier] if s.usable_from <= now}
+        if space.release_due(now) and any(s.allocator.can_fit(size) for s in segs):
+            return True  # ranges whose readers' leases ended were enough
+        below = any(space.tier_segments[t] for t in BELOW[tier])
+        victims = self._victims_for(tier, size, segs, now, (True,) if below else (True, False))
+        if victims is None:
+            return False
+        for obj, r in victims:
+            self._drop(obj, [r], now)
+        return True
+
+    def _victims_for(
+        self, tier: Tier, size: int, segs: set[Segment], now: float, spare: tuple[bool, ...]
+    ) -> list[tuple[ObjectRecord, Replica]] | None:
+        """The fewest replicas of one of `segs` whose release leaves a free block of `size`
+        there, taken in LRU order: those whose object keeps another replica, then (if
+        `spare` has False) the others; None if releasing all of them would not."""
+        svc = self.svc
+        chosen: dict[Segment, list[tuple[ObjectRecord, Replica]]] = {}
+        offsets: dict[Segment, list[int]] = {}  # segment -> offsets the victims free
+        for is_spare in spare:
+            for key in svc.lru[tier]:
+                obj = svc.objects[key]
+                if obj.is_protected(now) or (len(obj.replicas) > 1) != is_spare:
+                    continue
+                for r in obj.replicas:
+                    if r.tier != tier or r.segment not in segs:
+                        continue
+                    chosen.setdefault(r.segment, []).append((obj, r))
+                    freed = offsets.setdefault(r.segment, [])
+                    freed.append(r.offset)
+                    alloc = r.segment.allocator
+                    if alloc.largest_free_after(freed) >= alloc.aligned(size):
+                        return chosen[r.segment]
+        return None
+
+    # -- moves (moves.py) ----------------------------------------------------------------
 
     def promote(self, obj: ObjectRecord, reader: str, now: float) -> bool:
-        """Start copying an SSD-only object back to DRAM; False if DRAM has no room under
-        its high watermark."""
+        """Start copying an SSD-only object up to DRAM, keeping the SSD copy (so it stays
+        clean); False if DRAM has no room under its high watermark."""
         sources = sorted(obj.complete(), key=lambda r: r.node_id != reader)
-        return self._start_move(obj, sources, "promote", ("dram",), reader, now) is not None
-
-    def replicate(self, obj: ObjectRecord, dst_node: str, now: float) -> bool:
-        """Start copying a committed object's memory replica to `dst_node`'s DRAM (a hot
-        spot, Algorithm 1); False if it is moving, already there, or has no room there
-        under the high watermark."""
-        if obj.move_id or not obj.is_committed or any(r.node_id == dst_node for r in obj.replicas):
-            return False
-        sources = [r for r in obj.complete() if r.tier != "ssd"]
-        return self._start_move(obj, sources, "replicate", ("dram",), dst_node, now) is not None
-
-    def _start_move(
-        self,
-        obj: ObjectRecord,
-        sources: Sequence[Replica],
-        kind: MoveKind,
-        tiers: Sequence[Tier],
-        prefer: str,
-        now: float,
-    ) -> Replica | None:
-        """Allocate a destination for one of `sources` in the first of `tiers` with room,
-        on the source's node if possible, else a node without a replica; queue the copy.
-        Returns the source chosen, or None."""
-        svc, space = self.svc, self.svc.space
-        holders = {r.node_id for r in obj.replicas}
-        high = svc.config.high_watermark
-        for src in sources:
-            for tier in tiers:
-                cands = space.candidates(tier, obj.size, holders - {src.node_id}, now)
-                if kind == "replicate":  # a copy for that node, nowhere else
-                    cands = [s for s in cands if s.node_id == prefer]
-                if kind != "demote":  # never copy up into a tier that must then evict
-                    cands = [
-                        s for s in cands if space.share(tier, s.allocator.aligned(obj.size)) <= high
-                    ]
-                dst = self._allocate(cands, src.node_id, prefer, obj.key, obj.size)
-                if dst is None:
-                    continue
-                release = kind == "demote" or (kind == "promote" and dst.node_id == src.node_id)
-                move_id, self._next_move_id = self._next_move_id, self._next_move_id + 1
-                self.moves[move_id] = Move(move_id, kind, obj.key, src, dst, release, now)
-                obj.move_id = move_id
-                obj.replicas.append(dst)
-                svc.instruct(
-                    src.node_id,
-                    Instruction(
-                        kind=kind,
-                        key=obj.key,
-                        src=src.desc(),
-                        dst=dst.desc(),
-                        move_id=move_id,
-                        release_src=release,
-                    ),
-                )
-                return src
-        return None
-
-    def _allocate(
-        self, cands: list[Segment], node: str, prefer: str, key: str, size: int
-    ) -> Replica | None:
-        cands.sort(key=lambda s: (s.node_id != node, s.node_id != prefer, -s.free_ratio, s.name))
-        for seg in cands:
-            dst = self.svc.space.allocate(seg, key, size)
-            if dst is not None:
-                return dst
-        return None
-
-    def confirm(self, move_id: int, ok: bool, now: float) -> KeyResult:
-        """Commit (ok) or abandon a move; not_found if it was cancelled meanwhile."""
-        svc = self.svc
-        mv = self.moves.pop(move_id, None)
-        if mv is None:
-            msg = (
-                f"move {move_id} is unknown: already confirmed, or cancelled (a node or the "
-                "object went, or it ran past put_timeout_s); discard the copy"
-            )
-            return KeyResult(key="", status="not_found", message=msg)
-        obj = svc.objects[mv.key]
-        obj.move_id = 0
-        if not ok:
-            svc.detach(obj, mv.dst, now, emit=None)
-            return KeyResult(key=mv.key, status="ok", message="move abandoned; the source stays")
-        mv.dst.state = COMPLETE
-        svc.lru[mv.dst.tier][mv.key] = None
-        same_node = mv.src.node_id == mv.dst.node_id
-        if mv.release_src:
-            svc.detach(obj, mv.src, now, emit=None if same_node else "evicted")
-        if same_node and mv.release_src:
-            svc.emit(_DONE[mv.kind], mv.key, mv.dst.node_id, mv.dst.tier)
-        else:
-            svc.emit("added", mv.key, mv.dst.node_id, mv.dst.tier)
-        if mv.kind == "demote":
-            svc.counters.demotions += 1
-        elif mv.kind == "promote":
-            svc.counters.promotions += 1
-        else:
-            svc.counters.replications += 1
-        return KeyResult(key=mv.key, status="ok")
-
-    def on_replica_lost(self, obj: ObjectRecord, replica: Replica, now: float) -> None:
-        """`replica`'s segment is going: cancel a move it takes part in (freeing the
-        destination when the source, and so the mover's data, is gone)."""
-        mv = self.moves.get(obj.move_id) if obj.move_id else None
-        if mv is None or replica not in (mv.src, mv.dst):
-            return
-        self.cancel(mv.move_id)
-        if replica is mv.src:
-            self.svc.detach(obj, mv.dst, now, emit=None)
-
-    def cancel(self, move_id: int) -> None:
-        """Forget a move; the caller deals with its destination replica."""
-        mv = self.moves.pop(move_id)
-        self.svc.objects[mv.key].move_id = 0
-
-    def expire_moves(self, now: float) -> None:
-        """Abandon moves unconfirmed for put_timeout_s (their destination is freed)."""
-        timeout = self.svc.config.put_timeout_s
-        for mv in [m for m in self.moves.values() if now - m.started_at > timeout]:
-            self.cancel(mv.move_id)
-            self.svc.detach(self.svc.objects[mv.key], mv.dst, now, emit=None)
-
-    def check_integrity(self) -> None:
-        """Assert every move matches its object: source COMPLETE, destination PROCESSING."""
-        moving = {k for k, o in self.svc.objects.items() if o.move_id}
-        assert moving == {m.key for m in self.moves.values()}, "moves out of sync with objects"
-        for move_id, mv in self.moves.items():
-            obj = self.svc.objects[mv.key]
-            assert obj.move_id == move_id and obj.is_committed, f"move {move_id}: bad object"
-            assert mv.src in obj.replicas and mv.src.state == COMPLETE, f"move {move_id}: src"
-            assert mv.dst in obj.replicas and mv.dst.state != COMPLETE, f"move {move_id}: dst"
+        return self.mover.start(obj, sources, "promote", ("dram",), reader, now) is not None

@@ -46,7 +46,7 @@ def expire_nodes(svc: MetadataService, now: float) -> list[str]:
             svc.drop(obj, now, emit=None)
     for writer, n in unused_slots.items():
         log.info("reclaimed %d write slots %r left unused for put_timeout_s", n, writer)
-    svc.evictor.expire_moves(now)
+    svc.mover.expire(now)
     svc.space.release_due(now)
     return dead
 
@@ -58,7 +58,7 @@ def lose_segment(svc: MetadataService, seg: Segment, now: float, emit: EventKind
     for key in list(seg.keys):
         obj = svc.objects[key]
         replica = next(r for r in obj.replicas if r.segment is seg)
-        svc.evictor.on_replica_lost(obj, replica, now)
+        svc.mover.on_replica_lost(obj, replica, now)
         svc.detach(obj, replica, now, emit=emit, free=False)
         dropped += 1
         if obj.is_committed and not obj.complete():

@@ -15,7 +15,7 @@ object is neither evicted nor removed. remove of a leased object is refused with
 still exists. A soft pin (`pin_ttl_s` on put, or `pin`) shields an object from eviction
 until it goes `pin_ttl_s` without a read.
 
-Space: eviction and tier moves live in `eviction.py`; events for the Conductor and
+Space: eviction lives in `eviction.py`, tier moves in `moves.py`; events for the Conductor and
 instructions for the data plane queue here until drained. Per-key operations answer with a
 result whose status says what happened (batch forms answer per key); only segment and node
 misuse raises StoreError.
@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from mooncake.errors import StoreError
 from mooncake.store import audit, membership
 from mooncake.store.eviction import Evictor
+from mooncake.store.moves import Mover
 from mooncake.store.objects import (
     COMPLETE,
     TIERS,
@@ -71,6 +72,7 @@ class MetadataService:
         self.writing: dict[str, None] = {}  # keys in PROCESSING, oldest put first
         self.counters = Counters()
         self.placement = create_placement(config.placement, config.seed)
+        self.mover = Mover(self)
         self.evictor = Evictor(self)
         self.slots = SlotBook(self)
         self.writes = WriteProtocol(self)
@@ -161,9 +163,11 @@ class MetadataService:
                           tiers: Sequence[str], now: float, spare_only: bool = False,
                           ) -> list[Replica]:  # fmt: skip
         """Up to `replicas` (0 = config) PROCESSING replicas of `key` on distinct nodes, in
-        the first of `tiers` with room; [] (and eviction told of the pressure) if none.
-        `spare_only`: only in a tier that stays under its high watermark, so that nothing
-        is evicted for it (write slots: space held ahead must not push data out)."""
+        the first of `tiers` with room, else in the first where eviction makes room at once
+        (eviction.py: copies dropped first); [] (and eviction told of the pressure) if none.
+        `spare_only`: only in the first of `tiers`, and only while it stays under its high
+        watermark, so that nothing is evicted for it (write slots: space held ahead must
+        not push data out)."""
         return self.writes.allocate_replicas(key, size, writer, replicas, tiers, now, spare_only)
 
     def put_end(self, key: str, now: float) -> KeyResult:
@@ -183,8 +187,10 @@ class MetadataService:
 
     def get_replicas(self, key: str, now: float, reader: str = "") -> GetResult:
         """A hit: the committed replicas, memory before SSD, the reader's node first, then
-        the fastest tier; the object is leased for lease_ttl_s (so neither evicted nor
-        removed while the reader copies). A miss: status not_found."""
+        the fastest tier (an SSD replica is read as it is: the node serves its file); the
+        object is leased for lease_ttl_s (so neither evicted nor removed while the reader
+        copies), and one only on SSD starts a promotion to DRAM for the next reads. A miss:
+        status not_found."""
         obj = self.objects.get(key)
         if obj is None or not obj.is_committed:
             err = key_error(key)
@@ -278,13 +284,13 @@ class MetadataService:
         started = 0
         for key in keys:
             obj = self.objects.get(key)
-            if obj is not None and self.evictor.replicate(obj, dst_node, now):
+            if obj is not None and self.mover.replicate(obj, dst_node, now):
                 started += 1
         return started
 
     def confirm_move(self, move_id: int, ok: bool, now: float) -> KeyResult:
-        """The data plane finished (ok) or failed a demote/promote instruction."""
-        return self.evictor.confirm(move_id, ok, now)
+        """The data plane finished (ok) or failed a move instruction (moves.py)."""
+        return self.mover.confirm(move_id, ok, now)
 
     def drain_events(self) -> list[StoreEvent]:
         """The events since the last drain, oldest first (for the Conductor's index)."""
@@ -318,17 +324,32 @@ class MetadataService:
     def emit(self, kind: EventKind, key: str, node_id: str, tier: str = "") -> None:
         self._events.append(StoreEvent(kind=kind, key=key, node_id=node_id, tier=tier))
 
+    def emit_gain(self, obj: ObjectRecord, r: Replica) -> None:
+        """Replica `r` was just committed: an added event if its node held no other, a
+        promoted one if the others there are in slower tiers, else none."""
+        node = r.node_id
+        here = [TIERS.index(o.tier) for o in obj.complete() if o.node_id == node and o is not r]
+        if not here:
+            self.emit("added", obj.key, r.node_id, r.tier)
+        elif TIERS.index(r.tier) < min(here):
+            self.emit("promoted", obj.key, r.node_id, r.tier)
+
     def detach(
         self, obj: ObjectRecord, r: Replica, now: float, emit: EventKind | None, free: bool = True
     ) -> None:
         """Take replica `r` off `obj` (and the LRU of its tier if it was the last there);
-        free its range (after the lease if readers may hold it) unless `free` is False."""
+        free its range (after the lease if readers may hold it) unless `free` is False.
+        `emit` is the event if its node keeps no other replica; one kept in a slower tier
+        makes it a demoted event, one in a faster tier no event."""
         obj.replicas.remove(r)
         if r.state == COMPLETE:
             if not any(o.tier == r.tier and o.state == COMPLETE for o in obj.replicas):
                 self.lru[r.tier].pop(obj.key, None)
-            if emit:
+            here = [TIERS.index(o.tier) for o in obj.complete() if o.node_id == r.node_id]
+            if emit and not here:
                 self.emit(emit, obj.key, r.node_id, r.tier)
+            elif emit and min(here) > TIERS.index(r.tier):
+                self.emit("demoted", obj.key, r.node_id, TIERS[min(here)])
         if free:
             until = obj.lease_until if r.state == COMPLETE else 0.0
             self.space.free(obj.key, r, until, now)
@@ -338,8 +359,9 @@ class MetadataService:
     def drop(self, obj: ObjectRecord, now: float, emit: EventKind | None) -> None:
         """Forget `obj`, freeing every replica (emitting `emit` for each committed one)."""
         if obj.move_id:
-            self.evictor.cancel(obj.move_id)
-        for r in list(obj.replicas):
+            self.mover.cancel(obj.move_id)
+        # NOTE: slowest first, so that a node keeping it in two tiers gets one event
+        for r in sorted(obj.replicas, key=lambda r: -TIERS.index(r.tier)):
             self.detach(obj, r, now, emit)
         del self.objects[obj.key]
         self.writing.pop(obj.key, None)

@@ -35,6 +35,7 @@ _COUNTERS = (  # StoreStats field -> (metric name without _total, help)
     ("demotions", "mooncake_store_demotions", "Replicas moved down a tier (DRAM -> SSD)."),
     ("promotions", "mooncake_store_promotions", "Replicas moved up a tier on a hit."),
     ("replications", "mooncake_store_replications", "Hot-spot copies made on another node."),
+    ("copies", "mooncake_store_copies", "Copies made to a lower tier ahead of eviction."),
     ("lost_objects", "mooncake_store_lost_objects", "Objects lost with their last replica."),
 )
 

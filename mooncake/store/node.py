@@ -5,17 +5,20 @@
     ...
     node.stop()    # unmounts, closes the engine
 
-Clients read and write the memory tiers straight through the Transfer Engine; the node
-itself only moves bytes when a heartbeat reply tells it to (demote DRAM -> SSD, promote
-SSD -> DRAM, a copy to another node), then confirms the move to the master.
+Clients read and write the memory tiers straight through the Transfer Engine, and read
+the SSD tier the same way (its file is mapped and registered as a segment, so a hit on SSD
+is served within the request); the node itself only moves bytes when a heartbeat reply
+tells it to (copy or demote DRAM -> SSD, promote SSD -> DRAM, a copy to another node),
+then confirms the move to the master. While replies carry work it asks again at once
+(tier moves keep up with a burst of puts), otherwise every `heartbeat_s`.
 """
 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import logging
 import mmap
-import secrets
 import threading
 from dataclasses import dataclass
 
@@ -94,8 +97,10 @@ class StoreNode:
         ep = self.engine.endpoints[0]
         self.endpoint = f"{ep.host}:{ep.port}"
         self.master = RpcClient(master_address, key, timeout_s=5.0)
-        self._ssd_token = secrets.randbits(63) or 1  # this process's SSD file: a new one
         self.tiers: dict[Tier, BaseTier] = {}
+        # NOTE: RDMA would pin every page of a registered region: the SSD file's mapping is
+        # then served by a TCP-only engine of its own, so that it stays on disk
+        self.ssd_engine: TransferEngine | None = None
         try:
             if sizes.vram_bytes:
                 self.tiers["vram"] = VramTier(
@@ -108,7 +113,8 @@ class StoreNode:
                     raise StoreError("store.ssd_bytes is set but store.ssd_path is empty; "
                                      "name a directory on the SSD")  # fmt: skip
                 cap = align_up(sizes.ssd_bytes, SSD_ALIGN_BYTES)
-                self.tiers["ssd"] = SsdTier(sizes.ssd_path, f"{node_id}.ssd", cap)
+                ssd = self.tiers["ssd"] = SsdTier(sizes.ssd_path, f"{node_id}.ssd", cap)
+                self._serve_ssd(ssd, key, host, engine_options)
         except BaseException:
             self._close_local()
             raise
@@ -124,6 +130,18 @@ class StoreNode:
         else:
             self.populated.set()
 
+    def _serve_ssd(
+        self, ssd: SsdTier, key: bytes, host: str, options: EngineOptions | None
+    ) -> None:
+        engine = self.engine
+        if "rdma" in engine.transport_names:
+            tcp = dataclasses.replace(options or EngineOptions(), protocol="tcp")
+            engine = self.ssd_engine = TransferEngine(f"{self.node_id}.ssd", key, tcp, host=host)
+        engine.register(ssd.segment, ssd.mapping, "cpu:0")
+
+    def _engine_of(self, tier: BaseTier) -> TransferEngine:
+        return self.ssd_engine if tier.tier == "ssd" and self.ssd_engine else self.engine
+
     # -- lifecycle ---------------------------------------------------------------------------
 
     def start(self) -> None:
@@ -135,10 +153,20 @@ class StoreNode:
         """Mount every tier; `is_remount`: to a master that forgot us (it restarted), so
         clients may still hold grants of the previous one on this memory."""
         for t in self.tiers.values():
-            region = self.engine.segments.get(t.segment)  # SSD: not a Transfer Engine segment
-            token = region.token if region is not None else self._ssd_token
-            msg = MountSegmentMsg(self.node_id, t.segment, t.tier, t.capacity_bytes,
-                                  self.endpoint, t.alignment, token, is_remount)  # fmt: skip
+            engine = self._engine_of(t)
+            region = engine.segments.get(t.segment)
+            assert region is not None, t.segment
+            ep = engine.endpoints[0]
+            msg = MountSegmentMsg(
+                self.node_id,
+                t.segment,
+                t.tier,
+                t.capacity_bytes,
+                f"{ep.host}:{ep.port}",
+                t.alignment,
+                region.token,
+                is_remount,
+            )
             self.master.call(msg, AckMsg)
         log.info("store node %s mounted %s", self.node_id, ", ".join(self.tiers))
 
@@ -162,27 +190,36 @@ class StoreNode:
             self.populated.set()
 
     def _close_local(self) -> None:
+        ssd = self.tiers.get("ssd")
+        if ssd is not None and self._engine_of(ssd).segments.get(ssd.segment) is not None:
+            self._engine_of(ssd).unregister(ssd.segment)  # NOTE: before its file is closed
         for t in self.tiers.values():
             t.close()
+        if self.ssd_engine is not None:
+            self.ssd_engine.close()
         self.engine.close()
         self.master.close()
 
     # -- heartbeats and instructions ---------------------------------------------------------
 
-    def heartbeat(self) -> None:
-        """One heartbeat; re-mounts when the master forgot us, then runs the instructions."""
+    def heartbeat(self) -> int:
+        """One heartbeat; re-mounts when the master forgot us, then runs the instructions.
+        Returns how many there were."""
         reply = self.master.call(HeartbeatMsg(self.node_id), HeartbeatReplyMsg)
         if not reply.is_known:
             log.warning("master forgot store node %s; mounting again", self.node_id)
             self.mount(is_remount=True)
         for ins in reply.instructions:
             self.carry_out(ins)
+        return len(reply.instructions)
 
     def _loop(self) -> None:
-        while not self._stop.wait(self.heartbeat_s):
+        num_done = 0
+        while not self._stop.wait(0.0 if num_done else self.heartbeat_s):
             try:
-                self.heartbeat()
+                num_done = self.heartbeat()  # NOTE: work begets work: ask again at once
             except MooncakeError as e:
+                num_done = 0
                 log.warning("heartbeat of store node %s failed: %s", self.node_id, e)
 
     def carry_out(self, ins: Instruction) -> None:
@@ -212,7 +249,7 @@ class StoreNode:
         elif isinstance(src, DramTier):  # one-sided write straight from our arena
             name = remote_name(dst.segment, dst.endpoint)
             req = TransferRequest(
-                TransferOp.WRITE, src.segment, ins.src.offset, name, dst.offset, size
+                TransferOp.WRITE, src.segment, ins.src.offset, name, dst.offset, size, dst.token
             )
             self.engine.submit([req]).check()
         else:

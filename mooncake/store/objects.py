@@ -87,11 +87,13 @@ class KeyResult(msgspec.Struct, frozen=True, kw_only=True):
 class StoreEvent(msgspec.Struct, frozen=True, kw_only=True):
     """A change of the pool's contents, for the Conductor's global prefix index.
 
-    Per replica: added (put_end, or a move's copy on another node), evicted (dropped by
-    eviction or unmount, or a move's source released on another node), removed (remove,
-    overwrite), demoted / promoted (moved to another tier of the same node; `tier` is the
-    new one). Per node: node_gone (key ""; the node's every replica went). Per object: lost
-    (its last replica went with a node or segment; the object no longer exists).
+    Per node holding the object, in its fastest tier there (a node may keep an object in
+    several tiers, e.g. DRAM and a copy on SSD; only a change of its fastest is an event):
+    added (the node holds it now: put_end, a move's copy), evicted (the node holds it no
+    more: eviction, unmount, a move's source released), removed (remove, overwrite),
+    demoted / promoted (the node's fastest tier for it changed; `tier` is the new one). Per
+    node: node_gone (key ""; the node's every replica went). Per object: lost (its last
+    replica went with a node or segment; the object no longer exists).
     """
 
     kind: EventKind
@@ -104,11 +106,11 @@ class Instruction(msgspec.Struct, frozen=True, kw_only=True):
     """A decision the data plane carries out, sent to the node owning `src`.
 
     evict: `src` was released (informational: the owner may discard the bytes).
-    demote / promote / replicate: copy `src` into `dst`, then confirm_move(move_id, ok); on
-    success the service commits `dst` and (when `release_src`) releases `src`.
+    demote / copy / promote / replicate: copy `src` into `dst`, then confirm_move(move_id,
+    ok); on success the service commits `dst` and (when `release_src`) releases `src`.
     """
 
-    kind: Literal["evict", "demote", "promote", "replicate"]
+    kind: Literal["evict", "demote", "copy", "promote", "replicate"]
     key: str
     src: ReplicaDesc
     dst: ReplicaDesc | None = None
@@ -129,11 +131,12 @@ class StoreStats(msgspec.Struct, frozen=True, kw_only=True):
     misses: int
     puts: int  # committed puts
     removes: int
-    evictions: int  # replicas dropped by eviction
-    demotions: int  # moves confirmed
+    evictions: int  # replicas dropped by eviction (the node kept no lower copy)
+    demotions: int  # replicas moved down a tier, or dropped while their node keeps a copy lower
     promotions: int
     lost_objects: int  # objects gone with a node or segment
     replications: int = 0  # hot-spot copies to another node confirmed
+    copies: int = 0  # copies to a lower tier made ahead of eviction (eviction.py)
 
 
 @dataclass
@@ -149,6 +152,7 @@ class Counters:
     promotions: int = 0
     lost_objects: int = 0
     replications: int = 0
+    copies: int = 0
 
 
 @dataclass(eq=False)

@@ -20,6 +20,10 @@ class MetadataConfig(msgspec.Struct, frozen=True, kw_only=True):
     put_timeout_s: float = 30.0  # s before an unfinished put or tier move is reclaimed
     high_watermark: float = 0.95  # tier used share that starts eviction
     low_watermark: float = 0.85  # tier used share eviction brings it down to
+    # tier used share past which the least recently used objects are copied to the tier
+    # below ahead of eviction (kept here too), so eviction and a put at the high watermark
+    # free memory at once; >= high_watermark: no copies ahead, victims demoted on eviction
+    copy_ahead_watermark: float = 0.5
     placement: PlacementName = "local_first"
     seed: int = 0  # RNG seed of the random placement
     fit: Fit = "best"  # allocator fit
@@ -36,6 +40,10 @@ class MetadataConfig(msgspec.Struct, frozen=True, kw_only=True):
             errors.append(
                 f"store.low_watermark ({self.low_watermark}) must be > 0 and below "
                 f"store.high_watermark ({self.high_watermark}), which must be <= 1"
+            )
+        if not 0 < self.copy_ahead_watermark <= 1:
+            errors.append(
+                f"store.copy_ahead_watermark must be > 0 and <= 1, got {self.copy_ahead_watermark}"
             )
         if self.placement not in ("local_first", "free_ratio", "random"):
             errors.append(
@@ -54,6 +62,7 @@ class MetadataConfig(msgspec.Struct, frozen=True, kw_only=True):
             "heartbeat_ttl_s": store.heartbeat_ttl_s,
             "high_watermark": store.high_watermark,
             "low_watermark": store.low_watermark,
+            "copy_ahead_watermark": store.copy_ahead_watermark,
         }
         return cls(**{**fields, **overrides})  # type: ignore[arg-type]
 

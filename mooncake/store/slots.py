@@ -15,8 +15,9 @@ not one per put), so a steady stream of puts stays at two.
 
 A slot is an ordinary PROCESSING object: eviction skips it, a node's death takes its
 replicas, and an unused one is reclaimed after put_timeout_s like any unfinished put.
-Slots are only carved out of spare space: never where the tier would pass its high
-watermark, so holding space ahead never evicts anything.
+Slots are only carved out of spare space of the put's first tier: never where the tier
+would pass its high watermark, so holding space ahead never evicts anything (and a put
+that may fall back to SSD never holds SSD space ahead).
 Writers use a slot only within `grant_ttl_s` of asking for it (the master may restart and
 lose its books; a remounted segment takes no new objects for that long, see
 `MetadataService.mount_segment`), so a write never lands in space the master gave away.

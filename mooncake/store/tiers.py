@@ -4,9 +4,11 @@
   peers on the same host copy from it without a socket (shm) and remote ones use tcp.
 - `VramTier`: a uint8 torch tensor on a device (`cpu` in tests), registered as one segment.
   torch is imported only when a VRAM tier is made.
-- `SsdTier`: a file under `ssd_path`; every object carries an xxh3 checksum checked on
-  read. Clients never reach it directly: the node moves bytes between it and DRAM when the
-  master says so (demote on eviction, promote on a hit).
+- `SsdTier`: a file under `ssd_path`, also mapped (`mapping`, MAP_SHARED) so that the node
+  registers it with a Transfer Engine: a reader copies an SSD replica straight into its
+  own buffer, one-sided like memory, and the kernel pages the bytes in from the SSD (the
+  node serves it; no promotion to wait for). The node's own moves use O_DIRECT I/O with
+  an xxh3 checksum per object it wrote, checked when it reads the object back.
 
 Every tier answers `read(offset, size) -> bytes` and `write(offset, data)` for the node's
 own moves; memory tiers also have a `segment` name that clients hand the Transfer Engine.
@@ -120,7 +122,13 @@ class VramTier(_ArrayTier):
 
 
 class SsdTier(BaseTier):
-    """A file of `capacity_bytes`; O_DIRECT when the filesystem takes it, pread otherwise."""
+    """A file of `capacity_bytes`; O_DIRECT when the filesystem takes it, pread otherwise.
+
+    NOTE: the node writes with O_DIRECT while readers fault pages of `mapping` in: the
+    kernel drops cached pages of a range a direct write covers, and the master never
+    hands out a range that readers may still hold (leases), so readers see whole objects.
+    Allocations are 4 KiB aligned, so two objects never share a page. A disk error while
+    a page faults in raises SIGBUS in the reading process, as with any mapped file."""
 
     tier: Tier = "ssd"
 
@@ -140,10 +148,20 @@ class SsdTier(BaseTier):
             self.is_direct = False
         try:
             os.ftruncate(self.fd, capacity_bytes)
+            self.mapping = self._map()
         except OSError as e:
             os.close(self.fd)
             raise StoreError(f"cannot size SSD tier file {self.path} to {capacity_bytes} "
                              f"bytes: {e}; free space or lower store.ssd_bytes") from e  # fmt: skip
+
+    def _map(self) -> mmap.mmap:
+        """The whole file, shared and writable (a Transfer Engine segment must be writable:
+        a cross-node demotion writes into it)."""
+        fd = os.open(self.path, os.O_RDWR)  # NOTE: mapped through a page-cache descriptor
+        try:
+            return mmap.mmap(fd, self.capacity_bytes, mmap.MAP_SHARED)
+        finally:
+            os.close(fd)  # the mapping keeps the file open
 
     def write(self, offset: int, data: bytes | memoryview) -> None:
         size = len(data)
@@ -157,10 +175,17 @@ class SsdTier(BaseTier):
         self._checksums[offset] = (size, xxhash.xxh3_64_intdigest(data))
 
     def read(self, offset: int, size: int) -> bytes:
+        """The object at `offset`, checked against the checksum of the node's own write. An
+        object a peer wrote into `mapping` (a demotion from another node) has none here:
+        it is read unchecked (its readers check their own format, as KV objects do)."""
         self._check(offset, size)
         want = self._checksums.get(offset)
-        if want is None or want[0] != size:
-            raise StoreError(f"SSD tier {self.segment!r}: no object of {size} bytes at {offset}")
+        if want is not None and want[0] != size:
+            raise StoreError(
+                f"SSD tier {self.segment!r}: the object at {offset} is {want[0]} bytes, not {size}"
+            )
+        if want is None:
+            return bytes(self.mapping[offset : offset + size])
         buf = self._buffer(size)
         try:
             self._io(os.preadv, buf, offset, size)
@@ -198,6 +223,11 @@ class SsdTier(BaseTier):
             raise StoreError(f"SSD tier {self.path}: short I/O at {offset} ({done} of {size} B)")
 
     def close(self) -> None:
+        """Close the file and remove it. Unregister `mapping` from its engine first."""
+        try:
+            self.mapping.close()
+        except BufferError:  # NOTE: a view still exported: unmapped when the last one goes
+            log.debug("SSD tier %s: mapping still in use; unmapped later", self.segment)
         os.close(self.fd)
         try:
             os.unlink(self.path)

@@ -1,9 +1,10 @@
 """The write protocol: how an object gets into the pool, and what may stop it.
 
 put_start allocates `replicas` PROCESSING replicas on distinct nodes (the placement strategy
-ranks segments; the first of the put's tiers with room wins, and a put that finds none
-tells eviction of the pressure); the writer fills them; put_end commits (readers see the
-object) or put_revoke abandons (the space is freed). A put never ended is reclaimed after
+ranks segments; the first of the put's tiers with room wins, where eviction makes room at
+once if it can, `Evictor.make_room`, before the next tier is tried; a put no tier takes
+answers no_space); the writer fills them; put_end commits (readers see the object) or
+put_revoke abandons (the space is freed). A put never ended is reclaimed after
 `put_timeout_s`, or at once when its writer's node expires (`membership.py`).
 
 A put of a key that exists is refused (busy while another put is in flight, exists unless
@@ -64,8 +65,9 @@ class WriteProtocol:
             return PutStartResult(key=key, status=refusal.status, message=refusal.message)
         chosen = self.allocate_replicas(key, size, writer, replicas, tiers, now)
         if not chosen:
-            msg = f"no {'/'.join(tiers)} segment has {size} free bytes for {key!r}; retry shortly"
-            return PutStartResult(key=key, status="no_space", message=msg)
+            return PutStartResult(
+                key=key, status="no_space", message=self._no_room(key, size, tiers)
+            )
         svc = self.svc
         obj = ObjectRecord(key, size, writer, now, chosen, pin_ttl_s=max(pin_ttl_s, 0.0))
         svc.objects[key] = obj
@@ -92,26 +94,64 @@ class WriteProtocol:
     def allocate_replicas(self, key: str, size: int, writer: str, replicas: int,
                           tiers: Sequence[str], now: float, spare_only: bool = False,
                           ) -> list[Replica]:  # fmt: skip
-        """Replicas on distinct nodes in the first of `tiers` with room, best ranked first."""
+        """Replicas on distinct nodes, best ranked first, tier by tier: in each tier where
+        there is no room for the first one, eviction makes some at once if it can
+        (eviction.py) before the next tier is tried. `spare_only`: in the first tier only,
+        and only under its high watermark (no eviction)."""
         svc = self.svc
-        want, high = replicas or svc.config.replicas, svc.config.high_watermark
+        want = replicas or svc.config.replicas
         chosen: list[Replica] = []
         used_nodes: set[str] = set()
-        for tier in cast("list[Tier]", tiers):
-            for seg in svc.placement.rank(svc.space.candidates(tier, size, used_nodes, now),
-                                          writer):  # fmt: skip
-                if spare_only and svc.space.share(tier, seg.allocator.aligned(size)) > high:
-                    break  # NOTE: the share is the tier's: no other segment is spare either
-                replica = None if seg.node_id in used_nodes else svc.space.allocate(seg, key, size)
-                if replica is not None:
-                    chosen.append(replica)
-                    used_nodes.add(seg.node_id)
-                    if len(chosen) == want:
-                        return chosen
+        order = cast("list[Tier]", list(tiers[:1] if spare_only else tiers))
+        for tier in order:
+            self._place(key, size, writer, want, tier, now, spare_only, chosen, used_nodes)
+            if not chosen and not spare_only and svc.evictor.make_room(tier, size, now):
+                self._place(key, size, writer, want, tier, now, False, chosen, used_nodes)
+            if len(chosen) == want:
+                break
         if not chosen and not spare_only:
-            for t in cast("list[Tier]", tiers):
-                svc.evictor.note_pressure(t, size)
+            for tier in order:
+                svc.evictor.note_pressure(tier, size)
         return chosen
+
+    def _place(
+        self,
+        key: str,
+        size: int,
+        writer: str,
+        want: int,
+        tier: Tier,
+        now: float,
+        spare_only: bool,
+        chosen: list[Replica],
+        used_nodes: set[str],
+    ) -> None:
+        """Add replicas in `tier` to `chosen` (on nodes not in `used_nodes`) up to `want`."""
+        svc, high = self.svc, self.svc.config.high_watermark
+        for seg in svc.placement.rank(svc.space.candidates(tier, size, used_nodes, now), writer):
+            if len(chosen) == want:
+                return
+            if spare_only and svc.space.share(tier, seg.allocator.aligned(size)) > high:
+                return  # NOTE: the share is the tier's: no other segment is spare either
+            replica = None if seg.node_id in used_nodes else svc.space.allocate(seg, key, size)
+            if replica is not None:
+                chosen.append(replica)
+                used_nodes.add(seg.node_id)
+
+    def _no_room(self, key: str, size: int, tiers: Sequence[str]) -> str:
+        where = "/".join(tiers)
+        segs = [s for t in cast("list[Tier]", tiers) for s in self.svc.space.tier_segments[t]]
+        largest = max((s.allocator.usable_bytes for s in segs), default=0)
+        if size > largest:
+            return (
+                f"no {where} segment has {size} free bytes for {key!r}, even empty (the "
+                f"largest holds {largest}); store smaller values or mount larger segments"
+            )
+        return (
+            f"no {where} segment has {size} free bytes for {key!r}, and eviction could not "
+            "make room: the objects there are in use (being written, read, moved or pinned) "
+            "or wait for their demotion; retry in a moment, or give the pool more space"
+        )
 
     def put_end(self, key: str, now: float) -> KeyResult:
         """Mark the replicas COMPLETE, put them in their tiers' LRU, emit added events."""
@@ -126,7 +166,7 @@ class WriteProtocol:
             for r in obj.replicas:
                 r.state = COMPLETE
                 svc.lru[r.tier][key] = None
-                svc.emit("added", key, r.node_id, r.tier)
+                svc.emit_gain(obj, r)
             svc.counters.puts += 1
         return KeyResult(key=key, status="ok")
 

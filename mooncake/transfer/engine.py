@@ -81,7 +81,14 @@ class TransferEngine:
         self.host_id = host_identity()
         sweep_stale()  # arenas of this host's crashed nodes would otherwise hold memory
         self.segments = SegmentTable()
-        self.server = TcpServer(self.segments, self._secret, host, port)
+        self.server = TcpServer(
+            self.segments,
+            self._secret,
+            host,
+            port,
+            handshake_timeout_s=self.options.handshake_timeout_s,
+            max_handshakes_per_peer=self.options.max_handshakes_per_peer,
+        )
         self.server.handlers[Op.DESCRIBE] = self._on_describe
         wildcard = host in ("0.0.0.0", "::", "")
         self.endpoints = endpoints or [

@@ -2,11 +2,14 @@
 handshake (segment descriptors, RDMA queue-pair exchange) that peers use without a master.
 
 One thread per connection; a connection is served only after it passes the cluster-secret
-handshake. Replies are queued and sent together when the client says it waits (FLAG_FLUSH
-on its last request) or has nothing more in flight, so a group of slices costs one reply
-syscall. A malformed header closes that connection with a logged error; the server goes
-on serving the others. When the C loop was built (native/dataloop.py), READ and WRITE
-requests are served by it with the GIL released, and everything else comes back here.
+handshake, which must finish within `handshake_timeout_s` in all; at most
+`max_handshakes_per_peer` connections from one address may be in the handshake at once
+(more are refused at accept), so unauthenticated peers cannot hold threads. Replies are
+queued and sent together when the client says it waits (FLAG_FLUSH on its last request)
+or has nothing more in flight, so a group of slices costs one reply syscall. A malformed
+header closes that connection with a logged error; the server goes on serving the others.
+When the C loop was built (native/dataloop.py), READ and WRITE requests are served by it
+with the GIL released, and everything else comes back here.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import contextlib
 import logging
 import socket
 import threading
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -28,7 +32,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-AUTH_TIMEOUT_S = 5.0  # a client must finish the handshake within this
 MAX_CONNECTIONS = 1024
 FLUSH_BYTES = 512 << 10  # send queued READ replies once they reach this many bytes
 _READ, _WRITE, _OK, _FLUSH = int(Op.READ), int(Op.WRITE), int(Status.OK), wire.FLAG_FLUSH
@@ -44,9 +47,19 @@ class TcpServer:
     """Serves `segments` on host:port (port 0 picks one) to clients that know `secret`."""
 
     def __init__(
-        self, segments: SegmentTable, secret: bytes, host: str = "127.0.0.1", port: int = 0
+        self,
+        segments: SegmentTable,
+        secret: bytes,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        handshake_timeout_s: float = wire.HANDSHAKE_TIMEOUT_S,
+        max_handshakes_per_peer: int = wire.MAX_HANDSHAKES_PER_PEER,
     ):
         self.segments = segments
+        self.handshake_timeout_s = handshake_timeout_s
+        self._slots = wire.HandshakeSlots(max_handshakes_per_peer)
+        self._refusal_logged_s = -float("inf")  # monotonic time of the last refusal logged
         segments.on_stuck = self.drop_connections  # frees a native loop held by a stalled peer
         self.handlers: dict[Op, ControlHandler] = {}  # DESCRIBE, RDMA_CONNECT
         self._secret = secret
@@ -71,6 +84,10 @@ class TcpServer:
                     )
                     sock.close()
                     continue
+                if not self._slots.take(addr[0]):
+                    self._log_refusal(addr[0])
+                    sock.close()
+                    continue
                 self._conns.add(sock)
             threading.Thread(
                 target=self._serve, args=(sock, addr), name="te-conn", daemon=True
@@ -79,9 +96,13 @@ class TcpServer:
     def _serve(self, sock: socket.socket, addr: tuple) -> None:
         peer = f"{addr[0]}:{addr[1]}"
         try:
-            wire.tune(sock, AUTH_TIMEOUT_S)
-            wire.server_handshake(sock, self._secret)
-            wire.tune(sock, 0.0)  # authenticated: idle connections may wait indefinitely
+            # NOTE: no kernel timeouts: the handshake has a deadline of its own, and
+            # authenticated connections may then wait idle indefinitely
+            try:
+                wire.tune(sock, 0.0)
+                wire.server_handshake(sock, self._secret, self.handshake_timeout_s)
+            finally:
+                self._slots.give_back(addr[0])
             self._loop(sock, peer)
         except MooncakeError as e:
             log.warning("transfer server: rejected %s: %s", peer, e)
@@ -210,6 +231,19 @@ class TcpServer:
         except Exception:
             log.exception("transfer server: %s from %s failed", Op(op).name, peer)
             return Status.INTERNAL, b""
+
+    def _log_refusal(self, host: str) -> None:
+        """Say that `host` was refused, at most once per handshake timeout (an attacker
+        opening connections in a loop must not flood the log)."""
+        now = time.monotonic()
+        if now - self._refusal_logged_s >= self.handshake_timeout_s:
+            self._refusal_logged_s = now
+            log.warning(
+                "transfer server: refusing connections from %s: %d of its connections are "
+                "already in the handshake",
+                host,
+                self._slots.limit,
+            )
 
     @staticmethod
     def _malformed(peer: str, why: str) -> None:

@@ -108,6 +108,8 @@ class EngineOptions:
     copy_threads: int = 2  # threads doing shm and local copies
     group_bytes: int = 1 << 20  # bytes of slices a TCP connection sends before reading replies
     spin_us: float = 200.0  # microseconds a thread polls for a reply before it sleeps
+    handshake_timeout_s: float = 5.0  # seconds a new connection has for the whole handshake
+    max_handshakes_per_peer: int = 64  # connections from one address in the handshake at once
 
     @property
     def slice_io_timeout_s(self) -> float:
@@ -127,6 +129,8 @@ class EngineOptions:
             "retry_budget": cfg.retry_budget,
             "timeout_s": cfg.timeout_s,
             "spin_us": cfg.spin_us,
+            "handshake_timeout_s": cfg.handshake_timeout_s,
+            "max_handshakes_per_peer": cfg.max_handshakes_per_peer,
         }
         fields.update(overrides)
         return cls(**fields)  # type: ignore[arg-type]

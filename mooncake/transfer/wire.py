@@ -7,6 +7,11 @@ Connection setup (one HMAC per connection, none per slice):
     client -> server  AUTH   magic, version, client nonce (32 B), HMAC(secret, "c"|sn|cn)
     server -> client  PROOF  HMAC(secret, "s"|cn|sn)     (the client checks the server too)
 
+A server gives a new connection `[transfer] handshake_timeout_s` for the whole exchange
+(not per read: a peer trickling bytes is cut off at the deadline), and at most
+`[transfer] max_handshakes_per_peer` connections from one address may be in it at once
+(`HandshakeSlots`; more are refused), so unauthenticated peers cannot pile up threads.
+
 Then requests, each answered in order on the same connection:
 
     REQ   op u8 | flags u8 | pad u16 | req_id u32 | token u64 | offset u64 | length u64
@@ -30,6 +35,7 @@ import hmac
 import os
 import socket
 import struct
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Final
@@ -49,6 +55,8 @@ MAX_DATA_BYTES: Final = 1 << 30  # one slice; a larger length is malformed
 MAX_CONTROL_BYTES: Final = 1 << 20  # one msgpack control message
 SOCKET_BUFFER_BYTES: Final = 4 << 20
 MIN_SECRET_BYTES: Final = 16  # as the control plane's rule
+HANDSHAKE_TIMEOUT_S: Final = 5.0  # default of [transfer] handshake_timeout_s
+MAX_HANDSHAKES_PER_PEER: Final = 64  # default of [transfer] max_handshakes_per_peer
 
 
 class Op(enum.IntEnum):
@@ -225,18 +233,80 @@ def tune(sock: socket.socket, timeout_s: float = 0.0) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
 
 
-def server_handshake(sock: socket.socket, secret: bytes) -> None:
-    """Authenticate a freshly accepted client; raises AuthError/ProtocolError/OSError."""
+def server_handshake(
+    sock: socket.socket, secret: bytes, timeout_s: float = HANDSHAKE_TIMEOUT_S
+) -> None:
+    """Authenticate a freshly accepted client within `timeout_s` seconds in all; raises
+    AuthError (wrong secret, or no complete handshake by then), ProtocolError or OSError.
+    Leaves the socket in blocking mode without a timeout."""
+    deadline = time.monotonic() + timeout_s
     server_nonce = os.urandom(NONCE_BYTES)
-    sock.sendall(HELLO.pack(MAGIC, VERSION, 0, server_nonce))
-    buf = bytearray(AUTH.size)
-    recv_exact(sock, buf)
-    magic, version, _flags, client_nonce, mac = AUTH.unpack(buf)
-    if magic != MAGIC or version != VERSION:
-        raise ProtocolError(f"bad hello from client: magic {magic!r} version {version}")
-    if not hmac.compare_digest(mac, _mac(secret, b"c", server_nonce, client_nonce)):
-        raise AuthError("client failed the cluster-secret challenge")
-    sock.sendall(_mac(secret, b"s", client_nonce, server_nonce))
+    try:
+        send_by(sock, HELLO.pack(MAGIC, VERSION, 0, server_nonce), deadline)
+        buf = bytearray(AUTH.size)
+        recv_exact_by(sock, buf, deadline)
+        magic, version, _flags, client_nonce, mac = AUTH.unpack(buf)
+        if magic != MAGIC or version != VERSION:
+            raise ProtocolError(f"bad hello from client: magic {magic!r} version {version}")
+        if not hmac.compare_digest(mac, _mac(secret, b"c", server_nonce, client_nonce)):
+            raise AuthError("client failed the cluster-secret challenge")
+        send_by(sock, _mac(secret, b"s", client_nonce, server_nonce), deadline)
+    except TimeoutError as e:
+        raise AuthError(f"no complete handshake within {timeout_s:g} s ({e})") from e
+    finally:
+        sock.settimeout(None)
+
+
+def recv_exact_by(sock: socket.socket, buf: bytearray | memoryview, deadline: float) -> None:
+    """Fill `buf` before time.monotonic() reaches `deadline`, however the bytes trickle in;
+    raises TimeoutError when it passes first, ConnectionError on EOF."""
+    view = memoryview(buf)
+    got, total = 0, len(view)
+    while got < total:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"{got} of {total} bytes came before the deadline")
+        sock.settimeout(left)
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            raise ConnectionError(f"peer closed the connection after {got} of {total} bytes")
+        got += n
+
+
+def send_by(sock: socket.socket, data: bytes, deadline: float) -> None:
+    """Send `data` before `deadline` (time.monotonic()); raises TimeoutError otherwise."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("the deadline passed before sending")
+    sock.settimeout(left)
+    sock.sendall(data)
+
+
+class HandshakeSlots:
+    """Connections per peer address that are still in the handshake, at most `limit` each
+    (thread-safe). A server takes a slot when it accepts and gives it back when the
+    handshake ends, however it ends; authenticated connections hold none."""
+
+    def __init__(self, limit: int = MAX_HANDSHAKES_PER_PEER):
+        assert limit >= 1, limit
+        self.limit = limit
+        self._by_host: dict[str, int] = {}  # peer address -> connections in the handshake
+        self._lock = threading.Lock()
+
+    def take(self, host: str) -> bool:
+        """A slot for a new connection from `host`; False when it already holds `limit`."""
+        with self._lock:
+            n = self._by_host.get(host, 0)
+            if n >= self.limit:
+                return False
+            self._by_host[host] = n + 1
+            return True
+
+    def give_back(self, host: str) -> None:
+        with self._lock:
+            n = self._by_host.pop(host, 0) - 1
+            if n > 0:
+                self._by_host[host] = n
 
 
 def client_handshake(sock: socket.socket, secret: bytes) -> None:

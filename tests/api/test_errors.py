@@ -41,7 +41,7 @@ def _error(resp: httpx.Response, status: int) -> dict:
          "Invalid value for 'max_tokens': expected `int | null`, got `str`"),
         ("completions", {"prompt": "x", "max_tokens": 0}, "max_tokens", "expected `int` >= 1"),
         ("completions", {"prompt": "x", "temperature": -1}, "temperature", ">= 0.0"),
-        ("completions", {"prompt": "x", "top_p": 0}, "top_p", "> 0.0"),
+        ("completions", {"prompt": "x", "top_p": 0}, "top_p", ">= 1e-05"),
         ("completions", {"prompt": "x", "stop": [1]}, "stop[0]", "expected `str`, got `int`"),
         ("completions", {"prompt": 5}, "prompt", "expected `str | array`, got `int`"),
         ("completions", {"prompt": [1, "a"]}, "prompt", "a list of integer token ids"),
@@ -55,8 +55,8 @@ def _error(resp: httpx.Response, status: int) -> dict:
         ("completions", {"max_tokens": 3}, "prompt", "'prompt' is a required property"),
         ("completions", {"prompt": "x", "stream_options": {"include_usage": True}},
          "stream_options", "only allowed when stream is true"),
-        ("completions", {"prompt": [1, 2, 700]}, None, "token id 700 is outside the model's "
-         "vocabulary of 512"),
+        ("completions", {"prompt": [1, 2, 700]}, "prompt", "token id 700 is outside the "
+         "model's vocabulary of 512"),
         ("completions", {"prompt": [1] * 2000, "max_tokens": 100}, "max_tokens",
          "maximum context length is 2048 tokens. However, you requested 2100 tokens "
          "(2000 in the prompt, 100 in the completion)"),
@@ -123,9 +123,11 @@ def test_the_openai_client_with_a_wrong_key_gets_authentication_error(served):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}])
 
 
-def test_health_and_metrics_need_no_key(anon):
+def test_health_and_the_openapi_document_need_no_key_and_metrics_does(anon, http):
     assert anon.get("/health").json()["status"] == "ok"
-    assert anon.get("/metrics").status_code == 200
+    assert anon.get("/openapi.json").json()["openapi"] == "3.1.0"
+    assert _error(anon.get("/metrics"), 401)["code"] == "invalid_api_key"
+    assert http.get("/metrics").status_code == 200
 
 
 def test_an_oversized_body_is_refused_with_413(http):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -64,3 +65,43 @@ def test_serve_with_an_unknown_model_names_it():
     result = CliRunner().invoke(app, ["serve", "--model", "dummy:nope", "--port", "0"])
     assert isinstance(result.exception, ConfigError)
     assert "dummy:nope" in str(result.exception)
+
+
+def test_serve_listens_where_it_says_on_this_machine_only_by_default():
+    """No --host, no api.host: the API and its own metrics port bind 127.0.0.1, and the
+    line printed names the address bound (not a wildcard shown as 127.0.0.1)."""
+    import psutil
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        metrics_port = s.getsockname()[1]
+    env = {**os.environ, "MOONCAKE_LOG_LEVEL": "warning"}
+    env = {k: v for k, v in env.items() if not k.startswith(("MOONCAKE_API_", "MOONCAKE_METRICS_"))}
+    flags = (
+        f"--model dummy:tiny --port 0 --kv-cache 4MiB --threads 1 --set metrics.port={metrics_port}"
+    )
+    cmd = [sys.executable, "-m", "mooncake", "serve", *flags.split()]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        assert proc.stdout is not None and proc.stderr is not None
+        line = proc.stdout.readline()
+        match = re.search(r"listening on http://127\.0\.0\.1:(\d+) \(", line)
+        assert match, (line, proc.stderr.read() if proc.poll() is not None else "")
+        api_port = int(match.group(1))
+        assert f"metrics http://127.0.0.1:{metrics_port}/metrics" in line
+        listening = {
+            (c.laddr.ip, c.laddr.port)
+            for c in psutil.Process(proc.pid).net_connections(kind="tcp")
+            if c.status == psutil.CONN_LISTEN
+        }
+        assert listening == {("127.0.0.1", api_port), ("127.0.0.1", metrics_port)}
+        url = f"http://127.0.0.1:{api_port}"
+        assert httpx.get(url + "/metrics", timeout=10).status_code == 404  # it has its own port
+        metrics = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10)
+        assert "mooncake_api_ttft_seconds" in metrics.text
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -2,9 +2,9 @@
 
 import pytest
 
-from mooncake.conductor import Conductor, ScheduleRequest
+from mooncake.conductor import Conductor, ConductorParams, CostModel, ScheduleRequest
 from mooncake.errors import SchedulingError
-from tests.conductor.toy import toy_conductor
+from tests.conductor.toy import BLOCK, toy_conductor, toy_cost_file
 
 
 def test_a_request_is_booked_as_load_then_retired():
@@ -105,3 +105,33 @@ def test_a_prefix_split_across_nodes_counts_whole_and_is_replicated_to_the_prefi
     (order,) = d.replications
     assert (order.block_hashes, order.src, order.dst) == ((3, 4, 5), "d0", "p1")
     assert c.index.pool_prefix_len([1, 2, 3, 9, 5], c._match_full) == 3
+
+
+def test_a_prefix_held_on_ssd_only_is_priced_at_the_ssds_read_cost():
+    """SSD at 250 bytes/s (0.4 s per 100-byte block), links at 0.1 s per block. A prefix p0
+    holds on SSD only costs its read; so p1, holding 3 of the 4 blocks in DRAM, is
+    quicker (0.2 s: it recomputes one more block) than p0 (0.1 s + 0.4 s to read block
+    4, the only one no node holds in memory); with the prefix in p0's DRAM p0 wins."""
+    c = Conductor(
+        ConductorParams(block_tokens=BLOCK), CostModel(toy_cost_file(ssd_read_bytes_per_s=250.0))
+    )
+    for name in ("p0", "p1"):
+        c.add_prefill_instance(name)
+    c.add_decode_instance("d0", 10_000)
+    c.index.add("p0", [1, 2, 3, 4], "ssd")
+    c.index.add("p1", [1, 2, 3], "dram")
+    d = c.schedule(ScheduleRequest(1, 500, [1, 2, 3, 4, 5]), now=0.0)
+    assert (d.prefill, d.reused_blocks) == ("p1", 3)
+    assert d.ttft_s == pytest.approx(0.2)
+    c.on_request_dropped(1, 0.0)
+    c.index.add("p0", [4], "dram")  # promoted
+    d = c.schedule(ScheduleRequest(2, 500, [1, 2, 3, 4, 5]), now=0.0)
+    assert (d.prefill, d.reused_blocks) == ("p0", 4)
+    assert d.ttft_s == pytest.approx(0.1)
+    c.on_request_dropped(2, 0.0)
+    c.index.add("p0", [1, 2, 3, 4], "ssd")
+    c.remove_instance("p1")
+    d = c.schedule(ScheduleRequest(3, 500, [1, 2, 3, 4, 5]), now=0.0)
+    assert (d.prefill, d.reused_blocks) == ("p0", 4)
+    assert d.ttft_s == pytest.approx(0.1 + 4 * 0.4)  # every block read off the SSD
+    c.check_integrity()

@@ -1,11 +1,13 @@
-"""Cost model: roofline shapes, the profile file round trip, transfer times under load;
+"""Cost model: roofline shapes, the profile file round trip, transfer and SSD read times;
 and the model specs it is built from."""
 
 import json
 
+import msgspec
 import pytest
 
 from mooncake.conductor import CostModel, CostModelError, roofline_cost_model
+from mooncake.conductor.costmodel import DEFAULT_SSD_READ_BYTES_PER_S
 from mooncake.conductor.network import NetworkState
 from mooncake.conductor.roofline import GPUS, PREFILL_MFU
 from mooncake.errors import ConfigError
@@ -126,3 +128,20 @@ def test_transfer_time_includes_the_bytes_already_queued():
     assert net.estimate("c", "b", 1000, now=1.0) == 2.0  # b's ingress is busy too
     assert net.estimate("c", "a", 1000, now=0.0) == 1.0  # a's ingress is free
     assert net.estimate("a", "a", 10**9, now=0.0) == 0.0  # local
+
+
+def test_a_cost_model_file_without_an_ssd_bandwidth_reads_with_the_default(tmp_path):
+    """Files written before the SSD read bandwidth existed still load (2 GB/s); a
+    bandwidth that is not positive is refused."""
+    spec = roofline_cost_model("llama2-70b", "A800", 8).spec
+    raw = msgspec.json.decode(msgspec.json.encode(spec))
+    del raw["ssd_read_bytes_per_s"]
+    path = tmp_path / "old.json"
+    path.write_bytes(msgspec.json.encode(raw))
+    cost = CostModel.load(path)
+    assert cost.ssd_read_bytes_per_s == DEFAULT_SSD_READ_BYTES_PER_S == 2e9
+    assert cost.ssd_read_time(4e9) == pytest.approx(2.0)
+    raw["ssd_read_bytes_per_s"] = 0
+    path.write_bytes(msgspec.json.encode(raw))
+    with pytest.raises(CostModelError, match="ssd_read_bytes_per_s"):
+        CostModel.load(path)

@@ -73,3 +73,17 @@ def test_the_pool_prefix_may_be_split_across_nodes():
     assert idx.pool_prefix_len([1, 2, 3, BIG, 7], idx.bit("b") | idx.bit("c")) == 2
     assert idx.pool_prefix_len([9, 1], full) == 0
     assert idx.holders_mask(7) == idx.bit("c") and idx.holders_mask(99) == 0
+
+
+def test_ssd_only_counts_count_blocks_no_node_holds_in_memory():
+    """Running counts over the pool's prefix of the blocks held on SSD only (a block some
+    node holds in memory is read from there); [] while nothing is on SSD."""
+    idx = PrefixIndex()
+    bits = idx.bit("a") | idx.bit("b")
+    idx.add("a", [1, 2, 3, 4], "dram")
+    assert idx.ssd_only_counts([1, 2, 3, 4], bits) == []
+    idx.demote("a", [2, 3], "ssd")
+    idx.add("b", [3], "dram")
+    assert idx.ssd_only_counts([1, 2, 3, 4, 9, 1], bits) == [0, 0, 1, 1, 1]
+    assert idx.ssd_only_counts([2], idx.bit("b")) == [0]  # not in the pool of b alone
+    idx.check_integrity()

@@ -15,6 +15,7 @@ def toy_cost_file(
     link_bytes_per_s: float = 1000.0,
     step_per_request_s: float = 1e-3,
     step_per_token_s: float = 1e-6,
+    ssd_read_bytes_per_s: float = 2e9,
 ) -> CostModelFile:
     """The round-number cost model: prefill 1 ms per new token; decode step 10 ms + the
     given per-request and per-KV-token terms; 1 byte of KV per token."""
@@ -31,6 +32,7 @@ def toy_cost_file(
             ("batch_size", "context_len"),
             (Term((0, 0), 0.01), Term((1, 0), step_per_request_s), Term((0, 1), step_per_token_s)),
         ),
+        ssd_read_bytes_per_s=ssd_read_bytes_per_s,
     )
 
 

@@ -4,19 +4,30 @@ from __future__ import annotations
 
 import json
 import os
+import socket
+import struct
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
 import torch
 
+from mooncake.engine import stageauth
 from mooncake.engine.kvcache import PagedKVCache
 from mooncake.engine.kvio import DramKVPool
 from mooncake.engine.pipeline import StageServer, prefill_pipelined
 from mooncake.engine.prefill import PrefillRunner
-from mooncake.engine.stagelink import TcpStageLink, local_link_pair
+from mooncake.engine.stagelink import (
+    FrameKind,
+    StageFrame,
+    StageListener,
+    TcpStageLink,
+    _encode,
+    local_link_pair,
+)
 from mooncake.engine.weights import create_model
 from mooncake.errors import AuthError
 from mooncake.hashing import PrefixHasher
@@ -117,3 +128,51 @@ def test_three_stage_chain_with_prefix_reuse_equals_one_process(tiny_info, tiny,
         t.join(timeout=30)
     assert second.stats.num_reused_tokens == 3 * BLOCK
     torch.testing.assert_close(second.logits, expected.logits, atol=1e-5, rtol=1e-5)
+
+
+def test_a_stage_whose_leader_dies_mid_prompt_frees_its_blocks_and_serves_the_next(tiny_info, tiny):
+    """The leader's connection is reset after a prompt's first chunk (it was SIGKILLed):
+    the stage's serve returns without raising, the half-done request's KV blocks are free
+    again, and the next leader's link is served (the one-process logits)."""
+    ids = prompt(40, seed=3)
+    expected = PrefillRunner(tiny, PagedKVCache.for_model(tiny, 16, BLOCK), chunk_tokens=12)
+    stage0 = create_model(tiny_info, "float32", "cpu", (0, 2))
+    stage1 = create_model(tiny_info, "float32", "cpu", (2, 4))
+    runner0 = PrefillRunner(stage0, PagedKVCache.for_model(stage0, 16, BLOCK), chunk_tokens=12)
+    cache1 = PagedKVCache.for_model(stage1, 16, BLOCK)
+    runner1 = PrefillRunner(stage1, cache1, chunk_tokens=12)
+    listener = StageListener(SECRET)
+    try:
+        # the dying leader: a bare authenticated socket, so that its close is a real one
+        dying = socket.create_connection(("127.0.0.1", listener.port), timeout=10)
+        stageauth.client_handshake(dying, SECRET, time.monotonic() + 10)
+        server = threading.Thread(target=StageServer(runner1, listener.accept(timeout=10)).serve)
+        server.start()
+        st = runner0.start(ids)
+        begin = StageFrame(FrameKind.BEGIN, 7, start=st.compute_start, tensor=st.tokens)
+        chunk = StageFrame(FrameKind.CHUNK, 7, 0, 0, 12, runner0.run_chunk(st, 0, 12))
+        for frame in (begin, chunk):
+            header, payload = _encode(frame)
+            dying.sendall(header + bytes(payload or b""))
+        for _ in range(1000):  # NOTE: poll until the stage holds the prompt's blocks
+            if cache1.allocator.num_free < 16:
+                break
+            time.sleep(0.01)
+        assert cache1.allocator.num_free < 16
+        runner0.abort(st)
+        # as the kernel does for a killed process with unread data: a reset, not a FIN
+        dying.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        dying.close()
+        server.join(timeout=30)
+        assert not server.is_alive()
+        assert cache1.allocator.num_free == 16
+        cache1.allocator.check_integrity()
+        link = TcpStageLink.connect("127.0.0.1", listener.port, SECRET)
+        server = threading.Thread(target=StageServer(runner1, listener.accept(timeout=10)).serve)
+        server.start()
+        got = prefill_pipelined(runner0, ids, link)
+        link.close()
+        server.join(timeout=30)
+    finally:
+        listener.close()
+    torch.testing.assert_close(got.logits, expected.prefill(ids).logits, atol=1e-5, rtol=1e-5)

@@ -49,3 +49,12 @@ def test_a_template_that_raises_is_an_api_error():
     tok.chat_template = "{{ raise_exception('roles must alternate') }}"
     with pytest.raises(ApiError, match="roles must alternate"):
         tok.render_chat([])
+
+
+def test_a_template_that_breaks_on_the_messages_is_an_api_error():
+    """A template doing arithmetic on a None content (a Python TypeError inside jinja) is
+    the caller's problem to fix: an ApiError (HTTP 400), not a server error."""
+    tok = ByteTokenizer()
+    tok.chat_template = "{% for m in messages %}{{ m['content'] + '!' }}{% endfor %}"
+    with pytest.raises(ApiError, match="cannot render"):
+        tok.render_chat([{"role": "user", "content": None}])

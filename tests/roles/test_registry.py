@@ -73,3 +73,18 @@ def test_automatic_groups_split_weights_over_half_of_device_memory() -> None:
     small = Registry(num_layers=4, group_size=0, ttl_s=5, weight_bytes=10**6)
     small.register(NodeInfoMsg("b", "prefill", "tcp://b:1", device_memory_bytes=10**9), 0.0)
     assert small.group_msg("b").group_size == 1
+
+
+def test_a_node_stopped_cleanly_takes_its_old_stage_when_it_comes_back() -> None:
+    """Deregistered (SIGTERM) and started again under its id: stage 1 of its old group, not
+    the leader of a new one; its leader learns the new address it listens on."""
+    reg = Registry(num_layers=4, group_size=2, ttl_s=5)
+    reg.register(_prefill("a"), 0.0)
+    reg.register(_prefill("b", addr="b:7000"), 0.0)
+    reg.remove("b")
+    assert reg.group_msg("a").next_stage_address == ""  # no stage 1 to dial meanwhile
+    reg.register(_prefill("b"), 1.0)  # a fresh process: it knows no group yet
+    got = reg.group_msg("b")
+    assert (got.group_id, got.stage, got.first_layer, got.end_layer) == ("pg1", 1, 2, 4)
+    reg.register(_prefill("b", "pg1", 1, "b:7001"), 2.0)  # listening, after loading
+    assert reg.group_msg("a").next_stage_address == "b:7001"

@@ -1,10 +1,13 @@
-"""`mooncake up --local` as a user runs it: it prints the URL once every node is ready, and
-Ctrl-C stops every process it started."""
+"""`mooncake up --local` as a user runs it: it prints the URL once every node is ready, is
+not blocked by a stale runfile, keeps its files private, and Ctrl-C stops every process it
+started. Its generated config holds `--set` values with their keys' types."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -14,22 +17,35 @@ import httpx
 import psutil
 import pytest
 
-from mooncake.roles.local import LocalPlan, ensure_cost_model
+from mooncake.config import load_config, parse_set_option
+from mooncake.errors import ConfigError
+from mooncake.roles.local import LocalLauncher, LocalPlan, ensure_cost_model, write_config
+from mooncake.sizes import Size
 
 pytestmark = pytest.mark.timeout(180)
 
 
 def test_ctrl_c_stops_every_process(tmp_path: Path, cost_cache: Path) -> None:
+    """...also when a stale runfile names a master pid that another process now has."""
     cost = ensure_cost_model(LocalPlan(), cost_cache)
+    run_dir = tmp_path / f"mooncake-{os.getuid()}"  # the default run dir under XDG_RUNTIME_DIR
+    run_dir.mkdir(mode=0o755)  # as an older version left it
+    other = subprocess.Popen(["sleep", "60"])  # has the pid a dead master had
+    stale = {"url": "http://127.0.0.1:1", "master": "127.0.0.1:2", "config_path": "/x"}
+    (run_dir / "local.json").write_text(json.dumps({**stale, "pids": {"master": other.pid}}))
     env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path), "COLUMNS": "200"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "mooncake", "up", "--local", "--port", "0", "--prefill", "1",
-         "--group-size", "1", "--run-dir", str(tmp_path), "--cost-model", str(cost)],
+         "--group-size", "1", "--cost-model", str(cost)],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True,
     )  # fmt: skip
     assert proc.stdout is not None
     line = proc.stdout.readline()  # the handshake: printed once the cluster serves
+    other.kill()
+    other.wait()
     assert "ready" in line, line
+    assert stat.S_IMODE(run_dir.stat().st_mode) == 0o700
+    assert stat.S_IMODE((run_dir / "mooncake-local.toml").stat().st_mode) == 0o600
     url = line.split("ready")[1].split()[1]
     assert httpx.get(url + "/health", timeout=10).status_code == 200
     children = psutil.Process(proc.pid).children(recursive=True)
@@ -40,4 +56,34 @@ def test_ctrl_c_stops_every_process(tmp_path: Path, cost_cache: Path) -> None:
     while any(c.is_running() and c.status() != psutil.STATUS_ZOMBIE for c in children):
         assert time.monotonic() < deadline, [c.pid for c in children if c.is_running()]
         time.sleep(0.1)
-    assert not (tmp_path / f"mooncake-{os.getuid()}" / "local.json").exists()
+    assert not (run_dir / "local.json").exists()
+
+
+def test_set_values_keep_their_keys_types_in_the_generated_config(tmp_path: Path) -> None:
+    """`--set` gives text; the config written for the nodes holds a bool, an int, a size and
+    a list where the keys want them, and loads back."""
+    keys = "api.api_keys=sk-one-0123456789,sk-two-0123456789"
+    sets = ["metrics.enabled=false", "decode.max_batch=7", "store.dram_bytes=64MiB", keys]
+    plan = LocalPlan(run_dir=tmp_path, extra=dict(parse_set_option(s) for s in sets))
+    path = write_config(plan, tmp_path / "c.toml", "s" * 32, 5000, "")
+    cfg = load_config(path, env={}).config
+    assert cfg.metrics.enabled is False and cfg.decode.max_batch == 7
+    assert cfg.store.dram_bytes == Size(num_bytes=64 << 20)
+    assert cfg.api.api_keys == ("sk-one-0123456789", "sk-two-0123456789")
+    bad = LocalPlan(run_dir=tmp_path, extra=dict([parse_set_option("decode.max_batch=many")]))
+    with pytest.raises(ConfigError, match="decode.max_batch: expected"):
+        write_config(bad, tmp_path / "bad.toml", "s" * 32, 5000, "")
+
+
+def test_a_decode_node_gets_longer_than_its_drain_to_stop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The launcher's grace before SIGKILL covers decode.drain_s from the generated config;
+    it also uses the first API key for its own readiness calls."""
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    extra: dict[str, object] = {"decode.drain_s": "100", "api.api_keys": "sk-one-0123456789"}
+    launcher = LocalLauncher(LocalPlan(run_dir=tmp_path, api_port=0, extra=extra))
+    launcher.configure("")
+    assert launcher.stop_grace_s("decode") > 100
+    assert launcher.stop_grace_s("prefill") == launcher.policy.stop_grace_s
+    assert launcher.api_key == "sk-one-0123456789"

@@ -40,8 +40,9 @@ class Child:
                 self.kill()
 
 
-def start_master(lease_ttl_s: float = 0.2) -> Child:
-    return Child("master", SECRET, str(lease_ttl_s))
+def start_master(lease_ttl_s: float = 0.2, **config: float) -> Child:
+    """A master; `config`: more MetadataConfig fields with float values (watermarks)."""
+    return Child("master", SECRET, str(lease_ttl_s), *(f"{k}={v}" for k, v in config.items()))
 
 
 def start_node(node_id: str, master: Child, dram_bytes: int, *ssd: str) -> Child:

@@ -1,6 +1,6 @@
 """Child processes for store tests: a master (StoreService) or a store node (StoreNode).
 
-    python -m tests.store.procs master SECRET [LEASE_TTL_S]
+    python -m tests.store.procs master SECRET [LEASE_TTL_S [FIELD=VALUE ...]]
     python -m tests.store.procs node NODE_ID MASTER_ADDRESS SECRET DRAM_BYTES [SSD_DIR SSD_BYTES]
 
 Each prints "READY <address>" on stdout once serving, then runs until stdin closes.
@@ -17,7 +17,8 @@ def main(argv: list[str]) -> None:
         from mooncake.store.settings import MetadataConfig
 
         lease_ttl_s = float(argv[2]) if len(argv) > 2 else 0.2
-        cfg = MetadataConfig(heartbeat_ttl_s=1.0, lease_ttl_s=lease_ttl_s)
+        more = {k: float(v) for k, _, v in (a.partition("=") for a in argv[3:])}  # watermarks
+        cfg = MetadataConfig(heartbeat_ttl_s=1.0, lease_ttl_s=lease_ttl_s, **more)  # type: ignore[arg-type]
         with StoreService(argv[1], cfg) as service:
             print("READY", service.address, flush=True)
             sys.stdin.read()

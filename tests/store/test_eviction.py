@@ -114,7 +114,8 @@ def test_victims_are_dropped_when_no_ssd_has_room():
     assert "k2" not in svc.objects
 
 
-def test_ssd_hit_promotes_back_to_dram_on_the_same_node():
+def test_ssd_hit_promotes_back_to_dram_on_the_same_node_and_keeps_the_ssd_copy():
+    """The promoted object stays on SSD too (clean): its DRAM replica can go at once."""
     svc = make_service({"a": {"dram": 512, "ssd": 4096}}, **WM)
     fill(svc, 7)
     svc.evict(20.0)
@@ -129,11 +130,11 @@ def test_ssd_hit_promotes_back_to_dram_on_the_same_node():
         "k1",
         "ssd",
         "dram",
-        True,
+        False,
     )
     svc.confirm_move(prom.move_id, True, 40.0)
     assert kinds(svc) == [("promoted", "k1", "a", "dram")]
-    assert [r.tier for r in svc.get_replicas("k1", 40.0).replicas] == ["dram"]
+    assert [r.tier for r in svc.get_replicas("k1", 40.0).replicas] == ["dram", "ssd"]
     assert svc.counters.promotions == 1
     svc.check_integrity()
 
@@ -148,15 +149,19 @@ def test_vram_victims_move_down_to_dram():
     assert len(moves) == 3
 
 
-def test_a_put_that_found_no_room_makes_eviction_free_a_large_enough_block():
+def test_a_put_that_found_no_room_evicts_for_it_at_once_where_nothing_lies_below():
+    """With no lower tier, the put's allocation evicts LRU objects until a free block is
+    large enough (no no_space, no pass needed), and no more."""
     svc = make_service({"a": {"dram": 512}}, high_watermark=0.9, low_watermark=0.8)
     for i in range(3):
         put(svc, f"k{i}", 128, now=float(i))  # 384 bytes: under the high watermark
     assert svc.evict(10.0) == 0
-    assert svc.put_start("big", 256, 10.0).status == "no_space"
+    svc.drain_events()
     # k0 alone frees [0,128), not adjacent to the free tail [384,512): k1 must go too
-    assert svc.evict(10.0) == 2
-    assert svc.put_start("big", 256, 10.0).status == "ok"
+    r = svc.put_start("big", 256, 10.0)
+    assert r.status == "ok" and [d.offset for d in r.replicas] == [0]
+    assert kinds(svc) == [("evicted", "k0", "a", "dram"), ("evicted", "k1", "a", "dram")]
+    assert sorted(svc.objects) == ["big", "k2"] and svc.counters.evictions == 2
     svc.check_integrity()
 
 

@@ -95,7 +95,7 @@ def test_death_of_a_move_destination_cancels_the_move_and_keeps_the_source():
     svc.evict(1.0)
     svc.heartbeat("a", 15.0)
     svc.expire(15.0)
-    assert len(svc.objects) == 7 and not svc.evictor.moves
+    assert len(svc.objects) == 7 and not svc.mover.moves
     assert svc.evict(15.0) == 3  # retried: nowhere to demote now, so dropped
     svc.check_integrity()
 

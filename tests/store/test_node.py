@@ -1,5 +1,5 @@
 """A store node carries out the master's heartbeat instructions: demote to SSD on eviction,
-promote back to DRAM on a hit; and it unmounts on stop."""
+promote back to DRAM on a hit; it serves its SSD file to readers; and it unmounts on stop."""
 
 from __future__ import annotations
 
@@ -26,8 +26,8 @@ def _tiers_of(service: StoreService, key: str) -> list[str]:
 
 
 def test_demoted_object_is_promoted_and_read_back(tmp_path: Path) -> None:
-    """Filling DRAM past the high watermark demotes the LRU object to SSD; a get promotes it
-    back to DRAM and returns the same bytes; stop() unmounts every segment."""
+    """Filling DRAM past the high watermark demotes the LRU object to SSD; a get returns the
+    same bytes and starts its promotion back to DRAM; stop() unmounts every segment."""
     cfg = MetadataConfig(
         lease_ttl_s=0.2, heartbeat_ttl_s=5.0, high_watermark=0.9, low_watermark=0.5
     )
@@ -42,10 +42,10 @@ def test_demoted_object_is_promoted_and_read_back(tmp_path: Path) -> None:
                     store.put(k, v)
                 service.tick()  # 94% > high watermark: the two oldest objects are demoted
                 deadline = time.monotonic() + 10
-                while _tiers_of(service, "k0") != ["ssd"]:
+                while [_tiers_of(service, k) for k in ("k0", "k1")] != [["ssd"], ["ssd"]]:
                     assert time.monotonic() < deadline, _tiers_of(service, "k0")
                     time.sleep(0.01)
-                assert store.get("k0") == values["k0"]  # waits for the promotion
+                assert store.get("k0") == values["k0"]  # read from SSD; starts a promotion
                 assert "dram" in _tiers_of(service, "k0")
                 assert store.get("k2") == values["k2"]
         finally:
@@ -109,3 +109,68 @@ def _nodes_of(service: StoreService, key: str) -> list[str]:
         obj = service.metadata.objects.get(key)
         done = obj.complete() if obj else []
         return sorted(r.node_id for r in done)
+
+
+def test_an_object_on_ssd_only_is_read_by_the_first_get(tmp_path: Path) -> None:
+    """A value demoted to SSD is returned by the first get and the first get_batch, read
+    straight from the node's SSD file (its mapping is a Transfer Engine segment), without
+    waiting for a promotion."""
+    cfg = MetadataConfig(
+        lease_ttl_s=0.2,
+        heartbeat_ttl_s=5.0,
+        high_watermark=0.9,
+        low_watermark=0.5,
+        promote_on_hit=False,
+    )
+    with StoreService(SECRET, cfg, tick_s=3600) as service:
+        sizes = TierSizes(dram_bytes=64 * KIB, ssd_bytes=256 * KIB, ssd_path=str(tmp_path))
+        node = StoreNode("s0", service.address, SECRET, sizes, heartbeat_s=0.02)
+        node.start()
+        try:
+            with Store.connect(service.address, SECRET, timeout_s=5.0) as store:
+                values = {f"k{i}": os.urandom(20 * KIB) for i in range(3)}
+                for k, v in values.items():
+                    store.put(k, v)
+                service.tick()  # 94% > high watermark: k0 and k1 are demoted
+                deadline = time.monotonic() + 10
+                while _tiers_of(service, "k1") != ["ssd"]:
+                    assert time.monotonic() < deadline, _tiers_of(service, "k1")
+                    time.sleep(0.01)
+                got = store.get_batch(["k0", "k1", "k2"])
+                assert [r.value for r in got] == list(values.values())
+                assert store.get("k1") == values["k1"]
+                assert _tiers_of(service, "k0") == ["ssd"]  # served there, not promoted
+        finally:
+            node.stop()
+
+
+def test_a_demotion_into_another_nodes_ssd_is_read_back_from_there(tmp_path: Path) -> None:
+    """A node with DRAM only demotes into another node's SSD (a one-sided write into that
+    node's file mapping); the value then reads back from that SSD."""
+    cfg = MetadataConfig(
+        lease_ttl_s=0.2, heartbeat_ttl_s=5.0, high_watermark=0.9, low_watermark=0.5
+    )
+    with StoreService(SECRET, cfg, tick_s=3600) as service:
+        ssd = TierSizes(ssd_bytes=256 * KIB, ssd_path=str(tmp_path))
+        nodes = [
+            StoreNode(
+                "d0", service.address, SECRET, TierSizes(dram_bytes=64 * KIB), heartbeat_s=0.02
+            ),
+            StoreNode("s1", service.address, SECRET, ssd, heartbeat_s=0.02),
+        ]
+        for node in nodes:
+            node.start()
+        try:
+            with Store.connect(service.address, SECRET, timeout_s=5.0) as store:
+                values = {f"k{i}": os.urandom(20 * KIB) for i in range(3)}
+                for k, v in values.items():
+                    store.put(k, v)
+                service.tick()
+                deadline = time.monotonic() + 10
+                while _nodes_of(service, "k0") != ["s1"]:
+                    assert time.monotonic() < deadline, _nodes_of(service, "k0")
+                    time.sleep(0.01)
+                assert store.get("k0") == values["k0"]
+        finally:
+            for node in nodes:
+                node.stop()

@@ -1,0 +1,118 @@
+"""Input that once crashed a step or answered 500 is a 400 naming the field, and the
+server serves the next request: sampling values the sampler cannot compute with, nesting
+deeper than a prompt has, bodies that are not UTF-8, token ids past the vocabulary or
+past what the wire carries."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from tests.api.conftest import KEY, MODEL
+
+pytestmark = pytest.mark.timeout(60)
+AUTH = {"Authorization": f"Bearer {KEY}"}
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+DEEP = 10_000
+
+
+@pytest.fixture(scope="module")
+def http(served):
+    with httpx.Client(base_url=served.url, headers=AUTH, timeout=30) as client:
+        yield client
+
+
+def _refused(resp: httpx.Response, param: str | None, message: str) -> None:
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert (error["type"], error["param"]) == ("invalid_request_error", param), error
+    assert message in error["message"], error
+
+
+def _still_serves(http: httpx.Client) -> None:
+    body = {"model": MODEL, "prompt": "a", "max_tokens": 4, "temperature": 0.5, "seed": 1}
+    resp = http.post("/v1/completions", json=body)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["usage"]["completion_tokens"] >= 1
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param", "message"),
+    [
+        (
+            "completions",
+            {"prompt": "a", "max_tokens": 4, "temperature": 1e-300},
+            "temperature",
+            "temperature must be 0 (greedy) or in [1e-05, 1e+06], got 1e-300",
+        ),
+        ("chat/completions", {**CHAT, "top_p": 5e-324}, "top_p", "expected `float` >= 1e-05"),
+        ("completions", {"prompt": "a", "temperature": 1e7}, "temperature", "<= 1000000.0"),
+        ("completions", {"prompt": [-1]}, "prompt[0]", "expected `int` >= 0"),
+        ("completions", {"prompt": [2**64]}, "prompt[0]", "expected `int` <= 2147483647"),
+        ("completions", {"prompt": [[1, -1]]}, "prompt[0][1]", "expected `int` >= 0"),
+        (
+            "completions",
+            {"prompt": [5, 512]},
+            "prompt",
+            "token id 512 is outside the model's vocabulary of 512 (ids 0 to 511)",
+        ),
+        ("completions", {"prompt": "a", "stop_token_ids": [-1]}, "stop_token_ids[0]", ">= 0"),
+        (
+            "completions",
+            {"prompt": "a", "stop_token_ids": [2**64]},
+            "stop_token_ids[0]",
+            "<= 2147483647",
+        ),
+        (
+            "chat/completions",
+            {**CHAT, "stop_token_ids": [3, 600]},
+            "stop_token_ids",
+            "token id 600 is outside the model's vocabulary of 512",
+        ),
+        ("completions", {"prompt": "a", "top_k": 2**64}, "top_k", "<= 2147483647"),
+        ("completions", {"prompt": "a", "seed": 2**64}, "seed", "<= 9223372036854775807"),
+    ],
+)
+def test_values_past_what_the_model_or_sampler_can_take_are_named(http, path, body, param, message):
+    _refused(http.post(f"/v1/{path}", json={"model": MODEL, **body}), param, message)
+    _still_serves(http)
+
+
+@pytest.mark.parametrize(
+    ("path", "head", "param", "message"),
+    [
+        ("completions", b'{"prompt": ', "prompt[0][0]", "expected `int`, got `array`"),
+        (
+            "chat/completions",
+            b'{"messages": [{"role": "user", "content": "x"}], "tools": ',
+            "tools",
+            "'tools' nests arrays or objects too deeply; at most 100 levels",
+        ),
+    ],
+)
+def test_nesting_10000_deep_is_refused_naming_the_field(http, path, head, param, message):
+    body = head + b"[" * DEEP + b"]" * DEEP + b"}"
+    _refused(http.post(f"/v1/{path}", content=body), param, message)
+    _still_serves(http)
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("completions", b'{"prompt": "ab\xff", "max_tokens": 2}', "prompt"),
+        ("chat/completions", b'{"messages": [{"role": "user", "content": "\xc3("}]}', "messages"),
+        ("completions", b'{"prompt": "a", "st\xffop": 1}', None),
+        ("completions", b'\xfe\xff{"prompt": "a"}', None),
+    ],
+)
+def test_a_body_that_is_not_utf8_is_refused(http, path, body, param):
+    resp = http.post(f"/v1/{path}", content=body, headers={"content-type": "application/json"})
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"] == param
+    _still_serves(http)
+
+
+def test_a_batch_of_one_prompt_of_ids_is_still_served(http):
+    body = {"model": MODEL, "prompt": [[1, 2, 3]], "max_tokens": 2, "ignore_eos": True}
+    resp = http.post("/v1/completions", json=body)
+    assert resp.status_code == 200 and resp.json()["usage"]["prompt_tokens"] == 3

@@ -1,0 +1,139 @@
+"""A prefill pipeline group re-forms when one of its stages comes back, with real
+processes: a master, one group of two prefill nodes (a leader and stage 1) and a decode
+node. A stage is SIGKILLed under load and started again under its id, as an operator (or
+a supervisor) would: the group serves again without restarting the other stage."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from mooncake.roles.local import LocalLauncher
+from tests.roles.cluster import local_cluster
+
+pytestmark = pytest.mark.timeout(300)
+SERVE_AGAIN_S = 90.0  # bound on the time to serve again (a restart loads a model)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory, cost_cache: Path) -> Iterator[LocalLauncher]:
+    # NOTE: admission off: these tests are about failures, not overload
+    extra = {"scheduler.rejection": "none", "prefill.stage_retry_s": 0.5}
+    run_dir = tmp_path_factory.mktemp("reform")
+    plan = {"num_prefill": 2, "group_size": 2, "num_decode": 1, "extra": extra}
+    with local_cluster(run_dir, cost_cache, **plan) as launcher:
+        yield launcher
+
+
+def _post(url: str, seed: int) -> httpx.Response:
+    prompt = [(i * seed + 3) % 250 + 1 for i in range(300)]
+    body = {"model": "dummy:tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0}
+    return httpx.post(url + "/v1/completions", json=body, timeout=60)
+
+
+def _stage(cluster: LocalLauncher, stage: int) -> str:
+    """The prefill node serving `stage` of the group (nodes join in any order)."""
+    return next(
+        c.node_id for c in cluster.children if c.role == "prefill" and c.ready["stage"] == stage
+    )
+
+
+def _pid(cluster: LocalLauncher, node_id: str) -> int:
+    return next(c.proc.pid for c in cluster.children if c.node_id == node_id)
+
+
+def _kill(cluster: LocalLauncher, node_id: str) -> None:
+    child = next(c for c in cluster.children if c.node_id == node_id)
+    child.proc.send_signal(signal.SIGKILL)
+    child.proc.wait()
+
+
+def _state(cluster: LocalLauncher, node_id: str) -> str:
+    nodes = httpx.get(cluster.url + "/v1/status", timeout=10).json()["nodes"]
+    return next((n["state"] for n in nodes if n["node_id"] == node_id), "gone")
+
+
+def _until(check: Callable[[], bool], what: str, timeout_s: float = SERVE_AGAIN_S) -> float:
+    """Poll `check` until it holds; returns the seconds it took (fails after timeout_s)."""
+    start = time.monotonic()
+    while not check():
+        if time.monotonic() - start > timeout_s:
+            pytest.fail(f"not within {timeout_s:.0f} s: {what}")
+        time.sleep(0.2)  # NOTE: a poll interval, not a wait for something to happen
+    return time.monotonic() - start
+
+
+class Load:
+    """Requests one after another on a few threads until stopped; every answer is kept."""
+
+    def __init__(self, url: str, num_threads: int = 3):
+        self.url, self.stop = url, threading.Event()
+        self.answers: list[tuple[int, str]] = []  # (status, body) in arrival order
+        self.lock = threading.Lock()
+        self.threads = [threading.Thread(target=self._run, args=(i,)) for i in range(num_threads)]
+        for t in self.threads:
+            t.start()
+
+    def _run(self, i: int) -> None:
+        seed = 100 * (i + 1)
+        while not self.stop.is_set():
+            seed += 1
+            try:
+                r = _post(self.url, seed)
+                answer = (r.status_code, r.text)
+            except httpx.HTTPError as e:  # a hung request times out here
+                answer = (-1, repr(e))
+            with self.lock:
+                self.answers.append(answer)
+
+    def num_ok(self) -> int:
+        with self.lock:
+            return sum(code == 200 for code, _ in self.answers)
+
+    def end(self) -> list[tuple[int, str]]:
+        self.stop.set()
+        for t in self.threads:
+            t.join()
+        return self.answers
+
+
+def test_the_group_re_forms_after_its_second_stage_restarts(cluster: LocalLauncher) -> None:
+    """Stage 1 SIGKILLed under load: the leader says at once that its group cannot serve
+    (requests meanwhile end with a clear 503, none hangs, none is told of a broken pipe),
+    and once stage 1 is started again with the same id the leader dials its new address
+    and requests succeed again, with no restart of the leader."""
+    leader, stage1 = _stage(cluster, 0), _stage(cluster, 1)
+    leader_pid = _pid(cluster, leader)
+    load = Load(cluster.url)
+    try:
+        _until(lambda: load.num_ok() >= 3, "the group serves")
+        _kill(cluster, stage1)
+        _until(lambda: _state(cluster, leader) != "ready", "the leader reports its group")
+        served_before = load.num_ok()
+        cluster.relaunch(stage1)
+        _until(lambda: load.num_ok() > served_before, "requests succeed again")
+    finally:
+        answers = load.end()
+    failed = [(code, body) for code, body in answers if code != 200]
+    assert all(code == 503 for code, _ in failed), failed
+    assert not any("stage link is broken" in body for _, body in failed), failed
+    assert _post(cluster.url, 7).status_code == 200
+    assert _pid(cluster, leader) == leader_pid
+
+
+def test_the_group_re_forms_after_its_leader_restarts(cluster: LocalLauncher) -> None:
+    """The leader SIGKILLed and started again: stage 1 (not restarted) accepts the new
+    leader's link, and requests succeed again."""
+    leader, stage1 = _stage(cluster, 0), _stage(cluster, 1)
+    assert _post(cluster.url, 11).status_code == 200
+    stage_pid = _pid(cluster, stage1)
+    _kill(cluster, leader)
+    assert cluster.relaunch(leader).ready["stage"] == 0  # its old place in the group
+    _until(lambda: _post(cluster.url, 12).status_code == 200, "requests succeed again")
+    assert _pid(cluster, stage1) == stage_pid
