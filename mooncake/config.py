@@ -317,11 +317,12 @@ class SchedulerConfig(msgspec.Struct, **_STRUCT):
     cost_model_path: Annotated[
         str, knob('Cost model written by `mooncake profile`; "" = analytic roofline.')
     ] = ""
-    replace_wait_s: Annotated[
+    node_wait_s: Annotated[
         float,
         knob(
-            "Seconds a request whose prefill or decode node died waits for a node to place "
-            "it on again (a restarted one, once it is ready); then it fails.",
+            "Seconds a request waits for a prefill group and a decode node when none can "
+            "take it (a node restarting): a new request, or one whose node died and is "
+            "placed again; then it fails (503). 0 = fail at once.",
             ge=0,
         ),
     ] = 60.0

@@ -38,11 +38,12 @@ def bench_faults(
 ) -> None:
     """Replay TRACE against a fresh `up --local` cluster (master, a 2-stage prefill group,
     a decode node, a store node; a supervisor restarting nodes that exit) once per fault,
-    the fault striking --at seconds in. Reports requests completed / rejected / failed (an
-    error answer) / hung (no answer within --hang s), the seconds from the fault until a
-    one-token probe is answered again, and the restarts the supervisor made. The `none` row
-    is the same replay with no fault."""
-    from mooncake.cli.output import console, print_json
+    the fault striking --at seconds in. Reports requests completed (ok) / rejected (429) /
+    failed (an error answer) / hung (no answer within --hang s), "back in": the seconds from
+    the fault until a one-token probe (sent every 0.25 s, queued behind the backlog) is
+    answered, the restarts the supervisor made, and the median TTFT of completed requests.
+    The `none` row is the same replay with no fault."""
+    from mooncake.cli.output import err_console, print_json
     from mooncake.replay.faults import FaultRun, parse_faults, run_fault
     from mooncake.replay.prompts import PromptConfig
     from mooncake.roles.local import LocalPlan, ensure_cost_model
@@ -66,7 +67,7 @@ def bench_faults(
                 extra={"scheduler.rejection": "none"},
             )
             cost = ensure_cost_model(plan, Path(tempfile.gettempdir()) / "mooncake-costmodels")
-            console.print(f"[bold]{fault.name}[/]: starting a cluster", highlight=False)
+            err_console.print(f"[bold]{fault.name}[/]: starting a cluster", highlight=False)
             result = run_fault(
                 fault,
                 plan,
@@ -74,7 +75,7 @@ def bench_faults(
                 records,
                 prompts,
                 run,
-                lambda s: console.print(f"  {s}", highlight=False),
+                lambda s: err_console.print(f"  {s}", highlight=False),
             )
             results.append(result)
     if as_json:
@@ -84,23 +85,20 @@ def bench_faults(
 
 
 def _print(results: list[FaultResult]) -> None:
+    from rich import box
     from rich.table import Table
 
     from mooncake.cli.output import console
 
-    table = Table(title="Replay under faults (a fresh cluster per row; `none` = no fault)")
-    for col in (
-        "fault",
-        "sent",
-        "completed",
-        "rejected",
-        "failed",
-        "hung",
-        "serve again",
-        "restarts",
-        "TTFT p50",
-    ):
-        table.add_column(col, justify="left" if col == "fault" else "right")
+    table = Table(
+        title="Replay under faults (a fresh cluster per row; none = no fault)",
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+        collapse_padding=True,
+    )
+    table.add_column("fault", no_wrap=True)
+    for col in ("sent", "ok", "429", "failed", "hung", "back in", "restarts", "TTFT p50"):
+        table.add_column(col, justify="right", no_wrap=True)
     for r in results:
         again = "-" if r.serve_again_s is None else f"{r.serve_again_s:.1f} s"
         ttft = "-" if r.ttft_p50_s is None else f"{r.ttft_p50_s:.2f} s"

@@ -11,8 +11,8 @@ Node failures: a request whose prefill or decode node went down is placed again 
 new request id (so late outputs of the dead placement are dropped): before its first token
 it is prefilled again; while decoding, its prompt and the tokens already streamed are
 prefilled again (mostly pool hits) and decoding goes on for the tokens still owed. When no
-node can take it, it waits up to `scheduler.replace_wait_s` for one (a restarted node),
-then ends with an error naming why.
+node can take it, it waits up to `scheduler.node_wait_s` for one (a restarted node),
+then ends with an error naming why. A new request that finds no node ready waits the same.
 """
 
 from __future__ import annotations
@@ -22,9 +22,7 @@ import itertools
 import logging
 import threading
 import time
-from collections import deque
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 
 import msgspec
 
@@ -39,6 +37,7 @@ from mooncake.conductor.types import (
 from mooncake.engine.tokenizer import BaseTokenizer
 from mooncake.errors import ApiError, MooncakeError, SchedulingError
 from mooncake.hashing import PrefixHasher
+from mooncake.roles.cluster_metrics import PoolCounters
 from mooncake.roles.flight import Flight
 from mooncake.roles.messages import (
     AckMsg,
@@ -54,23 +53,8 @@ log = logging.getLogger(__name__)
 REJECTED = "rejected: "  # error prefix of a request the Conductor refused at prefill start
 
 
-@dataclass
-class PoolCounters:
-    lookups: int = 0  # prompt blocks looked up
-    hits: int = 0  # of those, held anywhere in the pool
-    local_hits: int = 0  # held by the chosen prefill node itself
-    kv_bytes: int = 0  # KV handed from prefill to decode nodes
-    kv_window: deque[tuple[float, int]] = field(default_factory=deque)  # (time, bytes)
-
-    def add_kv(self, now: float, num_bytes: int) -> None:
-        self.kv_bytes += num_bytes
-        self.kv_window.append((now, num_bytes))
-
-    def kv_bytes_per_s(self, now: float, window_s: float = 10.0) -> float:
-        """KV handed off over the last `window_s` seconds, per second (drops older ones)."""
-        while self.kv_window and self.kv_window[0][0] < now - window_s:
-            self.kv_window.popleft()
-        return sum(b for _, b in self.kv_window) / window_s
+class NoInstance(MooncakeError):
+    """No prefill group or no decode node can take a request now."""
 
 
 class ClusterBackend(BaseBackend):
@@ -93,8 +77,8 @@ class ClusterBackend(BaseBackend):
         self.flights: dict[int, Flight] = {}
         self.counters = PoolCounters()
         self.max_retries = 2
-        self.replace_wait_s = 60.0  # [scheduler] replace_wait_s
-        self.replace_poll_s = 0.25  # between attempts to place a request again
+        self.node_wait_s = 60.0  # [scheduler] node_wait_s
+        self.node_poll_s = 0.25  # seconds between attempts to place a waiting request
         # NOTE: ids never repeat across master restarts (nodes outlive the master)
         self._ids = itertools.count(time.time_ns() // 1000)
         self.on_unreachable: Callable[[str], None] = lambda _node: None  # the master marks it down
@@ -110,7 +94,7 @@ class ClusterBackend(BaseBackend):
             raise MooncakeError("no prefill or decode node has joined yet; retry shortly")
         rid = next(self._ids)
         hashes = self.hasher.hash_blocks(req.prompt_ids)
-        decision = self._place(rid, len(req.prompt_ids), hashes)
+        decision = await self._place_waiting(rid, len(req.prompt_ids), hashes)
         flight = Flight(rid, req, hashes, asyncio.Queue(), decision)
         c = self.counters
         c.lookups += len(hashes)
@@ -168,10 +152,21 @@ class ClusterBackend(BaseBackend):
             self.on_replicate(order)
         if not d.is_accepted:
             if d.reason == "no_instance":
-                raise MooncakeError("no prefill group or decode node is ready; retry shortly")
+                raise NoInstance("no prefill group or decode node is ready; retry shortly")
             raise Rejected(f"the cluster is overloaded ({d.reason}); retry later",
                            retry_after_s=2.0)  # fmt: skip
         return d
+
+    async def _place_waiting(self, rid: int, n: int, hashes: list[int]) -> Decision:
+        """Place a new request, waiting up to node_wait_s while no node can take it."""
+        deadline = time.monotonic() + self.node_wait_s
+        while True:
+            try:
+                return self._place(rid, n, hashes)
+            except NoInstance:
+                if time.monotonic() >= deadline:
+                    raise
+            await asyncio.sleep(self.node_poll_s)
 
     async def _dispatch_retrying(self, flight: Flight) -> None:
         """Send the task; a leader that does not answer is reported down and the request
@@ -321,7 +316,7 @@ class ClusterBackend(BaseBackend):
         task.add_done_callback(self._tasks.discard)
 
     async def _place_again(self, flight: Flight) -> bool:
-        """Give the request a new id and a new placement, waiting up to replace_wait_s for a
+        """Give the request a new id and a new placement, waiting up to node_wait_s for a
         node to take it; False when it ended meanwhile or none took it (or it was moved too
         often: then its end, with the error, is queued)."""
         flight.is_replacing = True
@@ -338,7 +333,7 @@ class ClusterBackend(BaseBackend):
             if flight.num_placements > self.max_retries + 2:
                 why = f"; the last failure: {flight.last_error}" if flight.last_error else ""
                 raise MooncakeError(f"it was placed {flight.num_placements - 1} times{why}")
-            deadline = time.monotonic() + self.replace_wait_s
+            deadline = time.monotonic() + self.node_wait_s
             while True:
                 try:
                     flight.decision = self._replacement(flight)
@@ -348,9 +343,9 @@ class ClusterBackend(BaseBackend):
                         return False
                     if time.monotonic() >= deadline:
                         raise MooncakeError(
-                            f"no node took it within {self.replace_wait_s:.0f} s: {e}"
+                            f"no node took it within {self.node_wait_s:.0f} s: {e}"
                         ) from e
-                    await asyncio.sleep(self.replace_poll_s)
+                    await asyncio.sleep(self.node_poll_s)
             d = flight.decision
             log.info(
                 "req %d (was %d) placed again on %s, %s", flight.req_id, old, d.prefill, d.decode

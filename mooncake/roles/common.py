@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import secrets
 import signal
 import socket
 import sys
@@ -18,6 +19,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
+
+import msgspec
 
 from mooncake.config import Config
 from mooncake.errors import MooncakeError
@@ -121,6 +124,7 @@ class MasterLink:
         on_registered: Callable[[RegisterReplyMsg], None] | None = None,
     ):
         self.ctx, self.info, self.load_fn = ctx, info, load_fn
+        self.incarnation = secrets.token_hex(8)  # this process, as the master tells restarts
         self.on_registered = on_registered
         self.client = RpcClient(ctx.master_rpc, ctx.secret, timeout_s=5.0)
         self.state: Literal["starting", "ready", "draining", "failed"] = "starting"
@@ -134,7 +138,8 @@ class MasterLink:
         deadline = time.monotonic() + timeout_s
         while True:
             try:
-                reply = self.client.call(RegisterMsg(self.info), RegisterReplyMsg)
+                info = msgspec.structs.replace(self.info, incarnation=self.incarnation)
+                reply = self.client.call(RegisterMsg(info), RegisterReplyMsg)
                 break
             except MooncakeError as e:
                 if time.monotonic() > deadline or self.ctx.stop.is_set():

@@ -14,12 +14,9 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Iterator
 from typing import Literal
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
 
 from mooncake.api.app import create_app
 from mooncake.api.server import ApiServer
@@ -34,6 +31,7 @@ from mooncake.engine.tokenizer import create_tokenizer
 from mooncake.errors import ConfigError
 from mooncake.hashing import PrefixHasher
 from mooncake.roles.cluster import ClusterBackend
+from mooncake.roles.cluster_metrics import ClusterCollector
 from mooncake.roles.common import NODE_TTL_S, report_ready
 from mooncake.roles.messages import (
     AckMsg,
@@ -78,36 +76,6 @@ def create_conductor(cfg: Config, model_name: str) -> Conductor:
         ) from e
 
 
-class ClusterCollector(Collector):
-    """Prefix-cache and node figures of the cluster, read on each scrape."""
-
-    def __init__(self, master: Master):
-        self.master = master
-
-    def collect(self) -> Iterator[Metric]:
-        c = self.master.backend.counters
-        for name, doc, value in (
-            ("mooncake_prefix_blocks_looked_up", "Prompt blocks looked up in the pool.",
-             c.lookups),
-            ("mooncake_prefix_blocks_hit", "Prompt blocks held somewhere in the pool.", c.hits),
-            ("mooncake_prefix_blocks_local_hit",
-             "Prompt blocks the chosen prefill node held itself.", c.local_hits),
-            ("mooncake_kv_handoff_bytes", "KV bytes handed from prefill to decode nodes.",
-             c.kv_bytes),
-        ):  # fmt: skip
-            yield CounterMetricFamily(name, doc, value=value)
-        g = GaugeMetricFamily(
-            "mooncake_nodes", "Nodes by role and state.", labels=["role", "state"]
-        )
-        counts: dict[tuple[str, str], int] = {}
-        with self.master.lock:
-            for r in self.master.registry.nodes.values():
-                counts[(r.role, r.state)] = counts.get((r.role, r.state), 0) + 1
-        for (role, state), n in sorted(counts.items()):
-            g.add_metric([role, state], n)
-        yield g
-
-
 class Master:
     def __init__(self, config: Config):
         self.config = cfg = config
@@ -129,7 +97,7 @@ class Master:
         self.backend.on_unreachable = self._mark_down
         self.backend.on_replicate = self._replicate
         self.backend.vocab_size = info.spec.vocab_size
-        self.backend.replace_wait_s = cfg.scheduler.replace_wait_s
+        self.backend.node_wait_s = cfg.scheduler.node_wait_s
         self.fingerprint = ""  # hex, from the first engine node
         self.store = StoreService(self.secret, MetadataConfig.from_store_config(cfg.store),
                                   address=f"tcp://{cfg.cluster.master}", tick_s=0.1,
@@ -144,7 +112,7 @@ class Master:
         srv.on_event(TokensMsg, lambda m, _p: self.backend.deliver(m.node_id, m.tokens))
         self.metrics = CollectorRegistry()
         self.metrics.register(StoreCollector(self.store.stats))
-        self.metrics.register(ClusterCollector(self))
+        self.metrics.register(ClusterCollector(self.backend.counters, self.registry, self.lock))
         self.stats = RequestStats()
         # NOTE: /metrics follows [metrics]: off when disabled, on its own port (no key: bind
         # metrics.host to a private address) when metrics.port is set, else on the API port
@@ -177,6 +145,12 @@ class Master:
                 why = (f"node {info.node_id} serves another model or dtype (its KV fingerprint "
                        "differs from the cluster's)")  # fmt: skip
                 return RegisterReplyMsg(False, why)
+        with self.lock:
+            old = self.registry.nodes.get(info.node_id)
+        if old is not None and old.state != "down" and old.info.incarnation != info.incarnation:
+            # NOTE: restarted before its heartbeats lapsed: what the old process held is lost
+            log.warning("node %s restarted: what its old process held is lost", info.node_id)
+            self._mark_down(info.node_id)
         with self.lock:
             rec = self.registry.register(info, time.monotonic())
             group = self.registry.group_msg(rec.node_id) if info.role == "prefill" else None
@@ -219,6 +193,11 @@ class Master:
     def _on_prefill_event(self, msg: PrefillEventMsg, _peer: object) -> None:
         if msg.phase == "failed":
             log.warning("req %d failed on %s: %s", msg.req_id, msg.node_id, msg.error)
+            with self.lock:
+                addr = msg.unreachable_address
+                dead = [n for n, r in self.registry.nodes.items() if addr == r.info.rpc_address]
+            for node_id in dead:  # NOTE: not a restarted one: it answers at a new address
+                self._mark_down(node_id)
             return
         self.backend.on_prefill_finished(msg.req_id, msg.num_reused_tokens, msg.kv_bytes)
 

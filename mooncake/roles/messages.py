@@ -38,6 +38,7 @@ class NodeInfoMsg(Msg, frozen=True, tag="node.info"):
     group_id: str = ""  # prefill: the group it already serves in ("" = not placed yet)
     stage: int = -1  # prefill: its stage in that group (its layers are loaded)
     group_size: int = 0  # prefill: stages in that group
+    incarnation: str = ""  # random per node process: a new one = the node restarted
 
 
 class RegisterMsg(Msg, frozen=True, tag="node.register"):
@@ -138,6 +139,7 @@ class PrefillEventMsg(Msg, frozen=True, tag="master.prefill_event"):
     num_stored_blocks: int = 0
     kv_bytes: int = 0  # bytes handed to the decode node
     error: str = ""
+    unreachable_address: str = ""  # failed: the decode node at this RPC address did not answer
 
 
 class DecodeReserveMsg(Msg, frozen=True, tag="decode.reserve"):

@@ -25,23 +25,19 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import time
 from typing import Any, Literal
 
 import msgspec
 
-from mooncake.engine.kvhandoff import place_cache_in_segments, send_kv
+from mooncake.engine.kvhandoff import place_cache_in_segments
 from mooncake.engine.pipeline import StageServer, prefill_pipelined
-from mooncake.engine.prefill import PrefillResult, PrefillRunner
+from mooncake.engine.prefill import PrefillRunner
 from mooncake.engine.stagelink import StageListener, TcpStageLink
 from mooncake.errors import MooncakeError, TransferError
 from mooncake.roles.common import MasterLink, NodeContext, install_signal_handlers, report_ready
+from mooncake.roles.handoff import DecodeHandoff, DecodeUnreachable
 from mooncake.roles.messages import (
     AckMsg,
-    DecodeReleaseMsg,
-    DecodeReserveMsg,
-    DecodeReserveReplyMsg,
-    DecodeSubmitMsg,
     GroupMsg,
     GroupQueryMsg,
     NodeInfoMsg,
@@ -55,10 +51,9 @@ from mooncake.roles.messages import (
     TokensMsg,
 )
 from mooncake.roles.worker import Worker, close_pool, connect_pool, load_worker, mount_local_tiers
-from mooncake.rpc import RpcClient, RpcServer
+from mooncake.rpc import RpcServer
 
 log = logging.getLogger(__name__)
-RESERVE_TIMEOUT_S = 30.0  # seconds to wait for room on the decode node
 
 
 class GroupBroken(TransferError):
@@ -125,7 +120,7 @@ class PrefillNode:
             group_size=self.group.group_size, device_memory_bytes=ctx.device_memory_bytes,
         )  # fmt: skip
         self.link.register()  # again, with what loading the model told us
-        self._decoders: dict[str, RpcClient] = {}
+        self.handoff = DecodeHandoff(self.store.engine, w.cache, self.kv_prefix, ctx.secret)
 
     # -- RPC handlers (server thread) --
     def _on_task(self, msg: PrefillTaskMsg, _peer: object) -> AckMsg:
@@ -259,6 +254,10 @@ class PrefillNode:
             self.busy = True
             try:
                 self._run(task)
+            except DecodeUnreachable as e:  # the master marks it down, places the task again
+                log.warning("req %d: %s", task.req_id, e)
+                self._event(task.req_id, "failed", error=str(e), unreachable_address=e.address)
+                self._fail_to_client(task.req_id, f"prefill node {self.ctx.node_id}: {e}")
             except GroupBroken as e:  # NOTE: the master now knows the group is not ready
                 log.warning("req %d: %s", task.req_id, e)
                 self._event(task.req_id, "failed", error=str(e))
@@ -284,9 +283,12 @@ class PrefillNode:
         if not reply.is_accepted:
             log.info("req %d: not prefilled (%s)", task.req_id, reply.reason)
             return None
-        if reply.decode_node and reply.decode_node != task.decode_node:
-            return msgspec.structs.replace(task, decode_node=reply.decode_node,
-                                           decode_address=reply.decode_address)  # fmt: skip
+        # NOTE: a decode node restarted under its id answers at a new address
+        moved = (reply.decode_node, reply.decode_address) != (task.decode_node, task.decode_address)
+        if reply.decode_node and moved:
+            return msgspec.structs.replace(
+                task, decode_node=reply.decode_node, decode_address=reply.decode_address
+            )
         return task
 
     def _run(self, task: PrefillTaskMsg) -> None:
@@ -319,7 +321,7 @@ class PrefillNode:
         else:
             result = self.runner.prefill(prompt, req_id=task.req_id, **kw)
         try:
-            kv_bytes = self._hand_off(task, result, len(prompt))
+            kv_bytes = self.handoff.send(task, result, len(prompt))
         finally:
             if result is not None:
                 self.worker.cache.free(result.block_ids)
@@ -328,38 +330,6 @@ class PrefillNode:
                     num_reused_tokens=stats.num_reused_tokens if stats else 0,
                     num_stored_blocks=stats.num_stored_blocks if stats else 0,
                     kv_bytes=kv_bytes)  # fmt: skip
-
-    def _hand_off(self, task: PrefillTaskMsg, result: PrefillResult | None, n: int) -> int:
-        client = self._decoder(task.decode_address)
-        reply = DecodeReserveReplyMsg([])
-        deadline = time.monotonic() + RESERVE_TIMEOUT_S
-        while n > 0:
-            reply = client.call(DecodeReserveMsg(task.req_id, n), DecodeReserveReplyMsg)
-            if reply.block_ids:
-                break
-            if time.monotonic() > deadline:
-                raise TransferError(f"decode node {task.decode_node} had no room for "
-                                    f"{n} tokens of KV within {RESERVE_TIMEOUT_S} s")  # fmt: skip
-            time.sleep(0.02)
-        sent = 0
-        if n > 0:
-            assert result is not None
-            try:
-                sent = send_kv(self.store.engine, self.worker.cache, self.kv_prefix,
-                               result.block_ids, n, reply.segment_prefix, reply.endpoint,
-                               reply.block_ids, result.remote_kv)  # fmt: skip
-            except BaseException:
-                client.call(DecodeReleaseMsg(task.req_id), AckMsg)
-                raise
-        log.debug("req %d: %d bytes of KV written to %s", task.req_id, sent, task.decode_node)
-        client.call(DecodeSubmitMsg(task.req_id, task.prompt_ids, task.params,
-                                    list(reply.block_ids), n), AckMsg)  # fmt: skip
-        return sent
-
-    def _decoder(self, address: str) -> RpcClient:
-        if address not in self._decoders:
-            self._decoders[address] = RpcClient(address, self.ctx.secret, timeout_s=10.0)
-        return self._decoders[address]
 
     def _event(self, req_id: int, phase: str, **kw: object) -> None:
         msg = PrefillEventMsg(req_id, self.ctx.node_id, phase, **kw)  # type: ignore[arg-type]
@@ -382,8 +352,7 @@ class PrefillNode:
         if self.listener is not None:
             self.listener.close()
         self.server.stop()
-        for c in self._decoders.values():
-            c.close()
+        self.handoff.close()
         close_pool(self.store, self.pool, self.store_node)
 
 

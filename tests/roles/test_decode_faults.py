@@ -52,12 +52,18 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, cost_cache: Path) -> Itera
 
 def _post(url: str, seed: int, **params: object) -> httpx.Response:
     prompt = [(i * seed + 3) % 250 + 1 for i in range(80)]
-    body = {"prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True, **params}
+    body = {"prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    body.update(params)
     return httpx.post(url + "/v1/completions", json=body, timeout=120)
 
 
 def _child(cluster: LocalLauncher, node_id: str) -> subprocess.Popen[bytes]:
     return next(c.proc for c in cluster.children if c.node_id == node_id)
+
+
+def _running(url: str, node_id: str) -> int:
+    nodes = httpx.get(url + "/v1/status", timeout=10).json()["nodes"]
+    return int(next((n["num_running"] for n in nodes if n["node_id"] == node_id), 0))
 
 
 def _wait_health(url: str, want: int, timeout_s: float = 60) -> None:
@@ -156,3 +162,33 @@ def test_a_stopped_decode_node_frees_what_it_held_when_it_continues(
     proc.wait(timeout=60)
     assert time.monotonic() - started < 30, "it waited on reservations nobody will submit"
     cluster.relaunch("decode-0")
+
+
+def test_a_decode_node_restarted_before_its_heartbeats_lapse_gets_its_requests_back(
+    cluster: LocalLauncher,
+) -> None:
+    """A decode node killed and started again at once (as a supervisor does) registers
+    under its id before the master misses a heartbeat: the master sees a new process, so
+    the requests the old one held are placed again (and complete) instead of waiting on
+    a node that no longer exists."""
+    url = cluster.url
+    _wait_health(url, 200)
+    replies: list[httpx.Response] = []
+    threads = [
+        threading.Thread(target=lambda s=s: replies.append(_post(url, s, max_tokens=300)))
+        for s in range(30, 34)
+    ]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 30
+    while _running(url, "decode-0") < 1:  # some are decoding there when it dies
+        assert time.monotonic() < deadline, "no request reached decode-0"
+        time.sleep(0.05)
+    proc = _child(cluster, "decode-0")
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    cluster.relaunch("decode-0")
+    for t in threads:
+        t.join()
+    assert [r.status_code for r in replies] == [200] * 4, [r.text for r in replies]
+    assert all(r.json()["usage"]["completion_tokens"] == 300 for r in replies)

@@ -1,0 +1,69 @@
+"""The cluster's figures: `PoolCounters` (prefix hits as the Conductor placed requests, KV
+handed to decode nodes), counted by the backend, and their Prometheus export with nodes by
+role and state, read on each scrape."""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from mooncake.roles.registry import Registry
+
+
+@dataclass
+class PoolCounters:
+    lookups: int = 0  # prompt blocks looked up
+    hits: int = 0  # of those, held anywhere in the pool
+    local_hits: int = 0  # held by the chosen prefill node itself
+    kv_bytes: int = 0  # KV handed from prefill to decode nodes
+    kv_window: deque[tuple[float, int]] = field(default_factory=deque)  # (time, bytes)
+
+    def add_kv(self, now: float, num_bytes: int) -> None:
+        self.kv_bytes += num_bytes
+        self.kv_window.append((now, num_bytes))
+
+    def kv_bytes_per_s(self, now: float, window_s: float = 10.0) -> float:
+        """KV handed off over the last `window_s` seconds, per second (drops older ones)."""
+        while self.kv_window and self.kv_window[0][0] < now - window_s:
+            self.kv_window.popleft()
+        return sum(b for _, b in self.kv_window) / window_s
+
+
+class ClusterCollector(Collector):
+    """Reads `counters` and (under `lock`) `registry` on each scrape."""
+
+    def __init__(self, counters: PoolCounters, registry: Registry, lock: threading.Lock):
+        self.counters, self.registry, self.lock = counters, registry, lock
+
+    def collect(self) -> Iterator[Metric]:
+        c = self.counters
+        for name, doc, value in (
+            ("mooncake_prefix_blocks_looked_up", "Prompt blocks looked up in the pool.", c.lookups),
+            ("mooncake_prefix_blocks_hit", "Prompt blocks held somewhere in the pool.", c.hits),
+            (
+                "mooncake_prefix_blocks_local_hit",
+                "Prompt blocks the chosen prefill node held itself.",
+                c.local_hits,
+            ),
+            (
+                "mooncake_kv_handoff_bytes",
+                "KV bytes handed from prefill to decode nodes.",
+                c.kv_bytes,
+            ),
+        ):
+            yield CounterMetricFamily(name, doc, value=value)
+        g = GaugeMetricFamily(
+            "mooncake_nodes", "Nodes by role and state.", labels=["role", "state"]
+        )
+        counts: dict[tuple[str, str], int] = {}
+        with self.lock:
+            for r in self.registry.nodes.values():
+                counts[(r.role, r.state)] = counts.get((r.role, r.state), 0) + 1
+        for (role, state), n in sorted(counts.items()):
+            g.add_metric([role, state], n)
+        yield g
