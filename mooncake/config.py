@@ -89,7 +89,7 @@ class NodeConfig(msgspec.Struct, **_STRUCT):
 
     role: Annotated[Role, knob("What this process runs.")] = "master"
     id: Annotated[
-        str, knob('Node id, unique in the cluster; "" = derived at runtime from hostname+role.')
+        str, knob('Node id, unique in the cluster; "" = hostname-role-pid-random, per process.')
     ] = ""
     advertise_address: Annotated[
         str, knob('Address peers use to reach this node; "" = auto-detected at runtime.')
@@ -315,7 +315,11 @@ class SchedulerConfig(msgspec.Struct, **_STRUCT):
         ),
     ] = 2.0
     cost_model_path: Annotated[
-        str, knob('Cost model written by `mooncake profile`; "" = analytic roofline.')
+        str,
+        knob(
+            'Cost model from `mooncake profile`, a path on the master\'s machine; "" = '
+            "analytic roofline of the model's shape on the master's GPUs, else H800 x8."
+        ),
     ] = ""
     node_wait_s: Annotated[
         float,

@@ -88,3 +88,22 @@ def test_show_invalid_config_exits_2(runner: CliRunner) -> None:
 def test_example_command_prints_the_example_file(runner: CliRunner) -> None:
     result = runner.invoke(app, ["config", "example"])
     assert result.exit_code == 0 and result.output == EXAMPLE.read_text()
+
+
+def test_check_refuses_what_would_stop_the_master(runner: CliRunner, tmp_path: Path) -> None:
+    missing = tmp_path / "nowhere.json"
+    result = runner.invoke(
+        app, ["config", "check", str(EXAMPLE), "--set", f"scheduler.cost_model_path={missing}"]
+    )
+    assert result.exit_code == 2
+    assert f"scheduler.cost_model_path: cannot read cost model {missing}" in result.output
+    garbled = tmp_path / "garbled.json"
+    garbled.write_text("{not json")
+    args = ["config", "check", str(EXAMPLE), "--set", f"scheduler.cost_model_path={garbled}"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2 and "scheduler.cost_model_path: cost model" in result.output
+    result = runner.invoke(app, ["config", "check", str(EXAMPLE), "--set", "model.path=dummy:x"])
+    assert result.exit_code == 2 and "model.path: unknown model 'dummy:x'" in result.output
+    # a prefill node does not read the master's cost model file: not its problem
+    args += ["--set", "node.role=prefill"]
+    assert runner.invoke(app, args).exit_code == 0

@@ -92,6 +92,11 @@ class _Metrics:
         self.prompt_tokens = Counter(
             "mooncake_api_prompt_tokens", "Prompt tokens of started requests.", registry=registry
         )
+        self.cached_tokens = Counter(
+            "mooncake_api_cached_tokens",
+            "Prompt tokens reported as cached (KV reused, not computed), as in the API's usage.",
+            registry=registry,
+        )
         self.generated_tokens = Counter(
             "mooncake_api_generated_tokens", "Output tokens generated.", registry=registry
         )
@@ -159,6 +164,7 @@ class RequestStats:
             self._num_cached += num_cached
         if self._metrics:
             self._metrics.prompt_tokens.inc(num_tokens)
+            self._metrics.cached_tokens.inc(num_cached)
 
     def _on_token(self, ttft_s: float | None, tbt_s: float | None) -> None:
         with self._lock:

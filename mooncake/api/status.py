@@ -25,6 +25,7 @@ class NodeStatus(msgspec.Struct, frozen=True, kw_only=True):
     load: float = 0.0  # 0..1: prefill busy share, or decode batch / max batch
     last_seen_s: float = 0.0  # seconds since its last heartbeat
     pipeline_group: str = ""  # prefill pipeline group this node belongs to, "" if none
+    pool_bytes: dict[str, int] = {}  # tier -> bytes this node has mounted in the pool now
 
 
 class TierStatus(msgspec.Struct, frozen=True, kw_only=True):
@@ -40,8 +41,13 @@ class Status(msgspec.Struct, frozen=True, kw_only=True):
     uptime_s: float
     nodes: list[NodeStatus]
     pool: list[TierStatus]
-    hit_rate: float  # share of prompt blocks found anywhere in the pool (global)
-    local_hit_rate: float  # share a cache local to the chosen prefill node would have hit
+    # NOTE: two different measures of reuse. `cached_token_share` is what the API reports
+    # (usage.prompt_tokens_details.cached_tokens over prompt_tokens): the tokens the prefill
+    # nodes did not compute, from the pool or their own cache. `hit_rate`/`local_hit_rate`
+    # are the Conductor's view when it placed each request: prompt blocks its index showed
+    # in the pool, or on the chosen node; blocks stored after placement count for neither.
+    hit_rate: float  # share of prompt blocks found anywhere in the pool at placement
+    local_hit_rate: float  # share of prompt blocks the chosen prefill node held at placement
     num_queued: int  # requests admitted and not yet producing tokens
     num_running: int  # requests decoding
     num_requests: int  # requests received since start
@@ -57,6 +63,9 @@ class Status(msgspec.Struct, frozen=True, kw_only=True):
     transfer_bytes_per_s: float = 0.0  # KV moved between nodes, recent window
     pool_hits: int = 0  # prompt blocks served from the pool since start
     pool_lookups: int = 0  # prompt blocks looked up since start
+    num_prompt_tokens: int = 0  # prompt tokens of the requests the API answered since start
+    num_cached_tokens: int = 0  # of those, reported as cached (KV reused, not computed)
+    cached_token_share: float = 0.0  # num_cached_tokens / num_prompt_tokens (0 before any)
 
 
 def encode_status(status: Status) -> bytes:

@@ -1,9 +1,11 @@
-"""Root of the CLI: global options, rich logging, and discovery of the verb modules."""
+"""Root of the CLI: global options, logging (rich on a terminal, else plain lines), and
+discovery of the verb modules."""
 
 from __future__ import annotations
 
 import importlib
 import logging
+import os
 import pkgutil
 import sys
 
@@ -26,19 +28,31 @@ app.add_typer(bench_app, name="bench")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
+class _PlainHandler(logging.StreamHandler):
+    """Plain lines to whatever `sys.stderr` is when a record comes (as rich's console
+    does): a CLI run in-process, as by a test runner, must not keep its closed stream."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.stream = sys.stderr  # emit runs under the handler's lock
+        super().emit(record)
+
+
 def setup_logging(level: str) -> None:
-    """Send library logging to stderr through rich; library code never prints."""
-    from rich.logging import RichHandler
+    """Send library logging to stderr; library code never prints. On a terminal through
+    rich; otherwise (systemd's journal, which sets JOURNAL_STREAM, a pipe, a file) one
+    plain line per record, tracebacks as plain text, since the journal stamps the time."""
+    handler: logging.Handler
+    if sys.stderr.isatty() and not os.environ.get("JOURNAL_STREAM"):
+        from rich.logging import RichHandler
 
-    from mooncake.cli.output import err_console
+        from mooncake.cli.output import err_console
 
-    logging.basicConfig(
-        level=level.upper(),
-        format="%(name)s: %(message)s",
-        datefmt="[%X]",
-        handlers=[RichHandler(console=err_console, show_path=False, rich_tracebacks=True)],
-        force=True,
-    )
+        handler = RichHandler(console=err_console, show_path=False, rich_tracebacks=True)
+        handler.setFormatter(logging.Formatter("%(name)s: %(message)s", datefmt="[%X]"))
+    else:
+        handler = _PlainHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
 
 
 def _version(value: bool) -> None:

@@ -25,7 +25,10 @@ def bench_store(
         "run); the client is this process, with no segment beyond its registered buffers.",
     ),
     master: str = typer.Option(
-        "", "--master", help="RPC address of a running master, e.g. tcp://10.0.0.1:7100."
+        "",
+        "--master",
+        help="host:port of a running master's control plane, the value of its cluster.master "
+        "(e.g. 10.0.0.1:50051; tcp://10.0.0.1:50051 is accepted too).",
     ),
     secret: str = typer.Option(
         "",
@@ -138,6 +141,7 @@ def bench_store(
         raise ConfigError("give --local, or --master ADDRESS and --secret (>= 16 characters)")
     else:
         segment = ""
+        master = master if master.startswith("tcp://") else f"tcp://{master}"
     cells = [(api, size) for api in api_list for size in size_list]
     runs: dict[tuple[str, int], list[bench.StoreBenchRow]] = {cell: [] for cell in cells}
     with contextlib.ExitStack() as stack:

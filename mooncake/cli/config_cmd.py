@@ -45,15 +45,44 @@ def _load(file: Path | None, sets: list[str]) -> Any:
     "check",
     help="Validate FILE as a whole, with the MOONCAKE_* environment and --set applied.\n\n"
     'Prints "FILE: ok" and exits 0, or prints every problem on stderr (one line each, naming '
-    "the key and what is allowed) and exits 2.",
+    "the key and what is allowed) and exits 2. Beyond the keys' syntax it checks what would "
+    "stop the node at start: model.path must load here, and for node.role = master the cost "
+    "model (scheduler.cost_model_path, read on the master's machine) must load.",
 )
 def check(
     file: Path = typer.Argument(..., envvar="MOONCAKE_CONFIG", help=FILE_HELP, show_default=False),
     sets: list[str] = typer.Option([], "--set", metavar="KEY=VALUE", help=SET_HELP),
 ) -> None:
     """Validate a config file; exit 0 or print every problem and exit 2."""
-    _load(file, sets)
+    problems = start_problems(_load(file, sets).config)
+    if problems:
+        count = len(problems)
+        typer.echo(f"{file}: {count} problem{'s' if count > 1 else ''}", err=True)
+        for line in problems:
+            typer.echo(line, err=True)
+        raise typer.Exit(2)
     typer.echo(f"{file}: ok")
+
+
+def start_problems(config: Any) -> list[str]:
+    """What would stop this node's role at start although every key is valid: a model
+    path that does not load, and on the master a cost model that cannot be built (through
+    the function the master itself calls, so the two cannot disagree)."""
+    from mooncake.conductor.roofline import master_cost_model
+    from mooncake.engine.modelinfo import load_model_info
+    from mooncake.errors import ConfigError
+
+    try:
+        info = load_model_info(config.model.path)
+    except ConfigError as e:
+        return [line if line.startswith("model") else f"model.path: {line}" for line in e.errors]
+    if config.node.role != "master":  # only the master reads scheduler.cost_model_path
+        return []
+    try:
+        master_cost_model(config, info)
+    except ConfigError as e:
+        return e.errors
+    return []
 
 
 @config_app.command(

@@ -29,7 +29,29 @@ variables \fBMOONCAKE_\fISECTION\fB_\fIKEY\fR, and command\-line flags. See
 \fImooncake.toml.example\fR for every key with its default.
 """
 
-_EPILOGUE = r""".SH ENVIRONMENT
+_EPILOGUE = r""".SH DEPLOYING ON N MACHINES
+Write one TOML file per node and start each with \fBmooncake up \-\-config\fR \fIFILE\fR
+(the role from \fBnode.role\fR or \fB\-\-role\fR). Every node must share
+\fBcluster.name\fR, \fBcluster.master\fR (host:port of the master's control plane),
+\fBcluster.secret\fR (or a \fBcluster.secret_file\fR with the same content),
+\fBmodel.path\fR (the same weights), \fBmodel.dtype\fR and \fBmodel.block_tokens\fR;
+\fBprefill.pipeline_group_size\fR, \fBprefill.chunk_tokens\fR and
+\fBscheduler.cost_model_path\fR should match too (a cost model file, when set, must exist
+on the master and on decode nodes).
+.PP
+The master reads [cluster], [model], [prefill], [decode], [scheduler], [store] (the pool's
+policies), [api] and [metrics]; prefill, decode and store nodes read [cluster], [node],
+[model], their own section, [store] (their own pool share) and [transfer]. Every prefill,
+decode and store node gives the pool \fBstore.dram_bytes\fR of host memory (default 50% of
+what is free): set it explicitly where several nodes share a host.
+.PP
+Start the master first, then the other nodes in any order; prefill nodes form pipeline
+groups in the order they register. \fBGET /health\fR on the master answers 200 once a
+prefill group and a decode node can take requests, and \fBmooncake status \-\-url\fR
+\fIhttp://MASTER:8000\fR shows every node. SIGTERM drains a node (a decode node finishes
+its requests, up to \fBdecode.drain_s\fR); start a new version with the same
+\fBnode.id\fR. Upgrade the master last.
+.SH ENVIRONMENT
 .TP
 .B MOONCAKE_\fISECTION\fB_\fIKEY\fR
 Overrides one configuration key, e.g. \fBMOONCAKE_STORE_REPLICAS=2\fR.

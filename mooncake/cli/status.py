@@ -1,7 +1,8 @@
 """`mooncake status`: a live view of the cluster, polled from the master's `GET /v1/status`.
 
-Finding the master: `--url`, else `--config FILE` (api.host and api.port, the first of
-api.api_keys), else the `mooncake up --local` cluster of this machine (its runfile).
+Finding the master: `--url`, else `--config FILE` (api.host, or cluster.master's host
+when api.host is a wildcard such as 0.0.0.0; api.port; the first of api.api_keys), else
+the `mooncake up --local` cluster of this machine (its runfile).
 """
 
 from __future__ import annotations
@@ -47,8 +48,14 @@ def find_master(url: str, config: Path | None, api_key: str | None) -> Master:
     elif config is not None:
         from mooncake.config import load_config
 
-        api = load_config(config).config.api
-        host = "127.0.0.1" if api.host in ("0.0.0.0", "::", "") else api.host
+        cfg = load_config(config).config
+        api = cfg.api
+        # a wildcard bind address is not a destination: the master's host is cluster.master's
+        wildcards = ("0.0.0.0", "::", "")
+        host = api.host
+        if host in wildcards:
+            host = cfg.cluster.master.rpartition(":")[0].strip("[]")
+            host = "127.0.0.1" if host in wildcards else host
         host = f"[{host}]" if ":" in host else host
         key = api.api_keys[0] if api.api_keys else ""
         found = Master(f"http://{host}:{api.port}", key, f"--config {config}")
@@ -57,9 +64,9 @@ def find_master(url: str, config: Path | None, api_key: str | None) -> Master:
     else:
         raise ConfigError(
             "no master to read: pass --url http://HOST:PORT, or --config FILE (the master's "
-            "mooncake.toml; api.host, api.port and the first of api.api_keys are used), or start a "
-            f"local cluster with `mooncake up --local` (it writes {runfile_path()}, which "
-            "is found with no arguments)"
+            "mooncake.toml; api.host or cluster.master's host, api.port and the first of "
+            "api.api_keys are used), or start a local cluster with `mooncake up --local` "
+            f"(it writes {runfile_path()}, which is found with no arguments)"
         )
     return found if api_key is None else Master(found.url, api_key, found.source)
 
@@ -151,8 +158,9 @@ def status(
         None,
         "--config",
         metavar="FILE",
-        help="The master's config file: the URL comes from api.host and api.port, the key from "
-        "the first of api.api_keys. Used when --url is not given.",
+        help="The master's config file: the URL comes from api.host (cluster.master's host when "
+        "api.host is a wildcard such as 0.0.0.0) and api.port, the key from the first of "
+        "api.api_keys. Used when --url is not given.",
     ),
     api_key: str | None = typer.Option(
         None, "--api-key", metavar="KEY", help="Bearer key for the API; overrides the one found."

@@ -196,6 +196,26 @@ def pool_table(status: Status, width: int) -> Table:
     return table
 
 
+def pool_nodes_table(status: Status, width: int) -> Table | None:
+    """What each node gives the pool, per tier (None when no node gives any)."""
+    from rich.markup import escape
+
+    givers = [n for n in status.nodes if n.pool_bytes]
+    if not givers:
+        return None
+    # NOTE: every serving node is listed, so one whose memory left the pool shows as "-"
+    rows = sorted((n for n in status.nodes if n.role != "master"), key=lambda n: n.node_id)
+    table = _table("KV pool by node", width >= WIDE)
+    table.add_column("node", no_wrap=True, overflow="ellipsis")
+    tiers = [t for t in ("vram", "dram", "ssd") if any(t in n.pool_bytes for n in givers)]
+    for t in tiers:
+        table.add_column(t, justify="right", no_wrap=True)
+    for n in rows:
+        cells = [human_bytes(n.pool_bytes[t]) if t in n.pool_bytes else "-" for t in tiers]
+        table.add_row(escape(n.node_id), *cells)
+    return table
+
+
 def metrics_table(status: Status) -> Table:
     from rich.table import Table
     from rich.text import Text
@@ -205,11 +225,20 @@ def metrics_table(status: Status) -> Table:
     table.title, table.title_justify, table.title_style = "serving", "left", "bold"
     table.add_column(style="bold", no_wrap=True)
     table.add_column()
-    lookups = f"  ({s.pool_hits:,} of {s.pool_lookups:,} blocks)" if s.pool_lookups else ""
-    table.add_row(
-        "cache hits",
-        f"global {s.hit_rate * 100:.1f}%  local-only {s.local_hit_rate * 100:.1f}%{lookups}",
+    # NOTE: two measures, labelled by what they count (api/status.py): the API's cached
+    # tokens, and the blocks the Conductor's index showed when it placed each request
+    tokens = (
+        f"  ({s.num_cached_tokens:,} of {s.num_prompt_tokens:,})" if s.num_prompt_tokens else ""
     )
+    table.add_row(
+        "cached tokens",
+        f"{s.cached_token_share * 100:.1f}% of prompt tokens served from cache{tokens}",
+    )
+    lookups = f"  ({s.pool_hits:,} of {s.pool_lookups:,})" if s.pool_lookups else ""
+    table.add_row(
+        "pool hits", f"{s.hit_rate * 100:.1f}% of blocks in the pool at placement{lookups}"
+    )
+    table.add_row("local hits", f"{s.local_hit_rate * 100:.1f}% of blocks on the chosen node")
     table.add_row("queues", f"{s.num_queued:,} queued  {s.num_running:,} running")
     for name, p50, p90, slo in (
         ("TTFT", s.ttft_p50_s, s.ttft_p90_s, s.ttft_slo_s),
@@ -245,12 +274,16 @@ def render_status(status: Status, url: str, width: int) -> RenderableType:
     # NOTE: the nodes table grows with the cluster, so it comes last: a short terminal
     # crops it, never the figures.
     parts: list[RenderableType] = [header(status, url), Text()]
+    pool: list[RenderableType] = [pool_table(status, width)]
+    by_node = pool_nodes_table(status, width)
+    if by_node is not None:
+        pool += [Text(), by_node]
     if width >= SIDE_BY_SIDE:
         side = Table.grid(padding=(0, 4))
-        side.add_row(metrics_table(status), pool_table(status, width))
+        side.add_row(metrics_table(status), Group(*pool))
         parts.append(side)
     else:
-        parts += [metrics_table(status), Text(), pool_table(status, width)]
+        parts += [metrics_table(status), Text(), *pool]
     parts += [Text(), nodes_table(status.nodes, width)]
     return Group(*parts)
 

@@ -114,6 +114,7 @@ def _up_local(plan: LocalPlan, policy: RestartPolicy) -> None:
     from mooncake.cli.output import console, err_console
     from mooncake.roles.local import LocalLauncher, ensure_cost_model
     from mooncake.roles.runfile import read_runfile
+    from mooncake.roles.sdnotify import notify_ready, notify_stopping
     from mooncake.roles.supervisor import NodeEvent
 
     running = read_runfile()
@@ -150,7 +151,9 @@ def _up_local(plan: LocalPlan, policy: RestartPolicy) -> None:
         color = {"exited": "yellow", "ready": "green", "gave_up": "red"}.get(event.kind, "")
         err_console.print(f"[{color}]{event.message}[/]" if color else event.message)
 
+    notify_ready("local", info.url)  # systemd: the whole cluster serves
     reason = launcher.supervise(stop, show)
+    notify_stopping()
     err_console.print("stopping the local cluster")
     launcher.stop()
     if reason is not None:

@@ -4,8 +4,9 @@ Pure logic (no sockets, threads or clock), shared by the real master and the sim
 (`mooncake.sim`). Modules: `conductor` (the match -> estimate -> place -> admit loop),
 `index` (block hash -> nodes and tiers, fed by store events), `costmodel` (polynomial
 prefill / decode-step times, transfer times; the `mooncake profile` file format),
-`roofline` (analytic cost model of a named GPU and model), `network` (bytes queued per
-link), `policy` (random, load_balance, cache_aware, kvcache_centric = Algorithm 1),
+`roofline` (analytic cost model of a GPU type and a model's shape; the master's default
+when no profile is configured; the one reader of hardware, through NVML), `network` (bytes
+queued per link), `policy` (random, load_balance, cache_aware, kvcache_centric = Algorithm 1),
 `load` (prefill queue times, decode batches and reservations), `forecast` (decode times
 and the §7.4 pool forecast), `books` (tickets kept by progress reports), `placement`
 (which decode instance, at arrival and at prefill start), `admission` (early rejection

@@ -72,13 +72,16 @@ class Conductor(Books):
         tp: int = 8,
         block_tokens: int = 512,
         seed: int = 0,
+        cost: CostModel | None = None,
     ) -> Conductor:
-        """A Conductor from the `[scheduler]` settings; the cost model is the profile file
-        at `cfg.cost_model_path`, or the roofline of `model` on `tp` x `gpu`."""
+        """A Conductor from the `[scheduler]` settings; the cost model is `cost` when given
+        (the master passes `roofline.master_cost_model`'s), else the profile file at
+        `cfg.cost_model_path`, else the roofline of `model` on `tp` x `gpu`."""
         from mooncake.conductor.roofline import roofline_cost_model
 
         path = cfg.cost_model_path
-        cost = CostModel.load(path) if path else roofline_cost_model(model, gpu, tp)
+        if cost is None:
+            cost = CostModel.load(path) if path else roofline_cost_model(model, gpu, tp)
         params = ConductorParams(
             policy=cfg.policy,
             rejection=cfg.rejection,

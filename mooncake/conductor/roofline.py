@@ -29,15 +29,27 @@ MFU 0.5 (long-context prefill with FlashAttention reaches 50-60% of peak on A100
 GPUs), MBU 0.6 (decode kernels reach 50-70% of HBM bandwidth), 10 us per NCCL all-reduce
 on NVLink (small-message latency), 5 ms fixed per forward pass (launch, sampling,
 scheduling), and 90% of VRAM for weights + KV (vLLM's default `gpu_memory_utilization`).
+
+At master start (`master_cost_model`, which `mooncake config check` calls too) the cost
+model is the profile file at `scheduler.cost_model_path` when set; else the roofline of
+the model's own shape (any spec `model.path` loads: built-in names and HF directories) on
+the GPUs this host detects when they are one of the types above (tensor parallel = their
+count), else on H800 x8, the paper-era default, which a log line then states. Where the
+weights do not fit, tensor parallelism doubles until they do (a multi-node instance).
 """
 
 from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import msgspec
 
 from mooncake.conductor.costmodel import (
     COST_MODEL_VERSION,
     CostModel,
+    CostModelError,
     CostModelFile,
     Poly2,
     Term,
@@ -45,11 +57,20 @@ from mooncake.conductor.costmodel import (
 from mooncake.errors import ConfigError
 from mooncake.modelspec import ModelSpec, get_model_spec
 
+if TYPE_CHECKING:
+    from mooncake.config import Config
+    from mooncake.engine.modelinfo import ModelInfo
+
+log = logging.getLogger(__name__)
+
 PREFILL_MFU = 0.5
 DECODE_MBU = 0.6
 ALLREDUCE_LATENCY_S = 10e-6
 STEP_OVERHEAD_S = 0.005
 VRAM_UTILIZATION = 0.9
+DEFAULT_GPU = "H800"  # assumed when this host has no GPU of a known type
+DEFAULT_TP = 8  # GPUs per instance assumed with DEFAULT_GPU
+MAX_TP = 1024  # tensor parallelism the roofline stops doubling at
 
 
 class GpuSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -163,3 +184,67 @@ def roofline_cost_model(
             decode=decode,
         )
     )
+
+
+def match_gpu(device_name: str) -> GpuSpec | None:
+    """The known GPU type a detected device name (NVML's "NVIDIA H100 80GB HBM3") is."""
+    upper = device_name.upper()
+    return next((g for key, g in GPUS.items() if key in upper), None)
+
+
+def fitting_roofline(
+    spec: ModelSpec, gpu: GpuSpec, tp: int, dtype_bytes: int
+) -> tuple[CostModel, int]:
+    """The roofline on `tp` GPUs, or on the fewest doublings of `tp` the weights fit in."""
+    while True:
+        try:
+            return roofline_cost_model(spec, gpu, tp, dtype_bytes), tp
+        except ConfigError:
+            if tp * 2 > MAX_TP:
+                raise
+            tp *= 2
+
+
+def hardware_roofline(
+    spec: ModelSpec, gpu_names: Sequence[str], dtype_bytes: int = 2
+) -> tuple[CostModel, str]:
+    """The roofline of `spec` on the detected `gpu_names`, or on DEFAULT_TP x DEFAULT_GPU
+    when none is of a known type; with a sentence saying which and why."""
+    known = [g for g in map(match_gpu, gpu_names) if g is not None]
+    if known:
+        gpu, tp, why = known[0], len(known), "detected on this host"
+    else:
+        gpu, tp = GPUS[DEFAULT_GPU], DEFAULT_TP
+        seen = ", ".join(sorted(set(gpu_names))) or "no GPU"
+        why = f"the default ({seen} detected here; known types: {', '.join(sorted(GPUS))})"
+    cost, used_tp = fitting_roofline(spec, gpu, tp, dtype_bytes)
+    if used_tp != tp:
+        why += f"; {tp} GPUs cannot hold the weights, so {used_tp} are assumed"
+    return cost, f"{gpu.name} x{used_tp}, {why}"
+
+
+def master_cost_model(
+    cfg: Config, info: ModelInfo, gpu_names: Sequence[str] | None = None
+) -> tuple[CostModel, str]:
+    """The cost model the master schedules with (see the module doc), and a sentence
+    saying where it came from. `gpu_names` None: read them through NVML.
+
+    Raises ConfigError naming scheduler.cost_model_path when that file is missing, does
+    not parse. Shared by the master and `config check`.
+    """
+    from mooncake.engine.modelinfo import resolve_dtype
+
+    path = cfg.scheduler.cost_model_path
+    if path:
+        try:
+            cost = CostModel.load(path)
+        except CostModelError as e:
+            raise ConfigError(f"scheduler.cost_model_path: {e}") from e
+        return cost, f"profile {path} ({cost.spec.device})"
+    if gpu_names is None:
+        from mooncake.native.nvml import read_gpus
+
+        gpu_names = [g.name for g in read_gpus()[0]]
+    dtype = resolve_dtype(info, cfg.model.dtype, "cuda")  # the engines' dtype on a GPU
+    cost, why = hardware_roofline(info.spec, gpu_names, 4 if dtype == "float32" else 2)
+    return cost, f"roofline of {info.spec.name} on {why}"

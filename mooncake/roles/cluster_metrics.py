@@ -1,6 +1,10 @@
 """The cluster's figures: `PoolCounters` (prefix hits as the Conductor placed requests, KV
 handed to decode nodes), counted by the backend, and their Prometheus export with nodes by
-role and state, read on each scrape."""
+role and state, read on each scrape.
+
+The prefix hits are the Conductor's view at placement, not the reuse the API reports
+(`cached_tokens`: counted by api/stats.py from the prefill node's actual reuse, exported as
+`mooncake_api_cached_tokens` and shown by `mooncake status` as "cached tokens")."""
 
 from __future__ import annotations
 
@@ -43,11 +47,20 @@ class ClusterCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         c = self.counters
         for name, doc, value in (
-            ("mooncake_prefix_blocks_looked_up", "Prompt blocks looked up in the pool.", c.lookups),
-            ("mooncake_prefix_blocks_hit", "Prompt blocks held somewhere in the pool.", c.hits),
+            (
+                "mooncake_prefix_blocks_looked_up",
+                "Prompt blocks the Conductor looked up at placement.",
+                c.lookups,
+            ),
+            (
+                "mooncake_prefix_blocks_hit",
+                "Prompt blocks the Conductor found in the pool at placement (the reuse the API "
+                "reports is mooncake_api_cached_tokens).",
+                c.hits,
+            ),
             (
                 "mooncake_prefix_blocks_local_hit",
-                "Prompt blocks the chosen prefill node held itself.",
+                "Prompt blocks the chosen prefill node held itself at placement.",
                 c.local_hits,
             ),
             (

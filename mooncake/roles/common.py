@@ -22,8 +22,9 @@ from typing import Any, Literal
 
 import msgspec
 
-from mooncake.config import Config
-from mooncake.errors import MooncakeError
+from mooncake.config import ClusterConfig, Config
+from mooncake.errors import ConfigError, MooncakeError
+from mooncake.roles import sdnotify
 from mooncake.roles.messages import (
     AckMsg,
     DeregisterMsg,
@@ -74,18 +75,56 @@ class NodeContext:
 
 def create_context(config: Config, role: str) -> NodeContext:
     """Resolve identity and secret, detect hardware; raises ConfigError when the cluster has
-    no secret."""
+    no secret or `cluster.master` cannot be the master (see `check_master_address`)."""
     secret = config.cluster.require_secret().encode()
+    check_master_address(config.cluster.master)
     host = config.node.advertise_address or _default_host(config.cluster.master)
-    node_id = config.node.id or f"{socket.gethostname()}-{role}-{os.getpid()}"
+    # NOTE: the pid tells processes of one host apart, the random part hosts that share a
+    # name but not a pid namespace (containers on the host's network, each pid 1)
+    node_id = config.node.id or (
+        f"{socket.gethostname()}-{role}-{os.getpid()}-{secrets.token_hex(2)}"
+    )
     topo = detect_topology(nic_allow=list(config.transfer.nics) or None)
     return NodeContext(config, node_id, host, secret, topo)
+
+
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def check_master_address(master: str) -> None:
+    """Fail at once, naming the key, when `cluster.master` cannot be the master: a host name
+    that does not exist, or the default (127.0.0.1:50051, what a node's file left without
+    the key says) where nothing listens. A master named explicitly that is not up yet is
+    waited for (`MasterLink.register`): nodes may start alongside it."""
+    host, _, port = master.rpartition(":")
+    host = host.strip("[]")
+    try:
+        socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        if e.errno != socket.EAI_NONAME:  # NOTE: DNS not up yet (boot) is worth waiting for
+            return
+        raise ConfigError(
+            f"cluster.master: no host {host!r} ({e.strerror}); set it to the master's "
+            "host:port, the same on every node"
+        ) from e
+    if master != ClusterConfig().master:
+        return
+    try:
+        socket.create_connection((host, int(port)), timeout=1.0).close()
+    except ConnectionRefusedError:
+        raise ConfigError(
+            f"cluster.master: not set, and no master listens at its default {master} on this "
+            "host; set cluster.master to the master's host:port (the same on every node), or "
+            "start the master first"
+        ) from None
+    except OSError:
+        pass  # NOTE: anything but a refusal is left to registration's retries
 
 
 def _default_host(master: str) -> str:
     """The local address that routes to the master (loopback for a local cluster)."""
     host = master.rpartition(":")[0].strip("[]")
-    if host in ("127.0.0.1", "localhost", "::1"):
+    if host in _LOOPBACK:
         return "127.0.0.1"
     try:
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
@@ -100,6 +139,8 @@ def install_signal_handlers(stop: threading.Event) -> None:
 
     def handler(signum: int, _frame: Any) -> None:
         log.info("signal %s: stopping", signal.Signals(signum).name)
+        if not stop.is_set():  # a second signal is not a second stop
+            sdnotify.notify_stopping()
         stop.set()
 
     signal.signal(signal.SIGINT, handler)
@@ -107,9 +148,11 @@ def install_signal_handlers(stop: threading.Event) -> None:
 
 
 def report_ready(**info: Any) -> None:
-    """The ready handshake: one JSON line on stdout."""
+    """The ready handshake: one JSON line on stdout, and READY=1 to systemd when it
+    started this process (`NOTIFY_SOCKET`)."""
     sys.stdout.write(json.dumps({"ready": True, **info}) + "\n")
     sys.stdout.flush()
+    sdnotify.notify_ready(str(info.get("role", "node")), str(info.get("node_id", "")))
 
 
 class MasterLink:
@@ -144,7 +187,8 @@ class MasterLink:
             except MooncakeError as e:
                 if time.monotonic() > deadline or self.ctx.stop.is_set():
                     raise MooncakeError(
-                        f"cannot register with the master at {self.ctx.config.cluster.master}: {e}"
+                        "cannot register with the master at cluster.master = "
+                        f"{self.ctx.config.cluster.master} within {timeout_s:g} s: {e}"
                     ) from e
                 self.ctx.stop.wait(0.2)
         if not reply.is_accepted:

@@ -204,6 +204,7 @@ class LocalLauncher:
 
     def _launch(self, role: str, node_id: str) -> Child:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+        env.pop("NOTIFY_SOCKET", None)  # NOTE: systemd's readiness is the launcher's to tell
         cmd = [sys.executable, "-m", "mooncake", "up", "--role", role,
                "--config", str(self.config_path), "--set", f"node.id={node_id}"]  # fmt: skip
         proc = self._forker.submit(

@@ -24,12 +24,14 @@ from mooncake.api.stats import RequestStats
 from mooncake.api.status import NodeStatus, Status, TierStatus
 from mooncake.conductor import Conductor, ReplicationOrder
 from mooncake.conductor.index import StoreEvent as IndexEvent
+from mooncake.conductor.roofline import master_cost_model
 from mooncake.config import Config
 from mooncake.engine.kvstore import kv_key, parse_kv_key
-from mooncake.engine.modelinfo import load_model_info
+from mooncake.engine.modelinfo import ModelInfo, load_model_info
 from mooncake.engine.tokenizer import create_tokenizer
 from mooncake.errors import ConfigError
 from mooncake.hashing import PrefixHasher
+from mooncake.roles import sdnotify
 from mooncake.roles.cluster import ClusterBackend
 from mooncake.roles.cluster_metrics import ClusterCollector
 from mooncake.roles.common import NODE_TTL_S, report_ready
@@ -62,18 +64,12 @@ _KINDS: dict[str, IndexKind] = {
 }  # fmt: skip
 
 
-def create_conductor(cfg: Config, model_name: str) -> Conductor:
-    """The Conductor over the profiled cost model, or the roofline of a known model on
-    H800 x8 when no profile is configured."""
-    name = model_name.removeprefix("dummy:")
-    try:
-        return Conductor.from_config(cfg.scheduler, model=name, gpu="H800",
-                                     block_tokens=cfg.model.block_tokens)  # fmt: skip
-    except ConfigError as e:
-        raise ConfigError(
-            f"scheduler.cost_model_path: no cost model for {model_name} ({e}); run "
-            "`mooncake profile --out FILE` on a prefill node and set scheduler.cost_model_path"
-        ) from e
+def create_conductor(cfg: Config, info: ModelInfo) -> Conductor:
+    """The Conductor over `master_cost_model` (a profile, or the model's roofline on the
+    detected or default GPUs); `mooncake config check` builds the same cost model."""
+    cost, source = master_cost_model(cfg, info)
+    log.info("cost model: %s", source)
+    return Conductor.from_config(cfg.scheduler, cost=cost, block_tokens=cfg.model.block_tokens)
 
 
 class Master:
@@ -88,7 +84,7 @@ class Master:
         dtype_bytes = 4 if cfg.model.dtype == "float32" else 2
         self.registry = Registry(info.spec.num_layers, cfg.prefill.pipeline_group_size, ttl,
                                  info.spec.weight_bytes(dtype_bytes))  # fmt: skip
-        self.conductor = create_conductor(cfg, info.spec.name)
+        self.conductor = create_conductor(cfg, info)
         max_len = cfg.model.max_model_len or info.spec.max_position_embeddings
         self.backend = ClusterBackend(
             self.conductor, self.registry, create_tokenizer(cfg.model.path, info.eos_token_ids),
@@ -304,6 +300,7 @@ class Master:
                     load=r.load.load,
                     last_seen_s=now - r.last_seen_s,
                     pipeline_group=r.group_id,
+                    pool_bytes=st.node_capacity_bytes.get(r.node_id, {}),
                 )  # fmt: skip
                 for r in sorted(self.registry.nodes.values(), key=lambda r: (r.role, r.node_id))
             ]
@@ -334,6 +331,10 @@ class Master:
             tbt_p50_s=s.tbt_p50_s, tbt_p90_s=s.tbt_p90_s,
             ttft_slo_s=sched.ttft_slo_s, tbt_slo_s=sched.tbt_slo_s,
             transfer_bytes_per_s=kv_rate, pool_hits=c.hits, pool_lookups=c.lookups,
+            num_prompt_tokens=s.num_prompt_tokens, num_cached_tokens=s.num_cached_tokens,
+            cached_token_share=(
+                s.num_cached_tokens / s.num_prompt_tokens if s.num_prompt_tokens else 0.0
+            ),
         )  # fmt: skip
 
     # -- lifecycle --
@@ -352,6 +353,7 @@ class Master:
                     ) from e
             asyncio.run(self.api.serve(on_ready=self._ready))
         finally:
+            sdnotify.notify_stopping()  # uvicorn took the signal; the master stops here
             if self.metrics_server is not None:
                 self.metrics_server.stop()
             self._stop.set()

@@ -14,6 +14,10 @@ if TYPE_CHECKING:
 def stats(svc: MetadataService) -> StoreStats:
     """A snapshot of the counters and per-tier totals."""
     c, space = svc.counters, svc.space
+    per_node: dict[str, dict[str, int]] = {}
+    for seg in space.segments.values():
+        tiers = per_node.setdefault(seg.node_id, {})
+        tiers[seg.tier] = tiers.get(seg.tier, 0) + seg.allocator.usable_bytes
     return StoreStats(
         num_objects=len(svc.objects),
         num_segments=len(space.segments),
@@ -31,6 +35,7 @@ def stats(svc: MetadataService) -> StoreStats:
         replications=c.replications,
         copies=c.copies,
         lost_objects=c.lost_objects,
+        node_capacity_bytes=per_node,
     )
 
 

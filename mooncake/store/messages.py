@@ -82,6 +82,10 @@ class AckMsg(Msg, frozen=True, tag="store.ack"):
 class HeartbeatReplyMsg(Msg, frozen=True, tag="store.heartbeat_reply"):
     is_known: bool  # False: the master had forgotten this node; re-mount its segments
     instructions: tuple[Instruction, ...] = ()  # work for this node (moves, evictions)
+    # names of this node's segments the master has mounted (None: an older master); the
+    # node mounts again any of its own not listed, which `is_known` alone cannot tell when
+    # the reply to the heartbeat that re-registered it was lost (a link outage)
+    mounted: tuple[Name, ...] | None = None
 
 
 class ConfirmMoveMsg(Msg, frozen=True, tag="store.confirm_move"):
@@ -262,7 +266,8 @@ def _batch_put_slot(s: MetadataService, m: BatchPutSlotMsg, now: float) -> Msg:
 
 def _heartbeat(s: MetadataService, m: HeartbeatMsg, now: float) -> Msg:
     is_known = s.heartbeat(m.node_id, now)
-    return HeartbeatReplyMsg(is_known, tuple(s.drain_instructions(m.node_id)))
+    mounted = tuple(seg.name for seg in s.space.node_segments.get(m.node_id, ()))
+    return HeartbeatReplyMsg(is_known, tuple(s.drain_instructions(m.node_id)), mounted)
 
 
 def _mount(s: MetadataService, m: MountSegmentMsg, now: float) -> Msg:

@@ -20,11 +20,13 @@ import dataclasses
 import logging
 import mmap
 import threading
+import time
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import numpy as np
 
-from mooncake.errors import MooncakeError, StoreError
+from mooncake.errors import MooncakeError, RpcTimeout, StoreError
 from mooncake.native.memory import align_up
 from mooncake.rpc.client import RpcClient
 from mooncake.store.messages import (
@@ -144,15 +146,27 @@ class StoreNode:
 
     # -- lifecycle ---------------------------------------------------------------------------
 
-    def start(self) -> None:
-        """Mount every tier with the master, then heartbeat on a background thread."""
-        self.mount()
+    def start(self, wait_s: float = 60.0) -> None:
+        """Mount every tier with the master, then heartbeat on a background thread. A
+        master that is not up yet (nodes may start with it) is waited for up to `wait_s`;
+        raises RpcTimeout after that, or the master's refusal at once."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                self.mount()
+                break
+            except RpcTimeout:
+                if time.monotonic() >= deadline:
+                    raise
+                log.info("store node %s: the master does not answer yet; retrying", self.node_id)
         self._thread.start()
 
-    def mount(self, is_remount: bool = False) -> None:
-        """Mount every tier; `is_remount`: to a master that forgot us (it restarted), so
-        clients may still hold grants of the previous one on this memory."""
-        for t in self.tiers.values():
+    def mount(self, is_remount: bool = False, segments: Collection[str] | None = None) -> None:
+        """Mount every tier, or those whose segment is in `segments`; `is_remount`: to a
+        master that forgot us (it restarted or expired us), so clients may still hold
+        grants of the previous registration on this memory."""
+        tiers = [t for t in self.tiers.values() if segments is None or t.segment in segments]
+        for t in tiers:
             engine = self._engine_of(t)
             region = engine.segments.get(t.segment)
             assert region is not None, t.segment
@@ -168,7 +182,7 @@ class StoreNode:
                 is_remount,
             )
             self.master.call(msg, AckMsg)
-        log.info("store node %s mounted %s", self.node_id, ", ".join(self.tiers))
+        log.info("store node %s mounted %s", self.node_id, ", ".join(t.tier for t in tiers))
 
     def stop(self) -> None:
         """Stop heartbeats, unmount every tier (best effort) and release memory and files."""
@@ -203,15 +217,31 @@ class StoreNode:
     # -- heartbeats and instructions ---------------------------------------------------------
 
     def heartbeat(self) -> int:
-        """One heartbeat; re-mounts when the master forgot us, then runs the instructions.
-        Returns how many there were."""
+        """One heartbeat; mounts again the segments the master no longer has (it expired or
+        forgot us), then runs the instructions. Returns how many there were."""
         reply = self.master.call(HeartbeatMsg(self.node_id), HeartbeatReplyMsg)
-        if not reply.is_known:
-            log.warning("master forgot store node %s; mounting again", self.node_id)
-            self.mount(is_remount=True)
+        missing = self.missing_segments(reply)
+        if missing:
+            # NOTE: mounted empty: the master dropped the objects that were in them
+            log.warning(
+                "master lost segments %s of store node %s; mounting them again (empty)",
+                ", ".join(missing),
+                self.node_id,
+            )
+            self.mount(is_remount=True, segments=missing)
         for ins in reply.instructions:
             self.carry_out(ins)
         return len(reply.instructions)
+
+    def missing_segments(self, reply: HeartbeatReplyMsg) -> list[str]:
+        """Our segments the master does not have mounted, as its heartbeat reply says.
+        The reply's list, not `is_known`: after a link outage the heartbeats queued during
+        it reach the master at once, and the reply to the first (is_known False) is dropped
+        as late, so `is_known` alone would leave the segments unmounted for good."""
+        if reply.mounted is None:  # an older master: only says whether it knew us
+            return [] if reply.is_known else [t.segment for t in self.tiers.values()]
+        have = set(reply.mounted)
+        return [t.segment for t in self.tiers.values() if t.segment not in have]
 
     def _loop(self) -> None:
         num_done = 0

@@ -137,6 +137,7 @@ class StoreStats(msgspec.Struct, frozen=True, kw_only=True):
     lost_objects: int  # objects gone with a node or segment
     replications: int = 0  # hot-spot copies to another node confirmed
     copies: int = 0  # copies to a lower tier made ahead of eviction (eviction.py)
+    node_capacity_bytes: dict[str, dict[str, int]] = {}  # node id -> tier -> bytes mounted
 
 
 @dataclass

@@ -26,6 +26,7 @@ def make_status(**changes: object) -> Status:
             node_id="prefill-0", role="prefill", address="10.0.0.11:7001", state="ready",
             gpus=H800, nics=["mlx5_0", "mlx5_1", "mlx5_2", "mlx5_3"], num_queued=3,
             num_running=1, load=0.62, last_seen_s=0.4, pipeline_group="pp0",
+            pool_bytes={"dram": 256 << 20},
         ),
         NodeStatus(
             node_id="prefill-1", role="prefill", address="10.0.0.12:7001", state="draining",
@@ -38,7 +39,7 @@ def make_status(**changes: object) -> Status:
         ),
         NodeStatus(
             node_id="store-0", role="store", address="10.0.0.31:7001", state="down",
-            last_seen_s=75.0,
+            last_seen_s=75.0, pool_bytes={"dram": 1 << 30, "ssd": 1 << 39},
         ),
     ]  # fmt: skip
     pool = [
@@ -52,6 +53,7 @@ def make_status(**changes: object) -> Status:
         num_completed=11800, rejected=150, num_failed=3, ttft_p50_s=1.2, ttft_p90_s=35.0,
         tbt_p50_s=0.05, tbt_p90_s=0.09, ttft_slo_s=30.0, tbt_slo_s=0.1,
         transfer_bytes_per_s=3.2e9, pool_hits=80000, pool_lookups=129000,
+        num_prompt_tokens=2110, num_cached_tokens=2080, cached_token_share=2080 / 2110,
     )  # fmt: skip
     fields.update(changes)
     return Status(**fields)  # type: ignore[arg-type]
@@ -61,6 +63,13 @@ def to_text(renderable: RenderableType, width: int) -> str:
     out = io.StringIO()
     Console(file=out, width=width, color_system=None, legacy_windows=False).print(renderable)
     return out.getvalue()
+
+
+def _node_rows(text: str) -> list[str]:
+    """The lines of the nodes table (the last part; "KV pool by node" names nodes too)."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("nodes ("))
+    return lines[start:]
 
 
 def flat(text: str) -> str:
@@ -74,6 +83,7 @@ def test_view_at_80_columns_fits_and_keeps_every_cell_whole() -> None:
     assert max(len(line) for line in lines) <= 80
     assert "mooncake prod-a  model llama2-70b  up 2h03m" in lines[0]
     rows = {line.split()[0]: line.split() for line in lines if line[:1].isalpha()}
+    rows |= {line.split()[0]: line.split() for line in _node_rows(text)}
     assert rows["prefill-0"] == [
         "prefill-0", "prefill", "10.0.0.11:7001", "ready", "8/4", "3/1", "██░░", "62%", "0.4s",
         "pp0",
@@ -89,7 +99,13 @@ def test_view_at_80_columns_fits_and_keeps_every_cell_whole() -> None:
         "vram", "dram", "ssd",
     ]  # fmt: skip
     body = flat(text)
-    assert "global 62.0% local-only 41.0% (80,000 of 129,000 blocks)" in body
+    assert "pool hits 62.0% of blocks in the pool at placement (80,000 of 129,000)" in body
+    assert "local hits 41.0% of blocks on the chosen node" in body
+    assert "cached tokens 98.6% of prompt tokens served from cache (2,080 of 2,110)" in body
+    # what each node gives the pool, every serving node listed ("-" for none)
+    assert "KV pool by node node dram ssd" in body
+    assert "decode-0 - - prefill-0 256.0 MiB -" in body
+    assert "store-0 1.0 GiB 512.0 GiB" in body
     assert "queues 5 queued 50 running" in body
     assert "TTFT P50 1.20 s P90 35.00 s SLO 30.00 s" in body
     assert "TBT P50 50 ms P90 90 ms SLO 100 ms" in body
@@ -100,24 +116,27 @@ def test_view_at_80_columns_fits_and_keeps_every_cell_whole() -> None:
 def test_view_at_120_columns_names_gpus_and_nics() -> None:
     text = to_text(render_status(make_status(), "http://10.0.0.1:8000", 120), 120)
     assert max(len(line) for line in text.splitlines()) <= 120
-    row = next(line for line in text.splitlines() if line.startswith("prefill-1"))
+    row = next(line for line in _node_rows(text) if line.startswith("prefill-1"))
     assert row.split()[:9] == [
         "prefill-1", "prefill", "10.0.0.12:7001", "draining", "8×", "H800", "80GiB",
         "mlx5_0,mlx5_1", "0/1",
     ]  # fmt: skip
-    prefill_0 = next(line for line in text.splitlines() if line.startswith("prefill-0"))
+    prefill_0 = next(line for line in _node_rows(text) if line.startswith("prefill-0"))
     assert "4 NICs" in prefill_0  # four names do not fit their column: a count instead
     assert "P90 35.00 s SLO 30.00 s" in flat(text)
 
 
 def test_view_before_any_request_shows_dashes_and_an_empty_pool() -> None:
     status = make_status(
-        pool=[], ttft_p50_s=None, ttft_p90_s=None, tbt_p50_s=None, tbt_p90_s=None, pool_lookups=0
-    )
+        pool=[], ttft_p50_s=None, ttft_p90_s=None, tbt_p50_s=None, tbt_p90_s=None, pool_lookups=0,
+        num_prompt_tokens=0, num_cached_tokens=0, cached_token_share=0.0,
+    )  # fmt: skip
     body = flat(to_text(render_status(status, "http://m:8000", 80), 80))
     assert "TTFT P50 - P90 - SLO 30.00 s" in body
     assert "no pool memory registered" in body
-    assert "global 62.0% local-only 41.0% queues" in body  # no block counts without lookups
+    # no counts before any lookup or prompt
+    assert "cached tokens 0.0% of prompt tokens served from cache pool hits" in body
+    assert "placement local hits 41.0% of blocks on the chosen node queues" in body
 
 
 def test_slo_verdict_is_within_at_or_below_the_slo_and_over_above_it() -> None:

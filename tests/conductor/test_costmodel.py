@@ -9,7 +9,9 @@ import pytest
 from mooncake.conductor import CostModel, CostModelError, roofline_cost_model
 from mooncake.conductor.costmodel import DEFAULT_SSD_READ_BYTES_PER_S
 from mooncake.conductor.network import NetworkState
-from mooncake.conductor.roofline import GPUS, PREFILL_MFU
+from mooncake.conductor.roofline import GPUS, PREFILL_MFU, master_cost_model
+from mooncake.config import Config
+from mooncake.engine.modelinfo import load_model_info
 from mooncake.errors import ConfigError
 from mooncake.modelspec import get_model_spec, list_model_specs
 
@@ -145,3 +147,58 @@ def test_a_cost_model_file_without_an_ssd_bandwidth_reads_with_the_default(tmp_p
     path.write_bytes(msgspec.json.encode(raw))
     with pytest.raises(CostModelError, match="ssd_read_bytes_per_s"):
         CostModel.load(path)
+
+
+def _hf_dir(tmp_path, layers: int, hidden: int) -> str:
+    """A Hugging Face-format directory whose shape is in no table (no weights read)."""
+    root = tmp_path / f"qwen-{layers}x{hidden}"
+    root.mkdir()
+    config = {
+        "model_type": "qwen2",
+        "num_hidden_layers": layers,
+        "hidden_size": hidden,
+        "num_attention_heads": 20,
+        "num_key_value_heads": 4,
+        "intermediate_size": 3 * hidden,
+        "vocab_size": 151936,
+        "torch_dtype": "bfloat16",
+    }
+    (root / "config.json").write_text(json.dumps(config))
+    (root / "model.safetensors").write_bytes(b"\0" * 64)
+    return str(root)
+
+
+def test_master_roofline_covers_every_loadable_model(tmp_path):
+    """The master's default cost model (no profile) exists for built-in names, `dummy:`
+    aliases and HF directories alike, on the detected GPU type or the H800 x8 default."""
+    cfg = Config()
+    for path in ("dummy:tiny", "dummy:small", "dummy:llama3-8b", _hf_dir(tmp_path, 40, 2560)):
+        info = load_model_info(path)
+        cost, source = master_cost_model(cfg, info, gpu_names=[])
+        assert cost.spec.model == info.spec.name and cost.prefill_time(4096) > 0
+        assert source.startswith(f"roofline of {info.spec.name} on H800 x8, the default")
+        assert cost.kv_bytes_per_token == info.spec.kv_bytes_per_token(2)  # bf16 on a GPU
+    info = load_model_info("dummy:tiny")
+    _, source = master_cost_model(cfg, info, gpu_names=["NVIDIA A100-SXM4-80GB"] * 2)
+    assert source == "roofline of dummy:tiny on A100 x2, detected on this host"
+    _, source = master_cost_model(cfg, info, gpu_names=["NVIDIA GeForce RTX 4090"])
+    assert "H800 x8, the default (NVIDIA GeForce RTX 4090 detected here" in source
+    # weights larger than the GPUs: tensor parallelism doubles until they fit
+    big = load_model_info(_hf_dir(tmp_path, 400, 16384))  # ~1.3e12 parameters
+    cost, source = master_cost_model(cfg, big, gpu_names=["NVIDIA H100 80GB HBM3"])
+    assert "; 1 GPUs cannot hold the weights, so 64 are assumed" in source
+    assert cost.kv_capacity_tokens > 0
+
+
+def test_master_cost_model_names_the_key_for_a_bad_profile(tmp_path):
+    cfg = msgspec.structs.replace(
+        Config(),
+        scheduler=msgspec.structs.replace(
+            Config().scheduler, cost_model_path=str(tmp_path / "none.json")
+        ),
+    )
+    with pytest.raises(ConfigError, match="^scheduler.cost_model_path: cannot read"):
+        master_cost_model(cfg, load_model_info("dummy:tiny"), gpu_names=[])
+    roofline_cost_model("llama3-8b", "A800").save(tmp_path / "none.json")
+    cost, source = master_cost_model(cfg, load_model_info("dummy:tiny"), gpu_names=[])
+    assert cost.spec.model == "llama3-8b" and source.startswith("profile ")

@@ -58,9 +58,9 @@ def test_overwrite_through_a_slot_replaces_the_old_value() -> None:
 
 def test_unused_slots_are_reclaimed_and_released_slots_freed(caplog) -> None:
     """A slot never committed is reclaimed after put_timeout_s like an unfinished put (one
-    info line per writer, not a warning per slot: holding space ahead is routine);
+    debug line per writer, not a warning per slot: holding space ahead is routine);
     release gives slots back at once; both free their space."""
-    caplog.set_level(logging.INFO, logger="mooncake.store.membership")
+    caplog.set_level(logging.DEBUG, logger="mooncake.store.membership")
     svc = make_service({"a": {"dram": 4096}}, put_timeout_s=5.0)
     first = svc.slots.reserve(256, 2, SPEC, now=0.0)
     second = svc.slots.reserve(256, 2, SPEC, now=4.0)
@@ -72,7 +72,7 @@ def test_unused_slots_are_reclaimed_and_released_slots_freed(caplog) -> None:
     assert set(svc.slots.specs) == {second[1].slot_id}
     assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
         ("WARNING", "reclaiming put of 'stuck' by 'w': never ended"),
-        ("INFO", "reclaimed 2 write slots 'w' left unused for put_timeout_s"),
+        ("DEBUG", "reclaimed 2 write slots 'w' left unused for 5 s"),
     ]
     assert svc.space.tier_used["dram"] == 256
     result, _ = svc.slots.commit("k", first[0].slot_id, "w", 6.0)
