@@ -6,13 +6,12 @@ allowed values and default: the loader (`mooncake.configload`) validates against
 (`mooncake.configdoc`). Runtime facts (hostname, detected GPUs and NICs) are not settings and
 live in the topology's `NodeInfo`, never here.
 
-    loaded = load_config(Path("mooncake.toml"))       # defaults < file < MOONCAKE_* < flags
+    loaded = configload.load_config(Path("mooncake.toml"))  # defaults < file < env < flags
     loaded.config.store.replicas, loaded.sources["store.replicas"]   # 2, "env:MOONCAKE_..."
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -94,6 +93,7 @@ class NodeConfig(msgspec.Struct, **_STRUCT):
     advertise_address: Annotated[
         str, knob('Address peers use to reach this node; "" = auto-detected at runtime.')
     ] = ""
+    port_range: Annotated[str, knob('Ports to listen on, "LOW-HIGH"; "" = any.', "portrange")] = ""
 
 
 _TIER = "bytes, or a percentage of what the topology reports free; 0 disables the tier"
@@ -144,7 +144,7 @@ class TransferConfig(msgspec.Struct, **_STRUCT):
 
     protocol: Annotated[
         Literal["auto", "rdma", "tcp", "shm"],
-        knob("Transport; auto = RDMA if a NIC is usable, shm on the same host, else TCP."),
+        knob("Transport; auto: shm if the peer shares /dev/shm, else RDMA if usable, else TCP."),
     ] = "auto"
     nics: Annotated[
         tuple[str, ...],
@@ -230,6 +230,9 @@ class PrefillConfig(msgspec.Struct, **_STRUCT):
             gt=0,
         ),
     ] = 2.0
+    stage_timeout_s: Annotated[
+        float, knob("Leader's wait (s) per chunk on its next stage, then the task moves on.", gt=0)
+    ] = 30.0
 
 
 class DecodeConfig(msgspec.Struct, **_STRUCT):
@@ -365,32 +368,3 @@ class Config(msgspec.Struct, **_STRUCT):
     scheduler: SchedulerConfig = SchedulerConfig()
     api: ApiConfig = ApiConfig()
     metrics: MetricsConfig = MetricsConfig()
-
-
-class LoadedConfig(msgspec.Struct, frozen=True):
-    """A validated Config and where each value came from."""
-
-    config: Config
-    sources: dict[str, str]  # "store.replicas" -> "default" | "file:PATH" | "env:VAR" | "flag"
-
-
-def load_config(
-    path: Path | str | None = None,
-    env: Mapping[str, str] | None = None,
-    overrides: Mapping[str, object] | None = None,
-) -> LoadedConfig:
-    """Defaults < TOML file at `path` < `MOONCAKE_<SECTION>_<KEY>` in `env` (None = os.environ)
-    < `overrides` (dotted keys, typed or string values, e.g. from --set). Reads the file; raises
-    ConfigError listing every problem found."""
-    from mooncake.configload import load
-
-    return load(path, env, overrides)
-
-
-def parse_set_option(text: str) -> tuple[str, str]:
-    """("store.replicas", "2") from a `--set store.replicas=2` flag; ConfigError if malformed."""
-    key, sep, value = text.partition("=")
-    key = key.strip()
-    if not sep or key.count(".") != 1 or not all(key.split(".")):
-        raise ConfigError(f"--set {text}: expected SECTION.KEY=VALUE, e.g. store.replicas=2")
-    return key, value.strip()

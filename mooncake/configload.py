@@ -16,9 +16,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from mooncake.config import MIN_SECRET_LEN, Config, LoadedConfig
+import msgspec
+
+from mooncake.config import MIN_SECRET_LEN, Config
 from mooncake.configdoc import ALL_FIELDS, FIELDS, SECTIONS, FieldSpec
 from mooncake.errors import ConfigError
+from mooncake.portrange import PortRange
 from mooncake.sizes import Size, parse_size
 
 _TRUE = ("true", "1", "yes", "on")
@@ -120,6 +123,11 @@ def _check(spec: FieldSpec, value: Any) -> None:
             raise _Bad("")
     if spec.tag == "modelpath" and (not value or value == "dummy:"):
         raise _Bad("")
+    if spec.tag == "portrange":
+        try:
+            PortRange.parse(value)
+        except ConfigError:
+            raise _Bad("") from None
 
 
 def _suggest(word: str, options: Any, fmt: str = "{}") -> str:
@@ -264,12 +272,21 @@ def typed_override(dotted: str, value: object) -> object:
     return list(typed) if isinstance(typed, tuple) else typed
 
 
-def load(
-    path: Path | str | None,
-    env: Mapping[str, str] | None,
-    overrides: Mapping[str, object] | None,
+class LoadedConfig(msgspec.Struct, frozen=True):
+    """A validated Config and where each value came from."""
+
+    config: Config
+    sources: dict[str, str]  # "store.replicas" -> "default" | "file:PATH" | "env:VAR" | "flag"
+
+
+def load_config(
+    path: Path | str | None = None,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, object] | None = None,
 ) -> LoadedConfig:
-    """See `mooncake.config.load_config`."""
+    """Defaults < TOML file at `path` < `MOONCAKE_<SECTION>_<KEY>` in `env` (None = os.environ)
+    < `overrides` (dotted keys, typed or string values, e.g. from --set). Reads the file; raises
+    ConfigError listing every problem found."""
     layers = _Layers()
     if path is not None:
         layers.read_file(Path(path))
@@ -279,3 +296,12 @@ def load(
     if layers.errors:
         raise ConfigError(layers.errors)
     return LoadedConfig(config=layers.build(), sources=layers.sources)
+
+
+def parse_set_option(text: str) -> tuple[str, str]:
+    """("store.replicas", "2") from a `--set store.replicas=2` flag; ConfigError if malformed."""
+    key, sep, value = text.partition("=")
+    key = key.strip()
+    if not sep or key.count(".") != 1 or not all(key.split(".")):
+        raise ConfigError(f"--set {text}: expected SECTION.KEY=VALUE, e.g. store.replicas=2")
+    return key, value.strip()

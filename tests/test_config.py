@@ -7,15 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from mooncake.config import (
-    Config,
-    StoreConfig,
-    TransferConfig,
-    load_config,
-    parse_set_option,
-)
+from mooncake.config import Config, StoreConfig, TransferConfig
 from mooncake.configdoc import ALL_FIELDS, FIELDS, render_example
+from mooncake.configload import load_config, parse_set_option
 from mooncake.errors import ConfigError
+from mooncake.portrange import PortRange, node_ports
 from mooncake.sizes import Size, parse_size
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "mooncake.toml.example"
@@ -195,6 +191,11 @@ def test_parse_set_option() -> None:
             "cluster.secret_file: set either cluster.secret or cluster.secret_file, not both",
         ),
         ("[store\n", "invalid TOML: Expected ']' at the end of a table declaration (at line 1"),
+        ('[node]\nport_range = "7000"', 'node.port_range: expected "LOW-HIGH" with 1 <= LOW'),
+        ('[node]\nport_range = "7010-7000"', 'node.port_range: expected "LOW-HIGH"'),
+        ('[node]\nport_range = "0-10"', 'node.port_range: expected "LOW-HIGH"'),
+        ('[node]\nport_range = "65000-70000"', 'got "65000-70000"'),
+        ('[node]\nport_range = "a-b"', 'node.port_range: expected "LOW-HIGH"'),
     ],
 )
 def test_error_messages_name_the_key_and_the_allowed_values(
@@ -306,3 +307,14 @@ def test_configs_are_frozen() -> None:
     with pytest.raises(AttributeError):
         Config().store.replicas = 2
     assert StoreConfig(replicas=2).replicas == 2 and TransferConfig().protocol == "auto"
+
+
+def test_port_range_parses_and_defaults_to_any_port(tmp_path: Path) -> None:
+    assert Config().node.port_range == ""
+    assert node_ports(Config()) == PortRange() and PortRange().is_any
+    loaded = load_config(None, {"MOONCAKE_NODE_PORT_RANGE": "7000-7019"})
+    assert node_ports(loaded.config) == PortRange(7000, 7019)
+    assert list(PortRange.parse("1-1").ports()) == [1]
+    assert PortRange.parse("65535-65535") == PortRange(65535, 65535)
+    with pytest.raises(ConfigError, match="node.port_range: .* got '9-1'"):
+        PortRange.parse("9-1")

@@ -16,7 +16,7 @@ NodeState = Literal["starting", "ready", "draining", "failed", "down"]  # as the
 class NodeStatus(msgspec.Struct, frozen=True, kw_only=True):
     node_id: str
     role: str  # master | prefill | decode | store
-    address: str  # host:port of its control endpoint
+    address: str  # host:port of its control endpoint (a store node: of its data plane)
     state: NodeState
     gpus: list[str] = []  # e.g. "NVIDIA H800 80GiB"; [] on a CPU node
     nics: list[str] = []  # RDMA NICs, e.g. "mlx5_0"; [] when none
@@ -26,6 +26,7 @@ class NodeStatus(msgspec.Struct, frozen=True, kw_only=True):
     last_seen_s: float = 0.0  # seconds since its last heartbeat
     pipeline_group: str = ""  # prefill pipeline group this node belongs to, "" if none
     pool_bytes: dict[str, int] = {}  # tier -> bytes this node has mounted in the pool now
+    transfer_bytes: dict[str, int] = {}  # transport (shm, tcp, rdma) -> bytes it moved
 
 
 class TierStatus(msgspec.Struct, frozen=True, kw_only=True):
@@ -66,6 +67,11 @@ class Status(msgspec.Struct, frozen=True, kw_only=True):
     num_prompt_tokens: int = 0  # prompt tokens of the requests the API answered since start
     num_cached_tokens: int = 0  # of those, reported as cached (KV reused, not computed)
     cached_token_share: float = 0.0  # num_cached_tokens / num_prompt_tokens (0 before any)
+
+
+def host_port(address: str) -> str:
+    """An address as status shows it: "tcp://10.0.0.1:7001" -> "10.0.0.1:7001"."""
+    return address.split("://", 1)[-1]
 
 
 def encode_status(status: Status) -> bytes:

@@ -26,7 +26,7 @@ SET_HELP = (
 def _load(file: Path | None, sets: list[str]) -> Any:
     """LoadedConfig from FILE, os.environ and --set; on ConfigError prints every problem and
     exits 2."""
-    from mooncake.config import load_config, parse_set_option
+    from mooncake.configload import load_config, parse_set_option
     from mooncake.errors import ConfigError
 
     try:

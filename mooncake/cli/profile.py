@@ -57,7 +57,7 @@ def profile(
     import torch
 
     from mooncake.cli.output import console, err_console, print_json
-    from mooncake.config import load_config
+    from mooncake.configload import load_config
     from mooncake.engine.kvobject import DTYPE_BYTES
     from mooncake.engine.modelinfo import load_model_info, resolve_dtype
     from mooncake.engine.profiling import profile_cost_model

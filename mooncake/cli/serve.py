@@ -76,7 +76,7 @@ def serve(
     from mooncake.api.stats import RequestStats
     from mooncake.api.status import Status
     from mooncake.cli.output import console
-    from mooncake.config import load_config, parse_set_option
+    from mooncake.configload import load_config, parse_set_option
     from mooncake.errors import ConfigError
     from mooncake.sizes import parse_size
     from mooncake.store.metrics import MetricsServer

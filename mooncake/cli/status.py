@@ -46,7 +46,7 @@ def find_master(url: str, config: Path | None, api_key: str | None) -> Master:
             raise ConfigError(f"--url: expected http://HOST:PORT or https://..., got {url!r}")
         found = Master(url.rstrip("/"), "", "--url")
     elif config is not None:
-        from mooncake.config import load_config
+        from mooncake.configload import load_config
 
         cfg = load_config(config).config
         api = cfg.api

@@ -145,6 +145,8 @@ def nodes_table(nodes: list[NodeStatus], width: int) -> Table:
     from rich.markup import escape
     from rich.text import Text
 
+    from mooncake.api.status import host_port
+
     is_wide = width >= WIDE
     table = _table(f"nodes ({len(nodes)})", is_wide)
     for name in ("node", "role", "address"):
@@ -165,7 +167,7 @@ def nodes_table(nodes: list[NodeStatus], width: int) -> Table:
         table.add_row(
             escape(n.node_id),
             escape(n.role),
-            escape(n.address),
+            escape(host_port(n.address)) or "-",
             Text(n.state, style=STATE_STYLE.get(n.state, "")),
             *(hardware or [_counts(n.gpus, n.nics)]),
             f"{n.num_queued}/{n.num_running}",
@@ -212,6 +214,33 @@ def pool_nodes_table(status: Status, width: int) -> Table | None:
         table.add_column(t, justify="right", no_wrap=True)
     for n in rows:
         cells = [human_bytes(n.pool_bytes[t]) if t in n.pool_bytes else "-" for t in tiers]
+        table.add_row(escape(n.node_id), *cells)
+    return table
+
+
+TRANSPORT_ORDER = ("shm", "rdma", "tcp", "local")
+
+
+def transfers_table(status: Status, width: int) -> Table | None:
+    """Bytes each node moved per transport since it started (None before any moved): shm
+    means peers on this host were reached through shared memory, not the network."""
+    from rich.markup import escape
+
+    movers = sorted(
+        (n for n in status.nodes if any(n.transfer_bytes.values())), key=lambda n: n.node_id
+    )
+    if not movers:
+        return None
+    used = {t for n in movers for t, b in n.transfer_bytes.items() if b}
+    names = [t for t in TRANSPORT_ORDER if t in used] + sorted(used - set(TRANSPORT_ORDER))
+    table = _table("KV moved by node", width >= WIDE)
+    table.add_column("node", no_wrap=True, overflow="ellipsis")
+    for t in names:
+        table.add_column(escape(t), justify="right", no_wrap=True)
+    for n in movers:
+        cells = [
+            human_bytes(n.transfer_bytes[t]) if n.transfer_bytes.get(t) else "-" for t in names
+        ]
         table.add_row(escape(n.node_id), *cells)
     return table
 
@@ -278,6 +307,9 @@ def render_status(status: Status, url: str, width: int) -> RenderableType:
     by_node = pool_nodes_table(status, width)
     if by_node is not None:
         pool += [Text(), by_node]
+    moved = transfers_table(status, width)
+    if moved is not None:
+        pool += [Text(), moved]
     if width >= SIDE_BY_SIDE:
         side = Table.grid(padding=(0, 4))
         side.add_row(metrics_table(status), Group(*pool))

@@ -74,7 +74,7 @@ def up(
     to send OpenAI-compatible requests to; a node of it that exits is restarted (see
     --restart-limit). Ctrl-C stops every process."""
     if local:
-        from mooncake.config import parse_set_option
+        from mooncake.configload import parse_set_option
         from mooncake.roles.local import LocalPlan
         from mooncake.roles.runfile import default_run_dir
 

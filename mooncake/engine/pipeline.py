@@ -13,19 +13,31 @@ the KV of its own layers itself (`PrefillRunner`'s layer-wise load and store).
 
 A later stage that cannot validate the reused blocks the first stage chose answers ERROR
 with how many were good; the driver prefills once more with that much reuse.
+
+Deadline: a later stage answers only after the prompt's END, when it has run every chunk
+still queued on it, so the driver waits up to `stage_timeout_s` per chunk for the first
+answer frame and `stage_timeout_s` for each one after; past that it raises
+`StageTimeoutError` (a stopped or cut-off stage never closes the link by itself).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
 from torch import Tensor
 
 from mooncake.engine.prefill import PrefillResult, PrefillRunner, PrefillState, ReuseMismatchError
-from mooncake.engine.stagelink import RETURN_KV, BaseStageLink, FrameKind, StageFrame
+from mooncake.engine.stagelink import (
+    RETURN_KV,
+    BaseStageLink,
+    FrameKind,
+    StageFrame,
+    StageTimeoutError,
+)
 from mooncake.errors import TransferError
 
 log = logging.getLogger(__name__)
@@ -40,25 +52,35 @@ def prefill_pipelined(
     req_id: int = 0,
     return_remote_kv: bool = False,
     store_remote_kv: bool = False,
+    stage_timeout_s: float | None = None,
     **start_kw: Any,
 ) -> PrefillResult:
     """Prefill a prompt through the stages behind `link`; `runner` is the first stage.
     Returns the last token's logits, this stage's blocks and (if asked) later stages' KV.
     `store_remote_kv`: later stages have no sink of their own; their layers come back to
-    this stage and go into this stage's sink with its own (whole-model objects)."""
+    this stage and go into this stage's sink with its own (whole-model objects).
+    `stage_timeout_s`: the answer's deadline per chunk (module docstring), None = no
+    deadline; raises StageTimeoutError past it (this stage's blocks are freed)."""
     want_kv = return_remote_kv or store_remote_kv
+    args = (runner, token_ids, link, req_id, want_kv, store_remote_kv, stage_timeout_s)
     try:
-        return _prefill_once(runner, token_ids, link, req_id, want_kv, store_remote_kv, start_kw)
+        return _prefill_once(*args, start_kw)
     except ReuseMismatchError as e:
         log.warning("req %d: %s; prefilling again with less reuse", req_id, e)
         start_kw["max_reuse_blocks"] = e.num_good_blocks
-        return _prefill_once(runner, token_ids, link, req_id, want_kv, store_remote_kv, start_kw)
+        return _prefill_once(*args, start_kw)
 
 
 def _prefill_once(
-    runner: PrefillRunner, token_ids: Sequence[int], link: BaseStageLink, req_id: int,
-    return_remote_kv: bool, store_remote_kv: bool, start_kw: dict[str, Any],
-) -> PrefillResult:  # fmt: skip
+    runner: PrefillRunner,
+    token_ids: Sequence[int],
+    link: BaseStageLink,
+    req_id: int,
+    return_remote_kv: bool,
+    store_remote_kv: bool,
+    timeout_s: float | None,
+    start_kw: dict[str, Any],
+) -> PrefillResult:
     st = runner.start(token_ids, req_id=req_id, **start_kw)
     n, chunk = len(st.token_ids), runner.chunk_tokens
     try:
@@ -68,12 +90,16 @@ def _prefill_once(
                 FrameKind.BEGIN, req_id, start=st.compute_start, count=flags, tensor=st.tokens
             )
         )
+        num_chunks = 0
         for i, start in enumerate(range(st.compute_start, n, chunk)):
             end = min(start + chunk, n)
             h = runner.run_chunk(st, start, end)
             link.send(StageFrame(FrameKind.CHUNK, req_id, i, start, end - start, h))
+            num_chunks += 1
         link.send(StageFrame(FrameKind.END, req_id))
-        st.logits, remote = _collect(runner, link, req_id, return_remote_kv)
+        st.logits, remote = _collect(
+            runner, link, req_id, return_remote_kv, timeout_s, max(1, num_chunks)
+        )
         if store_remote_kv:
             runner.store_layers(st, remote)
         result = runner.finish(st)
@@ -85,17 +111,28 @@ def _prefill_once(
 
 
 def _collect(
-    runner: PrefillRunner, link: BaseStageLink, req_id: int, want_kv: bool
+    runner: PrefillRunner,
+    link: BaseStageLink,
+    req_id: int,
+    want_kv: bool,
+    timeout_s: float | None,
+    num_chunks: int,
 ) -> tuple[Tensor, dict[int, tuple[Tensor, Tensor]]]:
-    """Read the later stages' answer: RESULT logits (and KV frames when asked)."""
+    """Read the later stages' answer: RESULT logits (and KV frames when asked), the first
+    frame within `timeout_s` per chunk sent, each later one within `timeout_s`."""
     later = [
         layer for layer in range(runner.layout.num_layers) if layer not in runner.model.layer_ids
     ]
     expected = {(layer, half) for layer in later for half in (0, 1)} if want_kv else set()
     parts: dict[tuple[int, int], Tensor] = {}
     logits: Tensor | None = None
+    wait_s = None if timeout_s is None else timeout_s * num_chunks
+    deadline = None if wait_s is None else time.monotonic() + wait_s
     while logits is None or expected - parts.keys():
-        frame = link.recv()
+        frame = _recv_by(link, deadline, req_id, wait_s)
+        if frame is not None and frame.req_id == req_id and timeout_s is not None:
+            wait_s = timeout_s  # NOTE: only our own frames extend the deadline
+            deadline = time.monotonic() + timeout_s
         if frame is None:
             raise TransferError(f"req {req_id}: the next pipeline stage closed the link")
         if frame.req_id != req_id:
@@ -112,6 +149,20 @@ def _collect(
             parts[(frame.index, frame.start)] = frame.tensor
     layers = sorted({layer for layer, _ in parts})
     return logits, {layer: (parts[(layer, 0)], parts[(layer, 1)]) for layer in layers}
+
+
+def _recv_by(
+    link: BaseStageLink, deadline: float | None, req_id: int, wait_s: float | None
+) -> StageFrame | None:
+    if deadline is None:
+        return link.recv()
+    try:
+        return link.recv(timeout=max(0.0, deadline - time.monotonic()))
+    except StageTimeoutError as e:
+        raise StageTimeoutError(
+            f"req {req_id}: the next pipeline stage did not answer within {wait_s:g} s "
+            "([prefill] stage_timeout_s per chunk): it is stopped, overloaded or cut off"
+        ) from e
 
 
 class StageServer:

@@ -42,6 +42,7 @@ from torch import Tensor
 
 from mooncake.engine import stageauth
 from mooncake.errors import AuthError, ProtocolError, TransferError
+from mooncake.portrange import PortRange, listen
 from mooncake.transfer import wire
 
 log = logging.getLogger(__name__)
@@ -95,6 +96,10 @@ class StageFrame:
         return bytes(self.tensor.numpy()).decode(errors="replace")
 
 
+class StageTimeoutError(TransferError):
+    """No frame within the deadline (a stopped peer closes nothing): the link is broken."""
+
+
 class BaseStageLink(ABC):
     """A bidirectional frame channel to the neighbouring stage."""
 
@@ -105,7 +110,8 @@ class BaseStageLink(ABC):
 
     @abstractmethod
     def recv(self, timeout: float | None = None) -> StageFrame | None:
-        """The next frame, or None once the peer closed. Raises TransferError on timeout."""
+        """The next frame, or None once the peer closed. Raises StageTimeoutError when none
+        came within `timeout` seconds, TransferError when the link failed."""
 
     @abstractmethod
     def close(self) -> None:
@@ -129,7 +135,7 @@ class LocalStageLink(BaseStageLink):
         try:
             return self._inbox.get(timeout=timeout)
         except queue.Empty as e:
-            raise TransferError(f"no frame from the next stage within {timeout} s") from e
+            raise StageTimeoutError(f"no frame from the next stage within {timeout} s") from e
 
     def close(self) -> None:
         self._outbox.put(None)
@@ -270,7 +276,7 @@ class TcpStageLink(BaseStageLink):
         try:
             item = self._in.get(timeout=timeout)
         except queue.Empty as e:
-            raise TransferError(f"no frame from the pipeline peer within {timeout} s") from e
+            raise StageTimeoutError(f"no frame from the pipeline peer within {timeout} s") from e
         if isinstance(item, BaseException):
             self._in.put(item)  # every later recv fails the same way
             raise TransferError(f"stage link failed: {item}") from item
@@ -278,11 +284,14 @@ class TcpStageLink(BaseStageLink):
             self._in.put(None)
         return item
 
-    def close(self) -> None:
+    def close(self, timeout: float | None = None) -> None:
+        """Flush queued frames and close; a peer that has not taken them all within
+        `timeout` seconds (stopped, or its network dark) is cut off as by `abort`."""
         self._out.put(None)
-        self._sender.join()
+        self._sender.join(timeout)
         with contextlib.suppress(OSError):  # wakes our reader (a close alone would not)
-            self._sock.shutdown(socket.SHUT_RDWR)
+            self._sock.shutdown(socket.SHUT_RDWR)  # and a sender stuck past `timeout`
+        self._sender.join()
         self._sock.close()
 
     def abort(self) -> None:
@@ -304,7 +313,7 @@ class StageListener:
         self,
         secret: bytes,
         host: str = "127.0.0.1",
-        port: int = 0,
+        port: int | PortRange = 0,  # a range: its first free port ([node] port_range)
         *,
         handshake_timeout_s: float = wire.HANDSHAKE_TIMEOUT_S,
         max_handshakes_per_peer: int = wire.MAX_HANDSHAKES_PER_PEER,
@@ -312,7 +321,7 @@ class StageListener:
         stageauth.check_secret(secret)
         self._secret, self.handshake_timeout_s = secret, handshake_timeout_s
         self._slots = wire.HandshakeSlots(max_handshakes_per_peer)
-        self._sock = socket.create_server((host, port))
+        self._sock = listen(host, port)
         self.port: int = self._sock.getsockname()[1]
         self._links: queue.SimpleQueue[TcpStageLink | None] = queue.SimpleQueue()  # None: closed
         self._closed = False

@@ -152,7 +152,9 @@ class ClusterBackend(BaseBackend):
             self.on_replicate(order)
         if not d.is_accepted:
             if d.reason == "no_instance":
-                raise NoInstance("no prefill group or decode node is ready; retry shortly")
+                with self.lock:
+                    missing = self.registry.missing() or "ready nodes are not scheduled yet"
+                raise NoInstance(f"{missing}; retry shortly")
             raise Rejected(f"the cluster is overloaded ({d.reason}); retry later",
                            retry_after_s=2.0)  # fmt: skip
         return d
@@ -374,9 +376,9 @@ class ClusterBackend(BaseBackend):
         with self.lock:
             leaders = self.registry.schedulable_leaders()
             decoders = self.registry.ready_decoders()
-        if not leaders or not decoders:
-            missing = "prefill group" if not leaders else "decode node"
-            raise MooncakeError(f"no {missing} is ready to take requests")
+            missing = self.registry.missing()
+        if missing:
+            raise MooncakeError(missing)
         return {
             "status": "ok",
             "num_prefill_groups": len(leaders),

@@ -24,6 +24,7 @@ import msgspec
 
 from mooncake.config import ClusterConfig, Config
 from mooncake.errors import ConfigError, MooncakeError
+from mooncake.portrange import PortRange, node_ports
 from mooncake.roles import sdnotify
 from mooncake.roles.messages import (
     AckMsg,
@@ -57,6 +58,11 @@ class NodeContext:
     @property
     def master_rpc(self) -> str:
         return f"tcp://{self.config.cluster.master}"
+
+    @property
+    def ports(self) -> PortRange:
+        """Where every listener of this node binds ([node] port_range)."""
+        return node_ports(self.config)
 
     @property
     def gpu_names(self) -> list[str]:

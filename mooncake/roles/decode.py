@@ -100,7 +100,7 @@ class DecodeNode:
             step_time_fn=step_fn, chunk_tokens=cfg.prefill.chunk_tokens,
             on_retire=self._store_output_kv,
         )  # fmt: skip
-        self.server = RpcServer(f"tcp://{ctx.host}:0", ctx.secret, name="decode")
+        self.server = RpcServer(f"tcp://{ctx.host}:0", ctx.secret, name="decode", ports=ctx.ports)
         self.server.register(DecodeReserveMsg, self._on_reserve)
         self.server.register(DecodeSubmitMsg, self._on_submit)
         self.server.register(DecodeReleaseMsg, self._on_release)
@@ -201,6 +201,7 @@ class DecodeNode:
             num_queued=len(r.waiting), num_running=len(r.running),
             load=len(r.running) / r.max_batch,
             context_tokens=sum(len(s.token_ids) for s in r.running),
+            transfer_bytes=self.store.engine.bytes_by_transport(),
         )  # fmt: skip
 
     # -- the step loop --

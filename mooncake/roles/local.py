@@ -30,8 +30,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mooncake.config import Config, load_config
-from mooncake.configload import typed_override
+from mooncake.config import Config
+from mooncake.configload import load_config, typed_override
 from mooncake.errors import MooncakeError
 from mooncake.native.shm import sweep_stale
 from mooncake.roles.runfile import (

@@ -21,7 +21,7 @@ from prometheus_client import CollectorRegistry
 from mooncake.api.app import create_app
 from mooncake.api.server import ApiServer
 from mooncake.api.stats import RequestStats
-from mooncake.api.status import NodeStatus, Status, TierStatus
+from mooncake.api.status import NodeStatus, Status, TierStatus, host_port
 from mooncake.conductor import Conductor, ReplicationOrder
 from mooncake.conductor.index import StoreEvent as IndexEvent
 from mooncake.conductor.roofline import master_cost_model
@@ -31,6 +31,7 @@ from mooncake.engine.modelinfo import ModelInfo, load_model_info
 from mooncake.engine.tokenizer import create_tokenizer
 from mooncake.errors import ConfigError
 from mooncake.hashing import PrefixHasher
+from mooncake.portrange import node_ports
 from mooncake.roles import sdnotify
 from mooncake.roles.cluster import ClusterBackend
 from mooncake.roles.cluster_metrics import ClusterCollector
@@ -97,7 +98,8 @@ class Master:
         self.fingerprint = ""  # hex, from the first engine node
         self.store = StoreService(self.secret, MetadataConfig.from_store_config(cfg.store),
                                   address=f"tcp://{cfg.cluster.master}", tick_s=0.1,
-                                  on_events=self._on_store_events)  # fmt: skip
+                                  on_events=self._on_store_events,
+                                  direct_port=node_ports(cfg))  # fmt: skip
         srv = self.store.server
         srv.register(RegisterMsg, self._on_register)
         srv.register(NodeHeartbeatMsg, self._on_heartbeat)
@@ -291,7 +293,7 @@ class Master:
                 NodeStatus(
                     node_id=r.node_id,
                     role=r.role,
-                    address=r.info.rpc_address,
+                    address=host_port(r.info.rpc_address or r.info.data_address),
                     state=r.state,
                     gpus=r.info.gpus,
                     nics=r.info.nics,
@@ -301,11 +303,12 @@ class Master:
                     last_seen_s=now - r.last_seen_s,
                     pipeline_group=r.group_id,
                     pool_bytes=st.node_capacity_bytes.get(r.node_id, {}),
+                    transfer_bytes=r.load.transfer_bytes,
                 )  # fmt: skip
                 for r in sorted(self.registry.nodes.values(), key=lambda r: (r.role, r.node_id))
             ]
         nodes.insert(0, NodeStatus(node_id="master", role="master", state="ready",
-                                   address=self.config.cluster.master))  # fmt: skip
+                                   address=host_port(self.config.cluster.master)))  # fmt: skip
         pool = [
             TierStatus(
                 tier=t,

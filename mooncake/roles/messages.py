@@ -39,6 +39,7 @@ class NodeInfoMsg(Msg, frozen=True, tag="node.info"):
     stage: int = -1  # prefill: its stage in that group (its layers are loaded)
     group_size: int = 0  # prefill: stages in that group
     incarnation: str = ""  # random per node process: a new one = the node restarted
+    data_address: Addr = ""  # host:port of its Transfer Engine's data plane ("" = none)
 
 
 class RegisterMsg(Msg, frozen=True, tag="node.register"):
@@ -76,6 +77,7 @@ class NodeLoadMsg(Msg, frozen=True, tag="node.load"):
     num_running: int = 0
     load: float = 0.0  # 0..1
     context_tokens: int = 0  # decode: tokens of KV held by running requests
+    transfer_bytes: dict[str, int] = {}  # transport (shm, tcp, rdma) -> bytes it moved
 
 
 class NodeHeartbeatMsg(Msg, frozen=True, tag="node.heartbeat"):

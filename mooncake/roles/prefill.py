@@ -12,12 +12,14 @@ serve their upstream link. Per task on the leader:
     report          started / finished / failed events to the master
 
 A leader of a group of 2+ holds a link to stage 1 (`_keep_group`). When it breaks (stage
-1 died), the leader reports "starting" at once, so the master stops placing on the group,
-and only then reports the task it was running and those it holds as failed before any
-KV reached a decode node (the master may place them again). It asks the master where
+1 died, or stayed silent past `[prefill] stage_timeout_s` per chunk: stopped, or its
+network dark), the leader reports "starting" at once, so the master stops placing on the
+group, and only then reports the task it was running and those it holds as failed before
+any KV reached a decode node (the master may place them again). It asks the master where
 stage 1 listens now and dials it, backing off, until the restarted stage answers: then
 it is ready again. A later stage serves one upstream link at a time; a new one (its
-leader restarted, or dialled again) replaces it.
+leader restarted, or dialled again) replaces it, and the requests the old one left half
+done give their KV blocks back.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import msgspec
 from mooncake.engine.kvhandoff import place_cache_in_segments
 from mooncake.engine.pipeline import StageServer, prefill_pipelined
 from mooncake.engine.prefill import PrefillRunner
-from mooncake.engine.stagelink import StageListener, TcpStageLink
+from mooncake.engine.stagelink import StageListener, StageTimeoutError, TcpStageLink
 from mooncake.errors import MooncakeError, TransferError
 from mooncake.roles.common import MasterLink, NodeContext, install_signal_handlers, report_ready
 from mooncake.roles.handoff import DecodeHandoff, DecodeUnreachable
@@ -68,7 +70,7 @@ class PrefillNode:
         self.queued: set[int] = set()  # req ids in `tasks`
         self.aborted: set[int] = set()  # of those, the ones to skip
         self.busy = False
-        self.server = RpcServer(f"tcp://{ctx.host}:0", ctx.secret, name="prefill")
+        self.server = RpcServer(f"tcp://{ctx.host}:0", ctx.secret, name="prefill", ports=ctx.ports)
         self.server.register(PrefillTaskMsg, self._on_task)
         self.server.register(PrefillAbortMsg, self._on_abort)
         self.server.start()
@@ -102,7 +104,7 @@ class PrefillNode:
             self.listener = StageListener(
                 ctx.secret,
                 ctx.host,
-                0,
+                ctx.ports,
                 handshake_timeout_s=t.handshake_timeout_s,
                 max_handshakes_per_peer=t.max_handshakes_per_peer,
             )
@@ -139,7 +141,14 @@ class PrefillNode:
 
     def _load(self) -> NodeLoadMsg:
         q = self.tasks.qsize()
-        return NodeLoadMsg(num_queued=q, num_running=int(self.busy), load=float(self.busy))
+        # NOTE: heartbeats begin while the model loads, before the pool (and its engine) is up
+        store = getattr(self, "store", None)
+        return NodeLoadMsg(
+            num_queued=q,
+            num_running=int(self.busy),
+            load=float(self.busy),
+            transfer_bytes=store.engine.bytes_by_transport() if store is not None else {},
+        )
 
     # -- serving --
     def serve(self) -> None:
@@ -309,12 +318,21 @@ class PrefillNode:
         if len(prompt) == 0:
             result = None  # one-token prompt: the decode node computes it
         elif link is not None:
+            timeout_s = self.ctx.config.prefill.stage_timeout_s
             try:
                 result = prefill_pipelined(
-                    self.runner, prompt, link, req_id=task.req_id, store_remote_kv=True, **kw
+                    self.runner,
+                    prompt,
+                    link,
+                    req_id=task.req_id,
+                    store_remote_kv=True,
+                    stage_timeout_s=timeout_s,
+                    **kw,
                 )
             except TransferError as e:
-                if link.ended.is_set():  # the link broke under it: not this request's fault
+                # NOTE: a stage that went silent (stopped, its network dark) never closes
+                # the link: past its deadline it counts as broken, as a closed one does
+                if link.ended.is_set() or isinstance(e, StageTimeoutError):
                     self._lose_next_link(link)
                     raise GroupBroken(f"the link to stage 1 broke: {e}") from e
                 raise
@@ -347,8 +365,8 @@ class PrefillNode:
 
     def close(self) -> None:
         self.link.deregister()
-        if self.next_link is not None:
-            self.next_link.close()
+        if self.next_link is not None:  # NOTE: a stopped stage 1 must not hold up our exit
+            self.next_link.close(self.ctx.config.prefill.stage_timeout_s)
         if self.listener is not None:
             self.listener.close()
         self.server.stop()

@@ -168,3 +168,28 @@ class Registry:
 
     def ready_decoders(self) -> set[str]:
         return {r.node_id for r in self.nodes.values() if r.role == "decode" and r.state == "ready"}
+
+    def missing(self) -> str:
+        """What keeps a request from being placed: no schedulable prefill group, no ready
+        decode node, or both; "" when neither is missing."""
+        out = []
+        if not self.schedulable_leaders():
+            num = sum(r.role == "prefill" for r in self.nodes.values())
+            waits = [
+                f"{g.group_id} waits for {self._first_unready(g)}" for g in self.groups.values()
+            ]
+            detail = "; ".join([f"{num} prefill node{'' if num == 1 else 's'} registered", *waits])
+            out.append(f"no prefill group is ready ({detail})")
+        if not self.ready_decoders():
+            num = sum(r.role == "decode" for r in self.nodes.values())
+            out.append(f"no decode node is ready ({num} registered)")
+        return " and ".join(out)
+
+    def _first_unready(self, g: Group) -> str:
+        for stage in range(g.size):
+            rec = self.nodes.get(g.members[stage]) if stage < len(g.members) else None
+            if rec is None:
+                return f"stage {stage} to register"
+            if rec.state != "ready":
+                return f"stage {stage} ({rec.node_id}, {rec.state})"
+        return "the master to schedule it"

@@ -44,8 +44,14 @@ def run_store(ctx: NodeContext) -> None:
     node = StoreNode(ctx.node_id, ctx.master_rpc, ctx.secret, sizes, host=ctx.host,
                      engine_options=engine_options(ctx.config))  # fmt: skip
     capacity = sizes.vram_bytes + sizes.dram_bytes + sizes.ssd_bytes
-    link = MasterLink(ctx, NodeInfoMsg(ctx.node_id, "store", "", ctx.gpu_names, ctx.nic_names),
-                      NodeLoadMsg)  # fmt: skip
+    ep = node.engine.endpoints[0]  # a store node serves no RPC: status shows its data plane
+    host = f"[{ep.host}]" if ":" in ep.host else ep.host
+    info = NodeInfoMsg(
+        ctx.node_id, "store", "", ctx.gpu_names, ctx.nic_names, data_address=f"{host}:{ep.port}"
+    )
+    link = MasterLink(
+        ctx, info, lambda: NodeLoadMsg(transfer_bytes=node.engine.bytes_by_transport())
+    )
     try:
         node.start()
         link.register()

@@ -19,6 +19,7 @@ from mooncake.engine.tokenizer import BaseTokenizer, create_tokenizer
 from mooncake.engine.weights import create_model
 from mooncake.errors import ConfigError
 from mooncake.hashing import PrefixHasher
+from mooncake.portrange import node_ports
 from mooncake.roles.common import NodeContext
 from mooncake.rpc import RpcClient
 from mooncake.sizes import Size
@@ -97,7 +98,7 @@ def load_worker(
 
 
 def engine_options(cfg: Config) -> EngineOptions:
-    return EngineOptions.from_config(cfg.transfer)
+    return EngineOptions.from_config(cfg.transfer, ports=node_ports(cfg))
 
 
 def mount_local_tiers(ctx: NodeContext) -> StoreNode | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import threading
 import time
@@ -12,6 +13,7 @@ import msgspec
 import zmq
 
 from mooncake.errors import MooncakeError, ProtocolError, RpcError
+from mooncake.portrange import PortRange, bind_in_range
 from mooncake.rpc import wire
 from mooncake.rpc.auth import ZapHandler, check_secret, secure_server
 from mooncake.rpc.wire import M, Msg, MsgType
@@ -58,11 +60,14 @@ class RpcServer:
         *,
         max_frame_bytes: int = wire.DEFAULT_MAX_FRAME_BYTES,
         name: str = "rpc",
+        ports: PortRange | None = None,
     ):
-        """`secret=None` disables authentication and encryption (benchmarks, tests only)."""
+        """`secret=None` disables authentication and encryption (benchmarks, tests only).
+        With `ports`, a `bind` ending in ":0" takes the first free port of that range."""
         if secret is not None:
             check_secret(secret)
         self.bind = bind
+        self.ports = ports or PortRange()
         self.name = name  # used in log lines and the thread name
         self.max_frame_bytes = max_frame_bytes
         self._secret = secret
@@ -101,8 +106,8 @@ class RpcServer:
         self._sock.setsockopt(zmq.MAXMSGSIZE, self.max_frame_bytes)
         secure_server(self._sock, self._secret)
         try:
-            self._sock.bind(self.bind)
-        except zmq.ZMQError as e:
+            self._bind()
+        except (zmq.ZMQError, MooncakeError) as e:
             self._sock.close(linger=0)
             self._ctx.term()
             raise RpcError(f"{self.name}: cannot bind {self.bind}: {e}") from e
@@ -144,6 +149,22 @@ class RpcServer:
     @property
     def _auth_name(self) -> str:
         return "CURVE" if self._secret is not None else "DISABLED"
+
+    def _bind(self) -> None:
+        if self.ports.is_any or not self.bind.endswith(":0"):
+            self._sock.bind(self.bind)
+            return
+        prefix = self.bind.removesuffix("0")
+
+        def bind_port(port: int) -> None:
+            try:
+                self._sock.bind(f"{prefix}{port}")
+            except zmq.ZMQError as e:  # the range helper moves on only past a port in use
+                if e.errno == zmq.EADDRINUSE:
+                    raise OSError(errno.EADDRINUSE, str(e)) from e
+                raise
+
+        bind_in_range(self.ports, bind_port, prefix.removeprefix("tcp://").rstrip(":"))
 
     def _run(self) -> None:
         """The serving loop: blocking receives (no poll) keep the round trip short."""

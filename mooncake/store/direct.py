@@ -31,6 +31,7 @@ from typing import Any
 import msgspec
 
 from mooncake.errors import MooncakeError, ProtocolError, RpcError, RpcTimeout
+from mooncake.portrange import PortRange
 from mooncake.rpc import wire as rpc_wire
 from mooncake.rpc.client import RpcClient
 from mooncake.rpc.server import Peer, RpcServer
@@ -60,7 +61,7 @@ class DirectServer:
         rpc: RpcServer,
         secret: bytes,
         host: str = "127.0.0.1",
-        port: int = 0,
+        port: int | PortRange = 0,
         *,
         handshake_timeout_s: float = wire.HANDSHAKE_TIMEOUT_S,
         max_handshakes_per_peer: int = wire.MAX_HANDSHAKES_PER_PEER,

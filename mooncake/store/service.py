@@ -27,6 +27,7 @@ from mooncake.store.objects import StoreEvent, StoreStats
 from mooncake.store.settings import MetadataConfig
 
 if TYPE_CHECKING:
+    from mooncake.portrange import PortRange
     from mooncake.store.metrics import MetricsServer
 
 log = logging.getLogger(__name__)
@@ -45,7 +46,7 @@ class StoreService:
         metrics_port: int | None = None,  # serve /metrics on 127.0.0.1:port (0 = any free)
         on_events: Callable[[list[StoreEvent]], None] | None = None,  # the Conductor's index
         direct: bool = True,  # also answer store.* calls on a direct port (store/direct.py)
-        direct_port: int = 0,  # its TCP port on the RPC address's host; 0 = any free one
+        direct_port: int | PortRange = 0,  # its TCP port on the RPC host; 0 = any, or a range
     ):
         self.metadata = MetadataService(config)
         self.on_events = on_events  # called under the lock, on the housekeeping thread

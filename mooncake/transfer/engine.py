@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import threading
 import time
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -66,7 +67,7 @@ class TransferEngine:
         options: EngineOptions | None = None,
         *,
         host: str = "127.0.0.1",  # address the data-plane server binds
-        port: int = 0,
+        port: int = 0,  # 0: the first free one of options.ports (any, by default)
         endpoints: list[EndpointDesc] | None = None,  # advertised; default: host:port
         directory: BaseDirectory | None = None,
         nic_preference: Mapping[str, Any] | None = None,  # Topology.nic_preference
@@ -85,7 +86,7 @@ class TransferEngine:
             self.segments,
             self._secret,
             host,
-            port,
+            port or self.options.ports,
             handshake_timeout_s=self.options.handshake_timeout_s,
             max_handshakes_per_peer=self.options.max_handshakes_per_peer,
         )
@@ -96,6 +97,8 @@ class TransferEngine:
         ]
         self.directory = directory or PeerDirectory(self._secret, self.options.slice_io_timeout_s)
         self.num_retries = 0  # slices re-dispatched after a failure
+        self._bytes: dict[str, int] = {}  # transport -> bytes moved (both directions)
+        self._bytes_lock = threading.Lock()
         self._io_timeout_s = self.options.slice_io_timeout_s
         self._pool = CopyPool(
             self._report, self._report_done, self.options.copy_threads, self.options.group_bytes
@@ -121,6 +124,18 @@ class TransferEngine:
                 raise
             if rdma is not None:
                 self._transports["rdma"] = rdma
+
+    def bytes_by_transport(self) -> dict[str, int]:
+        """Bytes this engine moved, read or written, per transport since start."""
+        with self._bytes_lock:
+            return dict(self._bytes)
+
+    def _count(self, target: Target | None, num_bytes: int) -> None:
+        # NOTE: inline.py's moves record nothing; transfer(), move() and start() count them
+        if target is not None:
+            name = target.transport.name
+            with self._bytes_lock:
+                self._bytes[name] = self._bytes.get(name, 0) + num_bytes
 
     @property
     def transport_names(self) -> list[str]:
@@ -198,6 +213,7 @@ class TransferEngine:
         transport's threads as with submit(). Raises TransferError as submit() does."""
         reqs = list(requests)
         if len(reqs) == 1 and inline.move_now(self, reqs[0], timeout):
+            self._count(self._targets.peek(reqs[0].remote_segment), reqs[0].length)
             return Batch.done(reqs)
         batch, by_path = self._plan(reqs, timeout)
         # NOTE: a stalled socket blocks its thread for up to slice_io_timeout_s: not the
@@ -218,7 +234,9 @@ class TransferEngine:
     def move(self, r: TransferRequest, timeout: float | None = None) -> None:
         """Move one request and wait for it; raises TransferError if it did not end DONE.
         transfer([r]).check() without building a Batch when the caller's thread moves it."""
-        if not inline.move_now(self, r, timeout):
+        if inline.move_now(self, r, timeout):
+            self._count(self._targets.peek(r.remote_segment), r.length)
+        else:
             self.transfer([r], timeout).check()
 
     def start(self, r: TransferRequest, timeout: float | None = None) -> inline.Finish | None:
@@ -226,7 +244,17 @@ class TransferEngine:
         finish() waits (True once moved, False if it failed: move() it then),
         finish(False) abandons it. None if it cannot begin that way (nothing sent).
         See transfer/inline.py."""
-        return inline.start_move(self, r, timeout)
+        finish = inline.start_move(self, r, timeout)
+        if finish is None:
+            return None
+
+        def counted(wait: bool = True) -> bool:
+            moved = finish(wait)
+            if moved:
+                self._count(self._targets.peek(r.remote_segment), r.length)
+            return moved
+
+        return counted
 
     def _plan(
         self, requests: Iterable[TransferRequest], timeout: float | None
@@ -314,6 +342,7 @@ class TransferEngine:
 
     def _report_done(self, slices: list[Slice]) -> None:
         """Successful completion of slices that all went over one path (a transport thread)."""
+        self._count(slices[0].target, sum(s.length for s in slices))
         if len(slices) == 1:
             s = slices[0]
             s.path.record_success(s.length)

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from mooncake.errors import MooncakeError
+from mooncake.portrange import PortRange, listen
 from mooncake.transfer import wire
 from mooncake.transfer.segment import Region, SegmentTable
 from mooncake.transfer.wire import REQ, RESP, Op, Status
@@ -44,14 +45,15 @@ class _Closing(Exception):
 
 
 class TcpServer:
-    """Serves `segments` on host:port (port 0 picks one) to clients that know `secret`."""
+    """Serves `segments` on host:port to clients that know `secret`; `port` is one port
+    (0 picks any) or a PortRange to take the first free port of ([node] port_range)."""
 
     def __init__(
         self,
         segments: SegmentTable,
         secret: bytes,
         host: str = "127.0.0.1",
-        port: int = 0,
+        port: int | PortRange = 0,
         *,
         handshake_timeout_s: float = wire.HANDSHAKE_TIMEOUT_S,
         max_handshakes_per_peer: int = wire.MAX_HANDSHAKES_PER_PEER,
@@ -63,7 +65,7 @@ class TcpServer:
         segments.on_stuck = self.drop_connections  # frees a native loop held by a stalled peer
         self.handlers: dict[Op, ControlHandler] = {}  # DESCRIBE, RDMA_CONNECT
         self._secret = secret
-        self._listener = socket.create_server((host, port), backlog=128, reuse_port=False)
+        self._listener = listen(host, port, backlog=128)
         self.host, self.port = self._listener.getsockname()[:2]
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()

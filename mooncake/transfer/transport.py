@@ -4,6 +4,17 @@ segment is in POSIX shared memory of a process on this host).
 
 Copy transports need no socket on the data path: a pool of threads copies slices with
 numpy, which releases the GIL for the memcpy, so two copies run on two cores at once.
+
+How a remote segment's transport is chosen (`TargetCache.choose`), once per segment name:
+- `local` when the segment is registered on this very engine;
+- with `transfer.protocol = "auto"`: `shm` when the segment lives in POSIX shared memory
+  and its owner has this engine's host id (same host name, boot id and /dev/shm device:
+  processes in separate network namespaces still qualify, a container with its own
+  /dev/shm does not); else `rdma` when this engine has a usable RDMA NIC and the segment
+  is registered on one of the owner's NICs; else `tcp` to the owner's data-plane endpoint;
+- with any other protocol, that one, or a TransferError saying what the peer offers.
+The first choice for each peer endpoint is logged at INFO with its reason; the engine
+counts the bytes each transport moved (`TransferEngine.bytes_by_transport`).
 """
 
 from __future__ import annotations
@@ -87,6 +98,7 @@ class TargetCache:
         self._protocol = protocol  # "auto" or the one to force
         self._lookup = lookup  # name -> descriptor (own segments, then the directory)
         self._targets: dict[str, Target] = {}
+        self._logged: set[tuple[str, str]] = set()  # (peer endpoint, transport) logged
         self._lock = threading.Lock()
 
     def peek(self, name: str) -> Target | None:
@@ -103,9 +115,41 @@ class TargetCache:
                 f"no node has segment {name!r}: register it there, add its owner with "
                 "engine.directory.add_peer(host, port), or name it as NAME@HOST:PORT"
             )
-        target = self.choose(desc).open(desc)
+        transport = self.choose(desc)
+        target = transport.open(desc)
+        self._log_choice(desc, transport)
         with self._lock:
             return self._targets.setdefault(name, target)
+
+    def _log_choice(self, desc: SegmentDesc, transport: BaseTransport) -> None:
+        """Log, once per peer endpoint and transport, which transport reaches it and why."""
+        if transport.name == "local":
+            return
+        ep = desc.endpoints[0] if desc.endpoints else None
+        peer = f"{ep.host}:{ep.port}" if ep else desc.node
+        with self._lock:
+            if (peer, transport.name) in self._logged:
+                return
+            self._logged.add((peer, transport.name))
+        why = self.reason(desc, transport.name)
+        log.info("peer %s (%s): %s: %s", peer, desc.node, transport.name, why)
+
+    def reason(self, desc: SegmentDesc, chosen: str) -> str:
+        """Why `chosen` reaches `desc` (the rule in this module's docstring)."""
+        if self._protocol != "auto":
+            return f"transfer.protocol = {self._protocol!r}"
+        if chosen == "shm":
+            return f"same host and /dev/shm: its segment /dev/shm/{desc.shm_name} is mapped here"
+        if not desc.shm_name:
+            why = "its segment is not in shared memory"
+        else:
+            why = "another host or another /dev/shm"
+        if chosen == "rdma":
+            nics = ", ".join(k.nic for k in desc.rdma)
+            return f"{why}; both ends have RDMA NICs (its: {nics})"
+        if "rdma" not in self._transports:
+            return f"{why}; no usable RDMA NIC here"
+        return f"{why}; it offers no RDMA NIC"
 
     def choose(self, desc: SegmentDesc) -> BaseTransport:
         """local for this engine's own segments, else the forced protocol, else (auto) the

@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Literal
 
 import msgspec
 
+from mooncake.portrange import PortRange
+
 if TYPE_CHECKING:
     from mooncake.config import TransferConfig
 
@@ -110,6 +112,7 @@ class EngineOptions:
     spin_us: float = 200.0  # microseconds a thread polls for a reply before it sleeps
     handshake_timeout_s: float = 5.0  # seconds a new connection has for the whole handshake
     max_handshakes_per_peer: int = 64  # connections from one address in the handshake at once
+    ports: PortRange = PortRange()  # where the data-plane server listens ([node] port_range)
 
     @property
     def slice_io_timeout_s(self) -> float:

@@ -159,3 +159,37 @@ def test_human_units() -> None:
     assert [human_duration(s) for s in (0.42, 42, 75, 7384, 200000)] == [
         "0.4s", "42s", "1m15s", "2h03m", "2d07h",
     ]  # fmt: skip
+
+
+def test_addresses_show_as_host_port_and_kv_moved_per_transport_fits_80() -> None:
+    """Every address is host:port (a scheme is dropped, a node with none shows "-"), and
+    each node that moved KV gets a line with its bytes per transport."""
+    nodes = [
+        NodeStatus(node_id="master-0", role="master", address="10.0.0.1:7100", state="ready"),
+        NodeStatus(
+            node_id="prefill-0", role="prefill", address="tcp://10.0.0.11:41234", state="ready",
+            transfer_bytes={"shm": 9 << 20, "tcp": 4700, "local": 0},
+        ),
+        NodeStatus(
+            node_id="decode-0", role="decode", address="tcp://10.0.0.21:41000", state="ready",
+            transfer_bytes={"rdma": 3 << 30},
+        ),
+        NodeStatus(node_id="store-0", role="store", address="10.0.0.31:40100", state="ready"),
+        NodeStatus(node_id="store-1", role="store", address="", state="ready"),
+    ]  # fmt: skip
+    status = make_status(nodes=nodes)
+    for width in (80, 120):
+        text = to_text(render_status(status, "http://10.0.0.1:8000", width), width)
+        assert max(len(line) for line in text.splitlines()) <= width
+        assert "tcp://" not in text
+        rows = {line.split()[0]: line.split() for line in _node_rows(text) if line[:1].isalpha()}
+        assert rows["prefill-0"][2] == "10.0.0.11:41234"
+        assert rows["decode-0"][2] == "10.0.0.21:41000"
+        assert rows["store-0"][2] == "10.0.0.31:40100"
+        assert rows["store-1"][2] == "-"
+        body = flat(text)
+        # columns in shm, rdma, tcp order; only transports some node used; "-" for none
+        assert "KV moved by node node shm rdma tcp" in body
+        assert "decode-0 - 3.0 GiB - prefill-0 9.0 MiB - 4.6 KiB" in body
+    # no line before any node moved bytes
+    assert "KV moved" not in to_text(render_status(make_status(), "http://m:8000", 80), 80)

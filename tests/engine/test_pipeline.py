@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import struct
 import subprocess
@@ -11,6 +12,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -24,6 +26,7 @@ from mooncake.engine.stagelink import (
     FrameKind,
     StageFrame,
     StageListener,
+    StageTimeoutError,
     TcpStageLink,
     _encode,
     local_link_pair,
@@ -37,8 +40,8 @@ SECRET = b"pipeline-test-secret-0123456789"
 
 
 @pytest.fixture
-def stage_process() -> Iterator[int]:
-    """A real process serving layers 2-3 of dummy:tiny; yields its port once it is ready."""
+def stage_proc() -> Iterator[tuple[subprocess.Popen[str], int]]:
+    """A real process serving layers 2-3 of dummy:tiny; yields it and its port once ready."""
     env = dict(os.environ, MOONCAKE_STAGE_SECRET=SECRET.decode())
     cmd = [sys.executable, "-m", "mooncake.engine.stage_worker", "--layers", "2:4",
            "--block-tokens", str(BLOCK), "--num-blocks", "32"]  # fmt: skip
@@ -47,12 +50,17 @@ def stage_process() -> Iterator[int]:
         assert proc.stdout is not None
         ready = json.loads(proc.stdout.readline())  # the ready handshake
         assert ready["ready"]
-        yield int(ready["port"])
+        yield proc, int(ready["port"])
         assert proc.wait(timeout=30) == 0
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.fixture
+def stage_process(stage_proc: tuple[subprocess.Popen[str], int]) -> int:
+    return stage_proc[1]
 
 
 def test_two_stage_pipeline_in_two_processes_equals_one_process(tiny_info, tiny, stage_process):
@@ -175,4 +183,60 @@ def test_a_stage_whose_leader_dies_mid_prompt_frees_its_blocks_and_serves_the_ne
         server.join(timeout=30)
     finally:
         listener.close()
+    torch.testing.assert_close(got.logits, expected.prefill(ids).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_a_stopped_stage_fails_the_prompt_at_its_deadline_and_frees_its_blocks(
+    tiny_info, stage_proc
+):
+    """The next stage's process is SIGSTOPped (a hung node never closes its link): the
+    driver raises StageTimeoutError at about `stage_timeout_s` per chunk sent, not
+    later, and stage 0's KV blocks are free again."""
+    proc, port = stage_proc
+    stage0 = create_model(tiny_info, "float32", "cpu", (0, 2))
+    cache0 = PagedKVCache.for_model(stage0, 16, BLOCK)
+    runner0 = PrefillRunner(stage0, cache0, chunk_tokens=12)
+    link = TcpStageLink.connect("127.0.0.1", port, SECRET)
+    ids = prompt(30, seed=5)  # 3 chunks: a deadline of 3 x 0.5 s
+    try:
+        first = prefill_pipelined(runner0, ids, link, stage_timeout_s=0.5)
+        assert first.logits is not None
+        cache0.free(first.block_ids)  # the caller's (handed off in the role)
+        os.kill(proc.pid, signal.SIGSTOP)
+        start = time.monotonic()
+        with pytest.raises(StageTimeoutError, match="did not answer within 1.5 s"):
+            prefill_pipelined(runner0, ids, link, req_id=1, stage_timeout_s=0.5)
+        took = time.monotonic() - start
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+        link.abort()  # as the leader does with a link past its deadline
+    assert 1.4 < took < 5.0, took
+    assert cache0.allocator.num_free == 16
+    cache0.allocator.check_integrity()
+
+
+def test_a_slow_stage_with_a_backlog_of_chunks_meets_its_deadline(tiny_info, tiny, monkeypatch):
+    """The deadline is per chunk: a later stage that takes 0.3 s a chunk (with a 0.5 s
+    deadline) still answers a 4-chunk prompt, queued behind the leader, after ~1.2 s."""
+    stage0 = create_model(tiny_info, "float32", "cpu", (0, 2))
+    stage1 = create_model(tiny_info, "float32", "cpu", (2, 4))
+    runner0 = PrefillRunner(stage0, PagedKVCache.for_model(stage0, 16, BLOCK), chunk_tokens=10)
+    runner1 = PrefillRunner(stage1, PagedKVCache.for_model(stage1, 16, BLOCK), chunk_tokens=10)
+    run_chunk = runner1.run_chunk
+
+    def slow_chunk(*args: Any, **kw: Any) -> Any:
+        time.sleep(0.3)
+        return run_chunk(*args, **kw)
+
+    monkeypatch.setattr(runner1, "run_chunk", slow_chunk)
+    up, down = local_link_pair()
+    server = threading.Thread(target=StageServer(runner1, down).serve)
+    server.start()
+    ids = prompt(40, seed=6)
+    try:
+        got = prefill_pipelined(runner0, ids, up, stage_timeout_s=0.5)
+    finally:
+        up.close()
+        server.join(timeout=30)
+    expected = PrefillRunner(tiny, PagedKVCache.for_model(tiny, 16, BLOCK), chunk_tokens=10)
     torch.testing.assert_close(got.logits, expected.prefill(ids).logits, atol=1e-5, rtol=1e-5)

@@ -4,17 +4,21 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 
 import pytest
 import torch
 
+from mooncake.engine import stageauth
 from mooncake.engine.stagelink import (
     HEADER,
     MAGIC,
     FrameKind,
     StageFrame,
     StageListener,
+    StageTimeoutError,
     TcpStageLink,
+    local_link_pair,
 )
 from mooncake.errors import TransferError
 from tests.transfer.test_handshake import _is_closed, _trickle
@@ -54,6 +58,55 @@ def test_frames_of_every_dtype_round_trip_in_order():
     assert err is not None and (err.message, err.count, err.index) == ("bad block", 2, 1)
     assert b.recv(timeout=10) is None
     b.close()
+
+
+def test_a_recv_on_a_silent_link_raises_its_timeout_error_at_the_deadline():
+    """A peer that is alive but sends nothing (stopped, or its network dark) closes
+    nothing either: recv raises StageTimeoutError (a TransferError) once `timeout` passed,
+    on TCP and in-process links alike, so that waiters can tell silence from a close."""
+    a, b = _pair()
+    local, _ = local_link_pair()
+    try:
+        for link in (b, local):
+            start = time.monotonic()
+            with pytest.raises(StageTimeoutError, match="within 0.3 s"):
+                link.recv(timeout=0.3)
+            assert 0.29 < time.monotonic() - start < 3.0
+            assert issubclass(StageTimeoutError, TransferError)
+        a.send(StageFrame(FrameKind.END, 3))  # a timeout does not break the link by itself
+        got = b.recv(timeout=10)
+        assert got is not None and got.req_id == 3
+    finally:
+        a.close()
+        b.close()
+
+
+def test_closing_a_link_to_a_peer_that_reads_nothing_ends_by_the_timeout():
+    """The peer authenticated, then stopped reading (a stopped process): a frame larger
+    than the socket buffers cannot be flushed, and close(timeout) cuts the peer off at
+    the timeout rather than waiting for it forever."""
+    server = socket.create_server(("127.0.0.1", 0))
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    peers: list[socket.socket] = []
+
+    def accept() -> None:
+        conn, _ = server.accept()
+        stageauth.server_handshake(conn, SECRET, time.monotonic() + 10)
+        peers.append(conn)  # and never read from it
+
+    t = threading.Thread(target=accept)
+    t.start()
+    link = TcpStageLink.connect("127.0.0.1", server.getsockname()[1], SECRET)
+    t.join()
+    try:
+        link.send(StageFrame(FrameKind.CHUNK, 1, tensor=torch.zeros(4 << 20)))  # 16 MiB
+        start = time.monotonic()
+        link.close(timeout=0.5)
+        assert 0.45 < time.monotonic() - start < 5.0
+        assert link.ended.wait(5)
+    finally:
+        peers[0].close()
+        server.close()
 
 
 @pytest.mark.parametrize(

@@ -1,10 +1,13 @@
 """A prefill pipeline group re-forms when one of its stages comes back, with real
 processes: a master, one group of two prefill nodes (a leader and stage 1) and a decode
 node. A stage is SIGKILLed under load and started again under its id, as an operator (or
-a supervisor) would: the group serves again without restarting the other stage."""
+a supervisor) would: the group serves again without restarting the other stage. A stage
+SIGSTOPped (hung, or its network dark: it closes nothing) is given up on at the leader's
+deadline, `prefill.stage_timeout_s` per chunk, and the group re-forms once it resumes."""
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 import time
@@ -19,12 +22,21 @@ from tests.roles.cluster import local_cluster
 
 pytestmark = pytest.mark.timeout(300)
 SERVE_AGAIN_S = 90.0  # bound on the time to serve again (a restart loads a model)
+STAGE_TIMEOUT_S = 2.0  # prefill.stage_timeout_s; the prompts here are 2 chunks of 256
+# NOTE: a leader gives up on a stopped stage by the deadline of its request (2 chunks)
+# plus the time to tell the master on a loaded machine; the stage is resumed then, before
+# the heartbeat TTL (10 s) after which the master would drop it itself
+GIVE_UP_S = 2 * STAGE_TIMEOUT_S + 4.0
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory, cost_cache: Path) -> Iterator[LocalLauncher]:
     # NOTE: admission off: these tests are about failures, not overload
-    extra = {"scheduler.rejection": "none", "prefill.stage_retry_s": 0.5}
+    extra = {
+        "scheduler.rejection": "none",
+        "prefill.stage_retry_s": 0.5,
+        "prefill.stage_timeout_s": STAGE_TIMEOUT_S,
+    }
     run_dir = tmp_path_factory.mktemp("reform")
     plan = {"num_prefill": 2, "group_size": 2, "num_decode": 1, "extra": extra}
     with local_cluster(run_dir, cost_cache, **plan) as launcher:
@@ -75,6 +87,8 @@ class Load:
     def __init__(self, url: str, num_threads: int = 3):
         self.url, self.stop = url, threading.Event()
         self.answers: list[tuple[int, str]] = []  # (status, body) in arrival order
+        self.spans: list[tuple[float, float]] = []  # (sent, answered) monotonic, same order
+        self.sent_at: dict[int, float | None] = {}  # thread -> its open request's send time
         self.lock = threading.Lock()
         self.threads = [threading.Thread(target=self._run, args=(i,)) for i in range(num_threads)]
         for t in self.threads:
@@ -84,6 +98,9 @@ class Load:
         seed = 100 * (i + 1)
         while not self.stop.is_set():
             seed += 1
+            sent = time.monotonic()
+            with self.lock:
+                self.sent_at[i] = sent
             try:
                 r = _post(self.url, seed)
                 answer = (r.status_code, r.text)
@@ -91,10 +108,17 @@ class Load:
                 answer = (-1, repr(e))
             with self.lock:
                 self.answers.append(answer)
+                self.spans.append((sent, time.monotonic()))
+                self.sent_at[i] = None
 
     def num_ok(self) -> int:
         with self.lock:
             return sum(code == 200 for code, _ in self.answers)
+
+    def num_open_since(self, t: float) -> int:
+        """Requests sent before monotonic time `t` and not answered yet."""
+        with self.lock:
+            return sum(sent is not None and sent < t for sent in self.sent_at.values())
 
     def end(self) -> list[tuple[int, str]]:
         self.stop.set()
@@ -137,3 +161,37 @@ def test_the_group_re_forms_after_its_leader_restarts(cluster: LocalLauncher) ->
     assert cluster.relaunch(leader).ready["stage"] == 0  # its old place in the group
     _until(lambda: _post(cluster.url, 12).status_code == 200, "requests succeed again")
     assert _pid(cluster, stage1) == stage_pid
+
+
+def test_a_stopped_second_stage_is_given_up_at_the_deadline_not_when_it_resumes(
+    cluster: LocalLauncher,
+) -> None:
+    """Stage 1 SIGSTOPped under load (its link stays open, it answers nothing): within
+    `prefill.stage_timeout_s` per chunk the leader gives up on it and reports its group
+    not ready, and the requests in flight on it go back to the master, which places them
+    again (they wait for a group, as any request does while none is ready). Once
+    SIGCONTed the group re-forms and requests succeed again; none hangs, and neither
+    node restarts."""
+    leader, stage1 = _stage(cluster, 0), _stage(cluster, 1)
+    pids = (_pid(cluster, leader), _pid(cluster, stage1))
+    assert _post(cluster.url, 21).status_code == 200
+    load = Load(cluster.url)
+    try:
+        _until(lambda: load.num_ok() >= 2, "the group serves")
+        os.kill(pids[1], signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        try:
+            _until(lambda: _state(cluster, leader) != "ready", "the leader gives up", GIVE_UP_S)
+        finally:
+            os.kill(pids[1], signal.SIGCONT)
+        _until(lambda: load.num_open_since(stopped_at) == 0, "in-flight requests end")
+        served_before = load.num_ok()
+        _until(lambda: load.num_ok() > served_before, "requests succeed again")
+    finally:
+        answers = load.end()
+    # NOTE: a clear 503 is allowed (a loaded machine may stretch the stop past a TTL);
+    # a hung request (-1: the client's timeout) is not
+    assert all(code in (200, 503) for code, _ in answers), [a for a in answers if a[0] != 200]
+    assert load.num_ok() > served_before
+    assert _post(cluster.url, 22).status_code == 200
+    assert (_pid(cluster, leader), _pid(cluster, stage1)) == pids

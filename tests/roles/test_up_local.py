@@ -17,7 +17,7 @@ import httpx
 import psutil
 import pytest
 
-from mooncake.config import load_config, parse_set_option
+from mooncake.configload import load_config, parse_set_option
 from mooncake.errors import ConfigError
 from mooncake.roles.local import LocalLauncher, LocalPlan, ensure_cost_model, write_config
 from mooncake.sizes import Size
