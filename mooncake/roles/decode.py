@@ -209,6 +209,7 @@ class DecodeNode:
         """Serve until stopped (drain, then close); raises NodeFailed when the step loop
         died or is stuck (the node is closed first)."""
         self.link.state = "ready"
+        self.link.beat()  # NOTE: placeable once its ready line is out, not a heartbeat later
         report_ready(node_id=self.ctx.node_id, role="decode")
         self.watch.start()
         problem = ""

@@ -165,6 +165,7 @@ class PrefillNode:
         while is_leader and not (self._formed.is_set() or self.ctx.stop.is_set()):
             self._formed.wait(self.ctx.config.prefill.stage_retry_s)
         if not self.ctx.stop.is_set():
+            self.link.beat()  # NOTE: the master knows it is ready before its ready line
             g = self.group
             report_ready(node_id=self.ctx.node_id, role="prefill", stage=g.stage, group=g.group_id)
         self.ctx.stop.wait()

@@ -57,6 +57,7 @@ def run_store(ctx: NodeContext) -> None:
         link.register()
         link.start()
         link.state = "ready"
+        link.beat()  # NOTE: in the pool once its ready line is out, not a heartbeat later
         report_ready(node_id=ctx.node_id, role="store", capacity_bytes=capacity)
         log.info("store node %s serves %d bytes (%s)", ctx.node_id, capacity,
                  ", ".join(node.tiers))  # fmt: skip

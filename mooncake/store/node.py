@@ -125,6 +125,7 @@ class StoreNode:
             target=self._loop, name=f"store-node-{node_id}", daemon=True
         )
         self.populated = threading.Event()  # set once the DRAM tier's pages are faulted in
+        self.mounted: set[str] = set()  # segments the master accepted (what stop unmounts)
         dram = self.tiers.get("dram")
         if prefault and isinstance(dram, DramTier):
             threading.Thread(target=self._populate, args=(dram.array,), daemon=True,
@@ -182,6 +183,7 @@ class StoreNode:
                 is_remount,
             )
             self.master.call(msg, AckMsg)
+            self.mounted.add(t.segment)
         log.info("store node %s mounted %s", self.node_id, ", ".join(t.tier for t in tiers))
 
     def stop(self) -> None:
@@ -191,6 +193,8 @@ class StoreNode:
             self._thread.join()
         self.populated.wait()  # NOTE: its pages must stay mapped until it is done
         for t in self.tiers.values():
+            if t.segment not in self.mounted:
+                continue  # NOTE: a start that failed before mounting has nothing to undo
             try:
                 self.master.call(UnmountSegmentMsg(self.node_id, t.segment), AckMsg, timeout_s=2)
             except MooncakeError as e:

@@ -188,6 +188,7 @@ def test_a_decode_node_restarted_before_its_heartbeats_lapse_gets_its_requests_b
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     cluster.relaunch("decode-0")
+    assert _state(url, "decode-0") == "ready"  # placeable once its ready line is out
     for t in threads:
         t.join()
     assert [r.status_code for r in replies] == [200] * 4, [r.text for r in replies]

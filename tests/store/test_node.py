@@ -174,3 +174,21 @@ def test_a_demotion_into_another_nodes_ssd_is_read_back_from_there(tmp_path: Pat
         finally:
             for node in nodes:
                 node.stop()
+
+
+def test_a_start_that_never_reached_the_master_stops_without_unmounting(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A store node whose master never answered gives up after its wait (RpcTimeout) and
+    its stop has nothing to undo: no failed unmount is reported before the real error."""
+    from mooncake.errors import RpcTimeout
+    from mooncake.roles.local import free_port
+
+    node = StoreNode(
+        "lost", f"tcp://127.0.0.1:{free_port()}", SECRET, TierSizes(dram_bytes=64 * KIB)
+    )
+    with pytest.raises(RpcTimeout):
+        node.start(wait_s=0.0)
+    with caplog.at_level("WARNING", logger="mooncake.store.node"):
+        node.stop()
+    assert not [r for r in caplog.records if "unmount" in r.getMessage()]
