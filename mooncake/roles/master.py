@@ -152,7 +152,12 @@ class Master:
         with self.lock:
             rec = self.registry.register(info, time.monotonic())
             group = self.registry.group_msg(rec.node_id) if info.role == "prefill" else None
-        log.info("node %s (%s) registered from %s", info.node_id, info.role, info.rpc_address)
+        log.info(
+            "node %s (%s) registered from %s",
+            info.node_id,
+            info.role,
+            info.rpc_address or info.data_address,
+        )
         return RegisterReplyMsg(True, group=group, block_tokens=cfg.model.block_tokens,
                                 ttft_slo_s=cfg.scheduler.ttft_slo_s,
                                 tbt_slo_s=cfg.scheduler.tbt_slo_s)  # fmt: skip
