@@ -30,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mooncake.config import Config
+from mooncake.config import Config, DecodeConfig
 from mooncake.configload import load_config, typed_override
 from mooncake.errors import MooncakeError
 from mooncake.native.shm import sweep_stale
@@ -48,7 +48,6 @@ log = logging.getLogger(__name__)
 DECODE_KV_BYTES = 128 << 20  # the decode node's KV cache (and the cost model's capacity)
 READY_TIMEOUT_S = 180.0  # seconds a node may take to load and report ready
 SCHEDULABLE_TIMEOUT_S = 30.0  # seconds for the master to see every ready node
-DEFAULT_DRAIN_S = 30.0  # a decode node's drain when the config has no decode.drain_s
 CONFIG_NAME = "mooncake-local.toml"
 
 
@@ -143,7 +142,7 @@ class LocalLauncher:
         self.api_key = ""  # the first of api.api_keys, for the launcher's own calls
         self.is_stopping = False
         self.info: LocalCluster | None = None  # what the runfile says, once started
-        self._drain_s = DEFAULT_DRAIN_S  # decode.drain_s of the generated config
+        self._drain_s = DecodeConfig().drain_s  # decode.drain_s of the generated config
         self._master_port = 0
         self._lock = threading.Lock()  # children, is_stopping, the runfile
         # NOTE: PR_SET_PDEATHSIG fires when the *thread* that forked a child ends, so every
@@ -163,7 +162,7 @@ class LocalLauncher:
         write_config(plan, self.config_path, secret, self._master_port, cost_model)
         config = load_config(self.config_path).config
         self.api_key = config.api.api_keys[0] if config.api.api_keys else ""
-        self._drain_s = float(getattr(config.decode, "drain_s", DEFAULT_DRAIN_S))
+        self._drain_s = config.decode.drain_s
         return config
 
     def start(self, cost_model: str) -> LocalCluster:

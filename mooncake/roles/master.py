@@ -96,10 +96,14 @@ class Master:
         self.backend.vocab_size = info.spec.vocab_size
         self.backend.node_wait_s = cfg.scheduler.node_wait_s
         self.fingerprint = ""  # hex, from the first engine node
-        self.store = StoreService(self.secret, MetadataConfig.from_store_config(cfg.store),
-                                  address=f"tcp://{cfg.cluster.master}", tick_s=0.1,
-                                  on_events=self._on_store_events,
-                                  direct_port=node_ports(cfg))  # fmt: skip
+        self.store = StoreService(
+            self.secret,
+            MetadataConfig.from_store_config(cfg.store),
+            address=f"tcp://{cfg.cluster.master}",
+            tick_s=0.1,
+            on_events=self._on_store_events,
+            direct_port=node_ports(cfg),
+        )
         srv = self.store.server
         srv.register(RegisterMsg, self._on_register)
         srv.register(NodeHeartbeatMsg, self._on_heartbeat)
@@ -121,10 +125,15 @@ class Master:
             if m.enabled and m.port
             else None
         )
-        app = create_app(self.backend, api_keys=cfg.api.api_keys, status_fn=self.status,
-                         metrics_registry=self.metrics, stats=self.stats,
-                         default_max_tokens=cfg.decode.max_tokens_default,
-                         serve_metrics=m.enabled and not m.port)  # fmt: skip
+        app = create_app(
+            self.backend,
+            api_keys=cfg.api.api_keys,
+            status_fn=self.status,
+            metrics_registry=self.metrics,
+            stats=self.stats,
+            default_max_tokens=cfg.decode.max_tokens_default,
+            serve_metrics=m.enabled and not m.port,
+        )
         self.api = ApiServer(app, cfg.api.host, cfg.api.port)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="master-house", daemon=True)
@@ -312,8 +321,15 @@ class Master:
                 )  # fmt: skip
                 for r in sorted(self.registry.nodes.values(), key=lambda r: (r.role, r.node_id))
             ]
-        nodes.insert(0, NodeStatus(node_id="master", role="master", state="ready",
-                                   address=host_port(self.config.cluster.master)))  # fmt: skip
+        nodes.insert(
+            0,
+            NodeStatus(
+                node_id="master",
+                role="master",
+                state="ready",
+                address=host_port(self.config.cluster.master),
+            ),
+        )
         pool = [
             TierStatus(
                 tier=t,

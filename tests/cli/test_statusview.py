@@ -128,9 +128,16 @@ def test_view_at_120_columns_names_gpus_and_nics() -> None:
 
 def test_view_before_any_request_shows_dashes_and_an_empty_pool() -> None:
     status = make_status(
-        pool=[], ttft_p50_s=None, ttft_p90_s=None, tbt_p50_s=None, tbt_p90_s=None, pool_lookups=0,
-        num_prompt_tokens=0, num_cached_tokens=0, cached_token_share=0.0,
-    )  # fmt: skip
+        pool=[],
+        ttft_p50_s=None,
+        ttft_p90_s=None,
+        tbt_p50_s=None,
+        tbt_p90_s=None,
+        pool_lookups=0,
+        num_prompt_tokens=0,
+        num_cached_tokens=0,
+        cached_token_share=0.0,
+    )
     body = flat(to_text(render_status(status, "http://m:8000", 80), 80))
     assert "TTFT P50 - P90 - SLO 30.00 s" in body
     assert "no pool memory registered" in body
@@ -167,16 +174,22 @@ def test_addresses_show_as_host_port_and_kv_moved_per_transport_fits_80() -> Non
     nodes = [
         NodeStatus(node_id="master-0", role="master", address="10.0.0.1:7100", state="ready"),
         NodeStatus(
-            node_id="prefill-0", role="prefill", address="tcp://10.0.0.11:41234", state="ready",
+            node_id="prefill-0",
+            role="prefill",
+            address="tcp://10.0.0.11:41234",
+            state="ready",
             transfer_bytes={"shm": 9 << 20, "tcp": 4700, "local": 0},
         ),
         NodeStatus(
-            node_id="decode-0", role="decode", address="tcp://10.0.0.21:41000", state="ready",
+            node_id="decode-0",
+            role="decode",
+            address="tcp://10.0.0.21:41000",
+            state="ready",
             transfer_bytes={"rdma": 3 << 30},
         ),
         NodeStatus(node_id="store-0", role="store", address="10.0.0.31:40100", state="ready"),
         NodeStatus(node_id="store-1", role="store", address="", state="ready"),
-    ]  # fmt: skip
+    ]
     status = make_status(nodes=nodes)
     for width in (80, 120):
         text = to_text(render_status(status, "http://10.0.0.1:8000", width), width)

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import os
+import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
+
+import httpx
 
 from mooncake.roles.local import LocalLauncher, LocalPlan, ensure_cost_model
 
@@ -26,3 +30,16 @@ def local_cluster(run_dir: Path, cost_cache: Path, **plan_kw: object) -> Iterato
             os.environ.pop("XDG_RUNTIME_DIR", None)
         else:
             os.environ["XDG_RUNTIME_DIR"] = old
+
+
+def kill(cluster: LocalLauncher, node_id: str) -> None:
+    """SIGKILL a node of the cluster and reap it."""
+    child = next(c for c in cluster.children if c.node_id == node_id)
+    child.proc.send_signal(signal.SIGKILL)
+    child.proc.wait()
+
+
+def node_row(url: str, node_id: str) -> dict[str, Any]:
+    """The node's row of the master's /v1/status ({} when the master does not list it)."""
+    nodes = httpx.get(url + "/v1/status", timeout=10).json()["nodes"]
+    return next((n for n in nodes if n["node_id"] == node_id), {})

@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from mooncake.roles.local import LocalLauncher
-from tests.roles.cluster import local_cluster
+from tests.roles.cluster import local_cluster, node_row
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -44,9 +44,13 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, cost_cache: Path) -> Itera
         "decode.drain_s": 60.0,
     }
     with local_cluster(
-        tmp_path_factory.mktemp("decode-faults"), cost_cache, num_prefill=1, group_size=1,
-        pool=False, extra=extra,
-    ) as launcher:  # fmt: skip
+        tmp_path_factory.mktemp("decode-faults"),
+        cost_cache,
+        num_prefill=1,
+        group_size=1,
+        pool=False,
+        extra=extra,
+    ) as launcher:
         yield launcher
 
 
@@ -61,11 +65,6 @@ def _child(cluster: LocalLauncher, node_id: str) -> subprocess.Popen[bytes]:
     return next(c.proc for c in cluster.children if c.node_id == node_id)
 
 
-def _running(url: str, node_id: str) -> int:
-    nodes = httpx.get(url + "/v1/status", timeout=10).json()["nodes"]
-    return int(next((n["num_running"] for n in nodes if n["node_id"] == node_id), 0))
-
-
 def _wait_health(url: str, want: int, timeout_s: float = 60) -> None:
     deadline = time.monotonic() + timeout_s
     code = 0
@@ -77,21 +76,26 @@ def _wait_health(url: str, want: int, timeout_s: float = 60) -> None:
     raise AssertionError(f"/health stayed {code}, wanted {want}")
 
 
-def _state(url: str, node_id: str) -> str:
-    nodes = httpx.get(url + "/v1/status", timeout=10).json()["nodes"]
-    return next((n["state"] for n in nodes if n["node_id"] == node_id), "")
-
-
 def _wait_state(url: str, node_id: str, state: str, timeout_s: float = 60) -> None:
     deadline = time.monotonic() + timeout_s
-    while _state(url, node_id) != state:
+    while node_row(url, node_id).get("state", "") != state:
         assert time.monotonic() < deadline, f"{node_id} never became {state}"
         time.sleep(0.1)
 
 
 def _start_faulty_decode(cluster: LocalLauncher, log: Path) -> subprocess.Popen[bytes]:
-    cmd = [sys.executable, "-c", FAULTY_DECODE, "up", "--role", "decode", "--config",
-           str(cluster.config_path), "--set", "node.id=decode-0"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-c",
+        FAULTY_DECODE,
+        "up",
+        "--role",
+        "decode",
+        "--config",
+        str(cluster.config_path),
+        "--set",
+        "node.id=decode-0",
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log.open("wb"))
     assert proc.stdout is not None
     for line in proc.stdout:  # the ready handshake
@@ -181,14 +185,18 @@ def test_a_decode_node_restarted_before_its_heartbeats_lapse_gets_its_requests_b
     for t in threads:
         t.start()
     deadline = time.monotonic() + 30
-    while _running(url, "decode-0") < 1:  # some are decoding there when it dies
+    while (
+        node_row(url, "decode-0").get("num_running", 0) < 1
+    ):  # some are decoding there when it dies
         assert time.monotonic() < deadline, "no request reached decode-0"
         time.sleep(0.05)
     proc = _child(cluster, "decode-0")
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     cluster.relaunch("decode-0")
-    assert _state(url, "decode-0") == "ready"  # placeable once its ready line is out
+    assert (
+        node_row(url, "decode-0").get("state", "") == "ready"
+    )  # placeable once its ready line is out
     for t in threads:
         t.join()
     assert [r.status_code for r in replies] == [200] * 4, [r.text for r in replies]

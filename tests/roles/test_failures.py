@@ -3,7 +3,6 @@ prefill groups and two decode nodes, so the cluster can route around each loss."
 
 from __future__ import annotations
 
-import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -13,7 +12,7 @@ import httpx
 import pytest
 
 from mooncake.roles.local import LocalLauncher
-from tests.roles.cluster import local_cluster
+from tests.roles.cluster import kill, local_cluster, node_row
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -33,22 +32,6 @@ def _post(url: str, prompt: list[int], max_tokens: int = 6) -> httpx.Response:
     return httpx.post(url + "/v1/completions", json=body, timeout=90)
 
 
-def _kill(cluster: LocalLauncher, node_id: str) -> None:
-    child = next(c for c in cluster.children if c.node_id == node_id)
-    child.proc.send_signal(signal.SIGKILL)
-    child.proc.wait()
-
-
-def _state(cluster: LocalLauncher, node_id: str) -> str:
-    nodes = httpx.get(cluster.url + "/v1/status", timeout=10).json()["nodes"]
-    return next(n["state"] for n in nodes if n["node_id"] == node_id)
-
-
-def _running(cluster: LocalLauncher, node_id: str) -> int:
-    nodes = httpx.get(cluster.url + "/v1/status", timeout=10).json()["nodes"]
-    return int(next(n["num_running"] for n in nodes if n["node_id"] == node_id))
-
-
 def _prompt(seed: int, n: int = 600) -> list[int]:
     return [(i * seed + 3) % 250 + 1 for i in range(n)]
 
@@ -56,7 +39,7 @@ def _prompt(seed: int, n: int = 600) -> list[int]:
 def test_store_node_killed_only_costs_cache_misses(cluster: LocalLauncher) -> None:
     for i in range(3):
         assert _post(cluster.url, _prompt(7 + i)).status_code == 200
-    _kill(cluster, "store-0")
+    kill(cluster, "store-0")
     results = [_post(cluster.url, _prompt(7 + i)).status_code for i in range(3)]
     assert results == [200, 200, 200]
 
@@ -73,11 +56,11 @@ def test_prefill_node_killed_with_queued_requests(cluster: LocalLauncher) -> Non
     for t in threads:
         t.start()
     time.sleep(0.3)  # NOTE: not a readiness wait: the requests must be in flight when it dies
-    _kill(cluster, "prefill-0")
+    kill(cluster, "prefill-0")
     for t in threads:
         t.join()
     assert codes == [200] * 8
-    assert _state(cluster, "prefill-0") == "down"
+    assert node_row(cluster.url, "prefill-0")["state"] == "down"
 
 
 def test_decode_node_killed_requests_resume_on_another(cluster: LocalLauncher) -> None:
@@ -95,10 +78,12 @@ def test_decode_node_killed_requests_resume_on_another(cluster: LocalLauncher) -
     for t in threads:
         t.start()
     deadline = time.monotonic() + 30
-    while _running(cluster, "decode-0") < 2:  # some are decoding there when it dies
+    while (
+        node_row(cluster.url, "decode-0")["num_running"] < 2
+    ):  # some are decoding there when it dies
         assert time.monotonic() < deadline, "no request reached decode-0"
         time.sleep(0.05)
-    _kill(cluster, "decode-0")
+    kill(cluster, "decode-0")
     for t in threads:
         t.join()
     for s, r in replies.items():
@@ -107,7 +92,7 @@ def test_decode_node_killed_requests_resume_on_another(cluster: LocalLauncher) -
         if s in expected:
             assert r.json()["choices"][0]["text"] == expected[s]["choices"][0]["text"]
     deadline = time.monotonic() + 30
-    while _state(cluster, "decode-0") != "down" and time.monotonic() < deadline:
+    while node_row(cluster.url, "decode-0")["state"] != "down" and time.monotonic() < deadline:
         time.sleep(0.2)
     after = [_post(cluster.url, _prompt(50 + i)).status_code for i in range(3)]
     assert after == [200, 200, 200]
@@ -117,7 +102,7 @@ def test_master_restart_nodes_re_register_and_serving_resumes(cluster: LocalLaun
     """The master dies and comes back on the same addresses; running nodes register again
     on their own (no restart of theirs) and new requests are served."""
     pids = {c.node_id: c.proc.pid for c in cluster.children if c.role != "master"}
-    _kill(cluster, "master")
+    kill(cluster, "master")
     cluster.relaunch("master")
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:

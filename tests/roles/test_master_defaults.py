@@ -19,22 +19,17 @@ import pytest
 
 from mooncake.config import ClusterConfig, Config
 from mooncake.roles.common import create_context
+from mooncake.roles.local import free_port
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_master_starts_on_dummy_tiny_without_a_cost_model(tmp_path: Path) -> None:
     config = tmp_path / "master.toml"
     config.write_text(
-        f'[cluster]\nmaster = "127.0.0.1:{_free_port()}"\nsecret = "{"s" * 32}"\n'
+        f'[cluster]\nmaster = "127.0.0.1:{free_port()}"\nsecret = "{"s" * 32}"\n'
         '[model]\npath = "dummy:tiny"\n[scheduler]\ncost_model_path = ""\n'
-        f'[api]\nhost = "127.0.0.1"\nport = {_free_port()}\n[metrics]\nenabled = false\n'
+        f'[api]\nhost = "127.0.0.1"\nport = {free_port()}\n[metrics]\nenabled = false\n'
     )
     env = {**os.environ, "MOONCAKE_LOG_LEVEL": "info"}
     cmd = [sys.executable, "-m", "mooncake", "up", "--role", "master", "--config", str(config)]

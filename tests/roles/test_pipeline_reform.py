@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from mooncake.roles.local import LocalLauncher
-from tests.roles.cluster import local_cluster
+from tests.roles.cluster import kill, local_cluster, node_row
 
 pytestmark = pytest.mark.timeout(300)
 SERVE_AGAIN_S = 90.0  # bound on the time to serve again (a restart loads a model)
@@ -58,17 +58,6 @@ def _stage(cluster: LocalLauncher, stage: int) -> str:
 
 def _pid(cluster: LocalLauncher, node_id: str) -> int:
     return next(c.proc.pid for c in cluster.children if c.node_id == node_id)
-
-
-def _kill(cluster: LocalLauncher, node_id: str) -> None:
-    child = next(c for c in cluster.children if c.node_id == node_id)
-    child.proc.send_signal(signal.SIGKILL)
-    child.proc.wait()
-
-
-def _state(cluster: LocalLauncher, node_id: str) -> str:
-    nodes = httpx.get(cluster.url + "/v1/status", timeout=10).json()["nodes"]
-    return next((n["state"] for n in nodes if n["node_id"] == node_id), "gone")
 
 
 def _until(check: Callable[[], bool], what: str, timeout_s: float = SERVE_AGAIN_S) -> float:
@@ -137,8 +126,11 @@ def test_the_group_re_forms_after_its_second_stage_restarts(cluster: LocalLaunch
     load = Load(cluster.url)
     try:
         _until(lambda: load.num_ok() >= 3, "the group serves")
-        _kill(cluster, stage1)
-        _until(lambda: _state(cluster, leader) != "ready", "the leader reports its group")
+        kill(cluster, stage1)
+        _until(
+            lambda: node_row(cluster.url, leader).get("state", "gone") != "ready",
+            "the leader reports its group",
+        )
         served_before = load.num_ok()
         cluster.relaunch(stage1)
         _until(lambda: load.num_ok() > served_before, "requests succeed again")
@@ -157,7 +149,7 @@ def test_the_group_re_forms_after_its_leader_restarts(cluster: LocalLauncher) ->
     leader, stage1 = _stage(cluster, 0), _stage(cluster, 1)
     assert _post(cluster.url, 11).status_code == 200
     stage_pid = _pid(cluster, stage1)
-    _kill(cluster, leader)
+    kill(cluster, leader)
     assert cluster.relaunch(leader).ready["stage"] == 0  # its old place in the group
     _until(lambda: _post(cluster.url, 12).status_code == 200, "requests succeed again")
     assert _pid(cluster, stage1) == stage_pid
@@ -181,7 +173,11 @@ def test_a_stopped_second_stage_is_given_up_at_the_deadline_not_when_it_resumes(
         os.kill(pids[1], signal.SIGSTOP)
         stopped_at = time.monotonic()
         try:
-            _until(lambda: _state(cluster, leader) != "ready", "the leader gives up", GIVE_UP_S)
+            _until(
+                lambda: node_row(cluster.url, leader).get("state", "gone") != "ready",
+                "the leader gives up",
+                GIVE_UP_S,
+            )
         finally:
             os.kill(pids[1], signal.SIGCONT)
         _until(lambda: load.num_open_since(stopped_at) == 0, "in-flight requests end")

@@ -25,6 +25,7 @@ import pytest
 from mooncake.cli.app import setup_logging
 from mooncake.config import Config
 from mooncake.roles.common import install_signal_handlers, report_ready
+from mooncake.roles.local import free_port
 
 pytestmark = pytest.mark.timeout(60)
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
@@ -83,18 +84,12 @@ def test_without_notify_socket_nothing_is_sent(monkeypatch: pytest.MonkeyPatch, 
     assert json.loads(capsys.readouterr().out)["ready"] is True
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_master_process_notifies_ready_and_stopping(tmp_path: Path):
     config = tmp_path / "master.toml"
     config.write_text(
-        f'[cluster]\nmaster = "127.0.0.1:{_free_port()}"\nsecret = "{"s" * 32}"\n'
+        f'[cluster]\nmaster = "127.0.0.1:{free_port()}"\nsecret = "{"s" * 32}"\n'
         '[model]\npath = "dummy:llama3-8b"\n'  # a shape the Conductor has a roofline for
-        f'[api]\nhost = "127.0.0.1"\nport = {_free_port()}\n[metrics]\nport = 0\n'
+        f'[api]\nhost = "127.0.0.1"\nport = {free_port()}\n[metrics]\nport = 0\n'
     )
     name = f"mooncake-test-{secrets.token_hex(6)}"
     env = {**os.environ, "NOTIFY_SOCKET": "@" + name, "MOONCAKE_LOG_LEVEL": "info"}

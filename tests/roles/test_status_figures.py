@@ -29,13 +29,20 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, cost_cache: Path) -> Itera
 
 
 def _complete(url: str, prompt: list[int]) -> dict[str, int]:
-    body = {"model": "dummy:tiny", "prompt": prompt, "max_tokens": 2, "temperature": 0,
-            "ignore_eos": True}  # fmt: skip
+    body = {
+        "model": "dummy:tiny",
+        "prompt": prompt,
+        "max_tokens": 2,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     r = httpx.post(url + "/v1/completions", json=body, timeout=60)
     assert r.status_code == 200, r.text
     usage = r.json()["usage"]
-    return {"prompt": usage["prompt_tokens"],
-            "cached": usage["prompt_tokens_details"]["cached_tokens"]}  # fmt: skip
+    return {
+        "prompt": usage["prompt_tokens"],
+        "cached": usage["prompt_tokens_details"]["cached_tokens"],
+    }
 
 
 def _metric(url: str, name: str) -> float:
