@@ -233,6 +233,22 @@ class PrefillConfig(msgspec.Struct, **_STRUCT):
     stage_timeout_s: Annotated[
         float, knob("Leader's wait (s) per chunk on its next stage, then the task moves on.", gt=0)
     ] = 30.0
+    max_inflight: Annotated[
+        int,
+        knob(
+            "Requests in flight per prefill group: the first stage starts the next prompt "
+            "while later stages finish this one, and KV streams out meanwhile.",
+            ge=1,
+        ),
+    ] = 4
+    reserve_timeout_s: Annotated[
+        float,
+        knob(
+            "Wait (s) for room for a prompt's KV on its decode node before the prefill "
+            "starts; past it the request fails, naming the full node.",
+            gt=0,
+        ),
+    ] = 30.0
 
 
 class DecodeConfig(msgspec.Struct, **_STRUCT):
@@ -321,7 +337,8 @@ class SchedulerConfig(msgspec.Struct, **_STRUCT):
         str,
         knob(
             'Cost model from `mooncake profile`, a path on the master\'s machine; "" = '
-            "analytic roofline of the model's shape on the master's GPUs, else H800 x8."
+            "analytic roofline of the model's shape on the GPUs of the first prefill node "
+            "that reports known ones (until then the master's, else H800 x8)."
         ),
     ] = ""
     node_wait_s: Annotated[
@@ -343,6 +360,9 @@ class ApiConfig(msgspec.Struct, **_STRUCT):
     api_keys: Annotated[
         tuple[str, ...], knob("Bearer keys accepted by the API; empty = no auth.", "secret")
     ] = ()
+    served_model_name: Annotated[
+        str, knob("Model id clients name in requests and /v1/models; empty = model.path.")
+    ] = ""
 
 
 class MetricsConfig(msgspec.Struct, **_STRUCT):

@@ -9,6 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from mooncake.cli.app import app, load_verbs
+from mooncake.conductor.roofline import roofline_cost_model
 from mooncake.configdoc import ALL_FIELDS, FIELDS
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "mooncake.toml.example"
@@ -102,6 +103,15 @@ def test_check_refuses_what_would_stop_the_master(runner: CliRunner, tmp_path: P
     args = ["config", "check", str(EXAMPLE), "--set", f"scheduler.cost_model_path={garbled}"]
     result = runner.invoke(app, args)
     assert result.exit_code == 2 and "scheduler.cost_model_path: cost model" in result.output
+    other = tmp_path / "other-model.json"  # a profile of another model than model.path's
+    roofline_cost_model("llama3-8b", "A800").save(other)
+    result = runner.invoke(
+        app, ["config", "check", str(EXAMPLE), "--set", f"scheduler.cost_model_path={other}"]
+    )
+    assert result.exit_code == 2, result.output
+    said = " ".join(result.output.split())
+    assert "is a cost model of 'llama3-8b', but model.path serves 'dummy:tiny'" in said
+    assert "`mooncake profile`" in said
     result = runner.invoke(app, ["config", "check", str(EXAMPLE), "--set", "model.path=dummy:x"])
     assert result.exit_code == 2 and "model.path: unknown model 'dummy:x'" in result.output
     # a prefill node does not read the master's cost model file: not its problem

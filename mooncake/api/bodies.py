@@ -6,6 +6,12 @@ logprobs (`tokens`, `token_logprobs`, `top_logprobs`, `text_offset`) and chat's
 (`content: [{token, logprob, bytes, top_logprobs}]`). A streamed request gets one chunk per
 output token (text may be "" while a character or a stop string is still incomplete), so
 a client can time every token.
+
+`return_token_ids` (vLLM's extension, same fields and places): a completion's choice
+carries `prompt_token_ids` and `token_ids` (the output's, a stop token included); a chat
+completion carries `prompt_token_ids` on the response and `token_ids` on its choice.
+Streamed, `prompt_token_ids` comes once, in the first chunk (chat's role chunk), and each
+chunk's `token_ids` holds its own token ([] for a chunk that only ends the stream).
 """
 
 from __future__ import annotations
@@ -40,10 +46,18 @@ class ResponseBuilder:
     """Builds the bodies of one request (`is_chat`: chat.completion, else text_completion)."""
 
     def __init__(
-        self, req_id: str, model: str, is_chat: bool, tokenizer: BaseTokenizer, logprobs: bool
+        self,
+        req_id: str,
+        model: str,
+        is_chat: bool,
+        tokenizer: BaseTokenizer,
+        logprobs: bool,
+        prompt_ids: list[int] | None = None,  # set: return token ids (return_token_ids)
     ):
         self.req_id, self.model, self.is_chat = req_id, model, is_chat
         self.tokenizer, self.logprobs = tokenizer, logprobs
+        self.prompt_ids = prompt_ids
+        self.is_prompt_sent = False  # streamed: prompt_token_ids went out in a chunk
         self.created = int(time.time())
         self.text_len = 0  # characters streamed so far (completions' text_offset)
 
@@ -98,6 +112,9 @@ class ResponseBuilder:
         else:
             choice["text"] = text
             body = self._head("text_completion")
+        if self.prompt_ids is not None:
+            choice["token_ids"] = [o.token_id for o in outs if o.token_id >= 0]
+            (body if self.is_chat else choice)["prompt_token_ids"] = self.prompt_ids
         body["choices"] = [choice]
         body["usage"] = usage
         return body
@@ -105,6 +122,9 @@ class ResponseBuilder:
     # -- stream chunks ------------------------------------------------------------------
     def _chunk(self, choice: Body, include_usage: bool) -> Body:
         body = self._head("chat.completion.chunk" if self.is_chat else "text_completion")
+        if self.prompt_ids is not None and not self.is_prompt_sent:
+            self.is_prompt_sent = True
+            (body if self.is_chat else choice)["prompt_token_ids"] = self.prompt_ids
         body["choices"] = [choice]
         if include_usage:
             body["usage"] = None
@@ -113,7 +133,9 @@ class ResponseBuilder:
     def role_chunk(self, include_usage: bool) -> Body:
         """Chat's first chunk: the assistant role, no content yet."""
         delta = {"role": "assistant", "content": ""}
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}
+        choice: Body = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}
+        if self.prompt_ids is not None:
+            choice["token_ids"] = []
         return self._chunk(choice, include_usage)
 
     def chunk(self, out: Output, include_usage: bool) -> Body:
@@ -124,6 +146,8 @@ class ResponseBuilder:
         else:
             choice["text"] = out.text
         choice["finish_reason"] = out.finish_reason
+        if self.prompt_ids is not None:
+            choice["token_ids"] = [out.token_id] if out.token_id >= 0 else []
         self.text_len += len(out.text)
         return self._chunk(choice, include_usage)
 

@@ -5,6 +5,9 @@ batching) and loops `apply commands -> step -> deliver`. Requests come from asyn
 "add"/"abort" commands through a locked inbox; each step's `TokenEvent`s go back to their
 requests' asyncio queues with one `loop.call_soon_threadsafe` per event loop and step.
 Closing a request's iterator early queues an "abort", which frees its KV blocks.
+With `prefix_caching` (the default, as in vLLM) a request reuses the KV blocks an earlier
+one computed for the same prefix (`engine/prefixcache.py`) and its first output says how
+many prompt tokens that saved (`usage.prompt_tokens_details.cached_tokens`).
 
     backend = EngineBackend(ModelConfig(path="dummy:tiny", block_tokens=16), max_batch=8)
     app = create_app(backend); ...; backend.close()
@@ -39,6 +42,8 @@ DEFAULT_KV_CACHE_BYTES = 512 * 1024 * 1024
 class _Pending:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue[Output]
+    seq: Sequence
+    is_started: bool = False  # its first output was sent
 
 
 class EngineBackend(BaseBackend):
@@ -54,12 +59,14 @@ class EngineBackend(BaseBackend):
         device: str = "cpu",
         served_model_name: str = "",
         num_threads: int | None = None,  # torch threads (process-wide); None = torch's default
+        prefix_caching: bool = True,
     ):
         import torch
 
         from mooncake.engine.decode import DecodeRunner
         from mooncake.engine.kvcache import PagedKVCache
         from mooncake.engine.modelinfo import load_model_info, resolve_dtype
+        from mooncake.engine.prefixcache import PrefixCache
         from mooncake.engine.weights import create_model
 
         config = model or ModelConfig()
@@ -79,8 +86,13 @@ class EngineBackend(BaseBackend):
                 f"{config.block_tokens} tokens ({block_bytes} bytes); give more or smaller blocks"
             )
         self.cache = PagedKVCache.for_model(self.model, num_blocks, config.block_tokens)
+        self.prefix_cache = PrefixCache(self.cache) if prefix_caching else None
         self.runner = DecodeRunner(
-            self.model, self.cache, max_batch=max_batch, chunk_tokens=chunk_tokens
+            self.model,
+            self.cache,
+            max_batch=max_batch,
+            chunk_tokens=chunk_tokens,
+            prefix_cache=self.prefix_cache,
         )
         self.tokenizer = create_tokenizer(config.path, info.eos_token_ids)
         self.vocab_size = spec.vocab_size
@@ -117,7 +129,7 @@ class EngineBackend(BaseBackend):
         with self._cond:
             if self._is_stopping or not self._thread.is_alive():
                 raise MooncakeError("the engine has stopped")
-            self._pending[seq.seq_id] = _Pending(asyncio.get_running_loop(), queue)
+            self._pending[seq.seq_id] = _Pending(asyncio.get_running_loop(), queue, seq)
             self._inbox.append(("add", seq))
             self._cond.notify()
         is_done = False
@@ -142,22 +154,42 @@ class EngineBackend(BaseBackend):
     def status(self, stats: RequestStats, *, uptime_s: float, cluster: str = "serve",
                ttft_slo_s: float = 0.0, tbt_slo_s: float = 0.0) -> Status:  # fmt: skip
         """The `/v1/status` snapshot of this single-process server: one node, no pool."""
-        snap, load = stats.snapshot(), self.load()
+        snap, load, pc = stats.snapshot(), self.load(), self.prefix_cache
+        hit_rate = (
+            pc.num_hit_tokens / pc.num_queried_tokens if pc and pc.num_queried_tokens else 0.0
+        )
         node = NodeStatus(
             node_id=f"{socket.gethostname()}-coupled", role="coupled", address="", state="ready",
             num_queued=load["num_waiting"], num_running=load["num_running"],
             load=load["num_running"] / self.runner.max_batch,
         )  # fmt: skip
         return Status(
-            cluster=cluster, model=self.model_name, uptime_s=uptime_s, nodes=[node], pool=[],
-            hit_rate=0.0, local_hit_rate=0.0,
-            num_queued=load["num_waiting"], num_running=load["num_running"],
-            num_requests=snap.num_requests, num_completed=snap.num_completed,
-            rejected=snap.num_rejected, num_failed=snap.num_failed,
-            ttft_p50_s=snap.ttft_p50_s, ttft_p90_s=snap.ttft_p90_s,
-            tbt_p50_s=snap.tbt_p50_s, tbt_p90_s=snap.tbt_p90_s,
-            ttft_slo_s=ttft_slo_s, tbt_slo_s=tbt_slo_s,
-        )  # fmt: skip
+            cluster=cluster,
+            model=self.model_name,
+            uptime_s=uptime_s,
+            nodes=[node],
+            pool=[],
+            hit_rate=hit_rate,
+            local_hit_rate=hit_rate,
+            num_queued=load["num_waiting"],
+            num_running=load["num_running"],
+            num_requests=snap.num_requests,
+            num_completed=snap.num_completed,
+            rejected=snap.num_rejected,
+            num_failed=snap.num_failed,
+            num_refused=snap.num_refused,
+            ttft_p50_s=snap.ttft_p50_s,
+            ttft_p90_s=snap.ttft_p90_s,
+            tbt_p50_s=snap.tbt_p50_s,
+            tbt_p90_s=snap.tbt_p90_s,
+            ttft_slo_s=ttft_slo_s,
+            tbt_slo_s=tbt_slo_s,
+            num_prompt_tokens=snap.num_prompt_tokens,
+            num_cached_tokens=snap.num_cached_tokens,
+            cached_token_share=(
+                snap.num_cached_tokens / snap.num_prompt_tokens if snap.num_prompt_tokens else 0.0
+            ),
+        )
 
     def close(self) -> None:
         """Stop the engine thread; requests still pending end with an abort."""
@@ -224,9 +256,17 @@ class EngineBackend(BaseBackend):
                 why = ""
                 if e.finish_reason == "abort":  # not asked for by its consumer: see above
                     why = error or "the KV cache cannot hold this request"
-                out = Output(token_id=e.token_id, text=e.text, logprob=e.logprob,
-                             top_logprobs=e.top_logprobs, finish_reason=e.finish_reason,
-                             error=why)  # fmt: skip
+                cached = 0 if pending.is_started else pending.seq.num_reused_tokens
+                pending.is_started = True
+                out = Output(
+                    token_id=e.token_id,
+                    text=e.text,
+                    logprob=e.logprob,
+                    top_logprobs=e.top_logprobs,
+                    finish_reason=e.finish_reason,
+                    error=why,
+                    num_cached_tokens=cached,
+                )
                 by_loop.setdefault(pending.loop, []).append((pending.queue, out))
         for loop, batch in by_loop.items():
             with contextlib.suppress(RuntimeError):  # a closed loop: nobody is listening

@@ -7,6 +7,9 @@ real responses into them, strictly, so they stay true). Streamed responses are
 `text/event-stream` (`data: {chunk}` lines, then `data: [DONE]`); every error is an
 `ErrorResponse` with its status: 400 bad field, 401 missing or wrong key, 404 unknown
 model, 413 body too large, 429 admission refused (with Retry-After), 503 cannot serve now.
+With `return_token_ids` (vLLM's extension) responses also carry `prompt_token_ids` and
+`token_ids` where vLLM puts them (the optional fields below; `bodies.py` says where in a
+stream).
 
 Fields OpenAI documents that we accept only at their neutral value (`n`, `echo`, `tools`,
 ...) are parsed in their wide type, so that the refusal can say why, and documented at
@@ -69,6 +72,8 @@ class CompletionChoice(_Shape):
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: FinishReason | None  # None in a stream chunk before the last
+    prompt_token_ids: list[int] | None = None  # with return_token_ids
+    token_ids: list[int] | None = None  # with return_token_ids: the output's
 
 
 class Completion(_Shape):
@@ -108,6 +113,7 @@ class ChatChoice(_Shape):
     message: AssistantMessage
     logprobs: ChatLogprobs | None
     finish_reason: FinishReason
+    token_ids: list[int] | None = None  # with return_token_ids: the output's
 
 
 class ChatCompletion(_Shape):
@@ -119,6 +125,7 @@ class ChatCompletion(_Shape):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_token_ids: list[int] | None = None  # with return_token_ids
 
 
 class Model(_Shape):

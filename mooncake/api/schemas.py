@@ -57,6 +57,14 @@ class InvalidRequest(ApiError):
         self.param, self.status, self.code = param, status, code
 
 
+RETURN_TOKEN_IDS = (
+    "Extension (vLLM's): the response also carries the token ids of the prompt "
+    "(`prompt_token_ids`: on the choice of a completion, on the response of a chat "
+    "completion; streamed, in the first chunk only) and of the output (`token_ids` on the "
+    "choice, a stop token included; streamed, each chunk's own token)."
+)
+
+
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     include_usage: bool = False  # a last chunk with `usage` and no choices
 
@@ -73,6 +81,7 @@ class _Common(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     stop: _StopString | list[_StopString] | None = None
     stop_token_ids: list[TokenId] | None = None  # extension
     ignore_eos: bool = False  # extension
+    return_token_ids: Annotated[bool, Meta(description=RETURN_TOKEN_IDS)] = False  # vLLM's
     n: Annotated[int, _only(const=1)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None

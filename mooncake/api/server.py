@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import socket
 import threading
 from collections.abc import Callable, Iterator
 
+import psutil
 import uvicorn
 from starlette.types import ASGIApp
 
@@ -40,6 +42,22 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 def _http_url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+WILDCARDS = ("0.0.0.0", "::", "")
+
+
+def this_host_address(ipv6: bool = False) -> str:
+    """An address other hosts may reach this one at: its first non-loopback IPv4 address
+    (with `ipv6`, a global IPv6 one first), else its host name."""
+    families = (socket.AF_INET6, socket.AF_INET) if ipv6 else (socket.AF_INET,)
+    interfaces = psutil.net_if_addrs().values()
+    for family in families:
+        for a in (a for addrs in interfaces for a in addrs if a.family == family):
+            ip = ipaddress.ip_address(a.address.split("%")[0])
+            if not (ip.is_loopback or ip.is_link_local or ip.is_unspecified):
+                return str(ip)
+    return socket.gethostname()
 
 
 class _Server(uvicorn.Server):
@@ -81,6 +99,15 @@ class ApiServer:
     def bound_url(self) -> str:
         """The address listened on, as a URL (http://0.0.0.0:8000 for every interface)."""
         return _http_url(self.host, self.port)
+
+    @property
+    def listening(self) -> str:
+        """Where it listens, for a log line: its URL, or for a wildcard host "all
+        interfaces, port N (http://<this host's address>:N)"."""
+        if self.host not in WILDCARDS:
+            return self.bound_url
+        url = _http_url(this_host_address(ipv6=self.host == "::"), self.port)
+        return f"all interfaces, port {self.port} ({url})"
 
     async def serve(self, on_ready: Callable[[], None] | None = None) -> None:
         """Serve until `stop()` (or SIGINT/SIGTERM when run in the main thread: then it

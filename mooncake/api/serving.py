@@ -157,15 +157,24 @@ async def generate(ctx: ServingContext, request: Request, is_chat: bool) -> Resp
     except BaseException as e:
         if it is not None:
             await _close(it)
-        trace.end(_outcome_of(e))
+        if isinstance(e, ApiError):  # a bad request: refused, not received
+            trace.refuse(e.status if isinstance(e, InvalidRequest) else 400)
+        else:
+            trace.end(_outcome_of(e))
         if isinstance(e, StopAsyncIteration):
             raise StreamFailed("the backend ended the request without any output") from e
         raise
     if first.token_id >= 0:
         trace.token()
     trace.prompt(len(prompt_ids), first.num_cached_tokens)
-    builder = ResponseBuilder(req_id, model, is_chat, ctx.backend.tokenizer,
-                              params.logprobs is not None)  # fmt: skip
+    builder = ResponseBuilder(
+        req_id,
+        model,
+        is_chat,
+        ctx.backend.tokenizer,
+        params.logprobs is not None,
+        prompt_ids=prompt_ids if req.return_token_ids else None,
+    )
     usage = _Usage(len(prompt_ids), first.num_cached_tokens)
     if req.stream:
         include_usage = req.stream_options is not None and req.stream_options.include_usage
@@ -177,8 +186,6 @@ async def generate(ctx: ServingContext, request: Request, is_chat: bool) -> Resp
 def _outcome_of(e: BaseException) -> Outcome:
     if isinstance(e, Rejected):
         return "rejected"
-    if isinstance(e, ApiError):
-        return "invalid"
     if isinstance(e, Exception):  # MooncakeError, StopAsyncIteration, a bug
         return "failed"
     return "cancelled"

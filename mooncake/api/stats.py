@@ -1,7 +1,10 @@
 """What the HTTP API served: outcome counters and a recent window of TTFT and TBT.
 
 The app records every generation request (`RequestStats.start` -> `RequestTrace`): arrival
-to first token is its TTFT, each gap between later tokens one TBT sample. The master and
+to first token is its TTFT, each gap between later tokens one TBT sample. A request refused
+as bad with a 4xx (400, 404, 413: `RequestTrace.refuse`) is counted apart, as refused, and
+not as received; one refused by admission (429) was a valid request: it is received, with
+the outcome "rejected" (the paper's rejection rate is rejected / received). The master and
 `mooncake serve` read `snapshot()` to build the `/v1/status` snapshot; with a Prometheus
 registry the same events also feed counters and histograms.
 
@@ -22,8 +25,8 @@ from typing import Literal
 import msgspec
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-Outcome = Literal["completed", "rejected", "invalid", "failed", "cancelled"]
-OUTCOMES: tuple[Outcome, ...] = ("completed", "rejected", "invalid", "failed", "cancelled")
+Outcome = Literal["completed", "rejected", "failed", "cancelled"]
+OUTCOMES: tuple[Outcome, ...] = ("completed", "rejected", "failed", "cancelled")
 
 # Histogram buckets, seconds: TTFT spans queueing and long prefills, TBT one decode step.
 TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -49,7 +52,7 @@ class StatsSnapshot(msgspec.Struct, frozen=True, kw_only=True):
     num_requests: int  # generation requests received (every outcome below, plus in flight)
     num_completed: int  # finished with stop or length
     num_rejected: int  # refused by admission (HTTP 429)
-    num_invalid: int  # bad requests (HTTP 400/404)
+    num_refused: int  # bad requests refused with a 4xx (400/404/413); not in num_requests
     num_failed: int  # backend errors before or after the first token
     num_cancelled: int  # the client went away first
     num_waiting: int  # in flight, no token yet
@@ -78,6 +81,12 @@ class _Metrics:
         )  # fmt: skip
         for outcome in OUTCOMES:
             self.requests.labels(outcome)
+        self.refused = Counter(
+            "mooncake_api_refused_requests",
+            "Generation requests refused as bad with a 4xx (not counted as received), by status.",
+            ["status"],
+            registry=registry,
+        )
         self.in_flight = Gauge(
             "mooncake_api_requests_in_flight", "Requests being served.", registry=registry
         )
@@ -108,7 +117,7 @@ class RequestStats:
     def __init__(self, window_requests: int = 1000, window_gaps: int = 10000):
         self._lock = threading.Lock()
         self._counts = dict.fromkeys(OUTCOMES, 0)
-        self._num_requests = self._num_streaming = 0
+        self._num_requests = self._num_streaming = self._num_refused = 0
         self._num_prompt = self._num_cached = self._num_generated = 0
         self._ttft_s: deque[float] = deque(maxlen=window_requests)  # one per request
         self._tbt_s: deque[float] = deque(maxlen=window_gaps)  # one per token gap
@@ -133,13 +142,14 @@ class RequestStats:
         with self._lock:
             ttft, tbt, c = list(self._ttft_s), list(self._tbt_s), dict(self._counts)
             num_requests, num_streaming = self._num_requests, self._num_streaming
+            num_refused = self._num_refused
             prompt, cached, generated = self._num_prompt, self._num_cached, self._num_generated
         done = sum(c.values())
         return StatsSnapshot(
             num_requests=num_requests,
             num_completed=c["completed"],
             num_rejected=c["rejected"],
-            num_invalid=c["invalid"],
+            num_refused=num_refused,
             num_failed=c["failed"],
             num_cancelled=c["cancelled"],
             num_waiting=num_requests - done - num_streaming,
@@ -181,6 +191,14 @@ class RequestStats:
             if tbt_s is not None:
                 m.tbt.observe(tbt_s)
 
+    def _on_refused(self, status: int) -> None:
+        with self._lock:
+            self._num_requests -= 1  # NOTE: counted at arrival, before it could be read
+            self._num_refused += 1
+        if m := self._metrics:
+            m.refused.labels(str(status)).inc()
+            m.in_flight.dec()
+
     def _on_end(self, outcome: Outcome, was_streaming: bool) -> None:
         with self._lock:
             self._counts[outcome] += 1
@@ -192,13 +210,14 @@ class RequestStats:
 
 class RequestTrace:
     """One request's timeline; the app calls `prompt` once, `token` per output token and
-    `end` exactly once."""
+    `end` (or `refuse`, for a bad request) exactly once."""
 
     def __init__(self, stats: RequestStats, arrival: float):
         self.stats, self.arrival = stats, arrival  # time.perf_counter() seconds
         self.last_token: float | None = None
         self.num_tokens = 0
         self.outcome: Outcome | None = None
+        self.is_ended = False
 
     def prompt(self, num_tokens: int, num_cached: int = 0) -> None:
         self.stats._on_prompt(num_tokens, num_cached)
@@ -214,6 +233,13 @@ class RequestTrace:
 
     def end(self, outcome: Outcome) -> None:
         """Record the outcome; a second call is ignored (the first outcome stands)."""
-        if self.outcome is None:
-            self.outcome = outcome
+        if not self.is_ended:
+            self.is_ended, self.outcome = True, outcome
             self.stats._on_end(outcome, self.last_token is not None)
+
+    def refuse(self, status: int) -> None:
+        """The request was refused as bad with HTTP `status` (4xx), before any work: it
+        counts as refused, not as received. Like `end`, once."""
+        if not self.is_ended:
+            self.is_ended = True
+            self.stats._on_refused(status)

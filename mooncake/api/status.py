@@ -22,6 +22,7 @@ class NodeStatus(msgspec.Struct, frozen=True, kw_only=True):
     nics: list[str] = []  # RDMA NICs, e.g. "mlx5_0"; [] when none
     num_queued: int = 0  # requests waiting on this node
     num_running: int = 0  # requests running on this node
+    num_reserved: int = 0  # decode: prompts streaming their KV into blocks set aside here
     load: float = 0.0  # 0..1: prefill busy share, or decode batch / max batch
     last_seen_s: float = 0.0  # seconds since its last heartbeat
     pipeline_group: str = ""  # prefill pipeline group this node belongs to, "" if none
@@ -51,7 +52,7 @@ class Status(msgspec.Struct, frozen=True, kw_only=True):
     local_hit_rate: float  # share of prompt blocks the chosen prefill node held at placement
     num_queued: int  # requests admitted and not yet producing tokens
     num_running: int  # requests decoding
-    num_requests: int  # requests received since start
+    num_requests: int  # requests received since start (rejected ones too, refused ones not)
     num_completed: int
     rejected: int  # rejected by admission (HTTP 429)
     num_failed: int  # ended with an error
@@ -67,6 +68,7 @@ class Status(msgspec.Struct, frozen=True, kw_only=True):
     num_prompt_tokens: int = 0  # prompt tokens of the requests the API answered since start
     num_cached_tokens: int = 0  # of those, reported as cached (KV reused, not computed)
     cached_token_share: float = 0.0  # num_cached_tokens / num_prompt_tokens (0 before any)
+    num_refused: int = 0  # bad requests refused with a 4xx (400/404/413): not received
 
 
 def host_port(address: str) -> str:

@@ -8,7 +8,8 @@ import typer
 
 from mooncake.cli.app import bench_app
 
-PARTS = ("throughput", "stream", "reuse", "pipeline")
+PARTS = ("throughput", "stream", "reuse", "pipeline", "handoff", "inflight")
+DEFAULT_PARTS = ("throughput", "stream", "reuse", "pipeline")
 Row = tuple[str, Any, str]  # (measurement, benchmarks.Timing, figure)
 Section = tuple[str, list[Row]]
 
@@ -23,11 +24,13 @@ def _ints(text: str) -> list[int]:
 @bench_app.command("engine")
 def bench_engine(
     parts: str = typer.Option(
-        ",".join(PARTS),
+        ",".join(DEFAULT_PARTS),
         "--parts",
         help="Comma-separated measurements: throughput (prefill and decode tokens/s), stream "
         "(layer-wise KV store vs prefill alone vs store after prefill), reuse (prefill with "
-        "part of the prompt from the pool vs full), pipeline (2 stages in 2 processes vs 1).",
+        "part of the prompt from the pool vs full), pipeline (2 stages in 2 processes vs 1), "
+        "handoff (prefill start to KV on the decode side vs the prefill alone, 1 and 2 "
+        "stages), inflight (a 2-stage group given prompts at once vs one at a time).",
     ),
     model: str = typer.Option(
         "dummy:tiny",
@@ -59,6 +62,12 @@ def bench_engine(
         help="Prompt length of the pipeline measurement (may exceed the model's "
         "max_position_embeddings: RoPE extrapolates, random weights do not mind).",
     ),
+    handoff_len: int = typer.Option(4096, min=2, help="Prompt length of the handoff measurement."),
+    handoff_protocol: str = typer.Option(
+        "auto", help="Transport of the handoff/inflight KV stream: auto (shm here), shm, tcp."
+    ),
+    inflight_len: int = typer.Option(4096, min=2, help="Prompt length of the inflight figure."),
+    inflight_count: int = typer.Option(4, min=2, help="Prompts given at once (inflight)."),
     repeat: int = typer.Option(3, min=1, help="Runs per variant; best and median are shown."),
     threads: int = typer.Option(1, min=1, help="torch threads in this process (and each stage)."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object, not tables."),
@@ -80,7 +89,9 @@ def bench_engine(
     kv_dtype = resolve_dtype(info, dtype, "cpu")
     lens, batches = _ints(prefill_lens), _ints(decode_batches)
     stream = _ints(stream_lens)
-    longest = max([*lens, *stream, reuse_len, pipeline_len])
+    longest = max([*lens, *stream, reuse_len, pipeline_len, handoff_len])
+    if "inflight" in chosen:
+        longest = max(longest, inflight_len * inflight_count)
     blocks_decode = max(batches) * -(-(decode_context + decode_steps) // block_tokens)
     bench = Bench(
         info,
@@ -157,10 +168,77 @@ def bench_engine(
         )
         report["pipeline_ratio"] = two.best / one.best
         report["pipeline_ratio_median"] = two.median / one.median
+    if {"handoff", "inflight"} & set(chosen):
+        _handoff_parts(
+            bench,
+            chosen,
+            emit,
+            report,
+            handoff_len,
+            handoff_protocol,
+            inflight_len,
+            inflight_count,
+            repeat,
+        )
     if json_out:
         report["runs_s"] = {k: t.runs for _, rows in tables for k, t, _ in rows}
         report["cpu_runs_s"] = {k: t.cpu_runs for _, rows in tables for k, t, _ in rows}
         print_json(report)
+
+
+def _handoff_parts(
+    bench: Any,
+    chosen: list[str],
+    emit: Any,
+    report: dict[str, Any],
+    length: int,
+    protocol: str,
+    inflight_len: int,
+    count: int,
+    repeat: int,
+) -> None:
+    from mooncake.engine.handoffbench import HandoffBench
+
+    hb = HandoffBench(bench, max(length, inflight_len * count), protocol)
+    try:
+        if "handoff" in chosen:
+            report["handoff"] = {}
+            for shape, run in (("1-stage", hb.one_stage), ("2-stage", hb.two_stage)):
+                t = run(length, repeat)
+                alone, ready = t["prefill alone"], t["until KV on decode"]
+                ratio = ready.best / alone.best
+                emit(
+                    f"streamed KV hand-off, {length}-token prompt, {shape} group",
+                    [
+                        ("prefill alone", alone, ""),
+                        ("until KV on decode", ready, f"{ratio:.3f}x prefill"),
+                    ],
+                )
+                report["handoff"][shape] = {
+                    "prefill_s": alone.best,
+                    "ready_s": ready.best,
+                    "ratio": ratio,
+                    "ratio_median": ready.median / alone.median,
+                }
+        if "inflight" in chosen:
+            t = hb.inflight(inflight_len, count, repeat)
+            one, many = t["one at a time"], t["all in flight"]
+            ratio = one.best / many.best
+            emit(
+                f"{count} prompts of {inflight_len} tokens on a 2-stage group",
+                [
+                    ("one at a time", one, ""),
+                    ("all in flight", many, f"{ratio:.2f}x the throughput"),
+                ],
+            )
+            report["inflight"] = {
+                "one_at_a_time_s": one.best,
+                "in_flight_s": many.best,
+                "throughput_ratio": ratio,
+                "throughput_ratio_median": one.median / many.median,
+            }
+    finally:
+        hb.close()
 
 
 def _print_table(title: str, rows: list[Row]) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -153,8 +154,12 @@ def replay_cmd(
 
 
 def _replay_with_progress(
-    records: list[TraceRecord], prompts: PromptConfig, cfg: ReplayConfig
+    records: list[TraceRecord],
+    prompts: PromptConfig,
+    cfg: ReplayConfig,
+    also: Callable[[RequestRecord], None] | None = None,
 ) -> ReplayReport:
+    """`replay` with a progress bar on stderr; `also` sees every request's record too."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from mooncake.cli.output import err_console
@@ -177,6 +182,8 @@ def _replay_with_progress(
         progress.start()
 
     def on_record(rec: RequestRecord) -> None:
+        if also is not None:
+            also(rec)
         counts[rec.status] += 1
         text = f"ok {counts['ok']}  429 {counts['rejected']}  failed {counts['error']}"
         progress.update(task, advance=1, counts=text)

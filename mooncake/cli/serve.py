@@ -44,10 +44,18 @@ def serve(
         "512MiB", "--kv-cache", help="Memory of the paged KV cache, e.g. 512MiB or 4GiB."
     ),
     served_model_name: str = typer.Option(
-        "", "--served-model-name", help="Model id clients name (default: the model path)."
+        "",
+        "--served-model-name",
+        help="Model id clients name (api.served_model_name; default: the model path).",
     ),
     threads: int = typer.Option(
         0, "--threads", min=0, help="torch CPU threads; 0 = torch's default."
+    ),
+    prefix_caching: bool = typer.Option(
+        True,
+        "--enable-prefix-caching/--no-enable-prefix-caching",
+        help="Reuse the KV of full blocks an earlier request computed for the same prefix "
+        "(LRU eviction of unused ones), as vLLM's automatic prefix caching.",
     ),
     sets: list[str] = typer.Option(
         [],
@@ -82,8 +90,13 @@ def serve(
     from mooncake.store.metrics import MetricsServer
 
     overrides: dict[str, object] = dict(parse_set_option(s) for s in sets)
-    flags = {"model.path": model, "api.host": host, "api.api_keys": api_keys,
-             "decode.max_batch": max_batch}  # fmt: skip
+    flags = {
+        "model.path": model,
+        "api.host": host,
+        "api.api_keys": api_keys,
+        "decode.max_batch": max_batch,
+        "api.served_model_name": served_model_name,
+    }
     overrides.update({k: v for k, v in flags.items() if v})
     loaded = load_config(config_file, overrides=overrides)
     cfg = loaded.config
@@ -93,10 +106,14 @@ def serve(
     api_host = LOCALHOST if is_default["api.host"] else cfg.api.host
     metrics_host = LOCALHOST if is_default["metrics.host"] else cfg.metrics.host
     backend = EngineBackend(
-        cfg.model, max_batch=cfg.decode.max_batch, chunk_tokens=cfg.prefill.chunk_tokens,
-        kv_cache_bytes=parse_size(kv_cache), served_model_name=served_model_name,
+        cfg.model,
+        max_batch=cfg.decode.max_batch,
+        chunk_tokens=cfg.prefill.chunk_tokens,
+        kv_cache_bytes=parse_size(kv_cache),
+        served_model_name=cfg.api.served_model_name,
         num_threads=threads or None,
-    )  # fmt: skip
+        prefix_caching=prefix_caching,
+    )
     registry = CollectorRegistry() if cfg.metrics.enabled else None
     metrics_server = None
     if registry is not None and cfg.metrics.port:

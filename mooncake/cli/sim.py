@@ -45,7 +45,25 @@ app.add_typer(sim_app, name="sim")
 
 TRACE_HELP = "Mooncake-format JSONL trace (timestamp, input_length, output_length, hash_ids)."
 OPT: dict[str, Any] = {
-    "prefill": typer.Option(8, "--prefill", min=0, help="Prefill instances (one node each)."),
+    "prefill": typer.Option(8, "--prefill", min=0, help="Prefill nodes (one instance each)."),
+    "group_size": typer.Option(
+        1,
+        "--group-size",
+        min=1,
+        help="Prefill nodes per pipeline group (its stages): each group is one prefill "
+        "instance, taking a new request every prefill time / S.",
+    ),
+    "max_inflight": typer.Option(
+        4, "--max-inflight", min=1, help="Requests in flight per prefill group at most."
+    ),
+    "reserve": typer.Option(
+        True,
+        "--reserve-at-start/--admit-on-arrival",
+        help="The cluster's hand-off: reserve the decode node's KV room as the prefill "
+        "starts (waiting for room, head of line), stream the KV during the prefill, the "
+        "decode node gives the first token (default); or the paper's §7 path: the decode "
+        "instance checks the request when its KV lands and may reject it then.",
+    ),
     "decode": typer.Option(8, "--decode", min=0, help="Decode instances (one node each)."),
     "coupled": typer.Option(
         0,
@@ -111,7 +129,7 @@ OPT: dict[str, Any] = {
         512,
         "--chunk-tokens",
         min=1,
-        help="Coupled instances: tokens per iteration (vLLM default 512).",
+        help="Tokens per prefill chunk; coupled instances: per iteration (vLLM default 512).",
     ),
     "block_tokens": typer.Option(
         512, "--block-tokens", min=1, help="Tokens per KV block of the trace."
@@ -136,7 +154,8 @@ def _config(kw: dict[str, Any]) -> SimConfig:
         dram_bytes=parse_size(kw["dram_bytes"]), ssd_bytes=parse_size(kw["ssd_bytes"]),
         block_tokens=kw["block_tokens"], chunk_tokens=kw["chunk_tokens"],
         speed=kw.get("speed", 1.0), limit=kw["limit"], seed=kw["seed"],
-        late_binding=kw.get("late_binding", True),
+        late_binding=kw.get("late_binding", True), group_size=kw.get("group_size", 1),
+        max_inflight=kw.get("max_inflight", 4), reserve_at_start=kw.get("reserve", True),
     )  # fmt: skip
 
 
@@ -144,6 +163,8 @@ def _cluster_name(cfg: SimConfig) -> str:
     shape = (
         f"{cfg.num_coupled} coupled" if cfg.is_coupled else f"{cfg.num_prefill}P+{cfg.num_decode}D"
     )
+    if not cfg.is_coupled and cfg.group_size > 1:
+        shape += f" (groups of {cfg.group_size})"
     binding = "" if cfg.late_binding or cfg.is_coupled else ", decode bound at arrival"
     return (
         f"{shape}, {cfg.model} on {cfg.gpu} x{cfg.tp}, {cfg.policy}, "
@@ -159,6 +180,8 @@ def sim_run(
         1.0, "--speed", help="Replay speed factor (2 = twice as many requests per second)."
     ),
     prefill: int = OPT["prefill"], decode: int = OPT["decode"], coupled: int = OPT["coupled"],
+    group_size: int = OPT["group_size"], max_inflight: int = OPT["max_inflight"],
+    reserve: bool = OPT["reserve"],
     policy: str = OPT["policy"], rejection: str = OPT["rejection"],
     late_binding: bool = OPT["late_binding"], threshold: float = OPT["threshold"],
     gpu: str = OPT["gpu"], model: str = OPT["model"], tp: int = OPT["tp"],

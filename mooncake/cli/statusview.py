@@ -288,6 +288,7 @@ def metrics_table(status: Status) -> Table:
             (f"{s.rejected:,} rejected", "yellow" if s.rejected else ""),
             "  ",
             (f"{s.num_failed:,} failed", "red" if s.num_failed else ""),
+            (f"  {s.num_refused:,} refused (4xx)", "dim"),
         ),
     )
     table.add_row("transfer", human_rate(s.transfer_bytes_per_s))

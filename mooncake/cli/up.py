@@ -37,6 +37,11 @@ def up(
     num_decode: int = typer.Option(1, "--decode", min=1, help="--local: decode nodes."),
     num_store: int = typer.Option(1, "--store", min=0, help="--local: store nodes."),
     model: str = typer.Option("dummy:tiny", "--model", help="--local: model path."),
+    served_model_name: str = typer.Option(
+        "",
+        "--served-model-name",
+        help="--local: model id clients name (api.served_model_name; default: the model path).",
+    ),
     port: int = typer.Option(
         8000, "--port", min=0, max=65535, help="--local: HTTP API port (0 = any free one)."
     ),  # fmt: skip
@@ -91,6 +96,8 @@ def up(
             cost_model_path=str(cost_model or ""),
             extra=dict(parse_set_option(s) for s in sets),
         )
+        if served_model_name:
+            plan.extra["api.served_model_name"] = served_model_name
         _up_local(plan, RestartPolicy(limit=restart_limit))
         return
     import logging
@@ -136,9 +143,10 @@ def _up_local(plan: LocalPlan, policy: RestartPolicy) -> None:
         f"{plan.num_decode} decode, {num_store} store; model {plan.model})"
     )
     key = " -H 'Authorization: Bearer KEY'" if info.api_key else ""  # KEY: of api.api_keys
+    served = plan.extra.get("api.served_model_name") or plan.model  # as the master names it
     console.print(
         f"  try: curl {info.url}/v1/completions -H 'Content-Type: application/json'{key} "
-        f'-d \'{{"model": "{plan.model}", "prompt": "Hello", "max_tokens": 16}}\''
+        f'-d \'{{"model": "{served}", "prompt": "Hello", "max_tokens": 16}}\''
     )
     console.print("  watch: mooncake status    load: mooncake replay TRACE    stop: Ctrl-C")
     if policy.limit:

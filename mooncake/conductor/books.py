@@ -33,10 +33,12 @@ class Books:
         slots: DecodeSlots,
         tokens: int,
         ready_at: float,
+        new_tokens: int = 0,
     ) -> None:
-        """An accepted request: `prefill_s` of work on `queue`, `tokens` of KV reserved on
-        `slots`, its prefill predicted to end at `ready_at`."""
-        queue.add(req_id, prefill_s)
+        """An accepted request: a prefill of `prefill_s` (whole model, `new_tokens`
+        computed) queued on `queue`, `tokens` of KV reserved on `slots`, its prefill
+        predicted to end at `ready_at`."""
+        queue.add(req_id, prefill_s, new_tokens)
         slots.reserve(req_id, tokens)
         self.forecast.add_prefilling(req_id, ready_at, tokens)
         self._tickets[req_id] = (queue, slots, tokens)
@@ -52,7 +54,7 @@ class Books:
     def _start_prefill(self, req_id: Hashable, now: float, prefill_s: float | None) -> None:
         queue, slots, _ = self._tickets[req_id]
         queue.start(req_id, now, prefill_s)
-        ready = now + queue.req_s.get(req_id, 0.0)
+        ready = now + queue.latency(req_id)
         if req_id in slots.reserved:
             slots.incoming[req_id] = ready
         self.forecast.prefill_ends_at(req_id, ready)

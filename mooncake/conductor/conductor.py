@@ -29,6 +29,7 @@ from mooncake.conductor.forecast import DecodeForecast, ForecastError
 from mooncake.conductor.index import PrefixIndex
 from mooncake.conductor.load import DecodeSlots, PrefillQueue
 from mooncake.conductor.network import NetworkState
+from mooncake.conductor.pipelining import num_chunks, pipeline_times
 from mooncake.conductor.placement import place_at_start, place_decode
 from mooncake.conductor.policy import PrefillView, create_policy
 from mooncake.conductor.types import (
@@ -73,10 +74,13 @@ class Conductor(Books):
         block_tokens: int = 512,
         seed: int = 0,
         cost: CostModel | None = None,
+        stages: int = 1,
+        chunk_tokens: int = 0,
     ) -> Conductor:
         """A Conductor from the `[scheduler]` settings; the cost model is `cost` when given
         (the master passes `roofline.master_cost_model`'s), else the profile file at
-        `cfg.cost_model_path`, else the roofline of `model` on `tp` x `gpu`."""
+        `cfg.cost_model_path`, else the roofline of `model` on `tp` x `gpu`. `stages` and
+        `chunk_tokens`: the prefill groups' pipeline stages and chunk size."""
         from mooncake.conductor.roofline import roofline_cost_model
 
         path = cfg.cost_model_path
@@ -90,6 +94,8 @@ class Conductor(Books):
             balancing_threshold=cfg.balancing_threshold,
             forecast_sigmas=cfg.forecast_sigmas,
             block_tokens=block_tokens,
+            stages=stages,
+            chunk_tokens=chunk_tokens,
             seed=seed,
         )
         return cls(params, cost)
@@ -134,8 +140,10 @@ class Conductor(Books):
     def _add_prefill(self, name: str, link_bytes_per_s: float | None) -> None:
         if any(q.name == name for q in self.prefill):
             raise SchedulingError(f"prefill instance {name!r} is already registered")
-        self.prefill.append(PrefillQueue(name, self.index.bit(name)))
-        self.network.add_node(name, link_bytes_per_s)
+        p = self.params
+        self.prefill.append(PrefillQueue(name, self.index.bit(name), p.stages, p.chunk_tokens))
+        # NOTE: every stage of a group moves its own layers' KV over its own NIC
+        self.network.add_node(name, (link_bytes_per_s or self.cost.link_bytes_per_s) * p.stages)
         self._rebuild_match()
 
     def _rebuild_match(self) -> None:
@@ -188,7 +196,7 @@ class Conductor(Books):
             best_len=best_len,
             best_idx=best_idx,
             can_fetch=p.global_pool and not self.is_coupled,
-            prefill_s=lambda blocks: self.cost.prefill_time(input_len, blocks * p.block_tokens),
+            prefill_s=lambda blocks: self._prefill_latency(input_len, blocks),
             transfer_s=lambda src, dst, blocks: self.network.estimate(
                 names[src], names[dst], blocks * self._block_bytes, now
             ),
@@ -228,9 +236,30 @@ class Conductor(Books):
             replications=replications,
         )
         if not reason:
-            prefill_s = view.prefill_s(plan.reused_blocks)
-            self._book(req.req_id, queue, prefill_s, slots, input_len, now + plan.ttft_s)
+            reused = min(plan.reused_blocks * p.block_tokens, input_len)
+            prefill_s = self.cost.prefill_time(input_len, reused)
+            self._book(
+                req.req_id,
+                queue,
+                prefill_s,
+                slots,
+                input_len,
+                now + plan.ttft_s,
+                input_len - reused,
+            )
         return decision
+
+    def _prefill_latency(self, input_len: int, reused_blocks: int) -> float:
+        """T_prefill of Algorithm 1 on a group of `params.stages` stages: first chunk in
+        to last chunk out (`mooncake.conductor.pipelining`); the KV streams to the decode
+        node meanwhile, so no hand-off transfer is added."""
+        p = self.params
+        reused = min(reused_blocks * p.block_tokens, input_len)
+        prefill_s = self.cost.prefill_time(input_len, reused)
+        if p.stages <= 1:
+            return prefill_s
+        chunks = num_chunks(input_len - reused, p.chunk_tokens)
+        return pipeline_times(prefill_s, chunks, p.stages)[1]
 
     def _place_decode(
         self, prefill_idx: int, input_len: int, now: float
@@ -261,14 +290,16 @@ class Conductor(Books):
         if ticket is None:
             return PrefillAdmission(req_id=req_id, is_accepted=False, reason="unknown_request")
         queue, slots, tokens = ticket
-        if prefill_s is None:
-            prefill_s = queue.req_s.get(req_id, 0.0)
+        if prefill_s is None or req_id not in queue.req_chunks:
+            latency_s = queue.latency(req_id)
+        else:
+            latency_s = queue.times(prefill_s, queue.req_chunks[req_id])[1]
         load = 0.0
         predictive = self.params.rejection == "predictive"
         if (predictive or self.params.late_binding) and not self.is_coupled:
             best, load = place_at_start(
                 self.cost, self.params.tbt_slo_s, self.forecast, self.decode, req_id, tokens,
-                now, now + prefill_s,
+                now, now + latency_s,
             )  # fmt: skip
             if predictive and load > 1.0:
                 self.on_request_dropped(req_id, now)

@@ -1,7 +1,9 @@
 """The Conductor's view of instance load, kept from its own decisions and progress reports.
 
 - `PrefillQueue`: T_queue(p) = the predicted prefill times of the requests queued on p,
-  minus what the running one has already done (§6.1).
+  minus what the running one has already done (§6.1). On a pipeline group of S stages a
+  request occupies the first stage for only its prefill time / S (the next one starts
+  then: `mooncake.conductor.pipelining`), so the queue drains that fast.
 - `DecodeSlots`: a decode instance's batch (running) and reservations (requests still in
   prefill that will join it; `incoming` = those whose prefill has started, with its
   predicted end), as request counts and prompt KV tokens, plus the KV its batch has
@@ -17,20 +19,29 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 
+from mooncake.conductor.pipelining import num_chunks, pipeline_times
+
 
 class PrefillQueue:
-    """Predicted work queued on one prefill instance."""
+    """Predicted work queued on one prefill instance (a group of `stages` stages)."""
 
-    __slots__ = ("name", "bit", "pending_s", "req_s", "running", "run_started", "run_s")
+    __slots__ = (
+        "name", "bit", "stages", "chunk_tokens", "pending_s", "req_s", "req_chunks",
+        "running", "run_started", "run_s",
+    )  # fmt: skip
 
-    def __init__(self, name: str, bit: int):
+    def __init__(self, name: str, bit: int, stages: int = 1, chunk_tokens: int = 0):
         self.name = name
         self.bit = bit  # the instance's bit in the prefix index
-        self.pending_s = 0.0  # predicted seconds of every unfinished request, incl. running
-        self.req_s: dict[Hashable, float] = {}  # req_id -> predicted prefill seconds
-        self.running: Hashable | None = None
+        self.stages = stages  # pipeline stages of the group
+        self.chunk_tokens = chunk_tokens  # tokens per prefill chunk (0: one chunk)
+        # predicted first-stage seconds of every request not yet past the first stage
+        self.pending_s = 0.0
+        self.req_s: dict[Hashable, float] = {}  # req_id -> predicted first-stage seconds
+        self.req_chunks: dict[Hashable, int] = {}  # req_id -> chunks it computes
+        self.running: Hashable | None = None  # on the first stage
         self.run_started = 0.0  # s
-        self.run_s = 0.0  # predicted seconds of the running request
+        self.run_s = 0.0  # predicted first-stage seconds of the running request
 
     def queue_time(self, now: float) -> float:
         """T_queue at `now`, seconds."""
@@ -40,22 +51,48 @@ class PrefillQueue:
             q -= done if done < self.run_s else self.run_s
         return q if q > 0.0 else 0.0
 
-    def add(self, req_id: Hashable, predicted_s: float) -> None:
-        self.req_s[req_id] = predicted_s
-        self.pending_s += predicted_s
+    def times(self, prefill_s: float, chunks: int) -> tuple[float, float]:
+        """(first-stage seconds, latency seconds) of a prefill of `prefill_s` on the whole
+        model in `chunks` chunks, on this group."""
+        return pipeline_times(prefill_s, chunks, self.stages)
 
-    def start(self, req_id: Hashable, now: float, predicted_s: float | None = None) -> None:
-        """The request's prefill starts; `predicted_s` corrects its predicted duration."""
+    def add(self, req_id: Hashable, prefill_s: float, new_tokens: int = 0) -> None:
+        """Queue a prefill taking `prefill_s` on the whole model over `new_tokens`."""
+        chunks = num_chunks(new_tokens, self.chunk_tokens)
+        stage_s, _ = self.times(prefill_s, chunks)
+        self.req_s[req_id] = stage_s
+        self.req_chunks[req_id] = chunks
+        self.pending_s += stage_s
+
+    def latency(self, req_id: Hashable) -> float:
+        """Predicted seconds from the request's start to its last layer computed."""
+        chunks = self.req_chunks.get(req_id, 1)
+        stage_s = self.req_s.get(req_id, 0.0)
+        if self.stages <= 1:
+            return stage_s
+        return stage_s * (chunks + self.stages - 1) / chunks
+
+    def start(self, req_id: Hashable, now: float, prefill_s: float | None = None) -> None:
+        """The request's prefill starts; `prefill_s` (whole model) corrects its prediction.
+        The request that held the first stage has left it."""
         if req_id in self.req_s:
-            if predicted_s is not None:
-                self.pending_s += predicted_s - self.req_s[req_id]
-                self.req_s[req_id] = predicted_s
+            if self.running is not None and self.running != req_id:
+                self._pass(self.running)
+            if prefill_s is not None:
+                stage_s, _ = self.times(prefill_s, self.req_chunks[req_id])
+                self.pending_s += stage_s - self.req_s[req_id]
+                self.req_s[req_id] = stage_s
             self.running, self.run_started, self.run_s = req_id, now, self.req_s[req_id]
 
-    def finish(self, req_id: Hashable) -> None:
+    def _pass(self, req_id: Hashable) -> None:
+        """`req_id` is past the first stage: no longer queue for the next ones."""
         self.pending_s -= self.req_s.pop(req_id, 0.0)
+        self.req_chunks.pop(req_id, None)
         if not self.req_s:
             self.pending_s = 0.0  # NOTE: stops float drift from accumulating
+
+    def finish(self, req_id: Hashable) -> None:
+        self._pass(req_id)
         if self.running == req_id:
             self.running = None
 

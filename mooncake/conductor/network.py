@@ -48,6 +48,10 @@ class NetworkState:
             raise SchedulingError(f"no network link for node {e.args[0]!r}: add_node first") from e
         return bw, start
 
+    def bandwidth(self, src: str, dst: str) -> float:
+        """Bytes/s of the path from src to dst (the slower of the two links)."""
+        return self._path(src, dst)[0]
+
     def estimate(self, src: str, dst: str, num_bytes: float, now: float) -> float:
         """Seconds from `now` until `num_bytes` from src reach dst; changes nothing."""
         if src == dst or num_bytes <= 0:

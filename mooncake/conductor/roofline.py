@@ -36,6 +36,10 @@ the model's own shape (any spec `model.path` loads: built-in names and HF direct
 the GPUs this host detects when they are one of the types above (tensor parallel = their
 count), else on H800 x8, the paper-era default, which a log line then states. Where the
 weights do not fit, tensor parallelism doubles until they do (a multi-node instance).
+Without a profile, the master then follows its prefill nodes (`PrefillHardware`): the
+first to register with GPUs of a known type sets the roofline to theirs (a master on a
+machine without GPUs schedules for the GPUs that prefill); with none anywhere (CPU nodes)
+the figures stay, and a log line says which hardware they assume.
 """
 
 from __future__ import annotations
@@ -58,6 +62,7 @@ from mooncake.errors import ConfigError
 from mooncake.modelspec import ModelSpec, get_model_spec
 
 if TYPE_CHECKING:
+    from mooncake.conductor.conductor import Conductor
     from mooncake.config import Config
     from mooncake.engine.modelinfo import ModelInfo
 
@@ -206,13 +211,13 @@ def fitting_roofline(
 
 
 def hardware_roofline(
-    spec: ModelSpec, gpu_names: Sequence[str], dtype_bytes: int = 2
+    spec: ModelSpec, gpu_names: Sequence[str], dtype_bytes: int = 2, where: str = "this host"
 ) -> tuple[CostModel, str]:
-    """The roofline of `spec` on the detected `gpu_names`, or on DEFAULT_TP x DEFAULT_GPU
-    when none is of a known type; with a sentence saying which and why."""
+    """The roofline of `spec` on the `gpu_names` detected on `where`, or on DEFAULT_TP x
+    DEFAULT_GPU when none is of a known type; with a sentence saying which and why."""
     known = [g for g in map(match_gpu, gpu_names) if g is not None]
     if known:
-        gpu, tp, why = known[0], len(known), "detected on this host"
+        gpu, tp, why = known[0], len(known), f"detected on {where}"
     else:
         gpu, tp = GPUS[DEFAULT_GPU], DEFAULT_TP
         seen = ", ".join(sorted(set(gpu_names))) or "no GPU"
@@ -230,21 +235,101 @@ def master_cost_model(
     saying where it came from. `gpu_names` None: read them through NVML.
 
     Raises ConfigError naming scheduler.cost_model_path when that file is missing, does
-    not parse. Shared by the master and `config check`.
+    not parse, or was made for another model. Shared by the master and `config check`.
     """
-    from mooncake.engine.modelinfo import resolve_dtype
-
     path = cfg.scheduler.cost_model_path
     if path:
         try:
             cost = CostModel.load(path)
         except CostModelError as e:
             raise ConfigError(f"scheduler.cost_model_path: {e}") from e
+        if cost.spec.model != info.spec.name:  # NOTE: another model's costs mislead quietly
+            raise ConfigError(
+                f"scheduler.cost_model_path: {path} is a cost model of {cost.spec.model!r}, "
+                f"but model.path serves {info.spec.name!r}; make one for this model with "
+                "`mooncake profile` (on a prefill node, with this config), or set "
+                'scheduler.cost_model_path = "" for the roofline of its shape'
+            )
         return cost, f"profile {path} ({cost.spec.device})"
     if gpu_names is None:
         from mooncake.native.nvml import read_gpus
 
         gpu_names = [g.name for g in read_gpus()[0]]
-    dtype = resolve_dtype(info, cfg.model.dtype, "cuda")  # the engines' dtype on a GPU
-    cost, why = hardware_roofline(info.spec, gpu_names, 4 if dtype == "float32" else 2)
+    cost, why = hardware_roofline(info.spec, gpu_names, gpu_dtype_bytes(cfg, info))
     return cost, f"roofline of {info.spec.name} on {why}"
+
+
+def gpu_dtype_bytes(cfg: Config, info: ModelInfo) -> int:
+    """Bytes per weight and KV element of the engines' dtype on a GPU."""
+    from mooncake.engine.modelinfo import resolve_dtype
+
+    return 4 if resolve_dtype(info, cfg.model.dtype, "cuda") == "float32" else 2
+
+
+class PrefillHardware:
+    """Keeps the master's roofline on the hardware its prefill nodes report when they
+    register (`NodeInfoMsg.gpus`), unless a profile file is configured: the first one with
+    GPUs of a known type sets the roofline (that type, tensor parallel = their count), and
+    a log line says so; nodes without one leave the figures as they are, said once."""
+
+    def __init__(self, cfg: Config, info: ModelInfo, cost: CostModel):
+        self.spec, self.dtype_bytes = info.spec, gpu_dtype_bytes(cfg, info)
+        self.device = cost.spec.device  # what the figures in use assume
+        self.is_settled = bool(cfg.scheduler.cost_model_path)  # a profile is never replaced
+        self.is_cpu_said = False
+
+    def follow(self, node_id: str, gpus: Sequence[str], conductor: Conductor) -> None:
+        """A prefill node registered with `gpus`: schedule on its roofline if it is the
+        first with GPUs of a known type (call with the Conductor's lock held)."""
+        if self.is_settled:
+            return
+        if not any(match_gpu(g) for g in gpus):
+            if not self.is_cpu_said:
+                self.is_cpu_said = True
+                known = ", ".join(sorted(GPUS))
+                what = f"GPUs {', '.join(gpus)} (known types: {known})" if gpus else "no GPU"
+                log.info(
+                    "prefill node %s reports %s: the cost model's roofline still assumes %s; "
+                    "set scheduler.cost_model_path to a `mooncake profile` file made on a "
+                    "prefill node for measured figures",
+                    node_id,
+                    what,
+                    self.device,
+                )
+            return
+        self.is_settled = True
+        cost, why = hardware_roofline(self.spec, gpus, self.dtype_bytes, f"prefill node {node_id}")
+        if cost.spec.device == self.device:
+            return
+        log.info(
+            "cost model: roofline of %s on %s (instead of %s)", self.spec.name, why, self.device
+        )
+        self.device = cost.spec.device
+        use_cost_model(conductor, cost)
+
+
+def use_cost_model(conductor: Conductor, cost: CostModel) -> None:
+    """Schedule with `cost` from now on; links that had the old default NIC bandwidth take
+    the new one (nodes added before it came)."""
+    net, old = conductor.network, conductor.cost.link_bytes_per_s
+    for name, bw in list(net._bw.items()):  # NOTE: its own package's link table
+        if bw == old:
+            net.add_node(name, cost.link_bytes_per_s)
+    net.default_bytes_per_s = cost.link_bytes_per_s
+    conductor.cost = cost
+
+
+def create_conductor(cfg: Config, info: ModelInfo) -> Conductor:
+    """The Conductor over `master_cost_model` (a profile, or the model's roofline on the
+    detected or default GPUs); `mooncake config check` builds the same cost model."""
+    cost, source = master_cost_model(cfg, info)
+    log.info("cost model: %s", source)
+    from mooncake.conductor.conductor import Conductor
+
+    return Conductor.from_config(
+        cfg.scheduler,
+        cost=cost,
+        block_tokens=cfg.model.block_tokens,
+        stages=max(1, cfg.prefill.pipeline_group_size),
+        chunk_tokens=cfg.prefill.chunk_tokens,
+    )

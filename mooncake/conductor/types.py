@@ -34,6 +34,8 @@ class ConductorParams(msgspec.Struct, frozen=True, kw_only=True):
     # in predictive mode, whose check at prefill start chooses it anyway
     late_binding: bool = True
     global_pool: bool = True  # False: prefill reuses only its own cache (no remote fetch)
+    stages: int = 1  # pipeline stages of a prefill group (its queue drains S times as fast)
+    chunk_tokens: int = 0  # tokens per prefill chunk (0: a prompt is one chunk)
     seed: int = 0  # random policy
 
     def __post_init__(self) -> None:
@@ -49,6 +51,10 @@ class ConductorParams(msgspec.Struct, frozen=True, kw_only=True):
                 problems.append(f"{name}: must be > 0, got {getattr(self, name)}")
         if not self.balancing_threshold >= 1.0:
             problems.append(f"balancing_threshold: must be >= 1.0, got {self.balancing_threshold}")
+        if self.stages < 1 or self.chunk_tokens < 0:
+            problems.append(
+                f"stages must be >= 1 and chunk_tokens >= 0, got {self.stages}, {self.chunk_tokens}"
+            )
         if self.block_tokens < 1:
             problems.append(f"block_tokens: must be >= 1, got {self.block_tokens}")
         if not self.forecast_sigmas >= 0:

@@ -7,7 +7,8 @@
   admitted again); then admit waiting requests, oldest first, while the batch is under
   `max_batch`, the predicted step time (`step_time_fn(batch_size, total_context_len)`)
   stays under `max_step_time_s` (the TBT SLO), and their blocks fit. A request admitted
-  without its KV (new here, or preempted) is prefilled locally first.
+  without its KV (new here, or preempted) is prefilled locally first; with a
+  `PrefixCache`, the blocks of its longest cached prefix are reused, not computed.
 - run: one forward pass over the batch, one new token per request.
 - postprocess: sample, stream the tokens (`TokenEvent`s), retire finished requests.
 """
@@ -23,6 +24,7 @@ import torch
 from mooncake.engine.kvcache import PagedKVCache
 from mooncake.engine.model import Model, decode_batch
 from mooncake.engine.prefill import PrefillRunner, check_token_ids
+from mooncake.engine.prefixcache import PrefixCache
 from mooncake.engine.sampler import sample
 from mooncake.engine.sequence import Sequence, TokenEvent
 
@@ -41,11 +43,14 @@ class DecodeRunner:
         max_step_time_s: float | None = None,
         step_time_fn: Callable[[int, int], float] | None = None,
         chunk_tokens: int = 1024,
+        prefix_cache: PrefixCache | None = None,
     ):
         assert model.is_first and model.is_last, "decode runs the whole model"
         self.model, self.cache, self.max_batch = model, cache, max_batch
         self.max_step_time_s, self.step_time_fn = max_step_time_s, step_time_fn
         self.prefiller = PrefillRunner(model, cache, chunk_tokens=chunk_tokens)
+        assert prefix_cache is None or prefix_cache.cache is cache, "a prefix cache of another"
+        self.prefix_cache = prefix_cache
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order; preemption takes the last
         self.num_preemptions = 0
@@ -79,7 +84,7 @@ class DecodeRunner:
         bt = self.cache.block_tokens
         for seq in list(self.running):
             while seq in self.running and (len(seq.token_ids) - 1) // bt >= len(seq.block_ids):
-                ids = self.cache.allocator.allocate(1)
+                ids = self._allocate(1)
                 if ids is not None:
                     seq.block_ids += ids
                 else:
@@ -90,9 +95,11 @@ class DecodeRunner:
             seq = self.waiting[0]
             if self.running and self._too_slow(len(self.running) + 1, context + len(seq.token_ids)):
                 break
+            self._match_prefix(seq)
             need = self.cache.blocks_for(len(seq.token_ids)) - len(seq.block_ids)
-            ids = self.cache.allocator.allocate(need) if need > 0 else []
+            ids = self._allocate(need) if need > 0 else []
             if ids is None:
+                self._unmatch_prefix(seq)
                 if not self.running:  # it would not fit even alone
                     self.waiting.popleft()
                     self._retire(seq)
@@ -109,6 +116,32 @@ class DecodeRunner:
             context += len(seq.token_ids)
         return events
 
+    def _allocate(self, n: int) -> list[int] | None:
+        if self.prefix_cache is not None:
+            return self.prefix_cache.allocate(n)
+        return self.cache.allocator.allocate(n)
+
+    def _free(self, seq: Sequence) -> None:
+        if self.prefix_cache is not None:
+            self.prefix_cache.release(seq.token_ids, seq.block_ids, seq.num_cached_tokens)
+        else:
+            self.cache.free(seq.block_ids)
+        seq.block_ids, seq.num_cached_tokens = [], 0
+
+    def _match_prefix(self, seq: Sequence) -> None:
+        """Start a request holding no KV at its longest cached prefix."""
+        if self.prefix_cache is None or seq.block_ids:
+            return
+        seq.block_ids = self.prefix_cache.match(seq.token_ids)
+        seq.num_cached_tokens = len(seq.block_ids) * self.cache.block_tokens
+        if not seq.output_ids and not seq.num_preemptions:
+            seq.num_reused_tokens = seq.num_cached_tokens
+
+    def _unmatch_prefix(self, seq: Sequence) -> None:
+        """Give back the prefix `_match_prefix` took for a request that must wait."""
+        if self.prefix_cache is not None and seq.block_ids:
+            self._free(seq)
+
     def _too_slow(self, batch_size: int, context_len: int) -> bool:
         if self.step_time_fn is None or self.max_step_time_s is None:
             return False
@@ -122,12 +155,13 @@ class DecodeRunner:
                 seq.token_ids[:n], block_ids=seq.block_ids, num_cached_tokens=seq.num_cached_tokens
             )
             seq.num_cached_tokens = n
+        if self.prefix_cache is not None:  # later requests may share its prompt from now on
+            self.prefix_cache.register(seq.token_ids, seq.block_ids, n)
 
     def _preempt(self, seq: Sequence) -> None:
         log.info("req %d preempted: KV cache full", seq.seq_id)
         self.running.remove(seq)
-        self.cache.free(seq.block_ids)
-        seq.block_ids, seq.num_cached_tokens = [], 0
+        self._free(seq)
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
@@ -167,8 +201,7 @@ class DecodeRunner:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         if seq.block_ids:
-            self.cache.free(seq.block_ids)
-            seq.block_ids = []
+            self._free(seq)
 
     def run_until_done(self) -> dict[int, list[TokenEvent]]:
         """Step until every request has finished; events per request id (tests, benches)."""

@@ -6,13 +6,18 @@ Layout (little-endian; offsets in bytes, B = block_tokens, L = num_layers):
                block hash, L, B, num_kv_heads, head_dim, payload offset, object bytes,
                checksum
     76         token ids: B x uint32
-    P          payload, P = the first multiple of 64 after the token ids:
+    76 + 4B    layer digests: L x uint64, xxh3-64 of layer l's K bytes then V bytes
+    P          payload, P = the first multiple of 64 after the digests:
                layer l at P + l * layer_bytes: K (B, kv_heads, head_dim) then V, same shape
 
 One layer's K and V are contiguous, so a writer fills layer l while layer l+1 computes and
-a reader loads layer l into the paged cache before layer l runs. The checksum is xxh3-64
-of everything after the header (token ids, padding, payload); the header fields are checked
-one by one against what the reader expects. Torch-free: the Store validates objects too.
+a reader loads layer l into the paged cache before layer l runs. Version 2 (this one) lets
+several writers fill one object in place: each pipeline stage writes its own layers into
+the pool's replica and reports their digests (`layer_digest`), and whoever commits writes
+the head (header, token ids, digests: `object_head`) last. The checksum is xxh3-64 of the
+head after the header (token ids, digests, padding); each layer is checked against its
+digest, so the object is covered end to end. The header fields are checked one by one
+against what the reader expects. Torch-free: the Store validates objects too.
 """
 
 from __future__ import annotations
@@ -30,9 +35,8 @@ from mooncake.errors import StoreError
 from mooncake.hashing import as_token_array
 
 MAGIC: Final = b"MCKV"
-VERSION: Final = 1
+VERSION: Final = 2  # 1: one checksum over the whole object, written by one writer
 HEADER = struct.Struct("<4sHH16s16sIIIIIQQ")
-_CHECKSUM_OFFSET: Final = HEADER.size - 8
 DTYPE_CODES: Final = {"float32": 1, "bfloat16": 2, "float16": 3}
 DTYPE_BYTES: Final = {"float32": 4, "bfloat16": 2, "float16": 2}
 _ALIGN: Final = 64
@@ -64,8 +68,12 @@ class KVLayout(msgspec.Struct, frozen=True):
         return 2 * self.half_bytes
 
     @property
+    def digests_offset(self) -> int:
+        return HEADER.size + 4 * self.block_tokens
+
+    @property
     def payload_offset(self) -> int:
-        end = HEADER.size + 4 * self.block_tokens
+        end = self.digests_offset + 8 * self.num_layers
         return -(-end // _ALIGN) * _ALIGN
 
     @property
@@ -87,15 +95,9 @@ class KVObjectBuilder:
     ):
         tokens = as_token_array(token_ids)
         assert tokens.size == layout.block_tokens, (tokens.size, layout.block_tokens)
-        self.layout = layout
-        self.block_hash = block_hash
+        self.layout, self.fingerprint = layout, fingerprint
+        self.block_hash, self.tokens = block_hash, tokens
         self.buf = bytearray(layout.object_bytes)
-        HEADER.pack_into(
-            self.buf, 0, MAGIC, VERSION, DTYPE_CODES[layout.dtype], fingerprint,
-            block_hash.to_bytes(16, "little"), layout.num_layers, layout.block_tokens,
-            layout.num_kv_heads, layout.head_dim, layout.payload_offset, layout.object_bytes, 0,
-        )  # fmt: skip
-        self.buf[HEADER.size : HEADER.size + tokens.nbytes] = tokens.tobytes()
         self._missing = set(range(layout.num_layers))
 
     def set_layer(self, layer: int, k: bytes | memoryview, v: bytes | memoryview) -> None:
@@ -120,9 +122,46 @@ class KVObjectBuilder:
             raise KVObjectError(
                 f"KV object {self.block_hash:032x} committed without layers {sorted(self._missing)}"
             )
-        checksum = xxhash.xxh3_64_intdigest(memoryview(self.buf)[HEADER.size :])
-        struct.pack_into("<Q", self.buf, _CHECKSUM_OFFSET, checksum)
+        lay, view = self.layout, memoryview(self.buf)
+        digests = [
+            xxhash.xxh3_64_intdigest(view[lay.k_offset(i) : lay.k_offset(i) + lay.layer_bytes])
+            for i in range(lay.num_layers)
+        ]
+        head = object_head(lay, self.fingerprint, self.block_hash, self.tokens, digests)
+        self.buf[: len(head)] = head
         return self.buf
+
+
+def layer_digest(k: bytes | memoryview, v: bytes | memoryview) -> int:
+    """The digest of one layer of one block: xxh3-64 of its K bytes then its V bytes."""
+    h = xxhash.xxh3_64(k)
+    h.update(v)
+    return h.intdigest()
+
+
+def object_head(
+    layout: KVLayout,
+    fingerprint: bytes,
+    block_hash: int,
+    token_ids: Sequence[int] | np.ndarray,
+    digests: Sequence[int],
+) -> bytearray:
+    """The first `payload_offset` bytes of an object whose layer l has digest digests[l]:
+    what seals an object written layer by layer in place."""
+    tokens = as_token_array(token_ids)
+    assert tokens.size == layout.block_tokens and len(digests) == layout.num_layers
+    head = bytearray(layout.payload_offset)
+    off = layout.digests_offset
+    head[HEADER.size : off] = tokens.tobytes()
+    head[off : off + 8 * len(digests)] = np.asarray(digests, dtype="<u8").tobytes()
+    checksum = xxhash.xxh3_64_intdigest(memoryview(head)[HEADER.size :])
+    HEADER.pack_into(
+        head, 0, MAGIC, VERSION, DTYPE_CODES[layout.dtype], fingerprint,
+        block_hash.to_bytes(16, "little"), layout.num_layers, layout.block_tokens,
+        layout.num_kv_heads, layout.head_dim, layout.payload_offset, layout.object_bytes,
+        checksum,
+    )  # fmt: skip
+    return head
 
 
 @dataclass(frozen=True)
@@ -187,6 +226,15 @@ def decode_kv_object(
     if token_ids is not None and not np.array_equal(stored, as_token_array(token_ids)):
         first = int(np.argmax(stored != as_token_array(token_ids)))
         raise KVObjectError(f"{name}: token ids differ from the prompt's at offset {first}")
-    if verify_checksum and xxhash.xxh3_64_intdigest(view[HEADER.size :]) != checksum:
-        raise KVObjectError(f"{name}: checksum mismatch (corrupted in memory or transfer)")
+    if verify_checksum:
+        if xxhash.xxh3_64_intdigest(view[HEADER.size : poff]) != checksum:
+            raise KVObjectError(f"{name}: checksum mismatch (corrupted in memory or transfer)")
+        digests = np.frombuffer(view, dtype="<u8", count=nl, offset=layout.digests_offset)
+        for i in range(nl):
+            lo = layout.k_offset(i)
+            if xxhash.xxh3_64_intdigest(view[lo : lo + layout.layer_bytes]) != int(digests[i]):
+                raise KVObjectError(
+                    f"{name}: layer {i} does not match its digest (corrupted in memory or "
+                    "transfer, or a writer did not finish it)"
+                )
     return KVObjectView(layout=layout, block_hash=found_hash, token_ids=stored, data=view)

@@ -13,13 +13,21 @@ they are); the prefill runner validates every object.
 from __future__ import annotations
 
 import logging
+import threading
 from collections import Counter
 from collections.abc import Sequence
 
+import numpy as np
+
 from mooncake.engine.kvio import Buffer, DramKVPool
-from mooncake.engine.kvobject import KVLayout
-from mooncake.errors import MooncakeError
+from mooncake.engine.kvobject import KVLayout, object_head
+from mooncake.engine.kvstream import PoolTarget
+from mooncake.errors import MooncakeError, StoreError, TransferError
 from mooncake.store.client import Store
+from mooncake.store.node import remote_name
+from mooncake.store.objects import KeyResult, PutStartResult
+from mooncake.transfer import TransferRequest
+from mooncake.transfer.types import TransferOp
 
 log = logging.getLogger(__name__)
 KEY_PREFIX = "kv/"
@@ -50,6 +58,9 @@ class StoreKVPool(DramKVPool):
         self.store = store
         self.replicas = replicas  # copies per object; 0 = the master's default
         self.num_put_failures = 0  # objects the Store refused or failed to write
+        self._heads_name = f"{store.node_id}.kvheads"
+        self._heads: np.ndarray | None = None  # registered staging of object heads
+        self._heads_lock = threading.Lock()
 
     def insert(self, objects: list[tuple[int, bytearray]]) -> None:
         """Put completed objects (called on the writer thread at commit)."""
@@ -64,17 +75,103 @@ class StoreKVPool(DramKVPool):
         # exists / busy: the block is (being) stored by another writer already
         failed = [r for r in results if r.status not in ("ok", "exists", "busy")]
         if failed:
-            self.num_put_failures += len(failed)
-            counts = Counter(r.status for r in failed)
-            log.warning(
-                "%d of %d KV blocks not stored (%s; %d so far), e.g. %s: %s",
-                len(failed),
-                len(results),
-                ", ".join(f"{n} {status}" for status, n in counts.items()),
-                self.num_put_failures,
-                failed[0].key,
-                failed[0].message,
+            self._count_failures(failed, len(results))
+
+    def _count_failures(self, failed: Sequence[KeyResult | PutStartResult], total: int) -> None:
+        self.num_put_failures += len(failed)
+        counts = Counter(r.status for r in failed)
+        log.warning(
+            "%d of %d KV blocks not stored (%s; %d so far), e.g. %s: %s",
+            len(failed),
+            total,
+            ", ".join(f"{n} {status}" for status, n in counts.items()),
+            self.num_put_failures,
+            failed[0].key,
+            failed[0].message,
+        )
+
+    # -- objects written in place by the stages of a group -----------------------------
+    def start_objects(self, block_hashes: Sequence[int], first_block: int) -> list[PoolTarget]:
+        """Start the puts of blocks first_block, first_block+1, ... (their hashes); returns
+        the ones this prompt writes (a block stored or being stored already is skipped)."""
+        if not block_hashes:
+            return []
+        size = self.layout.object_bytes
+        try:
+            keys = [kv_key(h) for h in block_hashes]
+            results = self.store.start_puts(keys, size, replicas=self.replicas, tiers=PUT_TIERS)
+        except MooncakeError as e:  # the pool being unreachable: nothing stored, no failure
+            log.warning("KV blocks not stored: %s", e)
+            return []
+        bad = [r for r in results if r.status not in ("ok", "exists", "busy")]
+        if bad:
+            self._count_failures(bad, len(results))
+        return [
+            PoolTarget(block=first_block + i, replicas=list(r.replicas))
+            for i, r in enumerate(results)
+            if r.status == "ok"
+        ]
+
+    def seal_objects(
+        self,
+        targets: Sequence[PoolTarget],
+        block_hashes: Sequence[int],
+        token_ids: Sequence[int],
+        digests: dict[int, list[int]],
+    ) -> int:
+        """Every layer of every target is written (`digests`: layer -> digest per target):
+        write each object's head into its replicas and commit; returns objects stored."""
+        if not targets:
+            return 0
+        lay, bt = self.layout, self.layout.block_tokens
+        if sorted(digests) != list(range(lay.num_layers)):
+            self.revoke_objects(targets, block_hashes)
+            raise StoreError(
+                f"KV objects not sealed: digests of layers {sorted(digests)} of {lay.num_layers}"
             )
+        head_bytes = lay.payload_offset
+        with self._heads_lock:
+            if self._heads is None or len(self._heads) < head_bytes * len(targets):
+                if self._heads is not None:
+                    self.store.engine.unregister(self._heads_name)
+                size = 1 << (head_bytes * len(targets) - 1).bit_length()
+                self._heads = self.store.engine.allocate(self._heads_name, size)
+            reqs: list[TransferRequest] = []
+            for i, t in enumerate(targets):
+                b = t.block
+                head = object_head(
+                    lay,
+                    self.fingerprint,
+                    block_hashes[b],
+                    token_ids[b * bt : (b + 1) * bt],
+                    [digests[layer][i] for layer in range(lay.num_layers)],
+                )
+                self._heads[i * head_bytes : (i + 1) * head_bytes] = np.frombuffer(head, np.uint8)
+                for d in t.replicas:
+                    reqs.append(
+                        TransferRequest(
+                            TransferOp.WRITE,
+                            self._heads_name,
+                            i * head_bytes,
+                            remote_name(d.segment, d.endpoint),
+                            d.offset,
+                            head_bytes,
+                            d.token,
+                        )
+                    )
+            try:
+                self.store.engine.transfer(reqs, self.store.timeout_s).check()
+            except TransferError:
+                self.revoke_objects(targets, block_hashes)
+                raise
+        keys = [kv_key(block_hashes[t.block]) for t in targets]
+        results = self.store.end_puts(keys, [t.replicas for t in targets])
+        return sum(r.status == "ok" for r in results)
+
+    def revoke_objects(self, targets: Sequence[PoolTarget], block_hashes: Sequence[int]) -> None:
+        """Drop the uncommitted puts of `targets` (a failed or abandoned prompt)."""
+        if targets:
+            self.store.revoke_puts([kv_key(block_hashes[t.block]) for t in targets])
 
     def match_prefix(self, block_hashes: Sequence[int]) -> int:
         if not block_hashes:

@@ -1,35 +1,46 @@
-"""Chunked pipeline parallelism: one long prompt prefilled by a group of stages.
+"""Chunked pipeline parallelism: prompts prefilled by a group of stages, several in flight.
 
 Each stage owns a contiguous layer range. The first stage embeds chunk k, runs its layers
 and sends the activations down the link while it computes chunk k+1; the next stage does
 the same with its layers, and so on, so several chunks are in flight on different stages.
-Only activations cross stages, once per chunk per boundary. Every stage reuses and stores
-the KV of its own layers itself (`PrefillRunner`'s layer-wise load and store).
+Only activations cross stages, once per chunk per boundary. Every stage reuses its own
+layers of the prefix from the pool, and writes its own layers' KV out as they finish
+(`kvstream`: to the decode node's reserved blocks and into the pool objects' replicas),
+so no KV crosses a stage boundary.
 
-- `prefill_pipelined` drives a prompt from the first stage and collects the last stage's
-  logits (and, for checks, the later stages' KV);
-- `StageServer` runs a later stage: frames in from upstream, activations on downstream,
-  answers (RESULT, KV, ERROR) relayed back up.
+The first stage does not wait for a prompt's answer before it starts the next prompt:
+stage k computes request i's chunks while stage k-1 computes request i+1's.
+
+- `send_prompt` runs the first stage's part of one prompt: BEGIN (and DEST, the stream
+  plan), each chunk computed and sent, END;
+- `Answers` collects what the later stages send back per request (RESULT: the last
+  stage's logits and how many stages follow the first; WROTE: one stage's stream report;
+  ERROR; KV when asked, for checks), for any number of requests in flight;
+- `prefill_pipelined` is the two together for one prompt at a time;
+- `stageserver.StageServer` runs a later stage: frames in from upstream, activations on
+  downstream, answers relayed back up.
 
 A later stage that cannot validate the reused blocks the first stage chose answers ERROR
-with how many were good; the driver prefills once more with that much reuse.
+with how many were good; the prompt is prefilled again with that much reuse.
 
-Deadline: a later stage answers only after the prompt's END, when it has run every chunk
-still queued on it, so the driver waits up to `stage_timeout_s` per chunk for the first
-answer frame and `stage_timeout_s` for each one after; past that it raises
-`StageTimeoutError` (a stopped or cut-off stage never closes the link by itself).
+Deadline: a later stage answers a prompt only after its END, when it has run every chunk
+queued on it, so a waiter allows `stage_timeout_s` per chunk still unanswered for the next
+frame; past that it raises `StageTimeoutError` (a stopped or cut-off stage never closes
+the link by itself).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 from torch import Tensor
 
+from mooncake.engine.kvstream import StreamPlan, StreamReport
 from mooncake.engine.prefill import PrefillResult, PrefillRunner, PrefillState, ReuseMismatchError
 from mooncake.engine.stagelink import (
     RETURN_KV,
@@ -38,10 +49,151 @@ from mooncake.engine.stagelink import (
     StageFrame,
     StageTimeoutError,
 )
-from mooncake.errors import TransferError
+from mooncake.errors import ProtocolError, TransferError
 
 log = logging.getLogger(__name__)
 ERROR_REUSE = 1  # ERROR frame index: a later stage could not load the reused blocks
+
+
+def send_prompt(
+    runner: PrefillRunner,
+    st: PrefillState,
+    link: BaseStageLink,
+    plan: StreamPlan | None = None,
+    return_kv: bool = False,
+) -> int:
+    """The first stage's part of a prompt: computes every chunk on this thread and sends
+    it down; returns the number of chunks (the answer's deadline scales with it)."""
+    n, chunk = len(st.token_ids), runner.chunk_tokens
+    flags = RETURN_KV if return_kv else 0
+    begin = StageFrame(
+        FrameKind.BEGIN, st.req_id, start=st.compute_start, count=flags, tensor=st.tokens
+    )
+    link.send(begin)
+    if plan is not None:
+        link.send(StageFrame.packed(FrameKind.DEST, st.req_id, msgspec.msgpack.encode(plan)))
+    num_chunks = 0
+    for i, start in enumerate(range(st.compute_start, n, chunk)):
+        end = min(start + chunk, n)
+        h = runner.run_chunk(st, start, end)
+        link.send(StageFrame(FrameKind.CHUNK, st.req_id, i, start, end - start, h))
+        num_chunks += 1
+    link.send(StageFrame(FrameKind.END, st.req_id))
+    return max(1, num_chunks)
+
+
+@dataclass
+class Answer:
+    """What the later stages sent back for one prompt."""
+
+    req_id: int
+    num_chunks: int
+    has_plan: bool
+    want_kv: bool
+    logits: Tensor | None = None
+    hops: int = -1  # later stages (from RESULT); -1 until it came
+    reports: dict[int, StreamReport] = field(default_factory=dict)  # first layer -> report
+    kv: dict[tuple[int, int], Tensor] = field(default_factory=dict)  # (layer, 0 K / 1 V)
+    error: BaseException | None = None
+    later_layers: int = 0  # layers after the first stage's: KV frames expected when asked
+
+    @property
+    def is_done(self) -> bool:
+        if self.error is not None:
+            return True
+        if self.logits is None or (self.has_plan and len(self.reports) < self.hops):
+            return False
+        return not self.want_kv or len(self.kv) == 2 * self.later_layers
+
+    def remote_kv(self) -> dict[int, tuple[Tensor, Tensor]]:
+        layers = sorted({layer for layer, _ in self.kv})
+        return {layer: (self.kv[(layer, 0)], self.kv[(layer, 1)]) for layer in layers}
+
+
+class Answers:
+    """The answers of every prompt in flight on one link. Waiters read the link on their
+    own thread (one at a time) and file each frame under its request."""
+
+    def __init__(
+        self, link: BaseStageLink, num_later_layers: int, stage_timeout_s: float | None = None
+    ):
+        self.link, self.num_later_layers, self.timeout_s = link, num_later_layers, stage_timeout_s
+        self._open: dict[int, Answer] = {}
+        self._lock = threading.Lock()  # NOTE: one reader of the link at a time
+        self._broken: BaseException | None = None
+
+    def expect(self, req_id: int, *, has_plan: bool, want_kv: bool = False) -> Answer:
+        """Register a prompt before its first frame is sent."""
+        a = Answer(req_id, 1, has_plan, want_kv, later_layers=self.num_later_layers)
+        with self._lock:
+            if self._broken is not None:
+                raise TransferError(f"req {req_id}: {self._broken}")
+            self._open[req_id] = a
+        return a
+
+    def sent(self, a: Answer, num_chunks: int) -> None:
+        a.num_chunks = num_chunks
+
+    def forget(self, a: Answer) -> None:
+        with self._lock:
+            self._open.pop(a.req_id, None)
+
+    def wait(self, a: Answer) -> Answer:
+        """Read the link until `a` is complete; raises its error (ReuseMismatchError,
+        TransferError, StageTimeoutError)."""
+        with self._lock:
+            try:
+                while not a.is_done:
+                    if self._broken is not None:
+                        raise TransferError(f"req {a.req_id}: {self._broken}")
+                    self._file(self._next_frame(a.req_id))
+            except TransferError as e:
+                self._break(e)
+            finally:
+                self._open.pop(a.req_id, None)
+        if a.error is not None:
+            raise a.error
+        return a
+
+    def _next_frame(self, req_id: int) -> StageFrame:
+        if self.timeout_s is None:
+            frame = self.link.recv()
+        else:
+            wait_s = self.timeout_s * sum(x.num_chunks for x in self._open.values())
+            try:
+                frame = self.link.recv(timeout=wait_s)
+            except StageTimeoutError as e:
+                raise StageTimeoutError(
+                    f"req {req_id}: the next pipeline stage did not answer within {wait_s:g} s "
+                    "([prefill] stage_timeout_s per chunk): it is stopped, overloaded or cut off"
+                ) from e
+        if frame is None:
+            raise TransferError("the next pipeline stage closed the link")
+        return frame
+
+    def _file(self, frame: StageFrame) -> None:
+        a = self._open.get(frame.req_id)
+        if a is None:
+            log.warning("dropping a stage frame of req %d, which nobody waits for", frame.req_id)
+        elif frame.kind == FrameKind.ERROR and frame.index == ERROR_REUSE:
+            a.error = ReuseMismatchError(frame.message, frame.count)
+        elif frame.kind == FrameKind.ERROR:
+            a.error = TransferError(f"req {a.req_id}: a pipeline stage failed: {frame.message}")
+        elif frame.kind == FrameKind.RESULT and frame.tensor is not None:
+            a.logits, a.hops = frame.tensor, frame.index
+        elif frame.kind == FrameKind.WROTE:
+            try:
+                a.reports[frame.index] = msgspec.msgpack.decode(frame.payload, type=StreamReport)
+            except msgspec.DecodeError as e:
+                raise ProtocolError(f"req {a.req_id}: a malformed stream report: {e}") from e
+        elif frame.kind == FrameKind.KV and frame.tensor is not None:
+            a.kv[(frame.index, frame.start)] = frame.tensor
+
+    def _break(self, e: TransferError) -> None:
+        """The link failed: every prompt in flight on it fails with `e`."""
+        self._broken = e
+        for x in self._open.values():
+            x.error = x.error or e
 
 
 def prefill_pipelined(
@@ -51,233 +203,40 @@ def prefill_pipelined(
     *,
     req_id: int = 0,
     return_remote_kv: bool = False,
-    store_remote_kv: bool = False,
     stage_timeout_s: float | None = None,
     **start_kw: Any,
 ) -> PrefillResult:
-    """Prefill a prompt through the stages behind `link`; `runner` is the first stage.
+    """Prefill one prompt through the stages behind `link`; `runner` is the first stage.
     Returns the last token's logits, this stage's blocks and (if asked) later stages' KV.
-    `store_remote_kv`: later stages have no sink of their own; their layers come back to
-    this stage and go into this stage's sink with its own (whole-model objects).
     `stage_timeout_s`: the answer's deadline per chunk (module docstring), None = no
     deadline; raises StageTimeoutError past it (this stage's blocks are freed)."""
-    want_kv = return_remote_kv or store_remote_kv
-    args = (runner, token_ids, link, req_id, want_kv, store_remote_kv, stage_timeout_s)
+    later = runner.layout.num_layers - len(runner.model.layer_ids)
+    answers = Answers(link, later, stage_timeout_s)
     try:
-        return _prefill_once(*args, start_kw)
+        return _prefill_once(runner, token_ids, answers, req_id, return_remote_kv, start_kw)
     except ReuseMismatchError as e:
         log.warning("req %d: %s; prefilling again with less reuse", req_id, e)
         start_kw["max_reuse_blocks"] = e.num_good_blocks
-        return _prefill_once(*args, start_kw)
+        return _prefill_once(runner, token_ids, answers, req_id, return_remote_kv, start_kw)
 
 
 def _prefill_once(
     runner: PrefillRunner,
     token_ids: Sequence[int],
-    link: BaseStageLink,
+    answers: Answers,
     req_id: int,
-    return_remote_kv: bool,
-    store_remote_kv: bool,
-    timeout_s: float | None,
+    want_kv: bool,
     start_kw: dict[str, Any],
 ) -> PrefillResult:
     st = runner.start(token_ids, req_id=req_id, **start_kw)
-    n, chunk = len(st.token_ids), runner.chunk_tokens
     try:
-        flags = RETURN_KV if return_remote_kv else 0
-        link.send(
-            StageFrame(
-                FrameKind.BEGIN, req_id, start=st.compute_start, count=flags, tensor=st.tokens
-            )
-        )
-        num_chunks = 0
-        for i, start in enumerate(range(st.compute_start, n, chunk)):
-            end = min(start + chunk, n)
-            h = runner.run_chunk(st, start, end)
-            link.send(StageFrame(FrameKind.CHUNK, req_id, i, start, end - start, h))
-            num_chunks += 1
-        link.send(StageFrame(FrameKind.END, req_id))
-        st.logits, remote = _collect(
-            runner, link, req_id, return_remote_kv, timeout_s, max(1, num_chunks)
-        )
-        if store_remote_kv:
-            runner.store_layers(st, remote)
+        a = answers.expect(req_id, has_plan=False, want_kv=want_kv)
+        answers.sent(a, send_prompt(runner, st, answers.link, return_kv=want_kv))
+        answers.wait(a)
+        st.logits = a.logits
         result = runner.finish(st)
     except BaseException:
         runner.abort(st)
         raise
-    result.remote_kv = remote
+    result.remote_kv = a.remote_kv()
     return result
-
-
-def _collect(
-    runner: PrefillRunner,
-    link: BaseStageLink,
-    req_id: int,
-    want_kv: bool,
-    timeout_s: float | None,
-    num_chunks: int,
-) -> tuple[Tensor, dict[int, tuple[Tensor, Tensor]]]:
-    """Read the later stages' answer: RESULT logits (and KV frames when asked), the first
-    frame within `timeout_s` per chunk sent, each later one within `timeout_s`."""
-    later = [
-        layer for layer in range(runner.layout.num_layers) if layer not in runner.model.layer_ids
-    ]
-    expected = {(layer, half) for layer in later for half in (0, 1)} if want_kv else set()
-    parts: dict[tuple[int, int], Tensor] = {}
-    logits: Tensor | None = None
-    wait_s = None if timeout_s is None else timeout_s * num_chunks
-    deadline = None if wait_s is None else time.monotonic() + wait_s
-    while logits is None or expected - parts.keys():
-        frame = _recv_by(link, deadline, req_id, wait_s)
-        if frame is not None and frame.req_id == req_id and timeout_s is not None:
-            wait_s = timeout_s  # NOTE: only our own frames extend the deadline
-            deadline = time.monotonic() + timeout_s
-        if frame is None:
-            raise TransferError(f"req {req_id}: the next pipeline stage closed the link")
-        if frame.req_id != req_id:
-            log.warning(
-                "dropping a stage frame of req %d while waiting for %d", frame.req_id, req_id
-            )
-        elif frame.kind == FrameKind.ERROR and frame.index == ERROR_REUSE:
-            raise ReuseMismatchError(frame.message, frame.count)
-        elif frame.kind == FrameKind.ERROR:
-            raise TransferError(f"req {req_id}: a pipeline stage failed: {frame.message}")
-        elif frame.kind == FrameKind.RESULT and frame.tensor is not None:
-            logits = frame.tensor
-        elif frame.kind == FrameKind.KV and frame.tensor is not None:
-            parts[(frame.index, frame.start)] = frame.tensor
-    layers = sorted({layer for layer, _ in parts})
-    return logits, {layer: (parts[(layer, 0)], parts[(layer, 1)]) for layer in layers}
-
-
-def _recv_by(
-    link: BaseStageLink, deadline: float | None, req_id: int, wait_s: float | None
-) -> StageFrame | None:
-    if deadline is None:
-        return link.recv()
-    try:
-        return link.recv(timeout=max(0.0, deadline - time.monotonic()))
-    except StageTimeoutError as e:
-        raise StageTimeoutError(
-            f"req {req_id}: the next pipeline stage did not answer within {wait_s:g} s "
-            "([prefill] stage_timeout_s per chunk): it is stopped, overloaded or cut off"
-        ) from e
-
-
-class StageServer:
-    """Runs the frames of one upstream link through `runner` until the link closes."""
-
-    def __init__(
-        self,
-        runner: PrefillRunner,
-        upstream: BaseStageLink,
-        downstream: BaseStageLink | None = None,
-    ):
-        assert runner.model.is_last == (downstream is None), "only the last stage has no next"
-        self.runner, self.upstream, self.downstream = runner, upstream, downstream
-        self._states: dict[int, PrefillState] = {}
-        self._flags: dict[int, int] = {}
-        self._failed: set[int] = set()  # requests answered with ERROR; their frames are dropped
-
-    def serve(self) -> None:
-        """Handle frames until upstream closes or breaks; then drop the requests it left
-        half done (their KV blocks go back to the cache), close downstream, wait for its
-        last answers, and close upstream (so the previous stage's relay ends too)."""
-        relay = None
-        if self.downstream is not None:
-            relay = threading.Thread(target=self._relay_up, name="stage-relay", daemon=True)
-            relay.start()
-        try:
-            self._serve_frames()
-        finally:
-            for req in list(self._states):  # NOTE: cut off by the link: nobody finishes them
-                self._drop(req)
-            self._failed.clear()
-            if self.downstream is not None:
-                self.downstream.close()
-            if relay is not None:
-                relay.join()
-            self.upstream.close()
-
-    def _serve_frames(self) -> None:
-        while True:
-            try:
-                frame = self.upstream.recv()
-            except TransferError as e:  # the upstream stage died or sent garbage
-                log.warning("upstream stage link failed: %s", e)
-                return
-            if frame is None:
-                return
-            try:
-                self._handle(frame)
-            except Exception as e:  # a bad request never kills the stage
-                log.exception("req %d failed on this stage", frame.req_id)
-                self._drop(frame.req_id)
-                self._failed.add(frame.req_id)
-                reuse = isinstance(e, ReuseMismatchError)
-                good = e.num_good_blocks if isinstance(e, ReuseMismatchError) else 0
-                try:
-                    self.upstream.send(
-                        StageFrame.error(frame.req_id, str(e), good, ERROR_REUSE if reuse else 0)
-                    )
-                except TransferError as send_error:  # upstream is gone: nobody to tell
-                    log.warning("upstream stage link failed: %s", send_error)
-                    return
-
-    def _handle(self, frame: StageFrame) -> None:
-        req, runner, down = frame.req_id, self.runner, self.downstream
-        if req in self._failed:
-            if frame.kind == FrameKind.END:
-                self._failed.discard(req)
-            return
-        if frame.kind == FrameKind.BEGIN:
-            assert frame.tensor is not None
-            self._states[req] = runner.start(
-                frame.tensor.tolist(), req_id=req, reuse_tokens=frame.start
-            )
-            self._flags[req] = frame.count
-            if down is not None:
-                down.send(frame)
-        elif frame.kind == FrameKind.CHUNK:
-            h = runner.run_chunk(
-                self._states[req], frame.start, frame.start + frame.count, frame.tensor
-            )
-            if down is not None:
-                down.send(
-                    StageFrame(FrameKind.CHUNK, req, frame.index, frame.start, frame.count, h)
-                )
-        elif frame.kind == FrameKind.END:
-            st, flags = self._states.pop(req), self._flags.pop(req)
-            if down is not None:
-                down.send(frame)
-            try:
-                result = runner.finish(st)
-                if flags & RETURN_KV:
-                    self._send_kv(req, st)
-                if result.logits is not None:
-                    self.upstream.send(StageFrame(FrameKind.RESULT, req, tensor=result.logits))
-            finally:
-                runner.cache.free(st.block_ids)
-        else:
-            raise ValueError(f"unexpected {frame.kind.name} frame from upstream")
-
-    def _send_kv(self, req: int, st: PrefillState) -> None:
-        for layer in self.runner.model.layer_ids:
-            k, v = self.runner.cache.gather(layer, st.block_ids, len(st.token_ids))
-            self.upstream.send(StageFrame(FrameKind.KV, req, index=layer, start=0, tensor=k))
-            self.upstream.send(StageFrame(FrameKind.KV, req, index=layer, start=1, tensor=v))
-
-    def _drop(self, req: int) -> None:
-        st = self._states.pop(req, None)
-        self._flags.pop(req, None)
-        if st is not None:
-            self.runner.abort(st)
-
-    def _relay_up(self) -> None:
-        assert self.downstream is not None
-        try:
-            while (frame := self.downstream.recv()) is not None:
-                self.upstream.send(frame)
-        except TransferError as e:  # either neighbour is gone; `serve` winds down
-            log.warning("stage relay ended: %s", e)

@@ -30,12 +30,23 @@ from torch import Tensor
 from mooncake.engine.kvcache import PagedKVCache
 from mooncake.engine.kvio import BaseKVPut, BaseKVSink, BaseKVSource, LayerLoader
 from mooncake.engine.kvobject import KVLayout, KVObjectError, KVObjectView, decode_kv_object
+from mooncake.engine.kvstream import KVStreamer
 from mooncake.engine.model import Model, prefill_batch
 from mooncake.errors import ApiError, StoreError
 from mooncake.hashing import PrefixHasher
 
 log = logging.getLogger(__name__)
 KV_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def _kernel_event(t: Tensor) -> Any:
+    """On a GPU, an event recorded after the kernels queued so far: a stream's writes of
+    this layer wait for it (the NIC must not read KV still being written). None on CPU."""
+    if not t.is_cuda:
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event
 
 
 def check_token_ids(ids: Sequence[int], vocab_size: int) -> None:
@@ -88,7 +99,9 @@ class PrefillState:
     fetched: list[int]  # block hashes fetched from the source (leases to release)
     stats: PrefillStats
     started: float
+    hashes: list[int] = field(default_factory=list)  # chained hash of every full block
     logits: Tensor | None = None
+    stream: KVStreamer | None = None  # where each finished layer's KV goes (kvstream.py)
 
 
 class PrefillRunner:
@@ -181,6 +194,7 @@ class PrefillRunner:
             fetched=fetched,
             stats=stats,
             started=started,
+            hashes=hashes,
         )
 
     @torch.inference_mode()
@@ -209,21 +223,12 @@ class PrefillRunner:
                     [k[i] for i in ids],
                     [v[i] for i in ids],
                 )
+            if st.stream is not None:  # the first chunk also carries the reused prefix
+                lo = 0 if start == st.compute_start else start
+                st.stream.layer_done(layer, lo, end, _kernel_event(k))
         if model.is_last and end == len(st.token_ids):
             st.logits = model.compute_logits(h[-1:])[0]
         return h
-
-    def store_layers(self, st: PrefillState, kv: dict[int, tuple[Tensor, Tensor]]) -> None:
-        """Queue layers computed elsewhere (each K, V: (num_tokens, kv_heads, head_dim), a
-        later pipeline stage's) into this prefill's objects, for the blocks it stores."""
-        if st.put is None or not kv:
-            return
-        bt = self.cache.block_tokens
-        blocks = range(st.first_store_block, len(st.token_ids) // bt)
-        indices = [b - st.first_store_block for b in blocks]
-        for layer, (k, v) in sorted(kv.items()):
-            ks = [k[b * bt : (b + 1) * bt] for b in blocks]
-            st.put.write_layer(layer, indices, ks, [v[b * bt : (b + 1) * bt] for b in blocks])
 
     def finish(self, st: PrefillState, wait_store: bool = True) -> PrefillResult:
         """Put-end and (by default) wait for it. Without `wait_store` the caller must
@@ -240,7 +245,10 @@ class PrefillRunner:
         return PrefillResult(st.logits, st.block_ids, st.stats)
 
     def abort(self, st: PrefillState) -> None:
-        """Give up a prefill: nothing is committed; blocks this runner allocated are freed."""
+        """Give up a prefill: nothing is committed; blocks this runner allocated are freed
+        (once no write of its KV stream is on the wire)."""
+        if st.stream is not None:
+            st.stream.abort()
         st.loader.join()
         self._release(st.fetched)
         if st.owns_blocks:

@@ -57,6 +57,7 @@ class Sequence:
         self.token_ids = [*prompt_ids, *output_ids]
         self.block_ids = block_ids or []
         self.num_cached_tokens = num_cached_tokens  # tokens whose KV is in block_ids
+        self.num_reused_tokens = 0  # prompt tokens whose KV a prefix cache gave at admission
         if generator is None and not params.is_greedy:
             generator = make_generator(params.seed)
         self.generator = generator  # torch.Generator of a sampled request; None when greedy

@@ -6,6 +6,10 @@ secret comes from the environment, never argv (other users can read argv):
     MOONCAKE_STAGE_SECRET=... python -m mooncake.engine.stage_worker \\
         --model dummy:tiny --layers 2:4 --listen 127.0.0.1:0 [--next HOST:PORT]
     -> {"ready": true, "port": 43121}
+
+With `--stream` the stage's KV cache lives in Transfer Engine segments and the stage
+writes its layers' KV where each prompt's plan (a DEST frame) says, as a prefill node's
+later stage does.
 """
 
 from __future__ import annotations
@@ -19,9 +23,13 @@ import sys
 import torch
 
 from mooncake.engine.kvcache import PagedKVCache
-from mooncake.engine.pipeline import StageServer
-from mooncake.engine.prefill import PrefillRunner
-from mooncake.engine.stagelink import StageListener, TcpStageLink
+from mooncake.engine.kvhandoff import place_cache_in_segments
+from mooncake.engine.kvstream import KVStreamer, StreamPlan, StreamWriter
+from mooncake.engine.prefill import PrefillRunner, PrefillState
+from mooncake.engine.stagelink import TcpStageLink
+from mooncake.engine.stagelisten import StageListener
+from mooncake.engine.stageserver import StageServer
+from mooncake.transfer import TransferEngine
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT to accept upstream on")
     p.add_argument("--next", default="", help="HOST:PORT of the next stage (not on the last)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    p.add_argument("--stream", action="store_true", help="stream KV as plans say (kvstream)")
     args = p.parse_args(argv)
     logging.basicConfig(level=os.environ.get("MOONCAKE_LOG_LEVEL", "WARNING").upper())
     torch.set_num_threads(args.threads)
@@ -56,11 +65,26 @@ def main(argv: list[str] | None = None) -> int:
     cache = PagedKVCache.for_model(model, args.num_blocks, args.block_tokens)
     runner = PrefillRunner(model, cache)
     listener = StageListener(secret, *_parse_hostport(args.listen))
+    streamer, engine, writer = None, None, None
+    if args.stream:
+        engine = TransferEngine(f"stage-{listener.port}", secret)
+        place_cache_in_segments(engine, cache, "stage.kv.")
+        writer = StreamWriter()
+
+        def streamer(st: PrefillState, plan: StreamPlan) -> KVStreamer:
+            assert engine is not None and writer is not None
+            return KVStreamer(
+                engine, cache, "stage.kv.", st.block_ids, plan, runner.layout, writer, 30.0
+            )
+
     print(json.dumps({"ready": True, "port": listener.port}), flush=True)
     upstream = listener.accept()  # NOTE: peers without the secret are refused (and logged)
     downstream = TcpStageLink.connect(*_parse_hostport(args.next), secret) if args.next else None
-    StageServer(runner, upstream, downstream).serve()
+    StageServer(runner, upstream, downstream, streamer).serve()
     listener.close()
+    if writer is not None and engine is not None:
+        writer.close()
+        engine.close()
     return 0
 
 

@@ -12,15 +12,20 @@ A frame is a fixed header plus the raw bytes of at most one tensor (never pickle
     RESULT  -            -                    -                  logits (vocab,) float32
     KV      layer        0 = K, 1 = V         -                  (tokens, kv_heads, head_dim)
     ERROR   -            -                    good reused blocks utf-8 message, uint8
+    DEST    -            -                    -                  msgpack StreamPlan, uint8
+    WROTE   first layer  -                    -                  msgpack StreamReport, uint8
+
+BEGIN's `index` counts the stages the prompt went through (each stage adds one as it
+passes it on); the last stage's RESULT carries it back, so the first stage knows how many
+WROTE frames (one per later stage) a prompt with a DEST plan gets.
 
 `LocalStageLink` pairs pass frames through queues (stages as threads of one process);
 `TcpStageLink` carries them over TCP after a mutual HMAC-SHA256 challenge on the cluster
 secret (`stageauth`). Sends are asynchronous (a sender thread), receives are read ahead
 (a reader thread), so a stage never waits on the network while it could compute. A link
 that broke (the peer died, an error) says so at once (`ended`), so a leader need not wait
-for its next request to find out. `StageListener` runs each handshake on its own thread, within
-a deadline for the whole exchange and a bound per peer address, so that slow or hostile
-peers never hold up the stage's real upstream.
+for its next request to find out. A later stage accepts its upstream link with
+`stagelisten.StageListener`.
 """
 
 from __future__ import annotations
@@ -42,7 +47,6 @@ from torch import Tensor
 
 from mooncake.engine import stageauth
 from mooncake.errors import AuthError, ProtocolError, TransferError
-from mooncake.portrange import PortRange, listen
 from mooncake.transfer import wire
 
 log = logging.getLogger(__name__)
@@ -69,6 +73,8 @@ class FrameKind(IntEnum):
     RESULT = 4
     KV = 5
     ERROR = 6
+    DEST = 7
+    WROTE = 8
 
 
 _KINDS: Final = frozenset(int(k) for k in FrameKind)
@@ -89,6 +95,19 @@ class StageFrame:
     def error(cls, req_id: int, message: str, good_blocks: int = 0, index: int = 0) -> StageFrame:
         data = torch.frombuffer(bytearray(message.encode() or b"?"), dtype=torch.uint8)
         return cls(FrameKind.ERROR, req_id, index=index, count=good_blocks, tensor=data)
+
+    @classmethod
+    def packed(cls, kind: FrameKind, req_id: int, payload: bytes, index: int = 0) -> StageFrame:
+        """A frame carrying encoded bytes (a msgpack struct) as its tensor."""
+        data = torch.frombuffer(bytearray(payload or b"\0"), dtype=torch.uint8)
+        return cls(kind, req_id, index=index, count=len(payload), tensor=data)
+
+    @property
+    def payload(self) -> bytes:
+        """The bytes a `packed` frame carries."""
+        if self.tensor is None or self.tensor.dtype != torch.uint8:
+            raise ProtocolError(f"a {self.kind.name} frame without its payload")
+        return bytes(self.tensor.numpy())[: self.count]
 
     @property
     def message(self) -> str:
@@ -299,101 +318,3 @@ class TcpStageLink(BaseStageLink):
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)  # a sender stuck on a stalled peer fails
         self.close()
-
-
-class StageListener:
-    """Accepts authenticated links from the previous stage (bind 127.0.0.1:0 in tests).
-
-    An accept thread hands each connection to a handshake thread, which must finish the
-    challenge within `handshake_timeout_s` in all; at most `max_handshakes_per_peer`
-    connections from one address are in the handshake at once (more are refused).
-    Authenticated links queue for `accept`; peers that fail are logged and closed."""
-
-    def __init__(
-        self,
-        secret: bytes,
-        host: str = "127.0.0.1",
-        port: int | PortRange = 0,  # a range: its first free port ([node] port_range)
-        *,
-        handshake_timeout_s: float = wire.HANDSHAKE_TIMEOUT_S,
-        max_handshakes_per_peer: int = wire.MAX_HANDSHAKES_PER_PEER,
-    ):
-        stageauth.check_secret(secret)
-        self._secret, self.handshake_timeout_s = secret, handshake_timeout_s
-        self._slots = wire.HandshakeSlots(max_handshakes_per_peer)
-        self._sock = listen(host, port)
-        self.port: int = self._sock.getsockname()[1]
-        self._links: queue.SimpleQueue[TcpStageLink | None] = queue.SimpleQueue()  # None: closed
-        self._closed = False
-        self._lock = threading.Lock()
-        threading.Thread(target=self._accept_loop, name="stage-accept", daemon=True).start()
-
-    def accept(self, timeout: float | None = None) -> TcpStageLink:
-        """The next authenticated link; raises TimeoutError when none came within
-        `timeout` seconds, OSError once the listener is closed."""
-        try:
-            link = self._links.get(timeout=timeout)
-        except queue.Empty as e:
-            raise TimeoutError(f"no pipeline stage connected within {timeout} s") from e
-        if link is None:
-            self._links.put(None)  # every later accept fails the same way
-            raise OSError("the stage listener is closed")
-        return link
-
-    def _accept_loop(self) -> None:
-        while True:
-            try:
-                sock, addr = self._sock.accept()
-            except OSError:  # closed
-                break
-            if not self._slots.take(addr[0]):
-                log.warning(
-                    "refusing a stage link from %s: %d of its connections are already in "
-                    "the handshake",
-                    addr[0],
-                    self._slots.limit,
-                )
-                sock.close()
-                continue
-            auth = threading.Thread(
-                target=self._handshake, args=(sock, addr), name="stage-auth", daemon=True
-            )
-            auth.start()
-        self._links.put(None)
-
-    def _handshake(self, sock: socket.socket, addr: tuple) -> None:
-        deadline = time.monotonic() + self.handshake_timeout_s
-        try:
-            stageauth.server_handshake(sock, self._secret, deadline)
-            sock.settimeout(None)
-        except (OSError, AuthError) as e:
-            why = str(e)
-            if isinstance(e, TimeoutError):
-                why = f"no complete handshake within {self.handshake_timeout_s:g} s"
-            log.warning("refused a stage link from %s:%s: %s", addr[0], addr[1], why)
-            sock.close()
-            return
-        finally:
-            self._slots.give_back(addr[0])
-        with self._lock:
-            if not self._closed:
-                self._links.put(TcpStageLink(sock))
-                return
-        sock.close()
-
-    def close(self) -> None:
-        """Stop accepting; links not yet taken by `accept` are closed."""
-        with self._lock:
-            self._closed = True
-        with contextlib.suppress(OSError):
-            self._sock.shutdown(socket.SHUT_RDWR)
-        self._sock.close()
-        while True:
-            try:
-                link = self._links.get_nowait()
-            except queue.Empty:
-                break
-            if link is None:
-                self._links.put(None)
-                break
-            link.close()

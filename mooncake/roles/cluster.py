@@ -50,7 +50,6 @@ from mooncake.roles.registry import Registry
 from mooncake.rpc import AsyncRpcClient
 
 log = logging.getLogger(__name__)
-REJECTED = "rejected: "  # error prefix of a request the Conductor refused at prefill start
 
 
 class NoInstance(MooncakeError):
@@ -114,12 +113,12 @@ class ClusterBackend(BaseBackend):
         try:
             while True:
                 tok = await flight.queue.get()
-                if tok.req_id == -1:  # a re-placement asked us to send the task again
+                if tok.kind == "dispatch_again":  # placed again: send the task there
                     await self._dispatch_retrying(flight)
                     continue
-                if first and tok.error.startswith(REJECTED):  # before any output: a 429
+                if tok.kind == "rejected" and first:  # before any output: a 429
                     self._end(flight, dropped=True)
-                    raise Rejected(tok.error.removeprefix(REJECTED), retry_after_s=2.0)
+                    raise Rejected(tok.error, retry_after_s=2.0)
                 if flight.phase != "decoding":  # the first token of this placement
                     self._on_first_token(flight)
                 if tok.token_id >= 0:
@@ -221,8 +220,13 @@ class ClusterBackend(BaseBackend):
 
     async def _abort_remote(self, flight: Flight) -> None:
         d = flight.decision
-        for node_id, msg in ((d.prefill, PrefillAbortMsg(flight.req_id)),
-                             (d.decode, DecodeAbortMsg(flight.req_id))):  # fmt: skip
+        writer = self.registry.nodes.get(d.prefill)
+        is_down = writer is None or writer.state == "down"  # NOTE: it streams no more KV
+        aborts = (
+            (d.prefill, PrefillAbortMsg(flight.req_id)),
+            (d.decode, DecodeAbortMsg(flight.req_id, is_writer_down=is_down)),
+        )
+        for node_id, msg in aborts:
             rec = self.registry.nodes.get(node_id)
             if rec is None or rec.state == "down":
                 continue
@@ -270,8 +274,9 @@ class ClusterBackend(BaseBackend):
                 flight.decision = msgspec.structs.replace(flight.decision, decode=adm.decode)
             return
         if adm.reason != "unknown_request":
-            end = TokenMsg(req_id, -1, "", finish_reason="abort",
-                           error=f"{REJECTED}the cluster is overloaded ({adm.reason})")  # fmt: skip
+            # NOTE: after some output (a resumed request) it ends the stream as an abort
+            why = f"the cluster is overloaded ({adm.reason})"
+            end = TokenMsg(req_id, -1, "", finish_reason="abort", error=why, kind="rejected")
             loop.call_soon_threadsafe(flight.queue.put_nowait, end)
 
     def on_prefill_finished(self, req_id: int, reused: int, kv_bytes: int) -> None:
@@ -311,7 +316,7 @@ class ClusterBackend(BaseBackend):
 
         async def replace() -> None:
             if await self._place_again(flight) and not flight.done:
-                flight.queue.put_nowait(TokenMsg(-1, -1, ""))
+                flight.queue.put_nowait(TokenMsg(flight.req_id, -1, "", kind="dispatch_again"))
 
         task = asyncio.ensure_future(replace())
         self._tasks.add(task)

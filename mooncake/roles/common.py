@@ -54,6 +54,7 @@ class NodeContext:
     secret: bytes
     topology: Topology
     stop: threading.Event = field(default_factory=threading.Event)
+    master_wait_s: float = 60.0  # how long a starting node waits for its master to answer
 
     @property
     def master_rpc(self) -> str:
@@ -181,20 +182,27 @@ class MasterLink:
         self._halt = threading.Event()  # heartbeats go on while the node drains
         self._thread = threading.Thread(target=self._loop, name="master-link", daemon=True)
 
-    def register(self, timeout_s: float = 60.0) -> RegisterReplyMsg:
+    def register(self, timeout_s: float | None = None) -> RegisterReplyMsg:
         """Register, retrying while the master is not up yet; raises MooncakeError when it
-        refuses this node or stays unreachable for `timeout_s`."""
-        deadline = time.monotonic() + timeout_s
+        refuses this node or stays unreachable for `timeout_s` (None: the context's
+        `master_wait_s`)."""
+        if timeout_s is None:
+            timeout_s = self.ctx.master_wait_s
+        deadline, is_waiting = time.monotonic() + timeout_s, False
+        master = self.ctx.config.cluster.master
         while True:
             try:
                 info = msgspec.structs.replace(self.info, incarnation=self.incarnation)
                 reply = self.client.call(RegisterMsg(info), RegisterReplyMsg)
                 break
             except MooncakeError as e:
+                if not (is_waiting or self.reply):  # NOTE: said once, at first registration
+                    is_waiting = True
+                    log.info("waiting up to %g s for the master at %s: %s", timeout_s, master, e)
                 if time.monotonic() > deadline or self.ctx.stop.is_set():
                     raise MooncakeError(
-                        "cannot register with the master at cluster.master = "
-                        f"{self.ctx.config.cluster.master} within {timeout_s:g} s: {e}"
+                        f"cannot register with the master at cluster.master = {master} "
+                        f"within {timeout_s:g} s: {e}"
                     ) from e
                 self.ctx.stop.wait(0.2)
         if not reply.is_accepted:
@@ -233,6 +241,9 @@ class MasterLink:
         self._halt.set()
         if self._thread.is_alive():
             self._thread.join()
+        if self.reply is None:  # NOTE: never registered (a failed start): nothing to leave
+            self.client.close()
+            return
         try:
             self.client.call(DeregisterMsg(self.info.node_id), AckMsg, timeout_s=2.0)
         except MooncakeError as e:

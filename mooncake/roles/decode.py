@@ -85,6 +85,9 @@ class DecodeNode:
         self.wake = threading.Event()
         self.halt = threading.Event()  # set after draining: the step loop ends
         self.reserved: dict[int, tuple[list[int], float]] = {}  # req_id -> (blocks, when)
+        # NOTE: aborted while its prefill node may still stream KV into its blocks: they are
+        # freed when that node submits or releases (or past reserve_ttl_s), never before
+        self.cancelled: set[int] = set()
         self.store_node = mount_local_tiers(ctx)
         self.worker: Worker = load_worker(ctx, cfg.decode.kv_cache_bytes)
         w = self.worker
@@ -135,9 +138,16 @@ class DecodeNode:
         w = self.worker
         with self.lock:
             blocks = self.reserved.pop(msg.req_id, ([], 0.0))[0]
+            if msg.req_id in self.cancelled:
+                self.cancelled.discard(msg.req_id)
+                self.worker.cache.free(blocks)
+                raise MooncakeError(f"req {msg.req_id} was aborted while its KV streamed in")
             if msg.block_ids != blocks[: len(msg.block_ids)]:
                 self.worker.cache.free(blocks)
                 raise MooncakeError(f"req {msg.req_id}: submitted blocks were not reserved")
+            if missing := missing_layers(msg, w.model.spec.num_layers):
+                self.worker.cache.free(blocks)  # NOTE: never decode from partial KV
+                raise MooncakeError(f"req {msg.req_id}: KV incomplete, {missing}")
             seq = Sequence(
                 msg.req_id, msg.prompt_ids, msg.params, eos_token_ids=w.info.eos_token_ids,
                 max_model_len=w.max_model_len, tokenizer=w.tokenizer, block_ids=blocks,
@@ -149,12 +159,16 @@ class DecodeNode:
 
     def _on_release(self, msg: DecodeReleaseMsg, _peer: object) -> AckMsg:
         with self.lock:
+            self.cancelled.discard(msg.req_id)
             self.worker.cache.free(self.reserved.pop(msg.req_id, ([], 0.0))[0])
         return AckMsg()
 
     def _on_abort(self, msg: DecodeAbortMsg, _peer: object) -> AckMsg:
         with self.lock:
-            self.worker.cache.free(self.reserved.pop(msg.req_id, ([], 0.0))[0])
+            if msg.req_id in self.reserved and not msg.is_writer_down:
+                self.cancelled.add(msg.req_id)  # its prefill node still writes there
+            else:
+                self.worker.cache.free(self.reserved.pop(msg.req_id, ([], 0.0))[0])
             self.runner.abort(msg.req_id)
         return AckMsg()
 
@@ -172,6 +186,7 @@ class DecodeNode:
             for blocks, _ in self.reserved.values():
                 self.worker.cache.free(blocks)
             self.reserved.clear()
+            self.cancelled.clear()
         if dropped or num_reserved:
             log.warning(
                 "registered again: dropped %d requests and %d reservations the "
@@ -187,6 +202,7 @@ class DecodeNode:
         try:
             old = [r for r, (_, at) in self.reserved.items() if now - at > ttl]
             for req_id in old:
+                self.cancelled.discard(req_id)
                 self.worker.cache.free(self.reserved.pop(req_id)[0])
         finally:
             self.lock.release()
@@ -201,6 +217,7 @@ class DecodeNode:
             num_queued=len(r.waiting), num_running=len(r.running),
             load=len(r.running) / r.max_batch,
             context_tokens=sum(len(s.token_ids) for s in r.running),
+            num_reserved=len(self.reserved),
             transfer_bytes=self.store.engine.bytes_by_transport(),
         )  # fmt: skip
 
@@ -282,9 +299,19 @@ class DecodeNode:
     def _send(self, events: list[TokenEvent], error: str = "") -> None:
         if not events:
             return
-        tokens = [TokenMsg(e.seq_id, e.token_id, e.text, e.logprob, e.top_logprobs,
-                           e.finish_reason, error if e.finish_reason == "abort" else "")
-                  for e in events]  # fmt: skip
+        tokens = [
+            TokenMsg(
+                req_id=e.seq_id,
+                token_id=e.token_id,
+                text=e.text,
+                logprob=e.logprob,
+                top_logprobs=e.top_logprobs,
+                finish_reason=e.finish_reason,
+                error=error if e.finish_reason == "abort" else "",
+                kind="output",
+            )
+            for e in events
+        ]
         try:
             self.link.client.send_event(TokensMsg(self.ctx.node_id, tokens))
         except MooncakeError as e:
@@ -313,6 +340,18 @@ class DecodeNode:
         self.link.deregister()
         self.server.stop()
         close_pool(self.store, self.pool, self.store_node)
+
+
+def missing_layers(msg: DecodeSubmitMsg, num_layers: int) -> str:
+    """What the submitted KV lacks ("" = every layer holds all num_cached_tokens)."""
+    want = msg.num_cached_tokens
+    if want == 0:
+        return ""
+    got = msg.layer_tokens
+    if len(got) != num_layers:
+        return f"tokens written for {len(got)} of {num_layers} layers"
+    short = [f"layer {i}: {n}" for i, n in enumerate(got) if n != want]
+    return f"tokens written of {want}: {', '.join(short[:4])}" if short else ""
 
 
 def run_decode(ctx: NodeContext) -> None:

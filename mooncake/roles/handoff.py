@@ -1,8 +1,12 @@
 """The prefill side of a request's KV hand-off to its decode node.
 
-    reserve   ask the decode node for blocks (retrying while it has no room)
-    write     one-sided writes of the KV into those blocks (engine/kvhandoff.py)
-    submit    the request joins the decode node's queue
+    reserve   before the prefill starts, ask the decode node for blocks (retrying while
+              it has no room, up to [prefill] reserve_timeout_s)
+    stream    every stage writes its layers' KV into those blocks as they finish
+              (engine/kvstream.py)
+    submit    with the tokens written per layer: the request joins the decode node's
+              queue (the node checks every layer landed)
+    release   on any failure, the blocks go back
 
 A decode node that does not answer raises `DecodeUnreachable` with the address it was
 placed at, so the master can tell a dead node (mark it down, place its requests again)
@@ -12,12 +16,12 @@ from one that was merely full.
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from typing import TypeVar
 
-from mooncake.engine.kvcache import PagedKVCache
-from mooncake.engine.kvhandoff import send_kv
-from mooncake.engine.prefill import PrefillResult
-from mooncake.errors import RpcTimeout, TransferError
+from mooncake.engine.kvstream import KVDest
+from mooncake.errors import MooncakeError, RpcTimeout, TransferError
 from mooncake.roles.messages import (
     AckMsg,
     DecodeReleaseMsg,
@@ -27,11 +31,12 @@ from mooncake.roles.messages import (
     PrefillTaskMsg,
 )
 from mooncake.rpc import RpcClient
-from mooncake.transfer import TransferEngine
+from mooncake.rpc.wire import Msg
 
 log = logging.getLogger(__name__)
-RESERVE_TIMEOUT_S = 30.0  # seconds to wait for room on the decode node
 CALL_TIMEOUT_S = 10.0  # seconds a decode node may take to answer one call
+RESERVE_POLL_S = 0.02  # pause between asks for room on a full decode node
+R = TypeVar("R", bound=Msg)
 
 
 class DecodeUnreachable(TransferError):
@@ -43,65 +48,68 @@ class DecodeUnreachable(TransferError):
 
 
 class DecodeHandoff:
-    """Hands KV from this prefill node's cache to decode nodes; one RPC client per decode
-    address. Not thread-safe: the prefill worker thread is its only caller."""
+    """Reserves blocks on decode nodes and submits requests to them; one RPC client per
+    decode address. The KV itself streams into the blocks during the prefill
+    (engine/kvstream.py). Any thread may call it (the worker reserves, the completer
+    submits): calls to one decode node are serialized."""
 
-    def __init__(self, engine: TransferEngine, cache: PagedKVCache, kv_prefix: str, secret: bytes):
-        self.engine, self.cache, self.kv_prefix, self.secret = engine, cache, kv_prefix, secret
+    def __init__(self, secret: bytes, reserve_timeout_s: float):
+        self.secret, self.reserve_timeout_s = secret, reserve_timeout_s
         self._clients: dict[str, RpcClient] = {}
+        self._lock = threading.Lock()
 
-    def send(self, task: PrefillTaskMsg, result: PrefillResult | None, n: int) -> int:
-        """Reserve, write the first `n` tokens' KV of `result`, submit; returns the bytes
-        written. Raises DecodeUnreachable, or TransferError when no room came in time."""
+    def reserve(self, task: PrefillTaskMsg, n: int) -> KVDest:
+        """Blocks for `n` tokens of KV on the task's decode node, waiting while it has no
+        room. Raises DecodeUnreachable, or TransferError when no room came in time."""
+        deadline = time.monotonic() + self.reserve_timeout_s
+        msg = DecodeReserveMsg(task.req_id, n)
+        while not (reply := self._call(task, msg, DecodeReserveReplyMsg)).block_ids:
+            if time.monotonic() > deadline:
+                raise TransferError(
+                    f"decode node {task.decode_node} had no room for {n} tokens of KV within "
+                    f"{self.reserve_timeout_s:g} s ([prefill] reserve_timeout_s)"
+                )
+            time.sleep(RESERVE_POLL_S)
+        return KVDest(
+            endpoint=reply.endpoint,
+            prefix=reply.segment_prefix,
+            block_ids=list(reply.block_ids),
+            num_tokens=n,
+        )
+
+    def submit(self, task: PrefillTaskMsg, dest: KVDest | None, layer_tokens: list[int]) -> None:
+        """The KV is in place (`layer_tokens` per layer): the request joins the decode
+        node's queue. None: a one-token prompt, computed by the decode node itself."""
+        blocks = list(dest.block_ids) if dest is not None else []
+        n = dest.num_tokens if dest is not None else 0
+        msg = DecodeSubmitMsg(task.req_id, task.prompt_ids, task.params, blocks, n, layer_tokens)
+        self._call(task, msg, AckMsg)
+
+    def release(self, task: PrefillTaskMsg) -> None:
+        """Give back a reservation that will not be submitted (best effort: the decode
+        node frees it after decode.reserve_ttl_s anyway)."""
         try:
-            return self._send(task, result, n)
+            self._call(task, DecodeReleaseMsg(task.req_id), AckMsg)
+        except MooncakeError as e:
+            log.warning(
+                "req %d: could not release its KV blocks on %s: %s",
+                task.req_id,
+                task.decode_node,
+                e,
+            )
+
+    def _call(self, task: PrefillTaskMsg, msg: Msg, reply_type: type[R]) -> R:
+        with self._lock:
+            client = self._clients.get(task.decode_address)
+            if client is None:
+                client = RpcClient(task.decode_address, self.secret, timeout_s=CALL_TIMEOUT_S)
+                self._clients[task.decode_address] = client
+        try:
+            return client.call(msg, reply_type)
         except RpcTimeout as e:
             raise DecodeUnreachable(task.decode_node, task.decode_address, e) from e
 
-    def _send(self, task: PrefillTaskMsg, result: PrefillResult | None, n: int) -> int:
-        client = self._client(task.decode_address)
-        reply = DecodeReserveReplyMsg([])
-        deadline = time.monotonic() + RESERVE_TIMEOUT_S
-        while n > 0:
-            reply = client.call(DecodeReserveMsg(task.req_id, n), DecodeReserveReplyMsg)
-            if reply.block_ids:
-                break
-            if time.monotonic() > deadline:
-                raise TransferError(
-                    f"decode node {task.decode_node} had no room for {n} tokens of KV "
-                    f"within {RESERVE_TIMEOUT_S} s"
-                )
-            time.sleep(0.02)
-        sent = 0
-        if n > 0:
-            assert result is not None
-            try:
-                sent = send_kv(
-                    self.engine,
-                    self.cache,
-                    self.kv_prefix,
-                    result.block_ids,
-                    n,
-                    reply.segment_prefix,
-                    reply.endpoint,
-                    reply.block_ids,
-                    result.remote_kv,
-                )
-            except BaseException:
-                client.call(DecodeReleaseMsg(task.req_id), AckMsg)
-                raise
-        log.debug("req %d: %d bytes of KV written to %s", task.req_id, sent, task.decode_node)
-        submit = DecodeSubmitMsg(
-            task.req_id, task.prompt_ids, task.params, list(reply.block_ids), n
-        )
-        client.call(submit, AckMsg)
-        return sent
-
-    def _client(self, address: str) -> RpcClient:
-        if address not in self._clients:
-            self._clients[address] = RpcClient(address, self.secret, timeout_s=CALL_TIMEOUT_S)
-        return self._clients[address]
-
     def close(self) -> None:
-        for c in self._clients.values():
-            c.close()
+        with self._lock:
+            for c in self._clients.values():
+                c.close()

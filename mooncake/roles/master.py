@@ -22,12 +22,12 @@ from mooncake.api.app import create_app
 from mooncake.api.server import ApiServer
 from mooncake.api.stats import RequestStats
 from mooncake.api.status import NodeStatus, Status, TierStatus, host_port
-from mooncake.conductor import Conductor, ReplicationOrder
+from mooncake.conductor import ReplicationOrder
 from mooncake.conductor.index import StoreEvent as IndexEvent
-from mooncake.conductor.roofline import master_cost_model
+from mooncake.conductor.roofline import PrefillHardware, create_conductor
 from mooncake.config import Config
 from mooncake.engine.kvstore import kv_key, parse_kv_key
-from mooncake.engine.modelinfo import ModelInfo, load_model_info
+from mooncake.engine.modelinfo import load_model_info
 from mooncake.engine.tokenizer import create_tokenizer
 from mooncake.errors import ConfigError
 from mooncake.hashing import PrefixHasher
@@ -65,14 +65,6 @@ _KINDS: dict[str, IndexKind] = {
 }  # fmt: skip
 
 
-def create_conductor(cfg: Config, info: ModelInfo) -> Conductor:
-    """The Conductor over `master_cost_model` (a profile, or the model's roofline on the
-    detected or default GPUs); `mooncake config check` builds the same cost model."""
-    cost, source = master_cost_model(cfg, info)
-    log.info("cost model: %s", source)
-    return Conductor.from_config(cfg.scheduler, cost=cost, block_tokens=cfg.model.block_tokens)
-
-
 class Master:
     def __init__(self, config: Config):
         self.config = cfg = config
@@ -80,16 +72,17 @@ class Master:
         self.started = time.monotonic()
         self.lock = threading.Lock()  # NOTE: guards the Conductor and the registry
         info = load_model_info(cfg.model.path)
-        self.model_name = info.spec.name
+        self.model_name = cfg.api.served_model_name or cfg.model.path  # as vLLM names it
         ttl = max(NODE_TTL_S, cfg.store.heartbeat_ttl_s)  # one liveness rule for every node
         dtype_bytes = 4 if cfg.model.dtype == "float32" else 2
         self.registry = Registry(info.spec.num_layers, cfg.prefill.pipeline_group_size, ttl,
                                  info.spec.weight_bytes(dtype_bytes))  # fmt: skip
         self.conductor = create_conductor(cfg, info)
+        self.hardware = PrefillHardware(cfg, info, self.conductor.cost)  # roofline's GPUs
         max_len = cfg.model.max_model_len or info.spec.max_position_embeddings
         self.backend = ClusterBackend(
             self.conductor, self.registry, create_tokenizer(cfg.model.path, info.eos_token_ids),
-            info.spec.name, max_len, self.secret, cfg.model.block_tokens, self.lock,
+            self.model_name, max_len, self.secret, cfg.model.block_tokens, self.lock,
         )  # fmt: skip
         self.backend.on_unreachable = self._mark_down
         self.backend.on_replicate = self._replicate
@@ -161,12 +154,10 @@ class Master:
         with self.lock:
             rec = self.registry.register(info, time.monotonic())
             group = self.registry.group_msg(rec.node_id) if info.role == "prefill" else None
-        log.info(
-            "node %s (%s) registered from %s",
-            info.node_id,
-            info.role,
-            info.rpc_address or info.data_address,
-        )
+            if info.role == "prefill":
+                self.hardware.follow(info.node_id, info.gpus, self.conductor)
+        where = info.rpc_address or info.data_address
+        log.info("node %s (%s) registered from %s", info.node_id, info.role, where)
         return RegisterReplyMsg(True, group=group, block_tokens=cfg.model.block_tokens,
                                 ttft_slo_s=cfg.scheduler.ttft_slo_s,
                                 tbt_slo_s=cfg.scheduler.tbt_slo_s)  # fmt: skip
@@ -313,6 +304,7 @@ class Master:
                     nics=r.info.nics,
                     num_queued=r.load.num_queued,
                     num_running=r.load.num_running,
+                    num_reserved=r.load.num_reserved,
                     load=r.load.load,
                     last_seen_s=now - r.last_seen_s,
                     pipeline_group=r.group_id,
@@ -350,7 +342,7 @@ class Master:
             local_hit_rate=c.local_hits / c.lookups if c.lookups else 0.0,
             num_queued=s.num_waiting, num_running=s.num_streaming,
             num_requests=s.num_requests, num_completed=s.num_completed,
-            rejected=s.num_rejected, num_failed=s.num_failed,
+            rejected=s.num_rejected, num_failed=s.num_failed, num_refused=s.num_refused,
             ttft_p50_s=s.ttft_p50_s, ttft_p90_s=s.ttft_p90_s,
             tbt_p50_s=s.tbt_p50_s, tbt_p90_s=s.tbt_p90_s,
             ttft_slo_s=sched.ttft_slo_s, tbt_slo_s=sched.tbt_slo_s,
@@ -385,9 +377,9 @@ class Master:
             self.store.stop()
 
     def _ready(self) -> None:
-        metrics = self.metrics_server.url if self.metrics_server else f"{self.api.url}/metrics"
-        metrics = metrics if self.config.metrics.enabled else "off"
-        log.info("master: API %s, rpc %s, metrics %s", self.api.url, self.store.address, metrics)
+        m = self.metrics_server.url if self.metrics_server else "/metrics on the API port"
+        m = m if self.config.metrics.enabled else "off"
+        log.info("master: API on %s, rpc %s, metrics %s", self.api.listening, self.store.address, m)
         report_ready(node_id="master", role="master", url=self.api.url,
                      master=self.store.address)  # fmt: skip
 

@@ -77,6 +77,7 @@ class NodeLoadMsg(Msg, frozen=True, tag="node.load"):
     num_running: int = 0
     load: float = 0.0  # 0..1
     context_tokens: int = 0  # decode: tokens of KV held by running requests
+    num_reserved: int = 0  # decode: requests whose KV blocks are reserved, not yet submitted
     transfer_bytes: dict[str, int] = {}  # transport (shm, tcp, rdma) -> bytes it moved
 
 
@@ -158,13 +159,17 @@ class DecodeReserveReplyMsg(Msg, frozen=True, tag="decode.reserve_reply"):
 
 
 class DecodeSubmitMsg(Msg, frozen=True, tag="decode.submit"):
-    """Prefill -> decode: the KV of prompt_ids[:-1] is in `block_ids`; decode from there."""
+    """Prefill -> decode: the KV of prompt_ids[:-1] is in `block_ids`; decode from there
+    (once `layer_tokens` shows every layer landed)."""
 
     req_id: int
     prompt_ids: TokenIds
     params: SamplingParams
     block_ids: BlockIds
     num_cached_tokens: int
+    # layer -> tokens of KV written into `block_ids` (every stage's stream reports): the
+    # decode node starts only when each of its model's layers holds all num_cached_tokens
+    layer_tokens: list[int] = []
 
 
 class DecodeReleaseMsg(Msg, frozen=True, tag="decode.release"):
@@ -175,18 +180,26 @@ class DecodeReleaseMsg(Msg, frozen=True, tag="decode.release"):
 
 class DecodeAbortMsg(Msg, frozen=True, tag="decode.abort"):
     req_id: int
+    # the prefill node streaming its KV is down: its reserved blocks may be freed at once
+    # (else they are freed when that node submits or releases them)
+    is_writer_down: bool = False
 
 
 class TokenMsg(Msg, frozen=True, tag="master.token"):
-    """One output step of one request (see `api.backend.Output`)."""
+    """One output step of one request (see `api.backend.Output`), or (`kind`) what else
+    the master queues for a request itself."""
 
     req_id: int
-    token_id: int
+    token_id: int  # -1: no token, the message only ends the request
     text: str
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
     finish_reason: Literal["stop", "length", "abort"] | None = None
     error: str = ""
+    # "output": a node's step (nodes send only these). The master's own: "dispatch_again"
+    # (the request was placed again: send its task to the new nodes), "rejected" (the
+    # Conductor refused it at prefill start: an HTTP 429 before any output; `error` says why)
+    kind: Literal["output", "dispatch_again", "rejected"] = "output"
 
 
 class TokensMsg(Msg, frozen=True, tag="master.tokens"):

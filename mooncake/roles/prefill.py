@@ -1,15 +1,19 @@
 """The prefill role: prefill prompts with prefix reuse from the pool, store new KV in the
 pool layer by layer, and hand each request's KV to its decode node.
 
-One task at a time, first come first served (the Conductor keeps the queue short and
-knows its length). A node is one stage of a pipeline group; the master assigns groups on
-registration. Stage 0 (the leader) receives tasks and drives the group; later stages
-serve their upstream link. Per task on the leader:
+A node is one stage of a pipeline group; the master assigns groups on registration.
+Stage 0 (the leader) receives tasks, in the Conductor's order, and drives the group;
+later stages serve their upstream link. Per task on the leader (roles/prefillflow.py):
 
-    reuse+compute   PrefillRunner (alone, or `prefill_pipelined` through the group) over
-                    prompt[:-1]: the decode node computes the last prompt token itself
-    hand off        reserve blocks on the decode node, write the KV into them, submit
-    report          started / finished / failed events to the master
+    admit       ask the master whether the task still runs and where its KV goes
+    begin       reserve the prompt's blocks on the decode node; compute this stage's
+                layers (alone, or through the group: the later stages compute theirs),
+                every finished layer's KV streaming into those blocks and the pool
+    finish      (completer thread, while the worker begins the next task) wait for every
+                stage's stream report, seal the pool objects, submit to the decode node
+    report      started / finished / failed events to the master
+
+Up to [prefill] max_inflight tasks are between begin and finish at once.
 
 A leader of a group of 2+ holds a link to stage 1 (`_keep_group`). When it breaks (stage
 1 died, or stayed silent past `[prefill] stage_timeout_s` per chunk: stopped, or its
@@ -27,21 +31,23 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from typing import Any, Literal
+from typing import Any
 
 import msgspec
 
+from mooncake.engine.kvcache import CacheFullError
 from mooncake.engine.kvhandoff import place_cache_in_segments
-from mooncake.engine.pipeline import StageServer, prefill_pipelined
-from mooncake.engine.prefill import PrefillRunner
-from mooncake.engine.stagelink import StageListener, StageTimeoutError, TcpStageLink
+from mooncake.engine.prefill import PrefillRunner, ReuseMismatchError
+from mooncake.engine.stagelink import StageTimeoutError, TcpStageLink
+from mooncake.engine.stagelisten import StageListener
+from mooncake.engine.stageserver import StageServer
 from mooncake.errors import MooncakeError, TransferError
 from mooncake.roles.common import MasterLink, NodeContext, install_signal_handlers, report_ready
+from mooncake.roles.grouplink import NextStage
 from mooncake.roles.handoff import DecodeHandoff, DecodeUnreachable
 from mooncake.roles.messages import (
     AckMsg,
     GroupMsg,
-    GroupQueryMsg,
     NodeInfoMsg,
     NodeLoadMsg,
     PrefillAbortMsg,
@@ -52,6 +58,7 @@ from mooncake.roles.messages import (
     TokenMsg,
     TokensMsg,
 )
+from mooncake.roles.prefillflow import Flight, PrefillFlow
 from mooncake.roles.worker import Worker, close_pool, connect_pool, load_worker, mount_local_tiers
 from mooncake.rpc import RpcServer
 
@@ -69,14 +76,23 @@ class PrefillNode:
         self.tasks: queue.Queue[PrefillTaskMsg | None] = queue.Queue()
         self.queued: set[int] = set()  # req ids in `tasks`
         self.aborted: set[int] = set()  # of those, the ones to skip
-        self.busy = False
+        self.num_inflight = 0  # tasks between begin and finish
+        self.done: queue.Queue[Flight | None] = queue.Queue()  # begun, for the completer
+        self._slots = threading.BoundedSemaphore(cfg.prefill.max_inflight)
+        self._flight_ended = threading.Condition()
         self.server = RpcServer(f"tcp://{ctx.host}:0", ctx.secret, name="prefill", ports=ctx.ports)
         self.server.register(PrefillTaskMsg, self._on_task)
         self.server.register(PrefillAbortMsg, self._on_abort)
         self.server.start()
         self.store_node = mount_local_tiers(ctx)
-        info = NodeInfoMsg(ctx.node_id, "prefill", self.server.address, ctx.gpu_names,
-                           ctx.nic_names, device_memory_bytes=ctx.device_memory_bytes)  # fmt: skip
+        info = NodeInfoMsg(
+            ctx.node_id,
+            "prefill",
+            self.server.address,
+            ctx.gpu_names,
+            ctx.nic_names,
+            device_memory_bytes=ctx.device_memory_bytes,
+        )
         self.link = MasterLink(ctx, info, self._load)
         reply = self.link.register()
         self.link.start()  # heartbeats (state "starting") while the model loads
@@ -89,15 +105,15 @@ class PrefillNode:
         place_cache_in_segments(self.store.engine, self.worker.cache, self.kv_prefix)
         w = self.worker
         self.runner = PrefillRunner(
-            w.model, w.cache, chunk_tokens=cfg.prefill.chunk_tokens, hasher=w.hasher,
-            source=self.pool, sink=self.pool if self.group.stage == 0 else None,
+            w.model,
+            w.cache,
+            chunk_tokens=cfg.prefill.chunk_tokens,
+            hasher=w.hasher,
+            source=self.pool,
             fingerprint=w.fingerprint,
-        )  # fmt: skip
-        self.next_link: TcpStageLink | None = None  # leader: the link to stage 1, if up
-        self._formed = threading.Event()  # leader: set while it holds that link
-        # NOTE: held while the master is told the group's state, so that a task reported
-        # for re-placement reaches it after the leader left the schedulable set
-        self._group_lock = threading.Lock()
+        )
+        later = self.runner.layout.num_layers - len(w.model.layer_ids)
+        self.next = NextStage(ctx, self.link, self.group, later)  # used by a leader of 2+
         self.listener: StageListener | None = None
         if self.group.stage > 0:
             t = cfg.transfer
@@ -108,21 +124,25 @@ class PrefillNode:
                 handshake_timeout_s=t.handshake_timeout_s,
                 max_handshakes_per_peer=t.max_handshakes_per_peer,
             )
-            self.link.info = NodeInfoMsg(
-                ctx.node_id, "prefill", self.server.address, ctx.gpu_names, ctx.nic_names,
-                w.fingerprint.hex(), stage_address=f"{ctx.host}:{self.listener.port}",
-            )  # fmt: skip
-        else:
-            self.link.info = NodeInfoMsg(
-                ctx.node_id, "prefill", self.server.address, ctx.gpu_names, ctx.nic_names,
-                w.fingerprint.hex(),
-            )  # fmt: skip
+        stage_address = f"{ctx.host}:{self.listener.port}" if self.listener else ""
         self.link.info = msgspec.structs.replace(
-            self.link.info, group_id=self.group.group_id, stage=self.group.stage,
-            group_size=self.group.group_size, device_memory_bytes=ctx.device_memory_bytes,
-        )  # fmt: skip
+            info,
+            model_fingerprint=w.fingerprint.hex(),
+            stage_address=stage_address,
+            group_id=self.group.group_id,
+            stage=self.group.stage,
+            group_size=self.group.group_size,
+        )
         self.link.register()  # again, with what loading the model told us
-        self.handoff = DecodeHandoff(self.store.engine, w.cache, self.kv_prefix, ctx.secret)
+        self.handoff = DecodeHandoff(ctx.secret, cfg.prefill.reserve_timeout_s)
+        self.flow = PrefillFlow(
+            self.runner,
+            self.store.engine,
+            self.kv_prefix,
+            self.pool,
+            self.handoff,
+            cfg.transfer.timeout_s,
+        )
 
     # -- RPC handlers (server thread) --
     def _on_task(self, msg: PrefillTaskMsg, _peer: object) -> AckMsg:
@@ -143,10 +163,11 @@ class PrefillNode:
         q = self.tasks.qsize()
         # NOTE: heartbeats begin while the model loads, before the pool (and its engine) is up
         store = getattr(self, "store", None)
+        running = self.num_inflight
         return NodeLoadMsg(
             num_queued=q,
-            num_running=int(self.busy),
-            load=float(self.busy),
+            num_running=running,
+            load=float(running > 0),
             transfer_bytes=store.engine.bytes_by_transport() if store is not None else {},
         )
 
@@ -157,13 +178,15 @@ class PrefillNode:
         if self.group.stage > 0:
             threading.Thread(target=self._serve_stage, name="stage-accept", daemon=True).start()
         if is_leader:  # ready once stage 1 answers
-            threading.Thread(target=self._keep_group, name="stage-keeper", daemon=True).start()
+            threading.Thread(target=self.next.keep, name="stage-keeper", daemon=True).start()
         else:
             self.link.state = "ready"
         worker = threading.Thread(target=self._work, name="prefill-worker", daemon=True)
         worker.start()
-        while is_leader and not (self._formed.is_set() or self.ctx.stop.is_set()):
-            self._formed.wait(self.ctx.config.prefill.stage_retry_s)
+        completer = threading.Thread(target=self._complete, name="prefill-done", daemon=True)
+        completer.start()
+        while is_leader and not (self.next.formed.is_set() or self.ctx.stop.is_set()):
+            self.next.formed.wait(self.ctx.config.prefill.stage_retry_s)
         if not self.ctx.stop.is_set():
             self.link.beat()  # NOTE: the master knows it is ready before its ready line
             g = self.group
@@ -172,65 +195,9 @@ class PrefillNode:
         self.link.drain()  # queued tasks still run; nothing new is placed here
         self.tasks.put(None)
         worker.join(timeout=30)
+        self.done.put(None)  # NOTE: after the worker: tasks begun still finish
+        completer.join(timeout=30)
         self.close()
-
-    def _keep_group(self) -> None:
-        """Leader of a group of 2+: hold a link to stage 1. Without one the group takes no
-        requests; the leader asks the master where stage 1 listens now and dials it,
-        pausing from a tenth of [prefill] stage_retry_s up to it between attempts."""
-        retry_s = self.ctx.config.prefill.stage_retry_s
-        gid, pause_s = self.group.group_id, 0.0
-        while not self.ctx.stop.is_set():
-            link = self.next_link
-            if link is not None:
-                if link.ended.wait(retry_s):  # NOTE: a timeout only looks at `stop` again
-                    log.warning("pipeline group %s: the link to stage 1 broke", gid)
-                    self._lose_next_link(link)
-                continue
-            try:
-                link = self._dial_next()
-            except MooncakeError as e:
-                log.info("pipeline group %s: stage 1 does not answer yet: %s", gid, e)
-            if link is not None:
-                self._hold_next_link(link)
-                pause_s = 0.0
-                continue
-            pause_s = min(retry_s, max(retry_s / 10, 2 * pause_s))
-            self.ctx.stop.wait(pause_s)
-
-    def _dial_next(self) -> TcpStageLink | None:
-        """A link to stage 1 where the master says it listens now (None: not known yet)."""
-        group = self.link.client.call(GroupQueryMsg(self.ctx.node_id), GroupMsg)
-        if not group.next_stage_address:
-            return None
-        host, _, port = group.next_stage_address.rpartition(":")
-        timeout_s = self.ctx.config.transfer.handshake_timeout_s
-        link = TcpStageLink.connect(host, int(port), self.ctx.secret, timeout_s)
-        log.info("pipeline group %s: stage 1 at %s", group.group_id, group.next_stage_address)
-        return link
-
-    def _hold_next_link(self, link: TcpStageLink) -> None:
-        with self._group_lock:
-            self.next_link = link
-            self._formed.set()
-            self._tell_master("ready")
-
-    def _lose_next_link(self, link: TcpStageLink | None) -> None:
-        """`link` broke: not ready until another is up. Returns once the master knows (for
-        None, once a report under way is done), so that tasks reported after this call
-        are placed elsewhere."""
-        with self._group_lock:
-            if link is None or self.next_link is not link:
-                return  # already reported, or a new link is up
-            self.next_link = None
-            self._formed.clear()
-            self._tell_master("starting")
-        link.abort()
-
-    def _tell_master(self, state: Literal["ready", "starting"]) -> None:
-        if self.link.state in ("ready", "starting"):  # NOTE: never undoes draining or failed
-            self.link.state = state
-            self.link.beat()  # at once, not at the next heartbeat
 
     def _serve_stage(self) -> None:
         """Stage > 0: serve the upstream link. A new authenticated link (the leader came
@@ -248,7 +215,7 @@ class PrefillNode:
                     log.info("a new link from the leader replaces the one being served")
                 old.abort()
                 thread.join()
-            server = StageServer(self.runner, upstream)
+            server = StageServer(self.runner, upstream, streamer=self.flow.streamer)
             thread = threading.Thread(target=server.serve, name="stage", daemon=True)
             thread.start()
             serving = (upstream, thread)
@@ -256,28 +223,107 @@ class PrefillNode:
             serving[0].abort()
 
     def _work(self) -> None:
+        """Begin tasks in order, up to [prefill] max_inflight at once."""
         while (task := self.tasks.get()) is not None:
             self.queued.discard(task.req_id)
             if task.req_id in self.aborted:
                 self.aborted.discard(task.req_id)
                 continue
-            self.busy = True
+            self._slots.acquire()
+            with self._flight_ended:
+                self.num_inflight += 1
+            flight = None
             try:
-                self._run(task)
-            except DecodeUnreachable as e:  # the master marks it down, places the task again
-                log.warning("req %d: %s", task.req_id, e)
-                self._event(task.req_id, "failed", error=str(e), unreachable_address=e.address)
-                self._fail_to_client(task.req_id, f"prefill node {self.ctx.node_id}: {e}")
-            except GroupBroken as e:  # NOTE: the master now knows the group is not ready
-                log.warning("req %d: %s", task.req_id, e)
-                self._event(task.req_id, "failed", error=str(e))
-                self._fail_to_client(task.req_id, f"prefill node {self.ctx.node_id}: {e}")
+                flight = self._begin(task)
             except Exception as e:  # a failed request never stops the node
-                log.exception("req %d failed", task.req_id)
-                self._event(task.req_id, "failed", error=str(e))
-                self._fail_to_client(task.req_id, f"prefill failed on {self.ctx.node_id}: {e}")
+                self._failed(task, e)
+            if flight is not None:
+                self.done.put(flight)
+            else:
+                self._end_flight()
+
+    def _complete(self) -> None:
+        """Finish begun tasks in the order they began."""
+        while (flight := self.done.get()) is not None:
+            try:
+                stats, kv_bytes = self.flow.finish(flight)
+                self._event(
+                    flight.task.req_id,
+                    "finished",
+                    num_reused_tokens=stats.num_reused_tokens if stats else 0,
+                    num_stored_blocks=stats.num_stored_blocks if stats else 0,
+                    kv_bytes=kv_bytes,
+                )
+            except ReuseMismatchError as e:  # a later stage could not load every reused block
+                log.warning("req %d: %s; prefilling again with less reuse", flight.task.req_id, e)
+                task = msgspec.structs.replace(flight.task, max_reuse_blocks=e.num_good_blocks)
+                self.queued.add(task.req_id)
+                self.tasks.put(task)
+            except TransferError as e:
+                link = flight.answers.link if flight.answers is not None else None
+                # NOTE: a stage that went silent (stopped, its network dark) never closes
+                # the link: past its deadline it counts as broken, as a closed one does
+                if isinstance(link, TcpStageLink) and (
+                    link.ended.is_set() or isinstance(e, StageTimeoutError)
+                ):
+                    self.next.lose(link)
+                    e = GroupBroken(f"the link to stage 1 broke: {e}")
+                self._failed(flight.task, e)
+            except Exception as e:
+                self._failed(flight.task, e)
             finally:
-                self.busy = False
+                self._end_flight()
+
+    def _end_flight(self) -> None:
+        with self._flight_ended:
+            self.num_inflight -= 1
+            self._flight_ended.notify_all()
+        self._slots.release()
+
+    def _failed(self, task: PrefillTaskMsg, e: Exception) -> None:
+        """Tell the master (it may place the task again) and the client."""
+        if isinstance(e, DecodeUnreachable):  # the master marks it down, places it again
+            log.warning("req %d: %s", task.req_id, e)
+            self._event(task.req_id, "failed", error=str(e), unreachable_address=e.address)
+            self._fail_to_client(task.req_id, f"prefill node {self.ctx.node_id}: {e}")
+        elif isinstance(e, GroupBroken):  # NOTE: the master now knows the group is not ready
+            log.warning("req %d: %s", task.req_id, e)
+            self._event(task.req_id, "failed", error=str(e))
+            self._fail_to_client(task.req_id, f"prefill node {self.ctx.node_id}: {e}")
+        else:
+            log.error("req %d failed: %s", task.req_id, e, exc_info=e)
+            self._event(task.req_id, "failed", error=str(e))
+            self._fail_to_client(task.req_id, f"prefill failed on {self.ctx.node_id}: {e}")
+
+    def _begin(self, task: PrefillTaskMsg) -> Flight | None:
+        link, answers = self.next.link, self.next.answers
+        is_piped = self.group.group_size > 1 and len(task.prompt_ids) > 1
+        if is_piped and (link is None or answers is None or link.ended.is_set()):
+            self.next.lose(link)
+            raise GroupBroken(f"pipeline group {self.group.group_id} has lost its stage 1")
+        admitted = self._admit(task)
+        if admitted is None:
+            return None
+        task = admitted
+        log.debug("req %d: prefill of %d tokens", task.req_id, len(task.prompt_ids))
+        kw: dict[str, Any] = {}
+        if task.max_reuse_blocks >= 0:
+            kw["max_reuse_blocks"] = task.max_reuse_blocks
+        try:
+            while True:
+                try:
+                    return self.flow.begin(task, answers if is_piped else None, **kw)
+                except CacheFullError:
+                    # NOTE: prompts in flight hold the cache: wait for one to end, retry
+                    with self._flight_ended:
+                        if self.num_inflight <= 1:
+                            raise
+                        self._flight_ended.wait()
+        except TransferError as e:
+            if is_piped and link is not None and link.ended.is_set():
+                self.next.lose(link)
+                raise GroupBroken(f"the link to stage 1 broke: {e}") from e
+            raise
 
     def _admit(self, task: PrefillTaskMsg) -> PrefillTaskMsg | None:
         """Ask the master whether the task still runs and where its KV goes now; None =
@@ -287,8 +333,7 @@ class PrefillNode:
                 PrefillStartMsg(task.req_id, self.ctx.node_id), PrefillStartReplyMsg
             )
         except MooncakeError as e:
-            log.warning("req %d: admission check failed, running it as placed: %s",
-                        task.req_id, e)  # fmt: skip
+            log.warning("req %d: admission check failed, running it as placed: %s", task.req_id, e)
             return task
         if not reply.is_accepted:
             log.info("req %d: not prefilled (%s)", task.req_id, reply.reason)
@@ -300,55 +345,6 @@ class PrefillNode:
                 task, decode_node=reply.decode_node, decode_address=reply.decode_address
             )
         return task
-
-    def _run(self, task: PrefillTaskMsg) -> None:
-        link = self.next_link
-        is_piped = self.group.group_size > 1 and len(task.prompt_ids) > 1
-        if is_piped and (link is None or link.ended.is_set()):
-            self._lose_next_link(link)
-            raise GroupBroken(f"pipeline group {self.group.group_id} has lost its stage 1")
-        admitted = self._admit(task)
-        if admitted is None:
-            return
-        task = admitted
-        log.debug("req %d: prefill of %d tokens", task.req_id, len(task.prompt_ids))
-        prompt = task.prompt_ids[:-1]
-        kw: dict[str, Any] = {}
-        if task.max_reuse_blocks >= 0:
-            kw["max_reuse_blocks"] = task.max_reuse_blocks
-        if len(prompt) == 0:
-            result = None  # one-token prompt: the decode node computes it
-        elif link is not None:
-            timeout_s = self.ctx.config.prefill.stage_timeout_s
-            try:
-                result = prefill_pipelined(
-                    self.runner,
-                    prompt,
-                    link,
-                    req_id=task.req_id,
-                    store_remote_kv=True,
-                    stage_timeout_s=timeout_s,
-                    **kw,
-                )
-            except TransferError as e:
-                # NOTE: a stage that went silent (stopped, its network dark) never closes
-                # the link: past its deadline it counts as broken, as a closed one does
-                if link.ended.is_set() or isinstance(e, StageTimeoutError):
-                    self._lose_next_link(link)
-                    raise GroupBroken(f"the link to stage 1 broke: {e}") from e
-                raise
-        else:
-            result = self.runner.prefill(prompt, req_id=task.req_id, **kw)
-        try:
-            kv_bytes = self.handoff.send(task, result, len(prompt))
-        finally:
-            if result is not None:
-                self.worker.cache.free(result.block_ids)
-        stats = result.stats if result is not None else None
-        self._event(task.req_id, "finished",
-                    num_reused_tokens=stats.num_reused_tokens if stats else 0,
-                    num_stored_blocks=stats.num_stored_blocks if stats else 0,
-                    kv_bytes=kv_bytes)  # fmt: skip
 
     def _event(self, req_id: int, phase: str, **kw: object) -> None:
         msg = PrefillEventMsg(req_id, self.ctx.node_id, phase, **kw)  # type: ignore[arg-type]
@@ -366,11 +362,11 @@ class PrefillNode:
 
     def close(self) -> None:
         self.link.deregister()
-        if self.next_link is not None:  # NOTE: a stopped stage 1 must not hold up our exit
-            self.next_link.close(self.ctx.config.prefill.stage_timeout_s)
+        self.next.close()
         if self.listener is not None:
             self.listener.close()
         self.server.stop()
+        self.flow.close()
         self.handoff.close()
         close_pool(self.store, self.pool, self.store_node)
 

@@ -14,7 +14,7 @@ import psutil
 from mooncake.errors import ConfigError
 from mooncake.roles.common import MasterLink, NodeContext, install_signal_handlers, report_ready
 from mooncake.roles.messages import NodeInfoMsg, NodeLoadMsg
-from mooncake.roles.worker import engine_options, ssd_bytes
+from mooncake.roles.worker import engine_options, ssd_bytes, start_store_node
 from mooncake.store.node import StoreNode, TierSizes
 
 log = logging.getLogger(__name__)
@@ -53,7 +53,7 @@ def run_store(ctx: NodeContext) -> None:
         ctx, info, lambda: NodeLoadMsg(transfer_bytes=node.engine.bytes_by_transport())
     )
     try:
-        node.start()
+        start_store_node(ctx, node)
         link.register()
         link.start()
         link.state = "ready"

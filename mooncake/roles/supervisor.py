@@ -13,6 +13,7 @@ the master too: nodes register again with a restarted master on their own.
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
 import selectors
@@ -25,6 +26,11 @@ from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 from mooncake.errors import MooncakeError
+
+# NOTE: a child's stdout reaches EOF as it exits, a moment before it can be reaped: this
+# long is waited for its exit code, so that a node failing at once (a config error) says
+# so instead of seeming silent
+EXIT_REAP_S = 5.0
 
 
 @dataclass
@@ -42,7 +48,7 @@ def wait_ready(child: Child, timeout_s: float) -> None:
     MooncakeError when it exits first or stays silent for `timeout_s`."""
     assert child.proc.stdout is not None
     deadline = time.monotonic() + timeout_s
-    buf = b""
+    buf, is_eof = b"", False
     with selectors.DefaultSelector() as sel:
         sel.register(child.proc.stdout, selectors.EVENT_READ)
         while time.monotonic() < deadline:
@@ -52,6 +58,7 @@ def wait_ready(child: Child, timeout_s: float) -> None:
                 continue
             chunk = os.read(child.proc.stdout.fileno(), 65536)
             if not chunk:
+                is_eof = True
                 break
             buf += chunk
             while b"\n" in buf:
@@ -64,10 +71,16 @@ def wait_ready(child: Child, timeout_s: float) -> None:
                     child.ready = msg
                     return
     code = child.proc.poll()
-    why = f": it exited with code {code} (its log is above)" if code is not None else ""
-    raise MooncakeError(
-        f"{child.node_id} ({child.role}) did not report ready" + (why or f" within {timeout_s:g} s")
-    )
+    if code is None and is_eof:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            code = child.proc.wait(timeout=EXIT_REAP_S)
+    if code is not None:
+        why = f": it exited with code {code} (its log is above)"
+    elif is_eof:
+        why = ": it closed its stdout and still runs"
+    else:
+        why = f" within {timeout_s:g} s"
+    raise MooncakeError(f"{child.node_id} ({child.role}) did not report ready{why}")
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from mooncake.engine.model import Model
 from mooncake.engine.modelinfo import ModelInfo, kv_fingerprint, load_model_info, resolve_dtype
 from mooncake.engine.tokenizer import BaseTokenizer, create_tokenizer
 from mooncake.engine.weights import create_model
-from mooncake.errors import ConfigError
+from mooncake.errors import ConfigError, RpcTimeout
 from mooncake.hashing import PrefixHasher
 from mooncake.portrange import node_ports
 from mooncake.roles.common import NodeContext
@@ -116,8 +116,17 @@ def mount_local_tiers(ctx: NodeContext) -> StoreNode | None:
         return None
     node = StoreNode(ctx.node_id, ctx.master_rpc, ctx.secret, sizes, host=ctx.host,
                      engine_options=engine_options(ctx.config))  # fmt: skip
-    node.start()
+    start_store_node(ctx, node)
     return node
+
+
+def start_store_node(ctx: NodeContext, node: StoreNode) -> None:
+    """Mount `node`'s tiers with the master, waiting up to `ctx.master_wait_s` for it to
+    answer; raises RpcTimeout naming `cluster.master` and its value when it never does."""
+    try:
+        node.start(wait_s=ctx.master_wait_s)
+    except RpcTimeout as e:
+        raise RpcTimeout(f"cluster.master = {ctx.config.cluster.master}: {e}") from e
 
 
 def ssd_bytes(size: Size, path: str) -> int:

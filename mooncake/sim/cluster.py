@@ -3,7 +3,16 @@
 `SimConfig` is the frozen settings of one run; `mooncake sim` builds it from flags. A
 cluster is either disaggregated (`num_prefill` + `num_decode` instances, the pool spread
 over the prefill nodes' DRAM and SSD) or coupled (`num_coupled` vLLM-like instances,
-each caching prefixes only in its own VRAM). One instance = one node of `tp` GPUs.
+each caching prefixes only in its own VRAM). One instance = one node of `tp` GPUs; the
+prefill nodes form groups of `group_size` pipeline stages, each group one prefill instance
+of the Conductor.
+
+By default (`reserve_at_start`) a disaggregated run follows the cluster's data path: the
+decode node's KV room is reserved when a prefill starts (the group waits, head of line,
+while the node has no room, and the request fails after `reserve_timeout_s`), the KV
+streams layer by layer during the prefill, and the decode node computes the first token.
+Off, it runs the paper's §7 path: the decode instance checks the request when its KV
+lands and may reject it after the prefill was spent, and the prefill gives the first token.
 """
 
 from __future__ import annotations
@@ -37,7 +46,12 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
     dram_bytes: int = 1024 * GIB  # per pool node, for KV blocks
     ssd_bytes: int = 0  # per pool node
     block_tokens: int = 512
-    chunk_tokens: int = 512  # coupled: tokens per iteration (vLLM max_num_batched_tokens)
+    # tokens per prefill chunk (coupled: per iteration, vLLM's max_num_batched_tokens)
+    chunk_tokens: int = 512
+    group_size: int = 1  # prefill nodes per pipeline group (stages)
+    max_inflight: int = 4  # requests in flight per prefill group
+    reserve_at_start: bool = True  # the cluster's hand-off (module docstring)
+    reserve_timeout_s: float = 30.0  # a prefill waits this long for decode room, then fails
     speed: float = 1.0  # replay speed factor: 2 = arrivals twice as dense
     limit: int | None = None  # replay only the first N requests
     tbt_share: float = 0.1  # a request's TBT = mean of this slowest share of its gaps
@@ -64,6 +78,14 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
             problems.append(f"pool blocks must be >= 0, got {self.pool_blocks}")
         if self.chunk_tokens < 1 or self.block_tokens < 1 or self.tp < 1:
             problems.append("chunk_tokens, block_tokens and tp must be >= 1")
+        if self.group_size < 1 or self.max_inflight < 1:
+            problems.append("group_size and max_inflight must be >= 1")
+        elif not self.is_coupled and self.num_prefill < self.group_size:
+            problems.append(
+                f"{self.num_prefill} prefill nodes cannot form a group of {self.group_size}"
+            )
+        if not self.reserve_timeout_s > 0:
+            problems.append(f"reserve_timeout_s must be > 0, got {self.reserve_timeout_s}")
         if not 0 < self.tbt_share <= 1:
             problems.append(f"tbt_share must be in (0, 1], got {self.tbt_share}")
         if problems:
@@ -72,6 +94,11 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def is_coupled(self) -> bool:
         return self.num_coupled > 0
+
+    @property
+    def num_groups(self) -> int:
+        """Prefill instances: groups of `group_size` prefill nodes."""
+        return self.num_prefill // self.group_size
 
     @property
     def num_instances(self) -> int:
@@ -87,6 +114,8 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
             block_tokens=self.block_tokens,
             global_pool=not self.is_coupled,
             late_binding=self.late_binding,
+            stages=1 if self.is_coupled else self.group_size,
+            chunk_tokens=self.chunk_tokens,
             seed=self.seed,
         )
 
@@ -96,15 +125,17 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
         return roofline_cost_model(self.model, self.gpu, self.tp)
 
     def pool_blocks_per_node(self, cost: CostModel) -> tuple[int | None, int]:
-        """(DRAM-or-VRAM blocks, SSD blocks) of one pool node."""
+        """(DRAM-or-VRAM blocks, SSD blocks) of one pool node (a prefill group: the DRAM
+        and SSD of its nodes)."""
         block_bytes = cost.kv_bytes_per_token * self.block_tokens
         if self.is_coupled:  # vLLM caches prefixes in the KV space of its own VRAM
             top = cost.kv_capacity_tokens // self.block_tokens
             if self.pool_blocks is not None:
                 top = self.pool_blocks // self.num_coupled
             return top, 0
+        nodes = self.group_size
         if self.pool_blocks is not None:
-            top = self.pool_blocks // self.num_prefill
+            top = self.pool_blocks // self.num_groups
         else:
-            top = self.dram_bytes // block_bytes
-        return top, self.ssd_bytes // block_bytes
+            top = nodes * self.dram_bytes // block_bytes
+        return top, nodes * self.ssd_bytes // block_bytes

@@ -13,6 +13,13 @@ from prefill -> first decode step), then every step of every segment it lived th
 After every change the instance reports its batch to the Conductor (KV held, batch size,
 step time), as a real decode instance reports its load, so the Conductor sees the KV the
 batch has generated, not only the prompts it placed.
+
+With `reserve_at_start` (the cluster's path) a prefill reserves the prompt's KV room here
+before it starts (`try_reserve`: the batch's KV now, the other reservations and a block of
+growth per running request must leave room), waiting (`waiters`) until a finish frees
+some; the request then always joins when its KV lands, and its first token is the end of
+the first step it takes part in. Otherwise (the paper's §7 path) the instance checks the
+request when its KV lands (`decode_can_admit`) and may reject it then.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from mooncake.conductor.admission import decode_can_admit
 from mooncake.sim.metrics import SimRequest, slowest_share_mean
 
 if TYPE_CHECKING:
+    from mooncake.sim.prefill import PrefillInstance
     from mooncake.sim.simulator import Simulator
 
 
@@ -47,6 +55,10 @@ class DecodeInstance:
         self.log_t0: list[float] = []  # closed segments: start time, s
         self.version = 0  # NOTE: bumped on every reschedule; older tick events are stale
         self.busy_s = 0.0  # simulated seconds with a non-empty batch
+        self.reserve = sim.cfg.reserve_at_start
+        self.reserved_tokens = 0  # KV room reserved by prefills streaming here
+        self.slack_tokens = sim.block_tokens  # room kept per running request to grow
+        self.waiters: set[PrefillInstance] = set()  # groups waiting for room
 
     @property
     def context_tokens(self) -> int:
@@ -78,20 +90,27 @@ class DecodeInstance:
 
     def finish_due(self) -> None:
         """Retire the requests whose last token was produced by the closed steps."""
-        targets, now = self.targets, self.seg_t0
+        targets, now, n_before = self.targets, self.seg_t0, self.n
         while targets and targets[0][0] <= self.step:
             req = heapq.heappop(targets)[2]
             self.n -= 1
             self.ctx_base -= req.ctx_key
             req.tbt = self._tbt(req)
             self.sim.decode_finished(req, now)
+        if self.waiters and self.n < n_before:  # room freed: waiting groups try again
+            for group in self.waiters:
+                group.wake(now)
+            self.waiters.clear()
 
     def _tbt(self, req: SimRequest) -> float:
         j = req.join_seg
-        gaps = [(self.log_t0[j] + self.log_tau[j] - req.prefill_end, 1)]
+        since = req.prefill_end if req.first_token < 0 else self.log_t0[j]  # the first token
+        gaps = [(self.log_t0[j] + self.log_tau[j] - since, 1)]
         gaps.append((self.log_tau[j], self.log_k[j] - 1))
         gaps.extend(zip(self.log_tau[j + 1 :], self.log_k[j + 1 :], strict=True))
         assert sum(k for _, k in gaps) == req.output_len - 1, (req.rid, gaps)
+        if self.sim.gap_runs is not None:
+            self.sim.gap_runs.extend(gaps)
         return slowest_share_mean(gaps, self.sim.tbt_share)
 
     def reschedule(self) -> None:
@@ -129,9 +148,28 @@ class DecodeInstance:
         heapq.heappush(self.targets, (self.step + req.output_len - 1, req.rid, req))
 
     # -- arrivals ----------------------------------------------------------------------
+    def try_reserve(self, t: float, req: SimRequest) -> bool:
+        """Reserve room for the request's KV at `t`, if there is any."""
+        held = self.context_tokens
+        if self.n and t > self.seg_t0:  # the open segment's steps so far grew the batch
+            held += self.n * int((t - self.seg_t0) / self.tau)
+        need = req.input_len + 1
+        if held + self.reserved_tokens + self.n * self.slack_tokens + need > self.capacity_tokens:
+            return False
+        self.reserved_tokens += need
+        req.reserved = True
+        return True
+
     def offer(self, t: float, req: SimRequest) -> None:
         """The request's KV has arrived: admit it into the batch or reject it."""
         self.advance(t)
+        if self.reserve:  # its room was reserved when its prefill started
+            self.reserved_tokens -= req.input_len + 1
+            self.join(req)
+            self.sim.conductor.on_decode_started(req.rid, t)
+            self.reschedule()
+            req.first_token = self.seg_t0 + self.tau
+            return
         ok = decode_can_admit(
             self.cost,
             self.sim.tbt_slo_s,

@@ -1,6 +1,7 @@
 """Per-request records of a simulation and the summary a run reports.
 
-TTFT is arrival -> first token (the end of prefill). A request's TBT is the mean of its
+TTFT is arrival -> first token (the end of the first decode step on the cluster's path,
+else the end of prefill). A request's TBT is the mean of its
 slowest `tbt_share` (10%) token gaps, as FAST'25 measures it; the first gap runs from the
 first token to the first decode step. A request meets the SLOs when it completes with
 TTFT <= TTFT SLO and TBT <= TBT SLO; attainment counts rejected requests as misses.
@@ -22,7 +23,8 @@ class SimRequest:
     __slots__ = (
         "rid", "arrival", "input_len", "output_len", "hashes", "status", "decision",
         "fetch_ready", "reused_blocks", "prefill_start", "prefill_end", "stream_end",
-        "ctx_key", "join_seg", "done_at", "tbt", "prefill_s",
+        "ctx_key", "join_seg", "done_at", "tbt", "prefill_s", "first_token",
+        "reserve_deadline", "reserved",
     )  # fmt: skip
 
     def __init__(self, rid: int, arrival: float, input_len: int, output_len: int, hashes: list):
@@ -31,7 +33,9 @@ class SimRequest:
         self.input_len = input_len  # tokens
         self.output_len = output_len  # tokens, the first from prefill
         self.hashes = hashes
-        self.status = "pending"  # pending | done | rejected_early | rejected_start | rejected_late
+        # pending | done | rejected_early | rejected_start | rejected_late | failed (no
+        # decode room within reserve_timeout_s: the cluster answers with an error)
+        self.status = "pending"
         self.decision: Any = None
         self.fetch_ready = 0.0  # when fetched prefix blocks have arrived
         self.reused_blocks = 0
@@ -40,6 +44,14 @@ class SimRequest:
         self.ctx_key = 0  # decode bookkeeping: KV tokens at join minus the join step
         self.join_seg = 0  # decode bookkeeping: first step-log segment of the request
         self.tbt = 0.0  # mean of the slowest share of gaps, s
+        self.first_token = -1.0  # when the decode node gave the first token (-1: prefill did)
+        self.reserve_deadline = -1.0  # admitted to start: it fails when no room by then
+        self.reserved = False  # its decode room is reserved
+
+    @property
+    def first_token_at(self) -> float:
+        """When the client got the first token, s."""
+        return self.prefill_end if self.first_token < 0 else self.first_token
 
 
 def slowest_share_mean(gaps: list[tuple[float, int]], share: float) -> float:
@@ -69,6 +81,7 @@ class SimResult(msgspec.Struct, kw_only=True):
     rejected_decode_load: int  # of which at arrival: decode load over the limit
     rejected_at_prefill_start: int  # of which when the prefill was about to start
     rejected_after_prefill: int
+    failed: int  # no decode room within reserve_timeout_s (an error, not a rejection)
     ttft_mean_s: float
     ttft_p50_s: float
     ttft_p90_s: float
@@ -116,7 +129,7 @@ def summarize(
 ) -> SimReport:
     """Aggregate the per-request records of a finished run."""
     done = [r for r in reqs if r.status == "done"]
-    ttft = np.array([r.prefill_end - r.arrival for r in done], dtype=float)
+    ttft = np.array([r.first_token_at - r.arrival for r in done], dtype=float)
     tbt = np.array([r.tbt for r in done], dtype=float)
     ok_ttft, ok_tbt = ttft <= ttft_slo_s, tbt <= tbt_slo_s
     met = int(np.count_nonzero(ok_ttft & ok_tbt))
@@ -135,6 +148,7 @@ def summarize(
         rejected_decode_load=_early(reqs, "decode_load"),
         rejected_at_prefill_start=sum(r.status == "rejected_start" for r in reqs),
         rejected_after_prefill=sum(r.status == "rejected_late" for r in reqs),
+        failed=sum(r.status == "failed" for r in reqs),
         ttft_mean_s=float(ttft.mean()) if len(ttft) else 0.0,
         ttft_p50_s=_pct(ttft, 50),
         ttft_p90_s=_pct(ttft, 90),

@@ -1,23 +1,34 @@
-"""A simulated prefill instance: one request at a time, first come first served.
+"""A simulated prefill group: its queue in the Conductor's order, its stages pipelined.
 
-A request starts when the instance is free and the prefix blocks it fetches from another
-node have arrived. It reuses the leading blocks it actually holds then (the Conductor's
-plan may have been overtaken by an eviction), computes the rest in T_prefill(len, reused),
-and streams its KV layer by layer to its decode node while computing (the stream is
-booked on the network from the prefill's start). Just before it starts, the Conductor has
-the last word (`admit_prefill`): it may choose another decode node for the KV, or reject
-the request (predictive early rejection), and the next one starts instead. New blocks go
-into the node's pool when the prefill ends; fetched blocks stay only if the Conductor
-ordered a replica.
+The group takes its queue's head when its first stage is free, fewer than `max_inflight`
+of its requests are in flight, and the prefix blocks the head fetches from another node
+have arrived. Just before it starts, the Conductor has the last word (`admit_prefill`): it
+may choose another decode node for the KV, or reject the request (predictive early
+rejection), and the next one is taken instead. Then (`reserve_at_start`, the cluster's
+path) the group reserves room for the prompt's KV on that decode node; while the node
+has none the whole group waits (head of line), and after `reserve_timeout_s` the request
+fails and the next one is taken.
+
+The request reuses the leading blocks its group actually holds then (the Conductor's plan
+may have been overtaken by an eviction) and computes the rest: T_prefill(len, reused) on
+the whole model, in chunks flowing through the S stages (`mooncake.conductor.pipelining`:
+stage k starts a request once stage k-1 has done its first chunk and stage k is free), so
+the first stage is free again after T/S and the last layer is done after about
+T/S * (C + S - 1)/C. Its KV streams to the decode node from the start (booked on the
+network then), and lands one layer's write after the compute ends, or when the link has
+carried it all, whichever is later. New blocks go into the group's pool when the prefill
+ends; fetched blocks stay only if the Conductor ordered a replica.
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from typing import TYPE_CHECKING
 
 import msgspec
 
+from mooncake.conductor.pipelining import num_chunks, stream_tail_s
 from mooncake.sim.metrics import SimRequest
 from mooncake.sim.pool import NodePool
 
@@ -26,38 +37,72 @@ if TYPE_CHECKING:
 
 
 class PrefillInstance:
-    """FIFO prefill queue of one instance."""
+    """FIFO queue and pipeline stages of one prefill group."""
 
-    def __init__(self, name: str, sim: Simulator, pool: NodePool):
+    def __init__(self, name: str, sim: Simulator, pool: NodePool, stages: int = 1):
+        cfg = sim.cfg
         self.name = name
         self.sim = sim
         self.pool = pool
+        self.stages = stages
+        self.max_inflight = cfg.max_inflight
+        self.chunk_tokens = cfg.chunk_tokens
         self.queue: deque[SimRequest] = deque()
-        self.running: SimRequest | None = None
-        self.waking = False  # a wake-up event for the head's fetch is pending
-        self.busy_s = 0.0  # simulated seconds spent computing
+        self.stage_free = [0.0] * stages  # when each stage has done its last chunk, s
+        self.inflight = 0  # requests started whose compute has not ended
+        self.wake_at = math.inf  # earliest pending wake-up event, s
+        self.busy_s = 0.0  # simulated seconds spent computing (whole model)
+
+    @property
+    def running(self) -> bool:
+        return self.inflight > 0
 
     def enqueue(self, t: float, req: SimRequest) -> None:
         self.queue.append(req)
-        if self.running is None and not self.waking:
-            self._start_next(t)
+        self._start_next(t)
 
-    def _wake(self, t: float, _: object) -> None:
-        self.waking = False
-        if self.running is None:
-            self._start_next(t)
+    def wake(self, t: float) -> None:
+        """Try the head again at `t` (a stage, the fetch or decode room frees up then)."""
+        if t < self.wake_at:
+            self.wake_at = t
+            self.sim.push(t, self._on_wake, None)
+
+    def _on_wake(self, t: float, _: object) -> None:
+        if t >= self.wake_at:
+            self.wake_at = math.inf
+        self._start_next(t)
 
     def _start_next(self, t: float) -> None:
-        while self.queue and self.running is None:
+        sim = self.sim
+        while self.queue and self.inflight < self.max_inflight:
+            if self.stage_free[0] > t:
+                self.wake(self.stage_free[0])
+                return
             head = self.queue[0]
             if head.fetch_ready > t:
-                self.waking = True
-                self.sim.push(head.fetch_ready, self._wake, None)
+                self.wake(head.fetch_ready)
                 return
+            if head.reserve_deadline < 0 and not self._admit(t, head):
+                self.queue.popleft()
+                continue
+            if sim.cfg.reserve_at_start and not head.reserved:
+                decode = sim.decode[head.decision.decode]
+                if not decode.try_reserve(t, head):
+                    if t >= head.reserve_deadline:  # the cluster fails the request
+                        self.queue.popleft()
+                        sim.conductor.on_request_dropped(head.rid, t)
+                        head.status, head.done_at = "failed", t
+                        continue
+                    decode.waiters.add(self)  # head of line: the group waits
+                    self.wake(head.reserve_deadline)
+                    return
+                if t > head.prefill_start:  # it waited for room: tell the Conductor
+                    sim.conductor.on_prefill_started(head.rid, t)
             self.queue.popleft()
             self._start(t, head)
 
-    def _start(self, t: float, req: SimRequest) -> None:
+    def _admit(self, t: float, req: SimRequest) -> bool:
+        """The Conductor's look as the prefill is about to start; False: rejected."""
         sim, d = self.sim, req.decision
         local = self.pool.prefix_len(req.hashes)
         reused = local
@@ -67,23 +112,44 @@ class PrefillInstance:
         grant = sim.conductor.admit_prefill(req.rid, t, prefill_s)
         if not grant.is_accepted:
             sim.rejected_at_start(req, t)
-            return
+            return False
         if grant.decode != d.decode:
             req.decision = d = msgspec.structs.replace(d, decode=grant.decode)
         self.pool.store(req.hashes[:local])  # reading refreshes the LRU order
         if d.replications and reused > local:
             self.pool.store(req.hashes[local:reused])  # the ordered replica lands here
         req.reused_blocks = reused
-        req.prefill_start = t
         req.prefill_s = prefill_s
-        self.running = req
-        kv_bytes = req.input_len * sim.cost.kv_bytes_per_token
-        req.stream_end = sim.network.reserve(self.name, d.decode, kv_bytes, t)
-        sim.push(t + req.prefill_s, self._done, req)
+        req.prefill_start = t
+        req.reserve_deadline = t + sim.cfg.reserve_timeout_s
+        return True
+
+    def _start(self, t: float, req: SimRequest) -> None:
+        sim, cost = self.sim, self.sim.cost
+        new = max(1, req.input_len - req.reused_blocks * sim.block_tokens)
+        chunks = num_chunks(new, self.chunk_tokens)
+        chunk_s = req.prefill_s / (self.stages * chunks)  # one chunk on one stage
+        free, start = self.stage_free, t
+        for k in range(self.stages):  # stage k runs its chunks back to back from `start`
+            if free[k] > start:
+                start = free[k]
+            free[k] = start + chunks * chunk_s
+            start += chunk_s
+        end = free[-1]
+        req.prefill_start = t
+        self.inflight += 1
+        bw = sim.network.bandwidth(self.name, req.decision.decode)
+        kv = cost.kv_bytes_per_token
+        landed = sim.network.reserve(self.name, req.decision.decode, req.input_len * kv, t)
+        req.stream_end = landed
+        if sim.cfg.reserve_at_start:  # the cluster's streamed hand-off ends after the compute
+            tail = stream_tail_s(min(new, self.chunk_tokens or new) * kv, sim.num_layers, bw)
+            req.stream_end = max(landed, end + tail)
+        sim.push(end, self._done, req)
 
     def _done(self, t: float, req: SimRequest) -> None:
         self.pool.store(req.hashes[req.reused_blocks :])
         self.busy_s += req.prefill_s
-        self.running = None
+        self.inflight -= 1
         self.sim.prefill_finished(req, t)
         self._start_next(t)

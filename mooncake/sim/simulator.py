@@ -5,8 +5,8 @@ so a run is a pure function of the config and the trace. Arrivals are merged fro
 sorted trace instead of being pushed up front. Per request:
 
     arrive -> Conductor.schedule -> [fetch booked on the network] -> prefill queue
-    -> Conductor.admit_prefill -> prefill (KV streamed to decode) -> decode admission
-    -> batch -> finish
+    -> Conductor.admit_prefill -> [decode room reserved] -> prefill through the group's
+    stages (KV streamed to decode) -> [decode admission] -> batch -> finish
 
 and the same Conductor hears every step back (`on_prefill_started`, ...), while the pool
 reports every block it gains or loses to the Conductor's prefix index.
@@ -21,6 +21,8 @@ from collections.abc import Callable
 from typing import Any
 
 from mooncake.conductor import Conductor, ScheduleRequest
+from mooncake.errors import ConfigError
+from mooncake.modelspec import get_model_spec
 from mooncake.sim.cluster import SimConfig
 from mooncake.sim.coupled import CoupledInstance
 from mooncake.sim.decode import DecodeInstance
@@ -41,6 +43,9 @@ class Simulator:
         self.block_tokens = cfg.block_tokens
         self.tbt_slo_s = cfg.tbt_slo_s
         self.tbt_share = cfg.tbt_share
+        self.num_layers = _num_layers(self.cost.spec.model)
+        # every completed request's token gaps as (seconds, count) runs, when a list
+        self.gap_runs: list[tuple[float, int]] | None = None
         self._heap: list[tuple[float, int, Callable[[float, Any], None], Any]] = []
         self._seq = itertools.count()
         top, ssd = cfg.pool_blocks_per_node(self.cost)
@@ -59,11 +64,11 @@ class Simulator:
                     name, self, capacity, cfg.chunk_tokens, self.pools[name]
                 )
         else:
-            for i in range(cfg.num_prefill):
+            for i in range(cfg.num_groups):  # one instance per pipeline group
                 name = f"p{i}"
                 self.conductor.add_prefill_instance(name)
                 self.pools[name] = NodePool(name, top, ssd, index)
-                self.prefill[name] = PrefillInstance(name, self, self.pools[name])
+                self.prefill[name] = PrefillInstance(name, self, self.pools[name], cfg.group_size)
             for i in range(cfg.num_decode):
                 name = f"d{i}"
                 self.conductor.add_decode_instance(name, capacity)
@@ -124,14 +129,17 @@ class Simulator:
         """The first token is out; route the request on to decode (unless coupled)."""
         req.prefill_end = t
         self.conductor.on_prefill_finished(req.rid, t)
+        instance = self.decode.get(req.decision.decode)
         if req.output_len <= 1:
+            if req.reserved and instance is not None:  # the cluster decodes nothing more
+                instance.reserved_tokens -= req.input_len + 1
+                req.first_token = max(t, req.stream_end)
             self.conductor.on_decode_started(req.rid, t)
             self.decode_finished(req, t)
             return
-        if self.coupled:
+        if instance is None:  # coupled
             return
         ready = max(t, req.stream_end)
-        instance = self.decode[req.decision.decode]
         if ready > t:
             self.push(ready, instance.offer, req)
         else:
@@ -150,6 +158,15 @@ class Simulator:
         """The decode instance refused the request after its prefill was spent."""
         req.status, req.done_at = "rejected_late", t
         self.conductor.on_request_dropped(req.rid, t)
+
+
+def _num_layers(model: str) -> int:
+    """Layers of the cost model's model (1 when its shape is unknown: the hand-off's tail
+    is then a whole chunk's KV, an upper bound)."""
+    try:
+        return get_model_spec(model).num_layers
+    except ConfigError:
+        return 1
 
 
 def run_sim(cfg: SimConfig, records: list[TraceRecord]) -> SimReport:

@@ -126,8 +126,9 @@ class BatchCalls:
             out.append(end or KeyResult(key=r.key, status=r.status, message=r.message))
         return out
 
-    def _put_into_slots(self, shape: PutShape, entries: list[SlotEntry], opts: dict[str, Any]
-                        ) -> list[KeyResult]:  # fmt: skip
+    def _put_into_slots(
+        self, shape: PutShape, entries: list[SlotEntry], opts: dict[str, Any]
+    ) -> list[KeyResult]:
         """Write each (key, taken slot, local segment, offset) into its slot, commit those
         written in one call (which refills the pool), keep the slots of refused keys; one
         KeyResult per entry."""
@@ -231,6 +232,44 @@ class BatchCalls:
                 break
             time.sleep(0.02)
         return [out[k] for k in keys]
+
+    # -- values written in place by several writers -------------------------------------------
+
+    def start_puts(self, keys: Sequence[str], size: int, **opts: Any) -> list[PutStartResult]:
+        """Allocate `keys`, `size` bytes each, and write nothing: each "ok" result carries
+        the replicas that the caller, and whoever it hands them to, write with their own
+        Transfer Engine (the value's parts in place: a pipeline stage's layers of a KV
+        object). Readers never see a key before `end_puts`; `revoke_puts` drops them, and
+        the master reclaims a put left unfinished past its put timeout."""
+        keys = [self._key(k) for k in keys]
+        for k in keys:
+            self._check_size(k, size)
+        self._forget_locations(keys)
+        out: list[PutStartResult] = []
+        for i in range(0, len(keys), m.MAX_BATCH):  # the master's limit per call
+            part = tuple(keys[i : i + m.MAX_BATCH])
+            msg = m.BatchPutStartMsg(part, (size,) * len(part), self.node_id, **opts)
+            out += self._call(msg, m.BatchPutStartReplyMsg).results
+        return out
+
+    def end_puts(
+        self, keys: Sequence[str], replicas: Sequence[Sequence[ReplicaDesc]] = ()
+    ) -> list[KeyResult]:
+        """Commit keys started with `start_puts` once every part is written (`replicas`:
+        where each was written, remembered as hints for this client's next gets)."""
+        out: list[KeyResult] = []
+        for i in range(0, len(keys), m.MAX_BATCH):
+            part = tuple(keys[i : i + m.MAX_BATCH])
+            out += self._call(m.BatchPutEndMsg(part), m.BatchKeyReplyMsg).results
+        for key, r, reps in zip(keys, out, replicas, strict=False):
+            if r.status == "ok":
+                self._learn(key, reps)
+        return out
+
+    def revoke_puts(self, keys: Sequence[str]) -> None:
+        """Drop keys started with `start_puts` and not committed (best effort)."""
+        for i in range(0, len(keys), m.MAX_BATCH):
+            self._revoke(list(keys[i : i + m.MAX_BATCH]))
 
     def _forget_locations(self, keys: Iterable[str]) -> None:
         if self.locations is not None:

@@ -149,20 +149,36 @@ class StoreNode:
 
     def start(self, wait_s: float = 60.0) -> None:
         """Mount every tier with the master, then heartbeat on a background thread. A
-        master that is not up yet (nodes may start with it) is waited for up to `wait_s`;
-        raises RpcTimeout after that, or the master's refusal at once."""
-        deadline = time.monotonic() + wait_s
+        master that is not up yet (nodes may start with it) is waited for up to `wait_s`,
+        said at INFO on the first miss; raises RpcTimeout after that ("the master did not
+        answer within N s: <the last call's error>"), or the master's refusal at once."""
+        deadline, is_waiting = time.monotonic() + wait_s, False
         while True:
+            # NOTE: no attempt outlives the wait (a call alone would take its 5 s)
+            timeout_s = min(self.master.timeout_s, max(round(deadline - time.monotonic(), 1), 0.1))
             try:
-                self.mount()
+                self.mount(timeout_s=timeout_s)
                 break
-            except RpcTimeout:
+            except RpcTimeout as e:
+                if not is_waiting:
+                    is_waiting = True
+                    where = self.master.address.removeprefix("tcp://")
+                    log.info(
+                        "store node %s: waiting up to %g s for the master at %s",
+                        self.node_id,
+                        wait_s,
+                        where,
+                    )
                 if time.monotonic() >= deadline:
-                    raise
-                log.info("store node %s: the master does not answer yet; retrying", self.node_id)
+                    raise RpcTimeout(f"the master did not answer within {wait_s:g} s: {e}") from e
         self._thread.start()
 
-    def mount(self, is_remount: bool = False, segments: Collection[str] | None = None) -> None:
+    def mount(
+        self,
+        is_remount: bool = False,
+        segments: Collection[str] | None = None,
+        timeout_s: float | None = None,
+    ) -> None:
         """Mount every tier, or those whose segment is in `segments`; `is_remount`: to a
         master that forgot us (it restarted or expired us), so clients may still hold
         grants of the previous registration on this memory."""
@@ -182,7 +198,7 @@ class StoreNode:
                 region.token,
                 is_remount,
             )
-            self.master.call(msg, AckMsg)
+            self.master.call(msg, AckMsg, timeout_s=timeout_s)
             self.mounted.add(t.segment)
         log.info("store node %s mounted %s", self.node_id, ", ".join(t.tier for t in tiers))
 

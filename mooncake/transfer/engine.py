@@ -5,14 +5,14 @@
     engine.directory.add_peer("10.0.0.7", 7000)            # or name "pool@10.0.0.7:7000"
     batch = engine.submit([TransferRequest(TransferOp.READ, "kv", 0, "pool", 4096, 65536)])
     batch.check(timeout=5.0)                               # or poll() / wait() / cancel()
-    engine.transfer([request]).check()                     # submit and wait, in one call
 
 Requests are validated in full before anything moves (a bad one rejects the whole batch
 with TransferError), cut into slices, spread over the preferred paths of the best transport
 both ends support, and a failed slice is retried on another path within the retry budget.
-transfer() lets the calling thread move what it can itself (over tcp: one small request
-with no batch machinery, else the first group), saving the thread hand-offs that dominate
-a small transfer.
+submit() returns at once (the bytes move while the caller computes: a prefill's KV stream);
+transfer() waits, moving what the calling thread can itself (tcp: one small request, or the
+first group: no thread hand-offs for a Store put or get); move() waits for one request;
+start() begins one small request to finish later (a read on a hint: store/grants.py).
 """
 
 from __future__ import annotations

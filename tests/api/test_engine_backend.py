@@ -62,8 +62,8 @@ def test_closing_the_iterator_aborts_the_request_and_frees_its_blocks(engine):
 
     assert asyncio.run(main()) == 3
     _wait_idle(engine)
-    engine.cache.allocator.check_integrity()
-    assert engine.cache.allocator.num_free == engine.cache.num_blocks
+    engine.prefix_cache.check_integrity()  # every block free or cached for reuse, none held
+    assert engine.prefix_cache.num_free == engine.cache.num_blocks
 
 
 @pytest.mark.parametrize(
@@ -85,3 +85,23 @@ def test_max_model_len_is_cut_to_what_the_kv_cache_holds(engine):
     assert engine.max_model_len == engine.cache.num_blocks * 16 == 2048
     assert engine.model_name == "dummy:tiny"
     assert asyncio.run(engine.health())["status"] == "ok"
+
+
+def test_a_repeated_prefix_is_reused_with_the_same_greedy_tokens():
+    """Prefix caching: the second request reports its reused prompt tokens on its first
+    output and gets exactly the tokens of the first (and of the engine alone)."""
+    backend = make_engine()
+    try:
+        prompt = [(11 * i) % 500 for i in range(70)]  # 4 full blocks of 16, then 6 tokens
+        first = asyncio.run(_run(backend, prompt, GREEDY))
+        again = asyncio.run(_run(backend, prompt, GREEDY))
+        longer = asyncio.run(_run(backend, [*prompt, 5, 6, 7], GREEDY))
+    finally:
+        backend.close()
+    ids, _ = engine_alone(prompt, GREEDY)
+    assert [o.token_id for o in first] == [o.token_id for o in again] == ids
+    assert [o.token_id for o in longer] == engine_alone([*prompt, 5, 6, 7], GREEDY)[0]
+    assert first[0].num_cached_tokens == 0
+    assert again[0].num_cached_tokens == 64
+    assert longer[0].num_cached_tokens == 64
+    assert [o.num_cached_tokens for o in again[1:]] == [0] * (len(again) - 1)

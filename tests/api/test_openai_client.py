@@ -36,6 +36,18 @@ def test_completion_of_token_ids_equals_the_engine_alone_with_usage(client):
     assert resp.usage.prompt_tokens_details.cached_tokens == 0
 
 
+def test_a_repeated_prompt_reports_its_cached_tokens_and_the_same_text(client):
+    """Prefix caching, as vLLM's: the full blocks of a prompt seen before are reused."""
+    prompt = [(13 * i + 1) % 500 for i in range(40)]  # 2 full blocks of 16, then 8 tokens
+    kw = {"model": MODEL, "prompt": prompt, "max_tokens": 6, "temperature": 0}
+    first = client.completions.create(**kw)
+    again = client.completions.create(**kw)
+    assert again.choices[0].text == first.choices[0].text
+    assert first.usage is not None and again.usage is not None
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.usage.prompt_tokens_details.cached_tokens == 32
+
+
 def test_streamed_completion_sends_one_chunk_per_token_then_the_usage(client):
     stream = client.completions.create(
         model=MODEL, prompt="Hello, world", max_tokens=8, temperature=0, stream=True,

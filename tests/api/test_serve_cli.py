@@ -45,6 +45,12 @@ def test_serve_prints_its_url_serves_chat_and_stops_on_sigterm(tmp_path: Path):
             resp = http.post("/v1/chat/completions", json=body).json()
             assert resp["usage"]["completion_tokens"] == 3  # decode.max_tokens_default
             assert http.get("/v1/status").json()["num_completed"] == 1
+            prompt = [{"role": "user", "content": "hello " * 9}]
+            long = {**body, "temperature": 0, "messages": prompt}
+            first, again = (http.post("/v1/chat/completions", json=long).json() for _ in "12")
+            assert again["choices"][0]["message"] == first["choices"][0]["message"]
+            cached = [r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in (first, again)]
+            assert cached[0] == 0 and cached[1] >= 48  # prefix caching is on by default
             assert "mooncake_api_ttft_seconds" in http.get("/metrics").text
             assert http.get("/v1/models", headers={"Authorization": "Bearer x"}).status_code == 401
         proc.send_signal(signal.SIGTERM)

@@ -41,15 +41,20 @@ def test_ttft_and_tbt_come_from_the_token_times():
 
 def test_outcomes_are_counted_apart_and_the_window_keeps_the_newest():
     stats = RequestStats(window_requests=3, window_gaps=2)
-    for i, outcome in enumerate(["completed"] * 5 + ["rejected", "invalid", "cancelled"]):
+    for i, outcome in enumerate(["completed"] * 5 + ["rejected", "refused", "cancelled"]):
         trace = stats.start(arrival=0.0)
         if outcome == "completed":
             trace.token(float(i))
             trace.token(float(i) + 0.01 * i)
-        trace.end(outcome)  # type: ignore[arg-type]
+        if outcome == "refused":
+            trace.refuse(400)
+            trace.end("failed")  # ignored: refused already ended it
+        else:
+            trace.end(outcome)  # type: ignore[arg-type]
     snap = stats.snapshot()
-    assert snap.num_requests == 8
-    assert (snap.num_completed, snap.num_rejected, snap.num_invalid, snap.num_cancelled) == (
+    assert snap.num_requests == 7, "a refused request is not counted as received"
+    assert snap.num_waiting == 0
+    assert (snap.num_completed, snap.num_rejected, snap.num_refused, snap.num_cancelled) == (
         5, 1, 1, 1,
     )  # fmt: skip
     assert (snap.window_requests, snap.window_gaps) == (3, 2)

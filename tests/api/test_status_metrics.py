@@ -34,7 +34,8 @@ def test_status_and_metrics_count_what_was_served(served):
         after = decode_status(resp.content)
         metrics = _samples(http.get("/metrics").text)
     assert after.model == MODEL and after.nodes[0].state == "ready"
-    assert after.num_requests == before.num_requests + 2
+    assert after.num_requests == before.num_requests + 1  # the 400 is refused, not received
+    assert after.num_refused == before.num_refused + 1
     assert after.num_completed == before.num_completed + 1
     assert after.num_failed == before.num_failed and after.rejected == before.rejected
     assert after.ttft_p50_s is not None and after.ttft_p50_s > 0
@@ -47,7 +48,8 @@ def test_status_and_metrics_count_what_was_served(served):
         return metrics[key] - metrics_before.get(key, 0.0)
 
     assert delta("mooncake_api_requests_total", outcome="completed") == 1
-    assert delta("mooncake_api_requests_total", outcome="invalid") == 1
+    assert delta("mooncake_api_refused_requests_total", status="400") == 1
+    assert ("mooncake_api_requests_total", (("outcome", "invalid"),)) not in metrics
     assert delta("mooncake_api_generated_tokens_total") == 5
     assert delta("mooncake_api_prompt_tokens_total") == 4  # BOS + 3 bytes
     assert delta("mooncake_api_ttft_seconds_count") == 1

@@ -27,9 +27,9 @@ def _wait_until(predicate, timeout_s: float = 15.0) -> None:
 
 def _assert_idle(served) -> None:
     _wait_until(lambda: not served.engine.runner.has_work)
-    cache = served.engine.cache
-    _wait_until(lambda: cache.allocator.num_free == cache.num_blocks)
-    cache.allocator.check_integrity()
+    blocks = served.engine.prefix_cache  # free or cached for reuse, none held
+    _wait_until(lambda: blocks.num_free == served.engine.cache.num_blocks)
+    blocks.check_integrity()
 
 
 def test_closing_the_response_mid_stream_aborts_the_request(served):

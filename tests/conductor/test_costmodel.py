@@ -9,7 +9,7 @@ import pytest
 from mooncake.conductor import CostModel, CostModelError, roofline_cost_model
 from mooncake.conductor.costmodel import DEFAULT_SSD_READ_BYTES_PER_S
 from mooncake.conductor.network import NetworkState
-from mooncake.conductor.roofline import GPUS, PREFILL_MFU, master_cost_model
+from mooncake.conductor.roofline import GPUS, PREFILL_MFU, PrefillHardware, master_cost_model
 from mooncake.config import Config
 from mooncake.engine.modelinfo import load_model_info
 from mooncake.errors import ConfigError
@@ -199,6 +199,45 @@ def test_master_cost_model_names_the_key_for_a_bad_profile(tmp_path):
     )
     with pytest.raises(ConfigError, match="^scheduler.cost_model_path: cannot read"):
         master_cost_model(cfg, load_model_info("dummy:tiny"), gpu_names=[])
+    # a profile made for another model is refused, naming both and how to make the right one
     roofline_cost_model("llama3-8b", "A800").save(tmp_path / "none.json")
-    cost, source = master_cost_model(cfg, load_model_info("dummy:tiny"), gpu_names=[])
-    assert cost.spec.model == "llama3-8b" and source.startswith("profile ")
+    with pytest.raises(ConfigError) as refused:
+        master_cost_model(cfg, load_model_info("dummy:tiny"), gpu_names=[])
+    message = str(refused.value)
+    assert message.startswith("scheduler.cost_model_path: ") and "`mooncake profile`" in message
+    assert "of 'llama3-8b', but model.path serves 'dummy:tiny'" in message
+    tiny = load_model_info("dummy:tiny")
+    roofline_cost_model(tiny.spec, "A800").save(tmp_path / "none.json")
+    cost, source = master_cost_model(cfg, tiny, gpu_names=[])
+    assert cost.spec.model == "dummy:tiny" and source.startswith("profile ")
+
+
+def test_the_roofline_follows_the_first_prefill_node_with_known_gpus(tmp_path):
+    """No profile: nodes without GPUs leave the figures; the first with GPUs of a known type
+    sets the Conductor's cost model (links added at the old NIC figure take the new one);
+    later nodes change nothing. With a profile configured, nothing ever changes."""
+    from mooncake.conductor import Conductor
+
+    cfg, info = Config(), load_model_info("dummy:tiny")
+    cost, _ = master_cost_model(cfg, info, gpu_names=[])
+    conductor = Conductor.from_config(cfg.scheduler, cost=cost, block_tokens=32)
+    conductor.add_decode_instance("d0")  # at the H800 node's NIC figure
+    hardware = PrefillHardware(cfg, info, cost)
+    hardware.follow("cpu-0", [], conductor)
+    assert conductor.cost is cost
+    hardware.follow("gpu-0", ["NVIDIA A100-SXM4-80GB 79GiB"] * 2, conductor)
+    assert conductor.cost.spec.device == "A100 x2 (tp=2)"
+    a100_nic = GPUS["A100"].node_nic_bytes_per_s
+    assert conductor.network.default_bytes_per_s == a100_nic
+    assert conductor.network.estimate("d0", "d0", 1e9, 0.0) == 0.0  # still known
+    conductor.add_decode_instance("d1")
+    assert conductor.network.estimate("d0", "d1", a100_nic, 0.0) == pytest.approx(1.0)
+    hardware.follow("gpu-1", ["NVIDIA H100 80GB HBM3 79GiB"], conductor)
+    assert conductor.cost.spec.device == "A100 x2 (tp=2)"
+    path = tmp_path / "profile.json"
+    cost.save(path)
+    scheduler = msgspec.structs.replace(cfg.scheduler, cost_model_path=str(path))
+    profiled = msgspec.structs.replace(cfg, scheduler=scheduler)
+    conductor = Conductor.from_config(scheduler, cost=cost, block_tokens=32)
+    PrefillHardware(profiled, info, cost).follow("gpu-0", ["NVIDIA H100 80GB HBM3"], conductor)
+    assert conductor.cost is cost

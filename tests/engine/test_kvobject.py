@@ -15,6 +15,8 @@ from mooncake.engine.kvobject import (
     KVObjectError,
     decode_kv_object,
     encode_kv_object,
+    layer_digest,
+    object_head,
 )
 from mooncake.errors import StoreError
 from mooncake.hashing import model_fingerprint
@@ -48,7 +50,7 @@ def test_layout_is_header_tokens_then_aligned_layer_contiguous_k_and_v():
     ("mutate", "kwargs", "message"),
     [
         (lambda b: b[:10], {}, "shorter than a KV object header"),
-        (lambda b: b"XXXX" + b[4:], {}, "not a version-1 KV object"),
+        (lambda b: b"XXXX" + b[4:], {}, "not a version-2 KV object"),
         (lambda b: b[:-1], {}, "bytes, header says"),
         (
             lambda b: b,
@@ -61,7 +63,8 @@ def test_layout_is_header_tokens_then_aligned_layer_contiguous_k_and_v():
             {"token_ids": [5, 6, 9, 8]},
             "token ids differ from the prompt's at offset 2",
         ),
-        (lambda b: b[:-1] + bytes([b[-1] ^ 1]), {}, "checksum mismatch"),
+        (lambda b: b[:-1] + bytes([b[-1] ^ 1]), {}, "layer 2 does not match its digest"),
+        (lambda b: b[:100] + bytes([b[100] ^ 1]) + b[101:], {}, "checksum mismatch"),
         (lambda b: b, {"layout": KVLayout(3, 4, 2, 2, "bfloat16")}, "header shapes"),
     ],
 )
@@ -88,3 +91,21 @@ def test_store_and_master_side_modules_import_without_torch():
         "mooncake.engine.tokenizer; assert 'torch' not in sys.modules, 'torch imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_an_object_written_layer_by_layer_in_place_and_sealed_by_its_head_decodes():
+    """Several writers: each layer lands in place with its digest reported; the head comes last."""
+    layers = _layers()
+    obj = bytearray(LAYOUT.object_bytes)
+    digests = []
+    for layer, (k, v) in enumerate(layers):
+        obj[LAYOUT.k_offset(layer) : LAYOUT.v_offset(layer)] = k
+        obj[LAYOUT.v_offset(layer) : LAYOUT.k_offset(layer + 1)] = v
+        digests.append(layer_digest(k, v))
+    head = object_head(LAYOUT, FP, HASH, TOKENS, digests)
+    obj[: len(head)] = head
+    assert obj == encode_kv_object(LAYOUT, FP, HASH, TOKENS, layers)
+    decode_kv_object(obj, LAYOUT, FP, block_hash=HASH, token_ids=TOKENS)
+    obj[LAYOUT.k_offset(1)] ^= 1  # a layer a writer did not finish: caught by its digest
+    with pytest.raises(KVObjectError, match="layer 1 does not match its digest"):
+        decode_kv_object(obj, LAYOUT, FP, block_hash=HASH, token_ids=TOKENS)

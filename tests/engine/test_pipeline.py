@@ -20,17 +20,18 @@ import torch
 from mooncake.engine import stageauth
 from mooncake.engine.kvcache import PagedKVCache
 from mooncake.engine.kvio import DramKVPool
-from mooncake.engine.pipeline import StageServer, prefill_pipelined
+from mooncake.engine.pipeline import prefill_pipelined
 from mooncake.engine.prefill import PrefillRunner
 from mooncake.engine.stagelink import (
     FrameKind,
     StageFrame,
-    StageListener,
     StageTimeoutError,
     TcpStageLink,
     _encode,
     local_link_pair,
 )
+from mooncake.engine.stagelisten import StageListener
+from mooncake.engine.stageserver import StageServer
 from mooncake.engine.weights import create_model
 from mooncake.errors import AuthError
 from mooncake.hashing import PrefixHasher

@@ -15,11 +15,11 @@ from mooncake.engine.stagelink import (
     MAGIC,
     FrameKind,
     StageFrame,
-    StageListener,
     StageTimeoutError,
     TcpStageLink,
     local_link_pair,
 )
+from mooncake.engine.stagelisten import StageListener
 from mooncake.errors import TransferError
 from tests.transfer.test_handshake import _is_closed, _trickle
 

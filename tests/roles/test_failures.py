@@ -45,8 +45,8 @@ def test_store_node_killed_only_costs_cache_misses(cluster: LocalLauncher) -> No
 
 
 def test_prefill_node_killed_with_queued_requests(cluster: LocalLauncher) -> None:
-    """Requests queued (or prefilling) on a prefill node that dies are placed again on the
-    other group and complete."""
+    """Requests queued (or prefilling, their KV streaming) on a prefill node that dies are
+    placed again on the other group and complete; no decode node keeps their blocks."""
     codes: list[int] = []
 
     def run(seed: int) -> None:
@@ -61,6 +61,12 @@ def test_prefill_node_killed_with_queued_requests(cluster: LocalLauncher) -> Non
         t.join()
     assert codes == [200] * 8
     assert node_row(cluster.url, "prefill-0")["state"] == "down"
+    # NOTE: prompts it was streaming left blocks reserved on the decode nodes: the
+    # re-placement gives them back (not the decode node's reserve_ttl_s of 120 s)
+    deadline = time.monotonic() + 20
+    while any(node_row(cluster.url, d).get("num_reserved") for d in ("decode-0", "decode-1")):
+        assert time.monotonic() < deadline, "reservations of the dead node's prompts are held"
+        time.sleep(0.2)
 
 
 def test_decode_node_killed_requests_resume_on_another(cluster: LocalLauncher) -> None:

@@ -64,6 +64,29 @@ def test_greedy_tokens_equal_the_engine_alone(cluster: LocalLauncher) -> None:
     assert got["usage"]["completion_tokens"] == 12
 
 
+@pytest.mark.parametrize("n", [1, 5])
+def test_a_prompt_shorter_than_one_block_equals_the_engine_alone(
+    cluster: LocalLauncher, n: int
+) -> None:
+    """No full block to store, a partial block (or nothing) to stream to the decode node."""
+    prompt = [(i * 53 + 7) % 250 + 1 for i in range(n)]
+    assert _complete(cluster.url, prompt, max_tokens=6)["choices"][0]["text"] == _engine_alone(
+        prompt, 6
+    )
+
+
+def test_concurrent_requests_in_one_group_equal_one_at_a_time(cluster: LocalLauncher) -> None:
+    """Four prompts at once on the 2-stage group (several in flight, their KV streaming
+    from both stages meanwhile): each gets the text it gets alone."""
+    import concurrent.futures
+
+    prompts = [[(i * (31 + s) + s) % 250 + 1 for i in range(300 + 40 * s)] for s in range(4)]
+    with concurrent.futures.ThreadPoolExecutor(4) as ex:
+        got = list(ex.map(lambda p: _complete(cluster.url, p, max_tokens=8), prompts))
+    for p, g in zip(prompts, got, strict=True):
+        assert g["choices"][0]["text"] == _engine_alone(p, 8)
+
+
 def test_a_shared_prefix_hits_the_pool(cluster: LocalLauncher) -> None:
     """The second request with the first one's long prefix reuses its KV from the pool; the
     hit shows in usage, /metrics and the status feed."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -25,11 +26,14 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def test_master_starts_on_dummy_tiny_without_a_cost_model(tmp_path: Path) -> None:
+    """... and on `api.host = "0.0.0.0"` (the default) its log says it listens on all
+    interfaces with a URL other hosts can use, not 127.0.0.1."""
     config = tmp_path / "master.toml"
+    port = free_port()
     config.write_text(
         f'[cluster]\nmaster = "127.0.0.1:{free_port()}"\nsecret = "{"s" * 32}"\n'
         '[model]\npath = "dummy:tiny"\n[scheduler]\ncost_model_path = ""\n'
-        f'[api]\nhost = "127.0.0.1"\nport = {free_port()}\n[metrics]\nenabled = false\n'
+        f'[api]\nhost = "0.0.0.0"\nport = {port}\n[metrics]\nenabled = false\n'
     )
     env = {**os.environ, "MOONCAKE_LOG_LEVEL": "info"}
     cmd = [sys.executable, "-m", "mooncake", "up", "--role", "master", "--config", str(config)]
@@ -53,6 +57,9 @@ def test_master_starts_on_dummy_tiny_without_a_cost_model(tmp_path: Path) -> Non
             _, stderr = proc.communicate()
     # the log says which roofline it schedules with (no GPU here: the default, said so)
     assert "cost model: roofline of dummy:tiny on " in stderr, stderr
+    said = re.search(rf"master: API on all interfaces, port {port} \((http://\S+)\)", stderr)
+    assert said is not None, stderr
+    assert not any(h in said[1] for h in ("127.0.0.1", "0.0.0.0", "localhost")), said[1]
 
 
 @pytest.mark.parametrize("role", ["store", "prefill"])
@@ -143,3 +150,111 @@ def test_status_config_with_a_wildcard_api_host_dials_the_masters_host(tmp_path:
     assert find_master("", config, None).url == "http://[fd00::1]:8000"
     config.write_text('[api]\nhost = "10.0.0.9"\nport = 8000\n')  # a named host stays
     assert find_master("", config, None).url == "http://10.0.0.9:8000"
+
+
+def _hf_dir(root: Path) -> Path:
+    """What a master reads of a checkpoint: config.json, a weight file, tokenizer.json."""
+    tokenizers = pytest.importorskip("tokenizers", reason="pip install tokenizers")
+    root.mkdir()
+    config = {
+        "model_type": "llama",
+        "num_hidden_layers": 2,
+        "hidden_size": 64,
+        "vocab_size": 300,
+        "num_attention_heads": 4,
+        "intermediate_size": 96,
+    }
+    (root / "config.json").write_text(json.dumps(config))
+    (root / "model.safetensors").write_bytes(b"\0" * 64)  # never loaded by the master
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({"[UNK]": 0, "hi": 1}, "[UNK]"))
+    tok.save(str(root / "tokenizer.json"))
+    return root
+
+
+@pytest.mark.parametrize("served_name", ["", "my-model"])
+def test_the_master_serves_an_hf_directory_under_the_path_given(
+    tmp_path: Path, served_name: str
+) -> None:
+    """As `mooncake serve` and vLLM do (not the KV's `hf:NAME:DIGEST`), or under
+    api.served_model_name: a client naming it is not told 404. A bad request (400) is
+    counted as refused, apart from the received ones, as `serve` counts it."""
+    path = str(_hf_dir(tmp_path / "ckpt"))
+    config = tmp_path / "master.toml"
+    config.write_text(
+        f'[cluster]\nmaster = "127.0.0.1:{free_port()}"\nsecret = "{"s" * 32}"\n'
+        f'[model]\npath = "{path}"\n[scheduler]\ncost_model_path = ""\n'
+        f'[api]\nhost = "127.0.0.1"\nport = {free_port()}\nserved_model_name = "{served_name}"\n'
+        "[metrics]\nenabled = false\n"
+    )
+    cmd = [sys.executable, "-m", "mooncake", "up", "--role", "master", "--config", str(config)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        if not line:
+            proc.wait(timeout=10)
+            pytest.fail(f"master exited {proc.returncode}: {proc.communicate()[1]}")
+        url = json.loads(line)["url"]
+        name = served_name or path
+        assert [m["id"] for m in httpx.get(url + "/v1/models", timeout=10).json()["data"]] == [name]
+        body = {"model": name, "prompt": "hi", "max_tokens": 1}
+        resp = httpx.post(url + "/v1/completions", json=body, timeout=10)
+        assert resp.status_code == 503, resp.text  # no node yet; the model is known
+        bad = httpx.post(url + "/v1/completions", json={**body, "n": 2}, timeout=10)
+        assert bad.status_code == 400
+        status = httpx.get(url + "/v1/status", timeout=10).json()
+        assert (status["num_requests"], status["num_failed"], status["num_refused"]) == (1, 1, 1)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+
+
+def test_the_masters_roofline_follows_the_gpus_its_prefill_nodes_report(tmp_path: Path) -> None:
+    """No profile and no GPU on the master: it starts on the H800 x8 roofline; a prefill
+    node without GPUs leaves it so (said once, with the hardware assumed); the first one
+    registering with GPUs of a known type sets it to theirs; later ones change nothing."""
+    from mooncake.roles.messages import NodeInfoMsg, RegisterMsg, RegisterReplyMsg
+    from mooncake.rpc import RpcClient
+
+    secret, master = "s" * 32, f"127.0.0.1:{free_port()}"
+    config = tmp_path / "master.toml"
+    config.write_text(
+        f'[cluster]\nmaster = "{master}"\nsecret = "{secret}"\n[model]\npath = "dummy:tiny"\n'
+        f'[api]\nhost = "127.0.0.1"\nport = {free_port()}\n[metrics]\nenabled = false\n'
+    )
+    env = {**os.environ, "MOONCAKE_LOG_LEVEL": "info", "CUDA_VISIBLE_DEVICES": ""}
+    cmd = [sys.executable, "-m", "mooncake", "up", "--role", "master", "--config", str(config)]
+    log = tmp_path / "master.log"
+    with log.open("wb") as err:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, env=env)
+    # as nodes report them: NVML's name, then the memory
+    h100, a100 = "NVIDIA H100 80GB HBM3 79GiB", "NVIDIA A100-SXM4-80GB 79GiB"
+    try:
+        assert proc.stdout is not None and proc.stdout.readline(), log.read_text()
+        if "on H800 x8, the default" not in log.read_text():
+            pytest.skip("this host has GPUs of a known type: the master's roofline is theirs")
+        with RpcClient(f"tcp://{master}", secret.encode(), timeout_s=5.0) as client:
+            nodes = {"cpu-0": [], "cpu-1": [], "gpu-0": [h100] * 2, "gpu-1": [a100]}
+            for node_id, gpus in nodes.items():
+                address = f"127.0.0.1:{free_port()}"
+                info = NodeInfoMsg(
+                    node_id, "prefill", address, gpus=gpus, device_memory_bytes=1 << 36
+                )
+                assert client.call(RegisterMsg(info), RegisterReplyMsg).is_accepted
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    text = " ".join(log.read_text().split())
+    assumes = r"prefill node cpu-\d reports no GPU: the cost model's roofline still assumes "
+    said = re.findall(assumes + r"H800 x8 \(tp=8\)", text)
+    assert len(said) == 1, text  # once, not per node
+    assert "cost model: roofline of dummy:tiny on H100 x2, detected on prefill node gpu-0 " in text
+    assert "A100" not in text.split("detected on prefill node gpu-0")[1], text

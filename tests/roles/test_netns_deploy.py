@@ -4,6 +4,8 @@ own address on a bridge (in a namespace of its own), each from its own TOML file
 started as `ip netns exec NS python -m mooncake up --config FILE`, no cost model
 configured. The decode node also has its own /dev/shm (a mount namespace, as in a
 container), so `transfer.protocol = "auto"` must move its KV over TCP across the veth links.
+A prefill node's link cut shows the pool whole after it returns, and a request in flight on
+the dark stage ending within its deadline (short `stage_timeout_s` and `node_wait_s` here).
 Needs root, iproute2's `ip` and util-linux's `unshare`."""
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ SUBNET = "10.77.0"  # the bridge's /24; only the namespaces below see it
 ADDRESS = {"master": 1, "store-0": 2, "prefill-0": 3, "prefill-1": 4, "decode-0": 5}
 MASTER = f"{SUBNET}.1"
 TTL_S = 3.0  # store.heartbeat_ttl_s: how long a dark node keeps its place
+STAGE_TIMEOUT_S = 3.0  # prefill.stage_timeout_s: a leader's wait per chunk on stage 1
+NODE_WAIT_S = 3.0  # scheduler.node_wait_s: a request's wait for a group to place it on
 DARK_S = 5.0  # seconds prefill-1 stays dark after the master dropped it
 CLONE_NEWNET = 0x40000000
 CHOICE = re.compile(r"transport: peer \S+ \((\S+)\): (\w+):")  # (peer node, transport)
@@ -55,6 +59,10 @@ block_tokens = 32
 [prefill]
 pipeline_group_size = 2
 chunk_tokens = 256
+stage_timeout_s = {stage_timeout}
+
+[scheduler]
+node_wait_s = {node_wait}
 
 [store]
 dram_bytes = "64MiB"
@@ -187,7 +195,10 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MOONCAKE_LOG_LEVEL": "info"}
         for name, role_part in ROLE.items():  # the master first, as the walkthrough says
             path = tmp / f"{name}.toml"
-            path.write_text(SHARED.format(master=MASTER, ttl=TTL_S) + "\n" + role_part)
+            shared = SHARED.format(
+                master=MASTER, ttl=TTL_S, stage_timeout=STAGE_TIMEOUT_S, node_wait=NODE_WAIT_S
+            )
+            path.write_text(shared + "\n" + role_part)
             path.chmod(0o600)
             cmd = [sys.executable, "-m", "mooncake", "up", "--config", str(path)]
             if name == "decode-0":
@@ -295,3 +306,37 @@ def test_a_prefill_node_dark_past_the_ttl_comes_back_with_its_pool_share(cluster
     body = {"prompt": _prompt(13), "max_tokens": 4, "temperature": 0, "ignore_eos": True}
     done = cluster.api("POST", "/v1/completions", json=body)
     assert done.status_code == 200, done.text
+
+
+def test_a_request_in_flight_on_a_dark_stage_ends_within_its_deadline(cluster: Cluster) -> None:
+    """Stage 1's link cut, and at once (long before the master's heartbeat TTL would drop
+    it, so the master still places on the group) a request: its prefill waits on the dark
+    stage only `prefill.stage_timeout_s`, then the request is placed again or fails with a
+    reason within `scheduler.node_wait_s` more. It does not hang until the link returns."""
+    assert cluster.api("GET", "/health").status_code == 200
+    leaders = re.findall(r"prefill group led by (\S+) is schedulable", cluster.log("master"))
+    assert leaders, cluster.log("master")
+    (stage1,) = {"prefill-0", "prefill-1"} - {leaders[-1]}
+    ns = cluster.namespaces[stage1]
+    bound_s = STAGE_TIMEOUT_S + NODE_WAIT_S + 8.0  # margins: a re-placement, a slow host
+    url = f"http://{MASTER}:8000/v1/completions"
+    prompt = _prompt(17, 200)  # one prefill chunk: one stage deadline
+    body = {"prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    _ip("-n", ns, "link", "set", "eth0", "down")
+    cut = time.monotonic()
+    try:
+        try:
+            resp = cluster.call(lambda c: c.post(url, json=body, timeout=bound_s))
+        except httpx.TimeoutException:
+            pytest.fail(f"the request was still running {bound_s:.0f} s after stage 1 went dark")
+        took = time.monotonic() - cut
+    finally:
+        _ip("-n", ns, "link", "set", "eth0", "up")
+    assert took < bound_s
+    if resp.status_code != 200:  # failed: said so, with a reason
+        assert resp.status_code >= 500, resp.text
+        assert resp.json()["error"]["message"], resp.text
+    deadline = time.monotonic() + 30  # the group forms again once the link is back
+    while (health := cluster.api("GET", "/health")).status_code != 200:
+        assert time.monotonic() < deadline, health.text
+        time.sleep(0.2)

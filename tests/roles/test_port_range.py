@@ -10,7 +10,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from mooncake.engine.stagelink import StageListener
+from mooncake.engine.stagelisten import StageListener
 from mooncake.errors import MooncakeError
 from mooncake.portrange import PortRange
 from mooncake.rpc import Msg, RpcClient, RpcServer

@@ -65,3 +65,36 @@ def test_a_store_node_started_before_its_master_waits_for_it(
         while _pool_capacity(cluster.url) != 48 << 20:
             assert time.monotonic() < deadline, "the store node never mounted"
             time.sleep(0.2)
+
+
+def test_a_store_node_whose_master_never_answers_names_the_key_and_address(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An explicit `cluster.master` where nothing answers: the node says at INFO on its
+    first miss that it waits for the master there, and after its wait fails with an error
+    naming the key and its value (not only the RPC client's words)."""
+    from mooncake.configload import load_config
+    from mooncake.errors import MooncakeError
+    from mooncake.roles.common import create_context
+    from mooncake.roles.local import free_port
+    from mooncake.roles.store import run_store
+
+    master = f"127.0.0.1:{free_port()}"  # nothing listens there
+    overrides = {"cluster.master": master, "cluster.secret": "s" * 32,
+                 "store.dram_bytes": "1MiB", "node.id": "lost-store"}  # fmt: skip
+    ctx = create_context(load_config(overrides=overrides, env={}).config, "store")
+    ctx.master_wait_s = 0.5
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    started = time.monotonic()
+    try:
+        with caplog.at_level("INFO"), pytest.raises(MooncakeError) as failed:
+            run_store(ctx)
+    finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+    assert time.monotonic() - started < 5  # the wait, not 60 s nor a 5 s call, nor a 2 s goodbye
+    message = str(failed.value)
+    assert message.startswith(f"cluster.master = {master}: the master did not answer within 0.5 s")
+    waiting = [r for r in caplog.records if "waiting up to 0.5 s for the master" in r.message]
+    assert len(waiting) == 1 and waiting[0].levelname == "INFO", caplog.text
+    assert master in waiting[0].message

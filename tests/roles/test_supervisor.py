@@ -12,6 +12,7 @@ import os
 import queue
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -20,9 +21,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+from mooncake.errors import MooncakeError
 from mooncake.roles.local import LocalLauncher, LocalPlan, ensure_cost_model
 from mooncake.roles.runfile import read_runfile
-from mooncake.roles.supervisor import NodeEvent, RestartPolicy, Supervisor
+from mooncake.roles.supervisor import Child, NodeEvent, RestartPolicy, Supervisor, wait_ready
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -82,6 +84,25 @@ def test_a_crashing_node_is_restarted_with_doubling_backoff_until_the_limit() ->
     assert "restarting it in 0.02 s (2nd restart within 300 s; at most 3)" in events[2].message
     assert reason is not None and reason == events[-1].message
     assert "exited with code 3, and it was already restarted 3 times within 300 s" in reason
+
+
+def test_a_node_failing_at_start_says_it_exited_not_that_it_stayed_silent() -> None:
+    """Its stdout closes a moment before it can be reaped (here 0.3 s: a config error takes
+    that long to print): the message has its exit code, at once, not "within 180 s"."""
+    script = "import os, sys, time; os.close(1); time.sleep(0.3); sys.exit(2)"
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE)
+    started = time.monotonic()
+    try:
+        with pytest.raises(
+            MooncakeError,
+            match=r"prefill-0 \(prefill\) did not report ready: "
+            r"it exited with code 2",
+        ):
+            wait_ready(Child("prefill-0", "prefill", proc), timeout_s=180)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert time.monotonic() - started < 10
 
 
 def test_a_stopped_node_is_alive_and_not_restarted() -> None:

@@ -13,11 +13,11 @@ import httpx
 import pytest
 
 from mooncake.api.status import decode_status
+from mooncake.conductor.roofline import create_conductor
 from mooncake.config import Config
 from mooncake.engine.modelinfo import load_model_info
 from mooncake.engine.tokenizer import create_tokenizer
 from mooncake.roles.cluster import ClusterBackend, NoInstance
-from mooncake.roles.master import create_conductor
 from mooncake.roles.messages import NodeInfoMsg, NodeLoadMsg
 from mooncake.roles.registry import Registry
 from mooncake.transfer import EngineOptions, TransferEngine, TransferOp, TransferRequest

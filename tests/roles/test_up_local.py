@@ -64,10 +64,13 @@ def test_set_values_keep_their_keys_types_in_the_generated_config(tmp_path: Path
     a list where the keys want them, and loads back."""
     keys = "api.api_keys=sk-one-0123456789,sk-two-0123456789"
     sets = ["metrics.enabled=false", "decode.max_batch=7", "store.dram_bytes=64MiB", keys]
+    sets += ["metrics.port=0", "api.served_model_name=my-model"]
     plan = LocalPlan(run_dir=tmp_path, extra=dict(parse_set_option(s) for s in sets))
     path = write_config(plan, tmp_path / "c.toml", "s" * 32, 5000, "")
     cfg = load_config(path, env={}).config
     assert cfg.metrics.enabled is False and cfg.decode.max_batch == 7
+    assert cfg.metrics.port == 0 and cfg.api.served_model_name == "my-model"
+    assert "\nport = 0\n" in path.read_text()  # an integer, not "0"
     assert cfg.store.dram_bytes == Size(num_bytes=64 << 20)
     assert cfg.api.api_keys == ("sk-one-0123456789", "sk-two-0123456789")
     bad = LocalPlan(run_dir=tmp_path, extra=dict([parse_set_option("decode.max_batch=many")]))

@@ -31,7 +31,12 @@ def runs(tmp_path_factory):
     out = {}
     for mode in ("none", "basic", "predictive"):
         cfg = SimConfig(
-            num_prefill=1, num_decode=1, rejection=mode, ttft_slo_s=2.5, cost_model_path=cost
+            num_prefill=1,
+            num_decode=1,
+            rejection=mode,
+            ttft_slo_s=2.5,
+            cost_model_path=cost,
+            reserve_at_start=False,  # the paper's §7 path: decode checks when the KV lands
         )
         sim = Simulator(cfg, records)
         out[mode] = (sim.run().result, sim)

@@ -20,7 +20,8 @@ def _result(report):
 def test_one_request_on_prefill_and_decode_by_hand(tmp_path):
     cost = write_toy_cost(tmp_path / "cost.json")
     trace = load_trace(write_trace(tmp_path / "t.jsonl", [(0, 1000, 11, [1, 2])]))
-    sim = Simulator(SimConfig(num_prefill=1, num_decode=1, cost_model_path=cost), trace)
+    cfg = SimConfig(num_prefill=1, num_decode=1, cost_model_path=cost, reserve_at_start=False)
+    sim = Simulator(cfg, trace)  # the paper's path: the prefill gives the first token
     result = sim.run().result
     req = sim.requests[0]
     tau = STEP_1 + 1001e-6  # one request holding 1,000 prompt tokens + 1 generated
@@ -78,7 +79,12 @@ def test_rejections_before_or_after_prefill_by_mode(tmp_path):
     out = {}
     for mode in ("none", "basic", "predictive"):
         cfg = SimConfig(
-            num_prefill=4, num_decode=1, speed=4.0, rejection=mode, cost_model_path=cost
+            num_prefill=4,
+            num_decode=1,
+            speed=4.0,
+            rejection=mode,
+            cost_model_path=cost,
+            reserve_at_start=False,  # the paper's §7 path: decode checks when the KV lands
         )
         sim = Simulator(cfg, records)
         out[mode] = sim.run().result
@@ -134,7 +140,13 @@ def test_predictive_decides_again_as_each_prefill_starts(tmp_path):
     rejected as their prefill is about to start: those spend no prefill at all."""
     cost = write_toy_cost(tmp_path / "cost.json", kv_capacity_tokens=40_000)
     sim = Simulator(
-        SimConfig(num_prefill=4, num_decode=2, speed=4.0, cost_model_path=cost),
+        SimConfig(
+            num_prefill=4,
+            num_decode=2,
+            speed=4.0,
+            cost_model_path=cost,
+            reserve_at_start=False,  # the paper's path: no decode room reserved at start
+        ),
         load_trace(FIXTURE),
     )
     first = {}

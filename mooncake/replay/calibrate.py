@@ -1,0 +1,258 @@
+"""Calibration: one trace slice replayed on a real local cluster and simulated on the same
+shape with the same cost model, figure by figure (`mooncake bench cluster`).
+
+    profile   the cost model `up --local` uses (`ensure_cost_model`: cached per shape)
+    real      a fresh `up --local` cluster; the slice replayed through the OpenAI API
+    sim       the same slice, scaled as the replay scaled it (`scaled_records`), on a
+              simulated cluster of the same nodes, groups, settings and cost model
+    compare   TTFT P50/P90, TBT P50/P90, hit rate, rejections; ratios sim / real
+
+The figures are measured alike on both sides: TTFT from arrival (send) to the first token;
+TBT percentiles over every token gap of every completed request (the simulator's gaps are
+its decode steps, pooled the same way); hit rate = prompt tokens served from the pool over
+prompt tokens, over completed requests; rejected = refused requests (HTTP 429 / rejected
+by the Conductor or out of decode room). `per_request` pairs each request's two TTFTs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import msgspec
+import numpy as np
+
+from mooncake.config import Config
+from mooncake.configload import load_config
+from mooncake.replay.prompts import PromptConfig
+from mooncake.replay.report import ReplayReport, RequestRecord
+from mooncake.replay.runner import ReplayConfig, replay
+from mooncake.roles.local import LocalLauncher, LocalPlan, ensure_cost_model
+from mooncake.sim.cluster import SimConfig
+from mooncake.sim.simulator import Simulator
+from mooncake.sim.trace import TraceRecord
+
+FIGURES = ("ttft_p50_s", "ttft_p90_s", "tbt_p50_s", "tbt_p90_s", "hit_rate", "rejected")
+COST_CACHE = Path(tempfile.gettempdir()) / "mooncake-costmodels"  # shared with bench faults
+
+OnRecord = Callable[[RequestRecord], None]
+ReplayFn = Callable[[list[TraceRecord], PromptConfig, ReplayConfig, OnRecord], ReplayReport]
+
+
+def _replay(
+    records: list[TraceRecord], prompts: PromptConfig, cfg: ReplayConfig, on_record: OnRecord
+) -> ReplayReport:
+    return replay(records, prompts, cfg, None, on_record)
+
+
+class Figures(msgspec.Struct, kw_only=True):
+    """One side's figures (seconds; None where nothing was measured)."""
+
+    ttft_p50_s: float | None
+    ttft_p90_s: float | None
+    tbt_p50_s: float | None
+    tbt_p90_s: float | None
+    hit_rate: float | None  # prompt tokens served from the pool / prompt tokens
+    rejected: int
+    completed: int
+    failed: int = 0
+
+
+class RequestPair(msgspec.Struct, array_like=True):
+    """One request on both sides: [index, prompt tokens, real TTFT, sim TTFT, real
+    status, sim status] (TTFT None where it got no token)."""
+
+    index: int
+    input_len: int
+    real_ttft_s: float | None
+    sim_ttft_s: float | None
+    real_status: str  # ok | rejected | error
+    sim_status: str  # done | rejected_early | rejected_start | rejected_late
+
+
+class Calibration(msgspec.Struct, kw_only=True):
+    """What `mooncake bench cluster --json` prints."""
+
+    real: Figures
+    sim: Figures
+    ratio: dict[str, float | None]  # sim / real per figure (None: a side has no value)
+    cluster: str  # the shape
+    requests: int
+    speed: float
+    scale: float
+    block_tokens: int
+    cost_model: str  # the cost model file both sides used
+    sim_wall_s: float
+    per_request: list[RequestPair] = []
+
+
+def scaled_records(records: list[TraceRecord], prompts: PromptConfig) -> list[TraceRecord]:
+    """The requests as the replay sends them: scaled prompt and output lengths, the same
+    blocks (now `prompts.block_tokens` long) and timestamps."""
+    return [
+        TraceRecord(r.timestamp, prompts.input_len(r), prompts.output_len(r), list(r.hash_ids))
+        for r in records
+    ]
+
+
+def sim_config(plan: LocalPlan, config: Config, cost_path: Path, speed: float) -> SimConfig:
+    """The simulated twin of the local cluster `plan` running `config`."""
+    from mooncake.conductor.costmodel import CostModel
+
+    cost = CostModel.load(cost_path)
+    nodes = plan.num_prefill + plan.num_decode + (plan.num_store if plan.pool else 0)
+    dram = config.store.dram_bytes.num_bytes if plan.pool else 0  # a share: not modelled
+    block_bytes = cost.kv_bytes_per_token * plan.block_tokens
+    sched, prefill = config.scheduler, config.prefill
+    return SimConfig(
+        num_prefill=plan.num_prefill,
+        num_decode=plan.num_decode,
+        group_size=plan.group_size,
+        policy=sched.policy,
+        rejection=sched.rejection,
+        balancing_threshold=sched.balancing_threshold,
+        ttft_slo_s=sched.ttft_slo_s,
+        tbt_slo_s=sched.tbt_slo_s,
+        cost_model_path=str(cost_path),
+        pool_blocks=nodes * dram // block_bytes,
+        block_tokens=plan.block_tokens,
+        chunk_tokens=prefill.chunk_tokens,
+        max_inflight=prefill.max_inflight,
+        reserve_timeout_s=prefill.reserve_timeout_s,
+        speed=speed,
+        tp=1,
+    )
+
+
+def _weighted_pct(runs: list[tuple[float, int]], q: float) -> float | None:
+    """The q-th percentile of values given as (value, count) runs."""
+    runs = [(v, k) for v, k in runs if k > 0]
+    if not runs:
+        return None
+    runs.sort()
+    values = np.array([v for v, _ in runs])
+    upto = np.cumsum([k for _, k in runs])
+    rank = max(1, math.ceil(q / 100.0 * int(upto[-1])))
+    return float(values[int(np.searchsorted(upto, rank))])
+
+
+def simulate(cfg: SimConfig, records: list[TraceRecord]) -> tuple[Figures, float, Simulator]:
+    """Run the simulator over `records`; its figures, its wall time (s) and itself."""
+    sim = Simulator(cfg, records)
+    sim.gap_runs = []
+    report = sim.run()
+    res = report.result
+    done = [r for r in sim.requests if r.status == "done"]
+    prompt = sum(r.input_len for r in done)
+    reused = sum(min(r.reused_blocks * cfg.block_tokens, r.input_len - 1) for r in done)
+    ttft = np.array(report.ttft_s)
+    figures = Figures(
+        ttft_p50_s=float(np.percentile(ttft, 50)) if len(ttft) else None,
+        ttft_p90_s=float(np.percentile(ttft, 90)) if len(ttft) else None,
+        tbt_p50_s=_weighted_pct(sim.gap_runs, 50),
+        tbt_p90_s=_weighted_pct(sim.gap_runs, 90),
+        hit_rate=reused / prompt if prompt else None,
+        rejected=res.rejected,
+        completed=res.completed,
+        failed=res.failed,
+    )
+    return figures, res.wall_s, sim
+
+
+def real_figures(report: ReplayReport) -> Figures:
+    return Figures(
+        ttft_p50_s=report.ttft_p50_s,
+        ttft_p90_s=report.ttft_p90_s,
+        tbt_p50_s=report.tbt_p50_s,
+        tbt_p90_s=report.tbt_p90_s,
+        hit_rate=report.cached_token_share,
+        rejected=report.rejected,
+        completed=report.completed,
+        failed=report.failed,
+    )
+
+
+def ratios(real: Figures, sim: Figures) -> dict[str, float | None]:
+    """sim / real per figure; None when either is missing or real is 0."""
+    out: dict[str, float | None] = {}
+    for name in FIGURES:
+        a, b = getattr(real, name), getattr(sim, name)
+        out[name] = float(b) / float(a) if a and b is not None else None
+    return out
+
+
+def calibrate(
+    records: list[TraceRecord],
+    prompts: PromptConfig,
+    plan: LocalPlan,
+    speed: float,
+    replay_fn: ReplayFn = _replay,
+    on_progress: Callable[[str], None] = lambda _: None,
+    warmup: int = 2,
+) -> Calibration:
+    """Profile (or reuse the cached cost model), replay `records` on a fresh local cluster
+    of `plan`'s shape (after `warmup` requests one at a time, their prompts other tokens
+    of the first records' shapes, not counted), simulate them on its twin, and compare."""
+    cost = ensure_cost_model(plan, COST_CACHE, on_progress)
+    launcher = LocalLauncher(plan, on_progress)
+    launcher.runfile = plan.run_dir / "local.json"  # NOTE: never the user's own cluster's
+    on_progress("starting the local cluster")
+    launcher.start(str(cost))
+    seen: list[RequestRecord] = []
+    try:
+        config = load_config(launcher.config_path).config
+        slo = config.scheduler
+        cfg = ReplayConfig(
+            url=launcher.url,
+            api_key=launcher.api_key,
+            speed=speed,
+            ttft_slo_s=slo.ttft_slo_s,
+            tbt_slo_s=slo.tbt_slo_s,
+        )
+        if warmup:  # NOTE: a fresh cluster's first requests pay for lazy set-up
+            on_progress(f"warming up with {warmup} requests (other tokens: no cache hits)")
+            warm = dataclasses.replace(prompts, seed=prompts.seed + 1)
+            replay(records[:warmup], warm, dataclasses.replace(cfg, concurrency=1, speed=1e9))
+        report = replay_fn(records, prompts, cfg, seen.append)
+    finally:
+        on_progress("stopping the local cluster")
+        launcher.stop()
+    real = real_figures(report)
+    sim_cfg = sim_config(plan, config, cost, speed)
+    sim, wall, run = simulate(sim_cfg, scaled_records(records, prompts))
+    shape = f"{plan.num_prefill}P (groups of {plan.group_size}) + {plan.num_decode}D"
+    return Calibration(
+        real=real,
+        sim=sim,
+        ratio=ratios(real, sim),
+        cluster=f"{shape}, {plan.model}, pool {'on' if plan.pool else 'off'}",
+        requests=len(records),
+        speed=speed,
+        scale=prompts.scale,
+        block_tokens=plan.block_tokens,
+        cost_model=str(cost),
+        sim_wall_s=wall,
+        per_request=pair_requests(seen, run),
+    )
+
+
+def pair_requests(seen: list[RequestRecord], run: Simulator) -> list[RequestPair]:
+    """Each request's real and simulated TTFT and fate, by trace position."""
+    real = {r.index: r for r in seen}
+    pairs = []
+    for i, req in enumerate(run.requests):
+        mine = real.get(i)
+        pairs.append(
+            RequestPair(
+                i,
+                req.input_len,
+                mine.ttft_s if mine is not None else None,
+                req.first_token_at - req.arrival if req.status == "done" else None,
+                mine.status if mine is not None else "missing",
+                req.status,
+            )
+        )
+    return pairs

@@ -1,0 +1,58 @@
+"""`mooncake bench cluster`: a trace slice on a real local cluster and in the simulator."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mooncake.replay.calibrate import FIGURES, _weighted_pct, scaled_records
+from mooncake.replay.prompts import PromptConfig
+from mooncake.sim.trace import load_trace
+
+TRACE = Path(__file__).resolve().parents[1] / "fixtures" / "traces" / "conversation_head300.jsonl"
+
+
+def test_the_simulated_requests_are_the_replayed_ones() -> None:
+    records = load_trace(TRACE, limit=5)
+    prompts = PromptConfig(scale=0.0625, output_scale=0.0625, max_tokens=8)
+    for rec, sim in zip(records, scaled_records(records, prompts), strict=True):
+        assert sim.input_length == prompts.input_len(rec) == len(prompts.prompt_ids(rec))
+        assert sim.output_length == prompts.output_len(rec) <= 8
+        assert (sim.timestamp, sim.hash_ids) == (rec.timestamp, rec.hash_ids)
+
+
+def test_pooled_gap_percentiles_weigh_each_run_by_its_count() -> None:
+    runs = [(0.01, 9), (0.5, 1)]
+    assert _weighted_pct(runs, 50) == 0.01 and _weighted_pct(runs, 90) == 0.01
+    assert _weighted_pct(runs, 95) == 0.5 and _weighted_pct([], 50) is None
+
+
+@pytest.mark.timeout(120)
+def test_bench_cluster_end_to_end_prints_real_sim_and_ratios(tmp_path: Path) -> None:
+    args = ["bench", "cluster", str(TRACE), "--limit", "4", "--max-tokens", "6", "--json"]
+    out = subprocess.run(
+        [sys.executable, "-m", "mooncake", *args, "--model", "dummy:tiny"],
+        capture_output=True,
+        text=True,
+        timeout=110,
+        cwd=tmp_path,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    data = json.loads(out.stdout)
+    for side in ("real", "sim", "ratio"):
+        assert set(FIGURES) <= set(data[side]), side
+    real = data["real"]
+    assert real["completed"] == data["sim"]["completed"] == 4
+    for name in ("ttft_p50_s", "ttft_p90_s", "tbt_p50_s", "tbt_p90_s", "hit_rate"):
+        assert math.isfinite(real[name]) and real[name] >= 0, name
+        assert math.isfinite(data["sim"][name]), name
+    assert real["ttft_p50_s"] > 0 and data["ratio"]["ttft_p50_s"] > 0
+    pairs = data["per_request"]  # [index, prompt tokens, real TTFT, sim TTFT, statuses]
+    assert [p[0] for p in pairs] == [0, 1, 2, 3]
+    assert all(p[2] > 0 and p[3] > 0 and p[4:] == ["ok", "done"] for p in pairs)
+    assert "replay" in out.stderr  # the progress bar
