@@ -3,7 +3,9 @@ streaming `/v1/completions` request while timing its token chunks.
 
 Works against any server that speaks the OpenAI completions API with SSE streaming (ours,
 vLLM, SGLang). A chunk carries a token when its choice has text or is not the last one; a
-final chunk with only a finish_reason (and the usage chunk) carries none. Output tokens
+final chunk with only a finish_reason (and the usage chunk) carries none, unless the usage
+counts more output tokens than chunks were seen (vLLM sends a byte-level token that is not
+whole UTF-8 yet as empty text, in the last chunk too). Output tokens
 and cached prompt tokens come from the `usage` the server sends when asked with
 `stream_options.include_usage`; without it, output tokens are the token chunks counted.
 """
@@ -128,6 +130,7 @@ async def send_completion(
     rec.expected_output_tokens = int(body["max_tokens"])
     chunk_times: list[float] = []
     finish, usage, is_done = None, None, False
+    finish_at: float | None = None  # when a last chunk with no text came
     try:
         async with client.stream("POST", "/v1/completions", json=body) as resp:
             if resp.status_code != 200:
@@ -149,6 +152,8 @@ async def send_completion(
                 for choice in obj.get("choices") or ():
                     if _has_token(choice):
                         chunk_times.append(time.perf_counter())
+                    elif choice.get("finish_reason"):
+                        finish_at = time.perf_counter()
                     finish = choice.get("finish_reason") or finish
     except httpx.HTTPError as e:
         rec.error = describe_http_error(e)
@@ -156,6 +161,11 @@ async def send_completion(
     except (ValueError, TypeError, AttributeError) as e:  # not JSON, or not OpenAI's shape
         rec.error = f"bad stream data from the server: {e}"
         return _ended(rec, t0)
+    told = int((usage or {}).get("completion_tokens") or 0)
+    if finish_at is not None and told > len(chunk_times):
+        # NOTE: the last chunk carried a token whose text is empty (a byte-level token
+        # that is not whole UTF-8 yet, as vLLM streams it): usage says it was one
+        chunk_times.append(finish_at)
     if chunk_times:
         rec.ttft_s = chunk_times[0] - send
         rec.gaps_s = [b - a for a, b in zip(chunk_times, chunk_times[1:], strict=False)]
