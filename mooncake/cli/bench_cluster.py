@@ -37,6 +37,9 @@ def bench_cluster(
     warmup: int = typer.Option(
         2, "--warmup", min=0, help="Requests sent one at a time first, not counted."
     ),
+    repeat: int = typer.Option(
+        1, "--repeat", min=1, help="Real replays, each on a fresh cluster; their medians count."
+    ),
     sets: list[str] = typer.Option([], "--set", metavar="KEY=VALUE", help=SET_HELP),
     as_json: bool = typer.Option(
         False, "--json", help="Print one JSON object (real, sim, ratio) on stdout."
@@ -47,7 +50,9 @@ def bench_cluster(
     the first --limit requests of TRACE through its OpenAI API, simulate the same requests
     (scaled as the replay scales them) on the same shape with the same cost model and
     settings, and print TTFT P50/P90, TBT P50/P90 (over every token gap), prompt-cache hit
-    rate and rejections of both, with the ratio sim / real of each."""
+    rate and rejections of both, with the ratio sim / real of each. The simulated twin runs
+    on this host as the real cluster does: its nodes share the host's cores, with the
+    control plane's share and the idle cluster's fixed latency both measured in the run."""
     from mooncake.cli.output import err_console, print_json
     from mooncake.cli.replay import _replay_with_progress
     from mooncake.configload import parse_set_option
@@ -81,6 +86,7 @@ def bench_cluster(
             replay_fn=_replay_with_progress,  # the replay's progress bar
             on_progress=lambda s: err_console.print(s, highlight=False),
             warmup=warmup,
+            repeat=repeat,
         )
     if as_json:
         print_json(result)
@@ -119,3 +125,10 @@ def _print(r: Calibration) -> None:
     table.add_row("completed", str(r.real.completed), str(r.sim.completed), "")
     console.print(table)
     console.print(f"cost model: {r.cost_model}; simulated in {r.sim_wall_s:.2f} s", highlight=False)
+    if r.host is not None:
+        h = r.host
+        console.print(
+            f"real: median of {len(r.real_runs)} run(s); host: {h.host_cores:g} cores, control "
+            f"plane {h.background_cores:.2f} cores busy, idle latency {h.overhead_s * 1000:.0f} ms",
+            highlight=False,
+        )

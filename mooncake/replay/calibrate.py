@@ -16,15 +16,21 @@ by the Conductor or out of decode room). `per_request` pairs each request's two 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
+import os
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import numpy as np
+import psutil
 
+from mooncake.conductor.costmodel import CostModel
 from mooncake.config import Config
 from mooncake.configload import load_config
 from mooncake.replay.prompts import PromptConfig
@@ -86,7 +92,9 @@ class Calibration(msgspec.Struct, kw_only=True):
     block_tokens: int
     cost_model: str  # the cost model file both sides used
     sim_wall_s: float
-    per_request: list[RequestPair] = []
+    host: HostFigures | None = None  # what the real runs measured of this host (medians)
+    real_runs: list[Figures] = []  # each real run's figures (`real` is their median)
+    per_request: list[RequestPair] = []  # the first real run's requests
 
 
 def scaled_records(records: list[TraceRecord], prompts: PromptConfig) -> list[TraceRecord]:
@@ -98,9 +106,64 @@ def scaled_records(records: list[TraceRecord], prompts: PromptConfig) -> list[Tr
     ]
 
 
-def sim_config(plan: LocalPlan, config: Config, cost_path: Path, speed: float) -> SimConfig:
-    """The simulated twin of the local cluster `plan` running `config`."""
-    from mooncake.conductor.costmodel import CostModel
+class HostFigures(msgspec.Struct, kw_only=True):
+    """What the real run measured of its host, for the simulated twin: the latency a
+    small request on the idle cluster has beyond its compute (API, master, RPCs, stage
+    hops, streaming),
+    and the cores the control plane kept busy during the replay (the master, store nodes
+    and this process, whose replay client is part of the load)."""
+
+    overhead_s: float = 0.0
+    background_cores: float = 0.0
+    host_cores: float = float(len(os.sched_getaffinity(0)))
+
+
+def idle_latency_s(cfg: ReplayConfig, prompts: PromptConfig, samples: int = 5) -> float:
+    """Median TTFT of prompts of one block and one token, sent one at a time (the cluster
+    idle): the block goes through the prefill group, so every stage hop is in it."""
+    one = [
+        TraceRecord(
+            0, prompts.trace_block_tokens + 1, 1, [(1 << 40) + 2 * i, (1 << 40) + 2 * i + 1]
+        )
+        for i in range(samples)
+    ]
+    quiet = dataclasses.replace(cfg, concurrency=1, speed=1e9)
+    seen: list[RequestRecord] = []
+    replay(one, dataclasses.replace(prompts, seed=prompts.seed + 2), quiet, None, seen.append)
+    ttfts = [r.ttft_s for r in seen if r.ttft_s is not None]
+    return float(np.median(ttfts)) if ttfts else 0.0
+
+
+def idle_sim_ttft_s(cost: CostModel, block_tokens: int) -> float:
+    """The simulator's TTFT of `idle_latency_s`'s prompt: its prefill and one decode step."""
+    n = block_tokens + 1
+    return cost.prefill_time(n, 0) + cost.decode_step_time(1, n)
+
+
+def control_plane(launcher: LocalLauncher) -> list[psutil.Process]:
+    """The processes that do no model compute: the master, store nodes and this one."""
+    procs = [psutil.Process()]
+    for c in launcher.children:
+        if c.role in ("master", "store"):
+            with contextlib.suppress(psutil.Error):
+                procs.append(psutil.Process(c.proc.pid))
+    return procs
+
+
+def cpu_seconds(procs: list[psutil.Process]) -> float:
+    total = 0.0
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            t = p.cpu_times()
+            total += t.user + t.system
+    return total
+
+
+def sim_config(
+    plan: LocalPlan, config: Config, cost_path: Path, speed: float, host: HostFigures | None = None
+) -> SimConfig:
+    """The simulated twin of the local cluster `plan` running `config` on this host
+    (`host`: what the real run measured; None = every node its own device)."""
 
     cost = CostModel.load(cost_path)
     nodes = plan.num_prefill + plan.num_decode + (plan.num_store if plan.pool else 0)
@@ -124,6 +187,11 @@ def sim_config(plan: LocalPlan, config: Config, cost_path: Path, speed: float) -
         reserve_timeout_s=prefill.reserve_timeout_s,
         speed=speed,
         tp=1,
+        host_cores=host.host_cores if host else 0.0,
+        background_cores=host.background_cores if host else 0.0,
+        request_overhead_s=max(0.0, host.overhead_s - idle_sim_ttft_s(cost, plan.block_tokens))
+        if host
+        else 0.0,
     )
 
 
@@ -192,11 +260,56 @@ def calibrate(
     replay_fn: ReplayFn = _replay,
     on_progress: Callable[[str], None] = lambda _: None,
     warmup: int = 2,
+    repeat: int = 1,
 ) -> Calibration:
     """Profile (or reuse the cached cost model), replay `records` on a fresh local cluster
-    of `plan`'s shape (after `warmup` requests one at a time, their prompts other tokens
-    of the first records' shapes, not counted), simulate them on its twin, and compare."""
+    of `plan`'s shape `repeat` times (after `warmup` requests one at a time, their prompts
+    other tokens of the first records' shapes, not counted), simulate them once on its twin
+    (deterministic), and compare: each real figure is the median over the runs, whose
+    spread on a shared machine is often wider than the simulator's error."""
     cost = ensure_cost_model(plan, COST_CACHE, on_progress)
+    runs = [
+        _real_run(records, prompts, plan, speed, cost, replay_fn, on_progress, warmup)
+        for _ in range(repeat)
+    ]
+    config = runs[0][2]
+    host = HostFigures(
+        overhead_s=float(np.median([h.overhead_s for _, _, _, h in runs])),
+        background_cores=float(np.median([h.background_cores for _, _, _, h in runs])),
+    )
+    reals = [real_figures(report) for report, _, _, _ in runs]
+    real = median_figures(reals)
+    sim_cfg = sim_config(plan, config, cost, speed, host)
+    sim, wall, run = simulate(sim_cfg, scaled_records(records, prompts))
+    shape = f"{plan.num_prefill}P (groups of {plan.group_size}) + {plan.num_decode}D"
+    return Calibration(
+        real=real,
+        sim=sim,
+        ratio=ratios(real, sim),
+        cluster=f"{shape}, {plan.model}, pool {'on' if plan.pool else 'off'}",
+        requests=len(records),
+        speed=speed,
+        scale=prompts.scale,
+        block_tokens=plan.block_tokens,
+        cost_model=str(cost),
+        sim_wall_s=wall,
+        host=host,
+        real_runs=reals,
+        per_request=pair_requests(runs[0][1], run),
+    )
+
+
+def _real_run(
+    records: list[TraceRecord],
+    prompts: PromptConfig,
+    plan: LocalPlan,
+    speed: float,
+    cost: Path,
+    replay_fn: ReplayFn,
+    on_progress: Callable[[str], None],
+    warmup: int,
+) -> tuple[ReplayReport, list[RequestRecord], Config, HostFigures]:
+    """One replay on a fresh cluster, with what it measured of the host."""
     launcher = LocalLauncher(plan, on_progress)
     launcher.runfile = plan.run_dir / "local.json"  # NOTE: never the user's own cluster's
     on_progress("starting the local cluster")
@@ -216,26 +329,34 @@ def calibrate(
             on_progress(f"warming up with {warmup} requests (other tokens: no cache hits)")
             warm = dataclasses.replace(prompts, seed=prompts.seed + 1)
             replay(records[:warmup], warm, dataclasses.replace(cfg, concurrency=1, speed=1e9))
+        on_progress("measuring the idle cluster's fixed latency")
+        host = HostFigures(overhead_s=idle_latency_s(cfg, prompts))
+        control = control_plane(launcher)
+        cpu0, t0 = cpu_seconds(control), time.monotonic()
         report = replay_fn(records, prompts, cfg, seen.append)
+        host.background_cores = (cpu_seconds(control) - cpu0) / (time.monotonic() - t0)
     finally:
         on_progress("stopping the local cluster")
         launcher.stop()
-    real = real_figures(report)
-    sim_cfg = sim_config(plan, config, cost, speed)
-    sim, wall, run = simulate(sim_cfg, scaled_records(records, prompts))
-    shape = f"{plan.num_prefill}P (groups of {plan.group_size}) + {plan.num_decode}D"
-    return Calibration(
-        real=real,
-        sim=sim,
-        ratio=ratios(real, sim),
-        cluster=f"{shape}, {plan.model}, pool {'on' if plan.pool else 'off'}",
-        requests=len(records),
-        speed=speed,
-        scale=prompts.scale,
-        block_tokens=plan.block_tokens,
-        cost_model=str(cost),
-        sim_wall_s=wall,
-        per_request=pair_requests(seen, run),
+    return report, seen, config, host
+
+
+def median_figures(runs: list[Figures]) -> Figures:
+    """Each figure's median over the runs (None where no run has it)."""
+
+    def med(name: str) -> Any:
+        values = [getattr(f, name) for f in runs if getattr(f, name) is not None]
+        return float(np.median(values)) if values else None
+
+    return Figures(
+        ttft_p50_s=med("ttft_p50_s"),
+        ttft_p90_s=med("ttft_p90_s"),
+        tbt_p50_s=med("tbt_p50_s"),
+        tbt_p90_s=med("tbt_p90_s"),
+        hit_rate=med("hit_rate"),
+        rejected=round(med("rejected") or 0),
+        completed=round(med("completed") or 0),
+        failed=round(med("failed") or 0),
     )
 
 

@@ -347,7 +347,9 @@ def ensure_cost_model(plan: LocalPlan, cache_dir: Path,
     from mooncake.engine.profiling import profile_cost_model
 
     name = plan.model.replace(":", "-").replace("/", "_")
-    tag = f"{name}-b{plan.block_tokens}-c{plan.chunk_tokens}"
+    # NOTE: "p2": prompts up to 4096 tokens sampled (1024 before: a quadratic fitted there
+    # overestimated a 5,000-token prefill by 60%); a cached file of the old grid is not reused
+    tag = f"{name}-b{plan.block_tokens}-c{plan.chunk_tokens}-p2"
     path = private_dir(cache_dir) / f"costmodel-{tag}.json"
     if path.exists():
         return path
@@ -359,7 +361,7 @@ def ensure_cost_model(plan: LocalPlan, cache_dir: Path,
         dtype = resolve_dtype(info, "auto", "cpu")
         capacity = DECODE_KV_BYTES // info.spec.kv_bytes_per_token(DTYPE_BYTES[dtype])
         model, _, _ = profile_cost_model(
-            info, dtype, plan.block_tokens, plan.chunk_tokens, [64, 256, 512, 1024],
+            info, dtype, plan.block_tokens, plan.chunk_tokens, [64, 256, 512, 1024, 2048, 4096],
             [0.0, 0.5], [1, 4, 16], [64, 256], 4, 1, capacity, 2e9, on_progress,
         )  # fmt: skip
     finally:

@@ -56,6 +56,13 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
     limit: int | None = None  # replay only the first N requests
     tbt_share: float = 0.1  # a request's TBT = mean of this slowest share of its gaps
     late_binding: bool = True  # choose the decode instance at prefill start, in every mode
+    # a cluster on one host (`up --local`): every node's compute shares `host_cores` cores,
+    # `background_cores` of which the control plane (API, master, clients) keeps busy; a
+    # prefill or decode step is slowed by (busy compute processes + background) / cores
+    # when that exceeds 1. 0 = every node has its own device, as on a real cluster
+    host_cores: float = 0.0
+    background_cores: float = 0.0
+    request_overhead_s: float = 0.0  # control-plane latency before a request is scheduled
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -70,6 +77,8 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
             problems.append(
                 f"rejection {self.rejection!r} is not one of {', '.join(REJECTION_MODES)}"
             )
+        if self.host_cores < 0 or self.background_cores < 0 or self.request_overhead_s < 0:
+            problems.append("host_cores, background_cores and request_overhead_s must be >= 0")
         if not self.speed > 0:
             problems.append(f"speed must be > 0, got {self.speed}")
         if self.limit is not None and self.limit < 1:

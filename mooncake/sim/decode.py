@@ -120,7 +120,8 @@ class DecodeInstance:
         if self.n == 0:
             self.report()
             return
-        self.tau = max(self.cost.decode_step_time(self.n, self.context_tokens), 1e-6)
+        step_s = self.cost.decode_step_time(self.n, self.context_tokens)
+        self.tau = max(step_s * self.sim.compute_factor(), 1e-6)
         end = self.seg_t0 + (self.targets[0][0] - self.step) * self.tau
         self.sim.push(end, self._tick, self.version)
         self.report()

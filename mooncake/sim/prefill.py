@@ -128,7 +128,8 @@ class PrefillInstance:
         sim, cost = self.sim, self.sim.cost
         new = max(1, req.input_len - req.reused_blocks * sim.block_tokens)
         chunks = num_chunks(new, self.chunk_tokens)
-        chunk_s = req.prefill_s / (self.stages * chunks)  # one chunk on one stage
+        slow = sim.compute_factor(0 if self.inflight else self.stages)
+        chunk_s = req.prefill_s * slow / (self.stages * chunks)  # one chunk on one stage
         free, start = self.stage_free, t
         for k in range(self.stages):  # stage k runs its chunks back to back from `start`
             if free[k] > start:

@@ -88,11 +88,12 @@ class Simulator:
         """Replay every request to completion and summarize."""
         wall = time.perf_counter()
         heap, pop = self._heap, heapq.heappop
+        overhead = self.cfg.request_overhead_s  # NOTE: TTFT still counts from `arrival`
         for req in self.requests:
-            while heap and heap[0][0] <= req.arrival:
+            while heap and heap[0][0] <= req.arrival + overhead:
                 t, _, fn, arg = pop(heap)
                 fn(t, arg)
-            self._arrive(req.arrival, req)
+            self._arrive(req.arrival + overhead, req)
         while heap:
             t, _, fn, arg = pop(heap)
             fn(t, arg)
@@ -107,6 +108,16 @@ class Simulator:
         )
         report.result.wall_s = time.perf_counter() - wall
         return report
+
+    def compute_factor(self, starting: int = 0) -> float:
+        """How much slower compute runs now on a shared host (SimConfig.host_cores), with
+        `starting` more single-threaded compute processes about to start; 1 otherwise."""
+        cfg = self.cfg
+        if cfg.host_cores <= 0:
+            return 1.0
+        busy = starting + sum(p.stages for p in self.prefill.values() if p.inflight > 0)
+        busy += sum(1 for d in self.decode.values() if d.n > 0)
+        return max(1.0, (busy + cfg.background_cores) / cfg.host_cores)
 
     # -- request lifecycle -----------------------------------------------------------------
     def _arrive(self, t: float, req: SimRequest) -> None:

@@ -115,3 +115,24 @@ def test_groups_are_checked_and_shown(tmp_path):
     out = CliRunner().invoke(app, [*args, "--cost-model", cost, "--chunk-tokens", "100", "--json"])
     assert out.exit_code == 0, out.output
     assert "groups of 2" in out.output and '"completed": 2' in out.output
+
+
+def test_a_shared_host_slows_compute_and_the_control_plane_delays_scheduling(tmp_path):
+    """A one-host twin (`bench cluster`): a 2-stage group and a decode node on 2 cores with
+    the control plane keeping 1 core busy run the 1 s prefill (2 + 1) / 2 = 1.5x slower; the
+    fixed control-plane latency moves the start, and so the first token, by exactly itself."""
+    cost = write_toy_cost(tmp_path / "cost.json")
+    rows = [(0, 1000, 2, [1, 2])]
+    kw = {"num_prefill": 2, "group_size": 2, "chunk_tokens": 1000}
+    alone = _sim(tmp_path, rows, cost, **kw).requests[0]
+    shared = _sim(tmp_path, rows, cost, host_cores=2, background_cores=1, **kw).requests[0]
+    assert alone.prefill_end - alone.prefill_start == pytest.approx(1.0)
+    # stage 0 and stage 1 busy, the decode node idle: (2 + 1) / 2
+    assert shared.prefill_end - shared.prefill_start == pytest.approx(1.5)
+    late = _sim(tmp_path, rows, cost, request_overhead_s=0.25, **kw).requests[0]
+    assert late.prefill_start == pytest.approx(alone.prefill_start + 0.25)
+    assert late.first_token_at - late.arrival == pytest.approx(
+        alone.first_token_at - alone.arrival + 0.25
+    )
+    with pytest.raises(Exception, match="must be >= 0"):
+        SimConfig(host_cores=-1)
