@@ -26,9 +26,17 @@ class PrefillQueue:
     """Predicted work queued on one prefill instance (a group of `stages` stages)."""
 
     __slots__ = (
-        "name", "bit", "stages", "chunk_tokens", "pending_s", "req_s", "req_chunks",
-        "running", "run_started", "run_s",
-    )  # fmt: skip
+        "name",
+        "bit",
+        "stages",
+        "chunk_tokens",
+        "pending_s",
+        "req_s",
+        "req_chunks",
+        "running",
+        "run_started",
+        "run_s",
+    )
 
     def __init__(self, name: str, bit: int, stages: int = 1, chunk_tokens: int = 0):
         self.name = name

@@ -34,7 +34,7 @@ from mooncake.conductor.costmodel import CostModel
 from mooncake.config import Config
 from mooncake.configload import load_config
 from mooncake.replay.prompts import PromptConfig
-from mooncake.replay.report import ReplayReport, RequestRecord
+from mooncake.replay.report import ReplayReport, RequestRecord, figure_ratios
 from mooncake.replay.runner import ReplayConfig, replay
 from mooncake.roles.local import LocalLauncher, LocalPlan, ensure_cost_model
 from mooncake.sim.cluster import SimConfig
@@ -245,11 +245,7 @@ def real_figures(report: ReplayReport) -> Figures:
 
 def ratios(real: Figures, sim: Figures) -> dict[str, float | None]:
     """sim / real per figure; None when either is missing or real is 0."""
-    out: dict[str, float | None] = {}
-    for name in FIGURES:
-        a, b = getattr(real, name), getattr(sim, name)
-        out[name] = float(b) / float(a) if a and b is not None else None
-    return out
+    return figure_ratios(sim, real, FIGURES)
 
 
 def calibrate(

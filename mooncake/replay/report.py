@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from typing import Literal
 
 import msgspec
@@ -156,3 +157,12 @@ def summarize(records: list[RequestRecord], info: RunInfo) -> ReplayReport:
         vocab_size=info.vocab_size,
         prompt_format=info.prompt_format,
     )
+
+
+def figure_ratios(num: object, den: object, names: Sequence[str]) -> dict[str, float | None]:
+    """num / den per named figure; None when either is missing or den's is 0."""
+    out: dict[str, float | None] = {}
+    for name in names:
+        a, b = getattr(den, name), getattr(num, name)
+        out[name] = float(b) / float(a) if a and b is not None else None
+    return out

@@ -30,7 +30,7 @@ import msgspec
 
 from mooncake.errors import ConfigError
 from mooncake.replay.prompts import PromptConfig
-from mooncake.replay.report import ReplayReport, RequestRecord
+from mooncake.replay.report import ReplayReport, RequestRecord, figure_ratios
 from mooncake.replay.runner import ReplayConfig, replay
 from mooncake.replay.servers import LaunchedServer, ServerSpec, ServerStartError, mooncake_argv
 from mooncake.roles.local import free_port
@@ -185,11 +185,7 @@ def row_of(server: str, report: ReplayReport) -> Row:
 
 def ratios(row: Row, base: Row) -> dict[str, float | None]:
     """row / base per figure; None when either is missing or the baseline's is 0."""
-    out: dict[str, float | None] = {}
-    for name in FIGURES:
-        a, b = getattr(base, name), getattr(row, name)
-        out[name] = float(b) / float(a) if a and b is not None else None
-    return out
+    return figure_ratios(row, base, FIGURES)
 
 
 def compare(baseline: str, rows: dict[str, Row], speed: float) -> SpeedResult:

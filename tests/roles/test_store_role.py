@@ -80,8 +80,12 @@ def test_a_store_node_whose_master_never_answers_names_the_key_and_address(
     from mooncake.roles.store import run_store
 
     master = f"127.0.0.1:{free_port()}"  # nothing listens there
-    overrides = {"cluster.master": master, "cluster.secret": "s" * 32,
-                 "store.dram_bytes": "1MiB", "node.id": "lost-store"}  # fmt: skip
+    overrides = {
+        "cluster.master": master,
+        "cluster.secret": "s" * 32,
+        "store.dram_bytes": "1MiB",
+        "node.id": "lost-store",
+    }
     ctx = create_context(load_config(overrides=overrides, env={}).config, "store")
     ctx.master_wait_s = 0.5
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
