@@ -68,7 +68,7 @@ class Books:
     def on_prefill_finished(self, req_id: Hashable, now: float) -> None:
         ticket = self._tickets.get(req_id)
         if ticket:
-            ticket[0].finish(req_id)
+            ticket[0].finish(req_id, now)
             if req_id in ticket[1].incoming:
                 ticket[1].incoming[req_id] = now
             self.forecast.prefill_ends_at(req_id, now)

@@ -141,7 +141,9 @@ class Conductor(Books):
         if any(q.name == name for q in self.prefill):
             raise SchedulingError(f"prefill instance {name!r} is already registered")
         p = self.params
-        self.prefill.append(PrefillQueue(name, self.index.bit(name), p.stages, p.chunk_tokens))
+        self.prefill.append(
+            PrefillQueue(name, self.index.bit(name), p.stages, p.chunk_tokens, p.speed_ewma)
+        )
         # NOTE: every stage of a group moves its own layers' KV over its own NIC
         self.network.add_node(name, (link_bytes_per_s or self.cost.link_bytes_per_s) * p.stages)
         self._rebuild_match()

@@ -3,7 +3,10 @@
 - `PrefillQueue`: T_queue(p) = the predicted prefill times of the requests queued on p,
   minus what the running one has already done (§6.1). On a pipeline group of S stages a
   request occupies the first stage for only its prefill time / S (the next one starts
-  then: `mooncake.conductor.pipelining`), so the queue drains that fast.
+  then: `mooncake.conductor.pipelining`), so the queue drains that fast. Each queue learns
+  its group's real speed: a moving average of observed / predicted prefill latency
+  (`speed`) scales its predictions, so a cost model that is optimistic for this group (a
+  busy or shared host, another GPU) stops over-admitting after a few requests.
 - `DecodeSlots`: a decode instance's batch (running) and reservations (requests still in
   prefill that will join it; `incoming` = those whose prefill has started, with its
   predicted end), as request counts and prompt KV tokens, plus the KV its batch has
@@ -21,6 +24,8 @@ from collections.abc import Hashable
 
 from mooncake.conductor.pipelining import num_chunks, pipeline_times
 
+SPEED_MIN, SPEED_MAX = 0.25, 8.0  # bounds of one latency sample, observed / predicted
+
 
 class PrefillQueue:
     """Predicted work queued on one prefill instance (a group of `stages` stages)."""
@@ -36,9 +41,15 @@ class PrefillQueue:
         "running",
         "run_started",
         "run_s",
+        "speed",
+        "speed_ewma",
+        "req_raw",
+        "started",
     )
 
-    def __init__(self, name: str, bit: int, stages: int = 1, chunk_tokens: int = 0):
+    def __init__(
+        self, name: str, bit: int, stages: int = 1, chunk_tokens: int = 0, speed_ewma: float = 0.0
+    ):
         self.name = name
         self.bit = bit  # the instance's bit in the prefix index
         self.stages = stages  # pipeline stages of the group
@@ -50,6 +61,11 @@ class PrefillQueue:
         self.running: Hashable | None = None  # on the first stage
         self.run_started = 0.0  # s
         self.run_s = 0.0  # predicted first-stage seconds of the running request
+        self.speed = 1.0  # observed / predicted latency, learned (1: as the cost model says)
+        self.speed_ewma = speed_ewma  # weight of one finished prefill in `speed`; 0 = fixed
+        # req_id -> the cost model's prefill seconds and the request's chunks
+        self.req_raw: dict[Hashable, tuple[float, int]] = {}
+        self.started: dict[Hashable, float] = {}  # req_id -> when its prefill started, s
 
     def queue_time(self, now: float) -> float:
         """T_queue at `now`, seconds."""
@@ -62,7 +78,7 @@ class PrefillQueue:
     def times(self, prefill_s: float, chunks: int) -> tuple[float, float]:
         """(first-stage seconds, latency seconds) of a prefill of `prefill_s` on the whole
         model in `chunks` chunks, on this group."""
-        return pipeline_times(prefill_s, chunks, self.stages)
+        return pipeline_times(prefill_s * self.speed, chunks, self.stages)
 
     def add(self, req_id: Hashable, prefill_s: float, new_tokens: int = 0) -> None:
         """Queue a prefill taking `prefill_s` on the whole model over `new_tokens`."""
@@ -70,6 +86,7 @@ class PrefillQueue:
         stage_s, _ = self.times(prefill_s, chunks)
         self.req_s[req_id] = stage_s
         self.req_chunks[req_id] = chunks
+        self.req_raw[req_id] = (prefill_s, chunks)
         self.pending_s += stage_s
 
     def latency(self, req_id: Hashable) -> float:
@@ -90,7 +107,9 @@ class PrefillQueue:
                 stage_s, _ = self.times(prefill_s, self.req_chunks[req_id])
                 self.pending_s += stage_s - self.req_s[req_id]
                 self.req_s[req_id] = stage_s
+                self.req_raw[req_id] = (prefill_s, self.req_chunks[req_id])
             self.running, self.run_started, self.run_s = req_id, now, self.req_s[req_id]
+            self.started[req_id] = now
 
     def _pass(self, req_id: Hashable) -> None:
         """`req_id` is past the first stage: no longer queue for the next ones."""
@@ -99,7 +118,14 @@ class PrefillQueue:
         if not self.req_s:
             self.pending_s = 0.0  # NOTE: stops float drift from accumulating
 
-    def finish(self, req_id: Hashable) -> None:
+    def finish(self, req_id: Hashable, now: float | None = None) -> None:
+        """The request's prefill ended (`now`: it finished, and its latency teaches the
+        queue its speed; None: it was dropped)."""
+        raw, started = self.req_raw.pop(req_id, None), self.started.pop(req_id, None)
+        if now is not None and raw and raw[0] > 0 and started is not None and self.speed_ewma > 0:
+            predicted = pipeline_times(raw[0], raw[1], self.stages)[1]
+            sample = min(max((now - started) / predicted, SPEED_MIN), SPEED_MAX)
+            self.speed += self.speed_ewma * (sample - self.speed)
         self._pass(req_id)
         if self.running == req_id:
             self.running = None

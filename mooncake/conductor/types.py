@@ -36,6 +36,9 @@ class ConductorParams(msgspec.Struct, frozen=True, kw_only=True):
     global_pool: bool = True  # False: prefill reuses only its own cache (no remote fetch)
     stages: int = 1  # pipeline stages of a prefill group (its queue drains S times as fast)
     chunk_tokens: int = 0  # tokens per prefill chunk (0: a prompt is one chunk)
+    # weight of a finished prefill in each group's learned speed (observed / predicted
+    # latency, which then scales that group's predictions); 0 = trust the cost model
+    speed_ewma: float = 0.2
     seed: int = 0  # random policy
 
     def __post_init__(self) -> None:
@@ -59,6 +62,8 @@ class ConductorParams(msgspec.Struct, frozen=True, kw_only=True):
             problems.append(f"block_tokens: must be >= 1, got {self.block_tokens}")
         if not self.forecast_sigmas >= 0:
             problems.append(f"forecast_sigmas: must be >= 0, got {self.forecast_sigmas}")
+        if not 0 <= self.speed_ewma <= 1:
+            problems.append(f"speed_ewma: must be in [0, 1], got {self.speed_ewma}")
         if not 0 < self.decode_time_ewma <= 1:
             problems.append(f"decode_time_ewma: must be in (0, 1], got {self.decode_time_ewma}")
         if problems:
