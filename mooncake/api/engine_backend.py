@@ -173,22 +173,9 @@ class EngineBackend(BaseBackend):
             local_hit_rate=hit_rate,
             num_queued=load["num_waiting"],
             num_running=load["num_running"],
-            num_requests=snap.num_requests,
-            num_completed=snap.num_completed,
-            rejected=snap.num_rejected,
-            num_failed=snap.num_failed,
-            num_refused=snap.num_refused,
-            ttft_p50_s=snap.ttft_p50_s,
-            ttft_p90_s=snap.ttft_p90_s,
-            tbt_p50_s=snap.tbt_p50_s,
-            tbt_p90_s=snap.tbt_p90_s,
             ttft_slo_s=ttft_slo_s,
             tbt_slo_s=tbt_slo_s,
-            num_prompt_tokens=snap.num_prompt_tokens,
-            num_cached_tokens=snap.num_cached_tokens,
-            cached_token_share=(
-                snap.num_cached_tokens / snap.num_prompt_tokens if snap.num_prompt_tokens else 0.0
-            ),
+            **snap.status_fields(),
         )
 
     def close(self) -> None:

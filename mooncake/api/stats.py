@@ -20,7 +20,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterable
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -68,6 +68,25 @@ class StatsSnapshot(msgspec.Struct, frozen=True, kw_only=True):
     tbt_p99_s: float | None
     window_requests: int  # TTFT samples the percentiles cover
     window_gaps: int  # TBT samples the percentiles cover
+
+    def status_fields(self) -> dict[str, Any]:
+        """The request figures of `/v1/status` (api.status.Status), as both servers give
+        them."""
+        share = self.num_cached_tokens / self.num_prompt_tokens if self.num_prompt_tokens else 0.0
+        return {
+            "num_requests": self.num_requests,
+            "num_completed": self.num_completed,
+            "rejected": self.num_rejected,
+            "num_failed": self.num_failed,
+            "num_refused": self.num_refused,
+            "ttft_p50_s": self.ttft_p50_s,
+            "ttft_p90_s": self.ttft_p90_s,
+            "tbt_p50_s": self.tbt_p50_s,
+            "tbt_p90_s": self.tbt_p90_s,
+            "num_prompt_tokens": self.num_prompt_tokens,
+            "num_cached_tokens": self.num_cached_tokens,
+            "cached_token_share": share,
+        }
 
 
 class _Metrics:

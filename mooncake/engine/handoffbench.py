@@ -25,7 +25,7 @@ from contextlib import contextmanager
 from mooncake.engine.benchmarks import SECRET, Bench, Timing, interleave, random_prompt
 from mooncake.engine.kvcache import PagedKVCache
 from mooncake.engine.kvhandoff import place_cache_in_segments
-from mooncake.engine.kvstream import KVDest, KVStreamer, StreamPlan, StreamWriter
+from mooncake.engine.kvstream import KVDest, KVStreamer, StreamPlan, StreamWriter, merge_reports
 from mooncake.engine.pipeline import Answer, Answers, prefill_pipelined, send_prompt
 from mooncake.engine.prefill import PrefillRunner, PrefillState
 from mooncake.engine.stagelink import TcpStageLink
@@ -158,11 +158,9 @@ class HandoffBench:
         answers.wait(a)
         self.runner0.finish(st)
         if st.stream is not None:
-            report = st.stream.finish()
-            layers = dict(report.layer_tokens)
-            for r in a.reports.values():
-                layers.update(r.layer_tokens)
-            assert len(layers) == self.b.info.spec.num_layers, layers
+            reports = [st.stream.finish(), *a.reports.values()]
+            tokens, _, _ = merge_reports(reports, self.b.info.spec.num_layers)
+            assert set(tokens) == {len(st.token_ids)}, tokens  # every layer landed
             self._release([st.stream.plan])
         self.cache0.free(st.block_ids)
 

@@ -156,11 +156,21 @@ def object_head(
     head[off : off + 8 * len(digests)] = np.asarray(digests, dtype="<u8").tobytes()
     checksum = xxhash.xxh3_64_intdigest(memoryview(head)[HEADER.size :])
     HEADER.pack_into(
-        head, 0, MAGIC, VERSION, DTYPE_CODES[layout.dtype], fingerprint,
-        block_hash.to_bytes(16, "little"), layout.num_layers, layout.block_tokens,
-        layout.num_kv_heads, layout.head_dim, layout.payload_offset, layout.object_bytes,
+        head,
+        0,
+        MAGIC,
+        VERSION,
+        DTYPE_CODES[layout.dtype],
+        fingerprint,
+        block_hash.to_bytes(16, "little"),
+        layout.num_layers,
+        layout.block_tokens,
+        layout.num_kv_heads,
+        layout.head_dim,
+        layout.payload_offset,
+        layout.object_bytes,
         checksum,
-    )  # fmt: skip
+    )
     return head
 
 

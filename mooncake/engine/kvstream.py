@@ -237,6 +237,21 @@ class KVStreamer:
         return reqs
 
 
+def merge_reports(
+    reports: list[StreamReport], num_layers: int
+) -> tuple[list[int], dict[int, list[int]], int]:
+    """Every stage's report as one: tokens per layer (0 for a layer nobody wrote), the
+    digests by layer, the bytes written."""
+    tokens: dict[int, int] = {}
+    digests: dict[int, list[int]] = {}
+    for r in reports:
+        tokens.update(r.layer_tokens)
+        digests.update(r.digests)
+    if len(tokens) > num_layers:
+        raise TransferError(f"stream reports name {len(tokens)} layers of {num_layers}")
+    return [tokens.get(i, 0) for i in range(num_layers)], digests, sum(r.num_bytes for r in reports)
+
+
 def _host_bytes(t: Tensor) -> memoryview:
     """The bytes of a contiguous tensor (a copy to the host first for device memory)."""
     if t.device.type != "cpu":
@@ -245,4 +260,12 @@ def _host_bytes(t: Tensor) -> memoryview:
     return memoryview(arr).cast("B")
 
 
-__all__ = ["KVDest", "KVStreamer", "PoolTarget", "StreamPlan", "StreamReport", "StreamWriter"]
+__all__ = [
+    "KVDest",
+    "KVStreamer",
+    "PoolTarget",
+    "StreamPlan",
+    "StreamReport",
+    "StreamWriter",
+    "merge_reports",
+]

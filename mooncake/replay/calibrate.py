@@ -115,7 +115,7 @@ class HostFigures(msgspec.Struct, kw_only=True):
 
     overhead_s: float = 0.0
     background_cores: float = 0.0
-    host_cores: float = float(len(os.sched_getaffinity(0)))
+    host_cores: float = msgspec.field(default_factory=lambda: float(len(os.sched_getaffinity(0))))
 
 
 def idle_latency_s(cfg: ReplayConfig, prompts: PromptConfig, samples: int = 5) -> float:

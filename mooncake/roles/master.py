@@ -341,16 +341,9 @@ class Master:
             hit_rate=c.hits / c.lookups if c.lookups else 0.0,
             local_hit_rate=c.local_hits / c.lookups if c.lookups else 0.0,
             num_queued=s.num_waiting, num_running=s.num_streaming,
-            num_requests=s.num_requests, num_completed=s.num_completed,
-            rejected=s.num_rejected, num_failed=s.num_failed, num_refused=s.num_refused,
-            ttft_p50_s=s.ttft_p50_s, ttft_p90_s=s.ttft_p90_s,
-            tbt_p50_s=s.tbt_p50_s, tbt_p90_s=s.tbt_p90_s,
             ttft_slo_s=sched.ttft_slo_s, tbt_slo_s=sched.tbt_slo_s,
             transfer_bytes_per_s=kv_rate, pool_hits=c.hits, pool_lookups=c.lookups,
-            num_prompt_tokens=s.num_prompt_tokens, num_cached_tokens=s.num_cached_tokens,
-            cached_token_share=(
-                s.num_cached_tokens / s.num_prompt_tokens if s.num_prompt_tokens else 0.0
-            ),
+            **s.status_fields(),
         )  # fmt: skip
 
     # -- lifecycle --

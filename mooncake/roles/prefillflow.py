@@ -27,12 +27,12 @@ from mooncake.engine.kvstream import (
     KVStreamer,
     PoolTarget,
     StreamPlan,
-    StreamReport,
     StreamWriter,
+    merge_reports,
 )
 from mooncake.engine.pipeline import Answer, Answers, send_prompt
 from mooncake.engine.prefill import PrefillRunner, PrefillState, PrefillStats
-from mooncake.errors import MooncakeError, TransferError
+from mooncake.errors import MooncakeError
 from mooncake.roles.handoff import DecodeHandoff
 from mooncake.roles.messages import PrefillTaskMsg
 from mooncake.transfer import TransferEngine
@@ -127,7 +127,7 @@ class PrefillFlow:
             reports = [st.stream.finish()]
             if flight.answer is not None:
                 reports += flight.answer.reports.values()
-            layer_tokens, digests, num_bytes = _merge(reports, self.runner.layout.num_layers)
+            layer_tokens, digests, num_bytes = merge_reports(reports, self.runner.layout.num_layers)
             self.handoff.submit(task, flight.dest, layer_tokens)
             flight.dest = None  # NOTE: the decode node owns the blocks now
         except BaseException:
@@ -164,18 +164,3 @@ class PrefillFlow:
 
     def close(self) -> None:
         self.writer.close()
-
-
-def _merge(
-    reports: list[StreamReport], num_layers: int
-) -> tuple[list[int], dict[int, list[int]], int]:
-    """Every stage's report as one: tokens per layer (0 for a layer nobody wrote), the
-    digests by layer, the bytes written."""
-    tokens: dict[int, int] = {}
-    digests: dict[int, list[int]] = {}
-    for r in reports:
-        tokens.update(r.layer_tokens)
-        digests.update(r.digests)
-    if len(tokens) > num_layers:
-        raise TransferError(f"stream reports name {len(tokens)} layers of {num_layers}")
-    return [tokens.get(i, 0) for i in range(num_layers)], digests, sum(r.num_bytes for r in reports)

@@ -27,8 +27,14 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, cost_cache: Path) -> Itera
 
 
 def _post(url: str, prompt: list[int], max_tokens: int = 6, **extra: object) -> httpx.Response:
-    body = {"model": "dummy:tiny", "prompt": prompt, "max_tokens": max_tokens,
-            "temperature": 0, "ignore_eos": True, **extra}  # fmt: skip
+    body = {
+        "model": "dummy:tiny",
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        **extra,
+    }
     return httpx.post(url + "/v1/completions", json=body, timeout=90)
 
 
