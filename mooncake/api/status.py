@@ -37,6 +37,19 @@ class TierStatus(msgspec.Struct, frozen=True, kw_only=True):
     num_objects: int = 0
 
 
+class TtftPhases(msgspec.Struct, kw_only=True):
+    """Percentiles over the last `num_requests` requests (seconds; None when empty)."""
+
+    num_requests: int
+    queue_p50_s: float | None
+    queue_p90_s: float | None
+    prefill_p50_s: float | None  # start -> every layer's KV on the decode node
+    prefill_p90_s: float | None
+    first_step_p50_s: float | None  # KV landed -> the first token at the master
+    first_step_p90_s: float | None
+    predicted_over_actual_p50: float | None  # Conductor's TTFT / the real one
+
+
 class Status(msgspec.Struct, frozen=True, kw_only=True):
     cluster: str
     model: str
@@ -69,6 +82,7 @@ class Status(msgspec.Struct, frozen=True, kw_only=True):
     num_cached_tokens: int = 0  # of those, reported as cached (KV reused, not computed)
     cached_token_share: float = 0.0  # num_cached_tokens / num_prompt_tokens (0 before any)
     num_refused: int = 0  # bad requests refused with a 4xx (400/404/413): not received
+    ttft_phases: TtftPhases | None = None  # where TTFT went (the cluster's master only)
 
 
 def host_port(address: str) -> str:

@@ -69,6 +69,15 @@ class Poly2(msgspec.Struct, frozen=True):
     fit_error: FitError = FitError()
 
 
+class CorunFactors(msgspec.Struct, frozen=True, kw_only=True):
+    """How much slower compute ran with `busy` nodes computing at once on the profiled
+    host (`mooncake.engine.corun`); the file's polynomials already include them."""
+
+    busy: int  # nodes (one core each) computing at once
+    prefill: float  # prefill time beside them / alone
+    decode: float  # decode step time beside them / alone
+
+
 class CostModelFile(msgspec.Struct, frozen=True, kw_only=True):
     version: int
     model: str
@@ -82,6 +91,7 @@ class CostModelFile(msgspec.Struct, frozen=True, kw_only=True):
     # bytes/s one pool node reads KV from its SSD tier at (a reader of a block held on SSD
     # only waits for it); the default is a datacenter NVMe SSD's, conservatively
     ssd_read_bytes_per_s: float = DEFAULT_SSD_READ_BYTES_PER_S
+    corun: CorunFactors | None = None  # profiled on a shared host: the slowdown included
 
 
 def _power(var: str, n: int) -> list[str]:

@@ -119,7 +119,10 @@ class Answers:
     ):
         self.link, self.num_later_layers, self.timeout_s = link, num_later_layers, stage_timeout_s
         self._open: dict[int, Answer] = {}
-        self._lock = threading.Lock()  # NOTE: one reader of the link at a time
+        self._lock = threading.Lock()  # guards `_open` and `_broken`; never held on the link
+        # NOTE: one reader of the link at a time; the worker registers the next prompt
+        # (`expect`) while the completer reads the link for an earlier one
+        self._reading = threading.Lock()
         self._broken: BaseException | None = None
 
     def expect(self, req_id: int, *, has_plan: bool, want_kv: bool = False) -> Answer:
@@ -141,16 +144,22 @@ class Answers:
     def wait(self, a: Answer) -> Answer:
         """Read the link until `a` is complete; raises its error (ReuseMismatchError,
         TransferError, StageTimeoutError)."""
-        with self._lock:
+        with self._reading:
             try:
                 while not a.is_done:
-                    if self._broken is not None:
-                        raise TransferError(f"req {a.req_id}: {self._broken}")
-                    self._file(self._next_frame(a.req_id))
+                    with self._lock:
+                        broken = self._broken
+                    if broken is not None:
+                        raise TransferError(f"req {a.req_id}: {broken}")
+                    frame = self._next_frame(a.req_id)
+                    with self._lock:
+                        self._file(frame)
             except TransferError as e:
-                self._break(e)
+                with self._lock:
+                    self._break(e)
             finally:
-                self._open.pop(a.req_id, None)
+                with self._lock:
+                    self._open.pop(a.req_id, None)
         if a.error is not None:
             raise a.error
         return a
@@ -159,7 +168,8 @@ class Answers:
         if self.timeout_s is None:
             frame = self.link.recv()
         else:
-            wait_s = self.timeout_s * sum(x.num_chunks for x in self._open.values())
+            with self._lock:
+                wait_s = self.timeout_s * sum(x.num_chunks for x in self._open.values())
             try:
                 frame = self.link.recv(timeout=wait_s)
             except StageTimeoutError as e:

@@ -47,6 +47,7 @@ from mooncake.roles.messages import (
     TokenMsg,
 )
 from mooncake.roles.registry import Registry
+from mooncake.roles.timeline import PhaseLog
 from mooncake.rpc import AsyncRpcClient
 
 log = logging.getLogger(__name__)
@@ -75,6 +76,7 @@ class ClusterBackend(BaseBackend):
         self.loop: asyncio.AbstractEventLoop | None = None
         self.flights: dict[int, Flight] = {}
         self.counters = PoolCounters()
+        self.phases = PhaseLog()  # where each request's TTFT went
         self.max_retries = 2
         self.node_wait_s = 60.0  # [scheduler] node_wait_s
         self.node_poll_s = 0.25  # seconds between attempts to place a waiting request
@@ -95,15 +97,9 @@ class ClusterBackend(BaseBackend):
         hashes = self.hasher.hash_blocks(req.prompt_ids)
         decision = await self._place_waiting(rid, len(req.prompt_ids), hashes)
         flight = Flight(rid, req, hashes, asyncio.Queue(), decision)
-        c = self.counters
-        c.lookups += len(hashes)
-        c.hits += flight.decision.best_blocks
-        c.local_hits += flight.decision.local_blocks
+        self.counters.add_lookup(len(hashes), decision.best_blocks, decision.local_blocks)
         self.flights[rid] = flight
-        d = flight.decision
-        log.debug("req %d: %d tokens -> prefill %s, decode %s, reuse %d of %d blocks",
-                  rid, len(req.prompt_ids), d.prefill, d.decode, d.reused_blocks,
-                  len(hashes))  # fmt: skip
+        log.debug("req %d: %d tokens -> %s", rid, len(req.prompt_ids), decision)
         try:
             await self._dispatch_retrying(flight)
         except BaseException:
@@ -205,6 +201,8 @@ class ClusterBackend(BaseBackend):
         flight.phase = "decoding"
         with self.lock:
             self.conductor.on_decode_started(flight.req_id, time.monotonic())
+        if flight.num_placements == 1:  # NOTE: only a first placement's moments are whole
+            self.phases.record(flight.moments, time.monotonic())
 
     def _end(self, flight: Flight, dropped: bool) -> None:
         if flight.done:
@@ -270,6 +268,7 @@ class ClusterBackend(BaseBackend):
             return
         if adm.is_accepted:
             flight.phase = "prefilling"
+            flight.moments.started = flight.moments.started or time.monotonic()
             if adm.decode and adm.decode != flight.decision.decode:
                 flight.decision = msgspec.structs.replace(flight.decision, decode=adm.decode)
             return
@@ -289,6 +288,7 @@ class ClusterBackend(BaseBackend):
         flight = self.flights.get(req_id)
         if flight is not None:
             flight.num_cached_tokens = reused
+            flight.moments.prefilled = now
 
     def on_node_down(self, node_id: str) -> None:
         """Place again every request the dead node was working on, except those already

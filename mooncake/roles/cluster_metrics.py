@@ -27,6 +27,11 @@ class PoolCounters:
     kv_bytes: int = 0  # KV handed from prefill to decode nodes
     kv_window: deque[tuple[float, int]] = field(default_factory=deque)  # (time, bytes)
 
+    def add_lookup(self, num_blocks: int, num_hits: int, num_local_hits: int) -> None:
+        self.lookups += num_blocks
+        self.hits += num_hits
+        self.local_hits += num_local_hits
+
     def add_kv(self, now: float, num_bytes: int) -> None:
         self.kv_bytes += num_bytes
         self.kv_window.append((now, num_bytes))

@@ -5,6 +5,7 @@ far, for the tokens still owed)."""
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 
 import msgspec
@@ -13,6 +14,7 @@ from mooncake.api.backend import GenerateRequest
 from mooncake.conductor.types import Decision
 from mooncake.engine.params import SamplingParams
 from mooncake.roles.messages import TokenMsg
+from mooncake.roles.timeline import Moments
 
 
 @dataclass
@@ -31,6 +33,10 @@ class Flight:
     num_placements: int = 1
     is_replacing: bool = False  # a re-placement is under way (one at a time)
     last_error: str = ""  # why its last placement failed, as its prefill node said
+    moments: Moments = field(init=False)  # its first placement's, for the TTFT phases
+
+    def __post_init__(self) -> None:
+        self.moments = Moments(self.req_id, time.monotonic(), self.decision.ttft_s)
 
     @property
     def task_prompt(self) -> list[int]:

@@ -337,19 +337,24 @@ class LocalLauncher:
 def ensure_cost_model(plan: LocalPlan, cache_dir: Path,
                       on_progress: Callable[[str], None] = lambda _: None) -> Path:  # fmt: skip
     """The Conductor's cost model for the plan's model on this machine: profiled once
-    (a few seconds for dummy:tiny, one thread as the nodes run) and cached by shape."""
+    (a few seconds for dummy:tiny, one thread as the nodes run), scaled by the slowdown of
+    the plan's nodes computing at once on this host (`engine/corun.py`), cached by shape."""
     if plan.cost_model_path:
         return Path(plan.cost_model_path)
     import torch
 
+    from mooncake.engine.corun import measure_corun, scale_cost_model
     from mooncake.engine.kvobject import DTYPE_BYTES
     from mooncake.engine.modelinfo import load_model_info, resolve_dtype
     from mooncake.engine.profiling import profile_cost_model
 
     name = plan.model.replace(":", "-").replace("/", "_")
+    # the nodes that compute at once on this host, a core each (engine/corun.py)
+    busy = min(plan.num_prefill + plan.num_decode, len(os.sched_getaffinity(0)))
     # NOTE: "p2": prompts up to 4096 tokens sampled (1024 before: a quadratic fitted there
-    # overestimated a 5,000-token prefill by 60%); a cached file of the old grid is not reused
-    tag = f"{name}-b{plan.block_tokens}-c{plan.chunk_tokens}-p2"
+    # overestimated a 5,000-token prefill by 60%); "k": scaled by the co-run slowdown of
+    # that many nodes. A cached file of an older kind is not reused
+    tag = f"{name}-b{plan.block_tokens}-c{plan.chunk_tokens}-p2-k{busy}"
     path = private_dir(cache_dir) / f"costmodel-{tag}.json"
     if path.exists():
         return path
@@ -364,6 +369,10 @@ def ensure_cost_model(plan: LocalPlan, cache_dir: Path,
             info, dtype, plan.block_tokens, plan.chunk_tokens, [64, 256, 512, 1024, 2048, 4096],
             [0.0, 0.5], [1, 4, 16], [64, 256], 4, 1, capacity, 2e9, on_progress,
         )  # fmt: skip
+        corun = measure_corun(
+            info, dtype, plan.block_tokens, plan.chunk_tokens, busy, progress=on_progress
+        )
+        model = scale_cost_model(model, corun)
     finally:
         torch.set_num_threads(threads)
     with tempfile.TemporaryDirectory() as tmp:  # save() follows symlinks; write_private not

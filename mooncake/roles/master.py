@@ -109,6 +109,7 @@ class Master:
         self.metrics.register(StoreCollector(self.store.stats))
         self.metrics.register(ClusterCollector(self.backend.counters, self.registry, self.lock))
         self.stats = RequestStats()
+        self.backend.phases.register_metrics(self.metrics)
         # NOTE: /metrics follows [metrics]: off when disabled, on its own port (no key: bind
         # metrics.host to a private address) when metrics.port is set, else on the API port
         # behind the API keys
@@ -343,6 +344,7 @@ class Master:
             num_queued=s.num_waiting, num_running=s.num_streaming,
             ttft_slo_s=sched.ttft_slo_s, tbt_slo_s=sched.tbt_slo_s,
             transfer_bytes_per_s=kv_rate, pool_hits=c.hits, pool_lookups=c.lookups,
+            ttft_phases=self.backend.phases.summary(),
             **s.status_fields(),
         )  # fmt: skip
 

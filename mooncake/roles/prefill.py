@@ -59,6 +59,7 @@ from mooncake.roles.messages import (
     TokensMsg,
 )
 from mooncake.roles.prefillflow import Flight, PrefillFlow
+from mooncake.roles.taskqueue import TaskQueue
 from mooncake.roles.worker import Worker, close_pool, connect_pool, load_worker, mount_local_tiers
 from mooncake.rpc import RpcServer
 
@@ -73,9 +74,7 @@ class PrefillNode:
     def __init__(self, ctx: NodeContext):
         self.ctx = ctx
         cfg = ctx.config
-        self.tasks: queue.Queue[PrefillTaskMsg | None] = queue.Queue()
-        self.queued: set[int] = set()  # req ids in `tasks`
-        self.aborted: set[int] = set()  # of those, the ones to skip
+        self.tasks = TaskQueue()  # waiting to begin, in the Conductor's order
         self.num_inflight = 0  # tasks between begin and finish
         self.done: queue.Queue[Flight | None] = queue.Queue()  # begun, for the completer
         self._slots = threading.BoundedSemaphore(cfg.prefill.max_inflight)
@@ -150,13 +149,11 @@ class PrefillNode:
             raise MooncakeError(
                 f"node {self.ctx.node_id} is stage {self.group.stage}, not a leader"
             )
-        self.queued.add(msg.req_id)
         self.tasks.put(msg)
         return AckMsg()
 
     def _on_abort(self, msg: PrefillAbortMsg, _peer: object) -> AckMsg:
-        if msg.req_id in self.queued:  # only a task still waiting can be skipped
-            self.aborted.add(msg.req_id)
+        self.tasks.abort(msg.req_id)  # NOTE: only a task still waiting can be skipped
         return AckMsg()
 
     def _load(self) -> NodeLoadMsg:
@@ -193,7 +190,7 @@ class PrefillNode:
             report_ready(node_id=self.ctx.node_id, role="prefill", stage=g.stage, group=g.group_id)
         self.ctx.stop.wait()
         self.link.drain()  # queued tasks still run; nothing new is placed here
-        self.tasks.put(None)
+        self.tasks.close()
         worker.join(timeout=30)
         self.done.put(None)  # NOTE: after the worker: tasks begun still finish
         completer.join(timeout=30)
@@ -225,10 +222,6 @@ class PrefillNode:
     def _work(self) -> None:
         """Begin tasks in order, up to [prefill] max_inflight at once."""
         while (task := self.tasks.get()) is not None:
-            self.queued.discard(task.req_id)
-            if task.req_id in self.aborted:
-                self.aborted.discard(task.req_id)
-                continue
             self._slots.acquire()
             with self._flight_ended:
                 self.num_inflight += 1
@@ -257,7 +250,6 @@ class PrefillNode:
             except ReuseMismatchError as e:  # a later stage could not load every reused block
                 log.warning("req %d: %s; prefilling again with less reuse", flight.task.req_id, e)
                 task = msgspec.structs.replace(flight.task, max_reuse_blocks=e.num_good_blocks)
-                self.queued.add(task.req_id)
                 self.tasks.put(task)
             except TransferError as e:
                 link = flight.answers.link if flight.answers is not None else None

@@ -33,7 +33,7 @@ from mooncake.engine.stagelink import (
 from mooncake.engine.stagelisten import StageListener
 from mooncake.engine.stageserver import StageServer
 from mooncake.engine.weights import create_model
-from mooncake.errors import AuthError
+from mooncake.errors import AuthError, TransferError
 from mooncake.hashing import PrefixHasher
 from tests.engine.conftest import BLOCK, prompt
 
@@ -241,3 +241,41 @@ def test_a_slow_stage_with_a_backlog_of_chunks_meets_its_deadline(tiny_info, tin
         server.join(timeout=30)
     expected = PrefillRunner(tiny, PagedKVCache.for_model(tiny, 16, BLOCK), chunk_tokens=10)
     torch.testing.assert_close(got.logits, expected.prefill(ids).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_a_prompt_is_registered_while_another_thread_reads_the_link_for_an_earlier_one():
+    """The leader's worker registers its next prompt (`Answers.expect`) while the completer
+    waits on the link for an earlier prompt's answer: registering must not wait for that
+    answer, or the group runs one prompt at a time (stage 0 idle while stage 1 computes)."""
+    from mooncake.engine.pipeline import Answers
+
+    up, down = local_link_pair()
+    answers = Answers(up, 2, stage_timeout_s=30.0)
+    first = answers.expect(1, has_plan=False)
+    answers.sent(first, 1)
+    ended: list[BaseException] = []
+
+    def read() -> None:
+        try:
+            answers.wait(first)
+        except TransferError as e:  # the link closes at the end of the test
+            ended.append(e)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    time.sleep(0.05)  # the reader is now blocked on the silent link
+    registered = threading.Event()
+
+    def register() -> None:
+        answers.expect(2, has_plan=False)
+        registered.set()
+
+    threading.Thread(target=register, daemon=True).start()
+    try:
+        assert registered.wait(5.0), "expect() waited for the reader of an earlier prompt"
+        assert reader.is_alive()  # its answer has not come: it still waits
+    finally:
+        up.close()
+        down.close()
+        reader.join(timeout=5.0)
+    assert ended, "the reader ends when the link closes"

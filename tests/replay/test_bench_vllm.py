@@ -131,6 +131,13 @@ def test_each_server_is_started_on_the_same_checkpoint_cpus_and_block_size(
         assert ("--no-pool" in spec.argv) == (name == "up-local-no-pool")
         assert spec.argv[spec.argv.index("--block-tokens") + 1] == "32"
         assert "prefill.chunk_tokens=128" in spec.argv and spec.ready_text
+        # the cluster admits by the SLOs its figures are judged by (a --set still wins)
+        sets = [spec.argv[i + 1] for i, a in enumerate(spec.argv) if a == "--set"]
+        assert sets[:2] == [
+            f"scheduler.ttft_slo_s={plan.ttft_slo_s}",
+            f"scheduler.tbt_slo_s={plan.tbt_slo_s}",
+        ]
+        assert sets[-1] == "prefill.chunk_tokens=128"
         # its runfile in this run's directory: never the user's own cluster's
         assert spec.env["XDG_RUNTIME_DIR"].startswith(str(tmp_path))
     assert all(spec.argv[spec.argv.index("--model") + 1] == "/ckpt" for spec in specs.values())
