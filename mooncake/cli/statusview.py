@@ -281,6 +281,14 @@ def metrics_table(status: Status) -> Table:
             (f"  SLO {latency(slo)}", "dim"),
         )
         table.add_row(name, row)
+    if (ph := s.ttft_phases) is not None and ph.num_requests:
+        ratio = ph.predicted_over_actual_p50
+        predicted = f"  Conductor's prediction x{ratio:.2f}" if ratio is not None else ""
+        table.add_row(
+            "TTFT P50 in",
+            f"queue {latency(ph.queue_p50_s)}  prefill {latency(ph.prefill_p50_s)}  "
+            f"first step {latency(ph.first_step_p50_s)}{predicted}",
+        )
     table.add_row(
         "requests",
         Text.assemble(

@@ -206,3 +206,25 @@ def test_addresses_show_as_host_port_and_kv_moved_per_transport_fits_80() -> Non
         assert "decode-0 - 3.0 GiB - prefill-0 9.0 MiB - 4.6 KiB" in body
     # no line before any node moved bytes
     assert "KV moved" not in to_text(render_status(make_status(), "http://m:8000", 80), 80)
+
+
+def test_view_shows_where_ttft_went_against_the_conductors_prediction() -> None:
+    from mooncake.api.status import TtftPhases
+
+    phases = TtftPhases(
+        num_requests=40,
+        queue_p50_s=2.5,
+        queue_p90_s=9.0,
+        prefill_p50_s=1.25,
+        prefill_p90_s=3.0,
+        first_step_p50_s=0.04,
+        first_step_p90_s=0.1,
+        predicted_over_actual_p50=0.62,
+    )
+    body = flat(to_text(render_status(make_status(ttft_phases=phases), "http://m:8000", 80), 80))
+    assert (
+        "TTFT P50 in queue 2.50 s prefill 1.25 s first step 40 ms Conductor's prediction x0.62"
+        in body
+    )
+    empty = flat(to_text(render_status(make_status(), "http://m:8000", 80), 80))
+    assert "TTFT P50 in" not in empty  # no phases before any request (or from `serve`)
