@@ -7,24 +7,31 @@ and a cost model profiled alone prices every request that much too fast, so the 
 admits more than the host can serve within the SLO.
 
 `measure_corun` measures it on this host: a prefill of `tokens` tokens and a decode step,
-each alone and then while `workers - 1` other threads (each with its own copy of the
-weights, as other processes have) run prefills back to back. torch releases the GIL inside
-its kernels, so the threads compute at once, as processes would. `scale_cost_model`
-multiplies a profile's prefill and decode polynomials by the factors measured.
+each alone and then while `workers - 1` other processes (each with its own copy of the
+weights, one thread each, as nodes run) run prefills back to back. Processes, not threads:
+a small model's step is mostly Python, and threads would measure the GIL instead of the
+host. `scale_cost_model` multiplies a profile's prefill and decode polynomials by the
+factors measured.
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import statistics
 import threading
 import time
 from collections.abc import Callable
+from multiprocessing.synchronize import Barrier as BarrierT
+from multiprocessing.synchronize import Event as EventT
 
 import msgspec
 
 from mooncake.conductor.costmodel import CorunFactors, CostModel, Poly2, Term
 from mooncake.engine.benchmarks import Bench, random_prompt
 from mooncake.engine.modelinfo import ModelInfo
+from mooncake.errors import MooncakeError
+
+READY_TIMEOUT_S = 120.0  # a co-running process loads its model (a checkpoint: from disk)
 
 
 def measure_corun(
@@ -34,7 +41,7 @@ def measure_corun(
     chunk_tokens: int,
     workers: int,
     tokens: int = 1024,
-    repeat: int = 3,
+    repeat: int = 5,
     progress: Callable[[str], None] = lambda _: None,
 ) -> CorunFactors:
     """The slowdown of a prefill and of a decode step with `workers` computing at once
@@ -44,9 +51,8 @@ def measure_corun(
     batch, context, steps = 4, 256, 4  # the decode step timed: 4 requests of 256 tokens
     blocks = max(-(-tokens // block_tokens), batch * -(-(context + steps) // block_tokens)) + 8
     progress(f"co-run: {workers} prefills at once, {tokens} tokens each")
-    benches = [Bench(info, dtype, block_tokens, chunk_tokens, blocks) for _ in range(workers)]
-    ids = random_prompt(tokens, benches[0].vocab, seed=11)
-    main = benches[0]
+    main = Bench(info, dtype, block_tokens, chunk_tokens, blocks)
+    ids = random_prompt(tokens, main.vocab, seed=11)
 
     def prefill() -> float:
         t0 = time.perf_counter()
@@ -58,27 +64,57 @@ def measure_corun(
 
     alone_p = statistics.median(prefill() for _ in range(repeat))
     alone_d = statistics.median(step() for _ in range(repeat))
-    stop = threading.Event()
-
-    def loop(b: Bench) -> None:
-        while not stop.is_set():
-            b.run(b.plain, ids)
-
-    others = [threading.Thread(target=loop, args=(b,), daemon=True) for b in benches[1:]]
-    for t in others:
-        t.start()
+    ctx = multiprocessing.get_context("spawn")  # NOTE: no fork of a process running torch
+    stop, ready = ctx.Event(), ctx.Barrier(workers)
+    args = (info.path, dtype, block_tokens, chunk_tokens, blocks, ids, ready, stop)
+    others = [ctx.Process(target=_prefill_loop, args=args, daemon=True) for _ in range(workers - 1)]
+    for p in others:
+        p.start()
     try:
+        try:
+            ready.wait(timeout=READY_TIMEOUT_S)  # every other process computes from now on
+        except threading.BrokenBarrierError as e:
+            codes = [p.exitcode for p in others]
+            raise MooncakeError(
+                f"co-run profile: {workers - 1} model processes did not start within "
+                f"{READY_TIMEOUT_S:g} s (exit codes {codes}); see the log above"
+            ) from e
         busy_p = statistics.median(prefill() for _ in range(repeat))
         busy_d = statistics.median(step() for _ in range(repeat))
     finally:
         stop.set()
-        for t in others:
-            t.join()
+        for p in others:
+            p.join(timeout=READY_TIMEOUT_S)
+            if p.is_alive():
+                p.kill()
     return CorunFactors(
         busy=workers,
         prefill=max(1.0, busy_p / alone_p),
         decode=max(1.0, busy_d / alone_d),
     )
+
+
+def _prefill_loop(
+    model: str,
+    dtype: str,
+    block_tokens: int,
+    chunk_tokens: int,
+    blocks: int,
+    ids: list[int],
+    ready: BarrierT,
+    stop: EventT,
+) -> None:
+    """A co-running node: its own weights, one thread, prefills until `stop`."""
+    import torch
+
+    from mooncake.engine.modelinfo import load_model_info
+
+    torch.set_num_threads(1)
+    bench = Bench(load_model_info(model), dtype, block_tokens, chunk_tokens, blocks)
+    bench.run(bench.plain, ids)
+    ready.wait(timeout=READY_TIMEOUT_S)
+    while not stop.is_set():
+        bench.run(bench.plain, ids)
 
 
 def _scaled(poly: Poly2, factor: float) -> Poly2:
