@@ -95,12 +95,15 @@ class SegmentTable:
         # to drop its connections, which frees the loop)
         self.on_stuck: Callable[[], object] = lambda: None
 
-    def register(self, name: str, buffer: Any, location: str | None = None) -> Region:
+    def register(
+        self, name: str, buffer: Any, location: str | None = None, view: BufferView | None = None
+    ) -> Region:
         """Register `buffer` (no copy) under `name`; raises TransferError if the name is taken
-        or the buffer cannot be written in place."""
+        or the buffer cannot be written in place. `view`: its bytes as the caller's staging
+        sees them (device memory), else made here."""
         check_name(name)
         try:
-            view = buffer_view(buffer, location)
+            view = view or buffer_view(buffer, location)
         except ValueError as e:
             raise TransferError(f"cannot register segment {name!r}: {e}") from e
         array = np.frombuffer(view.mv, dtype=np.uint8) if view.mv is not None else None
