@@ -23,9 +23,9 @@ SIZES = [1, CHUNK - 1, CHUNK, 2 * CHUNK, 3 * CHUNK + 4097]  # chunk multiples an
 
 def _engine(name: str, protocol: str, staging: CpuStaging | None) -> TransferEngine:
     opts = EngineOptions(
-        protocol=protocol,
+        protocol=protocol,  # type: ignore[arg-type]
         slice_bytes=4096,
-        group_bytes=8192,  # type: ignore[arg-type]
+        group_bytes=8192,
         timeout_s=10.0,
         stage_chunk_bytes=CHUNK,
         copy_threads=2,
