@@ -88,6 +88,19 @@ class NodeContext:
         return cudamap.gpu_of(device, self.visible_gpus)
 
     @property
+    def arena_location(self) -> str:
+        """ "cpu:N" for this node's host arenas: the NUMA node of the GPU torch uses, else
+        the node with the most usable NICs, else 0."""
+        gpu = self.gpu("cuda:0")
+        if gpu is not None and gpu.numa_node is not None:
+            return f"cpu:{gpu.numa_node}"
+        usable = set(self.topology.usable_nic_names)
+        nodes = [
+            n.numa_node for n in self.topology.nics if n.name in usable and n.numa_node is not None
+        ]
+        return f"cpu:{max(set(nodes), key=nodes.count)}" if nodes else "cpu:0"
+
+    @property
     def nic_preference(self) -> dict[str, NicPreference]:
         """The topology's NIC preference keyed as this process's tensors are ("cuda:i" is
         torch's device i), for its Transfer Engines."""

@@ -31,6 +31,7 @@ def tier_sizes(ctx: NodeContext) -> TierSizes:
         ssd_bytes=ssd_bytes(cfg.ssd_bytes, cfg.ssd_path),
         ssd_path=cfg.ssd_path,
         vram_device="cuda:0",
+        dram_location=ctx.arena_location,
     )
     if not (sizes.vram_bytes or sizes.dram_bytes or sizes.ssd_bytes):
         raise ConfigError("store: this store node would give the pool nothing; set "

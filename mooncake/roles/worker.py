@@ -109,6 +109,7 @@ def mount_local_tiers(ctx: NodeContext) -> StoreNode | None:
         dram_bytes=cfg.dram_bytes.resolve(vm.available),
         ssd_bytes=ssd_bytes(cfg.ssd_bytes, cfg.ssd_path),
         ssd_path=cfg.ssd_path,
+        dram_location=ctx.arena_location,
     )
     if not (sizes.dram_bytes or sizes.ssd_bytes):
         return None

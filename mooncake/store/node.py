@@ -58,6 +58,7 @@ class TierSizes:
     ssd_bytes: int = 0
     ssd_path: str = ""  # directory of the SSD tier file
     vram_device: str = "cuda:0"  # torch device of the VRAM arena ("cpu" in tests)
+    dram_location: str = "cpu:0"  # NUMA node of the DRAM arena (its NICs' or GPU's)
 
 
 def populate(array: np.ndarray) -> None:
@@ -113,7 +114,9 @@ class StoreNode:
                     self.engine, f"{node_id}.vram", sizes.vram_bytes, sizes.vram_device
                 )
             if sizes.dram_bytes:
-                self.tiers["dram"] = DramTier(self.engine, f"{node_id}.dram", sizes.dram_bytes)
+                self.tiers["dram"] = DramTier(
+                    self.engine, f"{node_id}.dram", sizes.dram_bytes, sizes.dram_location
+                )
             if sizes.ssd_bytes:
                 if not sizes.ssd_path:
                     raise StoreError("store.ssd_bytes is set but store.ssd_path is empty; "

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from mooncake.errors import TransferError
+from mooncake.native import numa
 from mooncake.native.dataloop import SegmentIndex
 from mooncake.native.memory import BufferView, buffer_view
 from mooncake.native.shm import ShmArena, new_name
@@ -110,11 +111,13 @@ class SegmentTable:
         return self._add(Region(name, secrets.randbits(64) or 1, view, array))
 
     def allocate(self, name: str, num_bytes: int, location: str = "cpu:0") -> Region:
-        """Create a zero-filled shared-memory segment, so peers on this host can map it."""
+        """Create a zero-filled shared-memory segment, so peers on this host can map it;
+        its pages go to the NUMA node of `location` ("cpu:N") where the host has several."""
         check_name(name)
         if num_bytes <= 0:
             raise TransferError(f"segment {name!r}: size must be > 0 bytes, got {num_bytes}")
         arena = ShmArena.create(num_bytes, new_name(name))
+        numa.place(arena.array, location)  # NOTE: before any page is touched
         view = buffer_view(arena.array, location)
         region = Region(name, secrets.randbits(64) or 1, view, arena.array, arena=arena)
         try:

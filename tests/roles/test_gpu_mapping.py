@@ -91,7 +91,7 @@ def test_kv_cache_sized_from_the_visible_gpu(h100: Topology, visible_5: None) ->
 
 def test_store_engines_get_the_nic_preference(h100: Topology, visible_5: None) -> None:
     """The node's own tiers (StoreNode) and its Store client are built with the topology's
-    NIC preference, keyed by torch's device index."""
+    NIC preference, keyed by torch's device index; the DRAM arena is on the GPU's node."""
     master = start_master()
     try:
         ctx = _context(h100, master.address.removeprefix("tcp://"), **{"store.dram_bytes": "1MiB"})
@@ -100,6 +100,10 @@ def test_store_engines_get_the_nic_preference(h100: Topology, visible_5: None) -
         try:
             assert node.engine.nic_preference["cuda:0"].preferred == ["mlx5_5"]
             assert node.engine.nic_preference["cpu:0"] == h100.nic_preference["cpu:0"]
+            # the DRAM arena lives on GPU 5's NUMA node (socket 1), where its NIC is
+            assert ctx.arena_location == "cpu:1"
+            dram = node.engine.segments.get("n-gpu.dram")
+            assert dram is not None and dram.location == "cpu:1"
         finally:
             node.stop()
         # connect_pool reads only the worker's layout and fingerprint
