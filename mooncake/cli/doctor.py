@@ -7,6 +7,7 @@ from pathlib import Path
 import typer
 
 from mooncake.cli.app import app
+from mooncake.cli.output import sysfs_root_option
 
 _STYLE = {"pass": "green", "warn": "yellow", "fail": "bold red", "skip": "dim"}
 
@@ -32,13 +33,7 @@ def doctor(
         help='Print {"checks": [{name, status, detail, fix}], "summary": {pass, warn, fail, '
         'skip}, "ok": bool} instead of the table.',
     ),
-    sysfs_root: Path = typer.Option(
-        Path("/sys"),
-        "--sysfs-root",
-        metavar="PATH",
-        help="Read sysfs from PATH instead of /sys (a recorded tree); NVML, limits and the "
-        "environment are still this machine's.",
-    ),
+    sysfs_root: Path = sysfs_root_option("NVML, limits and the environment"),
 ) -> None:
     """Run the checks and print them."""
     from rich.table import Table

@@ -382,6 +382,7 @@ class TransferEngine:
     def close(self) -> None:
         """Stop the server and every transport, and unregister every segment."""
         self.server.close()
+        self._stage_path.close()
         for t in self._transports.values():
             t.close()
         self._pool.close()

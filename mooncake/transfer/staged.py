@@ -52,6 +52,11 @@ class StagePath(Path):
         for s in slices:
             self._pool.submit(self._run, s)
 
+    def close(self) -> None:
+        """Wait for the staged requests under way (their batches end), then stop."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+
     def _run(self, s: Slice) -> None:
         if not s.batch.is_live(s.index):
             return
