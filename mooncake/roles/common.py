@@ -88,9 +88,9 @@ class NodeContext:
         return cudamap.gpu_of(device, self.visible_gpus)
 
     @property
-    def arena_location(self) -> str:
+    def arena_location(self) -> str | None:
         """ "cpu:N" for this node's host arenas: the NUMA node of the GPU torch uses, else
-        the node with the most usable NICs, else 0."""
+        the node with the most usable NICs; None when neither is known."""
         gpu = self.gpu("cuda:0")
         if gpu is not None and gpu.numa_node is not None:
             return f"cpu:{gpu.numa_node}"
@@ -98,7 +98,7 @@ class NodeContext:
         nodes = [
             n.numa_node for n in self.topology.nics if n.name in usable and n.numa_node is not None
         ]
-        return f"cpu:{max(set(nodes), key=nodes.count)}" if nodes else "cpu:0"
+        return f"cpu:{max(sorted(set(nodes)), key=nodes.count)}" if nodes else None
 
     @property
     def nic_preference(self) -> dict[str, NicPreference]:

@@ -58,7 +58,7 @@ class TierSizes:
     ssd_bytes: int = 0
     ssd_path: str = ""  # directory of the SSD tier file
     vram_device: str = "cuda:0"  # torch device of the VRAM arena ("cpu" in tests)
-    dram_location: str = "cpu:0"  # NUMA node of the DRAM arena (its NICs' or GPU's)
+    dram_location: str | None = None  # "cpu:N": the DRAM arena's NUMA node (its NICs')
 
 
 def populate(array: np.ndarray) -> None:

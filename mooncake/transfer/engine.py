@@ -157,8 +157,9 @@ class TransferEngine:
         view = self._staging.device_view(buffer, location) if self._staging else None
         return self._publish(self.segments.register(name, buffer, location, view))
 
-    def allocate(self, name: str, num_bytes: int, location: str = "cpu:0") -> Any:
-        """A new zero-filled shared-memory segment; returns its uint8 numpy array."""
+    def allocate(self, name: str, num_bytes: int, location: str | None = None) -> Any:
+        """A new zero-filled shared-memory segment; returns its uint8 numpy array. A
+        `location` "cpu:N" places it on NUMA node N; None: "cpu:0", pages where touched."""
         region = self.segments.allocate(name, num_bytes, location)
         self._publish(region)
         return region.array

@@ -110,15 +110,17 @@ class SegmentTable:
         array = np.frombuffer(view.mv, dtype=np.uint8) if view.mv is not None else None
         return self._add(Region(name, secrets.randbits(64) or 1, view, array))
 
-    def allocate(self, name: str, num_bytes: int, location: str = "cpu:0") -> Region:
+    def allocate(self, name: str, num_bytes: int, location: str | None = None) -> Region:
         """Create a zero-filled shared-memory segment, so peers on this host can map it;
-        its pages go to the NUMA node of `location` ("cpu:N") where the host has several."""
+        its pages go to the NUMA node of `location` ("cpu:N") where the host has several
+        (None: labelled "cpu:0", its pages wherever they are first touched)."""
         check_name(name)
         if num_bytes <= 0:
             raise TransferError(f"segment {name!r}: size must be > 0 bytes, got {num_bytes}")
         arena = ShmArena.create(num_bytes, new_name(name))
-        numa.place(arena.array, location)  # NOTE: before any page is touched
-        view = buffer_view(arena.array, location)
+        if location is not None:
+            numa.place(arena.array, location)  # NOTE: before any page is touched
+        view = buffer_view(arena.array, location or "cpu:0")
         region = Region(name, secrets.randbits(64) or 1, view, arena.array, arena=arena)
         try:
             return self._add(region)
