@@ -13,7 +13,6 @@ import pytest
 
 from mooncake.configload import load_config
 from mooncake.engine.modelinfo import load_model_info
-from mooncake.native.cudamap import torch_keyed, visible_gpus
 from mooncake.roles.common import NodeContext
 from mooncake.roles.worker import cache_blocks, connect_pool, mount_local_tiers
 from mooncake.sizes import Size
@@ -35,6 +34,8 @@ def h100(tmp_path_factory: pytest.TempPathFactory) -> Topology:
 
 
 def _indices(h100: Topology, value: str | None, **kw: Any) -> list[int]:
+    from mooncake.native.cudamap import visible_gpus
+
     env = {} if value is None else {"CUDA_VISIBLE_DEVICES": value}
     return [g.index for g in visible_gpus(h100.gpus, env, **kw)]
 
@@ -56,6 +57,8 @@ def test_visible_devices_by_index_and_by_uuid(h100: Topology) -> None:
 def test_nic_preference_keyed_by_torch_index(h100: Topology) -> None:
     """Under CUDA_VISIBLE_DEVICES=5,2 torch's cuda:0 is GPU 5: its preferred NIC is
     mlx5_5 (NVML's cuda:0 would give mlx5_0, a NIC behind another switch)."""
+    from mooncake.native.cudamap import torch_keyed, visible_gpus
+
     keyed = torch_keyed(
         h100.nic_preference, visible_gpus(h100.gpus, {"CUDA_VISIBLE_DEVICES": "5,2"})
     )
@@ -82,11 +85,11 @@ def test_kv_cache_sized_from_the_visible_gpu(h100: Topology, visible_5: None) ->
     10 GiB would have given."""
     ctx = _context(h100)
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "5"
-    assert ctx.gpu("cuda:0") == h100.gpus[5]
     info = load_model_info("dummy:tiny")
     blocks = cache_blocks(Size.parse("50%"), ctx, info, "float32", 2, 16, "cuda:0")
     per_block = 2 * 2 * 16 * info.spec.num_kv_heads * info.spec.head_dim * 4
     assert blocks == (15 * GIB // 2) // per_block
+    assert ctx.gpu("cuda:0") == h100.gpus[5]
 
 
 def test_store_engines_get_the_nic_preference(h100: Topology, visible_5: None) -> None:
