@@ -101,7 +101,7 @@ class TargetCache:
         self._protocol = protocol  # "auto" or the one to force
         self._lookup = lookup  # name -> descriptor (own segments, then the directory)
         self._targets: dict[tuple[str, bool], Target] = {}  # (name, local on device) ->
-        self._logged: set[tuple[str, str]] = set()  # (peer endpoint, transport) logged
+        self._logged: set[tuple[str, str, bool]] = set()  # (peer, transport, on device)
         self._lock = threading.Lock()
 
     def peek(self, name: str, on_device: bool = False) -> Target | None:
@@ -121,21 +121,25 @@ class TargetCache:
             )
         transport = self.choose(desc, on_device)
         target = transport.open(desc)
-        self._log_choice(desc, transport)
+        self._log_choice(desc, transport, on_device)
         with self._lock:
             return self._targets.setdefault((name, on_device), target)
 
-    def _log_choice(self, desc: SegmentDesc, transport: BaseTransport) -> None:
-        """Log, once per peer endpoint and transport, which transport reaches it and why."""
+    def _log_choice(self, desc: SegmentDesc, transport: BaseTransport, on_device: bool) -> None:
+        """Log, once per peer endpoint, transport and kind of local buffer, which transport
+        reaches it and why."""
         if transport.name == "local":
             return
         ep = desc.endpoints[0] if desc.endpoints else None
         peer = f"{ep.host}:{ep.port}" if ep else desc.node
         with self._lock:
-            if (peer, transport.name) in self._logged:
+            if (peer, transport.name, on_device) in self._logged:
                 return
-            self._logged.add((peer, transport.name))
+            self._logged.add((peer, transport.name, on_device))
         why = self.reason(desc, transport.name)
+        if on_device:
+            how = "read in place" if transport.name == "rdma" else "staged through host memory"
+            why = f"{why}; the local buffer is device memory, {how}"
         log.info("peer %s (%s): %s: %s", peer, desc.node, transport.name, why)
 
     def reason(self, desc: SegmentDesc, chosen: str) -> str:
