@@ -179,10 +179,11 @@ def _nic(f: Facts, nic: NicInfo) -> Check:
     active = [p for p in nic.ports if p.is_active]
     if not active:
         states = ", ".join(f"port {p.port} {p.state}" for p in nic.ports) or "no port"
+        others = [n.name for n in f.topology.nics if n.is_active]
         return Check(
             name,
-            "fail",
-            states,
+            "warn" if others else "fail",  # NOTE: the others still carry transfers
+            f"{states}: not used" + (f" ({', '.join(others)} are)" if others else ", no NIC is"),
             "bring the link up (cable, switch port; `ibstat`, `ip link`) or leave the "
             "NIC out with transfer.nics",
         )

@@ -108,6 +108,13 @@ def test_down_port_memlock_and_missing_pyverbs_fail(tmp_path: Path) -> None:
     assert found["pyverbs"].status == "fail"
 
 
+def test_one_down_nic_among_active_ones_warns(tmp_path: Path) -> None:
+    h100 = with_changes(load_machine("dgx_h100"), {"infiniband/mlx5_3/ports/1/state": "1: DOWN"})
+    found = _by_name(check_node(_facts(h100, tmp_path, modules=READY)))
+    assert found["rdma mlx5_3"].status == "warn" and "DOWN: not used" in found["rdma mlx5_3"].detail
+    assert found["gpu-nic cuda:3"].status == "pass"  # its GPU falls back to another NIC
+
+
 def test_gpu_registration_peermem_dmabuf_or_neither(tmp_path: Path) -> None:
     h100 = load_machine("dgx_h100")
     dmabuf = _facts(h100, tmp_path / "a", modules={"nvidia": "550.54.15"})

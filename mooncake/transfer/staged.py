@@ -72,8 +72,9 @@ class StagePath(Path):
         except Exception as e:  # a CUDA error: fail this request, keep the thread
             log.exception("staging %r failed", s)
             s.batch.fail(s.index, f"staging device memory failed: {e}")
-        else:
-            self._engine._report_done([s])
+        else:  # NOTE: the chunks' sub-batches counted the bytes per transport already
+            self.record_success(s.length)
+            s.batch.slices_done([s])
 
     def _mover(self, s: Slice) -> Callable[[np.ndarray, int], Callable[[], None]]:
         """Moves one chunk (a bounce buffer at `pos` of the request) as a host sub-batch."""
