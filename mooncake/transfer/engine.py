@@ -290,17 +290,7 @@ class TransferEngine:
                 self._stage_path.add(batch, i, local, target, by_path)  # device: staged
             else:
                 ps = self._pathset(target, local.location)
-                cut(
-                    batch,
-                    i,
-                    local,
-                    r.local_offset,
-                    target,
-                    r.remote_offset,
-                    ps,
-                    self.options,
-                    by_path,
-                )
+                cut(batch, i, local, r.local_offset, target, ps, self.options, by_path)
         return batch, by_path
 
     def _check(self, r: TransferRequest) -> tuple[Region, Target]:

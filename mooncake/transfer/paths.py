@@ -150,15 +150,15 @@ def cut(
     local: Any,
     local_offset: int,
     target: Any,
-    remote_offset: int,
     pathset: PathSet,
     options: EngineOptions,
     by_path: dict[Any, list[Slice]],
 ) -> None:
     """Cut request `i` of `batch` (from `local_offset` of the `local` Region, into `target`
-    at `remote_offset`) into slices of its transport's size, each added to its path's list
-    in `by_path`; fails the request when every path of `pathset` is paused."""
+    at the request's remote offset) into slices of its transport's size, each added to its
+    path's list in `by_path`; fails the request when every path of `pathset` is paused."""
     r, step = batch.requests[i], target.transport.slice_bytes(options)
+    remote_offset = r.remote_offset
     if r.length <= step:  # one slice (most requests): the loop below in fewer steps
         paths = pathset.spread(1)
         if paths:

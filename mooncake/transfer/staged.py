@@ -96,7 +96,7 @@ class StagePath(Path):
             by_path: dict[Any, list[Slice]] = {}
             local = bounce_region(chunk, s.local.location)
             pathset = engine._pathset(s.target, local.location)
-            cut(sub, 0, local, 0, s.target, s.remote_offset + pos, pathset, engine.options, by_path)
+            cut(sub, 0, local, 0, s.target, pathset, engine.options, by_path)
             for path, slices in by_path.items():
                 path.dispatch(slices)
 
