@@ -15,7 +15,7 @@ import os
 import platform
 import resource
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
@@ -52,20 +52,25 @@ class Facts:
     torch_uuids: list[str] | None = None  # what torch sees, when it has CUDA
     kernel: tuple[int, int] = (0, 0)  # running kernel's (major, minor)
     has_pyverbs: bool = False
+    # (device, port) -> active MTU in bytes, as ibv_query_port says (pyverbs); {} unknown
+    verbs_mtus: Mapping[tuple[str, int], int] = field(default_factory=dict)
 
 
 def gather(sysfs_root: Path = sysfs.DEFAULT_SYSFS_ROOT) -> Facts:
     """This host's facts (reads only)."""
     soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     major, minor = (platform.release().split(".") + ["0", "0"])[:2]
+    topology = detect_topology(sysfs_root)
+    ports = [(n.name, p.port) for n in topology.nics for p in n.ports if p.is_active]
     return Facts(
-        topology=detect_topology(sysfs_root),
+        topology=topology,
         sysfs_root=sysfs_root,
         env=dict(os.environ),
         memlock_bytes=None if soft == resource.RLIM_INFINITY else soft,
         torch_uuids=cudamap.torch_uuids(),
         kernel=(int(major), int("".join(c for c in minor if c.isdigit()) or 0)),
         has_pyverbs=verbs_info.read_verbs_devices(None).is_installed,
+        verbs_mtus=verbs_info.read_active_mtus(ports) if ports else {},
     )
 
 
@@ -189,8 +194,18 @@ def _nic(f: Facts, nic: NicInfo) -> Check:
         )
     port = active[0]
     what = f"port {port.port} ACTIVE, {port.link_layer or '?'}, {port.rate_gbps:g} Gb/s"
+    verbs_mtu = f.verbs_mtus.get((nic.name, port.port))
     if port.link_layer != "Ethernet":
-        return Check(name, "pass", f"{what} (MTU from the subnet manager)")
+        if verbs_mtu is None:
+            return Check(name, "pass", f"{what}, active MTU unknown (pyverbs could not say)")
+        if verbs_mtu < 4096:
+            return Check(
+                name,
+                "warn",
+                f"{what}, active MTU {verbs_mtu}",
+                "set the subnet manager's MTU (OpenSM: mtu 4096 for its partition)",
+            )
+        return Check(name, "pass", f"{what}, active MTU {verbs_mtu}")
     gids = sysfs.read_gid_table(nic.name, port.port, f.sysfs_root)
     v2 = [g for g in gids if g.is_roce_v2_ipv4]
     netdev = nic.netdevs[0] if nic.netdevs else "its netdev"
@@ -203,16 +218,17 @@ def _nic(f: Facts, nic: NicInfo) -> Check:
         )
     mtu = sysfs.read_netdev_mtu(netdev, f.sysfs_root) if nic.netdevs else None
     what += f", RoCE v2 GID index {v2[0].index}"
-    if mtu is None:
+    if mtu is None and verbs_mtu is None:
         return Check(name, "warn", f"{what}, MTU unknown", f"check `ip link show {netdev}`")
-    if active_mtu(mtu) < 4096:
+    rdma_mtu = verbs_mtu if verbs_mtu is not None else active_mtu(mtu or 0)
+    if rdma_mtu < 4096:
         return Check(
             name,
             "warn",
-            f"{what}, active MTU {active_mtu(mtu)} ({netdev} mtu {mtu})",
+            f"{what}, active MTU {rdma_mtu} ({netdev} mtu {mtu or '?'})",
             f"ip link set {netdev} mtu 9000 (and jumbo frames on the switch ports)",
         )
-    return Check(name, "pass", f"{what}, active MTU {active_mtu(mtu)}")
+    return Check(name, "pass", f"{what}, active MTU {rdma_mtu}")
 
 
 def _gid_list(gids: Sequence[GidEntry]) -> str:

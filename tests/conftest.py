@@ -23,15 +23,13 @@ def missing_gpu() -> str:
 @functools.cache
 def missing_rdma() -> str:
     """Why no test marked `rdma` can run here ("" when one can)."""
-    from mooncake.native import sysfs
+    from mooncake.native import sysfs, verbs_info
 
     nics = sysfs.read_rdma_nics(Path("/sys")) or []
     if not any(n.is_active for n in nics):
         found = ", ".join(n.name for n in nics) or "none in /sys/class/infiniband"
         return f"needs an RDMA device with an ACTIVE port (found: {found}): scripts/hwtest"
-    try:
-        import pyverbs.device  # noqa: F401
-    except ImportError:
+    if not verbs_info.read_verbs_devices(None).is_installed:
         return "needs pyverbs (apt install python3-pyverbs)"
     return ""
 

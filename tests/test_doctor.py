@@ -8,6 +8,7 @@ import json
 import os
 import socket
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from typer.testing import CliRunner
@@ -16,6 +17,7 @@ from mooncake.cli.app import app, load_verbs
 from mooncake.configload import load_config
 from mooncake.doctor import Check, Facts, active_mtu, check_node, gather
 from mooncake.doctorconfig import check_config
+from mooncake.native.verbs_info import read_active_mtus
 from mooncake.topology import detect_topology
 from tests.fakes.nvml import FakeNvml
 from tests.fakes.sysfs import build_sysfs, load_machine, with_changes
@@ -60,6 +62,7 @@ def test_ready_dgx_h100_passes_every_check(tmp_path: Path) -> None:
     assert [c for c in checks if c.status != "pass"] == []
     found = _by_name(checks)
     assert "8 GPUs" in found["nvidia driver"].detail
+    assert "active MTU unknown" in found["rdma mlx5_0"].detail  # no pyverbs answer given
     assert found["gpu-nic cuda:5"].detail.startswith("GPU 5 -> mlx5_5")
     assert len([c for c in checks if c.name.startswith("rdma mlx5_")]) == 8
 
@@ -106,6 +109,45 @@ def test_down_port_memlock_and_missing_pyverbs_fail(tmp_path: Path) -> None:
     assert found["rdma mlx5_0"].status == "fail" and "DOWN" in found["rdma mlx5_0"].detail
     assert found["locked memory"].status == "fail" and "ulimit -l" in found["locked memory"].fix
     assert found["pyverbs"].status == "fail"
+
+
+def test_infiniband_active_mtu_from_pyverbs(tmp_path: Path) -> None:
+    mtus = {(f"mlx5_{i}", 1): 4096 for i in range(8)} | {("mlx5_2", 1): 2048}
+    found = _by_name(
+        check_node(_facts(load_machine("dgx_h100"), tmp_path, modules=READY, verbs_mtus=mtus))
+    )
+    assert (
+        found["rdma mlx5_0"].status == "pass" and "active MTU 4096" in found["rdma mlx5_0"].detail
+    )
+    assert found["rdma mlx5_2"].status == "warn" and "subnet manager" in found["rdma mlx5_2"].fix
+
+
+class _FakeVerbsDevice:
+    """pyverbs.device's Context for ports whose ibv_query_port answers (enum ibv_mtu)."""
+
+    def __init__(self, mtus: dict[str, int]):
+        self.mtus, self.closed = mtus, 0
+
+    def Context(self, name: str) -> Any:  # noqa: N802 - pyverbs' name
+        if name not in self.mtus:
+            raise OSError(f"Failed to open device {name}")  # as PyverbsRDMAError would
+        outer, enum = self, self.mtus[name]
+
+        class _Ctx:
+            def query_port(self, port: int) -> Any:
+                return SimpleNamespace(active_mtu=enum)
+
+            def close(self) -> None:
+                outer.closed += 1
+
+        return _Ctx()
+
+
+def test_active_mtus_read_through_pyverbs() -> None:
+    fake = _FakeVerbsDevice({"mlx5_0": 5, "mlx5_1": 3})
+    got = read_active_mtus([("mlx5_0", 1), ("mlx5_1", 1), ("mlx5_9", 1)], fake)
+    assert got == {("mlx5_0", 1): 4096, ("mlx5_1", 1): 1024}  # mlx5_9 cannot be opened
+    assert fake.closed == 2
 
 
 def test_one_down_nic_among_active_ones_warns(tmp_path: Path) -> None:
