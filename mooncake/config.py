@@ -185,6 +185,15 @@ class TransferConfig(msgspec.Struct, **_STRUCT):
             ge=1,
         ),
     ] = 64
+    stage_chunk_bytes: Annotated[
+        int,
+        knob(
+            "GPU memory over tcp or shm moves through two pinned host buffers of this many "
+            "bytes each, copying one chunk while the other is on the wire (a size without %).",
+            "bytes",
+            ge=4096,
+        ),
+    ] = 4 << 20
 
 
 class ModelConfig(msgspec.Struct, **_STRUCT):

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 import typer
 
 from mooncake.cli.app import app
+from mooncake.cli.output import sysfs_root_option
 
 if TYPE_CHECKING:
     from mooncake.topology import Topology
@@ -123,13 +124,7 @@ def topo(
         help="Only these RDMA NICs may carry transfers (comma-separated, e.g. mlx5_0,mlx5_1), "
         "as transfer.nics in the config; empty = every detected NIC.",
     ),
-    sysfs_root: Path = typer.Option(
-        Path("/sys"),
-        "--sysfs-root",
-        metavar="PATH",
-        help="Read sysfs from PATH instead of /sys, for debugging a recorded tree; NVML, "
-        "pyverbs and psutil facts still come from this machine.",
-    ),
+    sysfs_root: Path = sysfs_root_option("NVML, pyverbs and psutil facts"),
 ) -> None:
     """Detect and print this node's topology."""
     from mooncake.cli.output import print_json

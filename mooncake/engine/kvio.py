@@ -65,10 +65,16 @@ class BaseKVPut(ABC):
 
     @abstractmethod
     def write_layer(
-        self, layer: int, block_indices: Sequence[int], k: Sequence[Tensor], v: Sequence[Tensor]
+        self,
+        layer: int,
+        block_indices: Sequence[int],
+        k: Sequence[Tensor],
+        v: Sequence[Tensor],
+        event: Any = None,
     ) -> None:
         """Queue layer `layer` of blocks `block_indices` (positions in `begin`'s lists); each
-        k/v is (block_tokens, kv_heads, head_dim). Returns at once."""
+        k/v is (block_tokens, kv_heads, head_dim). `event`: the CUDA event after the kernels
+        that wrote them (None on CPU), waited before they are read. Returns at once."""
 
     @abstractmethod
     def commit(self) -> None:
@@ -103,11 +109,21 @@ class _Put(BaseKVPut):
         self.num_committed = 0
 
     def write_layer(
-        self, layer: int, block_indices: Sequence[int], k: Sequence[Tensor], v: Sequence[Tensor]
+        self,
+        layer: int,
+        block_indices: Sequence[int],
+        k: Sequence[Tensor],
+        v: Sequence[Tensor],
+        event: Any = None,
     ) -> None:
-        self.pool.submit(self, lambda: self._write(layer, list(block_indices), list(k), list(v)))
+        idx, ks, vs = list(block_indices), list(k), list(v)
+        self.pool.submit(self, lambda: self._write(layer, idx, ks, vs, event))
 
-    def _write(self, layer: int, indices: list[int], ks: list[Tensor], vs: list[Tensor]) -> None:
+    def _write(
+        self, layer: int, indices: list[int], ks: list[Tensor], vs: list[Tensor], event: Any
+    ) -> None:
+        if event is not None:
+            event.synchronize()  # NOTE: the layer's kernels may still be writing k and v
         lay = self.pool.layout
         k_off, v_off, n = lay.k_offset(layer), lay.v_offset(layer), lay.half_bytes
         for i, k, v in zip(indices, ks, vs, strict=True):

@@ -215,6 +215,7 @@ class PrefillRunner:
                 st.stats.load_wait_s += time.perf_counter() - t0
             k, v = self.cache.layer(layer)
             h = model.layer(layer)(h, fb, k, v)
+            event = _kernel_event(k) if st.put is not None or st.stream is not None else None
             if st.put is not None and done:
                 ids = [st.block_ids[b] for b in done]
                 st.put.write_layer(
@@ -222,10 +223,11 @@ class PrefillRunner:
                     [b - st.first_store_block for b in done],
                     [k[i] for i in ids],
                     [v[i] for i in ids],
+                    event,
                 )
             if st.stream is not None:  # the first chunk also carries the reused prefix
                 lo = 0 if start == st.compute_start else start
-                st.stream.layer_done(layer, lo, end, _kernel_event(k))
+                st.stream.layer_done(layer, lo, end, event)
         if model.is_last and end == len(st.token_ids):
             st.logits = model.compute_logits(h[-1:])[0]
         return h

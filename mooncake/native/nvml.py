@@ -5,8 +5,9 @@ The NVML access goes through one seam: any object with the pynvml functions used
 nvmlDeviceGetUUID, nvmlDeviceGetMemoryInfo, nvmlDeviceGetPciInfo) and its `NVMLError`
 class. Production passes nothing and gets the real module; tests pass tests/fakes/nvml.py.
 
-GPU indices are NVML's, which enumerates in PCI bus order. CUDA's default order is
-"fastest first"; set CUDA_DEVICE_ORDER=PCI_BUS_ID so that cuda:N here is cuda:N in torch.
+GPU indices are NVML's, which enumerates every GPU of the host in PCI bus order; torch's
+cuda:N counts only the visible ones (CUDA_VISIBLE_DEVICES): native/cudamap.py maps one to
+the other.
 """
 
 from __future__ import annotations

@@ -287,3 +287,38 @@ def read_filesystems(sysfs_root: Path = DEFAULT_SYSFS_ROOT) -> list[FilesystemIn
 def natural_key(name: str) -> list[int | str]:
     """Sort key that orders mlx5_2 before mlx5_10."""
     return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
+
+
+class GidEntry(msgspec.Struct, frozen=True):
+    """One populated entry of a port's GID table (ports/<p>/gids/<i>, gid_attrs/types/<i>)."""
+
+    index: int
+    gid: str  # "0000:0000:0000:0000:0000:ffff:0a00:0007" (an IPv4-mapped RoCE v2 GID)
+    gid_type: str  # "RoCE v2", "IB/RoCE v1"; "" when the kernel does not say
+
+    @property
+    def is_roce_v2_ipv4(self) -> bool:
+        """A RoCE v2 GID made from an IPv4 address: routable over an L3 fabric."""
+        return self.gid_type == "RoCE v2" and self.gid.startswith("0000:0000:0000:0000:0000:ffff:")
+
+
+def read_gid_table(nic: str, port: int, sysfs_root: Path = DEFAULT_SYSFS_ROOT) -> list[GidEntry]:
+    """The non-zero GIDs of `nic`'s `port` with their types, by index."""
+    port_dir = sysfs_root / "class" / "infiniband" / nic / "ports" / str(port)
+    gids_dir = port_dir / "gids"
+    if not gids_dir.is_dir():
+        return []
+    entries = []
+    for path in sorted(
+        (p for p in gids_dir.iterdir() if p.name.isdigit()), key=lambda p: int(p.name)
+    ):
+        gid = read_text(path) or ""
+        if gid and gid.strip("0:"):
+            kind = read_text(port_dir / "gid_attrs" / "types" / path.name) or ""
+            entries.append(GidEntry(int(path.name), gid, kind))
+    return entries
+
+
+def read_netdev_mtu(netdev: str, sysfs_root: Path = DEFAULT_SYSFS_ROOT) -> int | None:
+    """The MTU of network interface `netdev` in bytes, or None when unreadable."""
+    return _read_int(sysfs_root / "class" / "net" / netdev / "mtu")

@@ -8,6 +8,7 @@ absent, and with no RDMA device it may raise PyverbsRDMAError: both are normal a
 
 from __future__ import annotations
 
+import importlib
 import logging
 from typing import Any
 
@@ -46,3 +47,33 @@ def read_verbs_devices(pyverbs_device: Any | None = None) -> VerbsInfo:
         return VerbsInfo(True, [], f"no RDMA devices ({e})")
     names = sorted(d.name.decode() if isinstance(d.name, bytes) else str(d.name) for d in devices)
     return VerbsInfo(True, names, "" if names else "no RDMA devices")
+
+
+IBV_MTU_BYTES = {1: 256, 2: 512, 3: 1024, 4: 2048, 5: 4096}  # enum ibv_mtu -> bytes
+
+
+def read_active_mtus(
+    ports: list[tuple[str, int]], pyverbs_device: Any | None = None
+) -> dict[tuple[str, int], int]:
+    """(device, port) -> the port's active MTU in bytes (ibv_query_port), for the ports
+    pyverbs can open; never raises (an unreadable port is left out)."""
+    device = pyverbs_device
+    if device is None:
+        from mooncake.native import rdma
+
+        try:
+            rdma.load_pyverbs()  # NOTE: puts Debian's python3-pyverbs on the path if needed
+            device = importlib.import_module("pyverbs.device")
+        except ImportError:
+            return {}
+    mtus = {}
+    for name, port in ports:
+        try:
+            ctx = device.Context(name=name)
+            try:
+                mtus[(name, port)] = IBV_MTU_BYTES.get(int(ctx.query_port(port).active_mtu), 0)
+            finally:
+                ctx.close()
+        except Exception as e:  # NOTE: PyverbsRDMAError and friends: this port is unknown
+            log.info("pyverbs query_port(%s, %d) failed: %s", name, port, e)
+    return mtus

@@ -7,6 +7,7 @@ serves and the master accepted it; `mooncake up --local` waits for that line, ne
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -24,6 +25,8 @@ import msgspec
 
 from mooncake.config import ClusterConfig, Config
 from mooncake.errors import ConfigError, MooncakeError
+from mooncake.native import cudamap
+from mooncake.native.nvml import GpuInfo
 from mooncake.portrange import PortRange, node_ports
 from mooncake.roles import sdnotify
 from mooncake.roles.messages import (
@@ -37,7 +40,7 @@ from mooncake.roles.messages import (
     RegisterReplyMsg,
 )
 from mooncake.rpc import RpcClient
-from mooncake.topology import Topology, detect_topology
+from mooncake.topology import NicPreference, Topology, detect_topology
 
 log = logging.getLogger(__name__)
 HEARTBEAT_S = 1.0  # seconds between a node's heartbeats
@@ -71,9 +74,37 @@ class NodeContext:
 
     @property
     def device_memory_bytes(self) -> int:
-        """Memory of the device the model runs on: the first GPU, else this host's RAM."""
-        gpus = self.topology.gpus
-        return gpus[0].memory_total_bytes if gpus else self.topology.memory_total_bytes
+        """Memory of the device the model runs on: torch's cuda:0, else this host's RAM."""
+        gpu = self.gpu("cuda:0")
+        return gpu.memory_total_bytes if gpu else self.topology.memory_total_bytes
+
+    @functools.cached_property
+    def visible_gpus(self) -> list[GpuInfo]:
+        """The GPUs torch sees, element i being cuda:i (native/cudamap.py)."""
+        return cudamap.visible_gpus(self.topology.gpus, torch_uuids=cudamap.torch_uuids())
+
+    def gpu(self, device: str) -> GpuInfo | None:
+        """The physical GPU (NVML's facts) behind torch device `device`; None for cpu."""
+        return cudamap.gpu_of(device, self.visible_gpus)
+
+    @property
+    def arena_location(self) -> str | None:
+        """ "cpu:N" for this node's host arenas: the NUMA node of the GPU torch uses, else
+        the node with the most usable NICs; None when neither is known."""
+        gpu = self.gpu("cuda:0")
+        if gpu is not None and gpu.numa_node is not None:
+            return f"cpu:{gpu.numa_node}"
+        usable = set(self.topology.usable_nic_names)
+        nodes = [
+            n.numa_node for n in self.topology.nics if n.name in usable and n.numa_node is not None
+        ]
+        return f"cpu:{max(sorted(set(nodes)), key=nodes.count)}" if nodes else None
+
+    @property
+    def nic_preference(self) -> dict[str, NicPreference]:
+        """The topology's NIC preference keyed as this process's tensors are ("cuda:i" is
+        torch's device i), for its Transfer Engines."""
+        return cudamap.torch_keyed(self.topology.nic_preference, self.visible_gpus)
 
     @property
     def nic_names(self) -> list[str]:

@@ -23,14 +23,15 @@ log = logging.getLogger(__name__)
 def tier_sizes(ctx: NodeContext) -> TierSizes:
     """Resolve [store] sizes against what this node has free."""
     cfg = ctx.config.store
-    gpus = ctx.topology.gpus
-    vram = cfg.vram_bytes.resolve(gpus[0].memory_free_bytes) if gpus else 0
+    gpu = ctx.gpu("cuda:0")  # torch's device 0: NVML's index differs under CUDA_VISIBLE_DEVICES
+    vram = cfg.vram_bytes.resolve(gpu.memory_free_bytes) if gpu else 0
     sizes = TierSizes(
         vram_bytes=vram,
         dram_bytes=cfg.dram_bytes.resolve(psutil.virtual_memory().available),
         ssd_bytes=ssd_bytes(cfg.ssd_bytes, cfg.ssd_path),
         ssd_path=cfg.ssd_path,
         vram_device="cuda:0",
+        dram_location=ctx.arena_location,
     )
     if not (sizes.vram_bytes or sizes.dram_bytes or sizes.ssd_bytes):
         raise ConfigError("store: this store node would give the pool nothing; set "
@@ -42,7 +43,8 @@ def run_store(ctx: NodeContext) -> None:
     install_signal_handlers(ctx.stop)
     sizes = tier_sizes(ctx)
     node = StoreNode(ctx.node_id, ctx.master_rpc, ctx.secret, sizes, host=ctx.host,
-                     engine_options=engine_options(ctx.config))  # fmt: skip
+                     engine_options=engine_options(ctx.config),
+                     nic_preference=ctx.nic_preference)  # fmt: skip
     capacity = sizes.vram_bytes + sizes.dram_bytes + sizes.ssd_bytes
     ep = node.engine.endpoints[0]  # a store node serves no RPC: status shows its data plane
     host = f"[{ep.host}]" if ":" in ep.host else ep.host

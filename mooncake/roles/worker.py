@@ -54,16 +54,14 @@ class Worker:
 
 
 def device_for(ctx: NodeContext) -> str:
-    return "cuda:0" if ctx.topology.gpus and torch.cuda.is_available() else "cpu"
+    return "cuda:0" if ctx.visible_gpus and torch.cuda.is_available() else "cpu"
 
 
 def cache_blocks(size: Size, ctx: NodeContext, info: ModelInfo, dtype: str, num_layers: int,
                  block_tokens: int, device: str) -> int:  # fmt: skip
     """How many KV blocks `size` buys for `num_layers` layers on `device`."""
-    if device.startswith("cuda"):
-        free = ctx.topology.gpus[0].memory_free_bytes
-    else:
-        free = psutil.virtual_memory().available
+    gpu = ctx.gpu(device)  # NOTE: torch's cuda:0 is not NVML's GPU 0 under CUDA_VISIBLE_DEVICES
+    free = gpu.memory_free_bytes if gpu is not None else psutil.virtual_memory().available
     num_bytes = size.resolve(free)
     s = info.spec
     per_block = 2 * num_layers * block_tokens * s.num_kv_heads * s.head_dim * DTYPE_BYTES[dtype]
@@ -111,11 +109,13 @@ def mount_local_tiers(ctx: NodeContext) -> StoreNode | None:
         dram_bytes=cfg.dram_bytes.resolve(vm.available),
         ssd_bytes=ssd_bytes(cfg.ssd_bytes, cfg.ssd_path),
         ssd_path=cfg.ssd_path,
+        dram_location=ctx.arena_location,
     )
     if not (sizes.dram_bytes or sizes.ssd_bytes):
         return None
     node = StoreNode(ctx.node_id, ctx.master_rpc, ctx.secret, sizes, host=ctx.host,
-                     engine_options=engine_options(ctx.config))  # fmt: skip
+                     engine_options=engine_options(ctx.config),
+                     nic_preference=ctx.nic_preference)  # fmt: skip
     start_store_node(ctx, node)
     return node
 
@@ -143,7 +143,8 @@ def connect_pool(
     replicas are read in place and new objects are placed here first."""
     if store_node is None:
         store = Store.connect(ctx.master_rpc, ctx.secret, node_id=ctx.node_id, host=ctx.host,
-                              engine_options=engine_options(ctx.config))  # fmt: skip
+                              engine_options=engine_options(ctx.config),
+                              nic_preference=ctx.nic_preference)  # fmt: skip
     else:
         master = RpcClient(ctx.master_rpc, ctx.secret, timeout_s=10.0, max_frame_bytes=64 << 20)
         store = Store(master, store_node.engine, 10.0, 16 << 20)

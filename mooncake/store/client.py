@@ -28,6 +28,7 @@ import contextlib
 import threading
 import time
 import uuid
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -43,6 +44,7 @@ from mooncake.store.grants import MARGIN, LocationCache, PutShape, SlotPool
 from mooncake.store.objects import GetResult, ReplicaDesc
 from mooncake.transfer.engine import TransferEngine
 from mooncake.transfer.inline import Finish
+from mooncake.transfer.staging import BaseStaging, Event
 from mooncake.transfer.types import EngineOptions
 
 __all__ = ["NotFoundError", "Store", "ValueResult"]
@@ -80,11 +82,15 @@ class Store(BatchCalls):
         engine_options: EngineOptions | None = None,
         direct: bool = True,  # use the master's direct channel if it offers one
         reuse_grants: bool = True,  # reuse read leases and write slots (store/grants.py)
+        nic_preference: Mapping[str, Any] | None = None,  # Topology.nic_preference
+        staging: BaseStaging | None = None,  # device memory over tcp/shm; None = CUDA's
     ) -> Store:
         """Connect to the master at `master_address` (e.g. "tcp://10.0.0.1:7100")."""
         key = secret.encode() if isinstance(secret, str) else secret
         name = node_id or f"client-{uuid.uuid4().hex[:12]}"
-        engine = TransferEngine(name, key, engine_options, host=host)
+        engine = TransferEngine(
+            name, key, engine_options, host=host, nic_preference=nic_preference, staging=staging
+        )
         try:
             master = RpcClient(master_address, key, timeout_s=timeout_s, max_frame_bytes=64 << 20)
             return cls(master, engine, timeout_s, staging_bytes, direct=direct,
@@ -125,8 +131,25 @@ class Store(BatchCalls):
             self._staging[: len(value)] = np.frombuffer(value, dtype=np.uint8)
             self.put_from(key, self._staging_name, 0, len(value), **opts)
 
-    def put_from(self, key: str, segment: str, offset: int, size: int, **opts: Any) -> None:
-        """Zero-copy put of `size` bytes at `offset` of registered buffer `segment`."""
+    def put_from(
+        self,
+        key: str,
+        segment: str,
+        offset: int,
+        size: int,
+        *,
+        ready: Event | None = None,
+        **opts: Any,
+    ) -> None:
+        """Zero-copy put of `size` bytes at `offset` of registered buffer `segment`. When
+        `segment` is device memory, the bytes are read once `ready` (the CUDA event after
+        the kernels that wrote them) completed; without it, once the work queued so far on
+        this thread's current stream of that device did."""
+        region = self.engine.segments.get(segment)
+        if ready is None and region is not None and region.view.mv is None:
+            ready = self.engine.stager.staging.record(region.location)
+        if ready is not None:
+            ready.synchronize()  # NOTE: the NIC or the staging copy must not read it sooner
         self._check_size(key, size)
         key = self._key(key)
         self._forget_locations([key])

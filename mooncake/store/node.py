@@ -21,8 +21,9 @@ import logging
 import mmap
 import threading
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -57,6 +58,7 @@ class TierSizes:
     ssd_bytes: int = 0
     ssd_path: str = ""  # directory of the SSD tier file
     vram_device: str = "cuda:0"  # torch device of the VRAM arena ("cpu" in tests)
+    dram_location: str | None = None  # "cpu:N": the DRAM arena's NUMA node (its NICs')
 
 
 def populate(array: np.ndarray) -> None:
@@ -91,11 +93,14 @@ class StoreNode:
         heartbeat_s: float = 1.0,  # seconds between heartbeats; keep under heartbeat_ttl_s
         engine_options: EngineOptions | None = None,
         prefault: bool = False,  # fault in (commit) the DRAM tier's pages in the background
+        nic_preference: Mapping[str, Any] | None = None,  # Topology.nic_preference
     ):
         key = secret.encode() if isinstance(secret, str) else secret
         self.node_id = node_id
         self.heartbeat_s = heartbeat_s
-        self.engine = TransferEngine(node_id, key, engine_options, host=host)
+        self.engine = TransferEngine(
+            node_id, key, engine_options, host=host, nic_preference=nic_preference
+        )
         ep = self.engine.endpoints[0]
         self.endpoint = f"{ep.host}:{ep.port}"
         self.master = RpcClient(master_address, key, timeout_s=5.0)
@@ -109,7 +114,9 @@ class StoreNode:
                     self.engine, f"{node_id}.vram", sizes.vram_bytes, sizes.vram_device
                 )
             if sizes.dram_bytes:
-                self.tiers["dram"] = DramTier(self.engine, f"{node_id}.dram", sizes.dram_bytes)
+                self.tiers["dram"] = DramTier(
+                    self.engine, f"{node_id}.dram", sizes.dram_bytes, sizes.dram_location
+                )
             if sizes.ssd_bytes:
                 if not sizes.ssd_path:
                     raise StoreError("store.ssd_bytes is set but store.ssd_path is empty; "

@@ -85,8 +85,16 @@ class _ArrayTier(BaseTier):
 class DramTier(_ArrayTier):
     tier: Tier = "dram"
 
-    def __init__(self, engine: TransferEngine, segment: str, capacity_bytes: int):
-        super().__init__(engine, segment, engine.allocate(segment, capacity_bytes))
+    def __init__(
+        self,
+        engine: TransferEngine,
+        segment: str,
+        capacity_bytes: int,
+        location: str | None = None,
+    ):
+        """`location`: "cpu:N", the NUMA node of the NICs or GPU that move its bytes (None:
+        wherever its pages are first touched)."""
+        super().__init__(engine, segment, engine.allocate(segment, capacity_bytes, location))
 
 
 class VramTier(_ArrayTier):

@@ -31,9 +31,11 @@ from mooncake.native.shm import sweep_stale
 from mooncake.transfer import inline
 from mooncake.transfer.batch import Batch, Slice
 from mooncake.transfer.directory import BaseDirectory, PeerDirectory
-from mooncake.transfer.paths import PathSet, nic_preference_for
+from mooncake.transfer.paths import PathSet, cut, nic_preference_for
 from mooncake.transfer.segment import Region, SegmentTable, range_error
 from mooncake.transfer.server import TcpServer
+from mooncake.transfer.staged import StagePath
+from mooncake.transfer.staging import BaseStaging, Stager
 from mooncake.transfer.tcp import TcpPath, TcpTransport
 from mooncake.transfer.transport import (
     BaseTransport,
@@ -73,6 +75,7 @@ class TransferEngine:
         nic_preference: Mapping[str, Any] | None = None,  # Topology.nic_preference
         nic_addresses: Mapping[str, str] | None = None,  # local NIC -> source IP for tcp
         verbs: Any = None,  # pyverbs-like provider for rdma; None = load pyverbs if asked
+        staging: BaseStaging | None = None,  # device memory over tcp/shm; None = CUDA's
     ):
         self.name = name
         self.options = options or EngineOptions()
@@ -82,6 +85,8 @@ class TransferEngine:
         self.host_id = host_identity()
         sweep_stale()  # arenas of this host's crashed nodes would otherwise hold memory
         self.segments = SegmentTable()
+        self._staging = staging
+        chunk, num = self.options.stage_chunk_bytes, self.options.copy_threads
         self.server = TcpServer(
             self.segments,
             self._secret,
@@ -89,6 +94,7 @@ class TransferEngine:
             port or self.options.ports,
             handshake_timeout_s=self.options.handshake_timeout_s,
             max_handshakes_per_peer=self.options.max_handshakes_per_peer,
+            stager=Stager(staging, chunk, num),
         )
         self.server.handlers[Op.DESCRIBE] = self._on_describe
         wildcard = host in ("0.0.0.0", "::", "")
@@ -110,6 +116,8 @@ class TransferEngine:
                 self._report, self._report_done, self._secret, self.options, nic_addresses
             ),
         }
+        self.stager = Stager(staging, chunk, num)  # this node's requests of device memory
+        self._stage_path = StagePath(self, self.stager, num)
         self._targets = TargetCache(
             self._transports, self.options.protocol,
             lambda name: self.describe(name) or self.directory.lookup(name),
@@ -146,10 +154,12 @@ class TransferEngine:
 
     def register(self, name: str, buffer: Any, location: str | None = None) -> SegmentDesc:
         """Register `buffer` (numpy array, torch tensor, bytearray...) as segment `name`."""
-        return self._publish(self.segments.register(name, buffer, location))
+        view = self._staging.device_view(buffer, location) if self._staging else None
+        return self._publish(self.segments.register(name, buffer, location, view))
 
-    def allocate(self, name: str, num_bytes: int, location: str = "cpu:0") -> Any:
-        """A new zero-filled shared-memory segment; returns its uint8 numpy array."""
+    def allocate(self, name: str, num_bytes: int, location: str | None = None) -> Any:
+        """A new zero-filled shared-memory segment; returns its uint8 numpy array. A
+        `location` "cpu:N" places it on NUMA node N; None: "cpu:0", pages where touched."""
         region = self.segments.allocate(name, num_bytes, location)
         self._publish(region)
         return region.array
@@ -275,33 +285,12 @@ class TransferEngine:
             )
         batch = Batch(reqs, time.monotonic() + (timeout or self.options.timeout_s))
         by_path: dict[Any, list[Slice]] = {}
-        group_bytes = self.options.group_bytes
         for i, (r, local, target) in enumerate(plan):
-            step = target.transport.slice_bytes(self.options)
-            if r.length <= step:  # one slice (most requests): the loop below in fewer steps
-                paths = self._pathset(target, local.location).spread(1)
-                if paths:
-                    batch.add_slices(i, 1)
-                    s = Slice(batch, i, r.op, local, r.local_offset, target, r.remote_offset,
-                              r.length)  # fmt: skip
-                    s.path = paths[0]
-                    by_path.setdefault(s.path, []).append(s)
-                    continue
-            num_slices = -(-r.length // step)
-            # NOTE: on a transport that coalesces (tcp), consecutive slices share a path up
-            # to group_bytes so they travel as one wire request; groups spread over paths
-            per_path = max(1, group_bytes // step) if target.transport.coalesces else 1
-            paths = self._pathset(target, local.location).spread(-(-num_slices // per_path))
-            if not paths:
-                batch.fail(i, f"every path to node {target.desc.node!r} is paused after "
-                              "repeated failures; retry in a moment")  # fmt: skip
-                continue
-            batch.add_slices(i, num_slices)
-            for k, off in enumerate(range(0, r.length, step)):
-                s = Slice(batch, i, r.op, local, r.local_offset + off, target,
-                          r.remote_offset + off, min(step, r.length - off))  # fmt: skip
-                s.path = paths[k // per_path]
-                by_path.setdefault(s.path, []).append(s)
+            if local.view.mv is None and target.transport.name != "rdma":
+                self._stage_path.add(batch, i, local, target, by_path)  # device: staged
+            else:
+                ps = self._pathset(target, local.location)
+                cut(batch, i, local, r.local_offset, target, ps, self.options, by_path)
         return batch, by_path
 
     def _check(self, r: TransferRequest) -> tuple[Region, Target]:
@@ -313,10 +302,11 @@ class TransferEngine:
         length, offset = r.length, r.local_offset
         if length <= 0 or offset < 0 or offset + length > local.view.num_bytes:
             raise TransferError(local.bounds_error(offset, length))
-        target = self.resolve(r.remote_segment)
+        on_device = local.view.mv is None  # NOTE: the transport depends on where it lives
+        target = self._targets.resolve(r.remote_segment, on_device)
         if r.remote_token and target.desc.token != r.remote_token:
             self.forget(r.remote_segment)  # our descriptor may be the stale one
-            target = self.resolve(r.remote_segment)
+            target = self._targets.resolve(r.remote_segment, on_device)
             if target.desc.token != r.remote_token:
                 raise TransferError(
                     f"segment {r.remote_segment!r} was registered again since the request's "
@@ -325,9 +315,6 @@ class TransferEngine:
         desc, offset = target.desc, r.remote_offset
         if offset < 0 or offset + length > desc.num_bytes:
             raise TransferError(range_error(desc.name, desc.num_bytes, offset, length))
-        if local.view.mv is None and target.transport.name != "rdma":
-            raise TransferError(f"local segment {local.name!r} is device memory ({local.location});"
-                                " only the rdma transport can move it")  # fmt: skip
         return local, target
 
     def _pathset(self, target: Target, location: str) -> PathSet:
@@ -386,6 +373,7 @@ class TransferEngine:
     def close(self) -> None:
         """Stop the server and every transport, and unregister every segment."""
         self.server.close()
+        self._stage_path.close()
         for t in self._transports.values():
             t.close()
         self._pool.close()

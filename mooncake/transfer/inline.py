@@ -51,8 +51,8 @@ def _plan(engine: TransferEngine, r: TransferRequest, timeout: float | None
     except TransferError:
         return None  # the general path raises it, worded for the batch
     transport = target.transport
-    if r.length > transport.slice_bytes(engine.options):
-        return None
+    if r.length > transport.slice_bytes(engine.options) or local.view.mv is None:
+        return None  # NOTE: device memory is staged (transfer/staged.py) or goes over rdma
     if target.remote_array is not None and local.array is not None:  # shm, local: a copy
         remote, la = target.remote_array, local.array
 
@@ -69,7 +69,7 @@ def _plan(engine: TransferEngine, r: TransferRequest, timeout: float | None
     path = pathset.paths[0] if len(pathset.paths) == 1 else pathset.first()
     if not isinstance(path, TcpPath):
         return None
-    mem = local.view.mv[r.local_offset : r.local_offset + r.length]  # type: ignore[index]
+    mem = local.view.mv[r.local_offset : r.local_offset + r.length]
     return path, mem, target.desc.token
 
 

@@ -15,7 +15,8 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from mooncake.transfer.batch import Slice
+from mooncake.transfer.batch import Batch, Slice
+from mooncake.transfer.types import EngineOptions
 
 MAX_PAUSE_S = 30.0
 
@@ -141,3 +142,54 @@ def nic_preference_for(mapping: Mapping[str, Any] | None, location: str) -> Any:
     if not mapping:
         return None
     return mapping.get(location)
+
+
+def cut(
+    batch: Batch,
+    i: int,
+    local: Any,
+    local_offset: int,
+    target: Any,
+    pathset: PathSet,
+    options: EngineOptions,
+    by_path: dict[Any, list[Slice]],
+) -> None:
+    """Cut request `i` of `batch` (from `local_offset` of the `local` Region, into `target`
+    at the request's remote offset) into slices of its transport's size, each added to its
+    path's list in `by_path`; fails the request when every path of `pathset` is paused."""
+    r, step = batch.requests[i], target.transport.slice_bytes(options)
+    remote_offset = r.remote_offset
+    if r.length <= step:  # one slice (most requests): the loop below in fewer steps
+        paths = pathset.spread(1)
+        if paths:
+            batch.add_slices(i, 1)
+            s = Slice(batch, i, r.op, local, local_offset, target, remote_offset, r.length)
+            s.path = paths[0]
+            by_path.setdefault(s.path, []).append(s)
+            return
+    num_slices = -(-r.length // step)
+    # NOTE: on a transport that coalesces (tcp), consecutive slices share a path up
+    # to group_bytes so they travel as one wire request; groups spread over paths
+    per_path = max(1, options.group_bytes // step) if target.transport.coalesces else 1
+    paths = pathset.spread(-(-num_slices // per_path))
+    if not paths:
+        batch.fail(
+            i,
+            f"every path to node {target.desc.node!r} is paused after repeated "
+            "failures; retry in a moment",
+        )
+        return
+    batch.add_slices(i, num_slices)
+    for k, off in enumerate(range(0, r.length, step)):
+        s = Slice(
+            batch,
+            i,
+            r.op,
+            local,
+            local_offset + off,
+            target,
+            remote_offset + off,
+            min(step, r.length - off),
+        )
+        s.path = paths[k // per_path]
+        by_path.setdefault(s.path, []).append(s)

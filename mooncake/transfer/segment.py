@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from mooncake.errors import TransferError
+from mooncake.native import numa
 from mooncake.native.dataloop import SegmentIndex
 from mooncake.native.memory import BufferView, buffer_view
 from mooncake.native.shm import ShmArena, new_name
@@ -95,24 +96,31 @@ class SegmentTable:
         # to drop its connections, which frees the loop)
         self.on_stuck: Callable[[], object] = lambda: None
 
-    def register(self, name: str, buffer: Any, location: str | None = None) -> Region:
+    def register(
+        self, name: str, buffer: Any, location: str | None = None, view: BufferView | None = None
+    ) -> Region:
         """Register `buffer` (no copy) under `name`; raises TransferError if the name is taken
-        or the buffer cannot be written in place."""
+        or the buffer cannot be written in place. `view`: its bytes as the caller's staging
+        sees them (device memory), else made here."""
         check_name(name)
         try:
-            view = buffer_view(buffer, location)
+            view = view or buffer_view(buffer, location)
         except ValueError as e:
             raise TransferError(f"cannot register segment {name!r}: {e}") from e
         array = np.frombuffer(view.mv, dtype=np.uint8) if view.mv is not None else None
         return self._add(Region(name, secrets.randbits(64) or 1, view, array))
 
-    def allocate(self, name: str, num_bytes: int, location: str = "cpu:0") -> Region:
-        """Create a zero-filled shared-memory segment, so peers on this host can map it."""
+    def allocate(self, name: str, num_bytes: int, location: str | None = None) -> Region:
+        """Create a zero-filled shared-memory segment, so peers on this host can map it;
+        its pages go to the NUMA node of `location` ("cpu:N") where the host has several
+        (None: labelled "cpu:0", its pages wherever they are first touched)."""
         check_name(name)
         if num_bytes <= 0:
             raise TransferError(f"segment {name!r}: size must be > 0 bytes, got {num_bytes}")
         arena = ShmArena.create(num_bytes, new_name(name))
-        view = buffer_view(arena.array, location)
+        if location is not None:
+            numa.place(arena.array, location)  # NOTE: before any page is touched
+        view = buffer_view(arena.array, location or "cpu:0")
         region = Region(name, secrets.randbits(64) or 1, view, arena.array, arena=arena)
         try:
             return self._add(region)

@@ -22,10 +22,13 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from mooncake.errors import MooncakeError
 from mooncake.portrange import PortRange, listen
 from mooncake.transfer import wire
 from mooncake.transfer.segment import Region, SegmentTable
+from mooncake.transfer.staging import Stager
 from mooncake.transfer.wire import REQ, RESP, Op, Status
 
 if TYPE_CHECKING:
@@ -38,6 +41,10 @@ FLUSH_BYTES = 512 << 10  # send queued READ replies once they reach this many by
 _READ, _WRITE, _OK, _FLUSH = int(Op.READ), int(Op.WRITE), int(Status.OK), wire.FLAG_FLUSH
 # payload -> (status, reply payload); runs on the connection's thread
 ControlHandler = Callable[[bytes], tuple[Status, bytes]]
+
+
+def _done() -> None:
+    return None
 
 
 class _Closing(Exception):
@@ -57,8 +64,10 @@ class TcpServer:
         *,
         handshake_timeout_s: float = wire.HANDSHAKE_TIMEOUT_S,
         max_handshakes_per_peer: int = wire.MAX_HANDSHAKES_PER_PEER,
+        stager: Stager | None = None,  # serves device segments through host memory
     ):
         self.segments = segments
+        self._stager = stager
         self.handshake_timeout_s = handshake_timeout_s
         self._slots = wire.HandshakeSlots(max_handshakes_per_peer)
         self._refusal_logged_s = -float("inf")  # monotonic time of the last refusal logged
@@ -178,7 +187,8 @@ class TcpServer:
                 # is never read into memory, and clients rely on nothing following it
                 wire.send_all(sock, [*pending, RESP.pack(status, req_id, 0)])
                 raise _Closing
-            assert region.view.mv is not None
+            if region.view.mv is None:
+                return flags, self._device(sock, peer, op, req_id, region, offset, length, pending)
             view = region.view.mv[offset : offset + length]
             if op == _WRITE:
                 got = sock.recv_into(view, length, socket.MSG_WAITALL)
@@ -205,13 +215,56 @@ class TcpServer:
             self._malformed(peer, f"unknown op {op}")
         return flags, added
 
+    def _device(
+        self,
+        sock: socket.socket,
+        peer: str,
+        op: int,
+        req_id: int,
+        region: Region,
+        offset: int,
+        length: int,
+        pending: list[bytes | memoryview],
+    ) -> int:
+        """Serve a READ or WRITE of device memory through the stager's host buffers (the
+        replies queued so far go first); returns bytes of READ data queued (none)."""
+        assert self._stager is not None
+
+        def send(chunk: np.ndarray, pos: int) -> Callable[[], None]:
+            wire.send_all(sock, [chunk.data])
+            return _done
+
+        def recv(chunk: np.ndarray, pos: int) -> Callable[[], None]:
+            wire.recv_exact(sock, chunk.data)
+            return _done
+
+        try:
+            if op == _READ:
+                wire.send_all(sock, [*pending, RESP.pack(_OK, req_id, length)])
+                pending.clear()
+                self._stager.out(region.view, offset, length, send)
+            else:
+                self._stager.into(region.view, offset, length, recv)
+                pending.append(RESP.pack(_OK, req_id, 0))
+        except OSError:
+            raise
+        except Exception:  # a CUDA error: the stream of bytes is broken, close the connection
+            log.exception(
+                "transfer server: %s of device segment %r for %s failed",
+                Op(op).name,
+                region.name,
+                peer,
+            )
+            raise _Closing from None
+        return 0
+
     def _access(self, token: int, offset: int, length: int) -> tuple[Status, Region | None]:
         """The region a READ/WRITE may touch, or (why not, None)."""
         region = self.segments.by_token(token)
         if region is None:
             return Status.NO_SEGMENT, None
-        if region.view.mv is None:
-            return Status.BAD_REQUEST, None  # device memory: only RDMA reaches it
+        if region.view.mv is None and self._stager is None:
+            return Status.BAD_REQUEST, None  # device memory, and no staging to reach it
         if region.bounds_error(offset, length):
             return Status.OUT_OF_BOUNDS, None
         return Status.OK, region

@@ -5,13 +5,16 @@ segment is in POSIX shared memory of a process on this host).
 Copy transports need no socket on the data path: a pool of threads copies slices with
 numpy, which releases the GIL for the memcpy, so two copies run on two cores at once.
 
-How a remote segment's transport is chosen (`TargetCache.choose`), once per segment name:
-- `local` when the segment is registered on this very engine;
+How a remote segment's transport is chosen (`TargetCache.choose`), once per segment name
+and kind of local buffer (host or device memory):
+- `local` when the segment is host memory registered on this very engine;
 - with `transfer.protocol = "auto"`: `shm` when the segment lives in POSIX shared memory
   and its owner has this engine's host id (same host name, boot id and /dev/shm device:
   processes in separate network namespaces still qualify, a container with its own
   /dev/shm does not); else `rdma` when this engine has a usable RDMA NIC and the segment
-  is registered on one of the owner's NICs; else `tcp` to the owner's data-plane endpoint;
+  is registered on one of the owner's NICs; else `tcp` to the owner's data-plane endpoint.
+  A device-memory local buffer tries `rdma` first (the NIC reads it in place), then shm,
+  tcp and local, which stage it through pinned host memory (transfer/staging.py);
 - with any other protocol, that one, or a TransferError saying what the peer offers.
 The first choice for each peer endpoint is logged at INFO with its reason; the engine
 counts the bytes each transport moved (`TransferEngine.bytes_by_transport`).
@@ -97,16 +100,17 @@ class TargetCache:
         self._transports = transports  # "local", "shm", "tcp", maybe "rdma" (shared, live)
         self._protocol = protocol  # "auto" or the one to force
         self._lookup = lookup  # name -> descriptor (own segments, then the directory)
-        self._targets: dict[str, Target] = {}
-        self._logged: set[tuple[str, str]] = set()  # (peer endpoint, transport) logged
+        self._targets: dict[tuple[str, bool], Target] = {}  # (name, local on device) ->
+        self._logged: set[tuple[str, str, bool]] = set()  # (peer, transport, on device)
         self._lock = threading.Lock()
 
-    def peek(self, name: str) -> Target | None:
+    def peek(self, name: str, on_device: bool = False) -> Target | None:
         """The target of `name` if already resolved (never asks anyone)."""
-        return self._targets.get(name)
+        return self._targets.get((name, on_device))
 
-    def resolve(self, name: str) -> Target:
-        target = self._targets.get(name)
+    def resolve(self, name: str, on_device: bool = False) -> Target:
+        """`name` resolved for a local buffer in host (or, `on_device`, device) memory."""
+        target = self._targets.get((name, on_device))
         if target is not None:
             return target
         desc = self._lookup(name)
@@ -115,23 +119,27 @@ class TargetCache:
                 f"no node has segment {name!r}: register it there, add its owner with "
                 "engine.directory.add_peer(host, port), or name it as NAME@HOST:PORT"
             )
-        transport = self.choose(desc)
+        transport = self.choose(desc, on_device)
         target = transport.open(desc)
-        self._log_choice(desc, transport)
+        self._log_choice(desc, transport, on_device)
         with self._lock:
-            return self._targets.setdefault(name, target)
+            return self._targets.setdefault((name, on_device), target)
 
-    def _log_choice(self, desc: SegmentDesc, transport: BaseTransport) -> None:
-        """Log, once per peer endpoint and transport, which transport reaches it and why."""
+    def _log_choice(self, desc: SegmentDesc, transport: BaseTransport, on_device: bool) -> None:
+        """Log, once per peer endpoint, transport and kind of local buffer, which transport
+        reaches it and why."""
         if transport.name == "local":
             return
         ep = desc.endpoints[0] if desc.endpoints else None
         peer = f"{ep.host}:{ep.port}" if ep else desc.node
         with self._lock:
-            if (peer, transport.name) in self._logged:
+            if (peer, transport.name, on_device) in self._logged:
                 return
-            self._logged.add((peer, transport.name))
+            self._logged.add((peer, transport.name, on_device))
         why = self.reason(desc, transport.name)
+        if on_device:
+            how = "read in place" if transport.name == "rdma" else "staged through host memory"
+            why = f"{why}; the local buffer is device memory, {how}"
         log.info("peer %s (%s): %s: %s", peer, desc.node, transport.name, why)
 
     def reason(self, desc: SegmentDesc, chosen: str) -> str:
@@ -151,13 +159,17 @@ class TargetCache:
             return f"{why}; no usable RDMA NIC here"
         return f"{why}; it offers no RDMA NIC"
 
-    def choose(self, desc: SegmentDesc) -> BaseTransport:
-        """local for this engine's own segments, else the forced protocol, else (auto) the
-        first of shm, rdma, tcp that reaches `desc`."""
+    def choose(self, desc: SegmentDesc, on_device: bool = False) -> BaseTransport:
+        """For a host buffer: local for this engine's own segments, else the forced
+        protocol, else (auto) the first of shm, rdma, tcp that reaches `desc`. For a device
+        buffer (`on_device`) auto tries rdma first, which needs no staging."""
         t = self._transports
-        if t["local"].can_reach(desc):
-            return t["local"]
-        order = ["shm", "rdma", "tcp"] if self._protocol == "auto" else [self._protocol]
+        if self._protocol == "auto":
+            order = (
+                ["rdma", "local", "shm", "tcp"] if on_device else ["local", "shm", "rdma", "tcp"]
+            )
+        else:
+            order = ["local", self._protocol]
         for proto in order:
             if proto in t and t[proto].can_reach(desc):
                 return t[proto]
@@ -170,7 +182,8 @@ class TargetCache:
     def forget(self, name: str) -> None:
         """Drop `name`; slices in flight keep their target (and its mapping) alive."""
         with self._lock:
-            self._targets.pop(name, None)
+            self._targets.pop((name, False), None)
+            self._targets.pop((name, True), None)
 
     def close(self) -> None:
         with self._lock:
@@ -252,7 +265,8 @@ class LocalTransport(BaseTransport):
         self._path = CopyPath("local copy", pool)
 
     def can_reach(self, desc: SegmentDesc) -> bool:
-        return desc.node == self._node
+        region = self._lookup(desc.name) if desc.node == self._node else None
+        return region is not None and region.array is not None  # NOTE: device: tcp stages
 
     def open(self, desc: SegmentDesc) -> Target:
         region = self._lookup(desc.name)

@@ -112,6 +112,7 @@ class EngineOptions:
     spin_us: float = 200.0  # microseconds a thread polls for a reply before it sleeps
     handshake_timeout_s: float = 5.0  # seconds a new connection has for the whole handshake
     max_handshakes_per_peer: int = 64  # connections from one address in the handshake at once
+    stage_chunk_bytes: int = 4 << 20  # device memory over tcp/shm: bytes per bounce buffer
     ports: PortRange = PortRange()  # where the data-plane server listens ([node] port_range)
 
     @property
@@ -134,6 +135,7 @@ class EngineOptions:
             "spin_us": cfg.spin_us,
             "handshake_timeout_s": cfg.handshake_timeout_s,
             "max_handshakes_per_peer": cfg.max_handshakes_per_peer,
+            "stage_chunk_bytes": int(cfg.stage_chunk_bytes),
         }
         fields.update(overrides)
         return cls(**fields)  # type: ignore[arg-type]

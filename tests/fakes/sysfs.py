@@ -6,8 +6,9 @@ as the kernel makes them, so the readers resolve paths exactly as on a server.
 
 Machine description keys: numa_nodes, pci_devices (bus id -> full path from the root
 complex, numa_node, class, vendor, device, driver), infiniband (name -> pci, node_guid,
-netdevs, ports), block (name -> dir under devices/, device link, model, size, partitions),
-gpus (what the fake NVML reports) and variants (name -> {"a/b/c": value} overrides).
+netdevs, optional netdev mtu, ports with optional gid_types), block (name -> dir under
+devices/, device link, model, size, partitions), gpus (what the fake NVML reports) and
+variants (name -> {"a/b/c": value} overrides).
 """
 
 from __future__ import annotations
@@ -88,6 +89,8 @@ def _build_ib(root: Path, name: str, nic: dict[str, Any], machine: dict[str, Any
         (dev_dir / "device").symlink_to(f"../../../{nic['pci']}")  # as the kernel writes it
         for netdev in nic["netdevs"]:
             _write(pci_dir / "net" / netdev / "operstate", "up")
+            if "mtu" in nic:
+                _write(pci_dir / "net" / netdev / "mtu", str(nic["mtu"]))
             _link(root / "class" / "net" / netdev, pci_dir / "net" / netdev)
     _write(dev_dir / "node_guid", nic["node_guid"])
     _write(dev_dir / "node_type", "1: CA")
@@ -97,6 +100,8 @@ def _build_ib(root: Path, name: str, nic: dict[str, Any], machine: dict[str, Any
             _write(port_dir / attr, attrs[attr])
         for index, gid in attrs["gids"].items():
             _write(port_dir / "gids" / index, gid)
+        for index, kind in attrs.get("gid_types", {}).items():  # RoCE: per-GID types
+            _write(port_dir / "gid_attrs" / "types" / index, kind)
     _link(root / "class" / "infiniband" / name, dev_dir)
 
 

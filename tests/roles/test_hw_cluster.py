@@ -1,0 +1,59 @@
+"""On a GPU node (marker `gpu`, and `rdma` for the rdma run; skipped elsewhere): the whole
+local cluster on `cuda`, its KV handed off and pooled over `rdma` and over `tcp` (GPU memory
+staged through pinned host buffers), gives the greedy tokens of the engine alone."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from tests.roles.cluster import local_cluster
+
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
+
+
+def _engine_alone(prompt: list[int], max_tokens: int) -> str:
+    """Greedy text of the same model and dtype in one process on cuda:0."""
+    from mooncake.engine.decode import DecodeRunner
+    from mooncake.engine.kvcache import PagedKVCache
+    from mooncake.engine.modelinfo import load_model_info
+    from mooncake.engine.params import SamplingParams
+    from mooncake.engine.sequence import Sequence
+    from mooncake.engine.tokenizer import ByteTokenizer
+    from mooncake.engine.weights import create_model
+
+    model = create_model(load_model_info("dummy:tiny"), "float32", "cuda:0")
+    runner = DecodeRunner(model, PagedKVCache.for_model(model, 64, 32), chunk_tokens=256)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    runner.add(Sequence(1, prompt, params, tokenizer=ByteTokenizer()))
+    return "".join(e.text for e in runner.run_until_done()[1])
+
+
+@pytest.mark.parametrize("protocol", [pytest.param("rdma", marks=pytest.mark.rdma), "tcp"])
+def test_local_cluster_on_cuda_equals_the_engine_alone(
+    protocol: str, tmp_path: Path, cost_cache: Path
+) -> None:
+    assert torch.cuda.is_available()
+    extra = {"transfer.protocol": protocol, "model.dtype": "float32"}
+    prompts = [
+        [(i * 37 + 11) % 250 + 1 for i in range(150)],
+        [(i * 13 + 5) % 250 + 1 for i in range(700)],
+    ]
+    with local_cluster(tmp_path, cost_cache, extra=extra) as cluster:
+        for prompt in prompts:
+            body = {
+                "model": "dummy:tiny",
+                "prompt": prompt,
+                "max_tokens": 16,
+                "temperature": 0,
+                "ignore_eos": True,
+            }
+            r = httpx.post(cluster.url + "/v1/completions", json=body, timeout=120)
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["text"] == _engine_alone(prompt, 16)
+        nodes = httpx.get(cluster.url + "/v1/status", timeout=10).json()["nodes"]
+        moved = sum(n.get("transfer_bytes", {}).get(protocol, 0) for n in nodes)
+        assert moved > 0, nodes  # the KV really went over `protocol`, not shm
