@@ -32,6 +32,7 @@ from mooncake.engine.modelinfo import ModelInfo
 from mooncake.errors import MooncakeError
 
 READY_TIMEOUT_S = 120.0  # a co-running process loads its model (a checkpoint: from disk)
+PAUSE_S = 0.05  # seconds: a co-runner polls for resume; a pause waits its run out
 
 
 def measure_corun(
@@ -45,7 +46,9 @@ def measure_corun(
     progress: Callable[[str], None] = lambda _: None,
 ) -> CorunFactors:
     """The slowdown of a prefill and of a decode step with `workers` computing at once
-    (1.0 each when `workers` <= 1). Medians of `repeat` timed runs, each side."""
+    (1.0 each when `workers` <= 1). The co-runners are paused and resumed between timed
+    runs, so runs alone and beside them alternate `repeat` times (a VM's speed drifts over
+    seconds); each factor is the ratio of the two sides' medians, at least 1."""
     if workers <= 1:
         return CorunFactors(busy=1, prefill=1.0, decode=1.0)
     batch, context, steps = 4, 256, 4  # the decode step timed: 4 requests of 256 tokens
@@ -62,36 +65,46 @@ def measure_corun(
     def step() -> float:
         return main.decode_rate(batch, context, steps, 1).best
 
-    alone_p = statistics.median(prefill() for _ in range(repeat))
-    alone_d = statistics.median(step() for _ in range(repeat))
     ctx = multiprocessing.get_context("spawn")  # NOTE: no fork of a process running torch
-    stop, ready = ctx.Event(), ctx.Barrier(workers)
-    args = (info.path, dtype, block_tokens, chunk_tokens, blocks, ids, ready, stop)
-    others = [ctx.Process(target=_prefill_loop, args=args, daemon=True) for _ in range(workers - 1)]
+    stop, run, ready = ctx.Event(), ctx.Event(), ctx.Barrier(workers)
+    idle = [ctx.Event() for _ in range(workers - 1)]
+    args = (info.path, dtype, block_tokens, chunk_tokens, blocks, ids, ready, run, stop)
+    others = [ctx.Process(target=_prefill_loop, args=(*args, i), daemon=True) for i in idle]
     for p in others:
         p.start()
+    times: dict[tuple[str, bool], list[float]] = {}
     try:
         try:
-            ready.wait(timeout=READY_TIMEOUT_S)  # every other process computes from now on
+            ready.wait(timeout=READY_TIMEOUT_S)  # every other process has its model
         except threading.BrokenBarrierError as e:
             codes = [p.exitcode for p in others]
             raise MooncakeError(
                 f"co-run profile: {workers - 1} model processes did not start within "
                 f"{READY_TIMEOUT_S:g} s (exit codes {codes}); see the log above"
             ) from e
-        busy_p = statistics.median(prefill() for _ in range(repeat))
-        busy_d = statistics.median(step() for _ in range(repeat))
+        for _ in range(repeat):
+            for busy in (False, True):
+                if busy:
+                    run.set()
+                    time.sleep(PAUSE_S)  # NOTE: the co-runners are computing again
+                for name, fn in (("prefill", prefill), ("decode", step)):
+                    times.setdefault((name, busy), []).append(fn())
+                run.clear()
+                for done in idle:  # NOTE: their runs in progress end first
+                    done.wait(READY_TIMEOUT_S)
     finally:
         stop.set()
+        run.set()
         for p in others:
             p.join(timeout=READY_TIMEOUT_S)
             if p.is_alive():
                 p.kill()
-    return CorunFactors(
-        busy=workers,
-        prefill=max(1.0, busy_p / alone_p),
-        decode=max(1.0, busy_d / alone_d),
-    )
+
+    def factor(name: str) -> float:
+        ratio = statistics.median(times[name, True]) / statistics.median(times[name, False])
+        return max(1.0, ratio)
+
+    return CorunFactors(busy=workers, prefill=factor("prefill"), decode=factor("decode"))
 
 
 def _prefill_loop(
@@ -102,9 +115,12 @@ def _prefill_loop(
     blocks: int,
     ids: list[int],
     ready: BarrierT,
+    run: EventT,
     stop: EventT,
+    idle: EventT,
 ) -> None:
-    """A co-running node: its own weights, one thread, prefills until `stop`."""
+    """A co-running node: its own weights, one thread, prefills while `run` is set (and
+    says it is `idle` when not), until `stop`."""
     import torch
 
     from mooncake.engine.modelinfo import load_model_info
@@ -114,7 +130,12 @@ def _prefill_loop(
     bench.run(bench.plain, ids)
     ready.wait(timeout=READY_TIMEOUT_S)
     while not stop.is_set():
-        bench.run(bench.plain, ids)
+        if run.is_set():
+            idle.clear()
+            bench.run(bench.plain, ids)
+        else:
+            idle.set()
+            run.wait(PAUSE_S)
 
 
 def _scaled(poly: Poly2, factor: float) -> Poly2:
