@@ -11,7 +11,7 @@ later stages serve their upstream link. Per task on the leader (roles/prefillflo
                 every finished layer's KV streaming into those blocks and the pool
     finish      (completer thread, while the worker begins the next task) wait for every
                 stage's stream report, seal the pool objects, submit to the decode node
-    report      started / finished / failed events to the master
+    report      finished / failed events to the master (calls it answers)
 
 Up to [prefill] max_inflight tasks are between begin and finish at once.
 
@@ -55,10 +55,9 @@ from mooncake.roles.messages import (
     PrefillStartMsg,
     PrefillStartReplyMsg,
     PrefillTaskMsg,
-    TokenMsg,
-    TokensMsg,
 )
 from mooncake.roles.prefillflow import Flight, PrefillFlow
+from mooncake.roles.tasks import TaskQueue
 from mooncake.roles.worker import Worker, close_pool, connect_pool, load_worker, mount_local_tiers
 from mooncake.rpc import RpcServer
 
@@ -73,9 +72,7 @@ class PrefillNode:
     def __init__(self, ctx: NodeContext):
         self.ctx = ctx
         cfg = ctx.config
-        self.tasks: queue.Queue[PrefillTaskMsg | None] = queue.Queue()
-        self.queued: set[int] = set()  # req ids in `tasks`
-        self.aborted: set[int] = set()  # of those, the ones to skip
+        self.tasks = TaskQueue()
         self.num_inflight = 0  # tasks between begin and finish
         self.done: queue.Queue[Flight | None] = queue.Queue()  # begun, for the completer
         self._slots = threading.BoundedSemaphore(cfg.prefill.max_inflight)
@@ -134,7 +131,7 @@ class PrefillNode:
             group_size=self.group.group_size,
         )
         self.link.register()  # again, with what loading the model told us
-        self.handoff = DecodeHandoff(ctx.secret, cfg.prefill.reserve_timeout_s)
+        self.handoff = DecodeHandoff(ctx.secret, cfg.prefill)
         self.flow = PrefillFlow(
             self.runner,
             self.store.engine,
@@ -150,13 +147,11 @@ class PrefillNode:
             raise MooncakeError(
                 f"node {self.ctx.node_id} is stage {self.group.stage}, not a leader"
             )
-        self.queued.add(msg.req_id)
         self.tasks.put(msg)
         return AckMsg()
 
     def _on_abort(self, msg: PrefillAbortMsg, _peer: object) -> AckMsg:
-        if msg.req_id in self.queued:  # only a task still waiting can be skipped
-            self.aborted.add(msg.req_id)
+        self.tasks.abort(msg.req_id)  # NOTE: only a task still waiting can be skipped
         return AckMsg()
 
     def _load(self) -> NodeLoadMsg:
@@ -193,7 +188,7 @@ class PrefillNode:
             report_ready(node_id=self.ctx.node_id, role="prefill", stage=g.stage, group=g.group_id)
         self.ctx.stop.wait()
         self.link.drain()  # queued tasks still run; nothing new is placed here
-        self.tasks.put(None)
+        self.tasks.close()
         worker.join(timeout=30)
         self.done.put(None)  # NOTE: after the worker: tasks begun still finish
         completer.join(timeout=30)
@@ -225,10 +220,6 @@ class PrefillNode:
     def _work(self) -> None:
         """Begin tasks in order, up to [prefill] max_inflight at once."""
         while (task := self.tasks.get()) is not None:
-            self.queued.discard(task.req_id)
-            if task.req_id in self.aborted:
-                self.aborted.discard(task.req_id)
-                continue
             self._slots.acquire()
             with self._flight_ended:
                 self.num_inflight += 1
@@ -257,7 +248,6 @@ class PrefillNode:
             except ReuseMismatchError as e:  # a later stage could not load every reused block
                 log.warning("req %d: %s; prefilling again with less reuse", flight.task.req_id, e)
                 task = msgspec.structs.replace(flight.task, max_reuse_blocks=e.num_good_blocks)
-                self.queued.add(task.req_id)
                 self.tasks.put(task)
             except TransferError as e:
                 link = flight.answers.link if flight.answers is not None else None
@@ -281,19 +271,18 @@ class PrefillNode:
         self._slots.release()
 
     def _failed(self, task: PrefillTaskMsg, e: Exception) -> None:
-        """Tell the master (it may place the task again) and the client."""
+        """Tell the master: it places the task again, or ends the request with `error`."""
+        node = self.ctx.node_id
         if isinstance(e, DecodeUnreachable):  # the master marks it down, places it again
             log.warning("req %d: %s", task.req_id, e)
-            self._event(task.req_id, "failed", error=str(e), unreachable_address=e.address)
-            self._fail_to_client(task.req_id, f"prefill node {self.ctx.node_id}: {e}")
+            error = f"prefill node {node}: {e}"
+            self._event(task.req_id, "failed", error=error, unreachable_address=e.address)
         elif isinstance(e, GroupBroken):  # NOTE: the master now knows the group is not ready
             log.warning("req %d: %s", task.req_id, e)
-            self._event(task.req_id, "failed", error=str(e))
-            self._fail_to_client(task.req_id, f"prefill node {self.ctx.node_id}: {e}")
+            self._event(task.req_id, "failed", error=f"prefill node {node}: {e}")
         else:
             log.error("req %d failed: %s", task.req_id, e, exc_info=e)
-            self._event(task.req_id, "failed", error=str(e))
-            self._fail_to_client(task.req_id, f"prefill failed on {self.ctx.node_id}: {e}")
+            self._event(task.req_id, "failed", error=f"prefill failed on {node}: {e}")
 
     def _begin(self, task: PrefillTaskMsg) -> Flight | None:
         link, answers = self.next.link, self.next.answers
@@ -347,18 +336,13 @@ class PrefillNode:
         return task
 
     def _event(self, req_id: int, phase: str, **kw: object) -> None:
+        """Report a task's end to the master, a call it answers (one not answered within
+        cluster.call_timeout_s is logged; the request's deadline ends it then)."""
         msg = PrefillEventMsg(req_id, self.ctx.node_id, phase, **kw)  # type: ignore[arg-type]
         try:
-            self.link.client.send_event(msg)
+            self.link.client.call(msg, AckMsg)
         except MooncakeError as e:
-            log.warning("req %d: could not tell the master (%s): %s", req_id, phase, e)
-
-    def _fail_to_client(self, req_id: int, error: str) -> None:
-        end = TokenMsg(req_id, -1, "", finish_reason="abort", error=error)
-        try:
-            self.link.client.send_event(TokensMsg(self.ctx.node_id, [end]))
-        except MooncakeError as e:
-            log.warning("req %d: could not report its failure: %s", req_id, e)
+            log.warning("req %d: the master did not confirm it %s: %s", req_id, phase, e)
 
     def close(self) -> None:
         self.link.deregister()
