@@ -118,8 +118,7 @@ class ClusterBackend(BaseBackend):
         try:
             await self._dispatch_retrying(flight)
         except BaseException:
-            await self._abort_remote(flight)
-            self._end(flight, dropped=True)
+            self._end(flight, dropped=True, abort=True)
             raise
         first = True
         try:
@@ -129,8 +128,7 @@ class ClusterBackend(BaseBackend):
                 except TimeoutError:
                     why = f"no end within its deadline of {deadline_s:.1f} s ({flight.where})"
                     log.warning("req %d: %s", flight.req_id, why)
-                    await self._abort_remote(flight)
-                    self._end(flight, dropped=True)
+                    self._end(flight, dropped=True, abort=True)
                     yield Output(token_id=-1, text="", finish_reason="abort", error=why)
                     return
                 if tok.kind == "dispatch_again":  # placed again: send the task there
@@ -153,16 +151,14 @@ class ClusterBackend(BaseBackend):
                 if tok.finish_reason is not None:
                     # NOTE: ended before the last yield: a consumer that stops at the last
                     # output must not turn a finished request into an abort
-                    if tok.finish_reason == "abort":
-                        await self._abort_remote(flight)  # NOTE: whichever node did not end it
                     self._end(flight, dropped=tok.finish_reason == "abort")
                     yield out
                     return
                 yield out
         finally:
+            # NOTE: no await here: a client gone cancels every await (anyio's cancel scope)
             if not flight.done:  # the client went away (or the loop is closing)
-                await self._abort_remote(flight)
-                self._end(flight, dropped=True)
+                self._end(flight, dropped=True, abort=True)
 
     async def _place(self, rid: int, n: int, hashes: list[int]) -> Decision:
         return await self.tickets.place(rid, n, hashes)
@@ -204,11 +200,17 @@ class ClusterBackend(BaseBackend):
     async def _abort_remote(self, flight: Flight) -> None:
         await self.calls.abort(flight)
 
-    def _end(self, flight: Flight, dropped: bool) -> None:
+    def _end(self, flight: Flight, dropped: bool, abort: bool = False) -> None:
         """The request ends: it leaves the flights (late events of it are refused) and
-        its Conductor ticket closes."""
-        if self.flights.end(flight):
-            self.tickets.close(flight.req_id, dropped)
+        its Conductor ticket closes; `abort`: its nodes are told to drop it (a task of its
+        own: whatever cancels the caller, the ticket is closed first)."""
+        if not self.flights.end(flight):
+            return
+        self.tickets.close(flight.req_id, dropped)
+        if abort:
+            task = asyncio.ensure_future(self._abort_remote(flight))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
 
     # -- events from nodes (RPC server thread) --
     def receive_tokens(self, msg: TokensMsg) -> TokensAckMsg:

@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import AsyncIterator
 
+import anyio
 import msgspec
 import pytest
 
@@ -83,6 +84,7 @@ def test_a_request_whose_tokens_never_come_ends_at_its_deadline_and_closes_its_t
 
     async def main() -> tuple[list[Output], int]:
         outs = [o async for o in backend.generate(_request())]
+        await asyncio.gather(*backend._tasks)
         return outs, await backend.tickets.num_open()
 
     outs, num_open = asyncio.run(main())
@@ -116,6 +118,38 @@ def test_token_events_reach_the_client_in_order_each_once_and_are_acknowledged()
     # cumulative: nothing below 0 yet; then 0 and 1; a duplicate changes nothing; a node
     # the request is not placed on is told the master does not track it there
     assert acks == [[(0, True)], [(2, True)], [(2, True)], [(0, False)], [(3, True)]]
+
+
+def test_a_client_gone_mid_request_closes_its_ticket_under_anyio_cancellation() -> None:
+    """The HTTP layer cancels a gone client's request in an anyio cancel scope, which
+    cancels every later await of the request too: its end still closes the ticket and
+    tells its nodes. (Before: the end awaited the nodes' aborts first, was cancelled there,
+    and the ticket stayed open.)"""
+    backend, calls = _backend()
+
+    async def abort(flight: Flight) -> None:
+        await asyncio.sleep(0)  # an RPC: an await
+        calls.append("abort")
+
+    backend.calls.abort = abort  # type: ignore[method-assign]
+
+    async def main() -> int:
+        it = backend.generate(_request())
+
+        async def consume() -> None:
+            async for _ in it:
+                pass
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(consume)
+            while not backend.flights:
+                await asyncio.sleep(0.001)
+            tg.cancel_scope.cancel()
+        await asyncio.gather(*backend._tasks)
+        return await backend.tickets.num_open()
+
+    assert asyncio.run(main()) == 0
+    assert not backend.flights and calls == ["task p0", "abort"]
 
 
 def test_a_request_that_ends_while_it_is_placed_again_leaves_no_ticket() -> None:
