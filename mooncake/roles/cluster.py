@@ -129,7 +129,7 @@ class ClusterBackend(BaseBackend):
                     why = f"no end within its deadline of {deadline_s:.1f} s ({flight.where})"
                     log.warning("req %d: %s", flight.req_id, why)
                     self._end(flight, dropped=True, abort=True)
-                    yield Output(token_id=-1, text="", finish_reason="abort", error=why)
+                    yield Output(token_id=None, text="", finish_reason="abort", error=why)
                     return
                 if tok.kind == "dispatch_again":  # placed again: send the task there
                     await self._dispatch_retrying(flight)
@@ -140,7 +140,7 @@ class ClusterBackend(BaseBackend):
                 if flight.phase != "decoding":  # the first token of this placement
                     flight.phase = "decoding"
                     self.tickets.decode_started(flight.req_id)
-                if tok.token_id >= 0:
+                if tok.token_id is not None:
                     flight.output_ids.append(tok.token_id)
                 out = Output(token_id=tok.token_id, text=tok.text, logprob=tok.logprob,
                              top_logprobs=tok.top_logprobs, finish_reason=tok.finish_reason,
@@ -234,7 +234,7 @@ class ClusterBackend(BaseBackend):
         flight, loop = self.flights.get(req_id), self.loop
         if flight is None or loop is None or flight.decision.prefill != node_id:
             return
-        end = TokenMsg(req_id, -1, "", finish_reason="abort", error=error)
+        end = TokenMsg(req_id, None, "", finish_reason="abort", error=error)
         if flight.phase != "decoding":
             loop.call_soon_threadsafe(self._replace, flight, node_id, end)
         else:
@@ -254,7 +254,7 @@ class ClusterBackend(BaseBackend):
         if adm.reason != "unknown_request":
             # NOTE: after some output (a resumed request) it ends the stream as an abort
             why = f"the cluster is overloaded ({adm.reason})"
-            end = TokenMsg(req_id, -1, "", finish_reason="abort", error=why, kind="rejected")
+            end = TokenMsg(req_id, None, "", finish_reason="abort", error=why, kind="rejected")
             loop.call_soon_threadsafe(self._queue_tokens, [(flight, end)])
 
     def on_prefill_finished(self, req_id: int, reused: int, kv_bytes: int) -> None:
@@ -294,7 +294,7 @@ class ClusterBackend(BaseBackend):
 
         async def replace() -> None:
             if await self._place_again(flight) and not flight.done:
-                flight.queue.put_nowait(TokenMsg(flight.req_id, -1, "", kind="dispatch_again"))
+                flight.queue.put_nowait(TokenMsg(flight.req_id, None, "", kind="dispatch_again"))
 
         task = asyncio.ensure_future(replace())
         self._tasks.add(task)
@@ -344,7 +344,7 @@ class ClusterBackend(BaseBackend):
             return True
         except (MooncakeError, ApiError) as e:
             end = TokenMsg(
-                flight.req_id, -1, "", finish_reason="abort", error=f"could not place it again: {e}"
+                flight.req_id, None, "", finish_reason="abort", error=f"could not place it again: {e}"
             )
             flight.queue.put_nowait(end)
             return False

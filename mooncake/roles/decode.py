@@ -285,7 +285,7 @@ class DecodeNode:
         self.halt.set()
         # NOTE: a stuck step owns the runner: a glance at its queues
         held = [*self.runner.running, *self.runner.waiting]
-        events = [TokenEvent(s.seq_id, -1, "", finish_reason="abort") for s in held]
+        events = [TokenEvent(s.seq_id, None, "", finish_reason="abort") for s in held]
         self._send(events, error=f"the decode node failed: {problem}")
         self.close()
 

@@ -193,7 +193,7 @@ class TokenMsg(Msg, frozen=True, tag="master.token"):
     the master queues for a request itself."""
 
     req_id: int
-    token_id: int  # -1: no token, the message only ends the request
+    token_id: int | None  # None: no token, the message only ends the request
     text: str
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
