@@ -343,10 +343,10 @@ class ClusterBackend(BaseBackend):
             )
             return True
         except (MooncakeError, ApiError) as e:
-            end = TokenMsg(
-                flight.req_id, None, "", finish_reason="abort", error=f"could not place it again: {e}"
+            why = f"could not place it again: {e}"
+            flight.queue.put_nowait(
+                TokenMsg(flight.req_id, None, "", finish_reason="abort", error=why)
             )
-            flight.queue.put_nowait(end)
             return False
         finally:
             flight.is_replacing = False
