@@ -112,7 +112,7 @@ class PrefillTaskMsg(Msg, frozen=True, tag="prefill.task"):
     params: SamplingParams
     decode_node: Name
     decode_address: Addr  # the decode node's RPC address
-    max_reuse_blocks: int = -1  # the Conductor's choice of reused blocks; -1 = no limit
+    max_reuse_blocks: int | None = None  # the Conductor's choice of reused blocks (None: any)
 
 
 class PrefillAbortMsg(Msg, frozen=True, tag="prefill.abort"):

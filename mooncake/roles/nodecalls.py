@@ -37,7 +37,7 @@ class NodeCalls:
             raise MooncakeError(f"node {d.prefill if leader is None else d.decode} left")
         # NOTE: the index lags the pool by a tick; a limit only where the Conductor chose to
         # recompute blocks it knows are held (Algorithm 1's balancing rule)
-        limit = d.reused_blocks if d.reused_blocks < d.best_blocks else -1
+        limit = d.reused_blocks if d.reused_blocks < d.best_blocks else None
         task = PrefillTaskMsg(
             flight.req_id,
             flight.task_prompt,

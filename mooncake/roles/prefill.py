@@ -296,7 +296,7 @@ class PrefillNode:
         task = admitted
         log.debug("req %d: prefill of %d tokens", task.req_id, len(task.prompt_ids))
         kw: dict[str, Any] = {}
-        if task.max_reuse_blocks >= 0:
+        if task.max_reuse_blocks is not None:
             kw["max_reuse_blocks"] = task.max_reuse_blocks
         try:
             while True:
