@@ -266,7 +266,7 @@ class ClusterBackend(BaseBackend):
             self.counters.add_kv(now, kv_bytes)
         flight = self.flights.get(req_id)
         if flight is not None:
-            flight.num_cached_tokens = reused
+            flight.num_cached_tokens, flight.is_handed_off = reused, True
 
     def on_node_down(self, node_id: str) -> None:
         """Place again every request the dead node was working on, except those already
@@ -314,7 +314,7 @@ class ClusterBackend(BaseBackend):
                 return False
             old = self.flights.move(flight)
             self.tickets.close(old, dropped=True)
-            flight.phase = "queued"
+            flight.phase, flight.is_handed_off = "queued", False
             flight.num_placements += 1
             if flight.num_placements > self.max_retries + 2:
                 why = f"; the last failure: {flight.last_error}" if flight.last_error else ""

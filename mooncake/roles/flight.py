@@ -46,6 +46,7 @@ class Flight:
     ends_at: float = float("inf")  # time.monotonic() of its deadline
     phase: str = "queued"  # queued (at prefill) | prefilling | decoding
     num_cached_tokens: int = 0
+    is_handed_off: bool = False  # its prefill node reported its KV with the decode node
     done: bool = False
     output_ids: list[int] = field(default_factory=list)  # tokens streamed so far
     num_placements: int = 1
@@ -75,6 +76,8 @@ class Flight:
             return f"waiting to be placed again ({self.last_error or 'its node failed'})"
         if self.phase == "decoding":
             return f"decoding on {d.decode}, {len(self.output_ids)} tokens streamed"
+        if self.is_handed_off:
+            return f"its KV handed to {d.decode}, no token received from it"
         if self.phase == "prefilling":
             return f"prefilling on {d.prefill} for {d.decode}"
         return f"queued at prefill node {d.prefill}"
