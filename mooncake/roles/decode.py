@@ -183,6 +183,7 @@ class DecodeNode:
             else:
                 blocks = self.reserved.pop(msg.req_id, ([], 0.0))[0]
         self.worker.cache.free(blocks)
+        self.outbox.forget(msg.req_id)  # NOTE: the master awaits nothing more of it
         self._command(lambda: self.runner.abort(msg.req_id))
         return AckMsg()
 

@@ -85,6 +85,12 @@ class Outbox:
                 s.is_ended = tok.finish_reason is not None
             self._cond.notify_all()
 
+    def forget(self, req_id: int) -> None:
+        """Forget a request's stream (the master ended it: nothing of it is awaited)."""
+        with self._cond:
+            self._streams.pop(req_id, None)
+            self._cond.notify_all()
+
     def clear(self) -> None:
         """Forget every stream (the master no longer tracks any of them)."""
         with self._cond:

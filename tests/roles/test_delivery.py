@@ -110,6 +110,18 @@ def test_a_request_the_master_does_not_track_is_dropped_at_once() -> None:
     assert master.arrivals[7, 0] == 1
 
 
+def test_a_stream_the_master_ended_is_forgotten() -> None:
+    """A request the master aborted (its client left) never sends its final event: its
+    stream is forgotten, so the node does not wait for it when it drains or stops."""
+    master = _Master(drop=lambda t, n: False)
+    dropped: list[tuple[int, str]] = []
+    with _outbox(master, dropped) as box:
+        box.put([_tok(4, 1), _tok(5, 1, final=True)])
+        assert not box.flush(0.5) and box.num_streams == 1  # request 4 has not ended
+        box.forget(4)
+        assert box.flush(10.0) and box.num_streams == 0
+
+
 def test_events_wait_out_an_unreachable_master_and_nothing_follows_a_final_one() -> None:
     master = _Master(drop=lambda t, n: False)
     down = threading.Event()
