@@ -186,7 +186,7 @@ class ClusterBackend(BaseBackend):
             except MooncakeError as e:
                 node = target.prefill
                 log.warning("req %d: prefill node %s did not take it (%s)", flight.req_id, node, e)
-                self.on_unreachable(node)
+                await self.tickets.call(self.on_unreachable, node)  # NOTE: takes the lock
                 if flight.decision is not target or flight.is_replacing:
                     return  # placed again meanwhile; that placement dispatches it
                 if attempt == self.max_retries:

@@ -7,7 +7,9 @@ on `Tickets`' one thread of its own, in the order made, so the loop only awaits 
 (`place`, `locked`) or queues the call and goes on (`decode_started`, `close`).
 
 A request's Conductor ticket is opened by `place` and closed by `close` (finished or
-dropped); `num_open` counts the open ones, for /health and the tests' audit.
+dropped); `num_open` counts the open ones, for /health and the tests' audit. What takes
+a lock of its own (the Store's, for a hot-spot replication order; the master's marking a
+node down) runs on that thread too, outside the master's lock (`call`).
 """
 
 from __future__ import annotations
@@ -59,8 +61,8 @@ class Tickets:
         except asyncio.CancelledError:  # NOTE: runs after the placement, closing its ticket
             self.close(req_id, dropped=True)
             raise
-        for order in d.replications:
-            self.on_replicate(order)
+        if d.replications:  # NOTE: the Store takes its own lock: not on the loop, not under ours
+            self._thread.submit(self._replicate, d.replications)
         if not d.is_accepted:
             if d.reason == "no_instance":
                 raise NoInstance(f"{missing or 'ready nodes are not scheduled yet'}; retry shortly")
@@ -68,6 +70,10 @@ class Tickets:
                 f"the cluster is overloaded ({d.reason}); retry later", retry_after_s=2.0
             )
         return d
+
+    def _replicate(self, orders: tuple[ReplicationOrder, ...]) -> None:
+        for order in orders:
+            self.on_replicate(order)
 
     def _schedule(self, req_id: int, n: int, hashes: list[int]) -> tuple[Decision, str]:
         try:
@@ -92,6 +98,11 @@ class Tickets:
             self.conductor.on_request_dropped(req_id, time.monotonic())
         else:
             self.conductor.on_decode_finished(req_id, time.monotonic())
+
+    async def call(self, fn: Callable[..., T], *args: object) -> T:
+        """`fn(*args)` on the Conductor's thread, without the lock (`fn` takes what it needs)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._thread, fn, *args)
 
     async def num_open(self) -> int:
         """Open tickets, once every call made before this one has run."""
