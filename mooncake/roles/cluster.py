@@ -115,24 +115,24 @@ class ClusterBackend(BaseBackend):
         log.debug("req %d: %d tokens -> prefill %s, decode %s, reuse %d of %d blocks",
                   rid, len(req.prompt_ids), d.prefill, d.decode, d.reused_blocks,
                   len(hashes))  # fmt: skip
-        try:
-            await self._dispatch_retrying(flight)
-        except BaseException:
-            self._end(flight, dropped=True, abort=True)
-            raise
-        first = True
+        first, tok = True, TokenMsg(rid, None, "", kind="dispatch_again")
         try:
             while True:
                 try:
-                    tok = await asyncio.wait_for(flight.queue.get(), ends_at - time.monotonic())
+                    async with asyncio.timeout(max(0.0, ends_at - time.monotonic())):
+                        if tok.kind == "dispatch_again":  # (placed again:) send the task
+                            await self._dispatch_retrying(flight)
+                        tok = await flight.queue.get()
                 except TimeoutError:
                     why = f"no end within its deadline of {deadline_s:.1f} s ({flight.where})"
                     log.warning("req %d: %s", flight.req_id, why)
                     self._end(flight, dropped=True, abort=True)
                     yield Output(token_id=None, text="", finish_reason="abort", error=why)
                     return
-                if tok.kind == "dispatch_again":  # placed again: send the task there
-                    await self._dispatch_retrying(flight)
+                except BaseException:
+                    self._end(flight, dropped=True, abort=True)
+                    raise
+                if tok.kind == "dispatch_again":
                     continue
                 if tok.kind == "rejected" and first:  # before any output: a 429
                     self._end(flight, dropped=True)

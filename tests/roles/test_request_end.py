@@ -95,6 +95,24 @@ def test_a_request_whose_tokens_never_come_ends_at_its_deadline_and_closes_its_t
     assert num_open == 0 and not backend.flights
 
 
+def test_a_dispatch_that_does_not_return_ends_at_the_deadline_too() -> None:
+    backend, calls = _backend(deadline_slack_s=0.2, deadline_factor=0.01)
+
+    async def hung_leader(flight: Flight) -> None:
+        await asyncio.Event().wait()  # a leader that never answers (no call timeout here)
+
+    backend.calls.send_task = hung_leader  # type: ignore[method-assign]
+
+    async def main() -> tuple[list[Output], int]:
+        outs = [o async for o in backend.generate(_request())]
+        await asyncio.gather(*backend._tasks)
+        return outs, await backend.tickets.num_open()
+
+    outs, num_open = asyncio.run(main())
+    assert [o.finish_reason for o in outs] == ["abort"] and "deadline" in outs[0].error
+    assert calls == ["abort"] and num_open == 0 and not backend.flights
+
+
 def test_token_events_reach_the_client_in_order_each_once_and_are_acknowledged() -> None:
     backend, _ = _backend()
 
