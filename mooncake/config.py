@@ -13,25 +13,19 @@ live in the topology's `NodeInfo`, never here.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 import msgspec
-from msgspec import Meta
 
+from mooncake.configknob import STRUCT as _STRUCT
+from mooncake.configknob import knob
+from mooncake.configroles import DecodeConfig, PrefillConfig, SchedulerConfig
 from mooncake.errors import ConfigError
 from mooncake.sizes import Size
 
 CONFIG_ENV = "MOONCAKE_CONFIG"  # environment variable naming the config file, if any
 
 
-def knob(doc: str, kind: str = "", **constraints: Any) -> Meta:
-    """Field metadata: `doc` (meaning, unit) plus msgspec constraints (ge, le, gt, pattern...).
-    `kind` marks types TOML cannot say: "size" (Size), "bytes" (int from a size string),
-    "hostport", "secret" (never printed)."""
-    return Meta(description=doc, extra={"kind": kind} if kind else None, **constraints)
-
-
-_STRUCT = {"frozen": True, "forbid_unknown_fields": True, "kw_only": True}
 Role = Literal["master", "prefill", "decode", "store"]
 
 
@@ -55,6 +49,38 @@ class ClusterConfig(msgspec.Struct, **_STRUCT):
     secret_file: Annotated[
         str, knob("Path of a file holding the cluster secret; use instead of secret.")
     ] = ""
+    call_timeout_s: Annotated[
+        float,
+        knob(
+            "Seconds the master or a node waits for the answer to one control-plane call "
+            "(registration, heartbeat, a prefill task, a batch of tokens, a prefill report) "
+            "before it counts as lost: the caller then retries, re-sends or gives up.",
+            gt=0,
+        ),
+    ] = 5.0
+    notice_timeout_s: Annotated[
+        float,
+        knob(
+            "Seconds the master waits for a node to confirm an abort, and a stopping node "
+            "for the master to confirm it left; best effort: past it they go on.",
+            gt=0,
+        ),
+    ] = 2.0
+    register_retry_s: Annotated[
+        float,
+        knob(
+            "Pause (s) between a node's attempts to register while the master does not answer.",
+            gt=0,
+        ),
+    ] = 0.2
+    store_call_timeout_s: Annotated[
+        float,
+        knob(
+            "Seconds a prefill or decode node's Store client waits for the master to answer "
+            "one Store call, and for one batch of its KV transfers.",
+            gt=0,
+        ),
+    ] = 10.0
 
     def require_secret(self) -> str:
         """The cluster secret (from `secret` or `secret_file`); raises ConfigError if none.
@@ -216,149 +242,6 @@ class ModelConfig(msgspec.Struct, **_STRUCT):
     max_model_len: Annotated[
         int, knob("Longest prompt+output in tokens; 0 = from the model.", ge=0)
     ] = 0
-
-
-class PrefillConfig(msgspec.Struct, **_STRUCT):
-    """[prefill]: prefill nodes."""
-
-    chunk_tokens: Annotated[int, knob("Tokens per prefill chunk.", ge=1)] = 1024
-    pipeline_group_size: Annotated[
-        int, knob("Nodes per chunked pipeline-parallel prefill group; 0 = automatic.", ge=0)
-    ] = 1
-    kv_cache_bytes: Annotated[
-        Size,
-        knob("Device memory for the paged KV cache of prompts being prefilled: bytes, or a "
-             "percentage of the free GPU (CPU: available) memory.", "size"),
-    ] = Size(num_bytes=1 << 30)  # fmt: skip
-    stage_retry_s: Annotated[
-        float,
-        knob(
-            "Longest pause between a pipeline leader's attempts to reach its next stage "
-            "after the link broke (it asks the master where that stage is now, backing "
-            "off from a tenth of this); its group takes no requests meanwhile.",
-            gt=0,
-        ),
-    ] = 2.0
-    stage_timeout_s: Annotated[
-        float, knob("Leader's wait (s) per chunk on its next stage, then the task moves on.", gt=0)
-    ] = 30.0
-    max_inflight: Annotated[
-        int,
-        knob(
-            "Requests in flight per prefill group: the first stage starts the next prompt "
-            "while later stages finish this one, and KV streams out meanwhile.",
-            ge=1,
-        ),
-    ] = 4
-    reserve_timeout_s: Annotated[
-        float,
-        knob(
-            "Wait (s) for room for a prompt's KV on its decode node before the prefill "
-            "starts; past it the request fails, naming the full node.",
-            gt=0,
-        ),
-    ] = 30.0
-
-
-class DecodeConfig(msgspec.Struct, **_STRUCT):
-    """[decode]: decode nodes."""
-
-    max_batch: Annotated[int, knob("Most requests decoded together in one step.", ge=1)] = 128
-    max_tokens_default: Annotated[
-        int, knob("Output tokens when a request does not say max_tokens.", ge=1)
-    ] = 256
-    kv_cache_bytes: Annotated[
-        Size,
-        knob("Device memory for the paged KV cache of decoding requests: bytes, or a "
-             "percentage of the free GPU (CPU: available) memory.", "size"),
-    ] = Size(num_bytes=2 << 30)  # fmt: skip
-    drain_s: Annotated[
-        float,
-        knob(
-            "Seconds a stopping decode node lets its running requests finish before it "
-            "ends them with an error.",
-            ge=0,
-        ),
-    ] = 30.0
-    reserve_ttl_s: Annotated[
-        float,
-        knob(
-            "Seconds blocks reserved for a prefill node's KV stay set aside without the "
-            "request being submitted; then they are freed (its prefill node died or "
-            "gave up).",
-            gt=0,
-        ),
-    ] = 120.0
-    max_step_failures: Annotated[
-        int,
-        knob(
-            "Consecutive failed decode steps (each ends the requests of that step with "
-            "an error) after which the node stops reporting ready and exits, for its "
-            "supervisor to restart it.",
-            ge=1,
-        ),
-    ] = 3
-    stall_timeout_s: Annotated[
-        float,
-        knob(
-            "Seconds one decode step may run before the node declares its step loop "
-            "stuck, fails its requests and exits (for its supervisor to restart it).",
-            gt=0,
-        ),
-    ] = 120.0
-
-
-class SchedulerConfig(msgspec.Struct, **_STRUCT):
-    """[scheduler]: the Conductor (paper Algorithm 1)."""
-
-    policy: Annotated[
-        Literal["random", "load_balance", "cache_aware", "kvcache_centric"],
-        knob("How the Conductor picks prefill and decode instances."),
-    ] = "kvcache_centric"
-    ttft_slo_s: Annotated[float, knob("Time-to-first-token SLO, seconds.", gt=0)] = 30.0
-    tbt_slo_s: Annotated[float, knob("Time-between-tokens SLO, seconds.", gt=0)] = 0.1
-    balancing_threshold: Annotated[
-        float,
-        knob(
-            "Algorithm 1's kvcache_balancing_threshold: a prefill node fetches a longer prefix "
-            "from another node only if best_prefix_len / its own prefix_len reaches this ratio, "
-            "else it recomputes.",
-            ge=1.0,
-        ),
-    ] = 1.5
-    rejection: Annotated[
-        Literal["none", "basic", "predictive"],
-        knob(
-            "Early rejection under overload: none; basic (reject on the current max of "
-            "TTFT/SLO and TBT/SLO); predictive (on the decode load predicted for when the "
-            "request's prefill ends, which avoids load oscillation)."
-        ),
-    ] = "predictive"
-    forecast_sigmas: Annotated[
-        float,
-        knob(
-            "Predictive rejection at arrival waits for the predicted decode load to exceed 1 "
-            "by this many standard deviations of the forecast's own measured error.",
-            ge=0,
-        ),
-    ] = 2.0
-    cost_model_path: Annotated[
-        str,
-        knob(
-            'Cost model from `mooncake profile`, a path on the master\'s machine; "" = '
-            "analytic roofline of the model's shape on the GPUs of the first prefill node "
-            "that reports known ones (until then the master's, else H800 x8)."
-        ),
-    ] = ""
-    node_wait_s: Annotated[
-        float,
-        knob(
-            "Seconds a request waits for a prefill group and a decode node when none can "
-            "take it (a node restarting): a new request, or one whose node died and is "
-            "placed again; then it fails (503). 0 = fail at once.",
-            ge=0,
-        ),
-    ] = 60.0
 
 
 class ApiConfig(msgspec.Struct, **_STRUCT):

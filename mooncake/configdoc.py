@@ -8,6 +8,7 @@ so documentation and validation cannot drift apart.
 from __future__ import annotations
 
 import json
+import sys
 import textwrap
 import typing
 from dataclasses import dataclass
@@ -15,7 +16,6 @@ from typing import Any
 
 import msgspec
 
-from mooncake import config as cfg
 from mooncake.config import Config
 from mooncake.sizes import Size, format_size
 
@@ -98,7 +98,7 @@ def _kind(tp: Any) -> tuple[str, tuple[str, ...]]:
 
 
 def _section_specs(name: str, struct: type[msgspec.Struct]) -> dict[str, FieldSpec]:
-    hints = typing.get_type_hints(struct, vars(cfg), include_extras=True)
+    hints = typing.get_type_hints(struct, vars(sys.modules[struct.__module__]), include_extras=True)
     defaults = struct()
     specs = {}
     for field in msgspec.structs.fields(struct):

@@ -18,6 +18,7 @@ never stops the server.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import math
@@ -190,7 +191,9 @@ def create_app(
         @app.get("/metrics", dependencies=auth)
         async def metrics(request: Request) -> Response:
             encode, content_type = choose_encoder(request.headers.get("accept", ""))
-            return Response(encode(registry), headers={"Content-Type": content_type})
+            # NOTE: collectors may take their service's threading lock: off the event loop
+            body = await asyncio.to_thread(encode, registry)
+            return Response(body, headers={"Content-Type": content_type})
 
     document = openapi_document(
         title="mooncake",

@@ -48,7 +48,7 @@ class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True):
 class Output(msgspec.Struct, frozen=True, kw_only=True):
     """One step of a request's output stream (a token, or only the end)."""
 
-    token_id: int  # -1 when the event only ends the stream
+    token_id: int | None  # None when the event only ends the stream
     text: str  # new text made certain by this token (may be "")
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None  # (token id, logprob), best first

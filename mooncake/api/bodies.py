@@ -75,6 +75,8 @@ class ResponseBuilder:
     def chat_logprobs(self, outs: Sequence[Output]) -> Body:
         content = []
         for o in outs:
+            if o.token_id is None:  # an end without a token
+                continue
             entry = self._chat_logprob(o.token_id, o.logprob)
             entry["top_logprobs"] = [self._chat_logprob(t, lp) for t, lp in o.top_logprobs or []]
             content.append(entry)
@@ -84,6 +86,8 @@ class ResponseBuilder:
         body: Body = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         offset = self.text_len
         for o in outs:
+            if o.token_id is None:  # an end without a token
+                continue
             body["tokens"].append(self._token_text(o.token_id))
             body["token_logprobs"].append(o.logprob)
             top = o.top_logprobs
@@ -95,7 +99,7 @@ class ResponseBuilder:
         return body
 
     def _logprobs(self, outs: Sequence[Output]) -> Body | None:
-        tokens = [o for o in outs if o.token_id >= 0]
+        tokens = [o for o in outs if o.token_id is not None]
         if not self.logprobs or not tokens:
             return None
         return self.chat_logprobs(tokens) if self.is_chat else self.completion_logprobs(tokens)
@@ -113,7 +117,7 @@ class ResponseBuilder:
             choice["text"] = text
             body = self._head("text_completion")
         if self.prompt_ids is not None:
-            choice["token_ids"] = [o.token_id for o in outs if o.token_id >= 0]
+            choice["token_ids"] = [o.token_id for o in outs if o.token_id is not None]
             (body if self.is_chat else choice)["prompt_token_ids"] = self.prompt_ids
         body["choices"] = [choice]
         body["usage"] = usage
@@ -142,12 +146,12 @@ class ResponseBuilder:
         """The chunk of one output (a token, the end, or both)."""
         choice: Body = {"index": 0, "logprobs": self._logprobs([out])}
         if self.is_chat:
-            choice["delta"] = {"content": out.text} if out.token_id >= 0 or out.text else {}
+            choice["delta"] = {"content": out.text} if out.token_id is not None or out.text else {}
         else:
             choice["text"] = out.text
         choice["finish_reason"] = out.finish_reason
         if self.prompt_ids is not None:
-            choice["token_ids"] = [out.token_id] if out.token_id >= 0 else []
+            choice["token_ids"] = [out.token_id] if out.token_id is not None else []
         self.text_len += len(out.text)
         return self._chunk(choice, include_usage)
 

@@ -207,7 +207,7 @@ class EngineBackend(BaseBackend):
                 log.exception("engine step failed; aborting %d requests", len(self._pending))
                 self._fail_all(f"engine step failed: {e!r}")
                 continue
-            self.num_generated_tokens += sum(e.token_id >= 0 for e in events)
+            self.num_generated_tokens += sum(e.token_id is not None for e in events)
             self._deliver(events, "")
         self._fail_all("the engine stopped")
 
@@ -227,7 +227,7 @@ class EngineBackend(BaseBackend):
         events = [e for s in [*runner.running, *runner.waiting] if (e := runner.abort(s.seq_id))]
         with self._cond:
             known = {e.seq_id for e in events}
-            events += [TokenEvent(i, -1, "", finish_reason="abort") for i in self._pending
+            events += [TokenEvent(i, None, "", finish_reason="abort") for i in self._pending
                        if i not in known]  # fmt: skip
         self._deliver(events, error)
 

@@ -164,7 +164,7 @@ async def generate(ctx: ServingContext, request: Request, is_chat: bool) -> Resp
         if isinstance(e, StopAsyncIteration):
             raise StreamFailed("the backend ended the request without any output") from e
         raise
-    if first.token_id >= 0:
+    if first.token_id is not None:
         trace.token()
     trace.prompt(len(prompt_ids), first.num_cached_tokens)
     builder = ResponseBuilder(
@@ -198,7 +198,7 @@ class _Usage:
     completion_tokens: int = 0
 
     def add(self, out: Output) -> None:
-        self.completion_tokens += out.token_id >= 0
+        self.completion_tokens += out.token_id is not None
 
     def body(self) -> Body:
         return usage_body(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
@@ -216,7 +216,7 @@ async def _collect(
         try:
             while outs[-1].finish_reason is None:
                 out = await it.__anext__()
-                if out.token_id >= 0:
+                if out.token_id is not None:
                     trace.token()
                 outs.append(out)
         except StopAsyncIteration:
@@ -284,7 +284,7 @@ async def _stream(
                 log.warning("%s: %s", builder.req_id, message)
                 yield sse(error_body(message, "server_error", code=503))
                 break
-            if out.token_id >= 0:
+            if out.token_id is not None:
                 trace.token()
         yield b"data: [DONE]\n\n"
     finally:

@@ -59,6 +59,11 @@ class Books:
             slots.incoming[req_id] = ready
         self.forecast.prefill_ends_at(req_id, ready)
 
+    @property
+    def num_tickets(self) -> int:
+        """Accepted requests whose ticket is still open (not finished, not dropped)."""
+        return len(self._tickets)
+
     # -- progress reports --------------------------------------------------------------
     def on_prefill_started(self, req_id: Hashable, now: float) -> None:
         """The request's prefill started (its predicted end refreshes the forecast)."""

@@ -13,6 +13,7 @@ offset i % B. A stage's cache holds only the layers the stage owns.
 from __future__ import annotations
 
 import heapq
+import threading
 
 import torch
 from torch import Tensor
@@ -27,12 +28,15 @@ class CacheFullError(MooncakeError):
 
 class BlockAllocator:
     """Lowest-id-first allocator of block ids (a heap), so that a sequence's blocks tend
-    to be consecutive and attention can read them in place; all-or-nothing."""
+    to be consecutive and attention can read them in place; all-or-nothing. Thread-safe
+    (a decode node's RPC handlers reserve blocks while its step loop grows and frees
+    others); its lock is held for the heap operations only."""
 
     def __init__(self, num_blocks: int):
         self.num_blocks = num_blocks
         self._free: list[int] = list(range(num_blocks))  # a min-heap
         self._used: set[int] = set()
+        self._lock = threading.Lock()
 
     @property
     def num_free(self) -> int:
@@ -40,17 +44,19 @@ class BlockAllocator:
 
     def allocate(self, n: int) -> list[int] | None:
         """`n` block ids, or None (nothing taken) when fewer are free."""
-        if n > len(self._free):
-            return None
-        ids = [heapq.heappop(self._free) for _ in range(n)]
-        self._used.update(ids)
+        with self._lock:
+            if n > len(self._free):
+                return None
+            ids = [heapq.heappop(self._free) for _ in range(n)]
+            self._used.update(ids)
         return ids
 
     def free(self, ids: list[int]) -> None:
-        for i in ids:
-            assert i in self._used, f"block {i} freed but not allocated"
-            self._used.remove(i)
-            heapq.heappush(self._free, i)
+        with self._lock:
+            for i in ids:
+                assert i in self._used, f"block {i} freed but not allocated"
+                self._used.remove(i)
+                heapq.heappush(self._free, i)
 
     def check_integrity(self) -> None:
         free = set(self._free)

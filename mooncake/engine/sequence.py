@@ -26,7 +26,7 @@ class TokenEvent:
     """What a decode step produced for one request (streamed to the client as it comes)."""
 
     seq_id: int
-    token_id: int  # -1 for an event that only ends the request
+    token_id: int | None  # None for an event that only ends the request
     text: str  # new output text made certain by this token (may be "")
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
@@ -126,4 +126,4 @@ class Sequence:
     def finish(self, reason: FinishReason) -> TokenEvent:
         """End the request from outside (abort, cache too small)."""
         self.finish_reason = reason
-        return TokenEvent(self.seq_id, -1, "", finish_reason=reason)
+        return TokenEvent(self.seq_id, None, "", finish_reason=reason)

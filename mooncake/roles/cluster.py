@@ -5,7 +5,14 @@
     dispatch      send the prefill task to the group's leader
     stream        the decode node's tokens arrive (RPC thread) and go to the request's
                   asyncio queue; the first one is the TTFT
-    end           finished, failed or cancelled: the Conductor's load is released
+    end           finished, failed, cancelled or past its deadline: the Conductor's
+                  ticket is closed and the nodes drop what they still hold of it
+
+Token streams: each decode node numbers a request's token events; the master hands them
+on in order, each once, and acknowledges them (roles/delivery.py). Every request has a
+deadline from its arrival (`request_deadline_s`): past it the HTTP request ends with an
+error naming where it was, never a hang. The Conductor is reached through `Tickets`
+(roles/tickets.py), so the event loop never waits on the master's lock.
 
 Node failures: a request whose prefill or decode node went down is placed again under a
 new request id (so late outputs of the dead placement are dropped): before its first token
@@ -18,7 +25,6 @@ then ends with an error naming why. A new request that finds no node ready waits
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import threading
 import time
@@ -28,33 +34,25 @@ import msgspec
 
 from mooncake.api.backend import BaseBackend, GenerateRequest, Output, Rejected
 from mooncake.conductor import Conductor
-from mooncake.conductor.types import (
-    Decision,
-    PrefillAdmission,
-    ReplicationOrder,
-    ScheduleRequest,
-)
+from mooncake.conductor.types import Decision, PrefillAdmission, ReplicationOrder
+from mooncake.config import Config
 from mooncake.engine.tokenizer import BaseTokenizer
-from mooncake.errors import ApiError, MooncakeError, SchedulingError
+from mooncake.errors import ApiError, MooncakeError
 from mooncake.hashing import PrefixHasher
 from mooncake.roles.cluster_metrics import PoolCounters
-from mooncake.roles.flight import Flight
+from mooncake.roles.flight import Flight, Flights, request_deadline_s
 from mooncake.roles.messages import (
-    AckMsg,
-    DecodeAbortMsg,
-    PrefillAbortMsg,
-    PrefillTaskMsg,
     TokenMsg,
+    TokensAckMsg,
+    TokensMsg,
 )
+from mooncake.roles.nodecalls import NodeCalls
 from mooncake.roles.registry import Registry
+from mooncake.roles.tickets import NoInstance, Tickets
 from mooncake.roles.timeline import PhaseLog
-from mooncake.rpc import AsyncRpcClient
 
 log = logging.getLogger(__name__)
-
-
-class NoInstance(MooncakeError):
-    """No prefill group or no decode node can take a request now."""
+__all__ = ["ClusterBackend", "NoInstance"]
 
 
 class ClusterBackend(BaseBackend):
@@ -72,52 +70,75 @@ class ClusterBackend(BaseBackend):
         self.conductor, self.registry, self.tokenizer = conductor, registry, tokenizer
         self.model_name, self.max_model_len = model_name, max_model_len
         self.secret, self.block_tokens, self.lock = secret, block_tokens, lock
+        self.tickets = Tickets(conductor, registry, lock)
         self.hasher: PrefixHasher | None = None  # set once a node tells the KV fingerprint
         self.loop: asyncio.AbstractEventLoop | None = None
-        self.flights: dict[int, Flight] = {}
+        self.flights = Flights()
         self.counters = PoolCounters()
         self.phases = PhaseLog()  # where each request's TTFT went
         self.max_retries = 2
-        self.node_wait_s = 60.0  # [scheduler] node_wait_s
-        self.node_poll_s = 0.25  # seconds between attempts to place a waiting request
-        # NOTE: ids never repeat across master restarts (nodes outlive the master)
-        self._ids = itertools.count(time.time_ns() // 1000)
+        self.calls = NodeCalls(registry, secret)
+        self.configure(Config())
         self.on_unreachable: Callable[[str], None] = lambda _node: None  # the master marks it down
-        # hot-spot replication orders of the Conductor, for the Store to carry out
-        self.on_replicate: Callable[[ReplicationOrder], None] = lambda _order: None
-        self._clients: dict[str, AsyncRpcClient] = {}
         self._tasks: set[asyncio.Future[None]] = set()  # re-placements under way
+
+    def configure(self, config: Config) -> None:
+        """Take the scheduler's waits and deadlines and the cluster's call timeouts."""
+        self.scheduler = config.scheduler
+        self.node_wait_s = config.scheduler.node_wait_s
+        self.calls.configure(config.cluster)
+
+    @property
+    def on_replicate(self) -> Callable[[ReplicationOrder], None]:
+        """Where the Conductor's hot-spot replication orders go (the Store)."""
+        return self.tickets.on_replicate
+
+    @on_replicate.setter
+    def on_replicate(self, fn: Callable[[ReplicationOrder], None]) -> None:
+        self.tickets.on_replicate = fn
 
     # -- the API's entry point --
     async def generate(self, req: GenerateRequest) -> AsyncIterator[Output]:
         self.loop = asyncio.get_running_loop()
         if self.hasher is None:
             raise MooncakeError("no prefill or decode node has joined yet; retry shortly")
-        rid = next(self._ids)
+        deadline_s = request_deadline_s(self.scheduler, req.params.max_tokens)
+        ends_at = time.monotonic() + deadline_s
+        rid = self.flights.new_id()
         hashes = self.hasher.hash_blocks(req.prompt_ids)
-        decision = await self._place_waiting(rid, len(req.prompt_ids), hashes)
-        flight = Flight(rid, req, hashes, asyncio.Queue(), decision)
+        decision = await self._place_waiting(rid, len(req.prompt_ids), hashes, ends_at)
+        flight = Flight(rid, req, hashes, asyncio.Queue(), decision, ends_at=ends_at)
         self.counters.add_lookup(len(hashes), decision.best_blocks, decision.local_blocks)
         self.flights[rid] = flight
         log.debug("req %d: %d tokens -> %s", rid, len(req.prompt_ids), decision)
-        try:
-            await self._dispatch_retrying(flight)
-        except BaseException:
-            self._end(flight, dropped=True)
-            raise
-        first = True
+        first, tok = True, TokenMsg(rid, None, "", kind="dispatch_again")
         try:
             while True:
-                tok = await flight.queue.get()
-                if tok.kind == "dispatch_again":  # placed again: send the task there
-                    await self._dispatch_retrying(flight)
+                try:
+                    async with asyncio.timeout(max(0.0, ends_at - time.monotonic())):
+                        if tok.kind == "dispatch_again":  # (placed again:) send the task
+                            await self._dispatch_retrying(flight)
+                        tok = await flight.queue.get()
+                except TimeoutError:
+                    why = f"no end within its deadline of {deadline_s:.1f} s ({flight.where})"
+                    log.warning("req %d: %s", flight.req_id, why)
+                    self._end(flight, dropped=True, abort=True)
+                    yield Output(token_id=None, text="", finish_reason="abort", error=why)
+                    return
+                except BaseException:
+                    self._end(flight, dropped=True, abort=True)
+                    raise
+                if tok.kind == "dispatch_again":
                     continue
                 if tok.kind == "rejected" and first:  # before any output: a 429
                     self._end(flight, dropped=True)
                     raise Rejected(tok.error, retry_after_s=2.0)
                 if flight.phase != "decoding":  # the first token of this placement
-                    self._on_first_token(flight)
-                if tok.token_id >= 0:
+                    flight.phase = "decoding"
+                    self.tickets.decode_started(flight.req_id)
+                    if flight.num_placements == 1:  # NOTE: only a first one's moments are whole
+                        self.phases.record(flight.moments, time.monotonic())
+                if tok.token_id is not None:
                     flight.output_ids.append(tok.token_id)
                 out = Output(token_id=tok.token_id, text=tok.text, logprob=tok.logprob,
                              top_logprobs=tok.top_logprobs, finish_reason=tok.finish_reason,
@@ -133,37 +154,24 @@ class ClusterBackend(BaseBackend):
                     return
                 yield out
         finally:
+            # NOTE: no await here: a client gone cancels every await (anyio's cancel scope)
             if not flight.done:  # the client went away (or the loop is closing)
-                await self._abort_remote(flight)
-                self._end(flight, dropped=True)
+                self._end(flight, dropped=True, abort=True)
 
-    def _place(self, rid: int, n: int, hashes: list[int]) -> Decision:
-        with self.lock:
-            try:
-                d = self.conductor.schedule(ScheduleRequest(rid, n, hashes), time.monotonic())
-            except SchedulingError as e:
-                raise MooncakeError(f"cannot place the request: {e}") from e
-        for order in d.replications:
-            self.on_replicate(order)
-        if not d.is_accepted:
-            if d.reason == "no_instance":
-                with self.lock:
-                    missing = self.registry.missing() or "ready nodes are not scheduled yet"
-                raise NoInstance(f"{missing}; retry shortly")
-            raise Rejected(f"the cluster is overloaded ({d.reason}); retry later",
-                           retry_after_s=2.0)  # fmt: skip
-        return d
+    async def _place(self, rid: int, n: int, hashes: list[int]) -> Decision:
+        return await self.tickets.place(rid, n, hashes)
 
-    async def _place_waiting(self, rid: int, n: int, hashes: list[int]) -> Decision:
-        """Place a new request, waiting up to node_wait_s while no node can take it."""
-        deadline = time.monotonic() + self.node_wait_s
+    async def _place_waiting(self, rid: int, n: int, hashes: list[int], ends_at: float) -> Decision:
+        """Place a new request, waiting up to node_wait_s (within its deadline) while no
+        node can take it."""
+        give_up = min(time.monotonic() + self.node_wait_s, ends_at)
         while True:
             try:
-                return self._place(rid, n, hashes)
+                return await self._place(rid, n, hashes)
             except NoInstance:
-                if time.monotonic() >= deadline:
+                if time.monotonic() >= give_up:
                     raise
-            await asyncio.sleep(self.node_poll_s)
+            await asyncio.sleep(self.scheduler.node_poll_s)
 
     async def _dispatch_retrying(self, flight: Flight) -> None:
         """Send the task; a leader that does not answer is reported down and the request
@@ -176,7 +184,7 @@ class ClusterBackend(BaseBackend):
             except MooncakeError as e:
                 node = target.prefill
                 log.warning("req %d: prefill node %s did not take it (%s)", flight.req_id, node, e)
-                self.on_unreachable(node)
+                await self.tickets.call(self.on_unreachable, node)  # NOTE: takes the lock
                 if flight.decision is not target or flight.is_replacing:
                     return  # placed again meanwhile; that placement dispatches it
                 if attempt == self.max_retries:
@@ -185,80 +193,50 @@ class ClusterBackend(BaseBackend):
                     return  # its end is queued
 
     async def _dispatch(self, flight: Flight) -> None:
-        d = flight.decision
-        leader, decoder = self.registry.nodes.get(d.prefill), self.registry.nodes.get(d.decode)
-        if leader is None or decoder is None:
-            raise MooncakeError(f"node {d.prefill if leader is None else d.decode} left")
-        # NOTE: the index lags the pool by a tick; a limit only where the Conductor chose to
-        # recompute blocks it knows are held (Algorithm 1's balancing rule)
-        limit = d.reused_blocks if d.reused_blocks < d.best_blocks else -1
-        task = PrefillTaskMsg(flight.req_id, flight.task_prompt, flight.task_params, d.decode,
-                              decoder.info.rpc_address, limit)  # fmt: skip
-        await self._client(leader.info.rpc_address).call(task, AckMsg, timeout_s=5.0)
-        log.debug("req %d: %s took it", flight.req_id, d.prefill)
-
-    def _on_first_token(self, flight: Flight) -> None:
-        flight.phase = "decoding"
-        with self.lock:
-            self.conductor.on_decode_started(flight.req_id, time.monotonic())
-        if flight.num_placements == 1:  # NOTE: only a first placement's moments are whole
-            self.phases.record(flight.moments, time.monotonic())
-
-    def _end(self, flight: Flight, dropped: bool) -> None:
-        if flight.done:
-            return
-        flight.done = True
-        self.flights.pop(flight.req_id, None)
-        with self.lock:
-            now = time.monotonic()
-            if dropped:
-                self.conductor.on_request_dropped(flight.req_id, now)
-            else:
-                self.conductor.on_decode_finished(flight.req_id, now)
+        await self.calls.send_task(flight)
 
     async def _abort_remote(self, flight: Flight) -> None:
-        d = flight.decision
-        writer = self.registry.nodes.get(d.prefill)
-        is_down = writer is None or writer.state == "down"  # NOTE: it streams no more KV
-        aborts = (
-            (d.prefill, PrefillAbortMsg(flight.req_id)),
-            (d.decode, DecodeAbortMsg(flight.req_id, is_writer_down=is_down)),
-        )
-        for node_id, msg in aborts:
-            rec = self.registry.nodes.get(node_id)
-            if rec is None or rec.state == "down":
-                continue
-            try:
-                await self._client(rec.info.rpc_address).call(msg, AckMsg, timeout_s=1.0)
-            except MooncakeError as e:
-                log.info("req %d: abort on %s not confirmed: %s", flight.req_id, node_id, e)
+        await self.calls.abort(flight)
 
-    def _client(self, address: str) -> AsyncRpcClient:
-        if address not in self._clients:
-            self._clients[address] = AsyncRpcClient(address, self.secret, timeout_s=5.0)
-        return self._clients[address]
+    def _end(self, flight: Flight, dropped: bool, abort: bool = False) -> None:
+        """The request ends: it leaves the flights (late events of it are refused) and
+        its Conductor ticket closes; `abort`: its nodes are told to drop it (a task of its
+        own: whatever cancels the caller, the ticket is closed first)."""
+        if not self.flights.end(flight):
+            return
+        self.tickets.close(flight.req_id, dropped)
+        if abort:
+            task = asyncio.ensure_future(self._abort_remote(flight))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
 
     # -- events from nodes (RPC server thread) --
-    def deliver(self, node_id: str, tokens: list[TokenMsg]) -> None:
-        """Route outputs to their requests' queues (thread-safe). A failure reported by a
-        node the request was moved away from is stale and dropped."""
+    def receive_tokens(self, msg: TokensMsg) -> TokensAckMsg:
+        """A decode node's token events: each request's go to its queue in seq order, each
+        once; the answer acknowledges them (roles/flight.py `Flights.receive`)."""
+        ready, acks = self.flights.receive(msg.node_id, msg.tokens)
         loop = self.loop
-        if loop is None:
+        if ready and loop is not None:
+            loop.call_soon_threadsafe(self._queue_tokens, ready)
+        return TokensAckMsg(acks)
+
+    def _queue_tokens(self, ready: list[tuple[Flight, TokenMsg]]) -> None:
+        for flight, tok in ready:
+            if not flight.done and flight.req_id == tok.req_id:  # NOTE: not placed again since
+                flight.queue.put_nowait(tok)
+
+    def on_prefill_failed(self, req_id: int, node_id: str, error: str) -> None:
+        """The request's prefill (or its hand-off to decode) failed on `node_id` (RPC
+        thread): before its first token it is placed again; else it ends with the error. A
+        report from a node the request was moved away from is stale and dropped."""
+        flight, loop = self.flights.get(req_id), self.loop
+        if flight is None or loop is None or flight.decision.prefill != node_id:
             return
-        for tok in tokens:
-            flight = self.flights.get(tok.req_id)
-            if flight is None:
-                continue  # ended, or placed again under a new id
-            d = flight.decision
-            # NOTE: outputs come from the decode node; failures from either node
-            senders = (d.prefill, d.decode) if tok.finish_reason == "abort" else (d.decode,)
-            if node_id not in senders:
-                continue
-            if tok.finish_reason == "abort" and node_id == d.prefill and flight.phase != "decoding":
-                # its prefill (or the hand-off to decode) failed: try another placement
-                loop.call_soon_threadsafe(self._replace, flight, node_id, tok)
-            else:
-                loop.call_soon_threadsafe(flight.queue.put_nowait, tok)
+        end = TokenMsg(req_id, None, "", finish_reason="abort", error=error)
+        if flight.phase != "decoding":
+            loop.call_soon_threadsafe(self._replace, flight, node_id, end)
+        else:
+            loop.call_soon_threadsafe(self._queue_tokens, [(flight, end)])
 
     def on_prefill_admission(self, req_id: int, adm: PrefillAdmission) -> None:
         """The Conductor's decision at prefill start (RPC thread): follow a moved decode
@@ -275,8 +253,8 @@ class ClusterBackend(BaseBackend):
         if adm.reason != "unknown_request":
             # NOTE: after some output (a resumed request) it ends the stream as an abort
             why = f"the cluster is overloaded ({adm.reason})"
-            end = TokenMsg(req_id, -1, "", finish_reason="abort", error=why, kind="rejected")
-            loop.call_soon_threadsafe(flight.queue.put_nowait, end)
+            end = TokenMsg(req_id, None, "", finish_reason="abort", error=why, kind="rejected")
+            loop.call_soon_threadsafe(self._queue_tokens, [(flight, end)])
 
     def on_prefill_finished(self, req_id: int, reused: int, kv_bytes: int) -> None:
         """A prefill node computed the request and handed its KV to decode (RPC thread);
@@ -287,7 +265,7 @@ class ClusterBackend(BaseBackend):
             self.counters.add_kv(now, kv_bytes)
         flight = self.flights.get(req_id)
         if flight is not None:
-            flight.num_cached_tokens = reused
+            flight.num_cached_tokens, flight.is_handed_off = reused, True
             flight.moments.prefilled = now
 
     def on_node_down(self, node_id: str) -> None:
@@ -316,72 +294,76 @@ class ClusterBackend(BaseBackend):
 
         async def replace() -> None:
             if await self._place_again(flight) and not flight.done:
-                flight.queue.put_nowait(TokenMsg(flight.req_id, -1, "", kind="dispatch_again"))
+                flight.queue.put_nowait(TokenMsg(flight.req_id, None, "", kind="dispatch_again"))
 
         task = asyncio.ensure_future(replace())
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
     async def _place_again(self, flight: Flight) -> bool:
-        """Give the request a new id and a new placement, waiting up to node_wait_s for a
-        node to take it; False when it ended meanwhile or none took it (or it was moved too
-        often: then its end, with the error, is queued)."""
+        """Give the request a new id and a new placement, waiting up to node_wait_s
+        (within its deadline) for a node to take it; False when it ended meanwhile or none
+        took it (or it was moved too often: then its end, with the error, is queued).
+
+        NOTE: the request may end (its client left, its deadline passed) at any await
+        here: from then on every ticket this opens is closed again at once."""
         flight.is_replacing = True
         try:
             await self._abort_remote(flight)  # NOTE: a live node stops work nobody awaits
-            old = flight.req_id
-            self.flights.pop(old, None)
-            with self.lock:
-                self.conductor.on_request_dropped(old, time.monotonic())
-            flight.req_id = next(self._ids)
-            self.flights[flight.req_id] = flight
-            flight.phase = "queued"
+            if flight.done:
+                return False
+            old = self.flights.move(flight)
+            self.tickets.close(old, dropped=True)
+            flight.phase, flight.is_handed_off = "queued", False
             flight.num_placements += 1
             if flight.num_placements > self.max_retries + 2:
                 why = f"; the last failure: {flight.last_error}" if flight.last_error else ""
                 raise MooncakeError(f"it was placed {flight.num_placements - 1} times{why}")
-            deadline = time.monotonic() + self.node_wait_s
+            give_up = min(time.monotonic() + self.node_wait_s, flight.ends_at)
             while True:
                 try:
-                    flight.decision = self._replacement(flight)
-                    break
+                    decision = await self._replacement(flight)
                 except (MooncakeError, ApiError) as e:
                     if flight.done:
                         return False
-                    if time.monotonic() >= deadline:
+                    if time.monotonic() >= give_up:
                         raise MooncakeError(
                             f"no node took it within {self.node_wait_s:.0f} s: {e}"
                         ) from e
-                    await asyncio.sleep(self.node_poll_s)
+                    await asyncio.sleep(self.scheduler.node_poll_s)
+                    continue
+                if flight.done:  # ended while it was placed: that ticket closes at once
+                    self.tickets.close(flight.req_id, dropped=True)
+                    return False
+                flight.decision = decision
+                break
             d = flight.decision
             log.info(
                 "req %d (was %d) placed again on %s, %s", flight.req_id, old, d.prefill, d.decode
             )
             return True
         except (MooncakeError, ApiError) as e:
-            end = TokenMsg(
-                flight.req_id, -1, "", finish_reason="abort", error=f"could not place it again: {e}"
+            why = f"could not place it again: {e}"
+            flight.queue.put_nowait(
+                TokenMsg(flight.req_id, None, "", finish_reason="abort", error=why)
             )
-            flight.queue.put_nowait(end)
             return False
         finally:
             flight.is_replacing = False
 
-    def _replacement(self, flight: Flight) -> Decision:
+    async def _replacement(self, flight: Flight) -> Decision:
         prompt = flight.task_prompt
         assert self.hasher is not None
         hashes = flight.block_hashes
         if flight.output_ids:
             hashes = self.hasher.hash_blocks(prompt)
-        return self._place(flight.req_id, len(prompt), hashes)
+        return await self._place(flight.req_id, len(prompt), hashes)
 
     async def health(self) -> dict[str, object]:
         """ok while a prefill group and a decode node can take requests; raises
-        MooncakeError naming what is missing otherwise."""
-        with self.lock:
-            leaders = self.registry.schedulable_leaders()
-            decoders = self.registry.ready_decoders()
-            missing = self.registry.missing()
+        MooncakeError naming what is missing otherwise. `num_tickets`: the Conductor's
+        open tickets (each running request holds one)."""
+        leaders, decoders, missing = await self.tickets.locked(self._health_facts)
         if missing:
             raise MooncakeError(missing)
         return {
@@ -389,8 +371,13 @@ class ClusterBackend(BaseBackend):
             "num_prefill_groups": len(leaders),
             "num_decode_nodes": len(decoders),
             "num_running": len(self.flights),
+            "num_tickets": await self.tickets.num_open(),
         }
 
+    def _health_facts(self) -> tuple[set[str], set[str], str]:
+        r = self.registry
+        return r.schedulable_leaders(), r.ready_decoders(), r.missing()
+
     async def close(self) -> None:
-        for c in self._clients.values():
-            await c.close()
+        await self.calls.close()
+        self.tickets.shutdown()

@@ -207,7 +207,8 @@ class MasterLink:
         self.ctx, self.info, self.load_fn = ctx, info, load_fn
         self.incarnation = secrets.token_hex(8)  # this process, as the master tells restarts
         self.on_registered = on_registered
-        self.client = RpcClient(ctx.master_rpc, ctx.secret, timeout_s=5.0)
+        self.cluster = ctx.config.cluster  # call_timeout_s, register_retry_s, notice_timeout_s
+        self.client = RpcClient(ctx.master_rpc, ctx.secret, timeout_s=self.cluster.call_timeout_s)
         self.state: Literal["starting", "ready", "draining", "failed"] = "starting"
         self.reply: RegisterReplyMsg | None = None
         self._halt = threading.Event()  # heartbeats go on while the node drains
@@ -235,7 +236,7 @@ class MasterLink:
                         f"cannot register with the master at cluster.master = {master} "
                         f"within {timeout_s:g} s: {e}"
                     ) from e
-                self.ctx.stop.wait(0.2)
+                self.ctx.stop.wait(self.cluster.register_retry_s)
         if not reply.is_accepted:
             raise MooncakeError(f"the master refused node {self.info.node_id}: {reply.message}")
         self.reply = reply
@@ -262,7 +263,7 @@ class MasterLink:
                 log.warning(
                     "the master does not know node %s; registering again", self.info.node_id
                 )
-                self.register(timeout_s=5.0)
+                self.register(timeout_s=self.cluster.call_timeout_s)
         except MooncakeError as e:
             log.warning("heartbeat to the master failed: %s", e)
 
@@ -276,7 +277,8 @@ class MasterLink:
             self.client.close()
             return
         try:
-            self.client.call(DeregisterMsg(self.info.node_id), AckMsg, timeout_s=2.0)
+            timeout_s = self.cluster.notice_timeout_s
+            self.client.call(DeregisterMsg(self.info.node_id), AckMsg, timeout_s=timeout_s)
         except MooncakeError as e:
             log.info("deregistration not confirmed: %s", e)
         self.client.close()

@@ -15,22 +15,25 @@ error and exit, for its supervisor to restart it (roles/watchdog.py). A node the
 marked down (it was unreachable: stopped, partitioned) drops what it held when it registers
 again: the master has re-placed or failed those requests meanwhile.
 
-The runner is not thread-safe: RPC handlers and the step loop share `lock`.
+Threads: the step loop owns the runner (its queues); RPC handlers never wait for a step.
+They hand what changes the runner (a request to add, one to abort) to the loop as commands,
+applied in order before its next step, and keep the reservations under `held`, a lock
+held only for dictionary work (the KV cache's allocator has its own, as short). Tokens go
+out through an `Outbox` (roles/delivery.py) on a sender thread: numbered per request, sent
+again until the master acknowledges them.
 """
 
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
-
-import torch
 
 from mooncake.conductor.costmodel import CostModel
-from mooncake.engine.decode import DecodeRunner
 from mooncake.engine.kvhandoff import place_cache_in_segments
+from mooncake.engine.prefill import check_token_ids
 from mooncake.engine.sequence import Sequence, TokenEvent
 from mooncake.errors import MooncakeError
 from mooncake.roles.common import (
@@ -40,6 +43,8 @@ from mooncake.roles.common import (
     install_signal_handlers,
     report_ready,
 )
+from mooncake.roles.decodekv import StoringDecodeRunner, missing_layers, store_output_kv
+from mooncake.roles.delivery import Outbox
 from mooncake.roles.messages import (
     AckMsg,
     DecodeAbortMsg,
@@ -50,7 +55,9 @@ from mooncake.roles.messages import (
     NodeInfoMsg,
     NodeLoadMsg,
     RegisterReplyMsg,
+    TokenAck,
     TokenMsg,
+    TokensAckMsg,
     TokensMsg,
 )
 from mooncake.roles.watchdog import LoopWatch, NodeFailed
@@ -60,28 +67,13 @@ from mooncake.rpc import RpcServer
 log = logging.getLogger(__name__)
 
 
-class StoringDecodeRunner(DecodeRunner):
-    """A DecodeRunner that hands a finished request's blocks to `on_retire` before it
-    frees them."""
-
-    def __init__(self, *args: Any, on_retire: Callable[[Sequence], None], **kw: Any):
-        super().__init__(*args, **kw)
-        self.on_retire = on_retire
-
-    def _retire(self, seq: Sequence) -> None:
-        if seq.block_ids and seq.finish_reason in ("stop", "length"):
-            try:
-                self.on_retire(seq)
-            except Exception:  # storing is an optimisation; the request already succeeded
-                log.exception("req %d: storing its output KV failed", seq.seq_id)
-        super()._retire(seq)
-
-
 class DecodeNode:
     def __init__(self, ctx: NodeContext):
         self.ctx = ctx
         cfg = ctx.config
-        self.lock = threading.Lock()
+        # NOTE: guards `reserved` and `cancelled`, held for dictionary work only
+        self.held = threading.Lock()
+        self.commands: queue.SimpleQueue[Callable[[], object]] = queue.SimpleQueue()
         self.wake = threading.Event()
         self.halt = threading.Event()  # set after draining: the step loop ends
         self.reserved: dict[int, tuple[list[int], float]] = {}  # req_id -> (blocks, when)
@@ -117,60 +109,93 @@ class DecodeNode:
         self.is_registered = False
         self.watch = LoopWatch("decode-loop", self._loop, cfg.decode.stall_timeout_s)
         self.link = MasterLink(ctx, info, self._load, self._on_registered)
+        d = cfg.decode
+        self.outbox = Outbox(
+            self._send_tokens, d.token_resend_s, d.token_max_resends, self._on_stream_dropped
+        )
+        self._sender = threading.Thread(target=self.outbox.run, name="tokens-out", daemon=True)
+        self._sender.start()
         self.link.register()
         self.link.start()
 
     # -- RPC handlers (server thread) --
     def _on_reserve(self, msg: DecodeReserveMsg, _peer: object) -> DecodeReserveReplyMsg:
-        with self.lock:
-            cache = self.worker.cache
-            # NOTE: keep room for the running batch to grow by a block each
-            spare = cache.allocator.num_free - len(self.runner.running)
-            need = cache.blocks_for(msg.num_tokens)
-            ids = cache.allocator.allocate(need) if need <= spare else None
-            if ids is None:
-                return DecodeReserveReplyMsg([])
+        cache = self.worker.cache
+        # NOTE: keep room for the running batch to grow by a block each (a glance at the
+        # loop's batch: a step may change it meanwhile)
+        spare = cache.allocator.num_free - len(self.runner.running)
+        need = cache.blocks_for(msg.num_tokens)
+        ids = cache.allocator.allocate(need) if need <= spare else None
+        if ids is None:
+            return DecodeReserveReplyMsg([])
+        with self.held:
             self.reserved[msg.req_id] = (ids, time.monotonic())
         ep = self.store.engine.endpoints[0]
         return DecodeReserveReplyMsg(ids, self.kv_prefix, f"{ep.host}:{ep.port}")
 
     def _on_submit(self, msg: DecodeSubmitMsg, _peer: object) -> AckMsg:
         w = self.worker
-        with self.lock:
+        with self.held:
             blocks = self.reserved.pop(msg.req_id, ([], 0.0))[0]
-            if msg.req_id in self.cancelled:
-                self.cancelled.discard(msg.req_id)
-                self.worker.cache.free(blocks)
-                raise MooncakeError(f"req {msg.req_id} was aborted while its KV streamed in")
-            if msg.block_ids != blocks[: len(msg.block_ids)]:
-                self.worker.cache.free(blocks)
-                raise MooncakeError(f"req {msg.req_id}: submitted blocks were not reserved")
-            if missing := missing_layers(msg, w.model.spec.num_layers):
-                self.worker.cache.free(blocks)  # NOTE: never decode from partial KV
-                raise MooncakeError(f"req {msg.req_id}: KV incomplete, {missing}")
-            seq = Sequence(
-                msg.req_id, msg.prompt_ids, msg.params, eos_token_ids=w.info.eos_token_ids,
-                max_model_len=w.max_model_len, tokenizer=w.tokenizer, block_ids=blocks,
-                num_cached_tokens=msg.num_cached_tokens,
-            )  # fmt: skip
-            self.runner.add(seq)
-        self.wake.set()
+            is_cancelled = msg.req_id in self.cancelled
+            self.cancelled.discard(msg.req_id)
+        if is_cancelled:
+            w.cache.free(blocks)
+            raise MooncakeError(f"req {msg.req_id} was aborted while its KV streamed in")
+        if msg.block_ids != blocks[: len(msg.block_ids)]:
+            w.cache.free(blocks)
+            raise MooncakeError(f"req {msg.req_id}: submitted blocks were not reserved")
+        if missing := missing_layers(msg, w.model.spec.num_layers):
+            w.cache.free(blocks)  # NOTE: never decode from partial KV
+            raise MooncakeError(f"req {msg.req_id}: KV incomplete, {missing}")
+        try:
+            check_token_ids(msg.prompt_ids, w.model.spec.vocab_size)
+        except MooncakeError:
+            w.cache.free(blocks)
+            raise
+        seq = Sequence(
+            msg.req_id, msg.prompt_ids, msg.params, eos_token_ids=w.info.eos_token_ids,
+            max_model_len=w.max_model_len, tokenizer=w.tokenizer, block_ids=blocks,
+            num_cached_tokens=msg.num_cached_tokens,
+        )  # fmt: skip
+        self._command(lambda: self.runner.add(seq))
         return AckMsg()
 
+    def _command(self, fn: Callable[[], object]) -> None:
+        """Have the step loop run `fn` before its next step (in the order given)."""
+        self.commands.put(fn)
+        self.wake.set()
+
     def _on_release(self, msg: DecodeReleaseMsg, _peer: object) -> AckMsg:
-        with self.lock:
+        with self.held:
             self.cancelled.discard(msg.req_id)
-            self.worker.cache.free(self.reserved.pop(msg.req_id, ([], 0.0))[0])
+            blocks = self.reserved.pop(msg.req_id, ([], 0.0))[0]
+        self.worker.cache.free(blocks)
         return AckMsg()
 
     def _on_abort(self, msg: DecodeAbortMsg, _peer: object) -> AckMsg:
-        with self.lock:
+        """Free its reservation (or mark it, while its prefill node still writes there),
+        and have the loop drop it before its next step."""
+        blocks: list[int] = []
+        with self.held:
             if msg.req_id in self.reserved and not msg.is_writer_down:
-                self.cancelled.add(msg.req_id)  # its prefill node still writes there
+                self.cancelled.add(msg.req_id)
             else:
-                self.worker.cache.free(self.reserved.pop(msg.req_id, ([], 0.0))[0])
-            self.runner.abort(msg.req_id)
+                blocks = self.reserved.pop(msg.req_id, ([], 0.0))[0]
+        self.worker.cache.free(blocks)
+        self.outbox.forget(msg.req_id)  # NOTE: the master awaits nothing more of it
+        self._command(lambda: self.runner.abort(msg.req_id))
         return AckMsg()
+
+    def _on_stream_dropped(self, req_id: int, why: str) -> None:
+        """The master does not track the request, or its tokens could not be delivered:
+        nobody awaits its output (sender thread)."""
+        log.info("req %d: stopped: %s", req_id, why)
+        self._command(lambda: self.runner.abort(req_id))
+
+    def _send_tokens(self, tokens: list[TokenMsg]) -> list[TokenAck]:
+        reply = self.link.client.call(TokensMsg(self.ctx.node_id, tokens), TokensAckMsg)
+        return reply.acks
 
     def _on_registered(self, reply: RegisterReplyMsg) -> None:
         """Registered again (the master restarted, or marked this node down while it was
@@ -178,34 +203,34 @@ class DecodeNode:
         if not self.is_registered:
             self.is_registered = True
             return  # the first registration: nothing is held yet
-        with self.lock:
-            dropped = [s.seq_id for s in [*self.runner.running, *self.runner.waiting]]
-            for req_id in dropped:
-                self.runner.abort(req_id)
-            num_reserved = len(self.reserved)
-            for blocks, _ in self.reserved.values():
-                self.worker.cache.free(blocks)
+        with self.held:
+            held = [blocks for blocks, _ in self.reserved.values()]
             self.reserved.clear()
             self.cancelled.clear()
-        if dropped or num_reserved:
-            log.warning(
-                "registered again: dropped %d requests and %d reservations the "
-                "master no longer tracks",
-                len(dropped),
-                num_reserved,
-            )
+        for blocks in held:
+            self.worker.cache.free(blocks)
+        self.outbox.clear()
+        self._command(self._drop_all)
+        if held:
+            log.warning("registered again: dropped %d reservations", len(held))
+
+    def _drop_all(self) -> None:
+        """Drop every request (on the loop): the master no longer tracks them."""
+        r = self.runner
+        dropped = [s.seq_id for s in [*r.running, *r.waiting]]
+        for req_id in dropped:
+            r.abort(req_id)
+        if dropped:
+            log.warning("registered again: dropped %d requests", len(dropped))
 
     def _expire_reservations(self, now: float) -> None:
         ttl = self.ctx.config.decode.reserve_ttl_s
-        if not self.lock.acquire(timeout=HEARTBEAT_S):
-            return  # a step holds it; next time
-        try:
+        with self.held:
             old = [r for r, (_, at) in self.reserved.items() if now - at > ttl]
-            for req_id in old:
-                self.cancelled.discard(req_id)
-                self.worker.cache.free(self.reserved.pop(req_id)[0])
-        finally:
-            self.lock.release()
+            freed = [self.reserved.pop(req_id)[0] for req_id in old]
+            self.cancelled.difference_update(old)
+        for blocks in freed:
+            self.worker.cache.free(blocks)
         if old:
             log.warning(
                 "freed %d reservations never submitted within %.0f s: %s", len(old), ttl, old[:8]
@@ -214,7 +239,7 @@ class DecodeNode:
     def _load(self) -> NodeLoadMsg:
         r = self.runner
         return NodeLoadMsg(
-            num_queued=len(r.waiting), num_running=len(r.running),
+            num_queued=len(r.waiting) + self.commands.qsize(), num_running=len(r.running),
             load=len(r.running) / r.max_batch,
             context_tokens=sum(len(s.token_ids) for s in r.running),
             num_reserved=len(self.reserved),
@@ -239,13 +264,18 @@ class DecodeNode:
             raise NodeFailed(f"decode node {self.ctx.node_id}: {problem}")
         self.link.drain()
         deadline = time.monotonic() + self.ctx.config.decode.drain_s
-        while (self.runner.has_work or self.reserved) and time.monotonic() < deadline:
+        poll_s = self.ctx.config.decode.poll_s
+        while (self.has_work or self.reserved) and time.monotonic() < deadline:
             if self.watch.problem():
                 break
-            time.sleep(0.05)  # running requests finish; nothing new is placed here
+            time.sleep(poll_s)  # running requests finish; nothing new is placed here
         self.halt.set()
         self.watch.join(timeout_s=self.ctx.config.decode.stall_timeout_s)
         self.close()
+
+    @property
+    def has_work(self) -> bool:
+        return self.runner.has_work or not self.commands.empty() or self.outbox.num_streams > 0
 
     def _fail(self, problem: str) -> None:
         """The loop cannot serve: not ready any more, every held request ended with an
@@ -254,19 +284,21 @@ class DecodeNode:
         self.link.state = "failed"
         self.link.beat()  # placements stop now, not at the next heartbeat
         self.halt.set()
-        # NOTE: a stuck step still holds the lock: read the queues without it (a glance)
+        # NOTE: a stuck step owns the runner: a glance at its queues
         held = [*self.runner.running, *self.runner.waiting]
-        events = [TokenEvent(s.seq_id, -1, "", finish_reason="abort") for s in held]
+        events = [TokenEvent(s.seq_id, None, "", finish_reason="abort") for s in held]
         self._send(events, error=f"the decode node failed: {problem}")
         self.close()
 
     def _loop(self, watch: LoopWatch) -> None:
         failures = 0
         max_failures = self.ctx.config.decode.max_step_failures
+        poll_s = self.ctx.config.decode.poll_s
         while not self.halt.is_set():
-            with self.lock, watch.busy():
+            with watch.busy():
                 try:
                     events = []
+                    self._run_commands()
                     if self.runner.has_work:
                         events = self.runner.step()
                         failures = 0
@@ -281,15 +313,24 @@ class DecodeNode:
                     error = ""
             if events:
                 self._send(events, error)
-            elif not self.runner.has_work:
-                self.wake.wait(0.05)
+            elif not self.runner.has_work and self.commands.empty():
+                self.wake.wait(poll_s)
                 self.wake.clear()
             if watch.failure:
                 return
-        with self.lock:  # stopping: end what is still running, clearly
-            ended = [self.runner.abort(s.seq_id) for s in [*self.runner.running,
-                                                           *self.runner.waiting]]  # fmt: skip
+        self._run_commands()  # stopping: end what is still running, clearly
+        r = self.runner
+        ended = [r.abort(s.seq_id) for s in [*r.running, *r.waiting]]
         self._send([e for e in ended if e is not None], error="the decode node is shutting down")
+
+    def _run_commands(self) -> None:
+        """Apply the handlers' commands, in order (on the loop, between steps)."""
+        while True:
+            try:
+                fn = self.commands.get_nowait()
+            except queue.Empty:
+                return
+            fn()
 
     def _end_running(self) -> list[TokenEvent]:
         """End the running batch after a failed step (lock held); waiting requests stay."""
@@ -312,46 +353,19 @@ class DecodeNode:
             )
             for e in events
         ]
-        try:
-            self.link.client.send_event(TokensMsg(self.ctx.node_id, tokens))
-        except MooncakeError as e:
-            log.warning("could not send %d tokens to the master: %s", len(tokens), e)
+        self.outbox.put(tokens)
 
     def _store_output_kv(self, seq: Sequence) -> None:
-        """Put the full blocks the prefill node did not store (those holding output) into
-        the pool; copies the blocks first, since they are freed right after."""
-        w, bt = self.worker, self.worker.cache.block_tokens
-        num_full = seq.num_cached_tokens // bt
-        first = (seq.prompt_len - 1) // bt
-        if num_full <= first:
-            return
-        ids = seq.token_ids[: num_full * bt]
-        hashes = w.hasher.hash_blocks(ids)[first:]
-        put = self.pool.begin(hashes, [ids[b * bt : (b + 1) * bt] for b in range(first, num_full)])
-        idx = torch.tensor(seq.block_ids[first:num_full])
-        positions = list(range(num_full - first))
-        for layer in w.model.layer_ids:
-            k, v = w.cache.layer(layer)
-            kb, vb = k.index_select(0, idx), v.index_select(0, idx)
-            put.write_layer(layer, positions, list(kb), list(vb))
-        put.commit()
+        store_output_kv(self.worker, self.pool, seq)
 
     def close(self) -> None:
+        # NOTE: the last events (aborts at a stop or a failure) reach the master first
+        if not self.outbox.flush(self.ctx.config.cluster.call_timeout_s):
+            log.warning("%d requests' last tokens not acknowledged", self.outbox.num_streams)
+        self.outbox.close()
         self.link.deregister()
         self.server.stop()
         close_pool(self.store, self.pool, self.store_node)
-
-
-def missing_layers(msg: DecodeSubmitMsg, num_layers: int) -> str:
-    """What the submitted KV lacks ("" = every layer holds all num_cached_tokens)."""
-    want = msg.num_cached_tokens
-    if want == 0:
-        return ""
-    got = msg.layer_tokens
-    if len(got) != num_layers:
-        return f"tokens written for {len(got)} of {num_layers} layers"
-    short = [f"layer {i}: {n}" for i, n in enumerate(got) if n != want]
-    return f"tokens written of {want}: {', '.join(short[:4])}" if short else ""
 
 
 def run_decode(ctx: NodeContext) -> None:

@@ -1,10 +1,20 @@
-"""A request in the cluster as the master tracks it: where it is placed, what it has
-streamed, and what a new placement sends after a node failure (the prompt and the output so
-far, for the tokens still owed)."""
+"""A request in the cluster as the master tracks it (`Flight`: its placement, its output so
+far, what a new placement after a node failure sends, its deadline), and the master's
+requests in flight by id (`Flights`).
+
+A request's deadline, from its arrival (`request_deadline_s`):
+
+    deadline_slack_s + deadline_factor x (ttft_slo_s + max_tokens x tbt_slo_s)
+
+([scheduler] keys): the time its SLOs allow for the first token and every later one,
+scaled, plus room for waiting on a restarting node and for a re-placement.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import itertools
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -12,9 +22,17 @@ import msgspec
 
 from mooncake.api.backend import GenerateRequest
 from mooncake.conductor.types import Decision
+from mooncake.configroles import SchedulerConfig
 from mooncake.engine.params import SamplingParams
-from mooncake.roles.messages import TokenMsg
+from mooncake.roles.delivery import Inbox
+from mooncake.roles.messages import TokenAck, TokenMsg
 from mooncake.roles.timeline import Moments
+
+
+def request_deadline_s(sched: SchedulerConfig, max_tokens: int) -> float:
+    """Seconds a request of `max_tokens` output tokens may take (module docstring)."""
+    slos = sched.ttft_slo_s + max_tokens * sched.tbt_slo_s
+    return sched.deadline_slack_s + sched.deadline_factor * slos
 
 
 @dataclass
@@ -26,13 +44,16 @@ class Flight:
     block_hashes: list[int]  # the prompt's, hashed once (placing again reuses them)
     queue: asyncio.Queue[TokenMsg]
     decision: Decision
+    ends_at: float = float("inf")  # time.monotonic() of its deadline
     phase: str = "queued"  # queued (at prefill) | prefilling | decoding
     num_cached_tokens: int = 0
+    is_handed_off: bool = False  # its prefill node reported its KV with the decode node
     done: bool = False
     output_ids: list[int] = field(default_factory=list)  # tokens streamed so far
     num_placements: int = 1
     is_replacing: bool = False  # a re-placement is under way (one at a time)
     last_error: str = ""  # why its last placement failed, as its prefill node said
+    inbox: Inbox = field(default_factory=Inbox)  # its decode node's token stream
     moments: Moments = field(init=False)  # its first placement's, for the TTFT phases
 
     def __post_init__(self) -> None:
@@ -51,3 +72,71 @@ class Flight:
             return params
         owed = max(1, params.max_tokens - len(self.output_ids))
         return msgspec.structs.replace(params, max_tokens=owed)
+
+    @property
+    def where(self) -> str:
+        """Where it is, for an error message."""
+        d = self.decision
+        if self.is_replacing:
+            return f"waiting to be placed again ({self.last_error or 'its node failed'})"
+        if self.phase == "decoding":
+            return f"decoding on {d.decode}, {len(self.output_ids)} tokens streamed"
+        if self.is_handed_off:
+            return f"its KV handed to {d.decode}, no token received from it"
+        if self.phase == "prefilling":
+            return f"prefilling on {d.prefill} for {d.decode}"
+        return f"queued at prefill node {d.prefill}"
+
+
+class Flights(dict[int, Flight]):
+    """The requests in flight by their current id. The event loop adds, moves (a new id)
+    and ends them; the RPC thread looks them up for token events. `lock` makes a move
+    and an end atomic for `receive`; it is held for dictionary work and one batch of
+    events."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lock = threading.Lock()
+        # NOTE: ids never repeat across master restarts (nodes outlive the master)
+        self._ids = itertools.count(time.time_ns() // 1000)
+
+    def new_id(self) -> int:
+        return next(self._ids)
+
+    def end(self, flight: Flight) -> bool:
+        """It ended: False when it had already (late events of it are refused from now)."""
+        with self.lock:
+            if flight.done:
+                return False
+            flight.done = True
+            self.pop(flight.req_id, None)
+            return True
+
+    def move(self, flight: Flight) -> int:
+        """A new id for its next placement (whose token stream starts again at 0); returns
+        the old id (events for it are refused from now)."""
+        with self.lock:
+            old = flight.req_id
+            self.pop(old, None)
+            flight.req_id = self.new_id()
+            flight.inbox = Inbox()
+            self[flight.req_id] = flight
+        return old
+
+    def receive(
+        self, node_id: str, tokens: list[TokenMsg]
+    ) -> tuple[list[tuple[Flight, TokenMsg]], list[TokenAck]]:
+        """Token events from decode node `node_id`: those now due to each request's client
+        (in seq order, each once) and the acknowledgements (`is_known` False for a request
+        not tracked: ended, placed again, or not placed on that node)."""
+        acks: dict[int, TokenAck] = {}
+        ready: list[tuple[Flight, TokenMsg]] = []
+        with self.lock:
+            for tok in tokens:
+                flight = self.get(tok.req_id)
+                if flight is None or flight.done or flight.decision.decode != node_id:
+                    acks[tok.req_id] = TokenAck(tok.req_id, 0, is_known=False)
+                    continue
+                ready += [(flight, t) for t in flight.inbox.accept(tok)]
+                acks[tok.req_id] = TokenAck(tok.req_id, flight.inbox.next_seq)
+        return ready, list(acks.values())

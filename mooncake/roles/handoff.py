@@ -20,6 +20,7 @@ import threading
 import time
 from typing import TypeVar
 
+from mooncake.configroles import PrefillConfig
 from mooncake.engine.kvstream import KVDest
 from mooncake.errors import MooncakeError, RpcTimeout, TransferError
 from mooncake.roles.messages import (
@@ -34,8 +35,6 @@ from mooncake.rpc import RpcClient
 from mooncake.rpc.wire import Msg
 
 log = logging.getLogger(__name__)
-CALL_TIMEOUT_S = 10.0  # seconds a decode node may take to answer one call
-RESERVE_POLL_S = 0.02  # pause between asks for room on a full decode node
 R = TypeVar("R", bound=Msg)
 
 
@@ -53,23 +52,24 @@ class DecodeHandoff:
     (engine/kvstream.py). Any thread may call it (the worker reserves, the completer
     submits): calls to one decode node are serialized."""
 
-    def __init__(self, secret: bytes, reserve_timeout_s: float):
-        self.secret, self.reserve_timeout_s = secret, reserve_timeout_s
+    def __init__(self, secret: bytes, settings: PrefillConfig):
+        """`settings`: reserve_timeout_s, reserve_poll_s, decode_call_timeout_s."""
+        self.secret, self.settings = secret, settings
         self._clients: dict[str, RpcClient] = {}
         self._lock = threading.Lock()
 
     def reserve(self, task: PrefillTaskMsg, n: int) -> KVDest:
         """Blocks for `n` tokens of KV on the task's decode node, waiting while it has no
         room. Raises DecodeUnreachable, or TransferError when no room came in time."""
-        deadline = time.monotonic() + self.reserve_timeout_s
+        deadline = time.monotonic() + self.settings.reserve_timeout_s
         msg = DecodeReserveMsg(task.req_id, n)
         while not (reply := self._call(task, msg, DecodeReserveReplyMsg)).block_ids:
             if time.monotonic() > deadline:
                 raise TransferError(
                     f"decode node {task.decode_node} had no room for {n} tokens of KV within "
-                    f"{self.reserve_timeout_s:g} s ([prefill] reserve_timeout_s)"
+                    f"{self.settings.reserve_timeout_s:g} s ([prefill] reserve_timeout_s)"
                 )
-            time.sleep(RESERVE_POLL_S)
+            time.sleep(self.settings.reserve_poll_s)
         return KVDest(
             endpoint=reply.endpoint,
             prefix=reply.segment_prefix,
@@ -102,7 +102,8 @@ class DecodeHandoff:
         with self._lock:
             client = self._clients.get(task.decode_address)
             if client is None:
-                client = RpcClient(task.decode_address, self.secret, timeout_s=CALL_TIMEOUT_S)
+                timeout_s = self.settings.decode_call_timeout_s
+                client = RpcClient(task.decode_address, self.secret, timeout_s=timeout_s)
                 self._clients[task.decode_address] = client
         try:
             return client.call(msg, reply_type)

@@ -52,7 +52,7 @@ from mooncake.roles.messages import (
 )
 from mooncake.roles.registry import Registry
 from mooncake.store.metrics import MetricsServer, StoreCollector
-from mooncake.store.objects import StoreEvent
+from mooncake.store.objects import StoreEvent, StoreStats
 from mooncake.store.service import StoreService
 from mooncake.store.settings import MetadataConfig
 
@@ -87,7 +87,7 @@ class Master:
         self.backend.on_unreachable = self._mark_down
         self.backend.on_replicate = self._replicate
         self.backend.vocab_size = info.spec.vocab_size
-        self.backend.node_wait_s = cfg.scheduler.node_wait_s
+        self.backend.configure(cfg)
         self.fingerprint = ""  # hex, from the first engine node
         self.store = StoreService(
             self.secret,
@@ -102,9 +102,9 @@ class Master:
         srv.register(NodeHeartbeatMsg, self._on_heartbeat)
         srv.register(DeregisterMsg, self._on_deregister)
         srv.register(GroupQueryMsg, self._on_group_query)
-        srv.on_event(PrefillEventMsg, self._on_prefill_event)
+        srv.register(PrefillEventMsg, self._on_prefill_event)
         srv.register(PrefillStartMsg, self._on_prefill_start)
-        srv.on_event(TokensMsg, lambda m, _p: self.backend.deliver(m.node_id, m.tokens))
+        srv.register(TokensMsg, lambda m, _p: self.backend.receive_tokens(m))
         self.metrics = CollectorRegistry()
         self.metrics.register(StoreCollector(self.store.stats))
         self.metrics.register(ClusterCollector(self.backend.counters, self.registry, self.lock))
@@ -194,7 +194,7 @@ class Master:
         address = rec.info.rpc_address if rec is not None else ""
         return PrefillStartReplyMsg(True, adm.decode if address else "", address)
 
-    def _on_prefill_event(self, msg: PrefillEventMsg, _peer: object) -> None:
+    def _on_prefill_event(self, msg: PrefillEventMsg, _peer: object) -> AckMsg:
         if msg.phase == "failed":
             log.warning("req %d failed on %s: %s", msg.req_id, msg.node_id, msg.error)
             with self.lock:
@@ -202,8 +202,10 @@ class Master:
                 dead = [n for n, r in self.registry.nodes.items() if addr == r.info.rpc_address]
             for node_id in dead:  # NOTE: not a restarted one: it answers at a new address
                 self._mark_down(node_id)
-            return
+            self.backend.on_prefill_failed(msg.req_id, msg.node_id, msg.error)
+            return AckMsg()
         self.backend.on_prefill_finished(msg.req_id, msg.num_reused_tokens, msg.kv_bytes)
+        return AckMsg()
 
     def _replicate(self, order: ReplicationOrder) -> None:
         """Carry out a Conductor's hot-spot replication: the blocks' pool objects get a
@@ -294,26 +296,8 @@ class Master:
     async def status(self) -> Status:
         s, st = self.stats.snapshot(), self.store.stats()
         now = time.monotonic()
-        with self.lock:
-            nodes = [
-                NodeStatus(
-                    node_id=r.node_id,
-                    role=r.role,
-                    address=host_port(r.info.rpc_address or r.info.data_address),
-                    state=r.state,
-                    gpus=r.info.gpus,
-                    nics=r.info.nics,
-                    num_queued=r.load.num_queued,
-                    num_running=r.load.num_running,
-                    num_reserved=r.load.num_reserved,
-                    load=r.load.load,
-                    last_seen_s=now - r.last_seen_s,
-                    pipeline_group=r.group_id,
-                    pool_bytes=st.node_capacity_bytes.get(r.node_id, {}),
-                    transfer_bytes=r.load.transfer_bytes,
-                )  # fmt: skip
-                for r in sorted(self.registry.nodes.values(), key=lambda r: (r.role, r.node_id))
-            ]
+        # NOTE: the lock is taken on the Conductor's thread, never on the event loop
+        nodes, kv_rate = await self.backend.tickets.locked(self._rows, st, now)
         nodes.insert(
             0,
             NodeStatus(
@@ -333,8 +317,6 @@ class Master:
             for t, cap in sorted(st.tier_capacity_bytes.items())
         ]
         c = self.backend.counters
-        with self.lock:
-            kv_rate = c.kv_bytes_per_s(now)
         sched = self.config.scheduler
         return Status(
             cluster=self.config.cluster.name, model=self.model_name, uptime_s=now - self.started,
@@ -347,6 +329,29 @@ class Master:
             ttft_phases=self.backend.phases.summary(),
             **s.status_fields(),
         )  # fmt: skip
+
+    def _rows(self, st: StoreStats, now: float) -> tuple[list[NodeStatus], float]:
+        """The nodes' rows and the KV rate of the status feed (the lock held)."""
+        nodes = [
+            NodeStatus(
+                node_id=r.node_id,
+                role=r.role,
+                address=host_port(r.info.rpc_address or r.info.data_address),
+                state=r.state,
+                gpus=r.info.gpus,
+                nics=r.info.nics,
+                num_queued=r.load.num_queued,
+                num_running=r.load.num_running,
+                num_reserved=r.load.num_reserved,
+                load=r.load.load,
+                last_seen_s=now - r.last_seen_s,
+                pipeline_group=r.group_id,
+                pool_bytes=st.node_capacity_bytes.get(r.node_id, {}),
+                transfer_bytes=r.load.transfer_bytes,
+            )
+            for r in sorted(self.registry.nodes.values(), key=lambda r: (r.role, r.node_id))
+        ]
+        return nodes, self.backend.counters.kv_bytes_per_s(now)
 
     # -- lifecycle --
     def serve(self) -> None:

@@ -3,13 +3,15 @@
 Nodes register with the master and heartbeat; the master sends prefill tasks to prefill
 group leaders; a prefill node reserves blocks on a decode node, writes the request's KV
 into them (Transfer Engine) and submits the request; decode nodes send tokens back to the
-master. The Store's own messages (`store.*`) share the master's endpoint.
+master, numbered and acknowledged (roles/delivery.py). The Store's own messages
+(`store.*`) share the master's endpoint.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Literal
 
+import msgspec
 from msgspec import Meta
 
 from mooncake.engine.params import SamplingParams
@@ -110,7 +112,7 @@ class PrefillTaskMsg(Msg, frozen=True, tag="prefill.task"):
     params: SamplingParams
     decode_node: Name
     decode_address: Addr  # the decode node's RPC address
-    max_reuse_blocks: int = -1  # the Conductor's choice of reused blocks; -1 = no limit
+    max_reuse_blocks: int | None = None  # the Conductor's choice of reused blocks (None: any)
 
 
 class PrefillAbortMsg(Msg, frozen=True, tag="prefill.abort"):
@@ -133,7 +135,8 @@ class PrefillStartReplyMsg(Msg, frozen=True, tag="master.prefill_start_reply"):
 
 
 class PrefillEventMsg(Msg, frozen=True, tag="master.prefill_event"):
-    """Prefill node -> master: a task finished (its KV is with the decode node) or failed."""
+    """Prefill node -> master (a call, answered by AckMsg): a task finished (its KV is with
+    the decode node) or failed (`error` says why; the master places it again or ends it)."""
 
     req_id: int
     node_id: Name
@@ -190,12 +193,13 @@ class TokenMsg(Msg, frozen=True, tag="master.token"):
     the master queues for a request itself."""
 
     req_id: int
-    token_id: int  # -1: no token, the message only ends the request
+    token_id: int | None  # None: no token, the message only ends the request
     text: str
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
     finish_reason: Literal["stop", "length", "abort"] | None = None
     error: str = ""
+    seq: int = 0  # "output": its number in the request's stream from its decode node (0, 1..)
     # "output": a node's step (nodes send only these). The master's own: "dispatch_again"
     # (the request was placed again: send its task to the new nodes), "rejected" (the
     # Conductor refused it at prefill start: an HTTP 429 before any output; `error` says why)
@@ -203,7 +207,20 @@ class TokenMsg(Msg, frozen=True, tag="master.token"):
 
 
 class TokensMsg(Msg, frozen=True, tag="master.tokens"):
-    """Decode (or prefill, on failure) -> master: outputs of one step."""
+    """Decode -> master: token events (of one step, or sent again), each numbered by
+    `seq` within its request; answered by TokensAckMsg (see roles/delivery.py)."""
 
     node_id: Name
     tokens: list[TokenMsg]
+
+
+class TokenAck(msgspec.Struct, frozen=True):
+    """The master's cumulative acknowledgement of one request's token events."""
+
+    req_id: int
+    next_seq: int  # every event below this seq arrived (the decode node forgets them)
+    is_known: bool = True  # False: the master no longer tracks the request: stop it
+
+
+class TokensAckMsg(Msg, frozen=True, tag="master.tokens_ack"):
+    acks: list[TokenAck]

@@ -11,7 +11,7 @@ later stages serve their upstream link. Per task on the leader (roles/prefillflo
                 every finished layer's KV streaming into those blocks and the pool
     finish      (completer thread, while the worker begins the next task) wait for every
                 stage's stream report, seal the pool objects, submit to the decode node
-    report      started / finished / failed events to the master
+    report      finished / failed events to the master (calls it answers)
 
 Up to [prefill] max_inflight tasks are between begin and finish at once.
 
@@ -55,8 +55,6 @@ from mooncake.roles.messages import (
     PrefillStartMsg,
     PrefillStartReplyMsg,
     PrefillTaskMsg,
-    TokenMsg,
-    TokensMsg,
 )
 from mooncake.roles.prefillflow import Flight, PrefillFlow
 from mooncake.roles.taskqueue import TaskQueue
@@ -133,7 +131,7 @@ class PrefillNode:
             group_size=self.group.group_size,
         )
         self.link.register()  # again, with what loading the model told us
-        self.handoff = DecodeHandoff(ctx.secret, cfg.prefill.reserve_timeout_s)
+        self.handoff = DecodeHandoff(ctx.secret, cfg.prefill)
         self.flow = PrefillFlow(
             self.runner,
             self.store.engine,
@@ -273,19 +271,18 @@ class PrefillNode:
         self._slots.release()
 
     def _failed(self, task: PrefillTaskMsg, e: Exception) -> None:
-        """Tell the master (it may place the task again) and the client."""
+        """Tell the master: it places the task again, or ends the request with `error`."""
+        node = self.ctx.node_id
         if isinstance(e, DecodeUnreachable):  # the master marks it down, places it again
             log.warning("req %d: %s", task.req_id, e)
-            self._event(task.req_id, "failed", error=str(e), unreachable_address=e.address)
-            self._fail_to_client(task.req_id, f"prefill node {self.ctx.node_id}: {e}")
+            error = f"prefill node {node}: {e}"
+            self._event(task.req_id, "failed", error=error, unreachable_address=e.address)
         elif isinstance(e, GroupBroken):  # NOTE: the master now knows the group is not ready
             log.warning("req %d: %s", task.req_id, e)
-            self._event(task.req_id, "failed", error=str(e))
-            self._fail_to_client(task.req_id, f"prefill node {self.ctx.node_id}: {e}")
+            self._event(task.req_id, "failed", error=f"prefill node {node}: {e}")
         else:
             log.error("req %d failed: %s", task.req_id, e, exc_info=e)
-            self._event(task.req_id, "failed", error=str(e))
-            self._fail_to_client(task.req_id, f"prefill failed on {self.ctx.node_id}: {e}")
+            self._event(task.req_id, "failed", error=f"prefill failed on {node}: {e}")
 
     def _begin(self, task: PrefillTaskMsg) -> Flight | None:
         link, answers = self.next.link, self.next.answers
@@ -299,7 +296,7 @@ class PrefillNode:
         task = admitted
         log.debug("req %d: prefill of %d tokens", task.req_id, len(task.prompt_ids))
         kw: dict[str, Any] = {}
-        if task.max_reuse_blocks >= 0:
+        if task.max_reuse_blocks is not None:
             kw["max_reuse_blocks"] = task.max_reuse_blocks
         try:
             while True:
@@ -339,18 +336,13 @@ class PrefillNode:
         return task
 
     def _event(self, req_id: int, phase: str, **kw: object) -> None:
+        """Report a task's end to the master, a call it answers (one not answered within
+        cluster.call_timeout_s is logged; the request's deadline ends it then)."""
         msg = PrefillEventMsg(req_id, self.ctx.node_id, phase, **kw)  # type: ignore[arg-type]
         try:
-            self.link.client.send_event(msg)
+            self.link.client.call(msg, AckMsg)
         except MooncakeError as e:
-            log.warning("req %d: could not tell the master (%s): %s", req_id, phase, e)
-
-    def _fail_to_client(self, req_id: int, error: str) -> None:
-        end = TokenMsg(req_id, -1, "", finish_reason="abort", error=error)
-        try:
-            self.link.client.send_event(TokensMsg(self.ctx.node_id, [end]))
-        except MooncakeError as e:
-            log.warning("req %d: could not report its failure: %s", req_id, e)
+            log.warning("req %d: the master did not confirm it %s: %s", req_id, phase, e)
 
     def close(self) -> None:
         self.link.deregister()

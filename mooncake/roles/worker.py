@@ -141,13 +141,22 @@ def connect_pool(
     """A Store client and the KV source/sink over it. With local tiers the client shares the
     store node's Transfer Engine (one engine per process and node id), so this node's own
     replicas are read in place and new objects are placed here first."""
+    timeout_s = ctx.config.cluster.store_call_timeout_s
     if store_node is None:
-        store = Store.connect(ctx.master_rpc, ctx.secret, node_id=ctx.node_id, host=ctx.host,
-                              engine_options=engine_options(ctx.config),
-                              nic_preference=ctx.nic_preference)  # fmt: skip
+        store = Store.connect(
+            ctx.master_rpc,
+            ctx.secret,
+            node_id=ctx.node_id,
+            host=ctx.host,
+            engine_options=engine_options(ctx.config),
+            timeout_s=timeout_s,
+            nic_preference=ctx.nic_preference,
+        )
     else:
-        master = RpcClient(ctx.master_rpc, ctx.secret, timeout_s=10.0, max_frame_bytes=64 << 20)
-        store = Store(master, store_node.engine, 10.0, 16 << 20)
+        master = RpcClient(
+            ctx.master_rpc, ctx.secret, timeout_s=timeout_s, max_frame_bytes=64 << 20
+        )
+        store = Store(master, store_node.engine, timeout_s, 16 << 20)
     return store, StoreKVPool(store, worker.layout, worker.fingerprint)
 
 

@@ -29,4 +29,4 @@ def engine_alone(prompt_ids: list[int], params: SamplingParams) -> tuple[list[in
     runner.add(Sequence(0, prompt_ids, params, eos_token_ids=tok.eos_token_ids, tokenizer=tok,
                         max_model_len=cache.num_blocks * BLOCK))  # fmt: skip
     events = runner.run_until_done()[0]
-    return [e.token_id for e in events if e.token_id >= 0], "".join(e.text for e in events)
+    return [e.token_id for e in events if e.token_id is not None], "".join(e.text for e in events)

@@ -99,7 +99,7 @@ def test_backend_errors_map_to_status_codes_and_the_server_goes_on(setup, error,
     assert resp.status_code == status
     assert resp.json()["error"]["type"] == type_
     assert str(error) in resp.json()["error"]["message"]
-    backend.error, backend.outputs = None, [*TOKENS[:1], Output(token_id=-1, text="",
+    backend.error, backend.outputs = None, [*TOKENS[:1], Output(token_id=None, text="",
                                                                 finish_reason="stop")]  # fmt: skip
     assert _post(http).json()["choices"][0]["text"] == "h"
 
@@ -107,7 +107,7 @@ def test_backend_errors_map_to_status_codes_and_the_server_goes_on(setup, error,
 def test_an_abort_mid_stream_ends_with_an_sse_error_and_done(setup):
     backend, stats, http, url = setup
     backend.error = None
-    backend.outputs = [*TOKENS, Output(token_id=-1, text="", finish_reason="abort",
+    backend.outputs = [*TOKENS, Output(token_id=None, text="", finish_reason="abort",
                                        error="decode node lost")]  # fmt: skip
     before = stats.snapshot().num_failed
     body = {"model": "scripted", "prompt": "x", "stream": True}

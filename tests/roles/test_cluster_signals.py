@@ -21,7 +21,7 @@ from mooncake.engine.tokenizer import ByteTokenizer
 from mooncake.hashing import PrefixHasher
 from mooncake.roles.cluster import ClusterBackend
 from mooncake.roles.flight import Flight
-from mooncake.roles.messages import TokenMsg
+from mooncake.roles.messages import TokenMsg, TokensMsg
 from mooncake.roles.registry import Registry
 
 pytestmark = pytest.mark.timeout(30)
@@ -49,11 +49,11 @@ def _backend() -> tuple[ClusterBackend, list[str]]:
     backend.hasher = PrefixHasher(16, b"s" * 32, bytes(16))
     dispatched: list[str] = []
 
-    def place(rid: int, n: int, hashes: list[int]) -> Decision:
+    async def place(rid: int, n: int, hashes: list[int]) -> Decision:
         return Decision(req_id=rid, is_accepted=True, prefill=f"p{len(dispatched)}", decode="d")
 
-    async def place_waiting(rid: int, n: int, hashes: list[int]) -> Decision:
-        return place(rid, n, hashes)
+    async def place_waiting(rid: int, n: int, hashes: list[int], ends_at: float) -> Decision:
+        return await place(rid, n, hashes)
 
     async def dispatch(flight) -> None:
         dispatched.append(flight.decision.prefill)
@@ -98,9 +98,10 @@ def test_a_request_placed_again_is_dispatched_again_then_streams() -> None:
         backend._replace(flight, "p0")  # its prefill node died
         while len(dispatched) < 2:
             await asyncio.sleep(0.001)
-        backend.deliver("d", [TokenMsg(flight.req_id, 7, "x")])
+        backend.receive_tokens(TokensMsg("d", [TokenMsg(flight.req_id, 7, "x")]))
         first = await task
-        backend.deliver("d", [TokenMsg(flight.req_id, 8, "y", finish_reason="length")])
+        last = TokenMsg(flight.req_id, 8, "y", finish_reason="length", seq=1)
+        backend.receive_tokens(TokensMsg("d", [last]))
         rest = [out async for out in it]
         return [o.token_id for o in [first, *rest]]
 

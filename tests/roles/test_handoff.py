@@ -8,6 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from mooncake.configroles import PrefillConfig
 from mooncake.engine.params import SamplingParams
 from mooncake.errors import TransferError
 from mooncake.roles.handoff import DecodeHandoff
@@ -46,7 +47,7 @@ def _task(address: str) -> PrefillTaskMsg:
 
 @pytest.mark.parametrize("node", [5], indirect=True)
 def test_the_prefill_waits_while_the_decode_node_is_full(node: FullDecodeNode) -> None:
-    handoff = DecodeHandoff(SECRET, reserve_timeout_s=30)
+    handoff = DecodeHandoff(SECRET, PrefillConfig(reserve_timeout_s=30))
     try:
         dest = handoff.reserve(_task(node.server.address), 19)
     finally:
@@ -59,7 +60,7 @@ def test_the_prefill_waits_while_the_decode_node_is_full(node: FullDecodeNode) -
 def test_no_room_within_the_deadline_fails_naming_the_node_and_the_key(
     node: FullDecodeNode,
 ) -> None:
-    handoff = DecodeHandoff(SECRET, reserve_timeout_s=0.3)
+    handoff = DecodeHandoff(SECRET, PrefillConfig(reserve_timeout_s=0.3))
     start = time.monotonic()
     try:
         with pytest.raises(

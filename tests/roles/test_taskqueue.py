@@ -1,7 +1,13 @@
 """A leader's waiting tasks: taken in the Conductor's order (request ids), whatever order
-their dispatches arrived in; an abort drops only a task still waiting."""
+their dispatches arrived in; an abort drops only a task still waiting, also with puts,
+aborts and takes racing on three threads as the RPC thread, the worker and the completer
+do."""
 
+import random
+import sys
 import threading
+
+import pytest
 
 from mooncake.engine.params import SamplingParams
 from mooncake.roles.messages import PrefillTaskMsg
@@ -53,3 +59,47 @@ def test_a_blocked_taker_wakes_for_a_put_and_for_close():
     taker.join(timeout=5)
     assert not taker.is_alive()
     assert [getattr(t, "req_id", None) for t in got] == [5, None]
+
+
+@pytest.mark.timeout(60)
+def test_racing_puts_aborts_and_takes_lose_nothing() -> None:
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # NOTE: interleave the threads as finely as possible
+    try:
+        q, n = TaskQueue(), 3000
+        taken: list[int] = []
+        aborted: list[int] = []
+
+        def rpc() -> None:
+            rng = random.Random(7)
+            for i in range(n):
+                q.put(_task(i))
+                j = rng.randrange(max(0, i - 3), i + 1)
+                if rng.random() < 0.5 and q.abort(j):
+                    aborted.append(j)
+
+        def abort_more() -> None:
+            for i in range(n):
+                if q.abort(i):
+                    aborted.append(i)
+
+        def work() -> None:
+            while (t := q.get()) is not None:
+                taken.append(t.req_id)
+
+        worker = threading.Thread(target=work)
+        worker.start()
+        threads = [threading.Thread(target=rpc), threading.Thread(target=abort_more)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        q.close()
+        worker.join()
+    finally:
+        sys.setswitchinterval(old)
+    assert len(taken) == len(set(taken))  # each task at most once, in order
+    assert taken == sorted(taken)
+    assert q.qsize() == 0  # nothing left waiting
+    assert not set(aborted) & set(taken)  # an accepted abort always skipped its task
+    assert len(taken) + len(set(aborted)) == n  # every task was taken or skipped

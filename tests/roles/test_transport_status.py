@@ -5,6 +5,7 @@ and a 503 that names the role that is missing."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from pathlib import Path
@@ -76,23 +77,23 @@ def test_no_instance_names_the_missing_role() -> None:
     reg.heartbeat("decode-0", NodeLoadMsg(), "ready", 0.5)
     backend = _backend(reg)
     with pytest.raises(NoInstance) as e:
-        backend._place(1, 64, [])
+        asyncio.run(backend._place(1, 64, []))
     assert str(e.value) == "no prefill group is ready (0 prefill nodes registered); retry shortly"
 
     # one stage of a two-stage group: it says which stage the group waits for
     reg.register(NodeInfoMsg("prefill-0", "prefill", "tcp://p:1"), 1.0)
     reg.heartbeat("prefill-0", NodeLoadMsg(), "ready", 1.5)
     with pytest.raises(NoInstance, match=r"1 prefill node registered; pg1 waits for stage 1 "):
-        backend._place(2, 64, [])
+        asyncio.run(backend._place(2, 64, []))
     reg.register(NodeInfoMsg("prefill-1", "prefill", "tcp://p:2"), 2.0)
     with pytest.raises(NoInstance, match=r"pg1 waits for stage 1 \(prefill-1, starting\)\);"):
-        backend._place(3, 64, [])
+        asyncio.run(backend._place(3, 64, []))
 
     # a ready group and no decode node: it names the decode role only
     reg.heartbeat("prefill-1", NodeLoadMsg(), "ready", 2.5)
     reg.remove("decode-0")
     with pytest.raises(NoInstance) as e:
-        backend._place(4, 64, [])
+        asyncio.run(backend._place(4, 64, []))
     assert str(e.value) == "no decode node is ready (0 registered); retry shortly"
 
 

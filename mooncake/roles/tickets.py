@@ -1,0 +1,112 @@
+"""The master's HTTP side talking to the Conductor without blocking its event loop.
+
+The Conductor and the registry are shared with the master's RPC and housekeeping threads
+under one `threading.Lock`, held there for whole decisions (a placement, a batch of store
+events). The event loop never takes that lock itself: every call from asyncio code runs
+on `Tickets`' one thread of its own, in the order made, so the loop only awaits a future
+(`place`, `locked`) or queues the call and goes on (`decode_started`, `close`).
+
+A request's Conductor ticket is opened by `place` and closed by `close` (finished or
+dropped); `num_open` counts the open ones, for /health and the tests' audit. What takes
+a lock of its own (the Store's, for a hot-spot replication order; the master's marking a
+node down) runs on that thread too, outside the master's lock (`call`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+from mooncake.api.backend import Rejected
+from mooncake.conductor import Conductor
+from mooncake.conductor.types import Decision, ReplicationOrder, ScheduleRequest
+from mooncake.errors import MooncakeError, SchedulingError
+from mooncake.roles.registry import Registry
+
+T = TypeVar("T")
+
+
+class NoInstance(MooncakeError):
+    """No prefill group or no decode node can take a request now."""
+
+
+class Tickets:
+    """The Conductor's decisions and progress reports for the HTTP requests."""
+
+    def __init__(self, conductor: Conductor, registry: Registry, lock: threading.Lock):
+        self.conductor, self.registry, self.lock = conductor, registry, lock
+        # hot-spot replication orders of the Conductor, for the Store to carry out
+        self.on_replicate: Callable[[ReplicationOrder], None] = lambda _order: None
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="conductor")
+
+    async def locked(self, fn: Callable[..., T], *args: object) -> T:
+        """`fn(*args)` under the lock, on the Conductor's thread."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._thread, self._run_locked, fn, *args)
+
+    def _run_locked(self, fn: Callable[..., T], *args: object) -> T:
+        with self.lock:
+            return fn(*args)
+
+    async def place(self, req_id: int, num_tokens: int, hashes: list[int]) -> Decision:
+        """Open the request's ticket: the Conductor's placement. Raises NoInstance (no
+        node can take it now), Rejected (overload) or MooncakeError. Cancelled, it closes
+        the ticket the placement may still open."""
+        try:
+            d, missing = await self.locked(self._schedule, req_id, num_tokens, hashes)
+        except asyncio.CancelledError:  # NOTE: runs after the placement, closing its ticket
+            self.close(req_id, dropped=True)
+            raise
+        if d.replications:  # NOTE: the Store takes its own lock: not on the loop, not under ours
+            self._thread.submit(self._replicate, d.replications)
+        if not d.is_accepted:
+            if d.reason == "no_instance":
+                raise NoInstance(f"{missing or 'ready nodes are not scheduled yet'}; retry shortly")
+            raise Rejected(
+                f"the cluster is overloaded ({d.reason}); retry later", retry_after_s=2.0
+            )
+        return d
+
+    def _replicate(self, orders: tuple[ReplicationOrder, ...]) -> None:
+        for order in orders:
+            self.on_replicate(order)
+
+    def _schedule(self, req_id: int, n: int, hashes: list[int]) -> tuple[Decision, str]:
+        try:
+            d = self.conductor.schedule(ScheduleRequest(req_id, n, hashes), time.monotonic())
+        except SchedulingError as e:
+            raise MooncakeError(f"cannot place the request: {e}") from e
+        missing = self.registry.missing() if d.reason == "no_instance" else ""
+        return d, missing
+
+    def decode_started(self, req_id: int) -> None:
+        self._thread.submit(self._run_locked, self._decode_started, req_id)
+
+    def _decode_started(self, req_id: int) -> None:
+        self.conductor.on_decode_started(req_id, time.monotonic())
+
+    def close(self, req_id: int, dropped: bool) -> None:
+        """Close the request's ticket: finished (its decode ended) or dropped."""
+        self._thread.submit(self._run_locked, self._close, req_id, dropped)
+
+    def _close(self, req_id: int, dropped: bool) -> None:
+        if dropped:
+            self.conductor.on_request_dropped(req_id, time.monotonic())
+        else:
+            self.conductor.on_decode_finished(req_id, time.monotonic())
+
+    async def call(self, fn: Callable[..., T], *args: object) -> T:
+        """`fn(*args)` on the Conductor's thread, without the lock (`fn` takes what it needs)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._thread, fn, *args)
+
+    async def num_open(self) -> int:
+        """Open tickets, once every call made before this one has run."""
+        return await self.locked(lambda: self.conductor.num_tickets)
+
+    def shutdown(self) -> None:
+        self._thread.shutdown(wait=True)
