@@ -40,7 +40,7 @@ def profile(
     batch_sizes: str = typer.Option("1,4,16,64", help="Decode batch sizes sampled."),
     contexts: str = typer.Option("128,512,1024", help="Context tokens per decoding request."),
     decode_steps: int = typer.Option(8, min=2, help="Decode steps timed per sample."),
-    repeat: int = typer.Option(2, min=1, help="Runs per sample; the fastest is kept."),
+    repeat: int = typer.Option(3, min=1, help="Runs per sample; their median is kept."),
     kv_capacity_tokens: int = typer.Option(
         0, min=0, help="Tokens of KV this node's cache holds; 0 = half the free memory."
     ),

@@ -1,6 +1,7 @@
 """`mooncake profile`: measure this node, fit the Conductor's polynomial cost model.
 
-Samples (seconds, best of `repeat` runs):
+Samples (seconds, the median of `repeat` runs: on a shared host or a VM the best run is
+the exception, and a cost model of best cases is optimistic):
 
 - prefill time over a grid of (input_len, reused_len): prompts share one token sequence
   whose blocks sit in a DRAM pool, so a sample with reuse pays the real load and
@@ -16,6 +17,7 @@ with `CostModel.save`.
 from __future__ import annotations
 
 import logging
+import statistics
 from collections.abc import Callable, Sequence
 
 import msgspec
@@ -94,13 +96,13 @@ def profile_prefill(
     )
     for n, reused_blocks in grid:  # a set: short prompts have fewer distinct block counts
         progress(f"prefill {n} tokens, {reused_blocks * bt} reused")
-        best = float("inf")
+        runs = []
         for _ in range(repeat):
             result = runner.prefill(ids[:n], max_reuse_blocks=reused_blocks)
             bench.cache.free(result.block_ids)
             assert result.stats.num_reused_tokens == reused_blocks * bt, result.stats
-            best = min(best, result.stats.compute_s)
-        samples.append(Sample(n, reused_blocks * bt, best))
+            runs.append(result.stats.compute_s)
+        samples.append(Sample(n, reused_blocks * bt, statistics.median(runs)))
     pool.close()
     return samples
 
@@ -114,7 +116,7 @@ def profile_decode(
     for b in batch_sizes:
         for ctx in contexts:
             progress(f"decode batch {b}, {ctx} tokens each")
-            samples.append(Sample(b, b * ctx, bench.decode_rate(b, ctx, steps, repeat).best))
+            samples.append(Sample(b, b * ctx, bench.decode_rate(b, ctx, steps, repeat).median))
     return samples
 
 

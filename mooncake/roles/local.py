@@ -353,8 +353,8 @@ def ensure_cost_model(plan: LocalPlan, cache_dir: Path,
     busy = min(plan.num_prefill + plan.num_decode, len(os.sched_getaffinity(0)))
     # NOTE: "p2": prompts up to 4096 tokens sampled (1024 before: a quadratic fitted there
     # overestimated a 5,000-token prefill by 60%); "k": scaled by the co-run slowdown of
-    # that many nodes. A cached file of an older kind is not reused
-    tag = f"{name}-b{plan.block_tokens}-c{plan.chunk_tokens}-p2-k{busy}"
+    # that many nodes; "m3": medians of 3 runs. A cached file of an older kind is not reused
+    tag = f"{name}-b{plan.block_tokens}-c{plan.chunk_tokens}-p2-k{busy}-m3"
     path = private_dir(cache_dir) / f"costmodel-{tag}.json"
     if path.exists():
         return path
@@ -367,7 +367,7 @@ def ensure_cost_model(plan: LocalPlan, cache_dir: Path,
         capacity = DECODE_KV_BYTES // info.spec.kv_bytes_per_token(DTYPE_BYTES[dtype])
         model, _, _ = profile_cost_model(
             info, dtype, plan.block_tokens, plan.chunk_tokens, [64, 256, 512, 1024, 2048, 4096],
-            [0.0, 0.5], [1, 4, 16], [64, 256], 4, 1, capacity, 2e9, on_progress,
+            [0.0, 0.5], [1, 4, 16], [64, 256], 4, 3, capacity, 2e9, on_progress,
         )  # fmt: skip
         corun = measure_corun(
             info, dtype, plan.block_tokens, plan.chunk_tokens, busy, progress=on_progress
