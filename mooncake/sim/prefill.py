@@ -115,9 +115,10 @@ class PrefillInstance:
             return False
         if grant.decode != d.decode:
             req.decision = d = msgspec.structs.replace(d, decode=grant.decode)
-        self.pool.store(req.hashes[:local])  # reading refreshes the LRU order
+        req.misses = sim.ledger.attribute(req.hashes, reused, d.best_blocks, d.reused_blocks)
+        self.pool.store(req.hashes[:local], t)  # reading refreshes the LRU order
         if d.replications and reused > local:
-            self.pool.store(req.hashes[local:reused])  # the ordered replica lands here
+            self.pool.store(req.hashes[local:reused], t)  # the ordered replica lands here
         req.reused_blocks = reused
         req.prefill_s = prefill_s
         req.prefill_start = t
@@ -149,7 +150,7 @@ class PrefillInstance:
         sim.push(end, self._done, req)
 
     def _done(self, t: float, req: SimRequest) -> None:
-        self.pool.store(req.hashes[req.reused_blocks :])
+        self.pool.store(req.hashes[req.reused_blocks :], t)
         self.busy_s += req.prefill_s
         self.inflight -= 1
         self.sim.prefill_finished(req, t)
