@@ -173,7 +173,8 @@ def _print_stats(trace: Path, s: TraceStats) -> None:
         *(
             (
                 f"  prefix #{i + 1}",
-                f"{g.blocks:,} block{'s' if g.blocks > 1 else ''}, {g.requests:,} requests ({g.share:.1%})",
+                f"{g.blocks:,} block{'s' if g.blocks > 1 else ''}, "
+                f"{g.requests:,} requests ({g.share:.1%})",
             )
             for i, g in enumerate(s.top_prefixes)
         ),
