@@ -51,7 +51,7 @@ def trace_synth(
     think_s: float = typer.Option(
         20.0, "--think-s", help="Mean seconds between a session's turns (exponential)."
     ),
-    system_len: str = _length("--system-len", "1000", "System prompt length"),
+    system_len: str = _length("--system-len", "1000", "System prompt length (docqa: its shared instruction)"),
     tools_len: str = _length("--tools-len", "4000", "Agent tool definitions length"),
     user_len: str = _length("--user-len", "400", "User message length, per turn"),
     doc_len: str = _length("--doc-len", "8000", "Document length (docqa)"),
@@ -72,6 +72,8 @@ def trace_synth(
 ) -> None:  # fmt: skip
     """Write a synthetic Mooncake-format trace (timestamp ms, input_length, output_length,
     prefix-chained hash_ids) of sessions whose turns reuse the earlier prompt."""
+    import msgspec
+
     from mooncake.cli.output import console, print_json
     from mooncake.sim.synth import SynthParams, parse_length, parse_mix, synthesize, write_trace
 
@@ -98,6 +100,7 @@ def trace_synth(
         "mean_output_length": sum(r.output_length for r in records) / len(records),
         "blocks": blocks,
         "distinct_blocks": len({h for r in records for h in r.hash_ids}),
+        "params": msgspec.to_builtins(params),
     }
     if json_out:
         print_json(summary)
