@@ -62,7 +62,7 @@ def _check_every_request_adds_up(sim):
     started = 0
     for r in sim.requests:
         if r.misses is None:
-            assert r.reserve_deadline < 0  # never started
+            assert r.status in ("rejected_early", "rejected_start")  # never started
             continue
         started += 1
         m = r.misses
@@ -80,8 +80,11 @@ def _check_every_request_adds_up(sim):
     prefill=st.integers(1, 4),
     policy=st.sampled_from(["kvcache_centric", "cache_aware", "random"]),
     ssd=st.booleans(),
+    reserve=st.booleans(),
 )
-def test_attribution_adds_up_for_every_request(kinds, seed, pool_blocks, prefill, policy, ssd):
+def test_attribution_adds_up_for_every_request(
+    kinds, seed, pool_blocks, prefill, policy, ssd, reserve
+):
     params = SynthParams(
         mix=dict.fromkeys(kinds.split(","), 1.0),
         sessions=25,
@@ -103,15 +106,17 @@ def test_attribution_adds_up_for_every_request(kinds, seed, pool_blocks, prefill
         ssd_bytes=(1 << 30) if ssd else 0,
         policy=policy,
         rejection="none",
+        reserve_at_start=reserve,
     )
     sim = Simulator(cfg, records)
     result = sim.run().result
     started = _check_every_request_adds_up(sim)
     m = result.misses
-    assert started == m.requests == len(records)  # no rejection: every request started
-    assert m.blocks == sum(len(r.hash_ids) for r in records)
+    assert started == m.requests == len(records) - result.rejected_before_prefill
+    assert m.blocks == sum(len(r.hashes) for r in sim.requests if r.misses is not None)
     assert sum(m.shares[k] for k in ("hit", "cold", "evicted", "elsewhere")) == pytest.approx(1)
-    assert m.hit / m.blocks == pytest.approx(result.reuse_rate)
+    if not result.failed:  # a failed request started but never prefilled
+        assert m.hit / m.blocks == pytest.approx(result.reuse_rate)
 
 
 def test_coupled_instances_attribute_too():
@@ -120,3 +125,12 @@ def test_coupled_instances_attribute_too():
     sim = Simulator(SimConfig(num_coupled=3, pool_blocks=300, limit=120), load_trace(FIXTURE))
     sim.run()
     assert _check_every_request_adds_up(sim) > 0
+
+
+def test_rejected_requests_have_no_attribution_and_the_rest_add_up():
+    records, _ = synthesize(SynthParams(mix={"agent": 1.0}, sessions=80, rate=20.0, seed=1))
+    cfg = SimConfig(num_prefill=1, num_decode=1, pool_blocks=100, ttft_slo_s=2.0)
+    sim = Simulator(cfg, records)
+    result = sim.run().result
+    assert result.rejected > 0  # an overloaded cluster
+    assert _check_every_request_adds_up(sim) == result.misses.requests < len(records)
