@@ -320,7 +320,9 @@ def _misses_table(result: SimResult) -> Any:
         "evicted": f"age at eviction p50 {m.evicted_age_p50_s:,.1f} s, "
         f"p90 {m.evicted_age_p90_s:,.1f} s",
         "elsewhere": "in the pool, not reused",
-        "priced_out": "of which the placement saw and chose to recompute",
+        "priced_out": "of which the placement saw in the pool and recomputed",
+        "plan_lost": "of which the placement meant to reuse, lost before the start",
+        "after_placement": "of which stored after the placement",
         "unverified": "token check failed (never in the simulator)",
     }
     table.add_column("")

@@ -23,16 +23,19 @@ app.add_typer(trace_app, name="trace")
 
 def _length(flag: str, default: str, what: str) -> Any:
     return typer.Option(
-        default, flag, help=f"{what}: MEAN or MEAN:SPREAD tokens (lognormal, SPREAD = sigma of "
+        default,
+        flag,
+        help=f"{what}: MEAN or MEAN:SPREAD tokens (lognormal, SPREAD = sigma of "
         "the log, default 0.5; 0 = constant).",
-    )  # fmt: skip
+    )
 
 
 @trace_app.command("synth")
 def trace_synth(
     output: Path = typer.Option(..., "--output", "-o", help="Trace file to write (JSON lines)."),
     mix: str = typer.Option(
-        "conversation", "--mix",
+        "conversation",
+        "--mix",
         help="Workload kinds of the sessions, KIND[:WEIGHT],...: conversation (multi-turn "
         "chat, each session its own system prompt), agent (sessions start with one of "
         "--agent-prompts shared system prompts + tool definitions), docqa (sessions start "
@@ -41,7 +44,8 @@ def trace_synth(
     sessions: int = typer.Option(200, "--sessions", help="Sessions in the trace."),
     rate: float = typer.Option(0.5, "--rate", help="Session starts per second."),
     cv: float = typer.Option(
-        1.0, "--cv",
+        1.0,
+        "--cv",
         help="Burstiness: coefficient of variation of the times between session starts "
         "(1 = Poisson; other values: Gamma, > 1 burstier).",
     ),
@@ -51,7 +55,9 @@ def trace_synth(
     think_s: float = typer.Option(
         20.0, "--think-s", help="Mean seconds between a session's turns (exponential)."
     ),
-    system_len: str = _length("--system-len", "1000", "System prompt length (docqa: its shared instruction)"),
+    system_len: str = _length(
+        "--system-len", "1000", "System prompt length (docqa: its shared instruction)"
+    ),
     tools_len: str = _length("--tools-len", "4000", "Agent tool definitions length"),
     user_len: str = _length("--user-len", "400", "User message length, per turn"),
     doc_len: str = _length("--doc-len", "8000", "Document length (docqa)"),
@@ -69,7 +75,7 @@ def trace_synth(
     block_tokens: int = typer.Option(512, "--block-tokens", help="Tokens per hash_ids block."),
     seed: int = typer.Option(0, "--seed", help="Random seed (same flags and seed, same file)."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
-) -> None:  # fmt: skip
+) -> None:
     """Write a synthetic Mooncake-format trace (timestamp ms, input_length, output_length,
     prefix-chained hash_ids) of sessions whose turns reuse the earlier prompt."""
     import msgspec
@@ -78,15 +84,24 @@ def trace_synth(
     from mooncake.sim.synth import SynthParams, parse_length, parse_mix, synthesize, write_trace
 
     params = SynthParams(
-        mix=parse_mix(mix), sessions=sessions, rate=rate, cv=cv, turns=turns, think_s=think_s,
+        mix=parse_mix(mix),
+        sessions=sessions,
+        rate=rate,
+        cv=cv,
+        turns=turns,
+        think_s=think_s,
         system_len=parse_length("--system-len", system_len),
         tools_len=parse_length("--tools-len", tools_len),
         user_len=parse_length("--user-len", user_len),
         doc_len=parse_length("--doc-len", doc_len),
         output_len=parse_length("--output-len", output_len),
-        agent_prompts=agent_prompts, docs=docs, zipf=zipf, max_input=max_input,
-        block_tokens=block_tokens, seed=seed,
-    )  # fmt: skip
+        agent_prompts=agent_prompts,
+        docs=docs,
+        zipf=zipf,
+        max_input=max_input,
+        block_tokens=block_tokens,
+        seed=seed,
+    )
     records, kinds = synthesize(params)
     nbytes = write_trace(output, records)
     blocks = sum(len(r.hash_ids) for r in records)
@@ -116,17 +131,19 @@ def trace_synth(
 @trace_app.command("stats")
 def trace_stats_cmd(
     trace: Path = typer.Argument(
-        ..., help="Mooncake-format JSONL trace (timestamp, input_length, output_length, hash_ids).",
+        ...,
+        help="Mooncake-format JSONL trace (timestamp, input_length, output_length, hash_ids).",
         show_default=False,
     ),
     sizes: str = typer.Option(
-        "10000,30000,100000", "--sizes",
+        "10000,30000,100000",
+        "--sizes",
         help="Capacities in blocks of the global LRU pools whose hit rates are shown.",
     ),
     limit: int | None = typer.Option(None, "--limit", min=1, help="Only the first N requests."),
     block_tokens: int = typer.Option(512, "--block-tokens", min=1, help="Tokens per block."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
-) -> None:  # fmt: skip
+) -> None:
     """What TRACE holds: requests, duration, arrival rate, length percentiles, blocks and
     their sharing, reuse distances, the unbounded and a global LRU's hit rates."""
     import msgspec
@@ -165,9 +182,12 @@ def _print_stats(trace: Path, s: TraceStats) -> None:
     ]
     for name, p in (("input length", s.input_length), ("output length", s.output_length)):
         rows.append(
-            (name, f"mean {p.mean:,.0f}  p50 {p.p50:,.0f}  p90 {p.p90:,.0f}  p99 {p.p99:,.0f}  "
-             f"max {p.max:,.0f}")
-        )  # fmt: skip
+            (
+                name,
+                f"mean {p.mean:,.0f}  p50 {p.p50:,.0f}  p90 {p.p90:,.0f}  p99 {p.p99:,.0f}  "
+                f"max {p.max:,.0f}",
+            )
+        )
     d = s.reuse_distance
     rows += [
         ("blocks", f"{s.blocks:,} ({s.distinct_blocks:,} distinct)"),

@@ -16,7 +16,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from mooncake.sim.misses import CAUSES, MissCounts
+from mooncake.sim.misses import CAUSES, ELSEWHERE_PARTS, MissCounts
 
 
 class SimRequest:
@@ -75,7 +75,7 @@ def slowest_share_mean(gaps: list[tuple[float, int]], share: float) -> float:
 
 class MissSummary(msgspec.Struct, kw_only=True):
     """Blocks of the requests whose prefill started, by cause (`sim/misses.py`); shares
-    are of `blocks`, and `priced_out` is a part of `elsewhere`."""
+    are of `blocks`, and `elsewhere` = `priced_out` + `plan_lost` + `after_placement`."""
 
     requests: int = 0
     blocks: int = 0
@@ -84,6 +84,8 @@ class MissSummary(msgspec.Struct, kw_only=True):
     evicted: int = 0
     elsewhere: int = 0
     priced_out: int = 0
+    plan_lost: int = 0
+    after_placement: int = 0
     unverified: int = 0
     shares: dict[str, float] = msgspec.field(default_factory=dict)
     evicted_age_p50_s: float = 0.0  # last use anywhere in the pool -> last copy dropped
@@ -91,16 +93,15 @@ class MissSummary(msgspec.Struct, kw_only=True):
 
 
 def summarize_misses(reqs: list[SimRequest], evicted_ages: list[float]) -> MissSummary:
-    names = (*CAUSES, "priced_out")
+    names = (*CAUSES, *ELSEWHERE_PARTS)
     sums = [0] * len(names)
     started = 0
     for r in reqs:
         c = r.misses
         if c is not None:
             started += 1
-            for k, v in enumerate((c.hit, c.cold, c.evicted, c.elsewhere, c.unverified)):
-                sums[k] += v
-            sums[-1] += c.priced_out
+            for k, name in enumerate(names):
+                sums[k] += getattr(c, name)
     totals = dict(zip(names, sums, strict=True))
     blocks = sum(sums[: len(CAUSES)])
     ages = np.asarray(evicted_ages, dtype=float)

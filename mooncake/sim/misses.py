@@ -4,10 +4,13 @@ When a request's prefill starts, each of its blocks is either reused (*hit*) or 
 cause, decided from the pool as it is at that moment (`MissLedger.attribute`):
 
 - *elsewhere*: the pool holds it (and every block before it, on some nodes) but this
-  request did not reuse it: the Conductor priced the fetch out (Algorithm 1 weighs the
-  transfer and the holder's queue against recomputing: `priced_out` counts the blocks
-  the decision at arrival saw in the pool and chose not to reuse), or the pool changed
-  between the decision and the start (blocks stored or lost since);
+  request did not reuse it, in three parts by the block's place in the prompt:
+  `priced_out`, the placement at arrival saw it in the pool and chose to recompute it
+  (Algorithm 1 weighs the transfer and each instance's queue, the holder's included,
+  against recomputing); `plan_lost`, the placement meant to reuse it but the plan was
+  overtaken before the start (the chosen instance lost part of its own prefix, so the
+  fetch no longer joins it); `after_placement`, the pool did not hold it when the
+  request was placed (another request stored it since: the placement's view lagged);
 - *cold*: never stored in the pool before;
 - *evicted*: stored before, then its last copy was dropped; the ledger keeps its age at
   eviction (from its last use anywhere in the pool to the drop);
@@ -31,14 +34,19 @@ from mooncake.conductor.index import PrefixIndex
 CAUSES = ("hit", "cold", "evicted", "elsewhere", "unverified")
 
 
+ELSEWHERE_PARTS = ("priced_out", "plan_lost", "after_placement")
+
+
 class MissCounts(msgspec.Struct, frozen=True):
-    """One request's blocks by cause (`priced_out` is a part of `elsewhere`)."""
+    """One request's blocks by cause; the ELSEWHERE_PARTS add up to `elsewhere`."""
 
     hit: int
     cold: int
     evicted: int
     elsewhere: int
     priced_out: int
+    plan_lost: int
+    after_placement: int
     unverified: int = 0
 
     @property
@@ -80,7 +88,11 @@ class MissLedger:
         while i < n and held(hashes[i]):
             i += 1
         elsewhere = i - hit
+        # [hit, i) split at `planned` and `best_seen` (planned <= best_seen: a placement
+        # reuses nothing beyond the pool's prefix)
+        plan_lost = max(0, min(i, planned) - hit)
         priced_out = max(0, min(i, best_seen) - max(hit, planned))
+        after_placement = elsewhere - plan_lost - priced_out
         cold = evicted = 0
         if i < n:
             break_cold = hashes[i] not in last
@@ -97,4 +109,4 @@ class MissLedger:
                 else:
                     evicted += 1
                     ages.append(drop[h] - used)
-        return MissCounts(hit, cold, evicted, elsewhere, priced_out)
+        return MissCounts(hit, cold, evicted, elsewhere, priced_out, plan_lost, after_placement)

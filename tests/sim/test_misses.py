@@ -31,8 +31,9 @@ def test_cold_evicted_and_elsewhere_by_hand():
     c = ledger.attribute([7, 8, 1, 2, 9], hit=0, best_seen=2, planned=0)
     assert (c.hit, c.elsewhere, c.evicted, c.cold, c.unverified) == (0, 2, 2, 1, 0)
     assert c.priced_out == 2  # the placement saw both held blocks and recomputed them
-    assert ledger.evicted_ages == [4.0, 4.0]
-    assert c.total == 5
+    assert ledger.evicted_ages == [4.0, 4.0] and c.total == 5
+    c = ledger.attribute([7, 8, 1], hit=0, best_seen=0, planned=0)
+    assert (c.elsewhere, c.after_placement, c.evicted) == (2, 2, 1)  # stored since placed
 
 
 def test_a_block_past_the_break_takes_the_breaks_cause():
@@ -52,7 +53,7 @@ def test_a_copy_left_elsewhere_is_not_an_eviction():
     b.store([1, 2], 3.0)
     a.store([5, 6, 7], 4.0)  # a drops 1, 2; b still holds them
     c = ledger.attribute([1, 2], hit=1, best_seen=2, planned=2)
-    assert (c.hit, c.elsewhere, c.priced_out, c.evicted) == (1, 1, 0, 0)
+    assert (c.hit, c.elsewhere, c.plan_lost, c.evicted) == (1, 1, 1, 0)
     b.store([8, 9, 10], 10.0)  # the last copies go: last used at 3 s
     c = ledger.attribute([1, 2], hit=0, best_seen=0, planned=0)
     assert c.evicted == 2 and ledger.evicted_ages == [7.0, 7.0]
@@ -68,7 +69,9 @@ def _check_every_request_adds_up(sim):
         m = r.misses
         assert min(m.hit, m.cold, m.evicted, m.elsewhere, m.priced_out) >= 0
         assert m.hit + m.cold + m.evicted + m.elsewhere + m.unverified == len(r.hashes)
-        assert m.hit == r.reused_blocks and m.unverified == 0 and m.priced_out <= m.elsewhere
+        assert m.hit == r.reused_blocks and m.unverified == 0
+        assert min(m.priced_out, m.plan_lost, m.after_placement) >= 0
+        assert m.priced_out + m.plan_lost + m.after_placement == m.elsewhere
     return started
 
 
