@@ -17,7 +17,8 @@ the first stage is free again after T/S and the last layer is done after about
 T/S * (C + S - 1)/C. Its KV streams to the decode node from the start (booked on the
 network then), and lands one layer's write after the compute ends, or when the link has
 carried it all, whichever is later. New blocks go into the group's pool when the prefill
-ends; fetched blocks stay only if the Conductor ordered a replica.
+ends; fetched blocks stay only if the Conductor ordered a replica. As it starts, each
+block it does not reuse gets its cause (`MissLedger.attribute`).
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@ sorted trace instead of being pushed up front. Per request:
     stages (KV streamed to decode) -> [decode admission] -> batch -> finish
 
 and the same Conductor hears every step back (`on_prefill_started`, ...), while the pool
-reports every block it gains or loses to the Conductor's prefix index.
+reports every block it gains or loses to the Conductor's prefix index and to the miss
+ledger, which gives each block a request does not reuse its cause (`sim/misses.py`).
 """
 
 from __future__ import annotations
