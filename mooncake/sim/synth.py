@@ -35,7 +35,7 @@ from pathlib import Path
 import msgspec
 
 from mooncake.errors import ConfigError
-from mooncake.sim.trace import TraceRecord
+from mooncake.sim.trace import TraceError, TraceRecord
 
 KINDS = ("conversation", "agent", "docqa")
 
@@ -210,6 +210,11 @@ def synthesize(p: SynthParams) -> tuple[list[TraceRecord], dict[str, int]]:
             rec = TraceRecord(round(at * 1000), tokens, out, blocks.hash_ids(prompt))
             rows.append((rec.timestamp, s, turn, rec))
             prompt.append((next(seg), out))
+    if not rows:
+        raise ConfigError(
+            f"--max-input: no session's first prompt fits in {p.max_input} tokens; "
+            "raise --max-input or shorten the prefixes (--system-len, --tools-len, --doc-len)"
+        )
     rows.sort(key=lambda r: r[:3])
     return _renumber([r[3] for r in rows]), counts
 
@@ -248,5 +253,8 @@ def write_trace(path: str | Path, records: list[TraceRecord]) -> int:
     """Write `records` as JSON lines; returns the bytes written."""
     enc = msgspec.json.Encoder()
     data = b"".join(enc.encode(r) + b"\n" for r in records)
-    Path(path).write_bytes(data)
+    try:
+        Path(path).write_bytes(data)
+    except OSError as e:
+        raise TraceError(f"cannot write trace {path}: {e.strerror}") from e
     return len(data)

@@ -13,7 +13,7 @@ from mooncake.sim.synth import (
     synthesize,
     write_trace,
 )
-from mooncake.sim.trace import load_trace
+from mooncake.sim.trace import TraceError, load_trace
 
 BT = 512
 
@@ -117,8 +117,14 @@ def test_prompts_stop_at_max_input():
         (lambda: parse_length("--user-len", "abc"), "--user-len"),
         (lambda: parse_length("--user-len", "1:2:3"), "MEAN:SPREAD"),
         (lambda: parse_mix("agent:x"), "KIND[:WEIGHT]"),
+        (lambda: synthesize(SynthParams(mix={"docqa": 1}, max_input=600)), "--max-input"),
     ],
 )
 def test_bad_values_name_the_flag(make, needle):
     with pytest.raises(ConfigError, match=needle.replace("[", r"\[")):
         make()
+
+
+def test_an_unwritable_path_is_a_trace_error(tmp_path):
+    with pytest.raises(TraceError, match="cannot write trace"):
+        write_trace(tmp_path / "no" / "such" / "dir.jsonl", synthesize(SynthParams(sessions=2))[0])
