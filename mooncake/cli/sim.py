@@ -38,7 +38,8 @@ sim_app = typer.Typer(
     help="Trace-driven cluster simulator running the real Conductor. `mooncake sim TRACE` "
     "replays a Mooncake-format trace on a simulated cluster and reports requests completed "
     "and rejected, TTFT and TBT percentiles, SLO attainment, cache hit rates (global pool and "
-    "chosen node) and the GPU time spent in prefill; `capacity` finds the effective request "
+    "chosen node), why each missed block missed (cold, evicted, elsewhere) and the GPU time "
+    "spent in prefill; `capacity` finds the effective request "
     "capacity; `hitrate` gives the hit rate of one global LRU pool per size.",
 )
 app.add_typer(sim_app, name="sim")
@@ -296,10 +297,38 @@ def print_result(
     table.add_column("metric")
     table.add_column("value", justify="right")
     for key, value in msgspec.structs.asdict(result).items():
-        table.add_row(key, _fmt(value))
+        if key != "misses":
+            table.add_row(key, _fmt(value))
     console.print(table)
+    console.print(_misses_table(result))
     for f in files:
         console.print(f"wrote {f}")
+
+
+def _misses_table(result: SimResult) -> Any:
+    """Blocks of the started requests by cause, with the evicted blocks' ages."""
+    from rich.table import Table
+
+    m = result.misses
+    table = Table(title=f"blocks by cause ({m.requests:,} requests started, {m.blocks:,} blocks)")
+    table.add_column("cause")
+    table.add_column("blocks", justify="right")
+    table.add_column("share", justify="right")
+    notes = {
+        "hit": "reused",
+        "cold": "never stored before",
+        "evicted": f"age at eviction p50 {m.evicted_age_p50_s:,.1f} s, "
+        f"p90 {m.evicted_age_p90_s:,.1f} s",
+        "elsewhere": "in the pool, not reused",
+        "priced_out": "of which the placement saw in the pool and recomputed",
+        "plan_lost": "of which the placement meant to reuse, lost before the start",
+        "after_placement": "of which stored after the placement",
+        "unverified": "token check failed (never in the simulator)",
+    }
+    table.add_column("")
+    for cause, note in notes.items():
+        table.add_row(cause, f"{getattr(m, cause):,}", f"{m.shares.get(cause, 0.0):.3f}", note)
+    return table
 
 
 def print_capacity(result: CapacityResult, cluster: str, json_out: bool) -> None:

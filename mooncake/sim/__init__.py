@@ -6,8 +6,10 @@
 
 Modules: `trace` (Mooncake-format JSONL), `cluster` (SimConfig), `simulator` (event loop),
 `prefill` / `decode` / `coupled` (instance models), `pool` (tiered LRU KV pool and the
-global-LRU hit rate), `metrics` (per-request records and the summary), `capacity`
-(bisection on replay speed), `plot` (PNG figures, matplotlib optional).
+global-LRU hit rate), `misses` (why each block a request did not reuse missed),
+`metrics` (per-request records and the summary), `capacity` (bisection on replay
+speed), `plot` (PNG figures, matplotlib optional), `synth` (synthetic traces from a
+workload description), `tracestats` (what a trace holds: sharing, reuse distances).
 """
 
 from mooncake.sim.capacity import CapacityResult, find_capacity

@@ -52,7 +52,9 @@ class CoupledInstance(DecodeInstance):
                 return  # no room until something finishes
             self.waiting.popleft()
             reused = self.pool.prefix_len(req.hashes)
-            self.pool.store(req.hashes[:reused])
+            d = req.decision
+            req.misses = sim.ledger.attribute(req.hashes, reused, d.best_blocks, d.reused_blocks)
+            self.pool.store(req.hashes[:reused], self.seg_t0)
             req.reused_blocks = reused
             req.prefill_start = self.seg_t0
             done = min(reused * sim.block_tokens, req.input_len - 1)
@@ -98,7 +100,7 @@ class CoupledInstance(DecodeInstance):
                 continue
             self.prefilling.remove(entry)
             self.prefill_reserved -= req.input_len + 1
-            self.pool.store(req.hashes[req.reused_blocks :])
+            self.pool.store(req.hashes[req.reused_blocks :], t)
             self.sim.prefill_finished(req, t)
             if req.output_len > 1:
                 self.join(req)

@@ -16,6 +16,8 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from mooncake.sim.misses import CAUSES, ELSEWHERE_PARTS, MissCounts
+
 
 class SimRequest:
     """One trace request's life in the simulator (times in seconds of simulated time)."""
@@ -24,7 +26,7 @@ class SimRequest:
         "rid", "arrival", "input_len", "output_len", "hashes", "status", "decision",
         "fetch_ready", "reused_blocks", "prefill_start", "prefill_end", "stream_end",
         "ctx_key", "join_seg", "done_at", "tbt", "prefill_s", "first_token",
-        "reserve_deadline", "reserved",
+        "reserve_deadline", "reserved", "misses",
     )  # fmt: skip
 
     def __init__(self, rid: int, arrival: float, input_len: int, output_len: int, hashes: list):
@@ -47,6 +49,7 @@ class SimRequest:
         self.first_token = -1.0  # when the decode node gave the first token (-1: prefill did)
         self.reserve_deadline = -1.0  # admitted to start: it fails when no room by then
         self.reserved = False  # its decode room is reserved
+        self.misses: MissCounts | None = None  # its blocks by cause, once its prefill starts
 
     @property
     def first_token_at(self) -> float:
@@ -68,6 +71,48 @@ def slowest_share_mean(gaps: list[tuple[float, int]], share: float) -> float:
         if not need:
             break
     return acc / m
+
+
+class MissSummary(msgspec.Struct, kw_only=True):
+    """Blocks of the requests whose prefill started, by cause (`sim/misses.py`); shares
+    are of `blocks`, and `elsewhere` = `priced_out` + `plan_lost` + `after_placement`."""
+
+    requests: int = 0
+    blocks: int = 0
+    hit: int = 0
+    cold: int = 0
+    evicted: int = 0
+    elsewhere: int = 0
+    priced_out: int = 0
+    plan_lost: int = 0
+    after_placement: int = 0
+    unverified: int = 0
+    shares: dict[str, float] = msgspec.field(default_factory=dict)
+    evicted_age_p50_s: float = 0.0  # last use anywhere in the pool -> last copy dropped
+    evicted_age_p90_s: float = 0.0
+
+
+def summarize_misses(reqs: list[SimRequest], evicted_ages: list[float]) -> MissSummary:
+    names = (*CAUSES, *ELSEWHERE_PARTS)
+    sums = [0] * len(names)
+    started = 0
+    for r in reqs:
+        c = r.misses
+        if c is not None:
+            started += 1
+            for k, name in enumerate(names):
+                sums[k] += getattr(c, name)
+    totals = dict(zip(names, sums, strict=True))
+    blocks = sum(sums[: len(CAUSES)])
+    ages = np.asarray(evicted_ages, dtype=float)
+    return MissSummary(
+        requests=started,
+        blocks=blocks,
+        **totals,
+        shares={k: v / (blocks or 1) for k, v in totals.items()},
+        evicted_age_p50_s=_pct(ages, 50),
+        evicted_age_p90_s=_pct(ages, 90),
+    )
 
 
 class SimResult(msgspec.Struct, kw_only=True):
@@ -100,6 +145,7 @@ class SimResult(msgspec.Struct, kw_only=True):
     makespan_s: float  # simulated time from first arrival to last completion
     goodput_rps: float  # requests within both SLOs per second of trace time
     speed: float
+    misses: MissSummary = msgspec.field(default_factory=MissSummary)
     wall_s: float = 0.0
 
 
@@ -126,6 +172,7 @@ def summarize(
     gpus_per_instance: int,
     span_s: float,
     speed: float,
+    evicted_ages: list[float] | None = None,
 ) -> SimReport:
     """Aggregate the per-request records of a finished run."""
     done = [r for r in reqs if r.status == "done"]
@@ -169,5 +216,6 @@ def summarize(
         makespan_s=max(end - start, 0.0),
         goodput_rps=met / span_s,
         speed=speed,
+        misses=summarize_misses(reqs, evicted_ages or []),
     )
     return SimReport(result, ttft.tolist(), tbt.tolist())

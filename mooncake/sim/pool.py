@@ -3,7 +3,9 @@
 Each pool node holds blocks in a DRAM tier and optionally an SSD tier, both LRU. A block
 evicted from DRAM is demoted to SSD when there is one, else dropped; a block evicted from
 SSD is dropped; a block read from SSD moves back to DRAM. Every change reaches the
-Conductor's `PrefixIndex` as added / demoted / evicted, as the real Store's events would.
+Conductor's `PrefixIndex` as added / demoted / evicted, as the real Store's events would,
+and, with a `MissLedger`, every use and every drop reaches the ledger too (times in
+seconds of simulated time), so a request's misses can be explained (`sim/misses.py`).
 
 `global_lru_hit_rate` is the paper's Table 1 measure: one global LRU pool of `capacity`
 blocks, requests replayed in order, hit = the longest prefix of a request's blocks that
@@ -16,6 +18,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
 from mooncake.conductor.index import PrefixIndex
+from mooncake.sim.misses import MissLedger
 from mooncake.sim.trace import TraceRecord
 
 
@@ -62,11 +65,13 @@ class NodePool:
         ssd_blocks: int = 0,
         index: PrefixIndex | None = None,
         top_tier: str = "dram",
+        ledger: MissLedger | None = None,
     ):
         self.node = node
         self.top = LruTier(top_tier, dram_blocks)
         self.ssd = LruTier("ssd", ssd_blocks) if ssd_blocks else None
         self.index = index
+        self.ledger = ledger
         self.num_evicted = 0  # blocks dropped from the node
 
     def prefix_len(self, hashes: Sequence[int]) -> int:
@@ -79,14 +84,17 @@ class NodePool:
                 break
         return n
 
-    def touch(self, hashes: Iterable[int]) -> None:
-        """Blocks were read here: refresh those the node holds (a prefix split across
-        nodes is read from each holder, so some of `hashes` may be elsewhere)."""
+    def touch(self, hashes: Iterable[int], t: float) -> None:
+        """Blocks were read here at `t`: refresh those the node holds (a prefix split
+        across nodes is read from each holder, so some of `hashes` may be elsewhere)."""
         top, ssd = self.top.blocks, self.ssd.blocks if self.ssd else {}
-        self.store([h for h in hashes if h in top or h in ssd])
+        self.store([h for h in hashes if h in top or h in ssd], t)
 
-    def store(self, hashes: Iterable[int]) -> None:
-        """Blocks were written or read here: make them the most recent in the top tier."""
+    def store(self, hashes: Sequence[int], t: float) -> None:
+        """Blocks were written or read here at `t`: make them the most recent in the top
+        tier."""
+        if self.ledger is not None:
+            self.ledger.used(hashes, t)
         top, ssd = self.top.blocks, self.ssd
         changed: dict[int, None] = {}  # blocks whose tier changed, reported at the end
         for h in hashes:
@@ -108,9 +116,9 @@ class NodePool:
                     for dropped in ssd.put(old):
                         changed[dropped] = None
         if changed:
-            self._report(changed)
+            self._report(changed, t)
 
-    def _report(self, affected: dict[int, None]) -> None:
+    def _report(self, affected: dict[int, None], t: float) -> None:
         """Tell the index where each affected block ended up (exact, whatever the order)."""
         in_top: list[int] = []
         in_ssd: list[int] = []
@@ -125,6 +133,8 @@ class NodePool:
                 self.index.demote(self.node, in_ssd, "ssd")
             if gone:
                 self.index.evict(self.node, gone)
+                if self.ledger is not None:
+                    self.ledger.dropped(gone, t)
 
     def check_integrity(self) -> None:
         assert self.top.capacity is None or len(self.top) <= self.top.capacity, self.node

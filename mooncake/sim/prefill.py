@@ -17,7 +17,8 @@ the first stage is free again after T/S and the last layer is done after about
 T/S * (C + S - 1)/C. Its KV streams to the decode node from the start (booked on the
 network then), and lands one layer's write after the compute ends, or when the link has
 carried it all, whichever is later. New blocks go into the group's pool when the prefill
-ends; fetched blocks stay only if the Conductor ordered a replica.
+ends; fetched blocks stay only if the Conductor ordered a replica. As it starts, each
+block it does not reuse gets its cause (`MissLedger.attribute`).
 """
 
 from __future__ import annotations
@@ -115,9 +116,10 @@ class PrefillInstance:
             return False
         if grant.decode != d.decode:
             req.decision = d = msgspec.structs.replace(d, decode=grant.decode)
-        self.pool.store(req.hashes[:local])  # reading refreshes the LRU order
+        req.misses = sim.ledger.attribute(req.hashes, reused, d.best_blocks, d.reused_blocks)
+        self.pool.store(req.hashes[:local], t)  # reading refreshes the LRU order
         if d.replications and reused > local:
-            self.pool.store(req.hashes[local:reused])  # the ordered replica lands here
+            self.pool.store(req.hashes[local:reused], t)  # the ordered replica lands here
         req.reused_blocks = reused
         req.prefill_s = prefill_s
         req.prefill_start = t
@@ -149,7 +151,7 @@ class PrefillInstance:
         sim.push(end, self._done, req)
 
     def _done(self, t: float, req: SimRequest) -> None:
-        self.pool.store(req.hashes[req.reused_blocks :])
+        self.pool.store(req.hashes[req.reused_blocks :], t)
         self.busy_s += req.prefill_s
         self.inflight -= 1
         self.sim.prefill_finished(req, t)

@@ -9,7 +9,8 @@ sorted trace instead of being pushed up front. Per request:
     stages (KV streamed to decode) -> [decode admission] -> batch -> finish
 
 and the same Conductor hears every step back (`on_prefill_started`, ...), while the pool
-reports every block it gains or loses to the Conductor's prefix index.
+reports every block it gains or loses to the Conductor's prefix index and to the miss
+ledger, which gives each block a request does not reuse its cause (`sim/misses.py`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from mooncake.sim.cluster import SimConfig
 from mooncake.sim.coupled import CoupledInstance
 from mooncake.sim.decode import DecodeInstance
 from mooncake.sim.metrics import SimReport, SimRequest, summarize
+from mooncake.sim.misses import MissLedger
 from mooncake.sim.pool import NodePool
 from mooncake.sim.prefill import PrefillInstance
 from mooncake.sim.trace import TraceRecord, trace_span_s
@@ -55,11 +57,12 @@ class Simulator:
         self.coupled: dict[str, CoupledInstance] = {}
         capacity = self.cost.kv_capacity_tokens
         index = self.conductor.index
+        self.ledger = MissLedger(index)  # why requests missed (sim/misses.py)
         if cfg.is_coupled:
             for i in range(cfg.num_coupled):
                 name = f"c{i}"
                 self.conductor.add_coupled_instance(name, capacity)
-                self.pools[name] = NodePool(name, top, 0, index, top_tier="vram")
+                self.pools[name] = NodePool(name, top, 0, index, "vram", self.ledger)
                 self.coupled[name] = CoupledInstance(
                     name, self, capacity, cfg.chunk_tokens, self.pools[name]
                 )
@@ -67,7 +70,7 @@ class Simulator:
             for i in range(cfg.num_groups):  # one instance per pipeline group
                 name = f"p{i}"
                 self.conductor.add_prefill_instance(name)
-                self.pools[name] = NodePool(name, top, ssd, index)
+                self.pools[name] = NodePool(name, top, ssd, index, ledger=self.ledger)
                 self.prefill[name] = PrefillInstance(name, self, self.pools[name], cfg.group_size)
             for i in range(cfg.num_decode):
                 name = f"d{i}"
@@ -105,6 +108,7 @@ class Simulator:
             gpus_per_instance=cfg.tp,
             span_s=self.span_s,
             speed=cfg.speed,
+            evicted_ages=self.ledger.evicted_ages,
         )
         report.result.wall_s = time.perf_counter() - wall
         return report
@@ -128,7 +132,7 @@ class Simulator:
             return
         if d.fetch_from:
             hashes = req.hashes[d.local_blocks : d.reused_blocks]
-            self.pools[d.fetch_from].touch(hashes)  # the read refreshes the source's LRU
+            self.pools[d.fetch_from].touch(hashes, t)  # the read refreshes the source's LRU
             nbytes = len(hashes) * self.block_tokens * self.cost.kv_bytes_per_token
             req.fetch_ready = self.network.reserve(d.fetch_from, d.prefill, nbytes, t)
         if self.coupled:

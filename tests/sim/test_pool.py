@@ -20,15 +20,15 @@ def test_lru_evicts_the_least_recently_used_first():
 def test_dram_evictions_demote_to_ssd_and_report_to_the_index():
     idx = PrefixIndex()
     pool = NodePool("n", dram_blocks=2, ssd_blocks=2, index=idx)
-    pool.store([1, 2, 3])  # 1 is demoted
+    pool.store([1, 2, 3], 0.0)  # 1 is demoted
     assert pool.ssd is not None
     assert list(pool.top.blocks) == [2, 3] and list(pool.ssd.blocks) == [1]
     assert idx.holders(1) == {"n": "ssd"} and idx.holders(3) == {"n": "dram"}
-    pool.store([4, 5])  # 2, 3 demoted; SSD overflows and drops 1
+    pool.store([4, 5], 0.0)  # 2, 3 demoted; SSD overflows and drops 1
     assert list(pool.ssd.blocks) == [2, 3] and idx.holders(1) == {}
     assert pool.num_evicted == 1
     assert pool.prefix_len([4, 5]) == 2 and pool.prefix_len([1, 2]) == 0
-    pool.store([2])  # read back from SSD: promoted (leaving room there), 4 demoted
+    pool.store([2], 0.0)  # read back from SSD: promoted (leaving room there), 4 demoted
     assert list(pool.top.blocks) == [5, 2] and list(pool.ssd.blocks) == [3, 4]
     assert idx.holders(2) == {"n": "dram"} and idx.holders(4) == {"n": "ssd"}
     pool.check_integrity()
@@ -38,7 +38,7 @@ def test_dram_evictions_demote_to_ssd_and_report_to_the_index():
 def test_a_request_longer_than_the_tier_keeps_its_tail():
     idx = PrefixIndex()
     pool = NodePool("n", dram_blocks=2, index=idx)
-    pool.store([1, 2, 3, 4])
+    pool.store([1, 2, 3, 4], 0.0)
     assert list(pool.top.blocks) == [3, 4] and len(idx) == 2
     idx.check_integrity()
 
