@@ -58,7 +58,8 @@ class NodeContext:
 
     @property
     def master_rpc(self) -> str:
-        return f"tcp://{self.config.cluster.master}"
+        """The masters' RPC addresses, comma-separated (only the leader listens)."""
+        return ",".join(f"tcp://{m}" for m in self.config.cluster.master_addresses)
 
     @property
     def ports(self) -> PortRange:

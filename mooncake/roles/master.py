@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 import time
 from typing import Literal
@@ -21,7 +22,7 @@ from prometheus_client import CollectorRegistry
 from mooncake.api.app import create_app
 from mooncake.api.server import ApiServer
 from mooncake.api.stats import RequestStats
-from mooncake.api.status import NodeStatus, Status, TierStatus, host_port
+from mooncake.api.status import MasterStatus, NodeStatus, Status, TierStatus, host_port
 from mooncake.conductor import ReplicationOrder
 from mooncake.conductor.index import StoreEvent as IndexEvent
 from mooncake.conductor.roofline import PrefillHardware, create_conductor
@@ -36,6 +37,7 @@ from mooncake.roles import sdnotify
 from mooncake.roles.cluster import ClusterBackend
 from mooncake.roles.cluster_metrics import ClusterCollector
 from mooncake.roles.common import NODE_TTL_S, report_ready
+from mooncake.roles.masterha import MasterHa, file_journal
 from mooncake.roles.messages import (
     AckMsg,
     DeregisterMsg,
@@ -50,7 +52,7 @@ from mooncake.roles.messages import (
     RegisterReplyMsg,
     TokensMsg,
 )
-from mooncake.roles.registry import Registry
+from mooncake.roles.registry import Registry, node_statuses
 from mooncake.store.metrics import MetricsServer, StoreCollector
 from mooncake.store.objects import StoreEvent
 from mooncake.store.service import StoreService
@@ -96,6 +98,7 @@ class Master:
             tick_s=0.1,
             on_events=self._on_store_events,
             direct_port=node_ports(cfg),
+            journal=file_journal(cfg),
         )
         srv = self.store.server
         srv.register(RegisterMsg, self._on_register)
@@ -127,7 +130,9 @@ class Master:
             default_max_tokens=cfg.decode.max_tokens_default,
             serve_metrics=m.enabled and not m.port,
         )
-        self.api = ApiServer(app, cfg.api.host, cfg.api.port)
+        # NOTE: on etcd, a standby forwards the API to the leader until it leads itself
+        self.ha = MasterHa(cfg, self.store, self.take_control) if cfg.cluster.etcd else None
+        self.api = ApiServer(self.ha.wrap(app) if self.ha else app, cfg.api.host, cfg.api.port)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="master-house", daemon=True)
         self._instances: set[str] = set()  # Conductor instances (prefill leaders, decoders)
@@ -294,25 +299,13 @@ class Master:
         s, st = self.stats.snapshot(), self.store.stats()
         now = time.monotonic()
         with self.lock:
-            nodes = [
-                NodeStatus(
-                    node_id=r.node_id,
-                    role=r.role,
-                    address=host_port(r.info.rpc_address or r.info.data_address),
-                    state=r.state,
-                    gpus=r.info.gpus,
-                    nics=r.info.nics,
-                    num_queued=r.load.num_queued,
-                    num_running=r.load.num_running,
-                    num_reserved=r.load.num_reserved,
-                    load=r.load.load,
-                    last_seen_s=now - r.last_seen_s,
-                    pipeline_group=r.group_id,
-                    pool_bytes=st.node_capacity_bytes.get(r.node_id, {}),
-                    transfer_bytes=r.load.transfer_bytes,
-                )  # fmt: skip
-                for r in sorted(self.registry.nodes.values(), key=lambda r: (r.role, r.node_id))
-            ]
+            nodes = node_statuses(self.registry, st.node_capacity_bytes, now)
+        if self.ha is not None:
+            masters = await asyncio.to_thread(self.ha.masters)
+        else:
+            masters = [MasterStatus(id=self.config.node.id or "master", is_leader=True,
+                                    address=host_port(self.config.cluster.master),
+                                    pid=os.getpid(), api=self.api.url)]  # fmt: skip
         nodes.insert(
             0,
             NodeStatus(
@@ -343,14 +336,24 @@ class Master:
             num_queued=s.num_waiting, num_running=s.num_streaming,
             ttft_slo_s=sched.ttft_slo_s, tbt_slo_s=sched.tbt_slo_s,
             transfer_bytes_per_s=kv_rate, pool_hits=c.hits, pool_lookups=c.lookups,
+            masters=masters, num_pool_objects=st.num_objects,
             **s.status_fields(),
         )  # fmt: skip
 
     # -- lifecycle --
-    def serve(self) -> None:
-        """Serve until SIGINT/SIGTERM (uvicorn handles them in the main thread)."""
+    def take_control(self) -> None:
+        """Serve the pool: rebuild it from the journal (if any), listen on the control
+        plane, start housekeeping. At start, or (on etcd) once elected."""
+        self.store.restore()
         self.store.start()
         self._thread.start()
+
+    def serve(self) -> None:
+        """Serve until SIGINT/SIGTERM (uvicorn handles them in the main thread)."""
+        if self.ha is None:
+            self.take_control()
+        else:
+            self.ha.start(self.api.url)
         try:
             if self.metrics_server is not None:
                 try:
@@ -365,8 +368,11 @@ class Master:
             sdnotify.notify_stopping()  # uvicorn took the signal; the master stops here
             if self.metrics_server is not None:
                 self.metrics_server.stop()
+            if self.ha is not None:
+                self.ha.stop()
             self._stop.set()
-            self._thread.join()
+            if self._thread.is_alive():
+                self._thread.join()
             self.store.stop()
 
     def _ready(self) -> None:
