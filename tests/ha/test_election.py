@@ -1,0 +1,77 @@
+"""Leader election and the fenced pool journal on a real etcd (mooncake/ha)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from mooncake.ha.election import Election, MasterInfo, leader_key
+from mooncake.ha.etcd import Etcd
+from mooncake.ha.journal import EtcdJournal
+from mooncake.store import poolstate
+from mooncake.store.journal import JournalError
+from mooncake.store.metadata import MetadataService
+from tests.store.helpers import make_service, put
+
+PREFIX = "/test/cluster"
+
+
+def _election(etcd: Etcd, name: str, elected: threading.Event, lost: list[str]) -> Election:
+    me = MasterInfo(id=name, rpc=f"127.0.0.1:{len(name)}", api=f"http://{name}", pid=1)
+    return Election(etcd, PREFIX, me, ttl_s=1.0, poll_s=0.05, on_elected=elected.set,
+                    on_lost=lost.append)  # fmt: skip
+
+
+def _crash(e: Election) -> None:
+    """Stop renewing without giving the lease back: what a killed master does."""
+    e._stop.set()
+    e._thread.join()
+
+
+def test_one_master_leads_and_a_standby_takes_over_when_its_lease_runs_out(etcd_url: str):
+    etcd = Etcd([etcd_url], timeout_s=2.0)
+    won_a, won_b, lost = threading.Event(), threading.Event(), []
+    a = _election(etcd, "a", won_a, lost)
+    a.start()
+    assert won_a.wait(5)
+    b = _election(etcd, "b", won_b, lost)
+    b.start()
+    time.sleep(0.3)
+    assert not won_b.is_set() and b.leader is not None and b.leader.id == "a"
+    assert [m.id for m in b.members()] == ["a", "b"]
+    _crash(a)
+    t0 = time.monotonic()
+    assert won_b.wait(10), "the standby never took over"
+    print(f"standby leads {time.monotonic() - t0:.2f} s after the leader stopped renewing")
+    assert b.is_leader and not lost
+    b.stop()
+    assert etcd.get(leader_key(PREFIX)) is None  # NOTE: a clean stop gives leadership back
+
+
+def test_the_journal_refuses_writes_from_a_master_that_no_longer_leads(etcd_url: str):
+    etcd = Etcd([etcd_url], timeout_s=2.0)
+    won_a, won_b, lost = threading.Event(), threading.Event(), []
+    a = _election(etcd, "a", won_a, lost)
+    a.start()
+    assert won_a.wait(5)
+    journal = EtcdJournal(etcd, PREFIX, leader_key(PREFIX), a.value)
+    svc = make_service({"n": {"dram": 4096}})
+    for i in range(3):
+        assert put(svc, f"k{i}", 100) == "ok"
+    journal.write(svc.drain_changes())
+    b = _election(etcd, "b", won_b, lost)
+    b.start()
+    _crash(a)
+    assert won_b.wait(10)
+    assert put(svc, "late", 100) == "ok"
+    with pytest.raises(JournalError, match="no longer leads"):
+        journal.write(svc.drain_changes())
+    # the new leader rebuilds what the old one journaled while it led, nothing after
+    state = EtcdJournal(etcd, PREFIX, leader_key(PREFIX), b.value).load()
+    fresh = MetadataService()
+    assert poolstate.restore(fresh, state, now=50.0) == 3
+    assert sorted(fresh.objects) == ["k0", "k1", "k2"]
+    fresh.check_integrity()
+    b.stop()
