@@ -368,19 +368,19 @@ class Master:
             sdnotify.notify_stopping()  # uvicorn took the signal; the master stops here
             if self.metrics_server is not None:
                 self.metrics_server.stop()
-            if self.ha is not None:
-                self.ha.stop()
             self._stop.set()
             if self._thread.is_alive():
                 self._thread.join()
             self.store.stop()
+            if self.ha is not None:  # NOTE: after the pool is no longer served: then resign
+                self.ha.stop()
 
     def _ready(self) -> None:
         m = self.metrics_server.url if self.metrics_server else "/metrics on the API port"
         m = m if self.config.metrics.enabled else "off"
-        log.info("master: API on %s, rpc %s, metrics %s", self.api.listening, self.store.address, m)
-        report_ready(node_id="master", role="master", url=self.api.url,
-                     master=self.store.address)  # fmt: skip
+        rpc = f"tcp://{self.config.cluster.master}"  # NOTE: a standby listens once it leads
+        log.info("master: API on %s, rpc %s, metrics %s", self.api.listening, rpc, m)
+        report_ready(node_id="master", role="master", url=self.api.url, master=rpc)
 
 
 def run_master(config: Config) -> None:
