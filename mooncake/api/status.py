@@ -78,7 +78,7 @@ class Status(msgspec.Struct, frozen=True, kw_only=True):
     cached_token_share: float = 0.0  # num_cached_tokens / num_prompt_tokens (0 before any)
     num_refused: int = 0  # bad requests refused with a 4xx (400/404/413): not received
     masters: list[MasterStatus] = []  # every master process, the leader among them
-    num_pool_objects: int = 0  # committed objects in the pool
+    num_pool_objects: int = 0  # committed objects in the pool (what readers can get)
 
 
 def host_port(address: str) -> str:

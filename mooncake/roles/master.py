@@ -336,7 +336,7 @@ class Master:
             num_queued=s.num_waiting, num_running=s.num_streaming,
             ttft_slo_s=sched.ttft_slo_s, tbt_slo_s=sched.tbt_slo_s,
             transfer_bytes_per_s=kv_rate, pool_hits=c.hits, pool_lookups=c.lookups,
-            masters=masters, num_pool_objects=st.num_objects,
+            masters=masters, num_pool_objects=st.num_committed,
             **s.status_fields(),
         )  # fmt: skip
 
