@@ -42,9 +42,12 @@ class PrefillConfig(msgspec.Struct, **_STRUCT):
     ] = 1
     kv_cache_bytes: Annotated[
         Size,
-        knob("Device memory for the paged KV cache of prompts being prefilled: bytes, or a "
-             "percentage of the free GPU (CPU: available) memory.", "size"),
-    ] = Size(num_bytes=1 << 30)  # fmt: skip
+        knob(
+            "Device memory for the paged KV cache of prompts being prefilled: bytes, or a "
+            "percentage of the free GPU (CPU: available) memory.",
+            "size",
+        ),
+    ] = Size(num_bytes=1 << 30)
     stage_retry_s: Annotated[
         float,
         knob(

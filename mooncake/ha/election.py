@@ -88,8 +88,9 @@ class Election:
     def members(self) -> list[MasterInfo]:
         """Every master holding a live lease, by id."""
         kvs = self.etcd.get_prefix(members_prefix(self.prefix))
-        return sorted((msgspec.json.decode(kv.value, type=MasterInfo) for kv in kvs),
-                      key=lambda m: m.id)  # fmt: skip
+        return sorted(
+            (msgspec.json.decode(kv.value, type=MasterInfo) for kv in kvs), key=lambda m: m.id
+        )
 
     def _take_lease(self) -> None:
         self.lease = self.etcd.grant(self.ttl_s)
@@ -127,8 +128,9 @@ class Election:
 
     def _campaign(self) -> None:
         key = leader_key(self.prefix)
-        won, current = self.etcd.txn([Compare.absent(key)], [Put(key, self.value, self.lease)],
-                                     read=key)  # fmt: skip
+        won, current = self.etcd.txn(
+            [Compare.absent(key)], [Put(key, self.value, self.lease)], read=key
+        )
         if won:
             self.is_leader, self.leader = True, self.me
             log.info("master %s leads the cluster (etcd lease %x)", self.me.id, self.lease)

@@ -162,8 +162,10 @@ class Etcd:
         """If every `compare` holds, apply `ops` at once; returns whether they held and, when
         they did not, `read`'s current value (None if absent or not asked)."""
         assert len(ops) <= MAX_TXN_OPS, len(ops)
-        body: dict[str, Any] = {"compare": [c.body() for c in compare],
-                                "success": [_op(o) for o in ops]}  # fmt: skip
+        body: dict[str, Any] = {
+            "compare": [c.body() for c in compare],
+            "success": [_op(o) for o in ops],
+        }
         if read:
             body["failure"] = [{"request_range": {"key": _b64(read)}}]
         data = self.call("/v3/kv/txn", body)

@@ -21,8 +21,16 @@ import httpx
 from starlette.types import Receive, Scope, Send
 
 log = logging.getLogger(__name__)
-_HOP = {b"connection", b"keep-alive", b"transfer-encoding", b"te", b"upgrade", b"host",
-        b"proxy-connection", b"content-length"}  # fmt: skip
+_HOP = {
+    b"connection",
+    b"keep-alive",
+    b"transfer-encoding",
+    b"te",
+    b"upgrade",
+    b"host",
+    b"proxy-connection",
+    b"content-length",
+}
 
 
 def error_bytes(message: str, kind: str) -> bytes:
@@ -40,8 +48,9 @@ async def send_error(send: Send, status: int, message: str, kind: str) -> None:
 class Forwarder:
     """Forwards to the API URL `leader_url()` names (None: no leader known)."""
 
-    def __init__(self, leader_url: Callable[[], str | None], connect_timeout_s: float,
-                 check_s: float):  # fmt: skip
+    def __init__(
+        self, leader_url: Callable[[], str | None], connect_timeout_s: float, check_s: float
+    ):
         self.leader_url = leader_url
         self.check_s = check_s  # s between checks that the leader did not change mid-answer
         timeout = httpx.Timeout(connect=connect_timeout_s, read=None, write=None, pool=None)
@@ -53,8 +62,13 @@ class Forwarder:
             return
         url = self.leader_url()
         if url is None:
-            await send_error(send, 503, "no master leads the cluster right now (an election "
-                             "is under way); retry in a second", "unavailable")  # fmt: skip
+            await send_error(
+                send,
+                503,
+                "no master leads the cluster right now (an election "
+                "is under way); retry in a second",
+                "unavailable",
+            )
             return
         body = bytearray()
         while True:
@@ -67,13 +81,19 @@ class Forwarder:
         query = scope.get("query_string", b"").decode()
         target = url + scope["path"] + (f"?{query}" if query else "")
         headers = [(k, v) for k, v in scope["headers"] if k.lower() not in _HOP]
-        req = self._client.build_request(scope["method"], target, headers=headers,
-                                         content=bytes(body))  # fmt: skip
+        req = self._client.build_request(
+            scope["method"], target, headers=headers, content=bytes(body)
+        )
         try:
             resp = await self._client.send(req, stream=True)
         except httpx.HTTPError as e:
-            await send_error(send, 502, f"the leading master at {url} did not answer ({e}); "
-                             "retry: another master takes over", "unavailable")  # fmt: skip
+            await send_error(
+                send,
+                502,
+                f"the leading master at {url} did not answer ({e}); "
+                "retry: another master takes over",
+                "unavailable",
+            )
             return
         try:
             await self._relay(resp, url, send)
@@ -82,8 +102,7 @@ class Forwarder:
 
     async def _relay(self, resp: httpx.Response, url: str, send: Send) -> None:
         headers = [(k, v) for k, v in resp.headers.raw if k.lower() not in _HOP]
-        await send({"type": "http.response.start", "status": resp.status_code,
-                    "headers": headers})  # fmt: skip
+        await send({"type": "http.response.start", "status": resp.status_code, "headers": headers})
         is_stream = resp.headers.get("content-type", "").startswith("text/event-stream")
         chunks = resp.aiter_raw()
         while True:

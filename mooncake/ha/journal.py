@@ -54,5 +54,7 @@ class EtcdJournal(BaseJournal):
             except EtcdError as e:
                 raise JournalError(f"cannot journal the pool's changes in etcd: {e}") from e
             if not ok:
-                raise JournalError("this master no longer leads the cluster (etcd's leader key "
-                                   "names another): it must not change the pool")  # fmt: skip
+                raise JournalError(
+                    "this master no longer leads the cluster (etcd's leader key "
+                    "names another): it must not change the pool"
+                )

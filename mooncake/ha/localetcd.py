@@ -56,21 +56,39 @@ class LocalEtcd:
             )
         self.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         peer = f"http://127.0.0.1:{self.peer_port}"
-        cmd = [binary, "--name", "local", "--data-dir", str(self.data_dir),
-               "--listen-client-urls", self.url, "--advertise-client-urls", self.url,
-               "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-               "--initial-cluster", f"local={peer}", "--log-level", "error"]  # fmt: skip
+        cmd = [
+            binary,
+            "--name",
+            "local",
+            "--data-dir",
+            str(self.data_dir),
+            "--listen-client-urls",
+            self.url,
+            "--advertise-client-urls",
+            self.url,
+            "--listen-peer-urls",
+            peer,
+            "--initial-advertise-peer-urls",
+            peer,
+            "--initial-cluster",
+            f"local={peer}",
+            "--log-level",
+            "error",
+        ]
         log_file = (self.data_dir / "etcd.log").open("ab")
-        self.proc = subprocess.Popen(cmd, stdout=log_file, stderr=log_file,
-                                     preexec_fn=self._preexec_fn)  # fmt: skip
+        self.proc = subprocess.Popen(
+            cmd, stdout=log_file, stderr=log_file, preexec_fn=self._preexec_fn
+        )
         log_file.close()
         etcd = Etcd([self.url], timeout_s=1.0)
         deadline = time.monotonic() + timeout_s
         try:
             while True:
                 if self.proc.poll() is not None:
-                    raise EtcdError(f"etcd exited with status {self.proc.returncode}; see "
-                                    f"{self.data_dir / 'etcd.log'}")  # fmt: skip
+                    raise EtcdError(
+                        f"etcd exited with status {self.proc.returncode}; see "
+                        f"{self.data_dir / 'etcd.log'}"
+                    )
                 try:
                     etcd.get("/")
                     return self.url

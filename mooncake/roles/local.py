@@ -173,8 +173,7 @@ class LocalLauncher:
         if plan.api_port == 0:
             plan.api_port = free_port()
         secret = secrets.token_urlsafe(24)
-        write_config(plan, self.config_path, secret, self._master_port, cost_model,
-                     self._ha_keys())  # fmt: skip
+        write_config(plan, self.config_path, secret, self._master_port, cost_model, self._ha_keys())
         config = load_config(self.config_path).config
         self.api_key = config.api.api_keys[0] if config.api.api_keys else ""
         self._drain_s = config.decode.drain_s
@@ -193,8 +192,10 @@ class LocalLauncher:
         url = self._forker.submit(self.etcd.start).result()  # NOTE: dies with the launcher
         ports = [self._master_port] + [free_port() for _ in range(plan.num_masters - 1)]
         for i, port in enumerate(ports[1:], 1):
-            self._node_sets[f"master-{i}"] = [f"cluster.master=127.0.0.1:{port}",
-                                              f"api.port={free_port()}"]  # fmt: skip
+            self._node_sets[f"master-{i}"] = [
+                f"cluster.master=127.0.0.1:{port}",
+                f"api.port={free_port()}",
+            ]
         return {"etcd": [url], "masters": [f"127.0.0.1:{p}" for p in ports]}
 
     def start(self, cost_model: str) -> LocalCluster:

@@ -11,8 +11,9 @@ from mooncake.roles.local import DECODE_KV_BYTES, LocalPlan
 from mooncake.roles.runfile import private_dir, write_private
 
 
-def ensure_cost_model(plan: LocalPlan, cache_dir: Path,
-                      on_progress: Callable[[str], None] = lambda _: None) -> Path:  # fmt: skip
+def ensure_cost_model(
+    plan: LocalPlan, cache_dir: Path, on_progress: Callable[[str], None] = lambda _: None
+) -> Path:
     """The Conductor's cost model for the plan's model on this machine: profiled once
     (a few seconds for dummy:tiny, one thread as the nodes run) and cached by shape."""
     if plan.cost_model_path:
@@ -38,9 +39,20 @@ def ensure_cost_model(plan: LocalPlan, cache_dir: Path,
         dtype = resolve_dtype(info, "auto", "cpu")
         capacity = DECODE_KV_BYTES // info.spec.kv_bytes_per_token(DTYPE_BYTES[dtype])
         model, _, _ = profile_cost_model(
-            info, dtype, plan.block_tokens, plan.chunk_tokens, [64, 256, 512, 1024, 2048, 4096],
-            [0.0, 0.5], [1, 4, 16], [64, 256], 4, 1, capacity, 2e9, on_progress,
-        )  # fmt: skip
+            info,
+            dtype,
+            plan.block_tokens,
+            plan.chunk_tokens,
+            [64, 256, 512, 1024, 2048, 4096],
+            [0.0, 0.5],
+            [1, 4, 16],
+            [64, 256],
+            4,
+            1,
+            capacity,
+            2e9,
+            on_progress,
+        )
     finally:
         torch.set_num_threads(threads)
     with tempfile.TemporaryDirectory() as tmp:  # save() follows symlinks; write_private not

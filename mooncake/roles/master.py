@@ -303,9 +303,15 @@ class Master:
         if self.ha is not None:
             masters = await asyncio.to_thread(self.ha.masters)
         else:
-            masters = [MasterStatus(id=self.config.node.id or "master", is_leader=True,
-                                    address=host_port(self.config.cluster.master),
-                                    pid=os.getpid(), api=self.api.url)]  # fmt: skip
+            masters = [
+                MasterStatus(
+                    id=self.config.node.id or "master",
+                    is_leader=True,
+                    address=host_port(self.config.cluster.master),
+                    pid=os.getpid(),
+                    api=self.api.url,
+                )
+            ]
         nodes.insert(
             0,
             NodeStatus(

@@ -84,18 +84,27 @@ class MasterHa:
         c = self.config.cluster
         node_id = self.config.node.id or f"{socket.gethostname()}-master-{os.getpid()}"
         me = MasterInfo(id=node_id, rpc=c.master, api=api_url, pid=os.getpid())
-        self.election = Election(self.etcd, self.prefix, me, c.leader_ttl_s, c.election_poll_s,
-                                 self._on_elected, exit_not_leader)  # fmt: skip
+        self.election = Election(
+            self.etcd,
+            self.prefix,
+            me,
+            c.leader_ttl_s,
+            c.election_poll_s,
+            self._on_elected,
+            exit_not_leader,
+        )
         self.election.start()
-        log.info("master %s joined the election under %s on %s", me.id, self.prefix,
-                 ", ".join(c.etcd))  # fmt: skip
+        log.info(
+            "master %s joined the election under %s on %s", me.id, self.prefix, ", ".join(c.etcd)
+        )
 
     def _on_elected(self) -> None:
         e = self.election
         assert e is not None and self.switch is not None
         try:
-            self.store.journal = EtcdJournal(self.etcd, self.prefix, leader_key(self.prefix),
-                                             e.value)  # fmt: skip
+            self.store.journal = EtcdJournal(
+                self.etcd, self.prefix, leader_key(self.prefix), e.value
+            )
             self.store.on_journal_error = lambda err: exit_not_leader(str(err))
             self.take_control()
         except (JournalError, EtcdError, OSError) as err:
@@ -115,8 +124,10 @@ class MasterHa:
             log.warning("status: masters from etcd: %s", err)
             members = [e.me]
         leader = e.me.id if e.is_leader else (e.leader.id if e.leader else "")
-        return [MasterStatus(id=m.id, address=m.rpc, is_leader=m.id == leader, pid=m.pid,
-                             api=m.api) for m in members]  # fmt: skip
+        return [
+            MasterStatus(id=m.id, address=m.rpc, is_leader=m.id == leader, pid=m.pid, api=m.api)
+            for m in members
+        ]
 
     def stop(self) -> None:
         if self.election is not None:

@@ -54,8 +54,9 @@ class BaseJournal:
         pass
 
 
-def apply(segments: dict[str, SegmentEntry], objects: dict[str, ObjectEntry],
-          batch: JournalBatch) -> None:  # fmt: skip
+def apply(
+    segments: dict[str, SegmentEntry], objects: dict[str, ObjectEntry], batch: JournalBatch
+) -> None:
     for name, seg in batch.segments:
         if seg is None:
             segments.pop(name, None)
@@ -102,11 +103,16 @@ class FileJournal(BaseJournal):
             apply(self._segments, self._objects, batch)
             pos += _LEN.size + n
         if data:
-            log.info("pool journal %s: %d segments, %d objects", self.path,
-                     len(self._segments), len(self._objects))  # fmt: skip
+            log.info(
+                "pool journal %s: %d segments, %d objects",
+                self.path,
+                len(self._segments),
+                len(self._objects),
+            )
         self._rewrite()
-        return PoolState(segments=tuple(self._segments.values()),
-                         objects=tuple(self._objects.values()))  # fmt: skip
+        return PoolState(
+            segments=tuple(self._segments.values()), objects=tuple(self._objects.values())
+        )
 
     def write(self, changes: PoolChanges) -> None:
         batch = JournalBatch(list(changes.segments.items()), list(changes.objects.items()))

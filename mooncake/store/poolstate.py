@@ -121,17 +121,37 @@ def restore(svc: MetadataService, state: PoolState, now: float) -> int:
     quarantine = now + svc.config.lease_ttl_s
     for e in state.segments:
         svc.space.heartbeat(e.node_id, now)
-        svc.space.mount(e.node_id, e.name, e.tier, e.capacity, e.endpoint, e.alignment,
-                        e.token, usable_from=quarantine)  # fmt: skip
+        svc.space.mount(
+            e.node_id,
+            e.name,
+            e.tier,
+            e.capacity,
+            e.endpoint,
+            e.alignment,
+            e.token,
+            usable_from=quarantine,
+        )
     num = 0
     for o in state.objects:
-        obj = ObjectRecord(key=o.key, size=o.size, writer="", started_at=now, is_committed=True,
-                           lease_until=quarantine, pin_ttl_s=o.pin_ttl_s)  # fmt: skip
+        obj = ObjectRecord(
+            key=o.key,
+            size=o.size,
+            writer="",
+            started_at=now,
+            is_committed=True,
+            lease_until=quarantine,
+            pin_ttl_s=o.pin_ttl_s,
+        )
         for r in o.replicas:
             seg = svc.space.segments.get(r.segment)
             if seg is None or not seg.allocator.allocate_at(r.offset, r.size):
-                log.warning("pool rebuild: replica %d of %r at %s+%d does not fit; skipped",
-                            r.replica_id, o.key, r.segment, r.offset)  # fmt: skip
+                log.warning(
+                    "pool rebuild: replica %d of %r at %s+%d does not fit; skipped",
+                    r.replica_id,
+                    o.key,
+                    r.segment,
+                    r.offset,
+                )
                 continue
             svc.space.tier_used[seg.tier] += seg.allocator.size_of(r.offset) or 0
             seg.keys.add(o.key)

@@ -108,8 +108,12 @@ class StoreService:
         state = self.journal.load()
         with self.lock:
             num = poolstate.restore(self.metadata, state, time.monotonic())
-        log.info("store: rebuilt %d segments and %d of %d objects from the journal",
-                 len(state.segments), num, len(state.objects))  # fmt: skip
+        log.info(
+            "store: rebuilt %d segments and %d of %d objects from the journal",
+            len(state.segments),
+            num,
+            len(state.objects),
+        )
         return num
 
     def flush(self) -> None:

@@ -20,8 +20,9 @@ PREFIX = "/test/cluster"
 
 def _election(etcd: Etcd, name: str, elected: threading.Event, lost: list[str]) -> Election:
     me = MasterInfo(id=name, rpc=f"127.0.0.1:{len(name)}", api=f"http://{name}", pid=1)
-    return Election(etcd, PREFIX, me, ttl_s=1.0, poll_s=0.05, on_elected=elected.set,
-                    on_lost=lost.append)  # fmt: skip
+    return Election(
+        etcd, PREFIX, me, ttl_s=1.0, poll_s=0.05, on_elected=elected.set, on_lost=lost.append
+    )
 
 
 def _crash(e: Election) -> None:
