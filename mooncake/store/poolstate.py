@@ -9,8 +9,8 @@ answered (`store/journal.py`). A new master loads the entries and `restore`s the
 segments as mounted (their nodes keep heartbeating them; a node that does not is expired
 as usual, its objects lost), the objects with their old ranges taken again and their old
 replica ids, leased for `lease_ttl_s` (readers of the old master may be copying), and no
-new allocation in those segments for `lease_ttl_s` (writers of the old master's
-uncommitted puts and write slots may still be writing).
+new allocation in those segments for `put_timeout_s` (or `lease_ttl_s` if longer): writers
+of the old master's uncommitted puts and write slots may still be writing until then.
 
 Pure logic: no I/O, no threads, no clock.
 """
@@ -118,7 +118,11 @@ def restore(svc: MetadataService, state: PoolState, now: float) -> int:
     A replica whose range is not free (a journal out of step with itself) is skipped
     with a warning; an object left without one is not restored."""
     assert not svc.objects and not svc.space.segments, "restore into a service in use"
-    quarantine = now + svc.config.lease_ttl_s
+    cfg = svc.config
+    # NOTE: the old master's writers may write ranges it never journaled until their put
+    # times out, its readers read freed ranges until their lease ends
+    usable_from = now + max(cfg.lease_ttl_s, cfg.put_timeout_s)
+    leased_until = now + cfg.lease_ttl_s
     for e in state.segments:
         svc.space.heartbeat(e.node_id, now)
         svc.space.mount(
@@ -129,7 +133,7 @@ def restore(svc: MetadataService, state: PoolState, now: float) -> int:
             e.endpoint,
             e.alignment,
             e.token,
-            usable_from=quarantine,
+            usable_from=usable_from,
         )
     num = 0
     for o in state.objects:
@@ -139,7 +143,7 @@ def restore(svc: MetadataService, state: PoolState, now: float) -> int:
             writer="",
             started_at=now,
             is_committed=True,
-            lease_until=quarantine,
+            lease_until=leased_until,
             pin_ttl_s=o.pin_ttl_s,
         )
         for r in o.replicas:
