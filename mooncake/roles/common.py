@@ -85,7 +85,8 @@ def create_context(config: Config, role: str) -> NodeContext:
     """Resolve identity and secret, detect hardware; raises ConfigError when the cluster has
     no secret or `cluster.master` cannot be the master (see `check_master_address`)."""
     secret = config.cluster.require_secret().encode()
-    check_master_address(config.cluster.master)
+    for master in config.cluster.master_addresses:
+        check_master_address(master)
     host = config.node.advertise_address or _default_host(config.cluster.master)
     # NOTE: the pid tells processes of one host apart, the random part hosts that share a
     # name but not a pid namespace (containers on the host's network, each pid 1)

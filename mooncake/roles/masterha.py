@@ -25,6 +25,7 @@ from typing import Any
 
 from mooncake.api.status import MasterStatus
 from mooncake.config import Config
+from mooncake.errors import ConfigError
 from mooncake.ha.election import Election, MasterInfo, leader_key
 from mooncake.ha.etcd import Etcd, EtcdError
 from mooncake.ha.forward import Forwarder, LeaderSwitch
@@ -59,6 +60,17 @@ class MasterHa:
 
     def __init__(self, config: Config, store: StoreService, take_control: Callable[[], None]):
         c = config.cluster
+        bad = [u for u in c.etcd if not u.startswith(("http://", "https://"))]
+        if bad:
+            raise ConfigError(
+                f"cluster.etcd: {', '.join(map(repr, bad))} is not an etcd client URL; "
+                'write each as "http://host:2379"'
+            )
+        if c.masters and c.master not in c.masters:
+            raise ConfigError(
+                f"cluster.masters ({', '.join(c.masters)}) does not list this master's own "
+                f"cluster.master {c.master}: nodes would never reach it when it leads"
+            )
         self.config, self.store, self.take_control = config, store, take_control
         self.etcd = Etcd(c.etcd, c.etcd_timeout_s)
         self.prefix = c.etcd_key_prefix

@@ -106,10 +106,12 @@ def object_entry(obj: ObjectRecord | None) -> ObjectEntry | None:
 
 
 def snapshot(svc: MetadataService) -> PoolState:
-    """The service's committed state; changes nothing."""
-    segs = tuple(segment_entry(s) for s in svc.space.segments.values())
-    objs = [object_entry(o) for o in svc.objects.values()]
-    return PoolState(segments=segs, objects=tuple(o for o in objs if o is not None))
+    """The service's committed state, segments by name and objects by key (two services
+    with the same pool compare equal); changes nothing."""
+    segs = sorted((segment_entry(s) for s in svc.space.segments.values()), key=lambda e: e.name)
+    objs = [e for o in svc.objects.values() if (e := object_entry(o)) is not None]
+    objs.sort(key=lambda e: e.key)
+    return PoolState(segments=tuple(segs), objects=tuple(objs))
 
 
 def restore(svc: MetadataService, state: PoolState, now: float) -> int:

@@ -73,6 +73,7 @@ def test_restore_from_the_file_journal_gives_the_same_objects_ranges_and_ids(tmp
     assert poolstate.restore(fresh, again.load(), now=100.0) == 5
     fresh.check_integrity()
     assert _view(fresh) == before and "open" not in fresh.objects
+    assert poolstate.snapshot(fresh) == poolstate.snapshot(svc)
     got = fresh.get_replicas("k0", 100.0)
     assert got.status == "ok" and {d.replica_id for d in got.replicas} == {
         r[3] for r in before["k0"]
