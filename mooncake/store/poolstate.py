@@ -9,8 +9,8 @@ answered (`store/journal.py`). A new master loads the entries and `restore`s the
 segments as mounted (their nodes keep heartbeating them; a node that does not is expired
 as usual, its objects lost), the objects with their old ranges taken again and their old
 replica ids, leased for `lease_ttl_s` (readers of the old master may be copying), and no
-new allocation in those segments for `put_timeout_s` (or `lease_ttl_s` if longer): writers
-of the old master's uncommitted puts and write slots may still be writing until then.
+new allocation in those segments for `lease_ttl_s` (writers of the old master's write slots
+and puts may still be writing).
 
 Pure logic: no I/O, no threads, no clock.
 """
@@ -120,13 +120,13 @@ def restore(svc: MetadataService, state: PoolState, now: float) -> int:
     A replica whose range is not free (a journal out of step with itself) is skipped
     with a warning; an object left without one is not restored."""
     assert not svc.objects and not svc.space.segments, "restore into a service in use"
-    cfg = svc.config
-    # NOTE: the old master's writers may write ranges it never journaled until their put
-    # times out, its readers read freed ranges until their lease ends
-    usable_from = now + max(cfg.lease_ttl_s, cfg.put_timeout_s)
-    leased_until = now + cfg.lease_ttl_s
+    # NOTE: the old master's readers may read ranges it freed, and its writers write the
+    # ranges of its write slots, for as long as a lease (docs/ha.md: the consistency argument)
+    usable_from = leased_until = now + svc.config.lease_ttl_s
     for e in state.segments:
-        svc.space.heartbeat(e.node_id, now)
+        # NOTE: a lease more than a heartbeat TTL: owners' calls to the dead master must
+        # time out before their heartbeats reach this one
+        svc.space.heartbeat(e.node_id, usable_from)
         svc.space.mount(
             e.node_id,
             e.name,

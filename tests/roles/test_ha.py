@@ -13,7 +13,7 @@ import pytest
 from mooncake.ha.localetcd import etcd_binary
 from mooncake.roles.local import LocalLauncher
 from tests.roles.cluster import kill, local_cluster
-from tests.roles.failover import Stream, complete, nodes_ready, status, wait_for
+from tests.roles.failover import PROMPT, Stream, complete, nodes_ready, status, wait_for
 
 pytestmark = [
     pytest.mark.timeout(300),
@@ -93,3 +93,32 @@ def test_leader_killed_the_standby_serves_with_every_committed_object_and_prefix
     assert via_standby.error and not via_standby.is_done, via_standby
     assert direct.error and not direct.is_done, direct
     assert "retry" in via_standby.error
+
+
+def test_the_killed_master_started_again_stands_by_and_takes_over_in_turn(
+    cluster: LocalLauncher,
+) -> None:
+    """A second failover, back to the first master: the pool the second leader journaled
+    (what it rebuilt, and what it committed since) is all there."""
+    dead = next(c for c in cluster.children if c.proc.poll() is not None)
+    cluster.relaunch(dead.node_id)
+    leader, standby = _masters(cluster)
+    assert standby["id"] == dead.node_id
+    other = [(i * 11 + 5) % 250 + 1 for i in range(700)]
+    # committed by the second leader (once its restored segments take new objects again)
+    wait_for(
+        "a prompt stored by the second leader",
+        lambda: complete(leader["api"], other)["prompt_tokens_details"]["cached_tokens"] > 0,
+    )
+    before = status(leader["api"])["num_pool_objects"]
+    kill(cluster, leader["id"])
+    wait_for(
+        "the first master leads again",
+        lambda: any(
+            m["is_leader"] and m["id"] == standby["id"] for m in status(standby["api"])["masters"]
+        ),
+    )
+    wait_for("nodes back", lambda: nodes_ready(standby["api"], NUM_NODES))
+    assert status(standby["api"])["num_pool_objects"] == before
+    for prompt in (PROMPT, other):
+        assert complete(standby["api"], prompt)["prompt_tokens_details"]["cached_tokens"] > 0

@@ -80,10 +80,10 @@ def test_restore_from_the_file_journal_gives_the_same_objects_ranges_and_ids(tmp
     }
     events = {(e.kind, e.key, e.node_id) for e in fresh.drain_events()}
     assert ("added", "k3", "a") in events and ("added", "k3", "b") in events
-    # the old master's writers may still write ranges it never journaled, until their put
-    # times out (put_timeout_s 30 s): no new allocation there before then
-    assert fresh.put_start("new", 64, 129.0, writer="a").status == "no_space"
-    assert fresh.put_start("new", 64, 131.0, writer="a").status == "ok"
+    # the old master's writers may still write ranges it never journaled, for a lease
+    # (5 s): no new allocation there before then
+    assert fresh.put_start("new", 64, 104.0, writer="a").status == "no_space"
+    assert fresh.put_start("new", 64, 106.0, writer="a").status == "ok"
     fresh.check_integrity()
     # and the rebuilt objects are leased as long: not removable at once
     assert fresh.remove("k0", 101.0).status == "leased"
