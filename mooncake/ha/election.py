@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import msgspec
 
@@ -43,6 +43,16 @@ def leader_key(prefix: str) -> str:
 
 def members_prefix(prefix: str) -> str:
     return f"{prefix}/masters/"
+
+
+def find_masters(endpoints: Sequence[str], prefix: str, timeout_s: float) -> list[MasterInfo]:
+    """The masters registered in etcd now (raises EtcdError when etcd does not answer)."""
+    etcd = Etcd(endpoints, timeout_s)
+    try:
+        kvs = etcd.get_prefix(members_prefix(prefix))
+    finally:
+        etcd.close()
+    return [msgspec.json.decode(kv.value, type=MasterInfo) for kv in kvs]
 
 
 class Election:

@@ -7,9 +7,11 @@ import time
 
 import pytest
 
-from mooncake.ha.election import Election, MasterInfo, leader_key
+from mooncake.config import ClusterConfig, Config
+from mooncake.ha.election import Election, MasterInfo, find_masters, leader_key
 from mooncake.ha.etcd import Etcd
 from mooncake.ha.journal import EtcdJournal
+from mooncake.roles.common import masters_to_dial
 from mooncake.store import poolstate
 from mooncake.store.journal import JournalError
 from mooncake.store.metadata import MetadataService
@@ -76,3 +78,21 @@ def test_the_journal_refuses_writes_from_a_master_that_no_longer_leads(etcd_url:
     assert sorted(fresh.objects) == ["k0", "k1", "k2"]
     fresh.check_integrity()
     b.stop()
+
+
+def test_nodes_without_cluster_masters_dial_the_masters_registered_in_etcd(etcd_url: str):
+    config = Config(cluster=ClusterConfig(name="t", master="127.0.0.1:7000", etcd=(etcd_url,)))
+    etcd = Etcd([etcd_url], timeout_s=2.0)
+    elections = []
+    for name, port in (("m0", 7000), ("m1", 7001)):
+        me = MasterInfo(id=name, rpc=f"127.0.0.1:{port}", api="http://x", pid=1)
+        e = Election(etcd, config.cluster.etcd_key_prefix, me, 1.0, 0.05, lambda: None, print)
+        e.start()
+        elections.append(e)
+    found = find_masters([etcd_url], config.cluster.etcd_key_prefix, 2.0)
+    assert sorted(m.rpc for m in found) == ["127.0.0.1:7000", "127.0.0.1:7001"]
+    assert masters_to_dial(config) == ("127.0.0.1:7000", "127.0.0.1:7001")
+    listed = Config(cluster=ClusterConfig(masters=("127.0.0.1:9",), etcd=(etcd_url,)))
+    assert masters_to_dial(listed) == ("127.0.0.1:9",)  # NOTE: the config's list wins
+    for e in elections:
+        e.stop()
