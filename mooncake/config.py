@@ -53,7 +53,8 @@ class ClusterConfig(msgspec.Struct, **_STRUCT):
         tuple[str, ...],
         knob(
             "host:port of every master's control plane when several masters run on etcd; "
-            "nodes dial them all and the leader alone listens; empty = [master]."
+            "nodes dial them all and the leader alone listens; empty = master and, on "
+            "etcd, the masters registered there when the node starts."
         ),
     ] = ()
     etcd: Annotated[
