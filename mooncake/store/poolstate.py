@@ -7,10 +7,10 @@ commit, a move, an eviction, a removal, a loss); `PoolChanges` carries them, eac
 new entry or None (gone), to a journal that makes them durable before the change is
 answered (`store/journal.py`). A new master loads the entries and `restore`s them: the
 segments as mounted (their nodes keep heartbeating them; a node that does not within
-`lease_ttl_s + heartbeat_ttl_s` is expired as usual, its objects lost), the objects with their old ranges taken again and their old
-replica ids, leased for `lease_ttl_s` (readers of the old master may be copying), and no
-new allocation in those segments for `lease_ttl_s` (writers of the old master's write slots
-and puts may still be writing).
+`lease_ttl_s + heartbeat_ttl_s` is expired as usual, its objects lost), the objects with
+their old ranges taken again and their old replica ids, leased for `lease_ttl_s` (readers
+of the old master may be copying), and no new allocation in those segments for
+`lease_ttl_s` (writers of the old master's write slots and puts may still be writing).
 
 Pure logic: no I/O, no threads, no clock.
 """
