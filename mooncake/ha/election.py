@@ -8,9 +8,10 @@ key every `election_poll_s` (and campaigning whenever it is gone). When the lead
 lease runs out after at most `leader_ttl_s` and its key goes with it, so a standby leads
 within `leader_ttl_s + election_poll_s`.
 
-A leader that cannot renew its lease for half its TTL (etcd unreachable, the process
-stalled) steps down at once (`on_lost`): by then another master may be about to win, and
-two masters must never serve the pool. Every journal write is fenced as well
+A leader that could not renew its lease for most of its TTL (etcd unreachable, the process
+stalled) steps down (`on_lost`) a margin before the lease can end (a quarter of the TTL, at
+least two polls): another master may win once it ends, and two masters must never serve
+the pool. Every journal write is fenced as well
 (ha/journal.py): it applies only while the leader key still holds this master.
 """
 
@@ -76,7 +77,9 @@ class Election:
         self.is_leader = False
         self.leader: MasterInfo | None = None  # as last read
         self.lease = 0
-        self._renewed = 0.0  # time.monotonic() of the last renewal
+        self._renewed = 0.0  # time.monotonic() when the last renewal that took was sent
+        # s before the lease could end at which a leader that could not renew it steps down
+        self.margin_s = max(ttl_s / 4, 2 * poll_s)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="election", daemon=True)
 
@@ -103,8 +106,9 @@ class Election:
         )
 
     def _take_lease(self) -> None:
+        sent = time.monotonic()
         self.lease = self.etcd.grant(self.ttl_s)
-        self._renewed = time.monotonic()
+        self._renewed = sent
         self.etcd.put(members_prefix(self.prefix) + self.me.id, self.value, self.lease)
 
     def _loop(self) -> None:
@@ -120,15 +124,17 @@ class Election:
                     self._campaign()
             except EtcdError as e:
                 log.warning("election: %s", e)
-            if self.is_leader and time.monotonic() - self._renewed > self.ttl_s / 2:
-                self._step_down(f"could not renew its etcd lease for {self.ttl_s / 2:g} s")
+            if self.is_leader and time.monotonic() - self._renewed > self.ttl_s - self.margin_s:
+                self._step_down(
+                    f"its etcd lease may run out (no renewal for {self.ttl_s - self.margin_s:g} s)"
+                )
                 return
-            wait = min(self.poll_s, max(next_renewal - time.monotonic(), 0.0))
-            self._stop.wait(wait if not self.is_leader else max(wait, 0.0))
+            self._stop.wait(min(self.poll_s, max(next_renewal - time.monotonic(), 0.0)))
 
     def _renew(self) -> None:
+        sent = time.monotonic()  # NOTE: etcd counts the lease from when it got this, or later
         if self.etcd.keepalive(self.lease):
-            self._renewed = time.monotonic()
+            self._renewed = sent
             return
         if self.is_leader:
             self._step_down("its etcd lease expired")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 
@@ -11,6 +12,7 @@ from mooncake.config import ClusterConfig, Config
 from mooncake.ha.election import Election, MasterInfo, find_masters, leader_key
 from mooncake.ha.etcd import Etcd
 from mooncake.ha.journal import EtcdJournal
+from mooncake.ha.localetcd import LocalEtcd, etcd_binary
 from mooncake.roles.common import masters_to_dial
 from mooncake.store import poolstate
 from mooncake.store.journal import JournalError
@@ -96,3 +98,30 @@ def test_nodes_without_cluster_masters_dial_the_masters_registered_in_etcd(etcd_
     assert masters_to_dial(listed) == ("127.0.0.1:9",)  # NOTE: the config's list wins
     for e in elections:
         e.stop()
+
+
+def test_a_leader_cut_off_from_etcd_steps_down_before_another_can_lead(tmp_path):
+    if etcd_binary() is None:
+        pytest.skip("no etcd server on this host (Debian: apt-get install etcd-server)")
+    server = LocalEtcd(tmp_path / "etcd")
+    url = server.start()
+    try:
+        etcd = Etcd([url], timeout_s=0.5)
+        events: list[str] = []
+        won_a, won_b = threading.Event(), threading.Event()
+        a = _election(etcd, "a", won_a, [])
+        a.on_lost = lambda why: events.append("a lost")
+        a.start()
+        assert won_a.wait(5)
+        b = _election(etcd, "b", won_b, [])
+        b.on_elected = lambda: (events.append("b leads"), won_b.set())
+        b.start()
+        assert server.proc is not None
+        server.proc.send_signal(signal.SIGSTOP)  # etcd stalls: no renewal gets through
+        time.sleep(3.0)
+        server.proc.send_signal(signal.SIGCONT)
+        assert won_b.wait(10)
+        assert events == ["a lost", "b leads"]
+        b.stop()
+    finally:
+        server.stop()
