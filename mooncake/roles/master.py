@@ -37,7 +37,7 @@ from mooncake.roles import sdnotify
 from mooncake.roles.cluster import ClusterBackend
 from mooncake.roles.cluster_metrics import ClusterCollector
 from mooncake.roles.common import NODE_TTL_S, report_ready
-from mooncake.roles.masterha import MasterHa, file_journal
+from mooncake.roles.masterha import MasterHa, exit_to_restart, file_journal
 from mooncake.roles.messages import (
     AckMsg,
     DeregisterMsg,
@@ -100,6 +100,8 @@ class Master:
             direct_port=node_ports(cfg),
             journal=file_journal(cfg),
         )
+        # NOTE: a change the journal did not take was not answered ok; start again from it
+        self.store.on_journal_error = lambda e: exit_to_restart(f"the pool's journal: {e}")
         srv = self.store.server
         srv.register(RegisterMsg, self._on_register)
         srv.register(NodeHeartbeatMsg, self._on_heartbeat)
@@ -350,7 +352,6 @@ class Master:
     def take_control(self) -> None:
         """Serve the pool: rebuild it from the journal (if any), listen on the control
         plane, start housekeeping. At start, or (on etcd) once elected."""
-        self.store.restore()
         self.store.start()
         self._thread.start()
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -34,7 +33,7 @@ from mooncake.store.journal import FileJournal, JournalError
 from mooncake.store.service import StoreService
 
 log = logging.getLogger(__name__)
-EXIT_NOT_LEADER = 75  # EX_TEMPFAIL: restart me (as a standby)
+EXIT_RESTART = 75  # EX_TEMPFAIL: restart me (as a standby)
 
 
 def file_journal(config: Config) -> FileJournal | None:
@@ -47,12 +46,13 @@ def file_journal(config: Config) -> FileJournal | None:
     return FileJournal(Path(c.state_dir).expanduser() / f"pool-{c.name}-{port}.journal")
 
 
-def exit_not_leader(why: str) -> None:
-    """End this process now: it must not serve the pool any more."""
+def exit_to_restart(why: str) -> None:
+    """End this process now (status 75): it must not serve the pool any more (it lost its
+    leadership, or its journal failed); its supervisor starts it again."""
     log.critical("master exits: %s", why)
     for h in logging.getLogger().handlers:
         h.flush()
-    os._exit(EXIT_NOT_LEADER)
+    os._exit(EXIT_RESTART)
 
 
 class MasterHa:
@@ -77,7 +77,6 @@ class MasterHa:
         self.forwarder = Forwarder(self.leader_url, c.etcd_timeout_s, c.election_poll_s)
         self.switch: LeaderSwitch | None = None
         self.election: Election | None = None
-        self.is_serving = threading.Event()  # set once this master serves the pool
 
     def wrap(self, app: Any) -> LeaderSwitch:
         """The app to serve: forwarding while standing by, `app` once leading."""
@@ -103,7 +102,7 @@ class MasterHa:
             c.leader_ttl_s,
             c.election_poll_s,
             self._on_elected,
-            exit_not_leader,
+            exit_to_restart,
         )
         self.election.start()
         log.info(
@@ -117,12 +116,10 @@ class MasterHa:
             self.store.journal = EtcdJournal(
                 self.etcd, self.prefix, leader_key(self.prefix), e.value
             )
-            self.store.on_journal_error = lambda err: exit_not_leader(str(err))
             self.take_control()
         except (JournalError, EtcdError, OSError) as err:
-            exit_not_leader(f"taking over failed: {err}")
+            exit_to_restart(f"taking over failed: {err}")
         self.switch.lead()
-        self.is_serving.set()
         log.info("master %s serves the pool and the API", e.me.id)
 
     def masters(self) -> list[MasterStatus]:

@@ -79,6 +79,7 @@ class FileJournal(BaseJournal):
         self._encoder = msgspec.msgpack.Encoder()
         self._num_appended = 0  # records since the last rewrite
         self._fd = -1
+        self._is_loaded = False
 
     def load(self) -> PoolState:
         try:
@@ -87,6 +88,7 @@ class FileJournal(BaseJournal):
             data = b""
         except OSError as e:
             raise JournalError(f"cannot read the pool journal {self.path}: {e}") from e
+        self._is_loaded = True
         decoder = msgspec.msgpack.Decoder(JournalBatch)
         pos = 0
         while pos + _LEN.size <= len(data):
@@ -115,6 +117,7 @@ class FileJournal(BaseJournal):
         )
 
     def write(self, changes: PoolChanges) -> None:
+        assert self._is_loaded, f"{self.path}: written before load() (it would lose the pool)"
         batch = JournalBatch(list(changes.segments.items()), list(changes.objects.items()))
         apply(self._segments, self._objects, batch)
         if self._fd < 0:

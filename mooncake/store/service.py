@@ -53,6 +53,7 @@ class StoreService:
     ):
         self.metadata = MetadataService(config)
         self.journal = journal
+        self._is_restored = False  # the journal was loaded (restore)
         # a journal write failed: this master can no longer promise durability (default: raise)
         self.on_journal_error: Callable[[JournalError], None] | None = None
         self.on_events = on_events  # called under the lock, on the housekeeping thread
@@ -89,7 +90,9 @@ class StoreService:
         return DirectPortReplyMsg(self.direct_port, host if host not in ("*", "0.0.0.0") else "")
 
     def start(self) -> None:
-        """Serve requests and start housekeeping; returns once the server is bound."""
+        """Rebuild the pool from the journal (if any), serve requests and start
+        housekeeping; returns once the server is bound."""
+        self.restore()
         self.server.start()
         if self._key is not None:
             host = self.address.removeprefix("tcp://").rpartition(":")[0].strip("[]")
@@ -102,9 +105,11 @@ class StoreService:
             self.metrics.start()
 
     def restore(self) -> int:
-        """Rebuild the metadata from the journal (before start); the objects restored."""
-        if self.journal is None:
+        """Rebuild the metadata from the journal (start does it if not done); the objects
+        restored. Raises JournalError when the journal cannot be read."""
+        if self.journal is None or self._is_restored:
             return 0
+        self._is_restored = True
         state = self.journal.load()
         with self.lock:
             num = poolstate.restore(self.metadata, state, time.monotonic())

@@ -5,10 +5,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
+from mooncake.rpc import RpcClient
+from mooncake.store import messages as m
 from mooncake.store import poolstate
 from mooncake.store.allocator import OffsetAllocator
-from mooncake.store.journal import FileJournal
+from mooncake.store.journal import FileJournal, JournalError
 from mooncake.store.metadata import MetadataService
+from mooncake.store.service import StoreService
 from mooncake.store.settings import MetadataConfig
 from tests.store.helpers import make_service, put
 
@@ -101,3 +106,41 @@ def test_a_torn_last_batch_is_ignored_and_the_journal_compacts(tmp_path: Path):
         f.write(b"\x40\x00\x00\x00partial")  # a batch of 64 bytes, cut short
     state = FileJournal(path).load()
     assert [o.key for o in state.objects] == ["k"] and len(state.segments) == 1
+
+
+SECRET = b"journal-test-secret-0123456789abcdef"
+
+
+def test_a_put_answered_ok_is_in_the_journal_and_a_restarted_service_serves_it(tmp_path: Path):
+    path = tmp_path / "pool.journal"
+    with StoreService(SECRET, MetadataConfig(), journal=FileJournal(path)) as svc:
+        client = RpcClient(svc.address, SECRET, timeout_s=5.0)
+        mount = m.MountSegmentMsg("n", "n.dram", "dram", 1 << 20, "127.0.0.1:1", 64, 7)
+        client.call(mount, m.AckMsg)
+        start = client.call(m.PutStartMsg("k", 1000, "n"), m.PutStartReplyMsg).result
+        assert start.status == "ok"
+        assert client.call(m.PutEndMsg("k"), m.KeyReplyMsg).result.status == "ok"
+        # NOTE: read (a copy: load compacts) while the service runs: answered ok means
+        # journaled already
+        copy = tmp_path / "copy.journal"
+        copy.write_bytes(path.read_bytes())
+        state = FileJournal(copy).load()
+        assert [(o.key, o.replicas[0].replica_id) for o in state.objects] == [
+            ("k", start.replicas[0].replica_id)
+        ]
+        client.close()
+    restarted = StoreService(SECRET, MetadataConfig(), journal=FileJournal(path))
+    with restarted:
+        client = RpcClient(restarted.address, SECRET, timeout_s=5.0)
+        got = client.call(m.GetReplicasMsg("k"), m.GetReplicasReplyMsg).result
+        assert got.status == "ok" and got.replicas[0].replica_id == start.replicas[0].replica_id
+        assert got.replicas[0].token == 7 and got.replicas[0].endpoint == "127.0.0.1:1"
+        assert restarted.restore() == 0  # NOTE: start restored it, once
+        client.close()
+
+
+def test_an_unreadable_journal_is_a_clear_error(tmp_path: Path):
+    (tmp_path / "file").write_text("not a directory")
+    svc = StoreService(SECRET, MetadataConfig(), journal=FileJournal(tmp_path / "file" / "j"))
+    with pytest.raises(JournalError, match="cannot read the pool journal"):
+        svc.restore()
