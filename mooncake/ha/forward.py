@@ -105,27 +105,38 @@ class Forwarder:
         await send({"type": "http.response.start", "status": resp.status_code, "headers": headers})
         is_stream = resp.headers.get("content-type", "").startswith("text/event-stream")
         chunks = resp.aiter_raw()
-        while True:
-            try:
-                chunk = await asyncio.wait_for(anext(chunks), self.check_s)
-            except StopAsyncIteration:
-                break
-            except TimeoutError:
-                if self.leader_url() == url:
-                    continue  # NOTE: a slow answer from a leader still in office
-                why = "the leading master changed while it answered; retry the request"
-            except httpx.HTTPError as e:
-                why = f"the leading master at {url} went away while it answered ({e}); retry"
-            else:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                continue
-            log.warning("forwarding: %s", why)
-            if not is_stream:  # NOTE: the connection is cut: the client sees a broken body
-                raise ConnectionAbortedError(why)
-            tail = b"data: " + error_bytes(why, "unavailable") + b"\n\n"
-            await send({"type": "http.response.body", "body": tail, "more_body": False})
-            return
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        # NOTE: one read in flight across the checks (cancelling a read breaks the stream)
+        pending = asyncio.ensure_future(anext(chunks))
+        try:
+            while True:
+                done, _ = await asyncio.wait({pending}, timeout=self.check_s)
+                if not done:
+                    if self.leader_url() == url:
+                        continue  # NOTE: a slow answer from a leader still in office
+                    pending.cancel()
+                    why = "the leading master changed while it answered; retry the request"
+                else:
+                    try:
+                        chunk = pending.result()
+                    except StopAsyncIteration:
+                        break
+                    except httpx.HTTPError as e:
+                        why = (
+                            f"the leading master at {url} went away while it answered ({e}); retry"
+                        )
+                    else:
+                        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                        pending = asyncio.ensure_future(anext(chunks))
+                        continue
+                log.warning("forwarding: %s", why)
+                if not is_stream:  # NOTE: the connection is cut: the client sees a broken body
+                    raise ConnectionAbortedError(why)
+                tail = b"data: " + error_bytes(why, "unavailable") + b"\n\n"
+                await send({"type": "http.response.body", "body": tail, "more_body": False})
+                return
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            pending.cancel()  # NOTE: a no-op once done; else the client left mid-answer
 
 
 class LeaderSwitch:

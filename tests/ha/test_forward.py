@@ -4,11 +4,12 @@ error when there is none or it does not answer."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 
 import httpx
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from mooncake.api.server import ApiServer, bind_socket
@@ -73,3 +74,37 @@ def test_the_switch_serves_its_own_app_once_it_leads():
     assert _call(switch, "POST", "/v1/x", json={}).status_code == 503
     switch.lead()
     assert _call(switch, "POST", "/v1/x", json={}).status_code == 201
+
+
+async def _slow_events(request: Request) -> StreamingResponse:
+    async def events() -> AsyncIterator[bytes]:
+        for i in range(4):
+            await asyncio.sleep(0.3)  # NOTE: several checks of the leader between chunks
+            yield f"data: {i}\n\n".encode()
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def _stream_through(fwd: Forwarder) -> list[str]:
+    async def go() -> list[str]:
+        transport = httpx.ASGITransport(app=fwd)
+        async with httpx.AsyncClient(transport=transport, base_url="http://standby") as c:
+            r = await c.get("/events")
+            return [line for line in r.text.split("\n") if line]
+
+    return asyncio.run(go())
+
+
+def test_a_slow_stream_comes_through_whole_and_ends_with_an_error_if_the_leader_changes():
+    leader = ApiServer(Starlette(routes=[Route("/events", _slow_events)]))
+    leader.start_in_thread()
+    try:
+        assert _stream_through(Forwarder(lambda: leader.url, 2.0, 0.05)) == [
+            f"data: {i}" for i in range(4)
+        ]
+        urls = iter([leader.url] * 10)  # NOTE: then another master leads
+        lines = _stream_through(Forwarder(lambda: next(urls, "http://other"), 2.0, 0.05))
+        assert lines[0] == "data: 0" and len(lines) < 5
+        assert "leading master changed" in lines[-1] and "retry" in lines[-1]
+    finally:
+        leader.stop()
