@@ -81,6 +81,58 @@ class ClusterConfig(msgspec.Struct, **_STRUCT):
             gt=0,
         ),
     ] = 10.0
+    masters: Annotated[
+        tuple[str, ...],
+        knob(
+            "host:port of every master's control plane when several masters run on etcd; "
+            "nodes dial them all and the leader alone listens; empty = master and, on "
+            "etcd, the masters registered there when the node starts."
+        ),
+    ] = ()
+    etcd: Annotated[
+        tuple[str, ...],
+        knob(
+            'etcd client URLs ("http://host:2379"); set: masters elect a leader there and '
+            "keep the pool's state there (docs/ha.md); empty = one master, no etcd."
+        ),
+    ] = ()
+    etcd_prefix: Annotated[
+        str,
+        knob(
+            "etcd key prefix; this cluster's keys live under <etcd_prefix>/<name>, so several "
+            "clusters share one etcd.",
+            pattern="^/[A-Za-z0-9/_.-]*$",
+        ),
+    ] = "/mooncake"
+    etcd_timeout_s: Annotated[float, knob("Seconds an etcd call may take.", gt=0)] = 2.0
+    leader_ttl_s: Annotated[
+        float,
+        knob(
+            "Seconds of a master's etcd lease: a dead leader is replaced within about this "
+            "long (a leader that cannot renew it for half of it steps down).",
+            ge=1,
+        ),
+    ] = 3.0
+    election_poll_s: Annotated[
+        float, knob("Seconds between a standby master's reads of who leads.", gt=0)
+    ] = 0.25
+    state_dir: Annotated[
+        str,
+        knob(
+            "Directory where a master without etcd journals the pool's committed state, so "
+            'that a restart keeps the pool (docs/ha.md); "" = not kept. `up --local` sets it.'
+        ),
+    ] = ""
+
+    @property
+    def master_addresses(self) -> tuple[str, ...]:
+        """host:port of every master nodes dial."""
+        return self.masters or (self.master,)
+
+    @property
+    def etcd_key_prefix(self) -> str:
+        """Where this cluster's keys live in etcd."""
+        return f"{self.etcd_prefix.rstrip('/')}/{self.name}"
 
     def require_secret(self) -> str:
         """The cluster secret (from `secret` or `secret_file`); raises ConfigError if none.

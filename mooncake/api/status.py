@@ -50,6 +50,14 @@ class TtftPhases(msgspec.Struct, kw_only=True):
     predicted_over_actual_p50: float | None  # Conductor's TTFT / the real one
 
 
+class MasterStatus(msgspec.Struct, frozen=True, kw_only=True):
+    id: str
+    address: str  # host:port of its control plane
+    is_leader: bool  # the one serving the pool (the others forward their API to it)
+    pid: int  # its process id on its host
+    api: str = ""  # base URL of its HTTP API
+
+
 class Status(msgspec.Struct, frozen=True, kw_only=True):
     cluster: str
     model: str
@@ -83,6 +91,8 @@ class Status(msgspec.Struct, frozen=True, kw_only=True):
     cached_token_share: float = 0.0  # num_cached_tokens / num_prompt_tokens (0 before any)
     num_refused: int = 0  # bad requests refused with a 4xx (400/404/413): not received
     ttft_phases: TtftPhases | None = None  # where TTFT went (the cluster's master only)
+    masters: list[MasterStatus] = []  # every master process, the leader among them
+    num_pool_objects: int = 0  # committed objects in the pool (what readers can get)
 
 
 def host_port(address: str) -> str:

@@ -46,7 +46,8 @@ def bench_faults(
     from mooncake.cli.output import err_console, print_json
     from mooncake.replay.faults import FaultRun, parse_faults, run_fault
     from mooncake.replay.prompts import PromptConfig
-    from mooncake.roles.local import LocalPlan, ensure_cost_model
+    from mooncake.roles.local import LocalPlan
+    from mooncake.roles.localcost import ensure_cost_model
     from mooncake.sim.trace import load_trace
 
     chosen = parse_faults(faults)

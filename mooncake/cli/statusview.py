@@ -138,6 +138,13 @@ def header(status: Status, url: str) -> Text:
         f"  up {human_duration(status.uptime_s)}",
     )
     text.append(f"  {url}", style="dim")
+    if len(status.masters) > 1:  # NOTE: one master is the plain case: nothing to say
+        text.append("\nmasters ")
+        for m in status.masters:
+            text.append(f" {m.id}@{m.address} pid {m.pid}", style="bold" if m.is_leader else "dim")
+            text.append(
+                " (leads)" if m.is_leader else " (standby)", style="green" if m.is_leader else "dim"
+            )
     return text
 
 

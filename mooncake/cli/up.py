@@ -36,6 +36,13 @@ def up(
     ),
     num_decode: int = typer.Option(1, "--decode", min=1, help="--local: decode nodes."),
     num_store: int = typer.Option(1, "--store", min=0, help="--local: store nodes."),
+    num_masters: int = typer.Option(
+        1,
+        "--masters",
+        min=1,
+        help="--local: masters; more than one runs a local etcd (Debian: etcd-server), one "
+        "master leads and the others forward their API to it and take over if it dies.",
+    ),
     model: str = typer.Option("dummy:tiny", "--model", help="--local: model path."),
     served_model_name: str = typer.Option(
         "",
@@ -89,6 +96,7 @@ def up(
             group_size=min(group_size, num_prefill),
             num_decode=num_decode,
             num_store=num_store,
+            num_masters=num_masters,
             api_port=port,
             block_tokens=block_tokens,
             pool=pool,
@@ -119,7 +127,8 @@ def _up_local(plan: LocalPlan, policy: RestartPolicy) -> None:
     import threading
 
     from mooncake.cli.output import console, err_console
-    from mooncake.roles.local import LocalLauncher, ensure_cost_model
+    from mooncake.roles.local import LocalLauncher
+    from mooncake.roles.localcost import ensure_cost_model
     from mooncake.roles.runfile import read_runfile
     from mooncake.roles.sdnotify import notify_ready, notify_stopping
     from mooncake.roles.supervisor import NodeEvent
@@ -140,7 +149,8 @@ def _up_local(plan: LocalPlan, policy: RestartPolicy) -> None:
     num_store = plan.num_store if plan.pool else 0
     console.print(
         f"[bold green]mooncake local cluster ready[/]: {info.url}  ({plan.num_prefill} prefill, "
-        f"{plan.num_decode} decode, {num_store} store; model {plan.model})"
+        f"{plan.num_decode} decode, {num_store} store, {plan.num_masters} master"
+        f"{'s on etcd ' + launcher.etcd.url if launcher.etcd else ''}; model {plan.model})"
     )
     key = " -H 'Authorization: Bearer KEY'" if info.api_key else ""  # KEY: of api.api_keys
     served = plan.extra.get("api.served_model_name") or plan.model  # as the master names it

@@ -36,7 +36,8 @@ from mooncake.configload import load_config
 from mooncake.replay.prompts import PromptConfig
 from mooncake.replay.report import ReplayReport, RequestRecord, figure_ratios
 from mooncake.replay.runner import ReplayConfig, replay
-from mooncake.roles.local import LocalLauncher, LocalPlan, ensure_cost_model
+from mooncake.roles.local import LocalLauncher, LocalPlan
+from mooncake.roles.localcost import ensure_cost_model
 from mooncake.sim.cluster import SimConfig
 from mooncake.sim.simulator import Simulator
 from mooncake.sim.trace import TraceRecord

@@ -25,6 +25,7 @@ import msgspec
 
 from mooncake.config import ClusterConfig, Config
 from mooncake.errors import ConfigError, MooncakeError
+from mooncake.ha.election import find_masters
 from mooncake.native import cudamap
 from mooncake.native.nvml import GpuInfo
 from mooncake.portrange import PortRange, node_ports
@@ -58,10 +59,13 @@ class NodeContext:
     topology: Topology
     stop: threading.Event = field(default_factory=threading.Event)
     master_wait_s: float = 60.0  # how long a starting node waits for its master to answer
+    masters: tuple[str, ...] = ()  # host:port of every master; () = the config's
 
     @property
     def master_rpc(self) -> str:
-        return f"tcp://{self.config.cluster.master}"
+        """The masters' RPC addresses, comma-separated (only the leader listens)."""
+        masters = self.masters or self.config.cluster.master_addresses
+        return ",".join(f"tcp://{m}" for m in masters)
 
     @property
     def ports(self) -> PortRange:
@@ -115,7 +119,8 @@ def create_context(config: Config, role: str) -> NodeContext:
     """Resolve identity and secret, detect hardware; raises ConfigError when the cluster has
     no secret or `cluster.master` cannot be the master (see `check_master_address`)."""
     secret = config.cluster.require_secret().encode()
-    check_master_address(config.cluster.master)
+    for master in config.cluster.master_addresses:
+        check_master_address(master)
     host = config.node.advertise_address or _default_host(config.cluster.master)
     # NOTE: the pid tells processes of one host apart, the random part hosts that share a
     # name but not a pid namespace (containers on the host's network, each pid 1)
@@ -123,7 +128,22 @@ def create_context(config: Config, role: str) -> NodeContext:
         f"{socket.gethostname()}-{role}-{os.getpid()}-{secrets.token_hex(2)}"
     )
     topo = detect_topology(nic_allow=list(config.transfer.nics) or None)
-    return NodeContext(config, node_id, host, secret, topo)
+    return NodeContext(config, node_id, host, secret, topo, masters=masters_to_dial(config))
+
+
+def masters_to_dial(config: Config) -> tuple[str, ...]:
+    """Every master to dial: `cluster.masters`, else (on etcd) those registered there now
+    and `cluster.master`; a master that joins later is dialed after a restart (or list them
+    all in cluster.masters)."""
+    c = config.cluster
+    if c.masters or not c.etcd:
+        return c.master_addresses
+    try:
+        found = find_masters(c.etcd, c.etcd_key_prefix, c.etcd_timeout_s)
+    except MooncakeError as e:
+        log.warning("cannot read the masters from etcd (%s); dialing cluster.master only", e)
+        return (c.master,)
+    return tuple(dict.fromkeys([c.master, *(m.rpc for m in found)]))
 
 
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")

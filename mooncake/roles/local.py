@@ -2,6 +2,11 @@
 
     master  +  prefill x N (one pipeline group of `group_size`)  +  decode x M  +  store x K
 
+With `num_masters` > 1 it also runs a one-member etcd (`ha/localetcd.py`, fresh data in the
+run directory) and that many masters on it: one leads, the others forward their API to it
+and take over when it dies (docs/ha.md). With one master, the master journals the pool in
+the run directory (`cluster.state_dir`), so a restarted master keeps the pool.
+
 The launcher writes one config (a fresh secret, free ports, the small model) into a private
 run directory (see `runfile`), profiles the model once for the Conductor's cost model
 (cached per model and shape), starts the master and the other nodes, each reporting ready
@@ -22,7 +27,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -33,6 +37,7 @@ from pathlib import Path
 from mooncake.config import Config, DecodeConfig
 from mooncake.configload import load_config, typed_override
 from mooncake.errors import MooncakeError
+from mooncake.ha.localetcd import LocalEtcd
 from mooncake.native.shm import sweep_stale
 from mooncake.roles.runfile import (
     LocalCluster,
@@ -60,6 +65,7 @@ class LocalPlan:
     group_size: int = 2  # prefill nodes per pipeline group
     num_decode: int = 1
     num_store: int = 1
+    num_masters: int = 1  # > 1: on a local etcd, one leads and the others stand by
     api_host: str = "127.0.0.1"
     api_port: int = 8000  # 0 = any free port
     block_tokens: int = 32
@@ -88,12 +94,18 @@ def _toml_value(v: object) -> str:
 
 
 def write_config(
-    plan: LocalPlan, path: Path, secret: str, master_port: int, cost_model: str
+    plan: LocalPlan,
+    path: Path,
+    secret: str,
+    master_port: int,
+    cost_model: str,
+    ha: dict[str, object] | None = None,  # more [cluster] keys: masters, etcd, state_dir
 ) -> Path:
     """Write the cluster's config (mode 0600: it holds the secret) without following a
     symlink; `plan.extra` values are typed by their key. Raises ConfigError, RunDirError."""
+    cluster = {"name": "local", "master": f"127.0.0.1:{master_port}", "secret": secret}
     sections: dict[str, dict[str, object]] = {
-        "cluster": {"name": "local", "master": f"127.0.0.1:{master_port}", "secret": secret},
+        "cluster": {**cluster, **(ha or {})},
         "node": {"advertise_address": "127.0.0.1"},
         "model": {"path": plan.model, "block_tokens": plan.block_tokens},
         "prefill": {
@@ -144,6 +156,8 @@ class LocalLauncher:
         self.info: LocalCluster | None = None  # what the runfile says, once started
         self._drain_s = DecodeConfig().drain_s  # decode.drain_s of the generated config
         self._master_port = 0
+        self.etcd: LocalEtcd | None = None  # with several masters
+        self._node_sets: dict[str, list[str]] = {}  # node id -> its own --set values
         self._lock = threading.Lock()  # children, is_stopping, the runfile
         # NOTE: PR_SET_PDEATHSIG fires when the *thread* that forked a child ends, so every
         # child is forked on this one long-lived thread, never on a supervising thread
@@ -159,11 +173,30 @@ class LocalLauncher:
         if plan.api_port == 0:
             plan.api_port = free_port()
         secret = secrets.token_urlsafe(24)
-        write_config(plan, self.config_path, secret, self._master_port, cost_model)
+        write_config(plan, self.config_path, secret, self._master_port, cost_model, self._ha_keys())
         config = load_config(self.config_path).config
         self.api_key = config.api.api_keys[0] if config.api.api_keys else ""
         self._drain_s = config.decode.drain_s
         return config
+
+    def _ha_keys(self) -> dict[str, object]:
+        """[cluster] keys for the masters: on a fresh local etcd when there are several,
+        else a journal in the run directory (a fresh cluster's: an old one is removed)."""
+        plan = self.plan
+        if plan.num_masters <= 1:
+            state = private_dir(plan.run_dir / "state")
+            for old in state.glob("pool-local-*.journal"):
+                old.unlink()
+            return {"state_dir": str(state)}
+        self.etcd = LocalEtcd(plan.run_dir / f"etcd-{secrets.token_hex(4)}", _die_with_parent)
+        url = self._forker.submit(self.etcd.start).result()  # NOTE: dies with the launcher
+        ports = [self._master_port] + [free_port() for _ in range(plan.num_masters - 1)]
+        for i, port in enumerate(ports[1:], 1):
+            self._node_sets[f"master-{i}"] = [
+                f"cluster.master=127.0.0.1:{port}",
+                f"api.port={free_port()}",
+            ]
+        return {"etcd": [url], "masters": [f"127.0.0.1:{p}" for p in ports]}
 
     def start(self, cost_model: str) -> LocalCluster:
         """Configure, start every node, wait until the master places on all of them, write
@@ -173,6 +206,7 @@ class LocalLauncher:
         try:
             # NOTE: all at once; nodes retry registering until the master is up
             nodes = [("master", "master")]
+            nodes += [("master", f"master-{i}") for i in range(1, plan.num_masters)]
             nodes += [("prefill", f"prefill-{i}") for i in range(plan.num_prefill)]
             nodes += [("decode", f"decode-{i}") for i in range(plan.num_decode)]
             if plan.pool:
@@ -206,6 +240,8 @@ class LocalLauncher:
         env.pop("NOTIFY_SOCKET", None)  # NOTE: systemd's readiness is the launcher's to tell
         cmd = [sys.executable, "-m", "mooncake", "up", "--role", role,
                "--config", str(self.config_path), "--set", f"node.id={node_id}"]  # fmt: skip
+        for value in self._node_sets.get(node_id, []):
+            cmd += ["--set", value]
         proc = self._forker.submit(
             subprocess.Popen, cmd, stdout=subprocess.PIPE, env=env, preexec_fn=_die_with_parent
         ).result()
@@ -278,7 +314,7 @@ class LocalLauncher:
         import httpx
 
         deadline = time.monotonic() + SCHEDULABLE_TIMEOUT_S
-        want = len(self.children) - 1  # every node but the master
+        want = sum(c.role != "master" for c in self.children)
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         why = "no answer"
         while time.monotonic() < deadline:
@@ -324,6 +360,8 @@ class LocalLauncher:
                     c.proc.kill()
                     c.proc.wait()
                     is_killed = True
+        if self.etcd is not None:
+            self.etcd.stop()
         if is_killed:
             sweep_stale()  # a killed node never unlinked its /dev/shm arenas
         for c in children:
@@ -332,49 +370,3 @@ class LocalLauncher:
         self._forker.shutdown(wait=False)
         if self.info is not None:
             remove_runfile(self.runfile)
-
-
-def ensure_cost_model(plan: LocalPlan, cache_dir: Path,
-                      on_progress: Callable[[str], None] = lambda _: None) -> Path:  # fmt: skip
-    """The Conductor's cost model for the plan's model on this machine: profiled once
-    (a few seconds for dummy:tiny, one thread as the nodes run), scaled by the slowdown of
-    the plan's nodes computing at once on this host (`engine/corun.py`), cached by shape."""
-    if plan.cost_model_path:
-        return Path(plan.cost_model_path)
-    import torch
-
-    from mooncake.engine.corun import measure_corun, scale_cost_model
-    from mooncake.engine.kvobject import DTYPE_BYTES
-    from mooncake.engine.modelinfo import load_model_info, resolve_dtype
-    from mooncake.engine.profiling import profile_cost_model
-
-    name = plan.model.replace(":", "-").replace("/", "_")
-    # the nodes that compute at once on this host, a core each (engine/corun.py)
-    busy = min(plan.num_prefill + plan.num_decode, len(os.sched_getaffinity(0)))
-    # NOTE: "p2": prompts up to 4096 tokens sampled (1024 before: a quadratic fitted there
-    # overestimated a 5,000-token prefill by 60%); "k": scaled by the co-run slowdown of
-    # that many nodes; "m3": medians of 3 runs. A cached file of an older kind is not reused
-    tag = f"{name}-b{plan.block_tokens}-c{plan.chunk_tokens}-p2-k{busy}-m3"
-    path = private_dir(cache_dir) / f"costmodel-{tag}.json"
-    if path.exists():
-        return path
-    on_progress(f"profiling {plan.model} once for the Conductor's cost model")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        info = load_model_info(plan.model)
-        dtype = resolve_dtype(info, "auto", "cpu")
-        capacity = DECODE_KV_BYTES // info.spec.kv_bytes_per_token(DTYPE_BYTES[dtype])
-        model, _, _ = profile_cost_model(
-            info, dtype, plan.block_tokens, plan.chunk_tokens, [64, 256, 512, 1024, 2048, 4096],
-            [0.0, 0.5], [1, 4, 16], [64, 256], 4, 3, capacity, 2e9, on_progress,
-        )  # fmt: skip
-        corun = measure_corun(
-            info, dtype, plan.block_tokens, plan.chunk_tokens, busy, progress=on_progress
-        )
-        model = scale_cost_model(model, corun)
-    finally:
-        torch.set_num_threads(threads)
-    with tempfile.TemporaryDirectory() as tmp:  # save() follows symlinks; write_private not
-        model.save(Path(tmp) / path.name)
-        return write_private(cache_dir, path.name, (Path(tmp) / path.name).read_bytes())

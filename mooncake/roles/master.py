@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 import time
+from functools import partial
 from typing import Literal
 
 from prometheus_client import CollectorRegistry
@@ -21,7 +23,7 @@ from prometheus_client import CollectorRegistry
 from mooncake.api.app import create_app
 from mooncake.api.server import ApiServer
 from mooncake.api.stats import RequestStats
-from mooncake.api.status import NodeStatus, Status, TierStatus, host_port
+from mooncake.api.status import MasterStatus, NodeStatus, Status, TierStatus, host_port
 from mooncake.conductor import ReplicationOrder
 from mooncake.conductor.index import StoreEvent as IndexEvent
 from mooncake.conductor.roofline import PrefillHardware, create_conductor
@@ -36,6 +38,7 @@ from mooncake.roles import sdnotify
 from mooncake.roles.cluster import ClusterBackend
 from mooncake.roles.cluster_metrics import ClusterCollector
 from mooncake.roles.common import NODE_TTL_S, report_ready
+from mooncake.roles.masterha import MasterHa, exit_to_restart, file_journal
 from mooncake.roles.messages import (
     AckMsg,
     DeregisterMsg,
@@ -50,9 +53,9 @@ from mooncake.roles.messages import (
     RegisterReplyMsg,
     TokensMsg,
 )
-from mooncake.roles.registry import Registry
+from mooncake.roles.registry import Registry, node_statuses
 from mooncake.store.metrics import MetricsServer, StoreCollector
-from mooncake.store.objects import StoreEvent, StoreStats
+from mooncake.store.objects import StoreEvent
 from mooncake.store.service import StoreService
 from mooncake.store.settings import MetadataConfig
 
@@ -96,7 +99,10 @@ class Master:
             tick_s=0.1,
             on_events=self._on_store_events,
             direct_port=node_ports(cfg),
+            journal=file_journal(cfg),
         )
+        # NOTE: a change the journal did not take was not answered ok; start again from it
+        self.store.on_journal_error = lambda e: exit_to_restart(f"the pool's journal: {e}")
         srv = self.store.server
         srv.register(RegisterMsg, self._on_register)
         srv.register(NodeHeartbeatMsg, self._on_heartbeat)
@@ -128,7 +134,9 @@ class Master:
             default_max_tokens=cfg.decode.max_tokens_default,
             serve_metrics=m.enabled and not m.port,
         )
-        self.api = ApiServer(app, cfg.api.host, cfg.api.port)
+        # NOTE: on etcd, a standby forwards the API to the leader until it leads itself
+        self.ha = MasterHa(cfg, self.store, self.take_control) if cfg.cluster.etcd else None
+        self.api = ApiServer(self.ha.wrap(app) if self.ha else app, cfg.api.host, cfg.api.port)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="master-house", daemon=True)
         self._instances: set[str] = set()  # Conductor instances (prefill leaders, decoders)
@@ -297,7 +305,21 @@ class Master:
         s, st = self.stats.snapshot(), self.store.stats()
         now = time.monotonic()
         # NOTE: the lock is taken on the Conductor's thread, never on the event loop
-        nodes, kv_rate = await self.backend.tickets.locked(self._rows, st, now)
+        rows = partial(node_statuses, self.registry, st.node_capacity_bytes, now)
+        nodes = await self.backend.tickets.locked(rows)
+        kv_rate = await self.backend.tickets.locked(self.backend.counters.kv_bytes_per_s, now)
+        if self.ha is not None:
+            masters = await asyncio.to_thread(self.ha.masters)
+        else:
+            masters = [
+                MasterStatus(
+                    id=self.config.node.id or "master",
+                    is_leader=True,
+                    address=host_port(self.config.cluster.master),
+                    pid=os.getpid(),
+                    api=self.api.url,
+                )
+            ]
         nodes.insert(
             0,
             NodeStatus(
@@ -327,37 +349,23 @@ class Master:
             ttft_slo_s=sched.ttft_slo_s, tbt_slo_s=sched.tbt_slo_s,
             transfer_bytes_per_s=kv_rate, pool_hits=c.hits, pool_lookups=c.lookups,
             ttft_phases=self.backend.phases.summary(),
+            masters=masters, num_pool_objects=st.num_committed,
             **s.status_fields(),
         )  # fmt: skip
 
-    def _rows(self, st: StoreStats, now: float) -> tuple[list[NodeStatus], float]:
-        """The nodes' rows and the KV rate of the status feed (the lock held)."""
-        nodes = [
-            NodeStatus(
-                node_id=r.node_id,
-                role=r.role,
-                address=host_port(r.info.rpc_address or r.info.data_address),
-                state=r.state,
-                gpus=r.info.gpus,
-                nics=r.info.nics,
-                num_queued=r.load.num_queued,
-                num_running=r.load.num_running,
-                num_reserved=r.load.num_reserved,
-                load=r.load.load,
-                last_seen_s=now - r.last_seen_s,
-                pipeline_group=r.group_id,
-                pool_bytes=st.node_capacity_bytes.get(r.node_id, {}),
-                transfer_bytes=r.load.transfer_bytes,
-            )
-            for r in sorted(self.registry.nodes.values(), key=lambda r: (r.role, r.node_id))
-        ]
-        return nodes, self.backend.counters.kv_bytes_per_s(now)
-
     # -- lifecycle --
-    def serve(self) -> None:
-        """Serve until SIGINT/SIGTERM (uvicorn handles them in the main thread)."""
+    def take_control(self) -> None:
+        """Serve the pool: rebuild it from the journal (if any), listen on the control
+        plane, start housekeeping. At start, or (on etcd) once elected."""
         self.store.start()
         self._thread.start()
+
+    def serve(self) -> None:
+        """Serve until SIGINT/SIGTERM (uvicorn handles them in the main thread)."""
+        if self.ha is None:
+            self.take_control()
+        else:
+            self.ha.start(self.api.url)
         try:
             if self.metrics_server is not None:
                 try:
@@ -373,15 +381,18 @@ class Master:
             if self.metrics_server is not None:
                 self.metrics_server.stop()
             self._stop.set()
-            self._thread.join()
+            if self._thread.is_alive():
+                self._thread.join()
             self.store.stop()
+            if self.ha is not None:  # NOTE: after the pool is no longer served: then resign
+                self.ha.stop()
 
     def _ready(self) -> None:
         m = self.metrics_server.url if self.metrics_server else "/metrics on the API port"
         m = m if self.config.metrics.enabled else "off"
-        log.info("master: API on %s, rpc %s, metrics %s", self.api.listening, self.store.address, m)
-        report_ready(node_id="master", role="master", url=self.api.url,
-                     master=self.store.address)  # fmt: skip
+        rpc = f"tcp://{self.config.cluster.master}"  # NOTE: a standby listens once it leads
+        log.info("master: API on %s, rpc %s, metrics %s", self.api.listening, rpc, m)
+        report_ready(node_id="master", role="master", url=self.api.url, master=rpc)
 
 
 def run_master(config: Config) -> None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from mooncake.api.status import NodeState
+from mooncake.api.status import NodeState, NodeStatus, host_port
 from mooncake.roles.messages import GroupMsg, NodeInfoMsg, NodeLoadMsg
 
 
@@ -193,3 +193,29 @@ class Registry:
             if rec.state != "ready":
                 return f"stage {stage} ({rec.node_id}, {rec.state})"
         return "the master to schedule it"
+
+
+def node_statuses(
+    registry: Registry, node_pool_bytes: dict[str, dict[str, int]], now: float
+) -> list[NodeStatus]:
+    """Every node as `/v1/status` shows it, by role and id (`node_pool_bytes`: node id ->
+    tier -> bytes it has mounted in the pool)."""
+    return [
+        NodeStatus(
+            node_id=r.node_id,
+            role=r.role,
+            address=host_port(r.info.rpc_address or r.info.data_address),
+            state=r.state,
+            gpus=r.info.gpus,
+            nics=r.info.nics,
+            num_queued=r.load.num_queued,
+            num_running=r.load.num_running,
+            num_reserved=r.load.num_reserved,
+            load=r.load.load,
+            last_seen_s=now - r.last_seen_s,
+            pipeline_group=r.group_id,
+            pool_bytes=node_pool_bytes.get(r.node_id, {}),
+            transfer_bytes=r.load.transfer_bytes,
+        )
+        for r in sorted(registry.nodes.values(), key=lambda r: (r.role, r.node_id))
+    ]

@@ -25,14 +25,17 @@ DEFAULT_SPIN_US = 0.0  # microseconds call() busy-waits before sleeping (see Rpc
 def dealer_socket(
     ctx: zmq.Context[Any], address: str, secret: bytes | None, max_frame_bytes: int
 ) -> zmq.Socket[Any]:
-    """A connected DEALER for `address`, set up the way every client of ours needs it."""
+    """A connected DEALER for `address`, set up the way every client of ours needs it.
+    Several addresses, comma-separated, are all dialed: calls go to those that listen (the
+    masters on etcd: the leader alone listens, see docs/ha.md)."""
     sock = ctx.socket(zmq.DEALER)
     sock.linger = 0  # close() never waits for unsent requests
     sock.immediate = True  # NOTE: no queueing while disconnected: calls in an outage time out
     sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
     secure_client(sock, secret)
     try:
-        sock.connect(address)
+        for one in address.split(","):
+            sock.connect(one)
     except zmq.ZMQError as e:
         sock.close(linger=0)
         raise RpcError(f"cannot connect to {address!r}: {e} (expected tcp://host:port)") from e

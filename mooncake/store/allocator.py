@@ -19,7 +19,7 @@ exist (they are merged on free), so the free list is the unique canonical one.
 
 from __future__ import annotations
 
-from bisect import bisect_left, insort
+from bisect import bisect_left, bisect_right, insort
 from collections.abc import Iterable
 from typing import Literal
 
@@ -139,6 +139,29 @@ class OffsetAllocator:
         self._used[start] = need
         self.used_bytes += need
         return start
+
+    def allocate_at(self, offset: int, size: int) -> bool:
+        """Take `size` bytes (rounded up to the alignment) at exactly `offset`, as a previous
+        owner of this segment's metadata had allocated them (a rebuilt pool); False if that
+        range is not wholly free or `offset` is not aligned."""
+        need = self.aligned(size)
+        if size <= 0 or offset & self._mask or offset < 0:
+            return False
+        i = bisect_right(self._free_starts, offset) - 1
+        if i < 0:
+            return False
+        start = self._free_starts[i]
+        block = self._free_size[start]
+        if offset + need > start + block:
+            return False
+        self._remove_free(start, block)
+        if offset > start:
+            self._add_free(start, offset - start)
+        if start + block > offset + need:
+            self._add_free(offset + need, start + block - offset - need)
+        self._used[offset] = need
+        self.used_bytes += need
+        return True
 
     def free(self, offset: int) -> int:
         """Give back the allocation at `offset`, merging it with free neighbours; returns the

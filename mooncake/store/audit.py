@@ -20,6 +20,7 @@ def stats(svc: MetadataService) -> StoreStats:
         tiers[seg.tier] = tiers.get(seg.tier, 0) + seg.allocator.usable_bytes
     return StoreStats(
         num_objects=len(svc.objects),
+        num_committed=len(svc.objects) - len(svc.writing),
         num_segments=len(space.segments),
         num_nodes=len(space.node_last_seen),
         tier_capacity_bytes={t: space.tier_usable[t] for t in TIERS},

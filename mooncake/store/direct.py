@@ -233,16 +233,18 @@ class MasterCalls:
         with self._lock:
             if not self._known and time.monotonic() >= self._ask_after:
                 try:
-                    port = self.rpc.call(DirectPortMsg(), DirectPortReplyMsg).port
+                    reply = self.rpc.call(DirectPortMsg(), DirectPortReplyMsg)
+                    port, host = reply.port, reply.host
                 except RemoteProtocolError:  # an older master: no such message
-                    port = 0
+                    port, host = 0, ""
                 if port and port == self._failed_port:  # offered again, still unreachable
                     log.warning("store: the master's direct port %d does not connect (a "
                                 "firewall?); RPC only for %g s", port, RETRY_DIRECT_S)  # fmt: skip
                     self._ask_after, self._failed_port = time.monotonic() + RETRY_DIRECT_S, 0
                     return None
                 if port and self.rpc.secret is not None:
-                    host = self.rpc.address.removeprefix("tcp://").rpartition(":")[0]
+                    # NOTE: the master's own host: the RPC may dial several masters
+                    host = host or self.rpc.address.removeprefix("tcp://").rpartition(":")[0]
                     self.direct = DirectChannel(host.strip("[]"), port, self.rpc.secret,
                                                 timeout_s=self.timeout_s,
                                                 connect_timeout_s=CONNECT_TIMEOUT_S,

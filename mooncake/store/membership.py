@@ -71,4 +71,5 @@ def lose_segment(svc: MetadataService, seg: Segment, now: float, emit: EventKind
         elif not obj.replicas:
             svc.drop(obj, now, emit=None)
     svc.space.unmount(seg)
+    svc.changed_segments[seg.name] = None
     return dropped

@@ -105,6 +105,7 @@ class DirectPortMsg(Msg, frozen=True, tag="store.direct_port"):
 
 class DirectPortReplyMsg(Msg, frozen=True, tag="store.direct_port_reply"):
     port: int = 0  # 0 = none: use the RPC for every call
+    host: str = ""  # where it listens; "" = the RPC address's host
 
 
 class StatsReplyMsg(Msg, frozen=True, tag="store.stats_reply"):
@@ -316,15 +317,20 @@ def register(
     service: MetadataService,
     clock: Callable[[], float],
     lock: AbstractContextManager[Any] | None = None,
+    after: Callable[[], None] | None = None,
 ) -> None:
     """Register a handler for every request type on an `RpcServer`; each call reads
     `clock()` for `now` and runs under `lock` (shared with the master's eviction and
-    expiry loop; the RPC server itself calls handlers one at a time)."""
+    expiry loop; the RPC server itself calls handlers one at a time), then `after` under
+    the same lock before the reply goes (the journal: store/journal.py)."""
     guard = lock if lock is not None else nullcontext()
 
     def serve(msg: Msg, peer: Any) -> Msg:
         with guard:
-            return handle(service, msg, clock())
+            reply = handle(service, msg, clock())
+            if after is not None:
+                after()
+            return reply
 
     for msg_type in REQUEST_TYPES:
         server.register(msg_type, serve)

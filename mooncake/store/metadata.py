@@ -47,6 +47,7 @@ from mooncake.store.objects import (
     Tier,
 )
 from mooncake.store.placement import create_placement
+from mooncake.store.poolstate import PoolChanges, object_entry, segment_entry
 from mooncake.store.segments import SegmentManager
 from mooncake.store.settings import MetadataConfig, key_error
 from mooncake.store.slots import SlotBook
@@ -78,6 +79,9 @@ class MetadataService:
         self.writes = WriteProtocol(self)
         self._events: list[StoreEvent] = []
         self._instructions: dict[str, list[Instruction]] = {}  # node id -> its instructions
+        # NOTE: what changed in the committed state since the last drain_changes (poolstate.py)
+        self.changed_keys: dict[str, None] = {}
+        self.changed_segments: dict[str, None] = {}
 
     # -- nodes and segments (misuse raises StoreError) -----------------------------------
 
@@ -113,6 +117,7 @@ class MetadataService:
             membership.lose_segment(self, old, now, emit="evicted")
         usable_from = now + self.config.lease_ttl_s if is_remount else 0.0
         if self.space.mount(node_id, name, tier, capacity, endpoint, alignment, token, usable_from):
+            self.changed_segments[name] = None
             log.info("mounted %s segment %s of %d bytes on node %s", tier, name, capacity, node_id)
 
     def unmount_segment(self, node_id: str, name: str, now: float) -> int:
@@ -297,6 +302,18 @@ class MetadataService:
         events, self._events = self._events, []
         return events
 
+    def drain_changes(self) -> PoolChanges:
+        """The segments and committed objects changed since the last drain, each with its
+        entry now (None: gone), for a journal (poolstate.py)."""
+        out = PoolChanges()
+        for name in self.changed_segments:
+            seg = self.space.segments.get(name)
+            out.segments[name] = segment_entry(seg) if seg is not None else None
+        for key in self.changed_keys:
+            out.objects[key] = object_entry(self.objects.get(key))
+        self.changed_segments, self.changed_keys = {}, {}
+        return out
+
     def drain_instructions(self, node_id: str | None = None) -> list[Instruction]:
         """Pending instructions for `node_id` (None: for every node), oldest first."""
         if node_id is not None:
@@ -328,6 +345,7 @@ class MetadataService:
         """Replica `r` was just committed: an added event if its node held no other, a
         promoted one if the others there are in slower tiers, else none."""
         node = r.node_id
+        self.changed_keys[obj.key] = None
         here = [TIERS.index(o.tier) for o in obj.complete() if o.node_id == node and o is not r]
         if not here:
             self.emit("added", obj.key, r.node_id, r.tier)
@@ -343,6 +361,7 @@ class MetadataService:
         makes it a demoted event, one in a faster tier no event."""
         obj.replicas.remove(r)
         if r.state == COMPLETE:
+            self.changed_keys[obj.key] = None
             if not any(o.tier == r.tier and o.state == COMPLETE for o in obj.replicas):
                 self.lru[r.tier].pop(obj.key, None)
             here = [TIERS.index(o.tier) for o in obj.complete() if o.node_id == r.node_id]

@@ -138,6 +138,7 @@ class StoreStats(msgspec.Struct, frozen=True, kw_only=True):
     replications: int = 0  # hot-spot copies to another node confirmed
     copies: int = 0  # copies to a lower tier made ahead of eviction (eviction.py)
     node_capacity_bytes: dict[str, dict[str, int]] = {}  # node id -> tier -> bytes mounted
+    num_committed: int = 0  # objects readers see (num_objects counts puts in flight too)
 
 
 @dataclass

@@ -20,7 +20,9 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from mooncake.rpc.server import RpcServer
+from mooncake.store import poolstate
 from mooncake.store.direct import DirectServer
+from mooncake.store.journal import BaseJournal, JournalError
 from mooncake.store.messages import DirectPortMsg, DirectPortReplyMsg, register
 from mooncake.store.metadata import MetadataService
 from mooncake.store.objects import StoreEvent, StoreStats
@@ -47,17 +49,22 @@ class StoreService:
         on_events: Callable[[list[StoreEvent]], None] | None = None,  # the Conductor's index
         direct: bool = True,  # also answer store.* calls on a direct port (store/direct.py)
         direct_port: int | PortRange = 0,  # its TCP port on the RPC host; 0 = any, or a range
+        journal: BaseJournal | None = None,  # where committed state is kept (store/journal.py)
     ):
         self.metadata = MetadataService(config)
+        self.journal = journal
+        self._is_restored = False  # the journal was loaded (restore)
+        # a journal write failed: this master can no longer promise durability (default: raise)
+        self.on_journal_error: Callable[[JournalError], None] | None = None
         self.on_events = on_events  # called under the lock, on the housekeeping thread
         self.lock = threading.Lock()
         key = secret.encode() if isinstance(secret, str) else secret
         self.server = RpcServer(address, key, name="store")
-        register(self.server, self.metadata, time.monotonic, lock=self.lock)
+        register(self.server, self.metadata, time.monotonic, lock=self.lock, after=self.flush)
         self._key = key if direct else None  # None: no direct channel
         self._direct_port = direct_port
         self.direct: DirectServer | None = None
-        self.server.register(DirectPortMsg, lambda m, peer: DirectPortReplyMsg(self.direct_port))
+        self.server.register(DirectPortMsg, self._direct_port_reply)
         cfg = self.metadata.config
         self.tick_s = tick_s or max(0.05, min(cfg.lease_ttl_s, cfg.heartbeat_ttl_s) / 4)
         self._stop = threading.Event()
@@ -78,8 +85,14 @@ class StoreService:
         """Port of the direct channel on the RPC address's host (0 = none)."""
         return self.direct.port if self.direct is not None else 0
 
+    def _direct_port_reply(self, msg: DirectPortMsg, peer: object) -> DirectPortReplyMsg:
+        host = self.address.removeprefix("tcp://").rpartition(":")[0].strip("[]")
+        return DirectPortReplyMsg(self.direct_port, host if host not in ("*", "0.0.0.0") else "")
+
     def start(self) -> None:
-        """Serve requests and start housekeeping; returns once the server is bound."""
+        """Rebuild the pool from the journal (if any), serve requests and start
+        housekeeping; returns once the server is bound."""
+        self.restore()
         self.server.start()
         if self._key is not None:
             host = self.address.removeprefix("tcp://").rpartition(":")[0].strip("[]")
@@ -91,6 +104,41 @@ class StoreService:
         if self.metrics is not None:
             self.metrics.start()
 
+    def restore(self) -> int:
+        """Rebuild the metadata from the journal (start does it if not done); the objects
+        restored. Raises JournalError when the journal cannot be read."""
+        if self.journal is None or self._is_restored:
+            return 0
+        self._is_restored = True
+        state = self.journal.load()
+        with self.lock:
+            num = poolstate.restore(self.metadata, state, time.monotonic())
+        log.info(
+            "store: rebuilt %d segments and %d of %d objects from the journal",
+            len(state.segments),
+            num,
+            len(state.objects),
+        )
+        return num
+
+    def flush(self) -> None:
+        """Journal what the last operation changed (lock held: before its reply goes)."""
+        md = self.metadata
+        if self.journal is None:
+            md.changed_keys.clear()
+            md.changed_segments.clear()
+            return
+        changes = md.drain_changes()
+        if not changes:
+            return
+        try:
+            self.journal.write(changes)
+        except JournalError as e:
+            if self.on_journal_error is None:
+                raise
+            self.on_journal_error(e)
+            raise
+
     def stats(self) -> StoreStats:
         """A snapshot of the metadata service's counters (taken under the lock)."""
         with self.lock:
@@ -99,7 +147,9 @@ class StoreService:
     def replicate(self, keys: list[str], dst_node: str) -> int:
         """Start hot-spot copies of `keys` to `dst_node` (see MetadataService.replicate)."""
         with self.lock:
-            return self.metadata.replicate(keys, dst_node, time.monotonic())
+            started = self.metadata.replicate(keys, dst_node, time.monotonic())
+            self.flush()
+            return started
 
     def tick(self) -> None:
         """One housekeeping pass: drop silent nodes and stale puts, evict above watermark."""
@@ -107,6 +157,7 @@ class StoreService:
             now = time.monotonic()
             gone = self.metadata.expire(now)
             num_evicted = self.metadata.evict(now)
+            self.flush()
             events = self.metadata.drain_events()  # NOTE: drained even unheard: memory flat
             if self.on_events is not None and events:
                 self.on_events(events)

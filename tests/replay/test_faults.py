@@ -9,7 +9,8 @@ import pytest
 from mooncake.errors import ConfigError
 from mooncake.replay.faults import FAULTS, FaultRun, parse_faults, run_fault
 from mooncake.replay.prompts import PromptConfig
-from mooncake.roles.local import LocalPlan, ensure_cost_model
+from mooncake.roles.local import LocalPlan
+from mooncake.roles.localcost import ensure_cost_model
 from mooncake.sim.trace import load_trace
 
 TRACE = Path(__file__).resolve().parents[1] / "fixtures" / "traces" / "conversation_head300.jsonl"

@@ -11,7 +11,8 @@ from typing import Any
 
 import httpx
 
-from mooncake.roles.local import LocalLauncher, LocalPlan, ensure_cost_model
+from mooncake.roles.local import LocalLauncher, LocalPlan
+from mooncake.roles.localcost import ensure_cost_model
 
 
 @contextmanager

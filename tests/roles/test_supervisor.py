@@ -22,7 +22,8 @@ import httpx
 import pytest
 
 from mooncake.errors import MooncakeError
-from mooncake.roles.local import LocalLauncher, LocalPlan, ensure_cost_model
+from mooncake.roles.local import LocalLauncher, LocalPlan
+from mooncake.roles.localcost import ensure_cost_model
 from mooncake.roles.runfile import read_runfile
 from mooncake.roles.supervisor import Child, NodeEvent, RestartPolicy, Supervisor, wait_ready
 
