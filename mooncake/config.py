@@ -172,6 +172,17 @@ class NodeConfig(msgspec.Struct, **_STRUCT):
         str, knob('Address peers use to reach this node; "" = auto-detected at runtime.')
     ] = ""
     port_range: Annotated[str, knob('Ports to listen on, "LOW-HIGH"; "" = any.', "portrange")] = ""
+    nice: Annotated[
+        int,
+        knob(
+            "CPU priority of this process (a nice value, 0-19): a prefill node that shares "
+            "its host's cores with a decode node runs at a higher one, so decode steps (held "
+            "to the TBT SLO) go first; 0 = as started. `up --local` sets 10 on prefill nodes "
+            "when its nodes outnumber the cores.",
+            ge=0,
+            le=19,
+        ),
+    ] = 0
 
 
 _TIER = "bytes, or a percentage of what the topology reports free; 0 disables the tier"

@@ -12,11 +12,14 @@
 
 from __future__ import annotations
 
+import os
+
 from mooncake.config import Config
 
 
 def run_node(config: Config, role: str) -> None:
     """Run this process as `role` until SIGINT/SIGTERM; raises MooncakeError on bad config."""
+    lower_priority(config.node.nice)
     if role == "master":
         from mooncake.roles.master import run_master
 
@@ -39,3 +42,9 @@ def run_node(config: Config, role: str) -> None:
         run_store(ctx)
     else:
         raise ValueError(f"unknown role {role!r}")
+
+
+def lower_priority(nice: int) -> None:
+    """Run at nice value `nice` at least (`[node] nice`); never raises one's priority."""
+    if nice:  # NOTE: lowering one's own priority needs no privilege
+        os.setpriority(os.PRIO_PROCESS, 0, max(os.getpriority(os.PRIO_PROCESS, 0), nice))

@@ -50,6 +50,7 @@ from mooncake.roles.runfile import (
 from mooncake.roles.supervisor import Child, NodeEvent, RestartPolicy, Supervisor, wait_ready
 
 log = logging.getLogger(__name__)
+PREFILL_NICE = 10  # node.nice of prefill nodes sharing the host's cores with decode nodes
 DECODE_KV_BYTES = 128 << 20  # the decode node's KV cache (and the cost model's capacity)
 READY_TIMEOUT_S = 180.0  # seconds a node may take to load and report ready
 SCHEDULABLE_TIMEOUT_S = 30.0  # seconds for the master to see every ready node
@@ -235,6 +236,12 @@ class LocalLauncher:
         )
         write_runfile(self.info, self.runfile)
 
+    @property
+    def _shared_cores(self) -> bool:
+        """Do the compute nodes outnumber the cores they run on (one each)?"""
+        plan = self.plan
+        return plan.num_prefill + plan.num_decode > len(os.sched_getaffinity(0))
+
     def _launch(self, role: str, node_id: str) -> Child:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
         env.pop("NOTIFY_SOCKET", None)  # NOTE: systemd's readiness is the launcher's to tell
@@ -242,6 +249,8 @@ class LocalLauncher:
                "--config", str(self.config_path), "--set", f"node.id={node_id}"]  # fmt: skip
         for value in self._node_sets.get(node_id, []):
             cmd += ["--set", value]
+        if role == "prefill" and self._shared_cores and "node.nice" not in self.plan.extra:
+            cmd += ["--set", f"node.nice={PREFILL_NICE}"]  # NOTE: decode steps go first
         proc = self._forker.submit(
             subprocess.Popen, cmd, stdout=subprocess.PIPE, env=env, preexec_fn=_die_with_parent
         ).result()
