@@ -19,6 +19,7 @@ import msgspec
 from msgspec import Meta
 
 from mooncake.errors import ConfigError
+from mooncake.rdmaconfig import RdmaConfig
 from mooncake.sizes import Size
 
 CONFIG_ENV = "MOONCAKE_CONFIG"  # environment variable naming the config file, if any
@@ -139,8 +140,8 @@ class StoreConfig(msgspec.Struct, **_STRUCT):
     ] = 10.0
 
 
-class TransferConfig(msgspec.Struct, **_STRUCT):
-    """[transfer]: the Transfer Engine."""
+class TransferConfig(RdmaConfig, **_STRUCT):
+    """[transfer]: the Transfer Engine (its rdma_* keys: mooncake/rdmaconfig.py)."""
 
     protocol: Annotated[
         Literal["auto", "rdma", "tcp", "shm"],

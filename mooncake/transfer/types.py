@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Literal
 import msgspec
 
 from mooncake.portrange import PortRange
+from mooncake.rdmaconfig import RdmaConfig
 
 if TYPE_CHECKING:
     from mooncake.config import TransferConfig
@@ -113,6 +114,7 @@ class EngineOptions:
     handshake_timeout_s: float = 5.0  # seconds a new connection has for the whole handshake
     max_handshakes_per_peer: int = 64  # connections from one address in the handshake at once
     ports: PortRange = PortRange()  # where the data-plane server listens ([node] port_range)
+    rdma: RdmaConfig = RdmaConfig()  # the [transfer] rdma_* keys
 
     @property
     def slice_io_timeout_s(self) -> float:
@@ -134,6 +136,7 @@ class EngineOptions:
             "spin_us": cfg.spin_us,
             "handshake_timeout_s": cfg.handshake_timeout_s,
             "max_handshakes_per_peer": cfg.max_handshakes_per_peer,
+            "rdma": RdmaConfig(**{k: getattr(cfg, k) for k in RdmaConfig.__struct_fields__}),
         }
         fields.update(overrides)
         return cls(**fields)  # type: ignore[arg-type]
