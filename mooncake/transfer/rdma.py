@@ -123,6 +123,7 @@ class RdmaTransport(BaseTransport):
         self._nic_paths: dict[str, tuple[RdmaPath, ...]] = {n: () for n in nics}
         self._served: dict[tuple[str, int, int], tuple[RdmaNic, Any]] = {}
         self._lock = threading.Lock()
+        self._accept_lock = threading.Lock()
         self._closed = False
         self._workers = ThreadPoolExecutor(NUM_WORKERS, thread_name_prefix="te-rdma-worker")
         self._pollers = [
@@ -299,7 +300,10 @@ class RdmaTransport(BaseTransport):
 
     def on_connect(self, payload: bytes) -> tuple[Status, bytes]:
         """RDMA_CONNECT from a peer: create and connect our half of its queue pairs."""
-        msg = _decode_connect(payload)
+        with self._accept_lock:  # NOTE: one at a time, so the quota holds
+            return self._accept(_decode_connect(payload))
+
+    def _accept(self, msg: RdmaConnectMsg) -> tuple[Status, bytes]:
         nic = self.nics.get(msg.target_nic)
         if (
             nic is None

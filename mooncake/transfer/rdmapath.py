@@ -68,8 +68,13 @@ class RdmaPath(Path):
         with self.lock:
             if self.closed:
                 return
-            self._maybe_connect()
             live = [q for q in self.slots if q is not None and q.state is QpState.READY]
+            if not self._maybe_connect() and not live and not self.connecting:
+                # NOTE: no QP and no connect before the backoff ends: other paths, now
+                failed = [
+                    (s, f"{self.key}: not connected (last connect failed)") for s in self.pending
+                ]
+                self.pending.clear()
             while self.pending and live:
                 n = len(live)
                 for k in range(n):
@@ -93,6 +98,7 @@ class RdmaPath(Path):
                     del q.inflight[wr_id]
                     self.credits.give()
                     failed.append((s, f"{self.key}: {e}"))
+                    log.warning("%s: %s; its QP goes to the error state", self.key, e)
                     self._to_error(q)
                     live = [q for q in live if q.state is QpState.READY]
         for s, error in failed:
@@ -129,14 +135,16 @@ class RdmaPath(Path):
         except TransferError as e:
             log.warning("%s: %s", self.key, e)
 
-    def _maybe_connect(self) -> None:
-        """Under the lock: ask a worker to connect the empty slots if work waits."""
+    def _maybe_connect(self) -> bool:
+        """Under the lock: ask a worker to connect the empty slots if work waits; False if
+        a connect is due but waits for the backoff after a failed one."""
         if self.connecting or not self.pending or None not in self.slots:
-            return
+            return True
         if time.monotonic() < self._connect_after:
-            return
+            return False
         self.connecting = True
         self.transport.later(self._connect_slots)
+        return True
 
     def _connect_slots(self) -> None:
         """On a worker: connect every empty slot, then pump; on failure, if no QP is left,
@@ -150,7 +158,7 @@ class RdmaPath(Path):
                 self.connecting = False
                 self._connect_after = time.monotonic() + self._retry_connect_s
                 stranded: list[Slice] = []
-                if not any(q is not None for q in self.slots):
+                if not any(q is not None and q.state is QpState.READY for q in self.slots):
                     stranded, self.pending = list(self.pending), collections.deque()
             log.warning("%s: connect failed: %s", self.key, e)
             for s in stranded:

@@ -193,6 +193,7 @@ class QP:
             if self.destroyed:
                 return
             self.destroyed = True
+            fv.STATS["dropped"] += self.outstanding
             self.sq.clear()
             self.cq.wcs = collections.deque(w for w in self.cq.wcs if w.qp_num != self.qp_num)
             fv._QPS.pop(self.qp_num, None)

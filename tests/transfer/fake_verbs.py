@@ -123,7 +123,14 @@ DEVICES: dict[str, DeviceSpec] = default_devices()
 FAIL_CALLS: collections.Counter[str] = collections.Counter()  # "QP.to_rtr" -> next N fail
 MEMLOCK_LIMIT = -1  # bytes a process may pin; -1 = unlimited
 FORK = {"initialized": False, "after_mr": False}
-STATS = {"max_sq": 0, "max_sq_depth": 0, "max_cq": 0, "max_cq_depth": 0, "overruns": 0}
+STATS = {
+    "max_sq": 0,
+    "max_sq_depth": 0,
+    "max_cq": 0,
+    "max_cq_depth": 0,
+    "overruns": 0,
+    "dropped": 0,
+}  # dropped: work requests of QPs destroyed before their completion
 _pinned = [0]
 _lock = threading.RLock()  # the emulator's own state (registries, QP states, CQs)
 _QPS: dict[int, QP] = {}  # live QPs of this process by number
@@ -136,7 +143,8 @@ def reset() -> None:
     DEVICES, MEMLOCK_LIMIT = default_devices(), -1
     FAIL_CALLS.clear()
     CRASHES.clear()
-    STATS.update(max_sq=0, max_sq_depth=0, max_cq=0, max_cq_depth=0, overruns=0)
+    STATS.update(max_sq=0, max_sq_depth=0, max_cq=0, max_cq_depth=0, overruns=0, dropped=0)
+    FORK.update(initialized=False, after_mr=False)
 
 
 def _maybe_fail(call: str) -> None:
