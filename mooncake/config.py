@@ -140,8 +140,9 @@ class StoreConfig(msgspec.Struct, **_STRUCT):
     ] = 10.0
 
 
-class TransferConfig(RdmaConfig, **_STRUCT):
-    """[transfer]: the Transfer Engine (its rdma_* keys: mooncake/rdmaconfig.py)."""
+# NOTE: the rdma_* keys come from RdmaConfig (mooncake/rdmaconfig.py); flags spelled out for mypy
+class TransferConfig(RdmaConfig, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """[transfer]: the Transfer Engine."""
 
     protocol: Annotated[
         Literal["auto", "rdma", "tcp", "shm"],
