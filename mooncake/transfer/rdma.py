@@ -148,8 +148,7 @@ class RdmaTransport(BaseTransport):
             for name, nic in self.nics.items():
                 done.append((name, nic.register(region.view.address, region.num_bytes)))
         except TransferError as e:
-            for _, mr in done:
-                mr.close()
+            _close_all([mr for _, mr in done])
             # NOTE: the engine registered the name before asking us; free it again
             if self.engine.segments.get(region.name) is region:
                 self.engine.segments.unregister(region.name)
@@ -159,8 +158,7 @@ class RdmaTransport(BaseTransport):
         region.rdma_handles.extend(done)
 
     def unregister_region(self, region: Region) -> None:
-        for _, mr in region.rdma_handles:
-            mr.close()
+        _close_all([mr for _, mr in region.rdma_handles])
         region.rdma_handles.clear()
 
     # -- initiator side ---------------------------------------------------------------------
@@ -278,12 +276,11 @@ class RdmaTransport(BaseTransport):
         ok_status = int(self.verbs.IBV_WC_SUCCESS)
         flushed = int(self.verbs.IBV_WC_WR_FLUSH_ERR)
         for wr_id, status, vendor_err in done:
-            found = self._by_gen.get(generation_of(wr_id))
-            s = found[0].completed(found[1], wr_id, status == ok_status) if found else None
-            if s is None:
-                self.num_stale += 1
+            path, q = self._by_gen.get(generation_of(wr_id), (None, None))
+            s = path.completed(q, wr_id, status == ok_status) if path and q else None
+            if s is None or path is None:
+                self.num_stale += 1  # a QP destroyed since, or a wr_id it no longer has
                 continue
-            path = found[0]  # type: ignore[index]
             outcome = classify(self.verbs, status)
             if outcome is Outcome.OK:
                 self.report(s, "", False)
@@ -366,4 +363,4 @@ def _close_all(objs: list[Any]) -> None:
         try:
             o.close()
         except Exception as e:  # pragma: no cover - device already gone
-            log.debug("closing %r: %s", o, e)
+            log.warning("closing %r: %s", o, e)

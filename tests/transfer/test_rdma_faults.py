@@ -209,3 +209,20 @@ def test_a_peer_past_its_qp_quota_is_refused_naming_the_key(emulator, caplog) ->
         assert (pool == pattern(1 << 18)).all()
         assert len(transport(b)._served) <= 3
         assert "transfer.rdma_max_qps_per_peer = 3" in caplog.text
+
+
+def test_completion_statuses_are_classified(emulator) -> None:
+    from mooncake.transfer.rdmaqp import Outcome, classify
+
+    e = emulator
+    want = {
+        e.IBV_WC_SUCCESS: Outcome.OK,
+        e.IBV_WC_REM_ACCESS_ERR: Outcome.RESOLVE,
+        e.IBV_WC_REM_INV_REQ_ERR: Outcome.RESOLVE,
+        e.IBV_WC_LOC_LEN_ERR: Outcome.FATAL,
+        e.IBV_WC_LOC_PROT_ERR: Outcome.FATAL,
+        e.IBV_WC_WR_FLUSH_ERR: Outcome.RETRY,
+        e.IBV_WC_RETRY_EXC_ERR: Outcome.RETRY,
+        e.IBV_WC_FATAL_ERR: Outcome.RETRY,
+    }
+    assert {s: classify(e, s) for s in want} == want
