@@ -25,6 +25,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from mooncake.errors import TransferError
+from mooncake.native import cudadmabuf
 from mooncake.native.rdmaaddr import choose_port, device_limits
 from mooncake.rdmaconfig import RdmaConfig
 
@@ -98,6 +99,7 @@ def _import_pyverbs() -> Verbs:
     for module, names in USED.items():
         mod = importlib.import_module(module)
         ns.update({n: getattr(mod, n) for n in names})
+    ns["DmaBufMR"] = getattr(importlib.import_module("pyverbs.mr"), "DmaBufMR", None)  # optional
     try:  # newer rdma-core renamed the enums module
         enums = importlib.import_module("pyverbs.libibverbs_enums")
     except ImportError:
@@ -256,11 +258,15 @@ class RdmaNic:
         except self.verbs.PyverbsError as e:
             raise TransferError(f"RDMA {self.name}: {what} failed: {e}") from e
 
-    def register(self, address: int, length: int) -> Any:
-        """Register [address, address+length) for local and remote read/write; an MR."""
+    def register(self, address: int, length: int, device: bool = False) -> tuple[Any, int]:
+        """Register [address, address+length) for local and remote read/write: (MR, the
+        address work requests name its first byte by). Device memory goes through
+        nvidia-peermem (a plain MR), else as a dma-buf (its addresses start at the offset)."""
         try:
-            return self.verbs.MR(self.pd, length, access_flags(self.verbs), address)
+            return self.verbs.MR(self.pd, length, access_flags(self.verbs), address), address
         except self.verbs.PyverbsError as e:
+            if device:
+                return self._register_dmabuf(address, length, e)
             hint = ""
             if getattr(e, "error_code", 0) in (errno.ENOMEM, errno.EPERM):
                 soft = resource.getrlimit(resource.RLIMIT_MEMLOCK)[0]
@@ -273,6 +279,30 @@ class RdmaNic:
             raise TransferError(
                 f"RDMA {self.name}: reg_mr of {length} bytes failed: {e}{hint}"
             ) from e
+
+    def _register_dmabuf(self, address: int, length: int, peermem: Exception) -> tuple[Any, int]:
+        if getattr(self.verbs, "DmaBufMR", None) is None:
+            raise TransferError(
+                f"RDMA {self.name}: reg_mr of GPU memory failed ({peermem}) and "
+                "this pyverbs has no DmaBufMR: load nvidia-peermem"
+            )
+        fd, offset = cudadmabuf.export_dmabuf(address, length)
+        try:
+            mr = self.call(
+                "reg_dmabuf_mr",
+                self.verbs.DmaBufMR,
+                self.pd,
+                length,
+                access_flags(self.verbs),
+                dmabuf=fd,
+                offset=offset,
+            )
+        finally:
+            os.close(fd)
+        log.info(
+            "RDMA %s: GPU memory registered as dma-buf (no nvidia-peermem: %s)", self.name, peermem
+        )
+        return mr, offset  # NOTE: pyverbs registers it at iova = offset
 
     def create_qp(self) -> Any:
         """A new RC queue pair in INIT state (closed again if INIT fails)."""

@@ -143,22 +143,23 @@ class RdmaTransport(BaseTransport):
     # -- registration -----------------------------------------------------------------------
 
     def register_region(self, region: Region) -> None:
-        done: list[tuple[str, Any]] = []
+        done: list[tuple[str, Any, int]] = []  # (nic, MR, address of the region's byte 0)
+        device = region.location.startswith("cuda")
         try:
             for name, nic in self.nics.items():
-                done.append((name, nic.register(region.view.address, region.num_bytes)))
+                done.append((name, *nic.register(region.view.address, region.num_bytes, device)))
         except TransferError as e:
-            _close_all([mr for _, mr in done])
+            _close_all([mr for _, mr, _ in done])
             # NOTE: the engine registered the name before asking us; free it again
             if self.engine.segments.get(region.name) is region:
                 self.engine.segments.unregister(region.name)
             raise TransferError(f"segment {region.name!r} not registered: {e}") from e
-        for name, mr in done:
-            region.rdma_keys.append(RdmaKeyDesc(name, region.view.address, int(mr.rkey)))
+        for name, mr, base in done:
+            region.rdma_keys.append(RdmaKeyDesc(name, base, int(mr.rkey)))
         region.rdma_handles.extend(done)
 
     def unregister_region(self, region: Region) -> None:
-        _close_all([mr for _, mr in region.rdma_handles])
+        _close_all([mr for _, mr, _ in region.rdma_handles])
         region.rdma_handles.clear()
 
     # -- initiator side ---------------------------------------------------------------------
@@ -188,14 +189,14 @@ class RdmaTransport(BaseTransport):
 
     def post(self, nic: RdmaNic, qp: Any, wr_id: int, s: Slice, remote_nic: str) -> None:
         key: RdmaKeyDesc = s.target.handle[remote_nic]
-        lkey = next(mr.lkey for n, mr in s.local.rdma_handles if n == nic.name)
+        mr, base = next((mr, base) for n, mr, base in s.local.rdma_handles if n == nic.name)
         nic.post(
             qp,
             wr_id,
             s.op is TransferOp.WRITE,
-            s.local.view.address + s.local_offset,
+            base + s.local_offset,
             s.length,
-            int(lkey),
+            int(mr.lkey),
             key.address + s.remote_offset,
             key.rkey,
         )

@@ -287,6 +287,7 @@ def _execute(qp: QP, wr: Any) -> int:
             "length": mine.length,
             "access": mine.access,
             "pd": mine.pd.id,
+            "host": mine.host,
         }
     else:
         mr = fv._lookup("mr", wr.rkey)
@@ -303,16 +304,17 @@ def _execute(qp: QP, wr: Any) -> int:
         or wr.remote_addr + sge.length > mr["address"] + mr["length"]
     ):
         return fv.IBV_WC_REM_ACCESS_ERR
-    remote_addr, keep = wr.remote_addr, None
+    remote_addr, keep = wr.remote_addr - mr["address"] + mr.get("host", mr["address"]), None
     if mr["pid"] != os.getpid():
         if not mr.get("shm"):
             return fv.IBV_WC_REM_ACCESS_ERR  # another process's private memory: unreachable
         keep = fv._map(mr["shm"])
         base = ctypes.addressof(ctypes.c_char.from_buffer(keep))
         remote_addr = base + mr["offset"] + wr.remote_addr - mr["address"]
+    local_addr = local.host + sge.addr - local.address
     if wr.opcode == fv.IBV_WR_RDMA_WRITE:
-        fv.copy(remote_addr, sge.addr, sge.length)
+        fv.copy(remote_addr, local_addr, sge.length)
     else:
-        fv.copy(sge.addr, remote_addr, sge.length)
+        fv.copy(local_addr, remote_addr, sge.length)
     del keep
     return fv.IBV_WC_SUCCESS

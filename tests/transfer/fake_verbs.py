@@ -113,6 +113,7 @@ class DeviceSpec:
     max_qp_init_rd_atom: int = 16
     open_error: str = ""  # Context() fails with this
     mr_error: int = 0  # errno every MR registration on this device fails with
+    peermem: bool = True  # plain MRs of DEVICE_MEMORY work (nvidia-peermem loaded)
 
 
 def default_devices() -> dict[str, DeviceSpec]:
@@ -131,6 +132,7 @@ STATS = {
     "overruns": 0,
     "dropped": 0,
 }  # dropped: work requests of QPs destroyed before their completion
+DEVICE_MEMORY: list[tuple[int, int]] = []  # [start, end) ranges standing for GPU memory
 _pinned = [0]
 _lock = threading.RLock()  # the emulator's own state (registries, QP states, CQs)
 _QPS: dict[int, QP] = {}  # live QPs of this process by number
@@ -143,6 +145,7 @@ def reset() -> None:
     DEVICES, MEMLOCK_LIMIT = default_devices(), -1
     FAIL_CALLS.clear()
     CRASHES.clear()
+    DEVICE_MEMORY.clear()
     STATS.update(max_sq=0, max_sq_depth=0, max_cq=0, max_cq_depth=0, overruns=0, dropped=0)
     FORK.update(initialized=False, after_mr=False)
 
@@ -321,12 +324,17 @@ def _shm_backing(address: int) -> tuple[str, int]:
 
 
 class MR:
-    def __init__(self, pd: PD, length: int, access: int, address: int | None = None):
+    def __init__(
+        self, pd: PD, length: int, access: int, address: int | None = None, host: int | None = None
+    ):
         if address is None:
             raise PyverbsError("the emulator only registers caller memory (address=...)")
-        _maybe_fail("MR")
-        if pd.ctx.spec.mr_error:
-            raise PyverbsRDMAError("Failed to register a MR", pd.ctx.spec.mr_error)
+        if host is None:  # a plain MR (a DmaBufMR passes host)
+            _maybe_fail("MR")
+            if pd.ctx.spec.mr_error:
+                raise PyverbsRDMAError("Failed to register a MR", pd.ctx.spec.mr_error)
+            if not pd.ctx.spec.peermem and any(a <= address < b for a, b in DEVICE_MEMORY):
+                raise PyverbsRDMAError("Failed to register a MR", errno.EFAULT)
         with _lock:
             if MEMLOCK_LIMIT >= 0 and _pinned[0] + length > MEMLOCK_LIMIT:
                 raise PyverbsRDMAError("Failed to register a MR", errno.ENOMEM)
@@ -335,9 +343,10 @@ class MR:
             self.lkey, self.rkey = secrets.randbits(31) | 1, secrets.randbits(31) | 1
             _MRS[self.lkey] = _MRS[self.rkey] = self
         self.pd, self.length, self.access, self.address = pd, length, access, address
+        self.host = address if host is None else host  # where address (the iova) really is
         self.closed = False
         pd.children.append(self)
-        shm, offset = _shm_backing(address)
+        shm, offset = _shm_backing(self.host)
         _publish(
             "mr",
             self.rkey,
@@ -361,6 +370,36 @@ class MR:
             _MRS.pop(self.lkey, None)
             _MRS.pop(self.rkey, None)
         _unlink("mr", self.rkey)
+
+
+DMABUFS: dict[int, int] = {}  # emulated dma-buf fd -> host address of its first byte
+
+
+def export_dmabuf(address: int, length: int) -> tuple[int, int]:
+    """What native/cudadmabuf.export_dmabuf returns, for emulated device memory: a real
+    (closable) fd standing for the pages around [address, address+length)."""
+    fd = os.open(os.devnull, os.O_RDONLY)
+    offset = address % 4096
+    DMABUFS[fd] = address - offset
+    return fd, offset
+
+
+class DmaBufMR(MR):
+    """An MR of a dma-buf: work requests address it from iova = offset (as pyverbs does)."""
+
+    def __init__(
+        self,
+        pd: PD,
+        length: int,
+        access: int,
+        dmabuf: Any = None,
+        offset: int = 0,
+        gpu: int = 0,
+        gtt: int = 0,
+    ):
+        if not isinstance(dmabuf, int) or dmabuf not in DMABUFS:
+            raise PyverbsRDMAError("Failed to register a dma-buf MR", errno.EBADF)
+        super().__init__(pd, length, access, offset, host=DMABUFS.pop(dmabuf) + offset)
 
 
 _WC = collections.namedtuple("_WC", "wr_id status opcode vendor_err qp_num")

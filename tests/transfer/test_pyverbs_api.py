@@ -76,6 +76,9 @@ def test_documented_parameters_of_the_calls_we_make() -> None:
     assert ":param comp_vector:" in verbs.CQ.__init__.__doc__
     assert "(npolled, wcs)" in verbs.CQ.poll.__doc__
     assert ":param rkey:" in verbs.SendWR.set_wr_rdma.__doc__
+    assert verbs.DmaBufMR is not None  # Debian's pyverbs has it; older ones may not
+    for kw in ("dmabuf", "offset"):
+        assert f":param {kw}:" in verbs.DmaBufMR.__init__.__doc__, kw
     for kw in ("qp_type", "scq", "rcq", "cap", "sq_sig_all"):
         assert f":param {kw}:" in verbs.QPInitAttr.__init__.__doc__, kw
 
@@ -118,6 +121,20 @@ def test_attribute_builders_are_accepted_by_pyverbs() -> None:
     assert wr.send_flags == verbs.IBV_SEND_SIGNALED
     read = rdma.build_send_wr(verbs, 6, False, 0x1000, 4096, 11, 0x2000, 22)
     assert read.opcode == verbs.IBV_WR_RDMA_READ
+
+
+def test_dmabuf_export_without_a_cuda_driver_is_a_clear_error() -> None:
+    import ctypes
+
+    from mooncake.native import cudadmabuf
+
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        with pytest.raises(TransferError, match="libcuda.so.1"):
+            cudadmabuf.export_dmabuf(0x10000, 4096)
+    else:  # pragma: no cover - a host with the CUDA driver
+        pytest.skip("this host has libcuda")
 
 
 def test_engine_on_real_pyverbs_without_devices_falls_back_or_refuses() -> None:

@@ -172,7 +172,7 @@ def test_pinning_past_the_memlock_limit_names_ulimit(emulator) -> None:
 def test_fork_init_comes_before_the_first_memory_registration(emulator) -> None:
     with rdma_engine("a") as a:
         a.register("buf", np.zeros(4096, np.uint8))
-        mrs = [mr for _, mr in a.segments.get("buf").rdma_handles]
+        mrs = [mr for _, mr, _ in a.segments.get("buf").rdma_handles]
         assert mrs and all(mr.fork_safe for mr in mrs)
 
 
@@ -226,3 +226,35 @@ def test_completion_statuses_are_classified(emulator) -> None:
         e.IBV_WC_FATAL_ERR: Outcome.RETRY,
     }
     assert {s: classify(e, s) for s in want} == want
+
+
+def test_gpu_memory_without_peermem_is_registered_as_dma_buf(emulator, monkeypatch) -> None:
+    """No nvidia-peermem: a plain MR of device memory fails (EFAULT), the dma-buf of its
+    pages is registered instead, addressed from its offset (iova), on both ends."""
+    from mooncake.native import cudadmabuf
+
+    flat_fabric()
+    monkeypatch.setattr(cudadmabuf, "export_dmabuf", emulator.export_dmabuf)
+    for spec in emulator.DEVICES.values():
+        spec.peermem = False
+    n = 1 << 18
+    src, dst = pattern(n, offset=5), np.zeros(n, np.uint8)  # stand-ins for GPU tensors
+    for buf in (src, dst):
+        start = buf.__array_interface__["data"][0]
+        emulator.DEVICE_MEMORY.append((start, start + n))
+    with rdma_pair() as (a, b):
+        a.register("src", src, location="cuda:0")
+        b.register("dst", dst, location="cuda:0")
+        keys = a.describe("src").rdma
+        assert [k.address for k in keys] == [src.__array_interface__["data"][0] % 4096] * 2
+        with pytest.raises(TransferError, match="reg_mr of 65536 bytes failed"):
+            emulator.DEVICES["fake_0"].peermem = True  # a host buffer still needs a plain MR
+            emulator.DEVICES["fake_0"].mr_error = errno.EFAULT
+            a.register("host", np.zeros(1 << 16, np.uint8))
+        emulator.DEVICES["fake_0"].mr_error = 0
+        a.submit([TransferRequest(WRITE, "src", 0, "dst", 0, n)]).check()
+        assert (dst == src).all()
+        back = np.zeros(n, np.uint8)
+        a.register("back", back)
+        a.submit([TransferRequest(READ, "back", 0, "dst", 0, n)]).check()
+        assert (back == src).all()
