@@ -65,6 +65,7 @@ class QP:
             "state": self.state,
             "dest": self.dest,
             "pd": self.pd.id,
+            "stype": self.rtr.get("stype"),
             "gids": table,
             "subnet": self.pd.ctx.spec.subnet,
             "mtu": mtu,
@@ -112,6 +113,7 @@ class QP:
                 "sl": ah.sl,
                 "mtu": attr.path_mtu,
                 "sgid_index": ah.sgid_index,
+                "stype": fv._gids(ctx.name, self.port)[ah.sgid_index][1],
             }
         self._sync()
 
@@ -127,6 +129,11 @@ class QP:
         if peer is None:
             return  # the remote is unknown to the emulator: nothing to check against
         dgid = str(ah.dgid)
+        if peer.get("stype") is not None and peer["stype"] != stype:
+            raise _einval(
+                f"to_rtr: GID type mismatch: {'RoCEv2' if stype else 'RoCEv1'} here, "
+                f"{'RoCEv2' if peer['stype'] else 'RoCEv1'} at the remote QP"
+            )
         if (dgid, stype) not in [tuple(g) for g in peer["gids"]]:
             raise _einval(
                 f"to_rtr: destination GID {dgid} has no entry of the source GID's "
