@@ -4,7 +4,6 @@ MRs bound to their PD. Driven through mooncake.native.rdma, the code the transpo
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import errno
 
@@ -16,6 +15,20 @@ from mooncake.native.rdma import RdmaNic, build_send_wr
 from mooncake.rdmaconfig import RdmaConfig
 from tests.transfer.rdma_helpers import flat_fabric, wait_for
 
+_opened: list[RdmaNic] = []
+
+
+@pytest.fixture(autouse=True)
+def _close_nics():
+    yield
+    while _opened:
+        _opened.pop().close()  # their QPs, MRs and the device threads go with them
+
+
+def _nic(fv, name: str, cfg: RdmaConfig = RdmaConfig()) -> RdmaNic:
+    _opened.append(RdmaNic(fv, name, cfg))
+    return _opened[-1]
+
 
 def _addr(a: np.ndarray) -> int:
     return a.__array_interface__["data"][0]
@@ -23,7 +36,7 @@ def _addr(a: np.ndarray) -> int:
 
 def _connected(fv, cfg: RdmaConfig = RdmaConfig(), names=("fake_0", "fake_1")):
     """Two NICs, one QP each, connected to each other; and a registered buffer on each."""
-    n0, n1 = (RdmaNic(fv, n, cfg) for n in names)
+    n0, n1 = (_nic(fv, n, cfg) for n in names)
     q0, q1 = n0.create_qp(), n1.create_qp()
     n0.connect(q0, n1.endpoint(q1, 7), 5)
     n1.connect(q1, n0.endpoint(q0, 5), 7)
@@ -92,7 +105,7 @@ def test_an_error_state_qp_flushes_its_work(emulator):
 
 def test_rtr_checks_psn_mtu_and_hop_limit(emulator):
     emulator.DEVICES["fake_1"].ports[1].active_mtu = emulator.IBV_MTU_1024
-    n1 = RdmaNic(emulator, "fake_1", RdmaConfig())
+    n1 = _nic(emulator, "fake_1", RdmaConfig())
     ep1 = n1.endpoint(n1.create_qp(), 1)
     cases = [
         (RdmaConfig(), dataclasses.replace(ep1, psn=1 << 24), "rq_psn"),
@@ -101,7 +114,7 @@ def test_rtr_checks_psn_mtu_and_hop_limit(emulator):
         (RdmaConfig(rdma_gid_index=0), ep1, "behind a router"),  # link-local RoCEv1
     ]
     for cfg, ep, why in cases:
-        nic = RdmaNic(emulator, "fake_0", cfg)
+        nic = _nic(emulator, "fake_0", cfg)
         with pytest.raises(TransferError, match="modify_qp\\(RTR\\) failed") as e:
             nic.connect(nic.create_qp(), ep, 3)
         assert why in str(e.value)
@@ -109,8 +122,8 @@ def test_rtr_checks_psn_mtu_and_hop_limit(emulator):
 
 def test_rtr_refuses_a_gid_type_other_than_the_remote_qps(emulator):
     flat_fabric()
-    v1 = RdmaNic(emulator, "fake_0", RdmaConfig(rdma_gid_index=2))  # IPv4 RoCEv1
-    v2 = RdmaNic(emulator, "fake_1", RdmaConfig())  # IPv4 RoCEv2
+    v1 = _nic(emulator, "fake_0", RdmaConfig(rdma_gid_index=2))  # IPv4 RoCEv1
+    v2 = _nic(emulator, "fake_1", RdmaConfig())  # IPv4 RoCEv2
     q1, q2 = v1.create_qp(), v2.create_qp()
     v2.connect(q2, v1.endpoint(q1, 1), 2)
     with pytest.raises(TransferError, match="GID type mismatch: RoCEv1 here, RoCEv2"):
@@ -133,7 +146,7 @@ def test_use_after_destroy_is_a_crash_not_an_exception(emulator):
 def test_memory_regions_are_bound_to_their_protection_domain(emulator):
     flat_fabric()
     (n0, n1), (q0, _), bufs, mrs = _connected(emulator)
-    other = RdmaNic(emulator, "fake_0", RdmaConfig())  # another PD on the same device
+    other = _nic(emulator, "fake_0", RdmaConfig())  # another PD on the same device
     foreign = other.register(_addr(bufs[0]), 1 << 16)[0]
     _write(n0, q0, 1, bufs, [foreign, mrs[1]])
     assert _drain(n0, 1)[0][1] == emulator.IBV_WC_LOC_PROT_ERR
@@ -144,4 +157,3 @@ def test_memory_regions_are_bound_to_their_protection_domain(emulator):
     remote_on_other_pd = other.register(_addr(bufs[1]), 1 << 16)[0]
     _write(n0, q0b, 2, bufs, [mrs[0], remote_on_other_pd])
     assert _drain(n0, 1)[0][1] == emulator.IBV_WC_REM_ACCESS_ERR
-    assert ctypes.sizeof(ctypes.c_void_p) == 8
