@@ -54,6 +54,7 @@ class RdmaPath(Path):
         self.connecting = False
         self.closed = False
         self._connect_after = 0.0  # time.monotonic() before which no new connect is tried
+        self._connect_error = ""  # why the last connect failed
         self._retry_connect_s = opts.pause_s
         self._rr = 0
 
@@ -71,9 +72,8 @@ class RdmaPath(Path):
             live = [q for q in self.slots if q is not None and q.state is QpState.READY]
             if not self._maybe_connect() and not live and not self.connecting:
                 # NOTE: no QP and no connect before the backoff ends: other paths, now
-                failed = [
-                    (s, f"{self.key}: not connected (last connect failed)") for s in self.pending
-                ]
+                why = f"{self.key}: not connected (last connect: {self._connect_error})"
+                failed = [(s, why) for s in self.pending]
                 self.pending.clear()
             while self.pending and live:
                 n = len(live)
@@ -157,6 +157,7 @@ class RdmaPath(Path):
             with self.lock:
                 self.connecting = False
                 self._connect_after = time.monotonic() + self._retry_connect_s
+                self._connect_error = str(e)
                 stranded: list[Slice] = []
                 if not any(q is not None and q.state is QpState.READY for q in self.slots):
                     stranded, self.pending = list(self.pending), collections.deque()
