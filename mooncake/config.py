@@ -21,6 +21,7 @@ from mooncake.configknob import STRUCT as _STRUCT
 from mooncake.configknob import knob
 from mooncake.configroles import DecodeConfig, PrefillConfig, SchedulerConfig
 from mooncake.errors import ConfigError
+from mooncake.rdmaconfig import RdmaConfig
 from mooncake.sizes import Size
 
 CONFIG_ENV = "MOONCAKE_CONFIG"  # environment variable naming the config file, if any
@@ -228,7 +229,8 @@ class StoreConfig(msgspec.Struct, **_STRUCT):
     ] = 10.0
 
 
-class TransferConfig(msgspec.Struct, **_STRUCT):
+# NOTE: the rdma_* keys come from RdmaConfig (mooncake/rdmaconfig.py); flags spelled out for mypy
+class TransferConfig(RdmaConfig, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """[transfer]: the Transfer Engine."""
 
     protocol: Annotated[

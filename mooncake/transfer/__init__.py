@@ -16,7 +16,9 @@ Module map:
     server     per-node TCP server: one-sided reads/writes, DESCRIBE, RDMA_CONNECT
     transport  BaseTransport, local and shm copy transports
     tcp        TCP transport (connection pool per path, zero-copy sendmsg/recv_into)
-    rdma       RDMA transport over pyverbs (mooncake.native.rdma)
+    rdma       RDMA transport over pyverbs (mooncake.native.rdma): registration, pollers,
+               the RDMA_CONNECT responder; rdmapath: one path's QPs and waiting slices;
+               rdmaqp: per-QP and per-CQ accounting, completion status classes
     bench      the measurement behind `mooncake bench transfer`
 """
 

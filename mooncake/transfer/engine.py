@@ -343,12 +343,13 @@ class TransferEngine:
                 batch, start = s.batch, k
         batch.slices_done(slices[start:])
 
-    def _report(self, s: Slice, error: str, retryable: bool) -> None:
-        """Completion of one slice attempt, from a transport's thread."""
+    def _report(self, s: Slice, error: str, retryable: bool, is_path_fault: bool = True) -> None:
+        """Completion of one slice attempt, from a transport's thread. `is_path_fault`
+        False: a consequence of a failure already counted (work flushed from a QP in error)."""
         if not error:
             self._report_done([s])
             return
-        if retryable and s.path.record_failure():
+        if retryable and is_path_fault and s.path.record_failure():
             log.warning("path %s paused after repeated failures (last: %s)", s.path.key, error)
         if not retryable or s.attempt >= self.options.retry_budget:
             tries = f" (after {s.attempt + 1} attempts)" if retryable else ""

@@ -1,29 +1,38 @@
 """The RDMA transport: one-sided RDMA READ/WRITE over RC queue pairs (pyverbs).
 
-Every segment is registered as a memory region on every local NIC; its descriptor carries
-one (nic, address, rkey) per NIC. A path is a (local NIC, remote NIC) pair with
-`connections_per_peer` queue pairs, connected on first use by an RDMA_CONNECT exchange
-(GID, LID, QPN, PSN) over the peer's authenticated TCP server. One poller thread per NIC
-drains its completion queue; a failed completion fails its slice as retryable and resets
-the path's queue pairs (an RC QP in error state must be re-created).
+Every segment is registered as a memory region on every local NIC (all or none: a failure
+rolls back the others); its descriptor carries one (nic, address, rkey) per NIC. A path
+(transfer/rdmapath.py) is a (local NIC, remote NIC) pair with `connections_per_peer` queue
+pairs, connected by an RDMA_CONNECT exchange (GID, LID, QPN, PSN, MTU, read depth) over the
+peer's authenticated TCP server. The responder keys the QPs it accepts by the initiator's
+node, path id and slot, and refuses a peer past `transfer.rdma_max_qps_per_peer`.
+
+Threads: one poller per NIC drains its CQ, reports successful slices and pumps the paths
+of that NIC; anything that may block (connecting, reporting failures, which re-dispatches
+slices) runs on the transport's worker threads. close() stops and joins the pollers and
+workers before it destroys QPs, CQs, PDs and devices.
 """
 
 from __future__ import annotations
 
-import itertools
+import contextlib
 import logging
 import secrets
 import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from mooncake.errors import MooncakeError, TransferError
+from mooncake.errors import TransferError
 from mooncake.native import rdma as verbs_api
 from mooncake.native.rdma import QpEndpoint, RdmaNic
 from mooncake.transfer.batch import Slice
 from mooncake.transfer.paths import Path
+from mooncake.transfer.rdmapath import RdmaPath
+from mooncake.transfer.rdmaqp import Credits, Outcome, QueuePair, classify, generation_of
 from mooncake.transfer.segment import Region
 from mooncake.transfer.tcp import control_call
 from mooncake.transfer.transport import BaseTransport, Target
@@ -34,7 +43,8 @@ if TYPE_CHECKING:
     from mooncake.transfer.engine import TransferEngine
 
 log = logging.getLogger(__name__)
-MAX_SEND_WR = 256  # outstanding work requests per queue pair
+MAX_QPS_PER_CONNECT = 64
+NUM_WORKERS = 2  # connects and failure reports; a stalled peer's connect holds one
 
 
 class QpInfo(msgspec.Struct, frozen=True):
@@ -42,14 +52,18 @@ class QpInfo(msgspec.Struct, frozen=True):
     lid: int
     qpn: int
     psn: int
+    mtu: int  # the sender's port active MTU (ibv_mtu)
+    rd_atomic: int  # RDMA READs the sender accepts in flight per QP
 
 
 class RdmaConnectMsg(msgspec.Struct, frozen=True):
-    """RDMA_CONNECT request and reply: one QpInfo per queue pair, in pairing order."""
+    """RDMA_CONNECT request and reply: one QpInfo per queue pair, in `slots` order."""
 
     node: str  # initiator engine name
     initiator_nic: str
     target_nic: str
+    path_id: int  # chosen by the initiator for one path
+    slots: list[int]  # the path's QP slot of each entry of qps
     qps: list[QpInfo]
 
 
@@ -57,12 +71,20 @@ _encode = msgspec.msgpack.Encoder().encode
 _decode_connect = msgspec.msgpack.Decoder(RdmaConnectMsg).decode
 
 
+def _info(ep: QpEndpoint) -> QpInfo:
+    return QpInfo(ep.gid, ep.lid, ep.qpn, ep.psn, ep.mtu, ep.rd_atomic)
+
+
+def _endpoint(info: QpInfo) -> QpEndpoint:
+    return QpEndpoint(info.gid, info.lid, info.qpn, info.psn, info.mtu, info.rd_atomic)
+
+
 def create_rdma_transport(
     engine: TransferEngine, verbs: Any, required: bool
 ) -> RdmaTransport | None:
     """The rdma transport of `engine`, or None when RDMA is unusable and not `required`
     (then TransferError says why)."""
-    why = ""
+    why, nics = "", {}
     try:
         verbs = verbs or verbs_api.load_pyverbs()
         names = [
@@ -70,7 +92,8 @@ def create_rdma_transport(
             for n in verbs_api.list_devices(verbs)
             if not engine.options.nics or n in engine.options.nics
         ]
-        why = "" if names else "no RDMA device found (or none of transfer.nics)"
+        nics = verbs_api.open_nics(verbs, names, engine.options.rdma)
+        why = "" if nics else "no RDMA device found (or none of transfer.nics opened)"
     except ImportError as e:
         why = f"pyverbs is not importable ({e}); install python3-pyverbs (Debian) or pyverbs"
     if why:
@@ -78,7 +101,7 @@ def create_rdma_transport(
             raise TransferError(f"protocol rdma: {why}")
         log.info("rdma transport disabled: %s", why)
         return None
-    transport = RdmaTransport(engine, {n: RdmaNic(verbs, n) for n in names})
+    transport = RdmaTransport(engine, nics)
     engine.server.handlers[Op.RDMA_CONNECT] = transport.on_connect
     return transport
 
@@ -90,37 +113,60 @@ class RdmaTransport(BaseTransport):
         super().__init__(engine._report)
         self.engine = engine
         self.nics = nics
-        self.inflight: dict[int, tuple[Slice, RdmaPath]] = {}  # wr_id -> slice
-        self._wr_ids = itertools.count(1)
+        self.verbs = next(iter(nics.values())).verbs
+        self.settings = engine.options.rdma
+        self.credits = {n: Credits(nic.cq_depth) for n, nic in nics.items()}
+        self.num_stale = 0  # completions of QPs no longer known (ignored)
+        self._by_gen: dict[int, tuple[RdmaPath, QueuePair]] = {}
+        self._next_gen = 0
         self._paths: dict[tuple[str, int, str, str], RdmaPath] = {}
-        self._served: dict[tuple[str, str, str], list[Any]] = {}  # peer's QPs we accepted
+        self._nic_paths: dict[str, tuple[RdmaPath, ...]] = {n: () for n in nics}
+        self._served: dict[tuple[str, int, int], tuple[RdmaNic, Any]] = {}
         self._lock = threading.Lock()
-        self._wake = threading.Condition(self._lock)
+        self._accept_lock = threading.Lock()
         self._closed = False
+        self._workers = ThreadPoolExecutor(NUM_WORKERS, thread_name_prefix="te-rdma-worker")
         self._pollers = [
-            threading.Thread(target=self._poll_loop, args=(nic,), daemon=True, name=f"te-rdma-{n}")
-            for n, nic in nics.items()
+            threading.Thread(target=self._poll_loop, args=(n,), daemon=True, name=f"te-rdma-{n}")
+            for n in nics
         ]
         for t in self._pollers:
             t.start()
 
+    def later(self, fn: Callable[..., object], *args: Any) -> None:
+        """Run fn(*args) on a worker thread (dropped once the transport is closing)."""
+        if self._closed:
+            return
+        with contextlib.suppress(RuntimeError):  # NOTE: shut down since the check
+            self._workers.submit(fn, *args)
+
     # -- registration -----------------------------------------------------------------------
 
     def register_region(self, region: Region) -> None:
-        for name, nic in self.nics.items():
-            mr = nic.register(region.view.address, region.num_bytes)
-            region.rdma_keys.append(RdmaKeyDesc(name, region.view.address, int(mr.rkey)))
-            region.rdma_handles.append((name, mr))
+        done: list[tuple[str, Any, int]] = []  # (nic, MR, address of the region's byte 0)
+        device = region.location.startswith("cuda")
+        try:
+            for name, nic in self.nics.items():
+                done.append((name, *nic.register(region.view.address, region.num_bytes, device)))
+        except TransferError as e:
+            _close_all([mr for _, mr, _ in done])
+            # NOTE: the engine registered the name before asking us; free it again
+            if self.engine.segments.get(region.name) is region:
+                self.engine.segments.unregister(region.name)
+            raise TransferError(f"segment {region.name!r} not registered: {e}") from e
+        for name, mr, base in done:
+            region.rdma_keys.append(RdmaKeyDesc(name, base, int(mr.rkey)))
+        region.rdma_handles.extend(done)
 
     def unregister_region(self, region: Region) -> None:
-        for _, mr in region.rdma_handles:
-            mr.close()
+        _close_all([mr for _, mr, _ in region.rdma_handles])
         region.rdma_handles.clear()
 
     # -- initiator side ---------------------------------------------------------------------
 
     def slice_bytes(self, options: EngineOptions) -> int:
-        return options.slice_bytes  # one work request per slice, spread over QPs and NICs
+        """One work request per slice, at most what every port's max_msg_sz allows."""
+        return min(options.slice_bytes, *(n.port.max_msg_sz for n in self.nics.values()))
 
     def can_reach(self, desc: SegmentDesc) -> bool:
         return bool(desc.rdma and desc.endpoints)
@@ -136,86 +182,180 @@ class RdmaTransport(BaseTransport):
                 for key in target.desc.rdma:
                     k = (ep.host, ep.port, local, key.nic)
                     if k not in self._paths:
-                        self._paths[k] = RdmaPath(self, ep.host, ep.port, local, key.nic)
+                        self._paths[k] = path = RdmaPath(self, ep.host, ep.port, local, key.nic)
+                        self._nic_paths[local] += (path,)
                     out.append(self._paths[k])
         return out
 
-    def post(self, s: Slice, path: RdmaPath, qp: Any) -> None:
-        key: RdmaKeyDesc = s.target.handle[path.remote_nic]
-        lkey = next(mr.lkey for n, mr in s.local.rdma_handles if n == path.local_nic)
-        wr_id = next(self._wr_ids)
-        with self._lock:
-            self.inflight[wr_id] = (s, path)
-            self._wake.notify_all()  # every NIC poller: the WR may be on any CQ
-        try:
-            self.nics[path.local_nic].post(
-                qp, wr_id, s.op is TransferOp.WRITE, s.local.view.address + s.local_offset,
-                s.length, int(lkey), key.address + s.remote_offset, key.rkey,
-            )  # fmt: skip
-        except Exception as e:
-            with self._lock:
-                self.inflight.pop(wr_id, None)
-            path.reset()
-            self.report(s, f"{path.key}: post_send failed: {e}", True)
+    def post(self, nic: RdmaNic, qp: Any, wr_id: int, s: Slice, remote_nic: str) -> None:
+        key: RdmaKeyDesc = s.target.handle[remote_nic]
+        mr, base = next((mr, base) for n, mr, base in s.local.rdma_handles if n == nic.name)
+        nic.post(
+            qp,
+            wr_id,
+            s.op is TransferOp.WRITE,
+            base + s.local_offset,
+            s.length,
+            int(mr.lkey),
+            key.address + s.remote_offset,
+            key.rkey,
+        )
 
-    def _poll_loop(self, nic: RdmaNic) -> None:
-        idle = 0
-        ok = int(nic.verbs.IBV_WC_SUCCESS)
+    def connect(self, path: RdmaPath, slots: list[int]) -> list[tuple[int, Any]]:
+        """Create, exchange and connect one QP per slot of `path` (on a worker); every QP
+        made is destroyed again if any step fails."""
+        nic, opts = path.nic, self.engine.options
+        qps: list[Any] = []
+        try:
+            psns = [secrets.randbits(24) for _ in slots]
+            for _ in slots:
+                qps.append(nic.create_qp())
+            mine = [_info(nic.endpoint(qp, p)) for qp, p in zip(qps, psns, strict=True)]
+            msg = RdmaConnectMsg(
+                self.engine.name, path.local_nic, path.remote_nic, path.path_id, slots, mine
+            )
+            status, body = control_call(
+                path.host,
+                path.port,
+                self.engine._secret,
+                Op.RDMA_CONNECT,
+                _encode(msg),
+                opts.slice_io_timeout_s,
+            )
+            if status != Status.OK:
+                said = body[:300].decode(errors="replace")
+                raise TransferError(f"peer refused RDMA_CONNECT: {status_text(status)} {said}")
+            reply = _decode_connect(body)
+            if len(reply.qps) != len(qps):
+                raise TransferError(f"peer answered {len(reply.qps)} queue pairs, asked {len(qps)}")
+            for qp, psn, r in zip(qps, psns, reply.qps, strict=True):
+                nic.connect(qp, _endpoint(r), psn)
+        except BaseException:
+            _close_all(qps)
+            raise
+        return list(zip(slots, qps, strict=True))
+
+    def adopt_qp(self, path: RdmaPath, qp: Any, slot: int) -> QueuePair:
+        """A connected QP of `path` with a new generation."""
+        with self._lock:
+            self._next_gen += 1
+            q = QueuePair(qp, self._next_gen, slot, path.nic.queue_depth)
+            self._by_gen[q.gen] = (path, q)
+        return q
+
+    def forget_qp(self, q: QueuePair) -> None:
+        with self._lock:
+            self._by_gen.pop(q.gen, None)
+
+    def _poll_loop(self, name: str) -> None:
+        nic, credits = self.nics[name], self.credits[name]
+        spin_s = max(self.engine.options.spin_us, 1.0) / 1e6
+        idle_at = 0.0
         while not self._closed:
-            with self._lock:
-                while not self.inflight and not self._closed:
-                    self._wake.wait(1.0)
-            done = nic.poll(64)
-            if not done:
-                idle += 1
-                time.sleep(0 if idle < 64 else 0.0002)  # yield, then back off (2 cores)
+            if credits.used == 0:
+                credits.wait_busy()
                 continue
-            idle = 0
-            for wr_id, status in done:
-                with self._lock:
-                    item = self.inflight.pop(wr_id, None)
-                if item is None:
-                    continue
-                s, path = item
-                if status == ok:
-                    self.report(s, "", False)
-                else:
-                    path.reset()
-                    self.report(s, f"{path.key}: work completion status {status}", True)
+            try:
+                done = nic.poll(64)
+            except TransferError as e:  # pragma: no cover - the device went away
+                log.error("%s", e)
+                time.sleep(spin_s)
+                continue
+            if not done:
+                now = time.monotonic()
+                idle_at = idle_at or now
+                time.sleep(0 if now - idle_at < spin_s else spin_s)  # yield, then back off
+                continue
+            idle_at = 0.0
+            credits.give(len(done))
+            self._complete(done)
+            for path in self._nic_paths[name]:
+                if path.pending:
+                    path.pump()
+
+    def _complete(self, done: list[tuple[int, int, int]]) -> None:
+        ok_status = int(self.verbs.IBV_WC_SUCCESS)
+        flushed = int(self.verbs.IBV_WC_WR_FLUSH_ERR)
+        for wr_id, status, vendor_err in done:
+            path, q = self._by_gen.get(generation_of(wr_id), (None, None))
+            s = path.completed(q, wr_id, status == ok_status) if path and q else None
+            if s is None or path is None:
+                self.num_stale += 1  # a QP destroyed since, or a wr_id it no longer has
+                continue
+            outcome = classify(self.verbs, status)
+            if outcome is Outcome.OK:
+                self.report(s, "", False)
+                continue
+            error = f"{path.key}: work completion status {status} (vendor_err {vendor_err:#x})"
+            if status != flushed:
+                log.warning("%s (%s)", error, outcome.value)
+            if outcome is Outcome.RESOLVE:
+                error += ": the peer refused the key or range (segment registered again?); "
+                error += "its descriptor is resolved again on the next submit"
+            # NOTE: one QP error flushes all its work: only the first failure is the path's
+            self.later(self.report, s, error, outcome is Outcome.RETRY, status != flushed)
 
     # -- target side ------------------------------------------------------------------------
 
     def on_connect(self, payload: bytes) -> tuple[Status, bytes]:
         """RDMA_CONNECT from a peer: create and connect our half of its queue pairs."""
-        msg = _decode_connect(payload)
+        with self._accept_lock:  # NOTE: one at a time, so the quota holds
+            return self._accept(_decode_connect(payload))
+
+    def _accept(self, msg: RdmaConnectMsg) -> tuple[Status, bytes]:
         nic = self.nics.get(msg.target_nic)
-        if nic is None or not msg.qps or len(msg.qps) > 64:
+        if (
+            nic is None
+            or not msg.qps
+            or len(msg.qps) > MAX_QPS_PER_CONNECT
+            or (len(msg.slots) != len(msg.qps))
+        ):
             raise TransferError(f"no usable RDMA NIC {msg.target_nic!r} for {len(msg.qps)} QPs")
-        mine = []
-        qps = []
-        for remote in msg.qps:
-            qp = nic.create_qp(MAX_SEND_WR)
-            psn = secrets.randbits(24)
-            nic.connect(qp, QpEndpoint(remote.gid, remote.lid, remote.qpn, remote.psn), psn)
-            qps.append(qp)
-            mine.append(QpInfo(nic.gid, nic.lid, int(qp.qp_num), psn))
-        key = (msg.node, msg.initiator_nic, msg.target_nic)
+        keys = [(msg.node, msg.path_id, slot) for slot in msg.slots]
+        quota = self.settings.rdma_max_qps_per_peer
         with self._lock:
-            old, self._served[key] = self._served.get(key, []), qps
-        _close_all(old)
-        return Status.OK, _encode(
-            RdmaConnectMsg(self.engine.name, msg.initiator_nic, msg.target_nic, mine)
+            held = sum(1 for k in self._served if k[0] == msg.node and k not in keys)
+        if held + len(keys) > quota:
+            raise TransferError(
+                f"peer {msg.node!r} would hold {held + len(keys)} queue pairs on this node, over "
+                f"transfer.rdma_max_qps_per_peer = {quota}: raise it here, or lower "
+                "transfer.connections_per_peer (or the NICs used) on the peer"
+            )
+        qps: list[Any] = []
+        mine = []
+        try:
+            for remote in msg.qps:
+                qps.append(nic.create_qp())
+                psn = secrets.randbits(24)
+                nic.connect(qps[-1], _endpoint(remote), psn)
+                mine.append(_info(nic.endpoint(qps[-1], psn)))
+        except BaseException:
+            _close_all(qps)
+            raise
+        with self._lock:
+            if self._closed:
+                _close_all(qps)
+                raise TransferError("this node's transfer engine is closing")
+            old = [self._served.pop(k)[1] for k in keys if k in self._served]
+            self._served.update({k: (nic, qp) for k, qp in zip(keys, qps, strict=True)})
+        _close_all(old)  # NOTE: the initiator reconnects a slot only once it drained it
+        reply = RdmaConnectMsg(
+            self.engine.name, msg.initiator_nic, msg.target_nic, msg.path_id, msg.slots, mine
         )
+        return Status.OK, _encode(reply)
 
     def close(self) -> None:
-        self._closed = True
         with self._lock:
-            self._wake.notify_all()
+            self._closed = True
             paths, served = list(self._paths.values()), list(self._served.values())
+        for c in self.credits.values():
+            c.stop()
+        for t in self._pollers:
+            t.join()
+        self._workers.shutdown(wait=True, cancel_futures=True)
         for p in paths:
-            p.reset()
-        for qps in served:
-            _close_all(qps)
+            p.close()
+        _close_all([qp for _, qp in served])
         for nic in self.nics.values():
             nic.close()
 
@@ -225,64 +365,4 @@ def _close_all(objs: list[Any]) -> None:
         try:
             o.close()
         except Exception as e:  # pragma: no cover - device already gone
-            log.debug("closing %r: %s", o, e)
-
-
-class RdmaPath(Path):
-    """Queue pairs from one local NIC to one NIC of a peer; connected on first use."""
-
-    def __init__(
-        self, transport: RdmaTransport, host: str, port: int, local_nic: str, remote_nic: str
-    ):
-        opts = transport.engine.options
-        super().__init__(f"rdma {local_nic}->{remote_nic}@{host}:{port}", local_nic, remote_nic,
-                         opts.pause_after_failures, opts.pause_s)  # fmt: skip
-        self.transport = transport
-        self.host, self.port = host, port
-        self._qps: list[Any] = []
-        self._rr = itertools.count()
-        self._lock = threading.Lock()
-
-    def _connect(self) -> list[Any]:
-        t, opts = self.transport, self.transport.engine.options
-        nic = t.nics[self.local_nic]
-        qps = [nic.create_qp(MAX_SEND_WR) for _ in range(opts.connections_per_peer)]
-        psns = [secrets.randbits(24) for _ in qps]
-        mine = [
-            QpInfo(nic.gid, nic.lid, int(qp.qp_num), p) for qp, p in zip(qps, psns, strict=True)
-        ]
-        msg = RdmaConnectMsg(t.engine.name, self.local_nic, self.remote_nic, mine)
-        status, body = control_call(self.host, self.port, t.engine._secret, Op.RDMA_CONNECT,
-                                    _encode(msg), opts.slice_io_timeout_s)  # fmt: skip
-        if status != Status.OK:
-            _close_all(qps)
-            raise TransferError(f"peer refused RDMA_CONNECT: {status_text(status)} {body[:200]!r}")
-        reply = _decode_connect(body)
-        if len(reply.qps) != len(qps):
-            _close_all(qps)
-            raise TransferError(f"peer answered {len(reply.qps)} queue pairs, asked {len(qps)}")
-        for qp, psn, r in zip(qps, psns, reply.qps, strict=True):
-            nic.connect(qp, QpEndpoint(r.gid, r.lid, r.qpn, r.psn), psn)
-        return qps
-
-    def dispatch(self, slices: list[Slice]) -> None:
-        with self._lock:
-            if not self._qps:
-                try:
-                    self._qps = self._connect()
-                except (OSError, MooncakeError, msgspec.DecodeError) as e:
-                    for s in slices:
-                        self.transport.report(s, f"{self.key}: connect failed: {e}", True)
-                    return
-            qps = self._qps
-        for s in slices:
-            self.transport.post(s, self, qps[next(self._rr) % len(qps)])
-
-    def reset(self) -> None:
-        """Forget the queue pairs (an RC QP in error state is useless); reconnect on next use."""
-        with self._lock:
-            old, self._qps = self._qps, []
-        _close_all(old)
-
-    def close(self) -> None:
-        self.reset()
+            log.warning("closing %r: %s", o, e)

@@ -29,7 +29,7 @@ import socket
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -41,8 +41,15 @@ from mooncake.transfer.types import EngineOptions, SegmentDesc, TransferOp
 
 log = logging.getLogger(__name__)
 
-# (slice, error or "" on success, retryable) -> None; the engine's completion entry point
-Report = Callable[[Slice, str, bool], None]
+
+class Report(Protocol):
+    """The engine's completion entry point: a slice attempt ended, `error` "" on success;
+    `is_path_fault` False for work flushed after an error already counted (a QP in error),
+    which must not count against its path again."""
+
+    def __call__(
+        self, s: Slice, error: str, retryable: bool, is_path_fault: bool = True
+    ) -> None: ...
 
 
 @dataclass(eq=False)

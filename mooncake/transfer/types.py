@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Literal
 import msgspec
 
 from mooncake.portrange import PortRange
+from mooncake.rdmaconfig import RdmaConfig
 
 if TYPE_CHECKING:
     from mooncake.config import TransferConfig
@@ -114,6 +115,7 @@ class EngineOptions:
     max_handshakes_per_peer: int = 64  # connections from one address in the handshake at once
     stage_chunk_bytes: int = 4 << 20  # device memory over tcp/shm: bytes per bounce buffer
     ports: PortRange = PortRange()  # where the data-plane server listens ([node] port_range)
+    rdma: RdmaConfig = RdmaConfig()  # the [transfer] rdma_* keys
 
     @property
     def slice_io_timeout_s(self) -> float:
@@ -136,6 +138,7 @@ class EngineOptions:
             "handshake_timeout_s": cfg.handshake_timeout_s,
             "max_handshakes_per_peer": cfg.max_handshakes_per_peer,
             "stage_chunk_bytes": int(cfg.stage_chunk_bytes),
+            "rdma": RdmaConfig(**{k: getattr(cfg, k) for k in RdmaConfig.__struct_fields__}),
         }
         fields.update(overrides)
         return cls(**fields)  # type: ignore[arg-type]

@@ -41,3 +41,20 @@ def peer() -> Iterator[PeerProcess]:
         yield p
     finally:
         p.kill()
+
+
+@pytest.fixture
+def emulator() -> Iterator[object]:
+    """The verbs emulator (tests/transfer/fake_verbs.py) with default devices; fails the
+    test if anything used a destroyed QP or CQ (a segfault on real pyverbs)."""
+    from tests.transfer import fake_verbs
+
+    fake_verbs.reset()
+    try:
+        yield fake_verbs
+    finally:
+        for name in ("fake_0", "fake_1"):
+            fake_verbs.cut(name, False)
+        crashes = list(fake_verbs.CRASHES)
+        fake_verbs.reset()
+        assert not crashes, f"use after free in verbs (a crash on hardware): {crashes[:3]}"

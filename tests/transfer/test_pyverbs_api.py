@@ -24,10 +24,10 @@ except ImportError as e:  # pragma: no cover - depends on the host
 
 GID = "fe80:0000:0000:0000:0000:0000:0000:0001"
 METHODS = {
-    "Context": ("query_port", "query_gid", "close"),
+    "Context": ("query_device", "query_port", "query_gid", "query_gid_type", "close"),
     "MR": ("lkey", "rkey", "close"),
     "CQ": ("poll", "close"),
-    "QP": ("to_init", "to_rtr", "to_rts", "post_send", "qp_num", "close"),
+    "QP": ("to_init", "to_rtr", "to_rts", "modify", "post_send", "qp_num", "close"),
     "SendWR": ("set_wr_rdma",),
     "GID": ("gid",),
     "PD": ("close",),
@@ -40,6 +40,23 @@ def test_every_class_method_and_enum_used_exists_in_pyverbs() -> None:
         assert not missing, f"pyverbs {cls} lacks {missing}"
     for name in rdma.USED_ENUMS:
         assert isinstance(int(getattr(verbs, name)), int)
+
+
+def test_attributes_read_from_query_results_exist_in_pyverbs() -> None:
+    import pyverbs.cq
+    import pyverbs.device
+
+    port = ("state", "link_layer", "active_mtu", "lid", "gid_tbl_len", "max_msg_sz")
+    device = ("max_qp_wr", "max_cqe", "max_qp_rd_atom", "max_qp_init_rd_atom", "phys_port_cnt")
+    for cls, names in (
+        (pyverbs.device.PortAttr, port),
+        (pyverbs.device.DeviceAttr, device),
+        (pyverbs.cq.WC, ("wr_id", "status", "vendor_err")),
+    ):
+        assert not [n for n in names if not hasattr(cls, n)], cls
+    fake_port = fake_verbs.Context("fake_0").query_port(1)
+    assert all(hasattr(fake_port, n) for n in port)
+    assert callable(verbs.fork_init)
 
 
 def test_fake_provider_offers_the_same_names_and_enum_values() -> None:
@@ -59,6 +76,9 @@ def test_documented_parameters_of_the_calls_we_make() -> None:
     assert ":param comp_vector:" in verbs.CQ.__init__.__doc__
     assert "(npolled, wcs)" in verbs.CQ.poll.__doc__
     assert ":param rkey:" in verbs.SendWR.set_wr_rdma.__doc__
+    assert verbs.DmaBufMR is not None  # Debian's pyverbs has it; older ones may not
+    for kw in ("dmabuf", "offset"):
+        assert f":param {kw}:" in verbs.DmaBufMR.__init__.__doc__, kw
     for kw in ("qp_type", "scq", "rcq", "cap", "sq_sig_all"):
         assert f":param {kw}:" in verbs.QPInitAttr.__init__.__doc__, kw
 
@@ -68,7 +88,20 @@ def test_attribute_builders_are_accepted_by_pyverbs() -> None:
     assert init.qp_type == verbs.IBV_QPT_RC and init.max_send_wr == 64
     attr = rdma.build_init_attr(verbs, 1)
     assert attr.port_num == 1 and attr.qp_access_flags == rdma.access_flags(verbs)
-    rtr = rdma.build_rtr_attr(verbs, QpEndpoint(GID, 7, 0x1234, 99), 1, 3, verbs.QPAttr().path_mtu)
+    mtu = verbs.QPAttr().path_mtu
+    route = rdma.Route(
+        1,
+        3,
+        mtu,
+        hop_limit=64,
+        traffic_class=106,
+        service_level=3,
+        max_dest_rd_atomic=8,
+        max_rd_atomic=4,
+    )
+    rtr = rdma.build_rtr_attr(verbs, QpEndpoint(GID, 7, 0x1234, 99, mtu, 8), route)
+    assert (rtr.ah_attr.hop_limit, rtr.ah_attr.traffic_class, rtr.ah_attr.sl) == (64, 106, 3)
+    assert rtr.max_dest_rd_atomic == 8
     assert (rtr.dest_qp_num, rtr.rq_psn, rtr.ah_attr.dlid, rtr.ah_attr.port_num) == (
         0x1234,
         99,
@@ -78,13 +111,30 @@ def test_attribute_builders_are_accepted_by_pyverbs() -> None:
     assert (
         rtr.ah_attr.is_global == 1 and str(rtr.ah_attr.dgid) == GID and rtr.ah_attr.sgid_index == 3
     )
-    rts = rdma.build_rts_attr(verbs, rtr, 42)
+    rts = rdma.build_rts_attr(verbs, rtr, 42, 4)
     assert (rts.sq_psn, rts.retry_cnt, rts.rnr_retry, rts.timeout) == (42, 7, 7, 14)
+    assert rts.max_rd_atomic == 4
+    err = verbs.QPAttr(qp_state=verbs.IBV_QPS_ERR)
+    assert err.qp_state == verbs.IBV_QPS_ERR and int(verbs.IBV_QP_STATE) == 1
     wr = rdma.build_send_wr(verbs, 5, True, 0x1000, 4096, 11, 0x2000, 22)
     assert (wr.wr_id, wr.opcode, wr.num_sge) == (5, verbs.IBV_WR_RDMA_WRITE, 1)
     assert wr.send_flags == verbs.IBV_SEND_SIGNALED
     read = rdma.build_send_wr(verbs, 6, False, 0x1000, 4096, 11, 0x2000, 22)
     assert read.opcode == verbs.IBV_WR_RDMA_READ
+
+
+def test_dmabuf_export_without_a_cuda_driver_is_a_clear_error() -> None:
+    import ctypes
+
+    from mooncake.native import cudadmabuf
+
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        with pytest.raises(TransferError, match="libcuda.so.1"):
+            cudadmabuf.export_dmabuf(0x10000, 4096)
+    else:  # pragma: no cover - a host with the CUDA driver
+        pytest.skip("this host has libcuda")
 
 
 def test_engine_on_real_pyverbs_without_devices_falls_back_or_refuses() -> None:
