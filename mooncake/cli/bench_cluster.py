@@ -132,9 +132,3 @@ def _print(r: Calibration) -> None:
             f"plane {h.background_cores:.2f} cores busy, idle latency {h.overhead_s * 1000:.0f} ms",
             highlight=False,
         )
-        if h.loaded_s is not None:
-            console.print(
-                f"loaded probe: a burst served in {h.loaded_s:.2f} s, x{h.loaded_factor:.2f} "
-                "the twin's (its times are scaled by that)",
-                highlight=False,
-            )

@@ -16,8 +16,10 @@ by the Conductor or out of decode room). `per_request` pairs each request's two 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
+import os
 import tempfile
 import time
 from collections.abc import Callable
@@ -26,22 +28,11 @@ from typing import Any
 
 import msgspec
 import numpy as np
+import psutil
 
 from mooncake.conductor.costmodel import CostModel
 from mooncake.config import Config
 from mooncake.configload import load_config
-from mooncake.replay.probe import (
-    HostFigures,
-    burst_records,
-    control_plane,
-    cpu_seconds,
-    idle_latency_s,
-    idle_sim_ttft_s,
-    loaded_copy,
-    loaded_factor,
-    probe_s,
-    twin_makespan_s,
-)
 from mooncake.replay.prompts import PromptConfig
 from mooncake.replay.report import ReplayReport, RequestRecord, figure_ratios
 from mooncake.replay.runner import ReplayConfig, replay
@@ -53,7 +44,6 @@ from mooncake.sim.trace import TraceRecord
 
 FIGURES = ("ttft_p50_s", "ttft_p90_s", "tbt_p50_s", "tbt_p90_s", "hit_rate", "rejected")
 COST_CACHE = Path(tempfile.gettempdir()) / "mooncake-costmodels"  # shared with bench faults
-PROBE_PER_GROUP = 8  # requests of the loaded probe per prefill group (2x max_inflight)
 
 OnRecord = Callable[[RequestRecord], None]
 ReplayFn = Callable[[list[TraceRecord], PromptConfig, ReplayConfig, OnRecord], ReplayReport]
@@ -115,6 +105,59 @@ def scaled_records(records: list[TraceRecord], prompts: PromptConfig) -> list[Tr
         TraceRecord(r.timestamp, prompts.input_len(r), prompts.output_len(r), list(r.hash_ids))
         for r in records
     ]
+
+
+class HostFigures(msgspec.Struct, kw_only=True):
+    """What the real run measured of its host, for the simulated twin: the latency a
+    small request on the idle cluster has beyond its compute (API, master, RPCs, stage
+    hops, streaming),
+    and the cores the control plane kept busy during the replay (the master, store nodes
+    and this process, whose replay client is part of the load)."""
+
+    overhead_s: float = 0.0
+    background_cores: float = 0.0
+    host_cores: float = msgspec.field(default_factory=lambda: float(len(os.sched_getaffinity(0))))
+
+
+def idle_latency_s(cfg: ReplayConfig, prompts: PromptConfig, samples: int = 5) -> float:
+    """Median TTFT of prompts of one block and one token, sent one at a time (the cluster
+    idle): the block goes through the prefill group, so every stage hop is in it."""
+    one = [
+        TraceRecord(
+            0, prompts.trace_block_tokens + 1, 1, [(1 << 40) + 2 * i, (1 << 40) + 2 * i + 1]
+        )
+        for i in range(samples)
+    ]
+    quiet = dataclasses.replace(cfg, concurrency=1, speed=1e9)
+    seen: list[RequestRecord] = []
+    replay(one, dataclasses.replace(prompts, seed=prompts.seed + 2), quiet, None, seen.append)
+    ttfts = [r.ttft_s for r in seen if r.ttft_s is not None]
+    return float(np.median(ttfts)) if ttfts else 0.0
+
+
+def idle_sim_ttft_s(cost: CostModel, block_tokens: int) -> float:
+    """The simulator's TTFT of `idle_latency_s`'s prompt: its prefill and one decode step."""
+    n = block_tokens + 1
+    return cost.prefill_time(n, 0) + cost.decode_step_time(1, n)
+
+
+def control_plane(launcher: LocalLauncher) -> list[psutil.Process]:
+    """The processes that do no model compute: the master, store nodes and this one."""
+    procs = [psutil.Process()]
+    for c in launcher.children:
+        if c.role in ("master", "store"):
+            with contextlib.suppress(psutil.Error):
+                procs.append(psutil.Process(c.proc.pid))
+    return procs
+
+
+def cpu_seconds(procs: list[psutil.Process]) -> float:
+    total = 0.0
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            t = p.cpu_times()
+            total += t.user + t.system
+    return total
 
 
 def sim_config(
@@ -222,26 +265,18 @@ def calibrate(
     (deterministic), and compare: each real figure is the median over the runs, whose
     spread on a shared machine is often wider than the simulator's error."""
     cost = ensure_cost_model(plan, COST_CACHE, on_progress)
-    groups = max(1, plan.num_prefill // plan.group_size)
-    burst = burst_records(records, PROBE_PER_GROUP * groups, prompts.trace_block_tokens)
     runs = [
-        _real_run(records, prompts, plan, speed, cost, replay_fn, on_progress, warmup, burst)
+        _real_run(records, prompts, plan, speed, cost, replay_fn, on_progress, warmup)
         for _ in range(repeat)
     ]
     config = runs[0][2]
-    probes = [h.loaded_s for _, _, _, h in runs if h.loaded_s is not None]
     host = HostFigures(
         overhead_s=float(np.median([h.overhead_s for _, _, _, h in runs])),
         background_cores=float(np.median([h.background_cores for _, _, _, h in runs])),
-        loaded_s=float(np.median(probes)) if probes else None,
     )
     reals = [real_figures(report) for report, _, _, _ in runs]
     real = median_figures(reals)
-    twin = twin_makespan_s(
-        sim_config(plan, config, cost, speed, host), scaled_records(burst, prompts)
-    )
-    host.loaded_factor = loaded_factor(host.loaded_s, twin)
-    sim_cfg = sim_config(plan, config, loaded_copy(cost, host.loaded_factor), speed, host)
+    sim_cfg = sim_config(plan, config, cost, speed, host)
     sim, wall, run = simulate(sim_cfg, scaled_records(records, prompts))
     shape = f"{plan.num_prefill}P (groups of {plan.group_size}) + {plan.num_decode}D"
     return Calibration(
@@ -270,7 +305,6 @@ def _real_run(
     replay_fn: ReplayFn,
     on_progress: Callable[[str], None],
     warmup: int,
-    burst: list[TraceRecord],
 ) -> tuple[ReplayReport, list[RequestRecord], Config, HostFigures]:
     """One replay on a fresh cluster, with what it measured of the host."""
     launcher = LocalLauncher(plan, on_progress)
@@ -294,8 +328,6 @@ def _real_run(
             replay(records[:warmup], warm, dataclasses.replace(cfg, concurrency=1, speed=1e9))
         on_progress("measuring the idle cluster's fixed latency")
         host = HostFigures(overhead_s=idle_latency_s(cfg, prompts))
-        on_progress(f"measuring a burst of {len(burst)} requests (the loaded probe)")
-        host.loaded_s = probe_s(cfg, prompts, burst)
         control = control_plane(launcher)
         cpu0, t0 = cpu_seconds(control), time.monotonic()
         report = replay_fn(records, prompts, cfg, seen.append)

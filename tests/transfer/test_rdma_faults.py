@@ -113,10 +113,10 @@ def test_retries_and_reconnects_never_run_on_a_poller(emulator, monkeypatch) -> 
         t = transport(a)
         report = t.report
 
-        def recording_report(s, error, retryable):
+        def recording_report(s, error, retryable, *more):
             if error:
                 reports.append(threading.current_thread().name)
-            report(s, error, retryable)
+            report(s, error, retryable, *more)
 
         t.report = recording_report
         a.submit([TransferRequest(WRITE, "src", 0, "pool", 0, 1 << 16)]).check()

@@ -93,6 +93,7 @@ def test_the_work_one_qp_error_flushes_does_not_pause_its_path(emulator) -> None
     not one per flushed request (with the default pause after 3 failures, counting each
     would pause the only path and fail the batch "every other path is paused")."""
     flat_fabric()
+    del emulator.DEVICES["fake_1"]  # one NIC: one path, nowhere else to retry
     n = 16 << 20
     cfg = RdmaConfig(rdma_queue_depth=32, rdma_cq_depth=128)
     with rdma_pair(cfg, timeout_s=30.0) as (a, b):
