@@ -21,9 +21,12 @@ class PrefillConfig(msgspec.Struct, **_STRUCT):
     ] = 1
     kv_cache_bytes: Annotated[
         Size,
-        knob("Device memory for the paged KV cache of prompts being prefilled: bytes, or a "
-             "percentage of the free GPU (CPU: available) memory.", "size"),
-    ] = Size(num_bytes=1 << 30)  # fmt: skip
+        knob(
+            "Device memory for the paged KV cache of prompts being prefilled: bytes, or a "
+            "percentage of the free GPU (CPU: available) memory.",
+            "size",
+        ),
+    ] = Size(num_bytes=1 << 30)
     stage_retry_s: Annotated[
         float,
         knob(
@@ -76,9 +79,12 @@ class DecodeConfig(msgspec.Struct, **_STRUCT):
     ] = 256
     kv_cache_bytes: Annotated[
         Size,
-        knob("Device memory for the paged KV cache of decoding requests: bytes, or a "
-             "percentage of the free GPU (CPU: available) memory.", "size"),
-    ] = Size(num_bytes=2 << 30)  # fmt: skip
+        knob(
+            "Device memory for the paged KV cache of decoding requests: bytes, or a "
+            "percentage of the free GPU (CPU: available) memory.",
+            "size",
+        ),
+    ] = Size(num_bytes=2 << 30)
     drain_s: Annotated[
         float,
         knob(

@@ -8,16 +8,19 @@ No `from __future__ import annotations` here: configdoc reads these annotations 
 from typing import Annotated
 
 import msgspec
-from msgspec import Meta
+
+from mooncake.configknob import knob
 
 
+# NOTE: the struct options spelled out (not configknob.STRUCT): TransferConfig inherits
+# this struct, and mypy must see that it is frozen
 class RdmaConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """RDMA settings of the Transfer Engine."""
 
     rdma_gid_index: Annotated[
         int,
-        Meta(
-            description="GID table index of the RDMA port; -1 = choose: the port's "
+        knob(
+            "GID table index of the RDMA port; -1 = choose: the port's "
             "IPv4-mapped RoCEv2 GID (what routed RoCEv2 fabrics need; InfiniBand: 0). "
             "`show_gids` lists a node's GIDs.",
             ge=-1,
@@ -26,44 +29,44 @@ class RdmaConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
     ] = -1
     rdma_hop_limit: Annotated[
         int,
-        Meta(
-            description="IP hop limit (TTL) of RoCEv2 packets; 1 never crosses a router.",
+        knob(
+            "IP hop limit (TTL) of RoCEv2 packets; 1 never crosses a router.",
             ge=1,
             le=255,
         ),
     ] = 64
     rdma_traffic_class: Annotated[
         int,
-        Meta(
-            description="IP traffic class of RoCEv2 packets (DSCP << 2), e.g. 106 for the "
+        knob(
+            "IP traffic class of RoCEv2 packets (DSCP << 2), e.g. 106 for the "
             "DSCP 26 lossless class many fabrics configure for RoCE.",
             ge=0,
             le=255,
         ),
     ] = 0
     rdma_service_level: Annotated[
-        int, Meta(description="InfiniBand service level (RoCE: the VLAN priority).", ge=0, le=15)
+        int, knob("InfiniBand service level (RoCE: the VLAN priority).", ge=0, le=15)
     ] = 0
     rdma_queue_depth: Annotated[
         int,
-        Meta(
-            description="RDMA work requests in flight per queue pair (clamped to the "
+        knob(
+            "RDMA work requests in flight per queue pair (clamped to the "
             "device's max_qp_wr); more slices wait their turn.",
             ge=1,
         ),
     ] = 256
     rdma_cq_depth: Annotated[
         int,
-        Meta(
-            description="Completion queue entries per RDMA NIC (clamped to the device's "
+        knob(
+            "Completion queue entries per RDMA NIC (clamped to the device's "
             "max_cqe); work in flight on one NIC never exceeds it.",
             ge=16,
         ),
     ] = 4096
     rdma_max_qps_per_peer: Annotated[
         int,
-        Meta(
-            description="Queue pairs one peer engine may open to this node; more "
+        knob(
+            "Queue pairs one peer engine may open to this node; more "
             "RDMA_CONNECT requests are refused, naming this key.",
             ge=1,
         ),

@@ -143,23 +143,17 @@ def _scaled(poly: Poly2, factor: float) -> Poly2:
     return msgspec.structs.replace(poly, terms=terms)
 
 
-def scale_times(model: CostModel, prefill: float, decode: float, why: str) -> CostModel:
-    """`model` with its prefill and decode times multiplied by `prefill` and `decode`
-    (`why` is added to its device line)."""
+def scale_cost_model(model: CostModel, corun: CorunFactors) -> CostModel:
+    """`model` with its prefill and decode times multiplied by `corun`'s factors (recorded
+    in the file's `corun`; the device line says so)."""
     spec = model.spec
     return CostModel(
         msgspec.structs.replace(
             spec,
-            device=f"{spec.device}, {why} (prefill x{prefill:.2f}, decode x{decode:.2f})",
-            prefill=_scaled(spec.prefill, prefill),
-            decode=_scaled(spec.decode, decode),
+            device=f"{spec.device}, {corun.busy} nodes computing at once "
+            f"(prefill x{corun.prefill:.2f}, decode x{corun.decode:.2f})",
+            prefill=_scaled(spec.prefill, corun.prefill),
+            decode=_scaled(spec.decode, corun.decode),
+            corun=corun,
         )
     )
-
-
-def scale_cost_model(model: CostModel, corun: CorunFactors) -> CostModel:
-    """`model` with its prefill and decode times multiplied by `corun`'s factors (recorded
-    in the file's `corun`; the device line says so)."""
-    why = f"{corun.busy} nodes computing at once"
-    scaled = scale_times(model, corun.prefill, corun.decode, why)
-    return CostModel(msgspec.structs.replace(scaled.spec, corun=corun))

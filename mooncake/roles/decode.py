@@ -154,10 +154,15 @@ class DecodeNode:
             w.cache.free(blocks)
             raise
         seq = Sequence(
-            msg.req_id, msg.prompt_ids, msg.params, eos_token_ids=w.info.eos_token_ids,
-            max_model_len=w.max_model_len, tokenizer=w.tokenizer, block_ids=blocks,
+            msg.req_id,
+            msg.prompt_ids,
+            msg.params,
+            eos_token_ids=w.info.eos_token_ids,
+            max_model_len=w.max_model_len,
+            tokenizer=w.tokenizer,
+            block_ids=blocks,
             num_cached_tokens=msg.num_cached_tokens,
-        )  # fmt: skip
+        )
         self._command(lambda: self.runner.add(seq))
         return AckMsg()
 
@@ -239,12 +244,13 @@ class DecodeNode:
     def _load(self) -> NodeLoadMsg:
         r = self.runner
         return NodeLoadMsg(
-            num_queued=len(r.waiting) + self.commands.qsize(), num_running=len(r.running),
+            num_queued=len(r.waiting) + self.commands.qsize(),
+            num_running=len(r.running),
             load=len(r.running) / r.max_batch,
             context_tokens=sum(len(s.token_ids) for s in r.running),
             num_reserved=len(self.reserved),
             transfer_bytes=self.store.engine.bytes_by_transport(),
-        )  # fmt: skip
+        )
 
     # -- the step loop --
     def serve(self) -> None:

@@ -42,9 +42,15 @@ def tier_sizes(ctx: NodeContext) -> TierSizes:
 def run_store(ctx: NodeContext) -> None:
     install_signal_handlers(ctx.stop)
     sizes = tier_sizes(ctx)
-    node = StoreNode(ctx.node_id, ctx.master_rpc, ctx.secret, sizes, host=ctx.host,
-                     engine_options=engine_options(ctx.config),
-                     nic_preference=ctx.nic_preference)  # fmt: skip
+    node = StoreNode(
+        ctx.node_id,
+        ctx.master_rpc,
+        ctx.secret,
+        sizes,
+        host=ctx.host,
+        engine_options=engine_options(ctx.config),
+        nic_preference=ctx.nic_preference,
+    )
     capacity = sizes.vram_bytes + sizes.dram_bytes + sizes.ssd_bytes
     ep = node.engine.endpoints[0]  # a store node serves no RPC: status shows its data plane
     host = f"[{ep.host}]" if ":" in ep.host else ep.host

@@ -73,7 +73,7 @@ class PhaseLog:
         """A request's first token arrived at `first`; ignored without a start. The prefill
         node's report and the decode node's first token come on different connections: a
         first token ahead of the report counts its prefill up to the token."""
-        if not m.arrival <= m.started <= first or m.started == 0.0:
+        if not m.arrival <= m.started <= first:  # NOTE: started 0 (never) fails this too
             return
         prefilled = m.prefilled if m.started <= m.prefilled <= first else first
         row = (m.started - m.arrival, prefilled - m.started, first - prefilled)

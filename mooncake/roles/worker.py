@@ -113,9 +113,15 @@ def mount_local_tiers(ctx: NodeContext) -> StoreNode | None:
     )
     if not (sizes.dram_bytes or sizes.ssd_bytes):
         return None
-    node = StoreNode(ctx.node_id, ctx.master_rpc, ctx.secret, sizes, host=ctx.host,
-                     engine_options=engine_options(ctx.config),
-                     nic_preference=ctx.nic_preference)  # fmt: skip
+    node = StoreNode(
+        ctx.node_id,
+        ctx.master_rpc,
+        ctx.secret,
+        sizes,
+        host=ctx.host,
+        engine_options=engine_options(ctx.config),
+        nic_preference=ctx.nic_preference,
+    )
     start_store_node(ctx, node)
     return node
 

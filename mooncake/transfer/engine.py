@@ -167,7 +167,11 @@ class TransferEngine:
     def _publish(self, region: Region) -> SegmentDesc:
         rdma = self._transports.get("rdma")
         if rdma is not None:
-            rdma.register_region(region)  # type: ignore[attr-defined]
+            try:
+                rdma.register_region(region)  # type: ignore[attr-defined]
+            except BaseException:
+                self.segments.unregister(region.name)  # NOTE: the name is free again
+                raise
         desc = self.describe(region.name)
         assert desc is not None, region.name
         self.directory.publish(desc)

@@ -149,10 +149,7 @@ class RdmaTransport(BaseTransport):
             for name, nic in self.nics.items():
                 done.append((name, *nic.register(region.view.address, region.num_bytes, device)))
         except TransferError as e:
-            _close_all([mr for _, mr, _ in done])
-            # NOTE: the engine registered the name before asking us; free it again
-            if self.engine.segments.get(region.name) is region:
-                self.engine.segments.unregister(region.name)
+            _close_all([mr for _, mr, _ in done])  # NOTE: the engine frees the name
             raise TransferError(f"segment {region.name!r} not registered: {e}") from e
         for name, mr, base in done:
             region.rdma_keys.append(RdmaKeyDesc(name, base, int(mr.rkey)))

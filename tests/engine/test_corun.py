@@ -22,9 +22,19 @@ def test_one_worker_is_no_slowdown_and_several_are_measured(tiny_info):
 
 def test_a_scaled_cost_model_predicts_by_the_factors_and_round_trips(tiny_info, tmp_path: Path):
     model, _, _ = profile_cost_model(
-        tiny_info, "float32", 16, 64, [32, 64, 128, 256], [0.0, 0.5], [1, 2, 4], [32, 64],
-        3, 1, 4096, 2e9,
-    )  # fmt: skip
+        tiny_info,
+        "float32",
+        16,
+        64,
+        [32, 64, 128, 256],
+        [0.0, 0.5],
+        [1, 2, 4],
+        [32, 64],
+        3,
+        1,
+        4096,
+        2e9,
+    )
     corun = CorunFactors(busy=2, prefill=1.3, decode=1.6)
     scaled = scale_cost_model(model, corun)
     for n, reused in ((100, 0), (256, 128)):
