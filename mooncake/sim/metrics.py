@@ -16,7 +16,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from mooncake.sim.misses import CAUSES, ELSEWHERE_PARTS, MissCounts
+from mooncake.conductor.misses import CAUSES, ELSEWHERE_PARTS, MissCounts
 
 
 class SimRequest:
@@ -74,7 +74,7 @@ def slowest_share_mean(gaps: list[tuple[float, int]], share: float) -> float:
 
 
 class MissSummary(msgspec.Struct, kw_only=True):
-    """Blocks of the requests whose prefill started, by cause (`sim/misses.py`); shares
+    """Blocks of the requests whose prefill started, by cause (`conductor/misses.py`); shares
     are of `blocks`, and `elsewhere` = `priced_out` + `plan_lost` + `after_placement`."""
 
     requests: int = 0
@@ -92,14 +92,16 @@ class MissSummary(msgspec.Struct, kw_only=True):
     evicted_age_p90_s: float = 0.0
 
 
-def summarize_misses(reqs: list[SimRequest], evicted_ages: list[float]) -> MissSummary:
+def summarize_misses(reqs: list[SimRequest]) -> MissSummary:
     names = (*CAUSES, *ELSEWHERE_PARTS)
     sums = [0] * len(names)
     started = 0
+    evicted_ages: list[float] = []
     for r in reqs:
         c = r.misses
         if c is not None:
             started += 1
+            evicted_ages += c.evicted_age_s
             for k, name in enumerate(names):
                 sums[k] += getattr(c, name)
     totals = dict(zip(names, sums, strict=True))
@@ -172,7 +174,6 @@ def summarize(
     gpus_per_instance: int,
     span_s: float,
     speed: float,
-    evicted_ages: list[float] | None = None,
 ) -> SimReport:
     """Aggregate the per-request records of a finished run."""
     done = [r for r in reqs if r.status == "done"]
@@ -216,6 +217,6 @@ def summarize(
         makespan_s=max(end - start, 0.0),
         goodput_rps=met / span_s,
         speed=speed,
-        misses=summarize_misses(reqs, evicted_ages or []),
+        misses=summarize_misses(reqs),
     )
     return SimReport(result, ttft.tolist(), tbt.tolist())

@@ -5,7 +5,7 @@ evicted from DRAM is demoted to SSD when there is one, else dropped; a block evi
 SSD is dropped; a block read from SSD moves back to DRAM. Every change reaches the
 Conductor's `PrefixIndex` as added / demoted / evicted, as the real Store's events would,
 and, with a `MissLedger`, every use and every drop reaches the ledger too (times in
-seconds of simulated time), so a request's misses can be explained (`sim/misses.py`).
+seconds of simulated time), so a request's misses can be explained (`conductor/misses.py`).
 
 `global_lru_hit_rate` is the paper's Table 1 measure: one global LRU pool of `capacity`
 blocks, requests replayed in order, hit = the longest prefix of a request's blocks that
@@ -18,7 +18,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
 from mooncake.conductor.index import PrefixIndex
-from mooncake.sim.misses import MissLedger
+from mooncake.conductor.misses import MissLedger
 from mooncake.sim.trace import TraceRecord
 
 

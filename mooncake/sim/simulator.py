@@ -10,7 +10,7 @@ sorted trace instead of being pushed up front. Per request:
 
 and the same Conductor hears every step back (`on_prefill_started`, ...), while the pool
 reports every block it gains or loses to the Conductor's prefix index and to the miss
-ledger, which gives each block a request does not reuse its cause (`sim/misses.py`).
+ledger, which gives each block a request does not reuse its cause (`conductor/misses.py`).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from mooncake.sim.cluster import SimConfig
 from mooncake.sim.coupled import CoupledInstance
 from mooncake.sim.decode import DecodeInstance
 from mooncake.sim.metrics import SimReport, SimRequest, summarize
-from mooncake.sim.misses import MissLedger
+from mooncake.conductor.misses import MissLedger
 from mooncake.sim.pool import NodePool
 from mooncake.sim.prefill import PrefillInstance
 from mooncake.sim.trace import TraceRecord, trace_span_s
@@ -57,7 +57,7 @@ class Simulator:
         self.coupled: dict[str, CoupledInstance] = {}
         capacity = self.cost.kv_capacity_tokens
         index = self.conductor.index
-        self.ledger = MissLedger(index)  # why requests missed (sim/misses.py)
+        self.ledger = MissLedger(index)  # why requests missed (conductor/misses.py)
         if cfg.is_coupled:
             for i in range(cfg.num_coupled):
                 name = f"c{i}"
@@ -108,7 +108,6 @@ class Simulator:
             gpus_per_instance=cfg.tp,
             span_s=self.span_s,
             speed=cfg.speed,
-            evicted_ages=self.ledger.evicted_ages,
         )
         report.result.wall_s = time.perf_counter() - wall
         return report
