@@ -50,6 +50,17 @@ class TtftPhases(msgspec.Struct, kw_only=True):
     predicted_over_actual_p50: float | None  # Conductor's TTFT / the real one
 
 
+class KVBlockShares(msgspec.Struct, frozen=True, kw_only=True):
+    """The prompt blocks prefills could have reused, by cause (roles/attribution.py):
+    hit, cold, evicted, elsewhere, unverified, and the elsewhere parts (priced_out,
+    plan_lost, after_placement); shares are of `blocks`."""
+
+    requests: int = 0  # prefills attributed since start
+    blocks: int = 0  # blocks they could have reused
+    counts: dict[str, int] = {}  # cause or part -> blocks
+    shares: dict[str, float] = {}  # cause or part -> share of blocks
+
+
 class MasterStatus(msgspec.Struct, frozen=True, kw_only=True):
     id: str
     address: str  # host:port of its control plane
@@ -93,6 +104,7 @@ class Status(msgspec.Struct, frozen=True, kw_only=True):
     ttft_phases: TtftPhases | None = None  # where TTFT went (the cluster's master only)
     masters: list[MasterStatus] = []  # every master process, the leader among them
     num_pool_objects: int = 0  # committed objects in the pool (what readers can get)
+    kv_blocks: KVBlockShares | None = None  # why prefills missed (the cluster's master only)
 
 
 def host_port(address: str) -> str:

@@ -22,13 +22,13 @@ from collections.abc import Callable
 from typing import Any
 
 from mooncake.conductor import Conductor, ScheduleRequest
+from mooncake.conductor.misses import MissLedger
 from mooncake.errors import ConfigError
 from mooncake.modelspec import get_model_spec
 from mooncake.sim.cluster import SimConfig
 from mooncake.sim.coupled import CoupledInstance
 from mooncake.sim.decode import DecodeInstance
 from mooncake.sim.metrics import SimReport, SimRequest, summarize
-from mooncake.conductor.misses import MissLedger
 from mooncake.sim.pool import NodePool
 from mooncake.sim.prefill import PrefillInstance
 from mooncake.sim.trace import TraceRecord, trace_span_s

@@ -6,8 +6,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mooncake.conductor import PrefixIndex
-from mooncake.sim.cluster import SimConfig
 from mooncake.conductor.misses import MissLedger
+from mooncake.sim.cluster import SimConfig
 from mooncake.sim.pool import NodePool
 from mooncake.sim.simulator import Simulator
 from mooncake.sim.synth import LengthDist, SynthParams, synthesize
