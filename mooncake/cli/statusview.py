@@ -14,7 +14,7 @@ if TYPE_CHECKING:  # rich is imported inside the functions: every verb module lo
     from rich.table import Table
     from rich.text import Text
 
-    from mooncake.api.status import NodeStatus, Status
+    from mooncake.api.status import KVBlockShares, NodeStatus, Status
 
 WIDE = 110  # columns from which nodes show GPU and NIC names and pool bars are longer
 SIDE_BY_SIDE = 140  # columns from which the pool table sits beside the serving figures
@@ -275,6 +275,8 @@ def metrics_table(status: Status) -> Table:
         "pool hits", f"{s.hit_rate * 100:.1f}% of blocks in the pool at placement{lookups}"
     )
     table.add_row("local hits", f"{s.local_hit_rate * 100:.1f}% of blocks on the chosen node")
+    if (kv := s.kv_blocks) is not None and kv.blocks:
+        table.add_row("blocks", misses_line(kv))
     table.add_row("queues", f"{s.num_queued:,} queued  {s.num_running:,} running")
     for name, p50, p90, slo in (
         ("TTFT", s.ttft_p50_s, s.ttft_p90_s, s.ttft_slo_s),
@@ -308,6 +310,15 @@ def metrics_table(status: Status) -> Table:
     )
     table.add_row("transfer", human_rate(s.transfer_bytes_per_s))
     return table
+
+
+def misses_line(kv: KVBlockShares) -> str:
+    """The prefills' blocks by cause as shares (roles/attribution.py)."""
+    from mooncake.conductor.misses import CAUSES
+
+    sh = kv.shares
+    parts = "  ".join(f"{c} {sh.get(c, 0.0) * 100:.1f}%" for c in CAUSES)
+    return f"{parts}  ({kv.blocks:,} blocks of {kv.requests:,} prefills)"
 
 
 def render_status(status: Status, url: str, width: int) -> RenderableType:

@@ -6,7 +6,7 @@ import io
 
 from rich.console import Console, RenderableType
 
-from mooncake.api.status import NodeStatus, Status, TierStatus
+from mooncake.api.status import KVBlockShares, NodeStatus, Status, TierStatus
 from mooncake.cli.statusview import (
     human_bytes,
     human_duration,
@@ -228,3 +228,20 @@ def test_view_shows_where_ttft_went_against_the_conductors_prediction() -> None:
     )
     empty = flat(to_text(render_status(make_status(), "http://m:8000", 80), 80))
     assert "TTFT P50 in" not in empty  # no phases before any request (or from `serve`)
+
+
+def test_the_blocks_line_shows_each_cause_as_a_share() -> None:
+    """The prefills' blocks by cause (the master's miss attribution), shares of the
+    blocks they could have reused; no line before any prefill was attributed."""
+    counts = {"hit": 600, "cold": 250, "evicted": 100, "elsewhere": 40, "unverified": 10}
+    kv = KVBlockShares(
+        requests=20, blocks=1000, counts=counts, shares={k: v / 1000 for k, v in counts.items()}
+    )
+    body = flat(to_text(render_status(make_status(kv_blocks=kv), "http://m:8000", 120), 120))
+    assert (
+        "blocks hit 60.0% cold 25.0% evicted 10.0% elsewhere 4.0% unverified 1.0% "
+        "(1,000 blocks of 20 prefills)"
+    ) in body
+    assert "blocks hit" not in flat(
+        to_text(render_status(make_status(), "http://m:8000", 120), 120)
+    )
