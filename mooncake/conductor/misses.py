@@ -142,6 +142,11 @@ class MissLedger:
             if gone:
                 gone.pop(h, None)
 
+    def read(self, hashes: Iterable[Hashable], t: float) -> None:
+        """Blocks were read at `t`: the last use of those the pool still holds."""
+        held = self.index.holders_mask
+        self.used([h for h in hashes if held(h)], t)
+
     def dropped(self, hashes: Iterable[Hashable], t: float) -> None:
         """A node dropped these blocks at `t`; those no node holds now are evicted."""
         held, last, gone = self.index.holders_mask, self.last_use, self.evicted

@@ -92,7 +92,7 @@ class Attribution:
         hit = min(num_reused_tokens // self.block_tokens, n)
         counts = classify(p.view, hit, p.best_seen, p.planned, is_unverified and hit < n)
         assert counts.total == n, (counts, n)
-        self.ledger.used(p.hashes[:hit], now)  # NOTE: a read is a use
+        self.ledger.read(p.hashes[:hit], now)  # NOTE: a read is a use
         self.num_requests += 1
         for name in self.totals:
             self.totals[name] += getattr(counts, name)
