@@ -39,7 +39,7 @@ from mooncake.conductor.index import PrefixIndex
 
 CAUSES = ("hit", "cold", "evicted", "elsewhere", "unverified")
 ELSEWHERE_PARTS = ("priced_out", "plan_lost", "after_placement")
-DEFAULT_MEMORY_BLOCKS = 1_000_000  # evictions remembered (about 150 bytes each)
+DEFAULT_MEMORY_BLOCKS = 1_000_000  # evictions remembered (about 175 bytes each)
 
 
 class MissCounts(msgspec.Struct, frozen=True, kw_only=True):

@@ -19,8 +19,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import msgspec
 import pytest
 
+from mooncake.api import openapi
 from mooncake.roles.local import LocalLauncher
 from tests.roles.cluster import kill, local_cluster, start_node
 
@@ -61,10 +63,14 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, cost_cache: Path) -> Itera
 
 
 def _complete(url: str, prompt: list[int]) -> dict:
+    """The answer's usage.prompt_tokens_details, its usage checked against the OpenAPI
+    document's shape."""
     body = {"prompt": prompt, "max_tokens": 1, "temperature": 0}
     r = httpx.post(url + "/v1/completions", json=body, timeout=120)
     assert r.status_code == 200, r.text
-    return r.json()["usage"]["prompt_tokens_details"]
+    usage = r.json()["usage"]
+    msgspec.json.decode(msgspec.json.encode(usage), type=openapi.Usage, strict=True)
+    return usage["prompt_tokens_details"]
 
 
 def test_an_immediate_repeat_reuses_every_full_block(cluster: LocalLauncher) -> None:
