@@ -214,7 +214,7 @@ class SchedulerConfig(msgspec.Struct, **_STRUCT):
     miss_memory_blocks: Annotated[
         int,
         knob(
-            "Evicted blocks the master remembers (hash and age at eviction, about 150 bytes "
+            "Evicted blocks the master remembers (hash and age at eviction, about 175 bytes "
             "each) to tell an evicted block from a cold one in its miss attribution; past it "
             "the oldest eviction is forgotten, and that block, missed again, counts as cold.",
             ge=0,
