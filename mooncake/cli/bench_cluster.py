@@ -106,6 +106,7 @@ def _print(r: Calibration) -> None:
     from rich.table import Table
 
     from mooncake.cli.output import console
+    from mooncake.conductor.misses import CAUSES
     from mooncake.replay.calibrate import FIGURES
 
     table = Table(
@@ -123,6 +124,14 @@ def _print(r: Calibration) -> None:
         )
     table.add_row("failed", str(r.real.failed), str(r.sim.failed), "")
     table.add_row("completed", str(r.real.completed), str(r.sim.completed), "")
+    real, sim = r.real.block_shares, r.sim.block_shares
+    for cause in CAUSES if real or sim else ():  # blocks by cause / blocks requested
+        table.add_row(
+            f"blocks {cause}",
+            _fmt(cause, real.get(cause)) if real else "-",
+            _fmt(cause, sim.get(cause)),
+            "",
+        )
     console.print(table)
     console.print(f"cost model: {r.cost_model}; simulated in {r.sim_wall_s:.2f} s", highlight=False)
     if r.host is not None:

@@ -66,6 +66,9 @@ class Figures(msgspec.Struct, kw_only=True):
     rejected: int
     completed: int
     failed: int = 0
+    # blocks by cause / blocks requested (conductor/misses.py): the simulator's, and the
+    # server's where it sends them (usage.prompt_tokens_details.kv_blocks); {} otherwise
+    block_shares: dict[str, float] = {}
 
 
 class RequestPair(msgspec.Struct, array_like=True):
@@ -227,6 +230,7 @@ def simulate(cfg: SimConfig, records: list[TraceRecord]) -> tuple[Figures, float
         rejected=res.rejected,
         completed=res.completed,
         failed=res.failed,
+        block_shares=res.misses.shares,
     )
     return figures, res.wall_s, sim
 
@@ -241,6 +245,7 @@ def real_figures(report: ReplayReport) -> Figures:
         rejected=report.rejected,
         completed=report.completed,
         failed=report.failed,
+        block_shares={k: v for k, v in report.kv_block_shares.items() if k != "requested"},
     )
 
 
@@ -354,6 +359,10 @@ def median_figures(runs: list[Figures]) -> Figures:
         rejected=round(med("rejected") or 0),
         completed=round(med("completed") or 0),
         failed=round(med("failed") or 0),
+        block_shares={
+            k: float(np.median([f.block_shares.get(k, 0.0) for f in runs]))
+            for k in (runs[0].block_shares if runs else {})
+        },
     )
 
 
