@@ -30,9 +30,11 @@ import msgspec
 import numpy as np
 import psutil
 
+from mooncake.api.status import TtftPhases
 from mooncake.conductor.costmodel import CostModel
 from mooncake.config import Config
 from mooncake.configload import load_config
+from mooncake.replay.phases import real_phases, sim_phases
 from mooncake.replay.prompts import PromptConfig
 from mooncake.replay.report import ReplayReport, RequestRecord, figure_ratios
 from mooncake.replay.runner import ReplayConfig, replay
@@ -95,6 +97,9 @@ class Calibration(msgspec.Struct, kw_only=True):
     sim_wall_s: float
     host: HostFigures | None = None  # what the real runs measured of this host (medians)
     real_runs: list[Figures] = []  # each real run's figures (`real` is their median)
+    # TTFT phases of the first real run (the master's) and of the twin (replay/phases.py)
+    real_phases: TtftPhases | None = None
+    sim_phases: TtftPhases | None = None
     per_request: list[RequestPair] = []  # the first real run's requests
 
 
@@ -190,6 +195,7 @@ def sim_config(
         tp=1,
         host_cores=host.host_cores if host else 0.0,
         background_cores=host.background_cores if host else 0.0,
+        prefill_nice=plan.prefill_nice if host else 0,
         request_overhead_s=max(0.0, host.overhead_s - idle_sim_ttft_s(cost, plan.block_tokens))
         if host
         else 0.0,
@@ -271,10 +277,10 @@ def calibrate(
     ]
     config = runs[0][2]
     host = HostFigures(
-        overhead_s=float(np.median([h.overhead_s for _, _, _, h in runs])),
-        background_cores=float(np.median([h.background_cores for _, _, _, h in runs])),
+        overhead_s=float(np.median([h.overhead_s for _, _, _, h, _ in runs])),
+        background_cores=float(np.median([h.background_cores for _, _, _, h, _ in runs])),
     )
-    reals = [real_figures(report) for report, _, _, _ in runs]
+    reals = [real_figures(report) for report, _, _, _, _ in runs]
     real = median_figures(reals)
     sim_cfg = sim_config(plan, config, cost, speed, host)
     sim, wall, run = simulate(sim_cfg, scaled_records(records, prompts))
@@ -293,6 +299,8 @@ def calibrate(
         host=host,
         real_runs=reals,
         per_request=pair_requests(runs[0][1], run),
+        real_phases=runs[0][4],
+        sim_phases=sim_phases(run.requests, sim_cfg.request_overhead_s),
     )
 
 
@@ -305,8 +313,9 @@ def _real_run(
     replay_fn: ReplayFn,
     on_progress: Callable[[str], None],
     warmup: int,
-) -> tuple[ReplayReport, list[RequestRecord], Config, HostFigures]:
-    """One replay on a fresh cluster, with what it measured of the host."""
+) -> tuple[ReplayReport, list[RequestRecord], Config, HostFigures, TtftPhases | None]:
+    """One replay on a fresh cluster, with what it measured of the host and where its
+    requests' TTFT went."""
     launcher = LocalLauncher(plan, on_progress)
     launcher.runfile = plan.run_dir / "local.json"  # NOTE: never the user's own cluster's
     on_progress("starting the local cluster")
@@ -332,10 +341,11 @@ def _real_run(
         cpu0, t0 = cpu_seconds(control), time.monotonic()
         report = replay_fn(records, prompts, cfg, seen.append)
         host.background_cores = (cpu_seconds(control) - cpu0) / (time.monotonic() - t0)
+        phases = real_phases(launcher.url, launcher.api_key)
     finally:
         on_progress("stopping the local cluster")
         launcher.stop()
-    return report, seen, config, host
+    return report, seen, config, host, phases
 
 
 def median_figures(runs: list[Figures]) -> Figures:

@@ -58,10 +58,12 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
     late_binding: bool = True  # choose the decode instance at prefill start, in every mode
     # a cluster on one host (`up --local`): every node's compute shares `host_cores` cores,
     # `background_cores` of which the control plane (API, master, clients) keeps busy; a
-    # prefill or decode step is slowed by (busy compute processes + background) / cores
-    # when that exceeds 1. 0 = every node has its own device, as on a real cluster
+    # prefill or decode step gets its CPU share of them by the nodes' nice values
+    # (`sim/host.py`; prefill nodes at `prefill_nice`, the rest at 0). 0 = every node
+    # has its own device, as on a real cluster
     host_cores: float = 0.0
     background_cores: float = 0.0
+    prefill_nice: int = 0
     request_overhead_s: float = 0.0  # control-plane latency before a request is scheduled
     seed: int = 0
 
@@ -79,6 +81,8 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
             )
         if self.host_cores < 0 or self.background_cores < 0 or self.request_overhead_s < 0:
             problems.append("host_cores, background_cores and request_overhead_s must be >= 0")
+        if not 0 <= self.prefill_nice <= 19:
+            problems.append(f"prefill_nice must be in 0..19, got {self.prefill_nice}")
         if not self.speed > 0:
             problems.append(f"speed must be > 0, got {self.speed}")
         if self.limit is not None and self.limit < 1:
