@@ -130,7 +130,10 @@ def _print(r: Calibration) -> None:
         h = r.host
         console.print(
             f"real: median of {len(r.real_runs)} run(s); host: {h.host_cores:g} cores, control "
-            f"plane {h.background_cores:.2f} cores busy, idle latency {h.overhead_s * 1000:.0f} ms",
+            f"plane {h.background_cores:.2f} cores busy, idle latency "
+            f"{h.overhead_s * 1000:.0f} ms; "
+            f"lone {h.path.prompt_tokens}-token prompts: prefill path x{h.path.prefill:.2f}, "
+            f"token gap x{h.path.decode:.2f} the cost model's (the twin computes at these)",
             highlight=False,
         )
     if r.real_phases is not None and r.sim_phases is not None:

@@ -34,6 +34,7 @@ from mooncake.api.status import TtftPhases
 from mooncake.conductor.costmodel import CostModel
 from mooncake.config import Config
 from mooncake.configload import load_config
+from mooncake.replay.idleprobe import PathScales, idle_latency_s, idle_path_scales, idle_sim_ttft_s
 from mooncake.replay.phases import real_phases, sim_phases
 from mooncake.replay.prompts import PromptConfig
 from mooncake.replay.report import ReplayReport, RequestRecord, figure_ratios
@@ -121,29 +122,8 @@ class HostFigures(msgspec.Struct, kw_only=True):
 
     overhead_s: float = 0.0
     background_cores: float = 0.0
+    path: PathScales = msgspec.field(default_factory=PathScales)  # replay/idleprobe.py
     host_cores: float = msgspec.field(default_factory=lambda: float(len(os.sched_getaffinity(0))))
-
-
-def idle_latency_s(cfg: ReplayConfig, prompts: PromptConfig, samples: int = 5) -> float:
-    """Median TTFT of prompts of one block and one token, sent one at a time (the cluster
-    idle): the block goes through the prefill group, so every stage hop is in it."""
-    one = [
-        TraceRecord(
-            0, prompts.trace_block_tokens + 1, 1, [(1 << 40) + 2 * i, (1 << 40) + 2 * i + 1]
-        )
-        for i in range(samples)
-    ]
-    quiet = dataclasses.replace(cfg, concurrency=1, speed=1e9)
-    seen: list[RequestRecord] = []
-    replay(one, dataclasses.replace(prompts, seed=prompts.seed + 2), quiet, None, seen.append)
-    ttfts = [r.ttft_s for r in seen if r.ttft_s is not None]
-    return float(np.median(ttfts)) if ttfts else 0.0
-
-
-def idle_sim_ttft_s(cost: CostModel, block_tokens: int) -> float:
-    """The simulator's TTFT of `idle_latency_s`'s prompt: its prefill and one decode step."""
-    n = block_tokens + 1
-    return cost.prefill_time(n, 0) + cost.decode_step_time(1, n)
 
 
 def control_plane(launcher: LocalLauncher) -> list[psutil.Process]:
@@ -196,7 +176,11 @@ def sim_config(
         host_cores=host.host_cores if host else 0.0,
         background_cores=host.background_cores if host else 0.0,
         prefill_nice=plan.prefill_nice if host else 0,
-        request_overhead_s=max(0.0, host.overhead_s - idle_sim_ttft_s(cost, plan.block_tokens))
+        prefill_scale=host.path.prefill if host else 1.0,
+        decode_scale=host.path.decode if host else 1.0,
+        request_overhead_s=max(
+            0.0, host.overhead_s - idle_sim_ttft_s(cost, plan.block_tokens, host.path)
+        )
         if host
         else 0.0,
     )
@@ -279,6 +263,11 @@ def calibrate(
     host = HostFigures(
         overhead_s=float(np.median([h.overhead_s for _, _, _, h, _ in runs])),
         background_cores=float(np.median([h.background_cores for _, _, _, h, _ in runs])),
+        path=PathScales(
+            prefill=float(np.median([h.path.prefill for _, _, _, h, _ in runs])),
+            decode=float(np.median([h.path.decode for _, _, _, h, _ in runs])),
+            prompt_tokens=runs[0][3].path.prompt_tokens,
+        ),
     )
     reals = [real_figures(report) for report, _, _, _, _ in runs]
     real = median_figures(reals)
@@ -337,6 +326,9 @@ def _real_run(
             replay(records[:warmup], warm, dataclasses.replace(cfg, concurrency=1, speed=1e9))
         on_progress("measuring the idle cluster's fixed latency")
         host = HostFigures(overhead_s=idle_latency_s(cfg, prompts))
+        on_progress("measuring lone requests of the slice's median length")
+        model = CostModel.load(cost)
+        host.path = idle_path_scales(cfg, prompts, model, records, host.overhead_s)
         control = control_plane(launcher)
         cpu0, t0 = cpu_seconds(control), time.monotonic()
         report = replay_fn(records, prompts, cfg, seen.append)

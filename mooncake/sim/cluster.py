@@ -64,6 +64,11 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
     host_cores: float = 0.0
     background_cores: float = 0.0
     prefill_nice: int = 0
+    # the real path's cost over the cost model's compute (prefill groups and decode nodes
+    # compute this much slower; the Conductor keeps the cost model): `bench cluster`'s
+    # lone-request probes (replay/idleprobe.py); 1 = the profile is the whole cost
+    prefill_scale: float = 1.0
+    decode_scale: float = 1.0
     request_overhead_s: float = 0.0  # control-plane latency before a request is scheduled
     seed: int = 0
 
@@ -81,6 +86,8 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
             )
         if self.host_cores < 0 or self.background_cores < 0 or self.request_overhead_s < 0:
             problems.append("host_cores, background_cores and request_overhead_s must be >= 0")
+        if not (self.prefill_scale > 0 and self.decode_scale > 0):
+            problems.append("prefill_scale and decode_scale must be > 0")
         if not 0 <= self.prefill_nice <= 19:
             problems.append(f"prefill_nice must be in 0..19, got {self.prefill_nice}")
         if not self.speed > 0:

@@ -43,6 +43,7 @@ class DecodeInstance:
         self.name = name
         self.sim = sim
         self.cost = sim.cost
+        self.scale = sim.cfg.decode_scale  # the real step's cost over the profiled one
         self.capacity_tokens = capacity_tokens  # KV tokens VRAM holds
         self.step = 0  # steps completed when the open segment starts
         self.seg_t0 = 0.0  # start of the open segment, s
@@ -122,7 +123,7 @@ class DecodeInstance:
         if self.n == 0:
             self.report()
             return
-        step_s = self.cost.decode_step_time(self.n, self.context_tokens)
+        step_s = self.cost.decode_step_time(self.n, self.context_tokens) * self.scale
         self.tau = max(step_s * self.sim.compute_factor("decode"), 1e-6)
         end = self.seg_t0 + (self.targets[0][0] - self.step) * self.tau
         self.sim.push(end, self._tick, self.version)

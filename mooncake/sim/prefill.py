@@ -129,7 +129,7 @@ class PrefillInstance:
         if d.replications and reused > local:
             self.pool.store(req.hashes[local:reused], t)  # the ordered replica lands here
         req.reused_blocks = reused
-        req.prefill_s = prefill_s
+        req.prefill_s = prefill_s * sim.cfg.prefill_scale  # NOTE: the Conductor's is unscaled
         req.prefill_start = t
         req.reserve_deadline = t + sim.cfg.reserve_timeout_s
         return True

@@ -61,3 +61,7 @@ def test_bench_cluster_end_to_end_prints_real_sim_and_ratios(tmp_path: Path) -> 
     assert real_ph["num_requests"] >= 4 and sim_ph["num_requests"] == 4
     for ph in (real_ph, sim_ph):
         assert ph["prefill_p50_s"] > 0 and ph["first_step_p50_s"] > 0 and ph["queue_p50_s"] >= 0
+    # lone prompts of the slice's median length priced the real path against the profile
+    path = data["host"]["path"]
+    assert path["prompt_tokens"] > 0
+    assert 0.5 <= path["prefill"] <= 5.0 and 0.5 <= path["decode"] <= 5.0

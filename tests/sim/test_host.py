@@ -75,3 +75,24 @@ def test_the_twin_prices_nice_prefill_slower_and_decode_steps_at_full_speed(tmp_
     assert nice[0].tbt < fair[0].tbt  # the decode node's steps were not slowed
     with pytest.raises(Exception, match="prefill_nice"):
         SimConfig(prefill_nice=20)
+
+
+def test_path_scales_stretch_the_twins_compute_not_its_conductors_prices(tmp_path):
+    """bench cluster's lone-request probes: prefill groups and decode nodes compute at the
+    measured factors; the Conductor keeps pricing with the cost model."""
+    cost = write_toy_cost(tmp_path / "cost.json", step_per_request_s=0, step_per_token_s=0)
+    trace = load_trace(write_trace(tmp_path / "t.jsonl", [(0, 1000, 11, [1, 2])]))
+
+    def run(**kw):
+        cfg = SimConfig(num_prefill=1, num_decode=1, rejection="none", cost_model_path=cost, **kw)
+        sim = Simulator(cfg, trace)
+        sim.run()
+        return sim.requests[0]
+
+    base, scaled = run(), run(prefill_scale=1.5, decode_scale=2.0)
+    took = [r.prefill_end - r.prefill_start for r in (base, scaled)]
+    assert took[1] == pytest.approx(1.5 * took[0])
+    assert scaled.tbt == pytest.approx(2.0 * base.tbt)  # 10 steps of 20 ms, not 10 ms
+    assert scaled.decision.ttft_s == base.decision.ttft_s
+    with pytest.raises(Exception, match="prefill_scale and decode_scale"):
+        SimConfig(decode_scale=0)
