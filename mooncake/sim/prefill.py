@@ -119,7 +119,7 @@ class PrefillInstance:
         req.misses = sim.ledger.attribute(req.hashes, reused, d.best_blocks, d.reused_blocks)
         self.pool.store(req.hashes[:local], t)  # reading refreshes the LRU order
         if d.replications and reused > local:
-            self.pool.store(req.hashes[local:reused], t)  # the ordered replica lands here
+            self.pool.replicate(req.hashes[local:reused], t)  # the ordered replica, if room
         req.reused_blocks = reused
         req.prefill_s = prefill_s
         req.prefill_start = t
