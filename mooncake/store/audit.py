@@ -25,7 +25,7 @@ def stats(svc: MetadataService) -> StoreStats:
         num_nodes=len(space.node_last_seen),
         tier_capacity_bytes={t: space.tier_usable[t] for t in TIERS},
         tier_used_bytes={t: space.tier_used[t] for t in TIERS},
-        tier_objects={t: len(svc.lru[t]) for t in TIERS},
+        tier_objects={t: svc.order.count(t) for t in TIERS},
         hits=c.hits,
         misses=c.misses,
         puts=c.puts,
@@ -64,9 +64,12 @@ def check_service(svc: MetadataService) -> None:
             assert key not in seg_keys[seg.name], f"{key}: two replicas in {seg.name}"
             seg_keys[seg.name].add(key)
             taken[seg.name].add(r.offset)
-    for t in TIERS:
-        want = {k for k, o in svc.objects.items() for r in o.complete() if r.tier == t}
-        assert set(svc.lru[t]) == want, f"LRU of {t} out of sync"
+    svc.order.check_integrity()
+    for key, obj in svc.objects.items():
+        per: dict[str, int] = {}
+        for r in obj.complete():
+            per[r.tier] = per.get(r.tier, 0) + 1
+        assert svc.order.copies.get(key, {}) == per, f"{key}: eviction order out of sync"
     for _, r in svc.space.deferred:
         assert r.offset not in taken[r.segment.name], "deferred range also in use"
         taken[r.segment.name].add(r.offset)

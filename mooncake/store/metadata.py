@@ -24,7 +24,6 @@ misuse raises StoreError.
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
 from collections.abc import Sequence
 
 from mooncake.errors import StoreError
@@ -44,9 +43,9 @@ from mooncake.store.objects import (
     Replica,
     StoreEvent,
     StoreStats,
-    Tier,
 )
 from mooncake.store.placement import create_placement
+from mooncake.store.poolorder import PoolOrder
 from mooncake.store.poolstate import PoolChanges, object_entry, segment_entry
 from mooncake.store.segments import SegmentManager
 from mooncake.store.settings import MetadataConfig, key_error
@@ -68,13 +67,13 @@ class MetadataService:
         self.config = config = config or MetadataConfig()
         self.space = SegmentManager(fit=config.fit)
         self.objects: dict[str, ObjectRecord] = {}
-        # tier -> keys with a COMPLETE replica there, least recently used first
-        self.lru: dict[Tier, OrderedDict[str, None]] = {t: OrderedDict() for t in TIERS}
+        # per tier: keys with a COMPLETE replica there, pool-wide, in eviction order
+        self.order: PoolOrder[str] = PoolOrder(TIERS)
         self.writing: dict[str, None] = {}  # keys in PROCESSING, oldest put first
         self.counters = Counters()
         self.placement = create_placement(config.placement, config.seed)
         self.mover = Mover(self)
-        self.evictor = Evictor(self)
+        self.evictor = Evictor(self.space, self.objects, self.order, self.mover, config, self)
         self.slots = SlotBook(self)
         self.writes = WriteProtocol(self)
         self._events: list[StoreEvent] = []
@@ -211,8 +210,7 @@ class MetadataService:
         replicas = obj.complete()
         if len(replicas) > 1:
             replicas.sort(key=lambda r: _read_order(r, reader))
-        for r in replicas:
-            self.lru[r.tier].move_to_end(key)
+        self.order.touch(key)
         if self.config.promote_on_hit and replicas[0].tier == "ssd" and not obj.move_id:
             # sorted: the first replica is on SSD only if every replica is
             self.evictor.promote(obj, reader, now)
@@ -362,8 +360,7 @@ class MetadataService:
         obj.replicas.remove(r)
         if r.state == COMPLETE:
             self.changed_keys[obj.key] = None
-            if not any(o.tier == r.tier and o.state == COMPLETE for o in obj.replicas):
-                self.lru[r.tier].pop(obj.key, None)
+            self.order.remove(obj.key, r.tier)
             here = [TIERS.index(o.tier) for o in obj.complete() if o.node_id == r.node_id]
             if emit and not here:
                 self.emit(emit, obj.key, r.node_id, r.tier)

@@ -71,9 +71,15 @@ class Mover:
 
     def replicate(self, obj: ObjectRecord, dst_node: str, now: float) -> bool:
         """Start copying a committed object's memory replica to `dst_node`'s DRAM (a hot
-        spot, Algorithm 1); False if it is moving, already there, or has no room there
-        under the high watermark."""
+        spot, Algorithm 1); False if it is moving, already there, has no room there under
+        the high watermark, or the copy would pass DRAM's `replica_budget`."""
         if obj.move_id or not obj.is_committed or any(r.node_id == dst_node for r in obj.replicas):
+            return False
+        svc = self.svc
+        in_flight = sum(m.dst.size for m in self.moves.values() if m.kind == "replicate")
+        if not svc.order.may_duplicate(
+            "dram", in_flight + obj.size, svc.config.replica_budget, svc.space.tier_usable["dram"]
+        ):
             return False
         sources = [r for r in obj.complete() if r.tier != "ssd"]
         return self.start(obj, sources, "replicate", ("dram",), dst_node, now) is not None
@@ -151,7 +157,7 @@ class Mover:
             svc.detach(obj, mv.dst, now, emit=None)
             return KeyResult(key=mv.key, status="ok", message="move abandoned; the source stays")
         mv.dst.state = COMPLETE
-        svc.lru[mv.dst.tier][mv.key] = None
+        svc.order.add(mv.key, mv.dst.tier, obj.size, obj.wanted)
         svc.emit_gain(obj, mv.dst)
         if mv.release_src:  # NOTE: after the gain: a node keeping it lower is a demotion
             svc.detach(obj, mv.src, now, emit="evicted")

@@ -3,8 +3,9 @@
 The master sees every object, so its order is the pool's, not a node's: the least recently
 used object of a tier is the same whichever node holds it. Within a tier an object's
 replica is either *spare* (the object keeps another committed copy in the pool: a
-duplicate in this tier on another node, made for a hot spot or by a fetch, or a copy in
-another tier, made ahead of eviction or left by a promotion) or a *last* copy. Victims
+duplicate in this tier on another node, made for a hot spot, by a fetch or by a put of
+several replicas, or a copy in another tier, made ahead of eviction or left by a
+promotion) or a *last* copy. Victims
 come in that order:
 
     | class | what dropping it costs                  | order                     |
@@ -12,8 +13,9 @@ come in that order:
     | spare | nothing: the object stays in the pool   | least recently used first |
     | last  | the object leaves (or moves down a tier)| least recently used first |
 
-Duplicates are bounded by a budget (`replica_budget`, a share of the tier's capacity):
-`may_duplicate` says whether one more copy fits it. Units are the caller's (bytes for the
+Duplicates beyond what their puts asked for (`wanted` copies in a tier: hot-spot
+replicas) are bounded by a budget (`replica_budget`, a share of the tier's capacity):
+`may_duplicate` says whether one more fits it. Units are the caller's (bytes for the
 Store, blocks for the simulator). Pure logic, shared by the Store's eviction
 (`store/eviction.py`) and the simulated pool (`sim/pool.py`), so the simulator models the
 Store's policy.
@@ -39,7 +41,9 @@ class PoolOrder(Generic[K]):
         self.order: dict[str, OrderedDict[K, None]] = {t: OrderedDict() for t in tiers}
         self.copies: dict[K, dict[str, int]] = {}  # key -> tier -> committed copies there
         self.units: dict[K, int] = {}  # key -> units one copy takes (bytes, blocks)
-        self.dup_units: dict[str, int] = dict.fromkeys(tiers, 0)  # tier -> units past 1 copy
+        self.wanted: dict[K, int] = {}  # key -> copies per tier its put asked for
+        # tier -> units of the copies there beyond each key's `wanted`
+        self.dup_units: dict[str, int] = dict.fromkeys(tiers, 0)
         self.spare: dict[str, set[K]] = {t: set() for t in tiers}  # tier -> its spare keys
         self._stamp: dict[K, int] = {}  # key -> its last use (a counter: recency across tiers)
         self._clock = itertools.count()
@@ -56,18 +60,19 @@ class PoolOrder(Generic[K]):
         """Committed copies of `key` in the pool, every tier."""
         return sum(self.copies.get(key, {}).values())
 
-    def add(self, key: K, tier: str, units: int = 1) -> None:
-        """A copy of `key` was committed in `tier` (most recently used if new)."""
-        per = self.copies.setdefault(key, {})
+    def add(self, key: K, tier: str, units: int = 1, wanted: int = 1) -> None:
+        """A copy of `key` was committed in `tier` (most recently used if the key is new
+        there); `units` and `wanted` (copies the put asked for) as of its first copy."""
+        per = self.copies.get(key)
+        if per is None:
+            per = self.copies[key] = {}
+            self.units[key], self.wanted[key] = units, max(wanted, 1)
+            self._stamp[key] = next(self._clock)
         n = per.get(tier, 0)
         per[tier] = n + 1
-        self.units[key] = units
-        if n:
-            self.dup_units[tier] += units
-        else:
+        self.dup_units[tier] += self._dup(key, n + 1) - self._dup(key, n)
+        if not n:
             self.order[tier][key] = None
-            if key not in self._stamp:
-                self._stamp[key] = next(self._clock)
         self._classify(key)
 
     def remove(self, key: K, tier: str) -> None:
@@ -75,17 +80,20 @@ class PoolOrder(Generic[K]):
         per = self.copies[key]
         n = per[tier]
         assert n > 0, (key, tier)
+        self.dup_units[tier] += self._dup(key, n - 1) - self._dup(key, n)
         if n > 1:
             per[tier] = n - 1
-            self.dup_units[tier] -= self.units[key]
         else:
             del per[tier]
             del self.order[tier][key]
             self.spare[tier].discard(key)
         if not per:
-            del self.copies[key], self.units[key], self._stamp[key]
+            del self.copies[key], self.units[key], self.wanted[key], self._stamp[key]
         else:
             self._classify(key)
+
+    def _dup(self, key: K, copies: int) -> int:
+        return max(0, copies - self.wanted[key]) * self.units[key]
 
     def touch(self, key: K) -> None:
         """`key` was used (read, written again): most recent in every tier holding it."""
@@ -115,9 +123,9 @@ class PoolOrder(Generic[K]):
 
     def _classify(self, key: K) -> None:
         per = self.copies[key]
-        total = sum(per.values())
+        is_spare = sum(per.values()) > 1
         for tier in per:
-            if total > 1:
+            if is_spare:
                 self.spare[tier].add(key)
             else:
                 self.spare[tier].discard(key)
@@ -129,6 +137,6 @@ class PoolOrder(Generic[K]):
             assert set(self.order[tier]) == held, f"order of {tier} out of sync"
             spare = {k for k in held if sum(self.copies[k].values()) > 1}
             assert self.spare[tier] == spare, f"spare keys of {tier} out of sync"
-            dup = sum((self.copies[k][tier] - 1) * self.units[k] for k in held)
+            dup = sum(self._dup(k, self.copies[k][tier]) for k in held)
             assert self.dup_units[tier] == dup, (tier, self.dup_units[tier], dup)
-        assert set(self._stamp) == set(self.copies) == set(self.units)
+        assert set(self._stamp) == set(self.copies) == set(self.units) == set(self.wanted)

@@ -145,6 +145,7 @@ def restore(svc: MetadataService, state: PoolState, now: float) -> int:
             writer="",
             started_at=now,
             is_committed=True,
+            wanted=svc.config.replicas,
             lease_until=leased_until,
             pin_ttl_s=o.pin_ttl_s,
         )
@@ -163,7 +164,7 @@ def restore(svc: MetadataService, state: PoolState, now: float) -> int:
             seg.keys.add(o.key)
             replica = Replica(seg, r.offset, r.size, COMPLETE, r.replica_id)
             obj.replicas.append(replica)
-            svc.lru[seg.tier][o.key] = None
+            svc.order.add(o.key, seg.tier, o.size, obj.wanted)
         if not obj.replicas:
             continue
         svc.objects[o.key] = obj

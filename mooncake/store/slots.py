@@ -74,7 +74,9 @@ class SlotBook:
                                            spare_only=True)  # fmt: skip
             if not chosen:
                 break
-            svc.objects[key] = ObjectRecord(key, size, spec.writer, now, chosen)
+            obj = ObjectRecord(key, size, spec.writer, now, chosen)
+            obj.wanted = spec.replicas or svc.config.replicas
+            svc.objects[key] = obj
             svc.writing[key] = None
             self.specs[slot_id] = spec
             out.append(self._desc(slot_id, svc.objects[key]))

@@ -70,6 +70,7 @@ class WriteProtocol:
             )
         svc = self.svc
         obj = ObjectRecord(key, size, writer, now, chosen, pin_ttl_s=max(pin_ttl_s, 0.0))
+        obj.wanted = replicas or svc.config.replicas
         svc.objects[key] = obj
         svc.writing[key] = None
         return PutStartResult(key=key, status="ok", replicas=tuple(r.desc() for r in chosen))
@@ -165,7 +166,7 @@ class WriteProtocol:
             obj.pin_until = now + obj.pin_ttl_s if obj.pin_ttl_s else 0.0
             for r in obj.replicas:
                 r.state = COMPLETE
-                svc.lru[r.tier][key] = None
+                svc.order.add(key, r.tier, obj.size, obj.wanted)
                 svc.emit_gain(obj, r)
             svc.counters.puts += 1
         return KeyResult(key=key, status="ok")
