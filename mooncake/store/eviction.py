@@ -37,33 +37,30 @@ asks for DRAM, then SSD), or answers no_space when none has room. Protected obje
 never touched; when dropping every candidate would not make the value fit, nothing is
 dropped. Hot-spot duplicates are bounded by `replica_budget` (`moves.py`).
 
-The Evictor takes only what it uses: the segments, the objects, the order, the moves, the
-settings, and the service's way to release replicas (`ReplicaRelease`). The moves
+The Evictor takes only what it uses: the pool's state (`pool.py`: segments, objects,
+order, and the edits that release replicas), the moves and the settings. The moves
 themselves (copies between tiers and nodes, confirmed by the data plane) are `moves.py`'s.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from mooncake.store.objects import (
     COMPLETE,
     TIERS,
-    Counters,
-    EventKind,
     Instruction,
     ObjectRecord,
     Replica,
     Segment,
     Tier,
 )
-from mooncake.store.poolorder import PoolOrder
-from mooncake.store.segments import SegmentManager
-from mooncake.store.settings import MetadataConfig
 
 if TYPE_CHECKING:
     from mooncake.store.moves import Mover
+    from mooncake.store.pool import Pool
+    from mooncake.store.settings import MetadataConfig
 
 # tier -> where its victims may move (copies ahead too), first choice first
 BELOW: dict[Tier, tuple[Tier, ...]] = {"vram": ("dram", "ssd"), "dram": ("ssd",), "ssd": ()}
@@ -86,39 +83,16 @@ def going(obj: ObjectRecord, tier: Tier, is_spare: bool) -> list[Replica]:
     return here[1:] if is_spare and len(here) > 1 else here
 
 
-class ReplicaRelease(Protocol):
-    """How eviction takes replicas off objects (the metadata service does it: events,
-    the journal's changes and the order follow)."""
-
-    counters: Counters
-
-    def detach(
-        self, obj: ObjectRecord, r: Replica, now: float, emit: EventKind | None, free: bool = True
-    ) -> None: ...
-
-    def drop(self, obj: ObjectRecord, now: float, emit: EventKind | None) -> None: ...
-
-    def instruct(self, node_id: str, instruction: Instruction) -> None: ...
-
-
 class Evictor:
     """Eviction passes, copies ahead, and room made for puts."""
 
-    def __init__(
-        self,
-        space: SegmentManager,
-        objects: dict[str, ObjectRecord],
-        order: PoolOrder[str],
-        mover: Mover,
-        config: MetadataConfig,
-        release: ReplicaRelease,
-    ):
-        self.space = space
-        self.objects = objects  # key -> record (the service's own dict)
-        self.order = order
+    def __init__(self, pool: Pool, mover: Mover, config: MetadataConfig):
+        self.pool = pool
+        self.space = pool.space
+        self.objects = pool.objects  # key -> record
+        self.order = pool.order
         self.mover = mover
         self.config = config
-        self.release = release
         self.pressure: dict[Tier, int] = {}  # tier -> largest size a put found no room for
 
     def has_below(self, tier: Tier) -> bool:
@@ -190,19 +164,19 @@ class Evictor:
     def _drop(self, obj: ObjectRecord, replicas: Iterable[Replica], now: float) -> None:
         """Drop `replicas` of an unprotected `obj` (and `obj` when none is left). A replica
         whose node keeps the object in a lower tier counts as demoted, others as evicted."""
-        release = self.release
+        pool = self.pool
         for r in replicas:
             desc = r.desc()
-            release.detach(obj, r, now, emit="evicted")
+            pool.detach(obj, r, now, emit="evicted")
             rank = TIERS.index(r.tier)
             left = [TIERS.index(o.tier) for o in obj.complete() if o.node_id == r.node_id]
             if left and min(left) > rank:
-                release.counters.demotions += 1
+                pool.counters.demotions += 1
             else:
-                release.counters.evictions += 1
-            release.instruct(r.node_id, Instruction(kind="evict", key=obj.key, src=desc))
+                pool.counters.evictions += 1
+            pool.instruct(r.node_id, Instruction(kind="evict", key=obj.key, src=desc))
         if not obj.replicas:
-            release.drop(obj, now, emit=None)
+            pool.drop(obj, now, emit=None)
 
     def _copy_ahead(self, tier: Tier, now: float) -> None:
         """Copy the least recently used objects past `copy_ahead_watermark` of `tier` to
