@@ -1,10 +1,13 @@
 """The simulated pool: exact LRU eviction order, demotion to SSD, and index events."""
 
+import random
+
 import pytest
 
 from mooncake.conductor import PrefixIndex
 from mooncake.sim.pool import LruTier, NodePool, SimPool, global_lru_hit_rate
 from mooncake.sim.trace import TraceRecord
+from tests.store.helpers import make_service, put
 
 
 def test_lru_evicts_the_least_recently_used_first():
@@ -116,5 +119,41 @@ def test_memory_victims_are_demoted_to_ssd_before_the_pool_drops_anything():
     b.store([5], 4.0)  # memory victim 3 needs SSD room: the SSD's oldest (1) is dropped
     assert idx.holders(1) == {} and idx.holders(3) == {"n0": "ssd"}
     assert a.num_evicted == 1
+    pool.check_integrity()
+    idx.check_integrity()
+
+
+def test_the_simulated_pool_holds_what_the_store_would_hold():
+    """The same writes and reads on the simulator's pool and on the Store's metadata (one
+    block = one object, DRAM only) leave the same blocks on the same nodes: the simulator
+    runs the Store's eviction order and placement."""
+    rng = random.Random(7)
+    idx = PrefixIndex()
+    pool = SimPool(idx)
+    nodes = [NodePool(f"n{i}", 4, pool=pool) for i in range(3)]
+    svc = make_service({f"n{i}": {"dram": 4 * 64} for i in range(3)}, lease_ttl_s=0.001)
+    next_block = 0
+    for step in range(400):
+        now = float(step)
+        writer = rng.randrange(3)
+        seen = [int(k) for k in svc.objects]
+        blocks = [rng.choice(seen) for _ in range(rng.randrange(3))] if seen else []
+        for _ in range(rng.randrange(1, 4)):
+            blocks.append(next_block)
+            next_block += 1
+        if rng.random() < 0.3 and seen:  # a read of a block wherever it is (a fetch)
+            h = rng.choice(seen)
+            nodes[writer].touch([h], now)
+            assert svc.get_replicas(str(h), now).status == "ok"
+            continue
+        nodes[writer].store(blocks, now)
+        for h in blocks:
+            if str(h) in svc.objects:
+                assert svc.get_replicas(str(h), now).status == "ok"
+            else:
+                assert put(svc, str(h), 64, now=now, writer=f"n{writer}") == "ok"
+        for node in nodes:
+            want = {str(h) for h in node.top.blocks}
+            assert svc.space.segments[f"{node.node}-dram"].keys == want, (step, node.node)
     pool.check_integrity()
     idx.check_integrity()
