@@ -102,10 +102,13 @@ class SimPool:
         # tier -> block -> nodes holding it there, oldest copy first
         self.holders: dict[str, dict[int, list[NodePool]]] = {top_tier: {}, "ssd": {}}
         self._changed: dict[NodePool, dict[int, None]] = {}  # reported at the end of a call
+        self.free: dict[str, float] = {top_tier: 0, "ssd": 0}  # tier -> blocks free, all nodes
 
     def join(self, node: NodePool) -> None:
         assert node.node not in self.nodes, node.node
         self.nodes[node.node] = node
+        self.free[self.top_tier] += node.top.room
+        self.free["ssd"] += node.ssd.room if node.ssd is not None else 0
 
     @property
     def has_ssd(self) -> bool:
@@ -181,6 +184,8 @@ class SimPool:
             self._add(node, h, tier)
 
     def _roomiest(self, tier: str) -> NodePool | None:
+        if not self.free[tier]:
+            return None
         best, room = None, 0.0
         for node in self.nodes.values():
             lru = self.tier_of(node, tier)
@@ -242,6 +247,7 @@ class SimPool:
         lru = self.tier_of(node, tier)
         assert lru is not None and h not in lru, (node.node, h, tier)
         lru.blocks[h] = None
+        self.free[tier] -= 1
         self.holders[tier].setdefault(h, []).append(node)
         self.order.add(h, tier)
         self._changed.setdefault(node, {})[h] = None
@@ -250,6 +256,7 @@ class SimPool:
         lru = self.tier_of(node, tier)
         assert lru is not None
         lru.remove(h)
+        self.free[tier] += 1
         nodes = self.holders[tier][h]
         nodes.remove(node)
         if not nodes:
@@ -270,6 +277,8 @@ class SimPool:
                 assert nodes and all(h in (self.tier_of(n, tier) or ()) for n in nodes), h
             total = sum(len(self.tier_of(n, tier) or ()) for n in self.nodes.values())
             assert total == sum(len(v) for v in table.values()), tier
+            room = sum((self.tier_of(n, tier) or LruTier("", 0)).room for n in self.nodes.values())
+            assert self.free[tier] == room, (tier, self.free[tier], room)
         for node in self.nodes.values():
             node.check_integrity()
 

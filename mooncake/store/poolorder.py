@@ -64,10 +64,12 @@ class PoolOrder(Generic[K]):
         """A copy of `key` was committed in `tier` (most recently used if the key is new
         there); `units` and `wanted` (copies the put asked for) as of its first copy."""
         per = self.copies.get(key)
-        if per is None:
-            per = self.copies[key] = {}
+        if per is None:  # NOTE: the common case: one copy, not spare, no duplicate units
+            self.copies[key] = {tier: 1}
             self.units[key], self.wanted[key] = units, max(wanted, 1)
             self._stamp[key] = next(self._clock)
+            self.order[tier][key] = None
+            return
         n = per.get(tier, 0)
         per[tier] = n + 1
         self.dup_units[tier] += self._dup(key, n + 1) - self._dup(key, n)
@@ -80,6 +82,10 @@ class PoolOrder(Generic[K]):
         per = self.copies[key]
         n = per[tier]
         assert n > 0, (key, tier)
+        if n == 1 and len(per) == 1:  # NOTE: its only copy: it leaves the order
+            del self.copies[key], self.units[key], self.wanted[key], self._stamp[key]
+            del self.order[tier][key]
+            return
         self.dup_units[tier] += self._dup(key, n - 1) - self._dup(key, n)
         if n > 1:
             per[tier] = n - 1
