@@ -45,6 +45,9 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
     pool_blocks: int | None = None  # total DRAM blocks of the pool; None = from dram_bytes
     dram_bytes: int = 1024 * GIB  # per pool node, for KV blocks
     ssd_bytes: int = 0  # per pool node
+    # share of the pool's memory that duplicates (hot-spot replicas) may take: [store]
+    # replica_budget, the Store's policy (sim/pool.py)
+    replica_budget: float = 0.1
     block_tokens: int = 512
     # tokens per prefill chunk (coupled: per iteration, vLLM's max_num_batched_tokens)
     chunk_tokens: int = 512
@@ -96,6 +99,8 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
             problems.append(f"limit must be >= 1, got {self.limit}")
         if self.pool_blocks is not None and self.pool_blocks < 0:
             problems.append(f"pool blocks must be >= 0, got {self.pool_blocks}")
+        if not 0 <= self.replica_budget <= 1:
+            problems.append(f"replica_budget must be in [0, 1], got {self.replica_budget}")
         if self.chunk_tokens < 1 or self.block_tokens < 1 or self.tp < 1:
             problems.append("chunk_tokens, block_tokens and tp must be >= 1")
         if self.group_size < 1 or self.max_inflight < 1:

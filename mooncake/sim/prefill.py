@@ -16,8 +16,9 @@ stage k starts a request once stage k-1 has done its first chunk and stage k is 
 the first stage is free again after T/S and the last layer is done after about
 T/S * (C + S - 1)/C. Its KV streams to the decode node from the start (booked on the
 network then), and lands one layer's write after the compute ends, or when the link has
-carried it all, whichever is later. New blocks go into the group's pool when the prefill
-ends; fetched blocks stay only if the Conductor ordered a replica. As it starts, each
+carried it all, whichever is later. New blocks go into the pool when the prefill ends
+(the group's node first, `sim/pool.py`); fetched blocks get a copy here only if the
+Conductor ordered a replica and the pool has room and budget for it. As it starts, each
 block it does not reuse gets its cause (`MissLedger.attribute`).
 
 On a shared host (the twin of `up --local`: `SimConfig.host_cores`) the group computes at
@@ -127,7 +128,7 @@ class PrefillInstance:
         req.misses = sim.ledger.attribute(req.hashes, reused, d.best_blocks, d.reused_blocks)
         self.pool.store(req.hashes[:local], t)  # reading refreshes the LRU order
         if d.replications and reused > local:
-            self.pool.store(req.hashes[local:reused], t)  # the ordered replica lands here
+            self.pool.replicate(req.hashes[local:reused], t)  # the ordered replica, if room
         req.reused_blocks = reused
         req.prefill_s = prefill_s * sim.cfg.prefill_scale  # NOTE: the Conductor's is unscaled
         req.prefill_start = t

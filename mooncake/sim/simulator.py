@@ -30,7 +30,7 @@ from mooncake.sim.decode import DecodeInstance
 from mooncake.sim.host import slowdown
 from mooncake.sim.metrics import SimReport, SimRequest, summarize
 from mooncake.sim.misses import MissLedger
-from mooncake.sim.pool import NodePool
+from mooncake.sim.pool import NodePool, SimPool
 from mooncake.sim.prefill import PrefillInstance
 from mooncake.sim.trace import TraceRecord, trace_span_s
 
@@ -59,6 +59,8 @@ class Simulator:
         capacity = self.cost.kv_capacity_tokens
         index = self.conductor.index
         self.ledger = MissLedger(index)  # why requests missed (sim/misses.py)
+        # NOTE: coupled instances cache on their own; the disaggregated pool is one Store
+        pool = SimPool(index, self.ledger, replica_budget=cfg.replica_budget)
         if cfg.is_coupled:
             for i in range(cfg.num_coupled):
                 name = f"c{i}"
@@ -71,7 +73,7 @@ class Simulator:
             for i in range(cfg.num_groups):  # one instance per pipeline group
                 name = f"p{i}"
                 self.conductor.add_prefill_instance(name)
-                self.pools[name] = NodePool(name, top, ssd, index, ledger=self.ledger)
+                self.pools[name] = NodePool(name, top, ssd, pool=pool)
                 self.prefill[name] = PrefillInstance(name, self, self.pools[name], cfg.group_size)
             for i in range(cfg.num_decode):
                 name = f"d{i}"
