@@ -205,6 +205,16 @@ class StoreConfig(msgspec.Struct, **_STRUCT):
         str, knob("Directory for the SSD tier; required when ssd_bytes is not 0.")
     ] = ""
     replicas: Annotated[int, knob("Copies of each KV block kept in the pool.", ge=1)] = 1
+    replica_budget: Annotated[
+        float,
+        knob(
+            "Share of a memory tier's capacity that copies beyond `replicas` (hot-spot "
+            "replicas the Conductor orders) may take; eviction drops such copies before the "
+            "last copy of anything; 0: no hot-spot replicas.",
+            ge=0,
+            le=1,
+        ),
+    ] = 0.1
     high_watermark: Annotated[
         float, knob("Pool fill fraction at which eviction starts.", gt=0, le=1)
     ] = 0.95

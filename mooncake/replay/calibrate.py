@@ -30,9 +30,12 @@ import msgspec
 import numpy as np
 import psutil
 
+from mooncake.api.status import TtftPhases
 from mooncake.conductor.costmodel import CostModel
 from mooncake.config import Config
 from mooncake.configload import load_config
+from mooncake.replay.idleprobe import PathScales, idle_latency_s, idle_path_scales, idle_sim_ttft_s
+from mooncake.replay.phases import real_phases, sim_phases
 from mooncake.replay.prompts import PromptConfig
 from mooncake.replay.report import ReplayReport, RequestRecord, figure_ratios
 from mooncake.replay.runner import ReplayConfig, replay
@@ -98,6 +101,9 @@ class Calibration(msgspec.Struct, kw_only=True):
     sim_wall_s: float
     host: HostFigures | None = None  # what the real runs measured of this host (medians)
     real_runs: list[Figures] = []  # each real run's figures (`real` is their median)
+    # TTFT phases of the first real run (the master's) and of the twin (replay/phases.py)
+    real_phases: TtftPhases | None = None
+    sim_phases: TtftPhases | None = None
     per_request: list[RequestPair] = []  # the first real run's requests
 
 
@@ -119,29 +125,8 @@ class HostFigures(msgspec.Struct, kw_only=True):
 
     overhead_s: float = 0.0
     background_cores: float = 0.0
+    path: PathScales = msgspec.field(default_factory=PathScales)  # replay/idleprobe.py
     host_cores: float = msgspec.field(default_factory=lambda: float(len(os.sched_getaffinity(0))))
-
-
-def idle_latency_s(cfg: ReplayConfig, prompts: PromptConfig, samples: int = 5) -> float:
-    """Median TTFT of prompts of one block and one token, sent one at a time (the cluster
-    idle): the block goes through the prefill group, so every stage hop is in it."""
-    one = [
-        TraceRecord(
-            0, prompts.trace_block_tokens + 1, 1, [(1 << 40) + 2 * i, (1 << 40) + 2 * i + 1]
-        )
-        for i in range(samples)
-    ]
-    quiet = dataclasses.replace(cfg, concurrency=1, speed=1e9)
-    seen: list[RequestRecord] = []
-    replay(one, dataclasses.replace(prompts, seed=prompts.seed + 2), quiet, None, seen.append)
-    ttfts = [r.ttft_s for r in seen if r.ttft_s is not None]
-    return float(np.median(ttfts)) if ttfts else 0.0
-
-
-def idle_sim_ttft_s(cost: CostModel, block_tokens: int) -> float:
-    """The simulator's TTFT of `idle_latency_s`'s prompt: its prefill and one decode step."""
-    n = block_tokens + 1
-    return cost.prefill_time(n, 0) + cost.decode_step_time(1, n)
 
 
 def control_plane(launcher: LocalLauncher) -> list[psutil.Process]:
@@ -193,7 +178,12 @@ def sim_config(
         tp=1,
         host_cores=host.host_cores if host else 0.0,
         background_cores=host.background_cores if host else 0.0,
-        request_overhead_s=max(0.0, host.overhead_s - idle_sim_ttft_s(cost, plan.block_tokens))
+        prefill_nice=plan.prefill_nice if host else 0,
+        prefill_scale=host.path.prefill if host else 1.0,
+        decode_scale=host.path.decode if host else 1.0,
+        request_overhead_s=max(
+            0.0, host.overhead_s - idle_sim_ttft_s(cost, plan.block_tokens, host.path)
+        )
         if host
         else 0.0,
     )
@@ -276,10 +266,15 @@ def calibrate(
     ]
     config = runs[0][2]
     host = HostFigures(
-        overhead_s=float(np.median([h.overhead_s for _, _, _, h in runs])),
-        background_cores=float(np.median([h.background_cores for _, _, _, h in runs])),
+        overhead_s=float(np.median([h.overhead_s for _, _, _, h, _ in runs])),
+        background_cores=float(np.median([h.background_cores for _, _, _, h, _ in runs])),
+        path=PathScales(
+            prefill=float(np.median([h.path.prefill for _, _, _, h, _ in runs])),
+            decode=float(np.median([h.path.decode for _, _, _, h, _ in runs])),
+            prompt_tokens=runs[0][3].path.prompt_tokens,
+        ),
     )
-    reals = [real_figures(report) for report, _, _, _ in runs]
+    reals = [real_figures(report) for report, _, _, _, _ in runs]
     real = median_figures(reals)
     sim_cfg = sim_config(plan, config, cost, speed, host)
     sim, wall, run = simulate(sim_cfg, scaled_records(records, prompts))
@@ -298,6 +293,8 @@ def calibrate(
         host=host,
         real_runs=reals,
         per_request=pair_requests(runs[0][1], run),
+        real_phases=runs[0][4],
+        sim_phases=sim_phases(run.requests, sim_cfg.request_overhead_s),
     )
 
 
@@ -310,8 +307,9 @@ def _real_run(
     replay_fn: ReplayFn,
     on_progress: Callable[[str], None],
     warmup: int,
-) -> tuple[ReplayReport, list[RequestRecord], Config, HostFigures]:
-    """One replay on a fresh cluster, with what it measured of the host."""
+) -> tuple[ReplayReport, list[RequestRecord], Config, HostFigures, TtftPhases | None]:
+    """One replay on a fresh cluster, with what it measured of the host and where its
+    requests' TTFT went."""
     launcher = LocalLauncher(plan, on_progress)
     launcher.runfile = plan.run_dir / "local.json"  # NOTE: never the user's own cluster's
     on_progress("starting the local cluster")
@@ -333,14 +331,18 @@ def _real_run(
             replay(records[:warmup], warm, dataclasses.replace(cfg, concurrency=1, speed=1e9))
         on_progress("measuring the idle cluster's fixed latency")
         host = HostFigures(overhead_s=idle_latency_s(cfg, prompts))
+        on_progress("measuring lone requests of the slice's median length")
+        model = CostModel.load(cost)
+        host.path = idle_path_scales(cfg, prompts, model, records, host.overhead_s)
         control = control_plane(launcher)
         cpu0, t0 = cpu_seconds(control), time.monotonic()
         report = replay_fn(records, prompts, cfg, seen.append)
         host.background_cores = (cpu_seconds(control) - cpu0) / (time.monotonic() - t0)
+        phases = real_phases(launcher.url, launcher.api_key)
     finally:
         on_progress("stopping the local cluster")
         launcher.stop()
-    return report, seen, config, host
+    return report, seen, config, host, phases
 
 
 def median_figures(runs: list[Figures]) -> Figures:

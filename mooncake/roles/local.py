@@ -77,6 +77,16 @@ class LocalPlan:
     # more config keys: "section.key" -> a value, typed or as --set text ("false", "64MiB")
     extra: dict[str, object] = field(default_factory=dict)
 
+    @property
+    def prefill_nice(self) -> int:
+        """The nice its prefill nodes run at: `node.nice` when given; else PREFILL_NICE
+        when the compute nodes outnumber this host's cores (one each), so decode steps
+        go first as separate devices would keep them apart; else 0."""
+        if "node.nice" in self.extra:
+            return int(str(self.extra["node.nice"]))
+        shared = self.num_prefill + self.num_decode > len(os.sched_getaffinity(0))
+        return PREFILL_NICE if shared else 0
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -236,12 +246,6 @@ class LocalLauncher:
         )
         write_runfile(self.info, self.runfile)
 
-    @property
-    def _shared_cores(self) -> bool:
-        """Do the compute nodes outnumber the cores they run on (one each)?"""
-        plan = self.plan
-        return plan.num_prefill + plan.num_decode > len(os.sched_getaffinity(0))
-
     def _launch(self, role: str, node_id: str) -> Child:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
         env.pop("NOTIFY_SOCKET", None)  # NOTE: systemd's readiness is the launcher's to tell
@@ -249,8 +253,8 @@ class LocalLauncher:
                "--config", str(self.config_path), "--set", f"node.id={node_id}"]  # fmt: skip
         for value in self._node_sets.get(node_id, []):
             cmd += ["--set", value]
-        if role == "prefill" and self._shared_cores and "node.nice" not in self.plan.extra:
-            cmd += ["--set", f"node.nice={PREFILL_NICE}"]  # NOTE: decode steps go first
+        if role == "prefill" and "node.nice" not in self.plan.extra and self.plan.prefill_nice:
+            cmd += ["--set", f"node.nice={self.plan.prefill_nice}"]
         proc = self._forker.submit(
             subprocess.Popen, cmd, stdout=subprocess.PIPE, env=env, preexec_fn=_die_with_parent
         ).result()

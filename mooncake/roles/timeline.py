@@ -95,14 +95,22 @@ class PhaseLog:
     def summary(self) -> TtftPhases:
         with self._lock:
             rows = list(self._rows)
-        q, p, f, r = ([row[i] for row in rows] for i in range(4))
-        return TtftPhases(
-            num_requests=len(rows),
-            queue_p50_s=percentile(q, 50),
-            queue_p90_s=percentile(q, 90),
-            prefill_p50_s=percentile(p, 50),
-            prefill_p90_s=percentile(p, 90),
-            first_step_p50_s=percentile(f, 50),
-            first_step_p90_s=percentile(f, 90),
-            predicted_over_actual_p50=percentile(r, 50),
-        )
+        return phase_summary([row[:3] for row in rows], [row[3] for row in rows])
+
+
+def phase_summary(
+    rows: list[tuple[float, float, float]], ratios: list[float] | None = None
+) -> TtftPhases:
+    """Percentiles of (queue, prefill, first step) rows, and the median of predicted /
+    actual TTFT when `ratios` are given."""
+    q, p, f = ([row[i] for row in rows] for i in range(3))
+    return TtftPhases(
+        num_requests=len(rows),
+        queue_p50_s=percentile(q, 50),
+        queue_p90_s=percentile(q, 90),
+        prefill_p50_s=percentile(p, 50),
+        prefill_p90_s=percentile(p, 90),
+        first_step_p50_s=percentile(f, 50),
+        first_step_p90_s=percentile(f, 90),
+        predicted_over_actual_p50=percentile(ratios or [], 50),
+    )

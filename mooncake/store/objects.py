@@ -228,6 +228,7 @@ class ObjectRecord:
     pin_ttl_s: float = 0.0  # s: soft pin length, renewed on each read; 0 = not pinned
     pin_until: float = 0.0  # s
     move_id: int = 0  # a demotion/promotion in flight (its dst is a PROCESSING replica)
+    wanted: int = 1  # copies the put asked for; more count against replica_budget
 
     def complete(self) -> list[Replica]:
         return [r for r in self.replicas if r.state == COMPLETE]

@@ -20,7 +20,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from mooncake.rpc.server import RpcServer
-from mooncake.store import poolstate
 from mooncake.store.direct import DirectServer
 from mooncake.store.journal import BaseJournal, JournalError
 from mooncake.store.messages import DirectPortMsg, DirectPortReplyMsg, register
@@ -112,7 +111,7 @@ class StoreService:
         self._is_restored = True
         state = self.journal.load()
         with self.lock:
-            num = poolstate.restore(self.metadata, state, time.monotonic())
+            num = self.metadata.restore(state, time.monotonic())
         log.info(
             "store: rebuilt %d segments and %d of %d objects from the journal",
             len(state.segments),
@@ -129,8 +128,8 @@ class StoreService:
         done: a request placed after that sees the block (a tick later, it might not)."""
         md = self.metadata
         if self.journal is None:
-            md.changed_keys.clear()
-            md.changed_segments.clear()
+            md.pool.changed_keys.clear()
+            md.pool.changed_segments.clear()
         elif changes := md.drain_changes():
             try:
                 self.journal.write(changes)

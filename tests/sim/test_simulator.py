@@ -73,8 +73,8 @@ def test_same_seed_same_result():
 
 
 def test_rejections_before_or_after_prefill_by_mode(tmp_path):
-    # a decode pool of 60k tokens cannot hold the fixture's concurrency at 4x speed
-    cost = write_toy_cost(tmp_path / "cost.json", kv_capacity_tokens=60_000)
+    # a decode pool of 40k tokens cannot hold the fixture's concurrency at 4x speed
+    cost = write_toy_cost(tmp_path / "cost.json", kv_capacity_tokens=40_000)
     records = load_trace(FIXTURE)
     out = {}
     for mode in ("none", "basic", "predictive"):
