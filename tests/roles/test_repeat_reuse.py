@@ -73,13 +73,22 @@ def _complete(url: str, prompt: list[int]) -> dict:
     return usage["prompt_tokens_details"]
 
 
+def _pool_hits(url: str) -> int:
+    """Prompt blocks the Conductor found in the pool when it placed requests, so far."""
+    return int(httpx.get(url + "/v1/status", timeout=10).json()["pool_hits"])
+
+
 def test_an_immediate_repeat_reuses_every_full_block(cluster: LocalLauncher) -> None:
     rng = random.Random(7)
     for _ in range(3):
         prompt = [rng.randrange(3, 250) for _ in range(PROMPT_LEN)]
         first = _complete(cluster.url, prompt)
+        seen = _pool_hits(cluster.url)
         again = _complete(cluster.url, prompt)
         assert again["cached_tokens"] == FULL * BLOCK, (first, again)
+        # the Conductor's index had every block when it placed the repeat (a store event
+        # reaches it before the put's reply, not a housekeeping tick later)
+        assert _pool_hits(cluster.url) - seen == PROMPT_LEN // BLOCK
         blocks = again["kv_blocks"]
         assert blocks["requested"] == blocks["hit"] == FULL, blocks
         assert first["cached_tokens"] == 0 and first["kv_blocks"]["cold"] == FULL, first
