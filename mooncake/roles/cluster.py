@@ -136,7 +136,7 @@ class ClusterBackend(BaseBackend):
                     flight.phase = "decoding"
                     self.tickets.decode_started(flight.req_id)
                     if flight.num_placements == 1:  # NOTE: only a first one's moments are whole
-                        self.phases.record(flight.moments, time.monotonic())
+                        self.phases.first_token(flight.moments, time.monotonic())
                 if tok.finish_reason not in (None, "abort"):
                     # NOTE: the stream ends once its new blocks are committed to the pool (the
                     # prefill node reports after that): an immediate repeat reuses them
@@ -272,7 +272,8 @@ class ClusterBackend(BaseBackend):
         if flight is not None:
             flight.num_cached_tokens, flight.is_handed_off = msg.num_reused_tokens, True
             flight.kv_blocks = counts
-            flight.moments.prefilled = now
+            if flight.num_placements == 1:
+                self.phases.handed_off(flight.moments, now - msg.seal_s)
             if loop is not None:
                 loop.call_soon_threadsafe(flight.reported.set)
 

@@ -42,6 +42,7 @@ class Moments:
     predicted_ttft_s: float
     started: float = 0.0
     prefilled: float = 0.0
+    first: float = 0.0  # its first token at the master
 
 
 class PhaseLog:
@@ -68,6 +69,22 @@ class PhaseLog:
             registry=registry,
             buckets=RATIO_BUCKETS,
         )
+
+    def first_token(self, m: Moments, t: float) -> None:
+        """Its first token arrived at `t`: recorded now if its prefill node reported, else
+        with the report (which comes after the pool's seal, often after the token)."""
+        with self._lock:
+            m.first, is_ready = t, m.prefilled > 0
+        if is_ready:
+            self.record(m, t)
+
+    def handed_off(self, m: Moments, t: float) -> None:
+        """Its prefill node reported its KV with the decode node at `t` (the report's
+        arrival less the seal that came between)."""
+        with self._lock:
+            m.prefilled, first = t, m.first
+        if first:
+            self.record(m, first)
 
     def record(self, m: Moments, first: float) -> None:
         """A request's first token arrived at `first`; ignored without a start. The prefill
