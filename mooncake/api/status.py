@@ -35,6 +35,7 @@ class TierStatus(msgspec.Struct, frozen=True, kw_only=True):
     used_bytes: int
     capacity_bytes: int
     num_objects: int = 0
+    num_hits: int = 0  # Store reads served from this tier since the master started
 
 
 class TtftPhases(msgspec.Struct, kw_only=True):
@@ -93,6 +94,8 @@ class Status(msgspec.Struct, frozen=True, kw_only=True):
     ttft_phases: TtftPhases | None = None  # where TTFT went (the cluster's master only)
     masters: list[MasterStatus] = []  # every master process, the leader among them
     num_pool_objects: int = 0  # committed objects in the pool (what readers can get)
+    num_demotions: int = 0  # replicas moved down a tier (DRAM -> SSD) since start
+    num_promotions: int = 0  # replicas moved up a tier on a hit (SSD -> DRAM) since start
 
 
 def host_port(address: str) -> str:

@@ -335,6 +335,7 @@ class Master:
                 used_bytes=st.tier_used_bytes.get(t, 0),
                 capacity_bytes=cap,
                 num_objects=st.tier_objects.get(t, 0),
+                num_hits=st.tier_hits.get(t, 0),
             )  # fmt: skip
             for t, cap in sorted(st.tier_capacity_bytes.items())
         ]
@@ -350,6 +351,7 @@ class Master:
             transfer_bytes_per_s=kv_rate, pool_hits=c.hits, pool_lookups=c.lookups,
             ttft_phases=self.backend.phases.summary(),
             masters=masters, num_pool_objects=st.num_committed,
+            num_demotions=st.demotions, num_promotions=st.promotions,
             **s.status_fields(),
         )  # fmt: skip
 

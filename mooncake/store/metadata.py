@@ -213,6 +213,7 @@ class MetadataService:
             replicas.sort(key=lambda r: _read_order(r, reader))
         for r in replicas:
             self.lru[r.tier].move_to_end(key)
+        self.counters.tier_hits[replicas[0].tier] += 1
         if self.config.promote_on_hit and replicas[0].tier == "ssd" and not obj.move_id:
             # sorted: the first replica is on SSD only if every replica is
             self.evictor.promote(obj, reader, now)
