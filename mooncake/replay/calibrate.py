@@ -26,6 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import httpx
 import msgspec
 import numpy as np
 import psutil
@@ -66,6 +67,7 @@ class Figures(msgspec.Struct, kw_only=True):
     rejected: int
     completed: int
     failed: int = 0
+    ssd_hit_share: float | None = None  # pool reads served from SSD / pool reads
 
 
 class RequestPair(msgspec.Struct, array_like=True):
@@ -169,6 +171,7 @@ def sim_config(
     cost = CostModel.load(cost_path)
     nodes = plan.num_prefill + plan.num_decode + (plan.num_store if plan.pool else 0)
     dram = config.store.dram_bytes.num_bytes if plan.pool else 0  # a share: not modelled
+    ssd = config.store.ssd_bytes.num_bytes if plan.pool else 0  # every node's, on prefill nodes
     block_bytes = cost.kv_bytes_per_token * plan.block_tokens
     sched, prefill = config.scheduler, config.prefill
     return SimConfig(
@@ -182,6 +185,7 @@ def sim_config(
         tbt_slo_s=sched.tbt_slo_s,
         cost_model_path=str(cost_path),
         pool_blocks=nodes * dram // block_bytes,
+        ssd_bytes=nodes * ssd // plan.num_prefill,
         block_tokens=plan.block_tokens,
         chunk_tokens=prefill.chunk_tokens,
         max_inflight=prefill.max_inflight,
@@ -227,12 +231,15 @@ def simulate(cfg: SimConfig, records: list[TraceRecord]) -> tuple[Figures, float
         rejected=res.rejected,
         completed=res.completed,
         failed=res.failed,
+        ssd_hit_share=res.ssd_hit_share,
     )
     return figures, res.wall_s, sim
 
 
-def real_figures(report: ReplayReport) -> Figures:
+def real_figures(report: ReplayReport, tier_hits: dict[str, int] | None = None) -> Figures:
+    hits = sum((tier_hits or {}).values())
     return Figures(
+        ssd_hit_share=(tier_hits or {}).get("ssd", 0) / hits if hits else None,
         ttft_p50_s=report.ttft_p50_s,
         ttft_p90_s=report.ttft_p90_s,
         tbt_p50_s=report.tbt_p50_s,
@@ -271,10 +278,10 @@ def calibrate(
     ]
     config = runs[0][2]
     host = HostFigures(
-        overhead_s=float(np.median([h.overhead_s for _, _, _, h in runs])),
-        background_cores=float(np.median([h.background_cores for _, _, _, h in runs])),
+        overhead_s=float(np.median([r[3].overhead_s for r in runs])),
+        background_cores=float(np.median([r[3].background_cores for r in runs])),
     )
-    reals = [real_figures(report) for report, _, _, _ in runs]
+    reals = [real_figures(report, tier_hits) for report, _, _, _, tier_hits in runs]
     real = median_figures(reals)
     sim_cfg = sim_config(plan, config, cost, speed, host)
     sim, wall, run = simulate(sim_cfg, scaled_records(records, prompts))
@@ -305,8 +312,9 @@ def _real_run(
     replay_fn: ReplayFn,
     on_progress: Callable[[str], None],
     warmup: int,
-) -> tuple[ReplayReport, list[RequestRecord], Config, HostFigures]:
-    """One replay on a fresh cluster, with what it measured of the host."""
+) -> tuple[ReplayReport, list[RequestRecord], Config, HostFigures, dict[str, int]]:
+    """One replay on a fresh cluster, with what it measured of the host and the Store's
+    reads per tier (the master's status)."""
     launcher = LocalLauncher(plan, on_progress)
     launcher.runfile = plan.run_dir / "local.json"  # NOTE: never the user's own cluster's
     on_progress("starting the local cluster")
@@ -332,10 +340,13 @@ def _real_run(
         cpu0, t0 = cpu_seconds(control), time.monotonic()
         report = replay_fn(records, prompts, cfg, seen.append)
         host.background_cores = (cpu_seconds(control) - cpu0) / (time.monotonic() - t0)
+        auth = {"Authorization": f"Bearer {launcher.api_key}"} if launcher.api_key else {}
+        status = httpx.get(launcher.url + "/v1/status", headers=auth, timeout=30).json()
+        tier_hits = {t["tier"]: t.get("num_hits", 0) for t in status["pool"]}
     finally:
         on_progress("stopping the local cluster")
         launcher.stop()
-    return report, seen, config, host
+    return report, seen, config, host, tier_hits
 
 
 def median_figures(runs: list[Figures]) -> Figures:
@@ -354,6 +365,7 @@ def median_figures(runs: list[Figures]) -> Figures:
         rejected=round(med("rejected") or 0),
         completed=round(med("completed") or 0),
         failed=round(med("failed") or 0),
+        ssd_hit_share=med("ssd_hit_share"),
     )
 
 
