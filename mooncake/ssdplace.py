@@ -30,6 +30,7 @@ import msgspec
 from mooncake.config import StoreConfig
 from mooncake.errors import ConfigError
 from mooncake.native.sysfs import FilesystemInfo
+from mooncake.sizes import Size
 
 log = logging.getLogger(__name__)
 
@@ -131,24 +132,28 @@ def check_ssd(
         return None, ""
     if cfg.ssd_path:
         path = cfg.ssd_path
-        why = dir_refusal(path, fstype_of(path, mounts), create=True)
-        free = shutil.disk_usage(path).free if not why else 0
-        want = cfg.ssd_bytes.resolve(free)
-        why = why or space_refusal(path, want, free)
-        return (None, why) if why else (SsdPlace(path, want, free, "store.ssd_path"), "")
+        return _fit(path, fstype_of(path, mounts), cfg.ssd_bytes, "store.ssd_path")
     reasons = []
     for fs in sorted(filesystems, key=lambda f: -f.free_bytes):
         why = _fs_refusal(fs)
         for path in [] if why else _dirs_on(fs, mounts, cache_dir):
-            why = dir_refusal(path, fs.fstype, create=True)
-            free = shutil.disk_usage(path).free if not why else 0
-            want = cfg.ssd_bytes.resolve(free)
-            why = why or space_refusal(path, want, free)
-            if not why:
-                found = f"{fs.disk} ({fs.fstype}) at {fs.mountpoint}"
-                return SsdPlace(path, want, free, found), ""
+            found = f"{fs.disk} ({fs.fstype}) at {fs.mountpoint}"
+            place, why = _fit(path, fs.fstype, cfg.ssd_bytes, found)
+            if place is not None:
+                return place, ""
         reasons.append(f"{fs.mountpoint}: {why}")
     return None, "; ".join(reasons) or "no local filesystem mounted"
+
+
+def _fit(path: str, fstype: str, size: Size, source: str) -> tuple[SsdPlace | None, str]:
+    """The tier in directory `path` (created) if usable and `size` fits there."""
+    why = dir_refusal(path, fstype, create=True)
+    if why:
+        return None, why
+    free = shutil.disk_usage(path).free
+    want = size.resolve(free)
+    why = space_refusal(path, want, free)
+    return (None, why) if why else (SsdPlace(path, want, free, source), "")
 
 
 def place_ssd(
@@ -176,7 +181,9 @@ def _fs_refusal(fs: FilesystemInfo) -> str:
         return f"{fs.fstype}: the SSD tier would take RAM"
     if not fs.disk:
         return f"{fs.device or fs.fstype} is not a local block device"
-    if fs.is_rotational is not False:
+    if fs.is_rotational is None:
+        return f"{fs.disk}: sysfs does not say whether it is rotational"
+    if fs.is_rotational:
         return f"{fs.disk} is rotational (sysfs queue/rotational), not an SSD"
     if fs.fstype not in DISK_FILESYSTEMS:
         return f"{fs.fstype} is not one of {', '.join(DISK_FILESYSTEMS)}"
