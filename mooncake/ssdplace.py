@@ -168,9 +168,11 @@ def place_ssd(
     place, why = check_ssd(cfg, filesystems, mounts, cache_dir)
     if place is not None:
         log.info("SSD tier: %s", place.summary)
+    elif not why:  # off by config
+        return None
     elif cfg.ssd_path:
         raise ConfigError(f"store.ssd_path: {why}; allowed: {ALLOWED}")
-    elif why:
+    else:
         hint = 'set store.ssd_path to a directory to use one, or store.ssd_bytes = "0"'
         log.info("SSD tier off: no local SSD filesystem found (%s); %s", why, hint)
     return place

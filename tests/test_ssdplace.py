@@ -108,10 +108,14 @@ def test_an_ssd_too_small_for_an_absolute_size_is_passed_over(tmp_path: Path) ->
 
 
 def test_ssd_bytes_zero_searches_nothing(tmp_path: Path) -> None:
+    """Off by config: with or without a path, nothing is looked at or created."""
     mounts = _machine(tmp_path)
     off = StoreConfig(ssd_bytes=Size())
     assert check_ssd(off, _filesystems(tmp_path, mounts), mounts, tmp_path / "c") == (None, "")
     assert not (tmp_path / "nvme" / "mooncake").exists()
+    with_path = StoreConfig(ssd_bytes=Size(), ssd_path=str(tmp_path / "tier"))
+    assert place_ssd(with_path, [], mounts) is None
+    assert not (tmp_path / "tier").exists()
 
 
 def test_an_explicit_path_is_used_as_configured(tmp_path: Path) -> None:
