@@ -193,15 +193,23 @@ def pool_table(status: Status, width: int) -> Table:
     for name, justify in (("tier", "left"), ("used / capacity", "right"), ("fill", "left")):
         table.add_column(name, justify=justify, no_wrap=True)  # type: ignore[arg-type]
     table.add_column("objects", justify="right", no_wrap=True)
+    table.add_column("hits", justify="right", no_wrap=True)
     tiers = sorted(status.pool, key=lambda t: {"vram": 0, "dram": 1, "ssd": 2}.get(t.tier, 9))
+    num_hits = sum(t.num_hits for t in tiers)
     for t in tiers:
         fill = t.used_bytes / t.capacity_bytes if t.capacity_bytes else 0.0
         used = f"{human_bytes(t.used_bytes)} / {human_bytes(t.capacity_bytes)}"
+        hits = f"{t.num_hits:,} ({t.num_hits / num_hits:.0%})" if num_hits else "0"
         table.add_row(
-            escape(t.tier), used, bar(fill, 12 if width >= WIDE else 8), f"{t.num_objects:,}"
+            escape(t.tier), used, bar(fill, 12 if width >= WIDE else 8), f"{t.num_objects:,}", hits
         )
     if not tiers:
-        table.add_row("-", "no pool memory registered", "", "")
+        table.add_row("-", "no pool memory registered", "", "", "")
+    elif status.num_demotions or status.num_promotions:
+        table.caption = (
+            f"{status.num_demotions:,} moved down a tier (DRAM -> SSD), "
+            f"{status.num_promotions:,} up on a hit"
+        )
     return table
 
 

@@ -35,7 +35,7 @@ from mooncake.conductor.costmodel import CostModel
 from mooncake.config import Config
 from mooncake.configload import load_config
 from mooncake.replay.idleprobe import PathScales, idle_latency_s, idle_path_scales, idle_sim_ttft_s
-from mooncake.replay.phases import real_phases, sim_phases
+from mooncake.replay.phases import master_status, sim_phases
 from mooncake.replay.prompts import PromptConfig
 from mooncake.replay.report import ReplayReport, RequestRecord, figure_ratios
 from mooncake.replay.runner import ReplayConfig, replay
@@ -72,6 +72,7 @@ class Figures(msgspec.Struct, kw_only=True):
     # blocks by cause / blocks requested (conductor/misses.py): the simulator's, and the
     # server's where it sends them (usage.prompt_tokens_details.kv_blocks); {} otherwise
     block_shares: dict[str, float] = {}
+    ssd_hit_share: float | None = None  # pool reads served from SSD / pool reads
 
 
 class RequestPair(msgspec.Struct, array_like=True):
@@ -105,6 +106,18 @@ class Calibration(msgspec.Struct, kw_only=True):
     real_phases: TtftPhases | None = None
     sim_phases: TtftPhases | None = None
     per_request: list[RequestPair] = []  # the first real run's requests
+
+
+@dataclasses.dataclass
+class RealRun:
+    """One replay on a fresh local cluster and what came with it."""
+
+    report: ReplayReport
+    seen: list[RequestRecord]
+    config: Config
+    host: HostFigures
+    phases: TtftPhases | None  # the master's TTFT phases at the end
+    tier_hits: dict[str, int]  # the Store's reads per tier (the master's status)
 
 
 def scaled_records(records: list[TraceRecord], prompts: PromptConfig) -> list[TraceRecord]:
@@ -157,6 +170,7 @@ def sim_config(
     cost = CostModel.load(cost_path)
     nodes = plan.num_prefill + plan.num_decode + (plan.num_store if plan.pool else 0)
     dram = config.store.dram_bytes.num_bytes if plan.pool else 0  # a share: not modelled
+    ssd = config.store.ssd_bytes.num_bytes if plan.pool else 0  # every node's, on prefill nodes
     block_bytes = cost.kv_bytes_per_token * plan.block_tokens
     sched, prefill = config.scheduler, config.prefill
     return SimConfig(
@@ -170,6 +184,7 @@ def sim_config(
         tbt_slo_s=sched.tbt_slo_s,
         cost_model_path=str(cost_path),
         pool_blocks=nodes * dram // block_bytes,
+        ssd_bytes=nodes * ssd // plan.num_prefill,
         block_tokens=plan.block_tokens,
         chunk_tokens=prefill.chunk_tokens,
         max_inflight=prefill.max_inflight,
@@ -221,12 +236,15 @@ def simulate(cfg: SimConfig, records: list[TraceRecord]) -> tuple[Figures, float
         completed=res.completed,
         failed=res.failed,
         block_shares=res.misses.shares,
+        ssd_hit_share=res.ssd_hit_share,
     )
     return figures, res.wall_s, sim
 
 
-def real_figures(report: ReplayReport) -> Figures:
+def real_figures(report: ReplayReport, tier_hits: dict[str, int] | None = None) -> Figures:
+    hits = sum((tier_hits or {}).values())
     return Figures(
+        ssd_hit_share=(tier_hits or {}).get("ssd", 0) / hits if hits else None,
         ttft_p50_s=report.ttft_p50_s,
         ttft_p90_s=report.ttft_p90_s,
         tbt_p50_s=report.tbt_p50_s,
@@ -264,17 +282,17 @@ def calibrate(
         _real_run(records, prompts, plan, speed, cost, replay_fn, on_progress, warmup)
         for _ in range(repeat)
     ]
-    config = runs[0][2]
+    config = runs[0].config
     host = HostFigures(
-        overhead_s=float(np.median([h.overhead_s for _, _, _, h, _ in runs])),
-        background_cores=float(np.median([h.background_cores for _, _, _, h, _ in runs])),
+        overhead_s=float(np.median([r.host.overhead_s for r in runs])),
+        background_cores=float(np.median([r.host.background_cores for r in runs])),
         path=PathScales(
-            prefill=float(np.median([h.path.prefill for _, _, _, h, _ in runs])),
-            decode=float(np.median([h.path.decode for _, _, _, h, _ in runs])),
-            prompt_tokens=runs[0][3].path.prompt_tokens,
+            prefill=float(np.median([r.host.path.prefill for r in runs])),
+            decode=float(np.median([r.host.path.decode for r in runs])),
+            prompt_tokens=runs[0].host.path.prompt_tokens,
         ),
     )
-    reals = [real_figures(report) for report, _, _, _, _ in runs]
+    reals = [real_figures(r.report, r.tier_hits) for r in runs]
     real = median_figures(reals)
     sim_cfg = sim_config(plan, config, cost, speed, host)
     sim, wall, run = simulate(sim_cfg, scaled_records(records, prompts))
@@ -292,8 +310,8 @@ def calibrate(
         sim_wall_s=wall,
         host=host,
         real_runs=reals,
-        per_request=pair_requests(runs[0][1], run),
-        real_phases=runs[0][4],
+        per_request=pair_requests(runs[0].seen, run),
+        real_phases=runs[0].phases,
         sim_phases=sim_phases(run.requests, sim_cfg.request_overhead_s),
     )
 
@@ -307,9 +325,9 @@ def _real_run(
     replay_fn: ReplayFn,
     on_progress: Callable[[str], None],
     warmup: int,
-) -> tuple[ReplayReport, list[RequestRecord], Config, HostFigures, TtftPhases | None]:
-    """One replay on a fresh cluster, with what it measured of the host and where its
-    requests' TTFT went."""
+) -> RealRun:
+    """One replay on a fresh cluster, with what it measured of the host, where its
+    requests' TTFT went and the Store's reads per tier (the master's status)."""
     launcher = LocalLauncher(plan, on_progress)
     launcher.runfile = plan.run_dir / "local.json"  # NOTE: never the user's own cluster's
     on_progress("starting the local cluster")
@@ -338,11 +356,18 @@ def _real_run(
         cpu0, t0 = cpu_seconds(control), time.monotonic()
         report = replay_fn(records, prompts, cfg, seen.append)
         host.background_cores = (cpu_seconds(control) - cpu0) / (time.monotonic() - t0)
-        phases = real_phases(launcher.url, launcher.api_key)
+        status = master_status(launcher.url, launcher.api_key)
     finally:
         on_progress("stopping the local cluster")
         launcher.stop()
-    return report, seen, config, host, phases
+    return RealRun(
+        report,
+        seen,
+        config,
+        host,
+        phases=status.ttft_phases if status else None,
+        tier_hits={t.tier: t.num_hits for t in status.pool} if status else {},
+    )
 
 
 def median_figures(runs: list[Figures]) -> Figures:
@@ -365,6 +390,7 @@ def median_figures(runs: list[Figures]) -> Figures:
             k: float(np.median([f.block_shares.get(k, 0.0) for f in runs]))
             for k in (runs[0].block_shares if runs else {})
         },
+        ssd_hit_share=med("ssd_hit_share"),
     )
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from mooncake.api.status import TtftPhases
+from mooncake.api.status import Status, TtftPhases
 from mooncake.roles.timeline import phase_summary
 from mooncake.sim.metrics import SimRequest
 
@@ -35,17 +35,16 @@ def sim_phases(requests: Iterable[SimRequest], overhead_s: float) -> TtftPhases:
     return phase_summary(rows)
 
 
-def real_phases(url: str, api_key: str) -> TtftPhases | None:
-    """The master's `ttft_phases` now (None when it has none or cannot be read: the
-    comparison is a diagnosis, never a reason to fail the run)."""
+def master_status(url: str, api_key: str) -> Status | None:
+    """The master's status snapshot now (None when it cannot be read: what `bench
+    cluster` takes from it is a diagnosis, never a reason to fail the run)."""
     import httpx
 
     from mooncake.cli.status import Master, fetch_status
     from mooncake.errors import MooncakeError
 
     try:
-        with httpx.Client(timeout=10.0) as client:
-            status = fetch_status(client, Master(url, api_key, "bench cluster"))
+        with httpx.Client(timeout=30.0) as client:
+            return fetch_status(client, Master(url, api_key, "bench cluster"))
     except MooncakeError:
         return None
-    return getattr(status, "ttft_phases", None)

@@ -7,13 +7,14 @@ run directory) and that many masters on it: one leads, the others forward their 
 and take over when it dies (docs/ha.md). With one master, the master journals the pool in
 the run directory (`cluster.state_dir`), so a restarted master keeps the pool.
 
-The launcher writes one config (a fresh secret, free ports, the small model) into a private
-run directory (see `runfile`), profiles the model once for the Conductor's cost model
-(cached per model and shape), starts the master and the other nodes, each reporting ready
-with a JSON line on stdout (no sleeps), and writes the runfile `mooncake status` and
-`mooncake replay` read. `supervise` restarts nodes that exit (`supervisor.Supervisor`);
-`stop` ends every child (SIGTERM, then SIGKILL once its grace, longer than a decode node's
-drain, is over). Children die with the launcher even if it is killed (PR_SET_PDEATHSIG).
+The launcher writes one config (a fresh secret, free ports, the small model, a small SSD
+tier per node under the run directory) into a private run directory (see `runfile`),
+profiles the model once for the Conductor's cost model (cached per model and shape), starts
+the master and the other nodes, each reporting ready with a JSON line on stdout (no sleeps),
+and writes the runfile `mooncake status` and `mooncake replay` read. `supervise` restarts
+nodes that exit (`supervisor.Supervisor`); `stop` ends every child (SIGTERM, then SIGKILL
+once its grace, longer than a decode node's drain, is over). Children die with the launcher
+even if it is killed (PR_SET_PDEATHSIG).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from mooncake.roles.runfile import (
     write_runfile,
 )
 from mooncake.roles.supervisor import Child, NodeEvent, RestartPolicy, Supervisor, wait_ready
+from mooncake.ssdplace import MEMORY_FILESYSTEMS, fstype_of
 
 log = logging.getLogger(__name__)
 PREFILL_NICE = 10  # node.nice of prefill nodes sharing the host's cores with decode nodes
@@ -55,6 +57,7 @@ DECODE_KV_BYTES = 128 << 20  # the decode node's KV cache (and the cost model's 
 READY_TIMEOUT_S = 180.0  # seconds a node may take to load and report ready
 SCHEDULABLE_TIMEOUT_S = 30.0  # seconds for the master to see every ready node
 CONFIG_NAME = "mooncake-local.toml"
+LOCAL_SSD_BYTES = "256MiB"  # each node's SSD tier: small, so a newcomer sees DRAM -> SSD moves
 
 
 @dataclass
@@ -94,6 +97,14 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def local_ssd_dir(run_dir: Path) -> Path:
+    """The SSD tier's directory: under the run directory, unless that is in memory
+    (XDG_RUNTIME_DIR is a tmpfs on most desktops); then under /var/tmp, kept on disk."""
+    if fstype_of(str(run_dir)) not in MEMORY_FILESYSTEMS:
+        return run_dir / "ssd"
+    return Path("/var/tmp") / f"mooncake-{os.getuid()}" / "ssd"
+
+
 def _toml_value(v: object) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"
@@ -125,7 +136,12 @@ def write_config(
             "kv_cache_bytes": "64MiB",
         },
         "decode": {"kv_cache_bytes": DECODE_KV_BYTES, "max_batch": 32},
-        "store": {"dram_bytes": "256MiB" if plan.pool else "0", "heartbeat_ttl_s": 6.0},
+        "store": {
+            "dram_bytes": "256MiB" if plan.pool else "0",
+            "ssd_bytes": LOCAL_SSD_BYTES if plan.pool else "0",
+            "ssd_path": str(local_ssd_dir(plan.run_dir)),
+            "heartbeat_ttl_s": 6.0,
+        },
         "api": {"host": plan.api_host, "port": plan.api_port},
         "metrics": {"host": "127.0.0.1", "port": 0},  # /metrics on the API port
         "scheduler": {"cost_model_path": cost_model},
@@ -180,6 +196,8 @@ class LocalLauncher:
         plan = self.plan
         private_dir(plan.run_dir)
         private_dir(self.runfile.parent, tighten=True)
+        ssd = local_ssd_dir(plan.run_dir)
+        private_dir(ssd.parent if ssd.parent != plan.run_dir else ssd)
         self._master_port = free_port()
         if plan.api_port == 0:
             plan.api_port = free_port()

@@ -23,7 +23,7 @@ from prometheus_client import CollectorRegistry
 from mooncake.api.app import create_app
 from mooncake.api.server import ApiServer
 from mooncake.api.stats import RequestStats
-from mooncake.api.status import MasterStatus, NodeStatus, Status, TierStatus, host_port
+from mooncake.api.status import MasterStatus, NodeStatus, Status, host_port, pool_status
 from mooncake.conductor import ReplicationOrder
 from mooncake.conductor.index import StoreEvent as IndexEvent
 from mooncake.conductor.roofline import PrefillHardware, create_conductor
@@ -329,15 +329,7 @@ class Master:
                 address=host_port(self.config.cluster.master),
             ),
         )
-        pool = [
-            TierStatus(
-                tier=t,
-                used_bytes=st.tier_used_bytes.get(t, 0),
-                capacity_bytes=cap,
-                num_objects=st.tier_objects.get(t, 0),
-            )  # fmt: skip
-            for t, cap in sorted(st.tier_capacity_bytes.items())
-        ]
+        pool = pool_status(st)
         c = self.backend.counters
         sched = self.config.scheduler
         return Status(
@@ -351,6 +343,7 @@ class Master:
             kv_blocks=await self.backend.tickets.locked(self.backend.misses.shares),
             ttft_phases=self.backend.phases.summary(),
             masters=masters, num_pool_objects=st.num_committed,
+            num_demotions=st.demotions, num_promotions=st.promotions,
             **s.status_fields(),
         )  # fmt: skip
 

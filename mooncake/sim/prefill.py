@@ -118,7 +118,12 @@ class PrefillInstance:
         reused = local
         if d.fetch_from and local >= d.local_blocks:
             reused = max(local, d.reused_blocks)  # fetched blocks extend the local prefix
+        else:
+            req.ssd_blocks = 0  # nothing fetched is used
         prefill_s = sim.cost.prefill_time(req.input_len, reused * sim.block_tokens)
+        ssd = self.pool.ssd.blocks if self.pool.ssd is not None else {}
+        on_ssd = sum(h in ssd for h in req.hashes[:local])  # read before the compute
+        prefill_s += sim.cost.ssd_read_time(on_ssd * sim.block_tokens * sim.cost.kv_bytes_per_token)
         grant = sim.conductor.admit_prefill(req.rid, t, prefill_s)
         if not grant.is_accepted:
             sim.rejected_at_start(req, t)
@@ -130,6 +135,7 @@ class PrefillInstance:
         if d.replications and reused > local:
             self.pool.replicate(req.hashes[local:reused], t)  # the ordered replica, if room
         req.reused_blocks = reused
+        req.ssd_blocks += on_ssd
         req.prefill_s = prefill_s * sim.cfg.prefill_scale  # NOTE: the Conductor's is unscaled
         req.prefill_start = t
         req.reserve_deadline = t + sim.cfg.reserve_timeout_s

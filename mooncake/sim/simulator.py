@@ -154,9 +154,14 @@ class Simulator:
             return
         if d.fetch_from:
             hashes = req.hashes[d.local_blocks : d.reused_blocks]
-            self.pools[d.fetch_from].touch(hashes, t)  # the read refreshes the source's LRU
-            nbytes = len(hashes) * self.block_tokens * self.cost.kv_bytes_per_token
-            req.fetch_ready = self.network.reserve(d.fetch_from, d.prefill, nbytes, t)
+            source = self.pools[d.fetch_from]
+            ssd = source.ssd.blocks if source.ssd is not None else {}
+            req.ssd_blocks = sum(h in ssd for h in hashes)  # read there, then sent
+            source.touch(hashes, t)  # the read refreshes the source's LRU
+            block_bytes = self.block_tokens * self.cost.kv_bytes_per_token
+            req.fetch_ready = self.network.reserve(
+                d.fetch_from, d.prefill, len(hashes) * block_bytes, t
+            ) + self.cost.ssd_read_time(req.ssd_blocks * block_bytes)
         if self.coupled:
             self.coupled[d.prefill].enqueue(t, req)
         else:

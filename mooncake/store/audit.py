@@ -27,6 +27,7 @@ def stats(pool: Pool) -> StoreStats:
         tier_used_bytes={t: space.tier_used[t] for t in TIERS},
         tier_objects={t: pool.order.count(t) for t in TIERS},
         hits=c.hits,
+        tier_hits=dict(c.tier_hits),
         misses=c.misses,
         puts=c.puts,
         removes=c.removes,

@@ -205,6 +205,7 @@ class MetadataService:
         if len(replicas) > 1:
             replicas.sort(key=lambda r: _read_order(r, reader))
         self.order.touch(key)
+        self.counters.tier_hits[replicas[0].tier] += 1
         if self.config.promote_on_hit and replicas[0].tier == "ssd" and not obj.move_id:
             # sorted: the first replica is on SSD only if every replica is
             self.evictor.promote(obj, reader, now)

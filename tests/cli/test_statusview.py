@@ -43,10 +43,16 @@ def make_status(**changes: object) -> Status:
         ),
     ]  # fmt: skip
     pool = [
-        TierStatus(tier="dram", used_bytes=300 << 30, capacity_bytes=512 << 30, num_objects=123456),
+        TierStatus(
+            tier="dram", used_bytes=300 << 30, capacity_bytes=512 << 30, num_objects=123456,
+            num_hits=60000,
+        ),
         TierStatus(tier="vram", used_bytes=10 << 30, capacity_bytes=80 << 30, num_objects=2000),
-        TierStatus(tier="ssd", used_bytes=1900 << 30, capacity_bytes=2 << 40, num_objects=999999),
-    ]
+        TierStatus(
+            tier="ssd", used_bytes=1900 << 30, capacity_bytes=2 << 40, num_objects=999999,
+            num_hits=20000,
+        ),
+    ]  # fmt: skip
     fields: dict[str, object] = dict(
         cluster="prod-a", model="llama2-70b", uptime_s=7384.0, nodes=nodes, pool=pool,
         hit_rate=0.62, local_hit_rate=0.41, num_queued=5, num_running=50, num_requests=12000,
@@ -92,9 +98,11 @@ def test_view_at_80_columns_fits_and_keeps_every_cell_whole() -> None:
     assert rows["decode-0"][4:6] == ["8/1", "2/48"]
     assert rows["store-0"][3:6] == ["down", "-", "0/0"] and "1m15s" in rows["store-0"]
     # pool tiers in vram, dram, ssd order, whole cells
-    assert rows["vram"][1:6] == ["10.0", "GiB", "/", "80.0", "GiB"] and rows["vram"][-1] == "2,000"
-    assert rows["dram"][-1] == "123,456" and "59%" in rows["dram"]
+    assert rows["vram"][1:6] == ["10.0", "GiB", "/", "80.0", "GiB"]
+    assert rows["vram"][-3:] == ["2,000", "0", "(0%)"]  # objects, hits and their share
+    assert rows["dram"][-3:] == ["123,456", "60,000", "(75%)"] and "59%" in rows["dram"]
     assert rows["ssd"][1:6] == ["1.9", "TiB", "/", "2.0", "TiB"] and "93%" in rows["ssd"]
+    assert rows["ssd"][-2:] == ["20,000", "(25%)"]  # hits served from SSD, their share
     assert [ln.split()[0] for ln in lines if ln.split()[:1] in (["vram"], ["dram"], ["ssd"])] == [
         "vram", "dram", "ssd",
     ]  # fmt: skip
