@@ -16,10 +16,8 @@ by the Conductor or out of decode room). `per_request` pairs each request's two 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
-import os
 import tempfile
 import time
 from collections.abc import Callable
@@ -28,13 +26,20 @@ from typing import Any
 
 import msgspec
 import numpy as np
-import psutil
 
 from mooncake.api.status import TtftPhases
 from mooncake.conductor.costmodel import CostModel
 from mooncake.config import Config
 from mooncake.configload import load_config
-from mooncake.replay.idleprobe import PathScales, idle_latency_s, idle_path_scales, idle_sim_ttft_s
+from mooncake.replay.hostprobe import (
+    HostFigures,
+    PathScales,
+    control_plane,
+    cpu_seconds,
+    idle_latency_s,
+    idle_path_scales,
+    idle_sim_ttft_s,
+)
 from mooncake.replay.phases import master_status, sim_phases
 from mooncake.replay.prompts import PromptConfig
 from mooncake.replay.report import ReplayReport, RequestRecord, figure_ratios
@@ -127,38 +132,6 @@ def scaled_records(records: list[TraceRecord], prompts: PromptConfig) -> list[Tr
         TraceRecord(r.timestamp, prompts.input_len(r), prompts.output_len(r), list(r.hash_ids))
         for r in records
     ]
-
-
-class HostFigures(msgspec.Struct, kw_only=True):
-    """What the real run measured of its host, for the simulated twin: the latency a
-    small request on the idle cluster has beyond its compute (API, master, RPCs, stage
-    hops, streaming),
-    and the cores the control plane kept busy during the replay (the master, store nodes
-    and this process, whose replay client is part of the load)."""
-
-    overhead_s: float = 0.0
-    background_cores: float = 0.0
-    path: PathScales = msgspec.field(default_factory=PathScales)  # replay/idleprobe.py
-    host_cores: float = msgspec.field(default_factory=lambda: float(len(os.sched_getaffinity(0))))
-
-
-def control_plane(launcher: LocalLauncher) -> list[psutil.Process]:
-    """The processes that do no model compute: the master, store nodes and this one."""
-    procs = [psutil.Process()]
-    for c in launcher.children:
-        if c.role in ("master", "store"):
-            with contextlib.suppress(psutil.Error):
-                procs.append(psutil.Process(c.proc.pid))
-    return procs
-
-
-def cpu_seconds(procs: list[psutil.Process]) -> float:
-    total = 0.0
-    for p in procs:
-        with contextlib.suppress(psutil.Error):
-            t = p.cpu_times()
-            total += t.user + t.system
-    return total
 
 
 def sim_config(

@@ -20,7 +20,6 @@ even if it is killed (PR_SET_PDEATHSIG).
 from __future__ import annotations
 
 import ctypes
-import json
 import logging
 import os
 import secrets
@@ -36,28 +35,25 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mooncake.config import Config, DecodeConfig
-from mooncake.configload import load_config, typed_override
+from mooncake.configload import load_config
 from mooncake.errors import MooncakeError
 from mooncake.ha.localetcd import LocalEtcd
 from mooncake.native.shm import sweep_stale
+from mooncake.roles.localconfig import local_ssd_dir, write_config
 from mooncake.roles.runfile import (
     LocalCluster,
     private_dir,
     remove_runfile,
     runfile_path,
-    write_private,
     write_runfile,
 )
 from mooncake.roles.supervisor import Child, NodeEvent, RestartPolicy, Supervisor, wait_ready
-from mooncake.ssdplace import MEMORY_FILESYSTEMS, fstype_of
 
 log = logging.getLogger(__name__)
 PREFILL_NICE = 10  # node.nice of prefill nodes sharing the host's cores with decode nodes
-DECODE_KV_BYTES = 128 << 20  # the decode node's KV cache (and the cost model's capacity)
 READY_TIMEOUT_S = 180.0  # seconds a node may take to load and report ready
 SCHEDULABLE_TIMEOUT_S = 30.0  # seconds for the master to see every ready node
 CONFIG_NAME = "mooncake-local.toml"
-LOCAL_SSD_BYTES = "256MiB"  # each node's SSD tier: small, so a newcomer sees DRAM -> SSD moves
 
 
 @dataclass
@@ -95,67 +91,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def local_ssd_dir(run_dir: Path) -> Path:
-    """The SSD tier's directory: under the run directory, unless that is in memory
-    (XDG_RUNTIME_DIR is a tmpfs on most desktops); then under /var/tmp, kept on disk."""
-    if fstype_of(str(run_dir)) not in MEMORY_FILESYSTEMS:
-        return run_dir / "ssd"
-    return Path("/var/tmp") / f"mooncake-{os.getuid()}" / "ssd"
-
-
-def _toml_value(v: object) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, int | float):
-        return repr(v)
-    if isinstance(v, list | tuple):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    return json.dumps(str(v))
-
-
-def write_config(
-    plan: LocalPlan,
-    path: Path,
-    secret: str,
-    master_port: int,
-    cost_model: str,
-    ha: dict[str, object] | None = None,  # more [cluster] keys: masters, etcd, state_dir
-) -> Path:
-    """Write the cluster's config (mode 0600: it holds the secret) without following a
-    symlink; `plan.extra` values are typed by their key. Raises ConfigError, RunDirError."""
-    cluster = {"name": "local", "master": f"127.0.0.1:{master_port}", "secret": secret}
-    sections: dict[str, dict[str, object]] = {
-        "cluster": {**cluster, **(ha or {})},
-        "node": {"advertise_address": "127.0.0.1"},
-        "model": {"path": plan.model, "block_tokens": plan.block_tokens},
-        "prefill": {
-            "chunk_tokens": plan.chunk_tokens,
-            "pipeline_group_size": plan.group_size,
-            "kv_cache_bytes": "64MiB",
-        },
-        "decode": {"kv_cache_bytes": DECODE_KV_BYTES, "max_batch": 32},
-        "store": {
-            "dram_bytes": "256MiB" if plan.pool else "0",
-            "ssd_bytes": LOCAL_SSD_BYTES if plan.pool else "0",
-            "ssd_path": str(local_ssd_dir(plan.run_dir)),
-            "heartbeat_ttl_s": 6.0,
-        },
-        "api": {"host": plan.api_host, "port": plan.api_port},
-        "metrics": {"host": "127.0.0.1", "port": 0},  # /metrics on the API port
-        "scheduler": {"cost_model_path": cost_model},
-        "transfer": {"protocol": "auto"},
-    }
-    for key, value in plan.extra.items():
-        sec, _, name = key.partition(".")
-        sections.setdefault(sec, {})[name] = typed_override(key, value)
-    lines = []
-    for sec, kv in sections.items():
-        lines.append(f"[{sec}]")
-        lines += [f"{k} = {_toml_value(v)}" for k, v in kv.items()]
-        lines.append("")
-    return write_private(path.parent, path.name, "\n".join(lines).encode())
 
 
 def _die_with_parent() -> None:

@@ -69,7 +69,7 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
     prefill_nice: int = 0
     # the real path's cost over the cost model's compute (prefill groups and decode nodes
     # compute this much slower; the Conductor keeps the cost model): `bench cluster`'s
-    # lone-request probes (replay/idleprobe.py); 1 = the profile is the whole cost
+    # lone-request probes (replay/hostprobe.py); 1 = the profile is the whole cost
     prefill_scale: float = 1.0
     decode_scale: float = 1.0
     request_overhead_s: float = 0.0  # control-plane latency before a request is scheduled

@@ -9,7 +9,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from mooncake.roles.local import LOCAL_SSD_BYTES
+from mooncake.roles.localconfig import LOCAL_SSD_BYTES
 from mooncake.sizes import parse_size
 from tests.roles.cluster import local_cluster
 

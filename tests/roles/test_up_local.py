@@ -19,7 +19,8 @@ import pytest
 
 from mooncake.configload import load_config, parse_set_option
 from mooncake.errors import ConfigError
-from mooncake.roles.local import LocalLauncher, LocalPlan, local_ssd_dir, write_config
+from mooncake.roles.local import LocalLauncher, LocalPlan
+from mooncake.roles.localconfig import local_ssd_dir, write_config
 from mooncake.roles.localcost import ensure_cost_model
 from mooncake.sizes import Size
 

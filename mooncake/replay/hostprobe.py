@@ -1,4 +1,6 @@
-"""What the idle local cluster takes beyond its cost model, measured with lone requests.
+"""What `bench cluster`'s real run measures of its host, for the simulated twin
+(`HostFigures`): the cores the control plane keeps busy during the replay, and what the idle
+local cluster takes beyond its cost model, measured with lone requests.
 
 `bench cluster`'s twin computes with the cost model `up --local` profiled: the engine's
 compute alone, on one process. A real request does more: it crosses the API and the master
@@ -18,15 +20,19 @@ the cost model the real master uses, so both schedulers price requests alike.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
 
 import msgspec
 import numpy as np
+import psutil
 
 from mooncake.conductor.costmodel import CostModel
 from mooncake.replay.prompts import PromptConfig
 from mooncake.replay.report import RequestRecord
 from mooncake.replay.runner import ReplayConfig, replay
+from mooncake.roles.local import LocalLauncher
 from mooncake.sim.trace import TraceRecord
 
 SCALE_BOUNDS = (0.5, 5.0)  # a probe outside these measured something else: clamped
@@ -39,6 +45,38 @@ class PathScales(msgspec.Struct, kw_only=True):
     prefill: float = 1.0  # a prompt's prefill path / the profiled prefill compute
     decode: float = 1.0  # a token gap / the profiled decode step of a batch of one
     prompt_tokens: int = 0  # the probe's prompt length (after scaling)
+
+
+class HostFigures(msgspec.Struct, kw_only=True):
+    """What the real run measured of its host, for the simulated twin: the latency a
+    small request on the idle cluster has beyond its compute (API, master, RPCs, stage
+    hops, streaming),
+    and the cores the control plane kept busy during the replay (the master, store nodes
+    and this process, whose replay client is part of the load)."""
+
+    overhead_s: float = 0.0
+    background_cores: float = 0.0
+    path: PathScales = msgspec.field(default_factory=PathScales)
+    host_cores: float = msgspec.field(default_factory=lambda: float(len(os.sched_getaffinity(0))))
+
+
+def control_plane(launcher: LocalLauncher) -> list[psutil.Process]:
+    """The processes that do no model compute: the master, store nodes and this one."""
+    procs = [psutil.Process()]
+    for c in launcher.children:
+        if c.role in ("master", "store"):
+            with contextlib.suppress(psutil.Error):
+                procs.append(psutil.Process(c.proc.pid))
+    return procs
+
+
+def cpu_seconds(procs: list[psutil.Process]) -> float:
+    total = 0.0
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            t = p.cpu_times()
+            total += t.user + t.system
+    return total
 
 
 def _lone(
