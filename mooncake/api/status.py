@@ -58,6 +58,15 @@ class MasterStatus(msgspec.Struct, frozen=True, kw_only=True):
     api: str = ""  # base URL of its HTTP API
 
 
+class KvEventsStatus(msgspec.Struct, frozen=True, kw_only=True):
+    """Where the master publishes the pool's KV events (vLLM's format, docs/kv-events.md)."""
+
+    endpoint: str  # ZeroMQ PUB address, bound (real port)
+    replay_endpoint: str  # ZeroMQ ROUTER address for replays ("" = none)
+    topic: str
+    ranks: dict[str, int] = {}  # pool node id -> its data_parallel_rank in the batches
+
+
 class Status(msgspec.Struct, frozen=True, kw_only=True):
     cluster: str
     model: str
@@ -93,6 +102,7 @@ class Status(msgspec.Struct, frozen=True, kw_only=True):
     ttft_phases: TtftPhases | None = None  # where TTFT went (the cluster's master only)
     masters: list[MasterStatus] = []  # every master process, the leader among them
     num_pool_objects: int = 0  # committed objects in the pool (what readers can get)
+    kv_events: KvEventsStatus | None = None  # the pool's KV event feed (None: not published)
 
 
 def host_port(address: str) -> str:

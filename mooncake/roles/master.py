@@ -16,7 +16,6 @@ import os
 import threading
 import time
 from functools import partial
-from typing import Literal
 
 from prometheus_client import CollectorRegistry
 
@@ -25,14 +24,14 @@ from mooncake.api.server import ApiServer
 from mooncake.api.stats import RequestStats
 from mooncake.api.status import MasterStatus, NodeStatus, Status, TierStatus, host_port
 from mooncake.conductor import ReplicationOrder
-from mooncake.conductor.index import StoreEvent as IndexEvent
 from mooncake.conductor.roofline import PrefillHardware, create_conductor
 from mooncake.config import Config
-from mooncake.engine.kvstore import kv_key, parse_kv_key
+from mooncake.engine.kvstore import kv_key
 from mooncake.engine.modelinfo import load_model_info
 from mooncake.engine.tokenizer import create_tokenizer
 from mooncake.errors import ConfigError
 from mooncake.hashing import PrefixHasher
+from mooncake.kvevents.feed import create_pool_feed
 from mooncake.portrange import node_ports
 from mooncake.roles import sdnotify
 from mooncake.roles.cluster import ClusterBackend
@@ -54,18 +53,13 @@ from mooncake.roles.messages import (
     TokensMsg,
 )
 from mooncake.roles.registry import Registry, node_statuses
+from mooncake.roles.storefeed import StoreListeners
 from mooncake.store.metrics import MetricsServer, StoreCollector
-from mooncake.store.objects import StoreEvent
 from mooncake.store.service import StoreService
 from mooncake.store.settings import MetadataConfig
 
 log = logging.getLogger(__name__)
 TICK_S = 0.25  # seconds between housekeeping passes
-IndexKind = Literal["added", "evicted", "demoted", "node_gone"]
-_KINDS: dict[str, IndexKind] = {
-    "added": "added", "evicted": "evicted", "removed": "evicted", "demoted": "demoted",
-    "promoted": "demoted", "node_gone": "node_gone",
-}  # fmt: skip
 
 
 class Master:
@@ -92,12 +86,14 @@ class Master:
         self.backend.vocab_size = info.spec.vocab_size
         self.backend.configure(cfg)
         self.fingerprint = ""  # hex, from the first engine node
+        self.kv_events = create_pool_feed(cfg)  # the pool's changes as vLLM KV events
+        listeners = StoreListeners(self.conductor.index, self.lock, self.kv_events)
         self.store = StoreService(
             self.secret,
             MetadataConfig.from_store_config(cfg.store),
             address=f"tcp://{cfg.cluster.master}",
             tick_s=0.1,
-            on_events=self._on_store_events,
+            on_events=listeners.on_events,
             direct_port=node_ports(cfg),
             journal=file_journal(cfg),
         )
@@ -224,23 +220,6 @@ class Master:
         log.debug("replicating %d of %d blocks %s -> %s", started, len(keys), order.src,
                   order.dst)  # fmt: skip
 
-    def _on_store_events(self, events: list[StoreEvent]) -> None:
-        # NOTE: runs under the store's lock on its thread; the Conductor has its own lock
-        log.debug("%d store events, first %s", len(events), events[0])
-        with self.lock:
-            for e in events:
-                kind = _KINDS.get(e.kind)
-                if kind is None:
-                    continue
-                if kind == "node_gone":
-                    self.conductor.index.apply(IndexEvent(kind="node_gone", node=e.node_id))
-                    continue
-                h = parse_kv_key(e.key)
-                if h is not None:
-                    ev = IndexEvent(kind=kind, node=e.node_id, block_hashes=(h,),
-                                    tier=e.tier or "dram")  # fmt: skip
-                    self.conductor.index.apply(ev)
-
     # -- housekeeping --
     def _loop(self) -> None:
         while not self._stop.wait(TICK_S):
@@ -350,6 +329,7 @@ class Master:
             transfer_bytes_per_s=kv_rate, pool_hits=c.hits, pool_lookups=c.lookups,
             ttft_phases=self.backend.phases.summary(),
             masters=masters, num_pool_objects=st.num_committed,
+            kv_events=self.kv_events.status() if self.kv_events else None,
             **s.status_fields(),
         )  # fmt: skip
 
@@ -384,6 +364,8 @@ class Master:
             if self._thread.is_alive():
                 self._thread.join()
             self.store.stop()
+            if self.kv_events is not None:
+                self.kv_events.close()
             if self.ha is not None:  # NOTE: after the pool is no longer served: then resign
                 self.ha.stop()
 
