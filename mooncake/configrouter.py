@@ -48,7 +48,9 @@ class VllmBackendConfig(msgspec.Struct, **_STRUCT):
 
 class RouterConfig(msgspec.Struct, **_STRUCT):
     """[router]: with backends, the master routes OpenAI requests across vLLM instances by
-    the Conductor's Algorithm 1 (their prefix caches from their KV events, their load)."""
+    the Conductor's Algorithm 1 (their prefix caches from their KV events, their load).
+    model.path names the backends' checkpoint (its tokenizer) and model.block_tokens must
+    be their --block-size."""
 
     backends: Annotated[
         tuple[VllmBackendConfig, ...],
@@ -57,9 +59,6 @@ class RouterConfig(msgspec.Struct, **_STRUCT):
             "and optionally replay and topic; empty = serve with our own prefill/decode nodes."
         ),
     ] = ()
-    block_tokens: Annotated[
-        int, knob("Tokens per block in the backends' KV events (vLLM's --block-size).", ge=1)
-    ] = 16
     timeout_s: Annotated[
         float, knob("Seconds a backend may take to answer a request's headers.", gt=0)
     ] = 60.0

@@ -67,6 +67,17 @@ class KvEventsStatus(msgspec.Struct, frozen=True, kw_only=True):
     ranks: dict[str, int] = {}  # pool node id -> its data_parallel_rank in the batches
 
 
+class BackendStatus(msgspec.Struct, frozen=True, kw_only=True):
+    """A vLLM instance the master routes to (`[router] backends`)."""
+
+    name: str  # vllm-<i>, in the order of the config
+    url: str
+    num_blocks: int  # blocks of its cache the router has indexed (from its KV events)
+    num_routed: int  # requests sent to it since start
+    num_batches: int  # KV event batches received (num_replayed of them by replay)
+    num_replayed: int
+
+
 class Status(msgspec.Struct, frozen=True, kw_only=True):
     cluster: str
     model: str
@@ -103,6 +114,7 @@ class Status(msgspec.Struct, frozen=True, kw_only=True):
     masters: list[MasterStatus] = []  # every master process, the leader among them
     num_pool_objects: int = 0  # committed objects in the pool (what readers can get)
     kv_events: KvEventsStatus | None = None  # the pool's KV event feed (None: not published)
+    backends: list[BackendStatus] = []  # vLLM instances routed to (router mode only)
 
 
 def host_port(address: str) -> str:

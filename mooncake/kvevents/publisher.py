@@ -40,7 +40,7 @@ class Publisher:
         buffer_steps: int = 10_000,  # batches kept for replay
         hwm: int = 100_000,  # batches ZeroMQ queues per subscriber before dropping
     ):
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._topic = topic.encode()
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self._queue: queue.SimpleQueue[KVEventBatch] = queue.SimpleQueue()

@@ -166,12 +166,12 @@ def decode_batch(payload: bytes) -> KVEventBatch:
 
 def _decode_event(raw: Any) -> Event:
     if isinstance(raw, dict):
-        event: Any = msgspec.convert(raw, _MapEvent)  # type: ignore[arg-type]
+        event: Any = msgspec.convert(raw, _MapEvent)
     elif isinstance(raw, list):
-        event = msgspec.convert(raw, _ArrayEvent)  # type: ignore[arg-type]
+        event = msgspec.convert(raw, _ArrayEvent)
     else:
         raise msgspec.ValidationError(f"an event is a map or an array, not {type(raw).__name__}")
-    cls = _CANONICAL[type(event).__struct_config__.tag]  # type: ignore[index]
+    cls = _CANONICAL[type(event).__struct_config__.tag]
     return cls(**msgspec.structs.asdict(event))
 
 

@@ -54,6 +54,7 @@ from mooncake.roles.messages import (
 )
 from mooncake.roles.registry import Registry, node_statuses
 from mooncake.roles.storefeed import StoreListeners
+from mooncake.router.backend import create_router
 from mooncake.store.metrics import MetricsServer, StoreCollector
 from mooncake.store.service import StoreService
 from mooncake.store.settings import MetadataConfig
@@ -121,8 +122,12 @@ class Master:
             if m.enabled and m.port
             else None
         )
+        # NOTE: with [router] backends, the API routes across vLLM instances (mooncake.router)
+        self.router = create_router(
+            cfg, self.conductor, self.lock, self.backend.tokenizer, self.model_name, max_len
+        )
         app = create_app(
-            self.backend,
+            self.router or self.backend,
             api_keys=cfg.api.api_keys,
             status_fn=self.status,
             metrics_registry=self.metrics,
@@ -330,6 +335,7 @@ class Master:
             ttft_phases=self.backend.phases.summary(),
             masters=masters, num_pool_objects=st.num_committed,
             kv_events=self.kv_events.status() if self.kv_events else None,
+            backends=await asyncio.to_thread(self.router.statuses) if self.router else [],
             **s.status_fields(),
         )  # fmt: skip
 
@@ -339,6 +345,8 @@ class Master:
         plane, start housekeeping. At start, or (on etcd) once elected."""
         self.store.start()
         self._thread.start()
+        if self.router is not None:
+            self.router.start()
 
     def serve(self) -> None:
         """Serve until SIGINT/SIGTERM (uvicorn handles them in the main thread)."""
@@ -364,6 +372,8 @@ class Master:
             if self._thread.is_alive():
                 self._thread.join()
             self.store.stop()
+            if self.router is not None:
+                self.router.stop()
             if self.kv_events is not None:
                 self.kv_events.close()
             if self.ha is not None:  # NOTE: after the pool is no longer served: then resign

@@ -13,9 +13,9 @@ import httpx
 import pytest
 
 from mooncake.configload import load_config
+from mooncake.roles.local import LocalLauncher, LocalPlan
 from mooncake.store.client import Store
 from tests.kvevents.subscriber import Subscriber
-from mooncake.roles.local import LocalLauncher, LocalPlan
 
 pytestmark = pytest.mark.timeout(180)
 KIB = 1024
