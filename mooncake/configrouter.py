@@ -10,6 +10,7 @@ import msgspec
 
 from mooncake.configknob import STRUCT as _STRUCT
 from mooncake.configknob import knob
+from mooncake.errors import ConfigError
 
 
 class KvEventsConfig(msgspec.Struct, **_STRUCT):
@@ -35,30 +36,42 @@ class KvEventsConfig(msgspec.Struct, **_STRUCT):
     buffer_steps: Annotated[int, knob("Batches kept for replay.", ge=1)] = 10_000
 
 
-class VllmBackendConfig(msgspec.Struct, **_STRUCT):
-    """One vLLM instance behind the router."""
+class VllmBackend(msgspec.Struct, frozen=True, kw_only=True):
+    """One vLLM instance behind the router (an entry of `router.backends`, parsed)."""
 
-    url: Annotated[str, knob("Its OpenAI API base URL, e.g. http://10.0.0.5:8000.", min_length=1)]
-    events: Annotated[
-        str, knob("Its KV event PUB address (vLLM's kv_events_config endpoint).", min_length=1)
-    ]
-    replay: Annotated[str, knob('Its replay ROUTER address; "" = none.')] = ""
-    topic: Annotated[str, knob("Its KV event topic.")] = ""
+    url: str  # its OpenAI API base URL
+    events: str  # its KV event PUB address (vLLM's kv_events_config endpoint)
+    replay: str = ""  # its replay ROUTER address ("" = none)
+
+
+def parse_backend(text: str) -> VllmBackend:
+    """`"URL EVENTS [REPLAY]"` -> VllmBackend; raises ConfigError naming the entry."""
+    parts = text.split()
+    urls_ok = len(parts) in (2, 3) and parts[0].startswith(("http://", "https://"))
+    if not urls_ok or not all(p.startswith(("tcp://", "ipc://")) for p in parts[1:]):
+        raise ConfigError(
+            f'router.backends: {text!r} is not "URL EVENTS [REPLAY]", e.g. '
+            '"http://10.0.0.5:8000 tcp://10.0.0.5:5557 tcp://10.0.0.5:5558" (the instance\'s '
+            "API, its --kv-events-config endpoint and replay_endpoint)"
+        )
+    return VllmBackend(url=parts[0].rstrip("/"), events=parts[1], replay=(parts[2:] or [""])[0])
 
 
 class RouterConfig(msgspec.Struct, **_STRUCT):
-    """[router]: with backends, the master routes OpenAI requests across vLLM instances by
-    the Conductor's Algorithm 1 (their prefix caches from their KV events, their load).
-    model.path names the backends' checkpoint (its tokenizer) and model.block_tokens must
-    be their --block-size."""
+    """[router]: with backends, the master routes OpenAI requests across vLLM instances."""
 
     backends: Annotated[
-        tuple[VllmBackendConfig, ...],
+        tuple[str, ...],
         knob(
-            "vLLM instances to route across, as [[router.backends]] tables with url, events "
-            "and optionally replay and topic; empty = serve with our own prefill/decode nodes."
+            'vLLM instances to route across, each "URL EVENTS [REPLAY]": its API base URL, '
+            "its KV event PUB address and (optional) replay address (vLLM's "
+            "--kv-events-config endpoint and replay_endpoint); requests are placed by "
+            "Algorithm 1 (their caches from their KV events, their load); model.path must be "
+            "their checkpoint and model.block_tokens their --block-size; empty = serve with "
+            "our own prefill/decode nodes."
         ),
     ] = ()
+    topic: Annotated[str, knob("Topic of the backends' KV events (vLLM's default: none).")] = ""
     timeout_s: Annotated[
         float, knob("Seconds a backend may take to answer a request's headers.", gt=0)
     ] = 60.0
@@ -70,3 +83,8 @@ class RouterConfig(msgspec.Struct, **_STRUCT):
             gt=0,
         ),
     ] = 1.0
+
+    @property
+    def backend_list(self) -> list[VllmBackend]:
+        """The backends, parsed (raises ConfigError naming a malformed entry)."""
+        return [parse_backend(b) for b in self.backends]

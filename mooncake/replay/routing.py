@@ -126,10 +126,8 @@ def router_spec(
         "[metrics]",
         "enabled = false",
     ]
-    for spec in instances:
-        events, replay_ep = events_of(spec)
-        lines += ["[[router.backends]]", f'url = "{spec.url}"', f'events = "{events}"']
-        lines += [f'replay = "{replay_ep}"']
+    entries = [" ".join((spec.url, *events_of(spec))) for spec in instances]
+    lines += ["[router]", f"backends = {json.dumps(entries)}"]
     path = run_dir / f"router-{policy}.toml"
     path.write_text("\n".join(lines) + "\n")
     path.chmod(0o600)

@@ -62,13 +62,13 @@ class RouterBackend(BaseBackend):
         self.feeds: list[BackendFeed] = []
         self.routed: dict[str, int] = {}  # instance name -> requests sent to it
         self._served: dict[str, str] = {}  # instance name -> the model id it serves
-        for i, b in enumerate(config.backends):
+        for i, b in enumerate(config.backend_list):
             name = f"vllm-{i}"
-            self.urls[name] = b.url.rstrip("/")
+            self.urls[name] = b.url
             self.routed[name] = 0
             conductor.add_coupled_instance(name)
             blocks = BlockMap(name, conductor.index, hasher)
-            self.feeds.append(BackendFeed(b, blocks, lock, resync_s=config.resync_s))
+            self.feeds.append(BackendFeed(b, config.topic, blocks, lock, resync_s=config.resync_s))
         self._ids = itertools.count(1)
         self._client: httpx.AsyncClient | None = None
 

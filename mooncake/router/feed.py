@@ -1,6 +1,6 @@
 """`BackendFeed`: one vLLM instance's KV event feed, read on a thread of its own.
 
-    feed = BackendFeed(backend_config, block_map, lock, resync_s=1.0)
+    feed = BackendFeed(backend, topic, block_map, lock, resync_s=1.0)
     feed.start() ... feed.stop()
 
 Sequence numbers must grow by one per batch. A gap (a batch dropped by ZeroMQ, a feed
@@ -19,7 +19,7 @@ import threading
 
 import zmq
 
-from mooncake.configrouter import VllmBackendConfig
+from mooncake.configrouter import VllmBackend
 from mooncake.kvevents.wire import WireError, decode_batch, parse_seq, seq_bytes
 from mooncake.router.blockmap import BlockMap
 
@@ -31,13 +31,15 @@ class BackendFeed:
 
     def __init__(
         self,
-        backend: VllmBackendConfig,
+        backend: VllmBackend,
+        topic: str,
         blocks: BlockMap,
         lock: threading.Lock,  # the Conductor's: held while a batch is applied
         *,
         resync_s: float,  # quiet seconds before the replay socket is asked
     ):
         self.backend = backend
+        self.topic = topic
         self.blocks = blocks
         self.lock = lock
         self.resync_s = resync_s
@@ -58,7 +60,7 @@ class BackendFeed:
 
     def _run(self) -> None:
         sub = self._ctx.socket(zmq.SUB)
-        sub.setsockopt(zmq.SUBSCRIBE, self.backend.topic.encode())
+        sub.setsockopt(zmq.SUBSCRIBE, self.topic.encode())
         sub.connect(self.backend.events)
         try:
             while not self._stop.is_set():
