@@ -34,7 +34,7 @@ from mooncake.replay.versus import VersusPlan, server_spec
 from mooncake.roles.local import free_port
 from mooncake.sim.trace import TraceRecord
 
-POLICIES = ("round_robin", "kvcache_centric")
+COMPARED = ("round_robin", "kvcache_centric")
 _COUNTER = re.compile(r"^vllm:prefix_cache_(hits|queries)_total\{[^}]*\}\s+([0-9.eE+]+)$", re.M)
 
 
@@ -42,7 +42,7 @@ _COUNTER = re.compile(r"^vllm:prefix_cache_(hits|queries)_total\{[^}]*\}\s+([0-9
 class RoutingPlan:
     versus: VersusPlan  # the checkpoint, vLLM's python, KV space, args, timeouts
     num_instances: int = 2
-    policies: tuple[str, ...] = POLICIES
+    policies: tuple[str, ...] = COMPARED
     speed: float = 1.0
     max_model_len: int = 2048
 
