@@ -234,7 +234,7 @@ class Conductor(Books):
             prefill=queue.name,
             decode=slots.name,
             local_blocks=lens[plan.idx],
-            best_blocks=best_len,
+            best_blocks=max(best_len, max(held, default=0)),  # coupled: anywhere, reachable or not
             reused_blocks=plan.reused_blocks,
             fetch_from=src,
             ttft_s=plan.ttft_s,

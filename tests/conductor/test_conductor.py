@@ -75,7 +75,7 @@ def test_coupled_instances_fetch_from_the_pool_but_not_from_each_other():
     c.index.add("s0", [1, 2])
     c.prefill[1].add("busy", 10.0)
     d = c.schedule(ScheduleRequest(1, 400, [1, 2, 3, 4]), now=0.0)
-    assert (d.prefill, d.fetch_from, d.reused_blocks, d.best_blocks) == ("c0", "s0", 2, 2)
+    assert (d.prefill, d.fetch_from, d.reused_blocks, d.best_blocks) == ("c0", "s0", 2, 3)
 
 
 def test_from_config_uses_the_scheduler_section():
