@@ -84,6 +84,10 @@ class RouterConfig(msgspec.Struct, **_STRUCT):
         ),
     ] = 1.0
 
+    replay_timeout_s: Annotated[
+        float, knob("Seconds a backend's replay socket may take to answer a replay request.", gt=0)
+    ] = 5.0
+
     @property
     def backend_list(self) -> list[VllmBackend]:
         """The backends, parsed (raises ConfigError naming a malformed entry)."""

@@ -68,7 +68,16 @@ class RouterBackend(BaseBackend):
             self.routed[name] = 0
             conductor.add_coupled_instance(name)
             blocks = BlockMap(name, conductor.index, hasher)
-            self.feeds.append(BackendFeed(b, config.topic, blocks, lock, resync_s=config.resync_s))
+            self.feeds.append(
+                BackendFeed(
+                    b,
+                    config.topic,
+                    blocks,
+                    lock,
+                    resync_s=config.resync_s,
+                    replay_timeout_s=config.replay_timeout_s,
+                )
+            )
         self._ids = itertools.count(1)
         self._client: httpx.AsyncClient | None = None
 

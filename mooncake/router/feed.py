@@ -1,6 +1,6 @@
 """`BackendFeed`: one vLLM instance's KV event feed, read on a thread of its own.
 
-    feed = BackendFeed(backend, topic, block_map, lock, resync_s=1.0)
+    feed = BackendFeed(backend, topic, block_map, lock, resync_s=1.0, replay_timeout_s=5.0)
     feed.start() ... feed.stop()
 
 Sequence numbers must grow by one per batch. A gap (a batch dropped by ZeroMQ, a feed
@@ -37,12 +37,14 @@ class BackendFeed:
         lock: threading.Lock,  # the Conductor's: held while a batch is applied
         *,
         resync_s: float,  # quiet seconds before the replay socket is asked
+        replay_timeout_s: float,  # seconds the replay socket may take to answer
     ):
         self.backend = backend
         self.topic = topic
         self.blocks = blocks
         self.lock = lock
         self.resync_s = resync_s
+        self.replay_timeout_s = replay_timeout_s
         self.next_seq = 0  # the first sequence number not applied yet
         self.num_batches = 0
         self.num_replayed = 0  # batches that came from the replay socket
@@ -117,7 +119,7 @@ class BackendFeed:
         req.connect(self.backend.replay)
         try:
             req.send_multipart([b"", seq_bytes(self.next_seq)])
-            while req.poll(int(self.resync_s * 1000)):
+            while req.poll(int(self.replay_timeout_s * 1000)):
                 frames = req.recv_multipart()
                 if len(frames) != 4:
                     return
@@ -126,7 +128,9 @@ class BackendFeed:
                     return  # the end marker
                 self._take(seq, frames[3], replayed=True)
             log.warning(
-                "router: %s's replay socket did not answer in %g s", self.blocks.name, self.resync_s
+                "router: %s's replay socket did not answer in %g s",
+                self.blocks.name,
+                self.replay_timeout_s,
             )
         finally:
             req.close(linger=0)
