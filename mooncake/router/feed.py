@@ -5,11 +5,12 @@
 
 Sequence numbers must grow by one per batch. A gap (a batch dropped by ZeroMQ, a feed
 joined late) is filled from the instance's replay socket; a number lower than the last
-one means the instance restarted: what it held is forgotten (its new cache is empty) and
-its buffer replayed from 0. With no replay socket a gap is logged and skipped (blocks
-chained from a missed one are then not indexed: `BlockMap`). A quiet spell of `resync_s`
-asks the replay socket for anything after the last batch seen (the last batch before a
-silence is otherwise never known to be missing).
+one, on a batch made after the last one applied, means the instance restarted: what it
+held is forgotten (its new cache is empty) and its buffer replayed from 0. With no
+replay socket a gap is logged and skipped (blocks chained from a missed one are then not
+indexed: `BlockMap`). A quiet spell of `resync_s` asks the replay socket for anything
+after the last batch seen (the last batch before a silence is otherwise never known to
+be missing).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import threading
 import zmq
 
 from mooncake.configrouter import VllmBackend
-from mooncake.kvevents.wire import WireError, decode_batch, parse_seq, seq_bytes
+from mooncake.kvevents.wire import KVEventBatch, WireError, decode_batch, parse_seq, seq_bytes
 from mooncake.router.blockmap import BlockMap
 
 log = logging.getLogger(__name__)
@@ -46,6 +47,7 @@ class BackendFeed:
         self.resync_s = resync_s
         self.replay_timeout_s = replay_timeout_s
         self.next_seq = 0  # the first sequence number not applied yet
+        self._last_ts = 0.0  # ts of the last batch applied (a restart's are later)
         self.num_batches = 0
         self.num_replayed = 0  # batches that came from the replay socket
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
@@ -80,9 +82,16 @@ class BackendFeed:
             sub.close(linger=0)
 
     def _take(self, seq: int, payload: bytes, *, replayed: bool) -> None:
+        try:
+            batch: KVEventBatch | None = decode_batch(payload)
+        except WireError as e:
+            log.warning("router: %s batch %d: %s", self.blocks.name, seq, e)
+            batch = None
         if seq < self.next_seq:
-            if replayed:
-                return  # seen live already
+            # NOTE: a batch already applied (live after a replay got it, or replayed after
+            # live) is no newer than the last one applied; one made later is a restart's
+            if replayed or batch is None or batch.ts <= self._last_ts:
+                return
             log.warning(
                 "router: %s restarted (seq %d after %d): its cache is empty",
                 self.blocks.name,
@@ -100,13 +109,10 @@ class BackendFeed:
             log.warning(
                 "router: %s: batches %d..%d missed", self.blocks.name, self.next_seq, seq - 1
             )
-        try:
-            batch = decode_batch(payload)
-        except WireError as e:
-            log.warning("router: %s batch %d: %s", self.blocks.name, seq, e)
-        else:
+        if batch is not None:
             with self.lock:
                 self.blocks.apply(batch)
+            self._last_ts = batch.ts
         self.next_seq = seq + 1
         self.num_batches += 1
         self.num_replayed += replayed
