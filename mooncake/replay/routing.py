@@ -35,6 +35,8 @@ from mooncake.roles.local import free_port
 from mooncake.sim.trace import TraceRecord
 
 COMPARED = ("round_robin", "kvcache_centric")
+# (plan, index, run dir, block tokens) -> how to start instance i, publishing KV events
+InstanceSpec = Callable[["RoutingPlan", int, Path, int], ServerSpec]
 _COUNTER = re.compile(r"^vllm:prefix_cache_(hits|queries)_total\{[^}]*\}\s+([0-9.eE+]+)$", re.M)
 
 
@@ -153,15 +155,17 @@ def run_routing(
     records: list[TraceRecord],
     prompts: PromptConfig,
     on_progress: Callable[[str], None] = lambda _: None,
+    instance_spec: InstanceSpec | None = None,  # default: vllm_instance
 ) -> RoutingResult:
     """Start the instances, replay the slice through a router per policy; compare."""
+    instance_spec = instance_spec or vllm_instance
     v = plan.versus
     prompts = dataclasses.replace(prompts, vocab_size=v.vocab_size)
     prompts.validate()
     run_dir = v.work_dir / "runs" / f"router-{int(time.time())}-{os.getpid()}"
     run_dir.mkdir(parents=True, exist_ok=True)
     bt = prompts.block_tokens
-    specs = [vllm_instance(plan, i, run_dir, bt) for i in range(plan.num_instances)]
+    specs = [instance_spec(plan, i, run_dir, bt) for i in range(plan.num_instances)]
     logs = {s.name: str(run_dir / f"{s.name}.log") for s in specs}
     rows = []
     with ExitStack() as stack:

@@ -16,10 +16,12 @@ import httpx
 import pytest
 
 from mooncake.replay.checkpoint import CheckpointShape, make_checkpoint
-from mooncake.replay.routing import RoutingPlan, cache_counters, router_spec
+from mooncake.replay.prompts import PromptConfig
+from mooncake.replay.routing import RoutingPlan, cache_counters, router_spec, run_routing
 from mooncake.replay.servers import LaunchedServer, ServerSpec
 from mooncake.replay.versus import VersusPlan
 from mooncake.roles.local import free_port
+from mooncake.sim.trace import TraceRecord
 
 BT = 32
 REPO = Path(__file__).resolve().parents[2]
@@ -138,3 +140,34 @@ def test_a_restarted_instance_is_forgotten_and_a_late_feed_is_replayed(
             == 200
         )
         _wait_blocks(router.url, 0, 1)  # the old four forgotten, the new one indexed
+
+
+def test_bench_router_measures_a_higher_hit_rate_for_algorithm_1(
+    tmp_path: Path, model: Path
+) -> None:
+    """`bench router`'s run on the stand-ins: sessions of three turns, each turn the
+    previous prompt and more; round robin sends every other turn where its prefix is not,
+    Algorithm 1 sends each where it is, and the caches are reset between the policies."""
+    records = [
+        TraceRecord(
+            timestamp=100 * (3 * turn + s),
+            input_length=512 * (turn + 2),
+            output_length=16,
+            hash_ids=[1000 * s + b for b in range(turn + 2)],
+        )
+        for turn in range(3)
+        for s in range(3)
+    ]
+    versus = VersusPlan(model=str(model), vocab_size=512, work_dir=tmp_path)
+    plan = RoutingPlan(versus, num_instances=2, max_model_len=2048)
+    prompts = PromptConfig(scale=BT / 512, output_scale=BT / 512, seed=0, first_id=2)
+    result = run_routing(
+        plan, records, prompts, instance_spec=lambda _p, i, _d, _b: _emulator(i, model)
+    )
+    rr, kv = result.rows
+    assert (rr.policy, kv.policy) == ("round_robin", "kvcache_centric")
+    assert rr.completed == kv.completed == 9 and rr.failed == kv.failed == 0
+    assert rr.query_tokens == kv.query_tokens == sum(r.input_length for r in records) * BT // 512
+    assert kv.hit_rate > rr.hit_rate
+    # every later turn finds its whole previous prompt: (2 + 3) blocks per session, 3 sessions
+    assert kv.hit_tokens == 3 * 5 * BT

@@ -5,12 +5,13 @@ tests where vLLM is not installed: `python -m tests.router.vllm_emulator --model
 What the router sees is vLLM 0.32's: `/v1/models`, a streaming `/v1/completions` taking
 token-id prompts with `return_token_ids` (chunks with `token_ids`, the last with
 `finish_reason`), `/metrics` with `vllm:prefix_cache_{queries,hits}_total` and
-`vllm:request_success_total`, and KV events as vLLM publishes them: one `BlockStored` per
-request for its new full blocks (64-bit int hashes chained from the parent's, the
-blocks' token ids, `medium` "GPU", `extra_keys` None per block, `group_idx` 0,
-`kv_cache_spec_kind` "full_attention"), sent and replayed by the same PUB/ROUTER protocol
-(`mooncake.kvevents.publisher`, whose bytes tests/kvevents/test_wire.py checks against
-vLLM's). The output is one fixed token repeated: no model runs.
+`vllm:request_success_total`, `/reset_prefix_cache` (vLLM's dev endpoint), and KV events
+as vLLM publishes them: one `BlockStored` per request for its new full blocks (64-bit
+int hashes chained from the parent's, the blocks' token ids, `medium` "GPU",
+`extra_keys` None per block, `group_idx` 0, `kv_cache_spec_kind` "full_attention"), sent
+and replayed by the same PUB/ROUTER protocol (`mooncake.kvevents.publisher`, whose bytes
+tests/kvevents/test_wire.py checks against vLLM's). The output is one fixed token
+repeated: no model runs.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from mooncake.kvevents.publisher import Publisher
-from mooncake.kvevents.wire import BlockStored, KVEventBatch
+from mooncake.kvevents.wire import AllBlocksCleared, BlockStored, KVEventBatch
 
 OUTPUT_TOKEN = 7
 
@@ -74,6 +75,12 @@ class PrefixCache:
                 [KVEventBatch(ts=time.time(), events=[ev], data_parallel_rank=0)]
             )
 
+    def reset(self) -> None:
+        """vLLM's /reset_prefix_cache: every block dropped, one AllBlocksCleared."""
+        self.blocks.clear()
+        batch = KVEventBatch(ts=time.time(), events=[AllBlocksCleared()], data_parallel_rank=0)
+        self.publisher.publish([batch])
+
 
 def create_app(model: str, cache: PrefixCache) -> Starlette:
     async def models(_: Request) -> Response:
@@ -102,6 +109,10 @@ def create_app(model: str, cache: PrefixCache) -> Starlette:
 
         return StreamingResponse(chunks(), media_type="text/event-stream")
 
+    async def reset(_: Request) -> Response:
+        cache.reset()
+        return PlainTextResponse("")
+
     async def metrics(_: Request) -> Response:
         labels = f'{{engine="0",model_name="{model}"}}'
         lines = [
@@ -116,6 +127,7 @@ def create_app(model: str, cache: PrefixCache) -> Starlette:
             Route("/v1/models", models),
             Route("/v1/completions", completions, methods=["POST"]),
             Route("/metrics", metrics),
+            Route("/reset_prefix_cache", reset, methods=["POST"]),
         ]
     )
 
