@@ -17,7 +17,7 @@ class Subscriber:
     socket. `batches` has every batch seen, `replayed` the seqs that came by replay."""
 
     def __init__(self, endpoint: str, replay_endpoint: str, topic: bytes = b""):
-        self.ctx = zmq.Context.instance()
+        self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self.endpoint, self.replay_endpoint, self.topic = endpoint, replay_endpoint, topic
         self.next_seq = 0  # the first seq not yet seen
         self.batches: list[tuple[int, list[Any]]] = []  # (seq, decoded [ts, events, rank])
@@ -79,13 +79,13 @@ class Subscriber:
 
     def events(self) -> list[tuple[int | None, dict[str, Any]]]:
         """Every event seen, in order, with its batch's data_parallel_rank."""
-        out = []
+        out: list[tuple[int | None, dict[str, Any]]] = []
         for _, batch in self.batches:
             rank = batch[2] if len(batch) > 2 else None
             out.extend((rank, e) for e in batch[1])
         return out
 
-    def wait_for(self, pred: Any, timeout_s: float = 20.0, poll_s: float = 0.2) -> None:
+    def wait_for(self, pred: Any, timeout_s: float = 60.0, poll_s: float = 0.2) -> None:
         deadline = time.monotonic() + timeout_s
         while not pred(self):
             assert time.monotonic() < deadline, self.events()[-10:]

@@ -25,7 +25,7 @@ from mooncake.sim.trace import TraceRecord
 
 BT = 32
 REPO = Path(__file__).resolve().parents[2]
-pytestmark = pytest.mark.timeout(300)
+pytestmark = pytest.mark.timeout(600)
 
 
 def _emulator(i: int, model: Path) -> ServerSpec:
@@ -52,7 +52,7 @@ def _emulator(i: int, model: Path) -> ServerSpec:
         argv,
         f"http://127.0.0.1:{port}",
         env={"PYTHONPATH": str(REPO)},
-        start_timeout_s=60,
+        start_timeout_s=180,
     )
 
 
@@ -61,7 +61,7 @@ def _backends(url: str) -> list[dict[str, Any]]:
 
 
 def _wait_blocks(url: str, i: int, n: int) -> None:
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 90
     while _backends(url)[i]["num_blocks"] != n:
         assert time.monotonic() < deadline, _backends(url)
         time.sleep(0.05)

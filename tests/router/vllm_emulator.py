@@ -20,6 +20,7 @@ import argparse
 import hashlib
 import json
 import time
+from collections.abc import AsyncIterator
 
 import uvicorn
 from starlette.applications import Starlette
@@ -43,7 +44,9 @@ class PrefixCache:
         self.hits = self.queries = self.done = 0
 
     def admit(self, tokens: list[int]) -> None:
-        bs, parent, new, new_tokens, first_parent = self.block_size, None, [], [], None
+        bs, parent, first_parent = self.block_size, None, None
+        new: list[bytes | int] = []
+        new_tokens: list[int] = []
         self.queries += len(tokens)
         for i in range(len(tokens) // bs):
             chunk = tokens[i * bs : (i + 1) * bs]
@@ -94,7 +97,7 @@ def create_app(model: str, cache: PrefixCache) -> Starlette:
         cache.admit(prompt)
         n = int(body.get("max_tokens") or 16)
 
-        async def chunks():  # type: ignore[no-untyped-def]
+        async def chunks() -> AsyncIterator[str]:
             for i in range(n):
                 last = i == n - 1
                 choice = {
