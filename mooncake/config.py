@@ -20,6 +20,7 @@ import msgspec
 from mooncake.configknob import STRUCT as _STRUCT
 from mooncake.configknob import knob
 from mooncake.configroles import DecodeConfig, PrefillConfig, SchedulerConfig
+from mooncake.configrouter import KvEventsConfig, RouterConfig
 from mooncake.errors import ConfigError
 from mooncake.rdmaconfig import RdmaConfig
 from mooncake.sizes import Size
@@ -368,3 +369,5 @@ class Config(msgspec.Struct, **_STRUCT):
     scheduler: SchedulerConfig = SchedulerConfig()
     api: ApiConfig = ApiConfig()
     metrics: MetricsConfig = MetricsConfig()
+    kv_events: KvEventsConfig = KvEventsConfig()
+    router: RouterConfig = RouterConfig()

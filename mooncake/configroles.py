@@ -150,7 +150,7 @@ class SchedulerConfig(msgspec.Struct, **_STRUCT):
     """[scheduler]: the Conductor (paper Algorithm 1)."""
 
     policy: Annotated[
-        Literal["random", "load_balance", "cache_aware", "kvcache_centric"],
+        Literal["random", "round_robin", "load_balance", "cache_aware", "kvcache_centric"],
         knob("How the Conductor picks prefill and decode instances."),
     ] = "kvcache_centric"
     ttft_slo_s: Annotated[float, knob("Time-to-first-token SLO, seconds.", gt=0)] = 30.0

@@ -167,8 +167,8 @@ def test_parse_set_option() -> None:
         ("[store]\nhigh_watermark = 1.5", "store.high_watermark: expected a number in (0, 1]"),
         (
             '[scheduler]\npolicy = "fifo"',
-            "scheduler.policy: expected one of random, load_balance, cache_aware, "
-            'kvcache_centric, got "fifo"',
+            "scheduler.policy: expected one of random, round_robin, load_balance, "
+            'cache_aware, kvcache_centric, got "fifo"',
         ),
         ('[store]\ndram_bytes = "lots"', "store.dram_bytes: expected a size in bytes"),
         ('[store]\ndram_bytes = "150%"', "a percentage is at most 100%"),

@@ -73,6 +73,26 @@ class MasterStatus(msgspec.Struct, frozen=True, kw_only=True):
     api: str = ""  # base URL of its HTTP API
 
 
+class KvEventsStatus(msgspec.Struct, frozen=True, kw_only=True):
+    """Where the master publishes the pool's KV events (vLLM's format, docs/kv-events.md)."""
+
+    endpoint: str  # ZeroMQ PUB address, bound (real port)
+    replay_endpoint: str  # ZeroMQ ROUTER address for replays ("" = none)
+    topic: str
+    ranks: dict[str, int] = {}  # pool node id -> its data_parallel_rank in the batches
+
+
+class BackendStatus(msgspec.Struct, frozen=True, kw_only=True):
+    """A vLLM instance the master routes to (`[router] backends`)."""
+
+    name: str  # vllm-<i>, in the order of the config
+    url: str
+    num_blocks: int  # blocks of its cache the router has indexed (from its KV events)
+    num_routed: int  # requests sent to it since start
+    num_batches: int  # KV event batches received (num_replayed of them by replay)
+    num_replayed: int
+
+
 class Status(msgspec.Struct, frozen=True, kw_only=True):
     cluster: str
     model: str
@@ -111,6 +131,9 @@ class Status(msgspec.Struct, frozen=True, kw_only=True):
     kv_blocks: KVBlockShares | None = None  # why prefills missed (the cluster's master only)
     num_demotions: int = 0  # replicas moved down a tier (DRAM -> SSD) since start
     num_promotions: int = 0  # replicas moved up a tier on a hit (SSD -> DRAM) since start
+
+    kv_events: KvEventsStatus | None = None  # the pool's KV event feed (None: not published)
+    backends: list[BackendStatus] = []  # vLLM instances routed to (router mode only)
 
 
 def pool_status(st: StoreStats) -> list[TierStatus]:

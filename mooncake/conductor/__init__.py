@@ -6,11 +6,12 @@ Pure logic (no sockets, threads or clock), shared by the real master and the sim
 prefill / decode-step times, transfer times; the `mooncake profile` file format),
 `roofline` (analytic cost model of a GPU type and a model's shape; the master's default
 when no profile is configured; the one reader of hardware, through NVML), `network` (bytes
-queued per link), `policy` (random, load_balance, cache_aware, kvcache_centric = Algorithm 1),
-`load` (prefill queue times, decode batches and reservations), `forecast` (decode times
-and the §7.4 pool forecast), `books` (tickets kept by progress reports), `placement`
-(which decode instance, at arrival and at prefill start), `admission` (early rejection
-none / basic / predictive), `types` (settings, requests, decisions).
+queued per link), `policy` (random, round_robin, load_balance, cache_aware,
+kvcache_centric = Algorithm 1), `load` (prefill queue times, decode batches and
+reservations), `forecast` (decode times and the §7.4 pool forecast), `books` (tickets
+kept by progress reports), `placement` (which decode instance, at arrival and at prefill
+start), `admission` (early rejection none / basic / predictive), `types` (settings,
+requests, decisions).
 """
 
 from mooncake.conductor.conductor import Conductor

@@ -61,6 +61,7 @@ class Conductor(Books):
         self._match_names: list[str] = []  # prefill instances, then the other pool nodes
         self._match_bits: list[int] = []  # their bits in the prefix index
         self._match_full = 0  # OR of _match_bits
+        self._reach_full = 0  # of those, where any instance may read (coupled: the pool's)
         self._block_bytes = cost.kv_bytes_per_token * params.block_tokens
 
     @classmethod
@@ -152,9 +153,11 @@ class Conductor(Books):
         names = [q.name for q in self.prefill]
         self._match_names = names + [n for n in self._pool_nodes if n not in names]
         self._match_bits = [self.index.bit(n) for n in self._match_names]
-        self._match_full = 0
-        for bit in self._match_bits:
+        self._match_full = self._reach_full = 0
+        for name, bit in zip(self._match_names, self._match_bits, strict=True):
             self._match_full |= bit
+            if not self.is_coupled or name not in names:
+                self._reach_full |= bit  # where a prefix may be read from
 
     def remove_instance(self, name: str) -> None:
         """The instance's node is gone: stop placing on it and forget its blocks."""
@@ -178,13 +181,16 @@ class Conductor(Books):
         # match: every prefill instance's local prefix, and the longest one anywhere
         held = self.index.prefix_lens(hashes, self._match_bits, self._match_full)
         lens = held[: len(self.prefill)]
-        best_len = max(held)
-        best_idx = held.index(best_len) if best_len else -1
+        # NOTE: coupled instances (vLLM's) read their own cache and the pool, never each other's
+        first = len(self.prefill) if self.is_coupled else 0
+        best_len = max(held[first:], default=0)
+        best_idx = held.index(best_len, first) if best_len else -1
         if best_len < len(hashes) and p.global_pool:  # the pool's prefix, maybe split
-            pool_len = self.index.pool_prefix_len(hashes, self._match_full)
+            pool_len = self.index.pool_prefix_len(hashes, self._reach_full)
             if pool_len > best_len:  # NOTE: priced from the holder of the first block past
                 mask = self.index.holders_mask(hashes[best_len])  # the longest run
-                best_idx = next(i for i, b in enumerate(self._match_bits) if b & mask)
+                bits = self._match_bits
+                best_idx = next(i for i in range(first, len(bits)) if bits[i] & mask)
                 best_len = pool_len
         names = self._match_names
         # estimate (blocks the pool holds on SSD only are priced at the SSD's read cost)
@@ -197,7 +203,7 @@ class Conductor(Books):
             queue_s=[q.queue_time(now) for q in self.prefill],
             best_len=best_len,
             best_idx=best_idx,
-            can_fetch=p.global_pool and not self.is_coupled,
+            can_fetch=p.global_pool and (not self.is_coupled or bool(self._pool_nodes)),
             prefill_s=lambda blocks: self._prefill_latency(input_len, blocks),
             transfer_s=lambda src, dst, blocks: self.network.estimate(
                 names[src], names[dst], blocks * self._block_bytes, now
@@ -228,7 +234,7 @@ class Conductor(Books):
             prefill=queue.name,
             decode=slots.name,
             local_blocks=lens[plan.idx],
-            best_blocks=best_len,
+            best_blocks=max(best_len, max(held, default=0)),  # coupled: anywhere, reachable or not
             reused_blocks=plan.reused_blocks,
             fetch_from=src,
             ttft_s=plan.ttft_s,

@@ -1,4 +1,5 @@
-"""Prefill scheduling policies, in a registry: random, load_balance, cache_aware, kvcache_centric.
+"""Prefill scheduling policies, in a registry: random, round_robin, load_balance, cache_aware,
+kvcache_centric.
 
 A policy sees one request through a `PrefillView` (each prefill instance's local prefix
 match and queue time, the longest match anywhere, and the cost model's estimators) and
@@ -101,6 +102,20 @@ class RandomPolicy(BasePolicy):
         return self.local(view, self._rng.randrange(len(view.names)))
 
 
+class RoundRobinPolicy(BasePolicy):
+    """Each instance in turn, whatever it holds (the baseline a KV-aware router beats)."""
+
+    name = "round_robin"
+
+    def __init__(self, threshold: float = 1.5, seed: int = 0):
+        super().__init__(threshold, seed)
+        self._next = 0
+
+    def choose(self, view: PrefillView) -> PrefillPlan:
+        i, self._next = self._next % len(view.names), self._next + 1
+        return self.local(view, i)
+
+
 class LoadBalancePolicy(BasePolicy):
     """The instance with the shortest queue."""
 
@@ -157,7 +172,13 @@ class KVCacheCentricPolicy(BasePolicy):
 
 POLICY_REGISTRY: dict[str, type[BasePolicy]] = {
     cls.name: cls
-    for cls in (RandomPolicy, LoadBalancePolicy, CacheAwarePolicy, KVCacheCentricPolicy)
+    for cls in (
+        RandomPolicy,
+        RoundRobinPolicy,
+        LoadBalancePolicy,
+        CacheAwarePolicy,
+        KVCacheCentricPolicy,
+    )
 }
 
 

@@ -9,7 +9,7 @@ import msgspec
 
 from mooncake.errors import ConfigError
 
-POLICIES = ("random", "load_balance", "cache_aware", "kvcache_centric")
+POLICIES = ("random", "round_robin", "load_balance", "cache_aware", "kvcache_centric")
 REJECTION_MODES = ("none", "basic", "predictive")
 
 RejectReason = Literal["", "ttft_slo", "decode_load", "no_instance", "unknown_request"]

@@ -16,7 +16,6 @@ import os
 import threading
 import time
 from functools import partial
-from typing import Literal
 
 from prometheus_client import CollectorRegistry
 
@@ -25,14 +24,14 @@ from mooncake.api.server import ApiServer
 from mooncake.api.stats import RequestStats
 from mooncake.api.status import MasterStatus, NodeStatus, Status, host_port, pool_status
 from mooncake.conductor import ReplicationOrder
-from mooncake.conductor.index import StoreEvent as IndexEvent
 from mooncake.conductor.roofline import PrefillHardware, create_conductor
 from mooncake.config import Config
-from mooncake.engine.kvstore import kv_key, parse_kv_key
+from mooncake.engine.kvstore import kv_key
 from mooncake.engine.modelinfo import load_model_info
 from mooncake.engine.tokenizer import create_tokenizer
 from mooncake.errors import ConfigError
 from mooncake.hashing import PrefixHasher
+from mooncake.kvevents.feed import create_pool_feed
 from mooncake.portrange import node_ports
 from mooncake.roles import sdnotify
 from mooncake.roles.attribution import AttributionCollector
@@ -55,18 +54,14 @@ from mooncake.roles.messages import (
     TokensMsg,
 )
 from mooncake.roles.registry import Registry, node_statuses
+from mooncake.roles.storefeed import StoreListeners
+from mooncake.router.backend import create_router
 from mooncake.store.metrics import MetricsServer, StoreCollector
-from mooncake.store.objects import StoreEvent
 from mooncake.store.service import StoreService
 from mooncake.store.settings import MetadataConfig
 
 log = logging.getLogger(__name__)
 TICK_S = 0.25  # seconds between housekeeping passes
-IndexKind = Literal["added", "evicted", "demoted", "node_gone"]
-_KINDS: dict[str, IndexKind] = {
-    "added": "added", "evicted": "evicted", "removed": "evicted", "demoted": "demoted",
-    "promoted": "demoted", "node_gone": "node_gone",
-}  # fmt: skip
 
 
 class Master:
@@ -93,12 +88,16 @@ class Master:
         self.backend.vocab_size = info.spec.vocab_size
         self.backend.configure(cfg)
         self.fingerprint = ""  # hex, from the first engine node
+        self.kv_events = create_pool_feed(cfg)  # the pool's changes as vLLM KV events
+        listeners = StoreListeners(
+            self.conductor.index, self.lock, self.kv_events, self.backend.misses
+        )
         self.store = StoreService(
             self.secret,
             MetadataConfig.from_store_config(cfg.store),
             address=f"tcp://{cfg.cluster.master}",
             tick_s=0.1,
-            on_events=self._on_store_events,
+            on_events=listeners.on_events,
             direct_port=node_ports(cfg),
             journal=file_journal(cfg),
         )
@@ -127,8 +126,12 @@ class Master:
             if m.enabled and m.port
             else None
         )
+        # NOTE: with [router] backends, the API routes across vLLM instances (mooncake.router)
+        self.router = create_router(
+            cfg, self.conductor, self.lock, self.backend.tokenizer, self.model_name, max_len
+        )
         app = create_app(
-            self.backend,
+            self.router or self.backend,
             api_keys=cfg.api.api_keys,
             status_fn=self.status,
             metrics_registry=self.metrics,
@@ -226,20 +229,6 @@ class Master:
         started = self.store.replicate(keys, order.dst)
         log.debug("replicating %d of %d blocks %s -> %s", started, len(keys), order.src,
                   order.dst)  # fmt: skip
-
-    def _on_store_events(self, events: list[StoreEvent]) -> None:
-        # NOTE: runs under the store's lock on its thread; the Conductor has its own lock
-        log.debug("%d store events, first %s", len(events), events[0])
-        with self.lock:
-            for e in events:
-                kind = _KINDS.get(e.kind)
-                h = parse_kv_key(e.key) if kind not in (None, "node_gone") else None
-                if kind == "node_gone" or (kind is not None and h is not None):
-                    hashes = () if h is None else (h,)
-                    ev = IndexEvent(kind=kind, node=e.node_id, block_hashes=hashes,
-                                    tier=e.tier or "dram")  # fmt: skip
-                    self.conductor.index.apply(ev)
-                    self.backend.misses.event(kind, h, time.monotonic())  # after the index
 
     # -- housekeeping --
     def _loop(self) -> None:
@@ -344,6 +333,8 @@ class Master:
             ttft_phases=self.backend.phases.summary(),
             masters=masters, num_pool_objects=st.num_committed,
             num_demotions=st.demotions, num_promotions=st.promotions,
+            kv_events=self.kv_events.status() if self.kv_events else None,
+            backends=await asyncio.to_thread(self.router.statuses) if self.router else [],
             **s.status_fields(),
         )  # fmt: skip
 
@@ -353,6 +344,8 @@ class Master:
         plane, start housekeeping. At start, or (on etcd) once elected."""
         self.store.start()
         self._thread.start()
+        if self.router is not None:
+            self.router.start()
 
     def serve(self) -> None:
         """Serve until SIGINT/SIGTERM (uvicorn handles them in the main thread)."""
@@ -378,6 +371,10 @@ class Master:
             if self._thread.is_alive():
                 self._thread.join()
             self.store.stop()
+            if self.router is not None:
+                self.router.stop()
+            if self.kv_events is not None:
+                self.kv_events.close()
             if self.ha is not None:  # NOTE: after the pool is no longer served: then resign
                 self.ha.stop()
 

@@ -64,6 +64,20 @@ def test_coupled_instances_decode_where_they_prefill_and_never_fetch():
     assert (d.prefill, d.decode, d.fetch_from, d.reused_blocks) == ("c0", "c0", "", 0)
 
 
+def test_coupled_instances_fetch_from_the_pool_but_not_from_each_other():
+    """vLLM instances behind the router: each reads its own cache and the pool (through a
+    KV connector), never another instance's GPU cache."""
+    c = toy_conductor(0, 0)
+    for name in ("c0", "c1"):
+        c.add_coupled_instance(name, 10_000)
+    c.add_pool_node("s0")
+    c.index.add("c1", [1, 2, 3])
+    c.index.add("s0", [1, 2])
+    c.prefill[1].add("busy", 10.0)
+    d = c.schedule(ScheduleRequest(1, 400, [1, 2, 3, 4]), now=0.0)
+    assert (d.prefill, d.fetch_from, d.reused_blocks, d.best_blocks) == ("c0", "s0", 2, 3)
+
+
 def test_from_config_uses_the_scheduler_section():
     from mooncake.config import SchedulerConfig
 

@@ -121,6 +121,12 @@ def test_random_policy_is_reproducible_for_a_seed():
 
 
 def test_registry_names_and_unknown_policy():
-    assert set(POLICY_REGISTRY) == {"random", "load_balance", "cache_aware", "kvcache_centric"}
+    assert set(POLICY_REGISTRY) == {
+        "random",
+        "round_robin",
+        "load_balance",
+        "cache_aware",
+        "kvcache_centric",
+    }
     with pytest.raises(ConfigError, match="unknown scheduling policy"):
         create_policy("fastest", 1.5)
