@@ -57,6 +57,7 @@ def test_puts_and_evictions_reach_a_vllm_subscriber_in_order_and_a_gap_is_replay
         num_store=1,
         extra={
             "store.dram_bytes": "512KiB",
+            "store.ssd_bytes": "0",  # no tier below: the pool evicts (with one: demotes)
             "store.high_watermark": 0.7,
             "store.low_watermark": 0.4,
             "kv_events.topic": "pool",
