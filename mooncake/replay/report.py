@@ -35,6 +35,11 @@ class RequestRecord(msgspec.Struct, kw_only=True):
     expected_output_tokens: int = 0  # what was asked for (max_tokens)
     cached_tokens: int | None = None  # prompt tokens served from the server's cache, if told
     error: str = ""  # why it failed (status "error") or was rejected
+    # what kind of failure, from its shape, not its wording: "http <status> <error.type>",
+    # "stream <error.type>" (an error event mid-stream), "connect", "disconnected" (the
+    # connection cut mid-answer), "timeout", "ended early" (no finish and no error),
+    # "bad data", "hung" (set by a caller that gave up waiting); "" when it did not fail
+    error_kind: str = ""
 
     @property
     def tbt_p90_s(self) -> float:

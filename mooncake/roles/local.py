@@ -57,6 +57,15 @@ SCHEDULABLE_TIMEOUT_S = 30.0  # seconds for the master to see every ready node
 CONFIG_NAME = "mooncake-local.toml"
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where one node runs when not beside the launcher (`mooncake soak` puts a node in a
+    network namespace of its own): the command prefix that puts it there and its address."""
+
+    prefix: tuple[str, ...]  # e.g. ("ip", "netns", "exec", NS): the node's command follows
+    address: str  # node.advertise_address there (peers reach it at this address)
+
+
 @dataclass
 class LocalPlan:
     """The shape of the local cluster."""
@@ -74,6 +83,8 @@ class LocalPlan:
     pool: bool = True  # False: no store node and no pool share (a no-reuse baseline)
     cost_model_path: str = ""  # "" = profile once and cache
     run_dir: Path = field(default_factory=lambda: Path.cwd())
+    host: str = "127.0.0.1"  # masters' control planes and nodes' addresses (not the API's)
+    placements: dict[str, Placement] = field(default_factory=dict)  # node id -> elsewhere
     # more config keys: "section.key" -> a value, typed or as --set text ("false", "64MiB")
     extra: dict[str, object] = field(default_factory=dict)
 
@@ -104,10 +115,10 @@ def write_config(
 ) -> Path:
     """Write the cluster's config (mode 0600: it holds the secret) without following a
     symlink; `plan.extra` values are typed by their key. Raises ConfigError, RunDirError."""
-    cluster = {"name": "local", "master": f"127.0.0.1:{master_port}", "secret": secret}
+    cluster = {"name": "local", "master": f"{plan.host}:{master_port}", "secret": secret}
     sections: dict[str, dict[str, object]] = {
         "cluster": {**cluster, **(ha or {})},
-        "node": {"advertise_address": "127.0.0.1"},
+        "node": {"advertise_address": plan.host},
         "model": {"path": plan.model, "block_tokens": plan.block_tokens},
         "prefill": {
             "chunk_tokens": plan.chunk_tokens,
@@ -194,10 +205,10 @@ class LocalLauncher:
         ports = [self._master_port] + [free_port() for _ in range(plan.num_masters - 1)]
         for i, port in enumerate(ports[1:], 1):
             self._node_sets[f"master-{i}"] = [
-                f"cluster.master=127.0.0.1:{port}",
+                f"cluster.master={plan.host}:{port}",
                 f"api.port={free_port()}",
             ]
-        return {"etcd": [url], "masters": [f"127.0.0.1:{p}" for p in ports]}
+        return {"etcd": [url], "masters": [f"{plan.host}:{p}" for p in ports]}
 
     def start(self, cost_model: str) -> LocalCluster:
         """Configure, start every node, wait until the master places on all of them, write
@@ -229,7 +240,7 @@ class LocalLauncher:
         """The runfile with the children's current pids; the caller holds the lock."""
         self.info = LocalCluster(
             url=self.url,
-            master=f"127.0.0.1:{self._master_port}",
+            master=f"{self.plan.host}:{self._master_port}",
             config_path=str(self.config_path),
             pids={c.node_id: c.proc.pid for c in self.children},
             api_key=self.api_key,
@@ -249,6 +260,8 @@ class LocalLauncher:
                "--config", str(self.config_path), "--set", f"node.id={node_id}"]  # fmt: skip
         for value in self._node_sets.get(node_id, []):
             cmd += ["--set", value]
+        if (placed := self.plan.placements.get(node_id)) is not None:
+            cmd = [*placed.prefix, *cmd, "--set", f"node.advertise_address={placed.address}"]
         if role == "prefill" and self._shared_cores and "node.nice" not in self.plan.extra:
             cmd += ["--set", f"node.nice={PREFILL_NICE}"]  # NOTE: decode steps go first
         proc = self._forker.submit(
