@@ -37,7 +37,7 @@ from pathlib import Path
 from mooncake.config import Config, DecodeConfig
 from mooncake.configload import load_config, typed_override
 from mooncake.errors import MooncakeError
-from mooncake.ha.localetcd import LocalEtcd
+from mooncake.ha.localetcd import LocalEtcd, tmpfs_data_dir
 from mooncake.native.shm import sweep_stale
 from mooncake.roles.runfile import (
     LocalCluster,
@@ -200,7 +200,8 @@ class LocalLauncher:
             for old in state.glob("pool-local-*.journal"):
                 old.unlink()
             return {"state_dir": str(state)}
-        self.etcd = LocalEtcd(plan.run_dir / f"etcd-{secrets.token_hex(4)}", _die_with_parent)
+        data = tmpfs_data_dir(plan.run_dir / f"etcd-{secrets.token_hex(4)}")
+        self.etcd = LocalEtcd(data, _die_with_parent)
         url = self._forker.submit(self.etcd.start).result()  # NOTE: dies with the launcher
         ports = [self._master_port] + [free_port() for _ in range(plan.num_masters - 1)]
         for i, port in enumerate(ports[1:], 1):

@@ -194,23 +194,16 @@ class Striker:
 
     async def _kill_node(self, role: str) -> FaultRecord:
         ids = sorted(c.node_id for c in self.launcher.children if c.role == role)
-        if not ids:
-            return FaultRecord(
-                kind=role,
-                target="",
-                at_s=self.clock(),
-                how="",
-                error=f"the cluster has no {role} node",
-            )
-        node_id = self.rng.choice(ids)
+        # NOTE: a node still starting again after an earlier fault is spared
+        ready = [n for n in ids if self.launcher.is_ready(n)]
+        if not ready:
+            why = f"no {role} node is ready to kill" if ids else f"the cluster has no {role} node"
+            return FaultRecord(kind=role, target="", at_s=self.clock(), how="", error=why)
+        node_id = self.rng.choice(ready)
         proc = self.launcher.processes().get(node_id)
         if proc is None or proc.poll() is not None:
             return FaultRecord(
-                kind=role,
-                target=node_id,
-                at_s=self.clock(),
-                how="",
-                error="not running (still restarting)",
+                kind=role, target=node_id, at_s=self.clock(), how="", error="not running"
             )
         rec = FaultRecord(
             kind=role, target=node_id, at_s=self.clock(), how=f"SIGKILL pid {proc.pid}"

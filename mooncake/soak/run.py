@@ -226,7 +226,8 @@ class _Soak:
             {"Authorization": f"Bearer {self.launcher.api_key}"} if self.launcher.api_key else {}
         )
         clients = [
-            httpx.AsyncClient(base_url=url, headers=headers, timeout=httpx.Timeout(60.0))
+            # NOTE: no read timeout: a request's bound is its deadline (send_by's hang_s)
+            httpx.AsyncClient(base_url=url, headers=headers, timeout=httpx.Timeout(10.0, read=None))
             for url in self.apis
         ]
         try:
