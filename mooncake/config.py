@@ -208,13 +208,36 @@ class StoreConfig(msgspec.Struct, **_STRUCT):
     dram_bytes: Annotated[Size, knob(f"Host DRAM this node gives the pool: {_TIER}.", "size")] = (
         Size(fraction=0.5)
     )
-    ssd_bytes: Annotated[Size, knob(f"SSD space this node gives the pool: {_TIER}.", "size")] = (
-        Size()
-    )
+    ssd_bytes: Annotated[
+        Size,
+        knob(
+            "SSD space this node gives the pool: bytes, or a percentage of the free space of "
+            "the SSD tier's filesystem; 0 disables the tier (and the search for an SSD).",
+            "size",
+        ),
+    ] = Size(fraction=0.1)
     ssd_path: Annotated[
-        str, knob("Directory for the SSD tier; required when ssd_bytes is not 0.")
+        str,
+        knob(
+            'Directory for the SSD tier; "" = found at start: a local SSD/NVMe filesystem '
+            "(not rotational in sysfs; ext4, xfs, btrfs or f2fs; O_DIRECT accepted), most "
+            "free space first, in ~/.cache/mooncake/ssd when that lies on it, else in "
+            "<mountpoint>/mooncake; none found: the tier is off (one log line). A directory "
+            "the tier cannot use (tmpfs, no O_DIRECT, too little space) stops the node with "
+            "the reason."
+        ),
     ] = ""
     replicas: Annotated[int, knob("Copies of each KV block kept in the pool.", ge=1)] = 1
+    replica_budget: Annotated[
+        float,
+        knob(
+            "Share of a memory tier's capacity that copies beyond `replicas` (hot-spot "
+            "replicas the Conductor orders) may take; eviction drops such copies before the "
+            "last copy of anything; 0: no hot-spot replicas.",
+            ge=0,
+            le=1,
+        ),
+    ] = 0.1
     high_watermark: Annotated[
         float, knob("Pool fill fraction at which eviction starts.", gt=0, le=1)
     ] = 0.95

@@ -235,12 +235,6 @@ class _Layers:
                 f"store.low_watermark: must be below store.high_watermark "
                 f"(got {v['store.low_watermark']} >= {v['store.high_watermark']})"
             )
-        ssd_bytes = v["store.ssd_bytes"]
-        if "store.ssd_bytes" not in bad and not ssd_bytes.is_zero and not v["store.ssd_path"]:
-            self.errors.append(
-                f'store.ssd_path: required when store.ssd_bytes is not 0 (ssd_bytes = "'
-                f'{ssd_bytes}"); set a directory or set ssd_bytes = "0"'
-            )
         secret = v["cluster.secret"]
         if "cluster.secret" not in bad and secret and len(secret) < MIN_SECRET_LEN:
             self.errors.append(

@@ -201,6 +201,25 @@ class SchedulerConfig(msgspec.Struct, **_STRUCT):
         float,
         knob("Pause (s) between attempts to place a request waiting for a node.", gt=0),
     ] = 0.25
+    commit_wait_s: Annotated[
+        float,
+        knob(
+            "Seconds the master holds a request's last output for its prefill node's report, "
+            "which comes once the request's new KV blocks are committed to the pool: an "
+            "immediate repeat then reuses them, and the usage's cached_tokens is exact. "
+            "Past it (a report lost) the request ends without them.",
+            ge=0,
+        ),
+    ] = 5.0
+    miss_memory_blocks: Annotated[
+        int,
+        knob(
+            "Evicted blocks the master remembers (hash and age at eviction, about 175 bytes "
+            "each) to tell an evicted block from a cold one in its miss attribution; past it "
+            "the oldest eviction is forgotten, and that block, missed again, counts as cold.",
+            ge=0,
+        ),
+    ] = 1_000_000
     deadline_factor: Annotated[
         float,
         knob(

@@ -1,23 +1,19 @@
 """`mooncake doctor --config FILE`: what the node's config needs from this host: the SSD
-tier's directory (O_DIRECT, free space), the ports it listens on, and the master, reached
-and accepting the cluster secret. Same `Check` records as mooncake/doctor.py."""
+tier's directory (the checks a node runs at start: mooncake/ssdplace.py), the ports it
+listens on, and the master, reached and accepting the cluster secret. Same `Check`
+records as mooncake/doctor.py."""
 
 from __future__ import annotations
 
-import contextlib
 import errno
-import mmap
-import os
-import shutil
 import socket
 
 from mooncake.config import Config
 from mooncake.doctor import Check, Status
 from mooncake.errors import AuthError, MooncakeError, RpcTimeout
+from mooncake.native.sysfs import read_filesystems
 from mooncake.portrange import node_ports
-
-SSD_PROBE_BYTES = 4096  # one O_DIRECT-aligned block written and removed
-MEMORY_FILESYSTEMS = ("tmpfs", "ramfs")
+from mooncake.ssdplace import ALLOWED, check_ssd
 
 
 def check_config(config: Config, master_timeout_s: float = 3.0) -> list[Check]:
@@ -29,69 +25,19 @@ def _ssd(config: Config) -> Check:
     cfg = config.store
     if cfg.ssd_bytes.is_zero:
         return Check("ssd tier", "skip", "store.ssd_bytes is 0")
-    path = cfg.ssd_path
-    if not path or not os.path.isdir(path):
+    place, why = check_ssd(cfg, read_filesystems())
+    if place is not None:
+        return Check("ssd tier", "pass", f"O_DIRECT works; {place.summary}")
+    if cfg.ssd_path:
         return Check(
-            "ssd tier",
-            "fail",
-            f"store.ssd_path {path!r} is not a directory",
-            "create it on the SSD, or set store.ssd_path to a directory there",
-        )
-    fstype = _fstype(path)
-    if fstype in MEMORY_FILESYSTEMS:
-        return Check(
-            "ssd tier",
-            "fail",
-            f"{path} is on {fstype}: the SSD tier would take RAM",
-            "set store.ssd_path to a directory on a local SSD",
-        )
-    free = shutil.disk_usage(path).free
-    want = cfg.ssd_bytes.resolve(free)
-    probe = os.path.join(path, f".mooncake-doctor-{os.getpid()}")
-    try:
-        fd = os.open(probe, os.O_CREAT | os.O_WRONLY | os.O_DIRECT, 0o600)
-        try:
-            block = mmap.mmap(-1, SSD_PROBE_BYTES)  # page-aligned, as O_DIRECT needs
-            os.write(fd, block)
-        finally:
-            os.close(fd)
-    except OSError as e:
-        why = "the filesystem refuses O_DIRECT" if e.errno == errno.EINVAL else e.strerror
-        return Check(
-            "ssd tier",
-            "fail",
-            f"{path}: {why}",
-            "use a directory on a local ext4/xfs SSD filesystem (not tmpfs or NFS)",
-        )
-    finally:
-        with contextlib.suppress(OSError):
-            os.unlink(probe)
-    if want > free:
-        return Check(
-            "ssd tier",
-            "fail",
-            f"{path}: {want >> 30} GiB wanted, {free >> 30} GiB free",
-            "lower store.ssd_bytes or free space there",
+            "ssd tier", "fail", why, f"set store.ssd_path to {ALLOWED}, or lower store.ssd_bytes"
         )
     return Check(
-        "ssd tier", "pass", f"{path}: O_DIRECT works, {want >> 30} of {free >> 30} GiB free"
+        "ssd tier",
+        "warn",
+        f"no local SSD filesystem found, the tier stays off: {why}",
+        'set store.ssd_path to a directory on an SSD, or store.ssd_bytes = "0"',
     )
-
-
-def _fstype(path: str, mounts: str = "/proc/mounts") -> str:
-    """The type of the filesystem holding `path` (its longest mount point); "" if unknown."""
-    real, best, kind = os.path.realpath(path), "", ""
-    try:
-        with open(mounts) as f:
-            for line in f:
-                fields = line.split()
-                point = fields[1].replace("\\040", " ")
-                inside = real == point or real.startswith(point.rstrip("/") + "/")
-                if inside and len(point) >= len(best):
-                    best, kind = point, fields[2]
-    except OSError:
-        return ""
-    return kind
 
 
 def _free(host: str, port: int) -> bool:

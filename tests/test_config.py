@@ -184,7 +184,6 @@ def test_parse_set_option() -> None:
             "[store]\nhigh_watermark = 0.8\nlow_watermark = 0.8",
             "store.low_watermark: must be below store.high_watermark",
         ),
-        ('[store]\nssd_bytes = "1TiB"', "store.ssd_path: required when store.ssd_bytes is not 0"),
         ('[cluster]\nsecret = "short"', "cluster.secret: expected at least 16 characters, got 5"),
         (
             '[cluster]\nsecret = "0123456789abcdef"\nsecret_file = "/s"',

@@ -235,9 +235,17 @@ def test_config_ssd_path_odirect_and_space(tmp_path: Path) -> None:
     )
     assert _by_name(huge)["ssd tier"].status == "fail"
     missing = check_config(
-        _config(tmp_path, **{"store.ssd_bytes": "1MiB", "store.ssd_path": str(tmp_path / "no")})
+        _config(tmp_path, **{"store.ssd_bytes": "1MiB", "store.ssd_path": str(tmp_path / "new")})
     )
-    assert _by_name(missing)["ssd tier"].status == "fail"
+    assert _by_name(missing)["ssd tier"].status == "pass"  # created, as the node creates it
+    assert (tmp_path / "new").is_dir()
+    (tmp_path / "file").write_text("")
+    bad = str(tmp_path / "file" / "ssd")
+    under_file = check_config(
+        _config(tmp_path, **{"store.ssd_bytes": "1MiB", "store.ssd_path": bad})
+    )
+    assert _by_name(under_file)["ssd tier"].status == "fail"
+    assert f"cannot create {bad}" in _by_name(under_file)["ssd tier"].detail
 
 
 def test_config_ports_taken(tmp_path: Path) -> None:

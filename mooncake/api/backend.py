@@ -21,6 +21,7 @@ from typing import Literal
 
 import msgspec
 
+from mooncake.conductor.misses import MissCounts
 from mooncake.engine.params import SamplingParams
 from mooncake.engine.tokenizer import BaseTokenizer
 from mooncake.errors import MooncakeError
@@ -54,7 +55,11 @@ class Output(msgspec.Struct, frozen=True, kw_only=True):
     top_logprobs: list[tuple[int, float]] | None = None  # (token id, logprob), best first
     finish_reason: FinishReason | None = None  # set on the last event only
     error: str = ""  # why the stream aborted (finish_reason == "abort")
-    num_cached_tokens: int = 0  # on the first event: prompt tokens whose KV was reused
+    # NOTE: on one event, the first that knows them (the cluster: once its prefill node
+    # reported, the last event at the latest): prompt tokens whose KV was reused, and the
+    # blocks it could have reused by cause (None: the backend does not attribute)
+    num_cached_tokens: int = 0
+    kv_blocks: MissCounts | None = None
 
 
 class BaseBackend(ABC):

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from mooncake.api.backend import Output
+from mooncake.conductor.misses import CAUSES, ELSEWHERE_PARTS, MissCounts
 from mooncake.engine.tokenizer import BaseTokenizer
 
 Body = dict[str, Any]
@@ -33,13 +34,32 @@ def error_body(
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
-def usage_body(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> Body:
+def usage_body(
+    prompt_tokens: int,
+    completion_tokens: int,
+    cached_tokens: int,
+    kv_blocks: MissCounts | None = None,
+) -> Body:
+    """OpenAI's usage; with `kv_blocks` (a backend that attributes its misses), the
+    extension `prompt_tokens_details.kv_blocks`: the blocks the prompt could have reused
+    (`requested`) by cause, with the elsewhere parts and the evicted blocks' median age."""
+    details: dict[str, object] = {"cached_tokens": cached_tokens}
+    if kv_blocks is not None:
+        details["kv_blocks"] = kv_blocks_body(kv_blocks)
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+        "prompt_tokens_details": details,
     }
+
+
+def kv_blocks_body(c: MissCounts) -> dict[str, int | float]:
+    ages = sorted(c.evicted_age_s)
+    body: dict[str, int | float] = {"requested": c.total}
+    body.update({name: getattr(c, name) for name in (*CAUSES, *ELSEWHERE_PARTS)})
+    body["evicted_age_p50_s"] = ages[len(ages) // 2] if ages else 0.0
+    return body
 
 
 class ResponseBuilder:

@@ -49,8 +49,25 @@ class ErrorResponse(_Shape):
     error: ErrorDetail
 
 
+class KVBlocks(_Shape):
+    """mooncake's extension: the full blocks of the prompt a prefill could have reused,
+    by cause (the cluster's master only; see the README's "Why a request missed")."""
+
+    requested: int  # = hit + cold + evicted + elsewhere + unverified
+    hit: int  # reused
+    cold: int  # never stored in the pool (or evicted beyond what the master remembers)
+    evicted: int  # stored, then its last copy was dropped before this request
+    elsewhere: int  # in the pool, not reused: = priced_out + plan_lost + after_placement
+    unverified: int  # found by hash, its token check failed
+    priced_out: int  # the placement saw it in the pool and chose to recompute it
+    plan_lost: int  # the placement meant to reuse it; lost or not fetched by the start
+    after_placement: int  # not in the placement's view of the pool
+    evicted_age_p50_s: float  # median age at eviction of its evicted blocks (0: none)
+
+
 class TokensDetails(_Shape):
     cached_tokens: int  # prompt tokens whose KV was reused
+    kv_blocks: KVBlocks | None = None  # absent where the server does not attribute misses
 
 
 class Usage(_Shape):

@@ -28,6 +28,7 @@ from mooncake.api.backend import BaseBackend, GenerateRequest, Output, Rejected
 from mooncake.api.bodies import Body, ResponseBuilder, error_body, usage_body
 from mooncake.api.schemas import ChatRequest, CompletionRequest, InvalidRequest
 from mooncake.api.stats import Outcome, RequestStats, RequestTrace
+from mooncake.conductor.misses import MissCounts
 from mooncake.errors import ApiError, MooncakeError
 
 log = logging.getLogger(__name__)
@@ -166,7 +167,7 @@ async def generate(ctx: ServingContext, request: Request, is_chat: bool) -> Resp
         raise
     if first.token_id is not None:
         trace.token()
-    trace.prompt(len(prompt_ids), first.num_cached_tokens)
+    trace.prompt(len(prompt_ids))
     builder = ResponseBuilder(
         req_id,
         model,
@@ -175,7 +176,7 @@ async def generate(ctx: ServingContext, request: Request, is_chat: bool) -> Resp
         params.logprobs is not None,
         prompt_ids=prompt_ids if req.return_token_ids else None,
     )
-    usage = _Usage(len(prompt_ids), first.num_cached_tokens)
+    usage = _Usage(len(prompt_ids), trace)
     if req.stream:
         include_usage = req.stream_options is not None and req.stream_options.include_usage
         body = _stream(it, first, trace, builder, usage, include_usage)
@@ -194,14 +195,22 @@ def _outcome_of(e: BaseException) -> Outcome:
 @dataclass
 class _Usage:
     prompt_tokens: int
-    cached_tokens: int
+    trace: RequestTrace
+    cached_tokens: int = 0
+    kv_blocks: MissCounts | None = None
     completion_tokens: int = 0
 
     def add(self, out: Output) -> None:
+        """Count an output; the one that carries the reuse (backend.Output) sets it."""
         self.completion_tokens += out.token_id is not None
+        if out.num_cached_tokens or out.kv_blocks is not None:
+            self.cached_tokens, self.kv_blocks = out.num_cached_tokens, out.kv_blocks
+            self.trace.cached(out.num_cached_tokens)
 
     def body(self) -> Body:
-        return usage_body(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
+        return usage_body(
+            self.prompt_tokens, self.completion_tokens, self.cached_tokens, self.kv_blocks
+        )
 
 
 async def _collect(

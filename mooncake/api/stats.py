@@ -228,8 +228,9 @@ class RequestStats:
 
 
 class RequestTrace:
-    """One request's timeline; the app calls `prompt` once, `token` per output token and
-    `end` (or `refuse`, for a bad request) exactly once."""
+    """One request's timeline; the app calls `prompt` once, `cached` once the backend says
+    what it reused, `token` per output token and `end` (or `refuse`, for a bad request)
+    exactly once."""
 
     def __init__(self, stats: RequestStats, arrival: float):
         self.stats, self.arrival = stats, arrival  # time.perf_counter() seconds
@@ -238,8 +239,12 @@ class RequestTrace:
         self.outcome: Outcome | None = None
         self.is_ended = False
 
-    def prompt(self, num_tokens: int, num_cached: int = 0) -> None:
-        self.stats._on_prompt(num_tokens, num_cached)
+    def prompt(self, num_tokens: int) -> None:
+        self.stats._on_prompt(num_tokens, 0)
+
+    def cached(self, num_cached: int) -> None:
+        """Prompt tokens the backend reused, once it tells (after `prompt`)."""
+        self.stats._on_prompt(0, num_cached)
 
     def token(self, now: float | None = None) -> None:
         now = time.perf_counter() if now is None else now

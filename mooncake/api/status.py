@@ -6,9 +6,12 @@ its registry, the Store's stats and its request records; `mooncake status` polls
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import msgspec
+
+if TYPE_CHECKING:
+    from mooncake.store.objects import StoreStats
 
 NodeState = Literal["starting", "ready", "draining", "failed", "down"]  # as the master sees it
 
@@ -35,6 +38,7 @@ class TierStatus(msgspec.Struct, frozen=True, kw_only=True):
     used_bytes: int
     capacity_bytes: int
     num_objects: int = 0
+    num_hits: int = 0  # Store reads served from this tier since the master started
 
 
 class TtftPhases(msgspec.Struct, kw_only=True):
@@ -48,6 +52,17 @@ class TtftPhases(msgspec.Struct, kw_only=True):
     first_step_p50_s: float | None  # KV landed -> the first token at the master
     first_step_p90_s: float | None
     predicted_over_actual_p50: float | None  # Conductor's TTFT / the real one
+
+
+class KVBlockShares(msgspec.Struct, frozen=True, kw_only=True):
+    """The prompt blocks prefills could have reused, by cause (roles/attribution.py):
+    hit, cold, evicted, elsewhere, unverified, and the elsewhere parts (priced_out,
+    plan_lost, after_placement); shares are of `blocks`."""
+
+    requests: int = 0  # prefills attributed since start
+    blocks: int = 0  # blocks they could have reused
+    counts: dict[str, int] = {}  # cause or part -> blocks
+    shares: dict[str, float] = {}  # cause or part -> share of blocks
 
 
 class MasterStatus(msgspec.Struct, frozen=True, kw_only=True):
@@ -93,6 +108,23 @@ class Status(msgspec.Struct, frozen=True, kw_only=True):
     ttft_phases: TtftPhases | None = None  # where TTFT went (the cluster's master only)
     masters: list[MasterStatus] = []  # every master process, the leader among them
     num_pool_objects: int = 0  # committed objects in the pool (what readers can get)
+    kv_blocks: KVBlockShares | None = None  # why prefills missed (the cluster's master only)
+    num_demotions: int = 0  # replicas moved down a tier (DRAM -> SSD) since start
+    num_promotions: int = 0  # replicas moved up a tier on a hit (SSD -> DRAM) since start
+
+
+def pool_status(st: StoreStats) -> list[TierStatus]:
+    """The Store's figures per tier (a stats snapshot) as status rows, by tier name."""
+    return [
+        TierStatus(
+            tier=t,
+            used_bytes=st.tier_used_bytes.get(t, 0),
+            capacity_bytes=cap,
+            num_objects=st.tier_objects.get(t, 0),
+            num_hits=st.tier_hits.get(t, 0),
+        )
+        for t, cap in sorted(st.tier_capacity_bytes.items())
+    ]
 
 
 def host_port(address: str) -> str:

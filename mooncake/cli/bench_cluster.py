@@ -13,6 +13,7 @@ from mooncake.cli.app import bench_app
 from mooncake.cli.config_cmd import SET_HELP
 
 if TYPE_CHECKING:
+    from mooncake.api.status import TtftPhases
     from mooncake.replay.calibrate import Calibration
 
 
@@ -106,6 +107,7 @@ def _print(r: Calibration) -> None:
     from rich.table import Table
 
     from mooncake.cli.output import console
+    from mooncake.conductor.misses import CAUSES
     from mooncake.replay.calibrate import FIGURES
 
     table = Table(
@@ -123,12 +125,44 @@ def _print(r: Calibration) -> None:
         )
     table.add_row("failed", str(r.real.failed), str(r.sim.failed), "")
     table.add_row("completed", str(r.real.completed), str(r.sim.completed), "")
+    real, sim = r.real.block_shares, r.sim.block_shares
+    for cause in CAUSES if real or sim else ():  # blocks by cause / blocks requested
+        table.add_row(
+            f"blocks {cause}",
+            _fmt(cause, real.get(cause)) if real else "-",
+            _fmt(cause, sim.get(cause)),
+            "",
+        )
     console.print(table)
     console.print(f"cost model: {r.cost_model}; simulated in {r.sim_wall_s:.2f} s", highlight=False)
     if r.host is not None:
         h = r.host
         console.print(
             f"real: median of {len(r.real_runs)} run(s); host: {h.host_cores:g} cores, control "
-            f"plane {h.background_cores:.2f} cores busy, idle latency {h.overhead_s * 1000:.0f} ms",
+            f"plane {h.background_cores:.2f} cores busy, idle latency "
+            f"{h.overhead_s * 1000:.0f} ms; "
+            f"lone {h.path.prompt_tokens}-token prompts: prefill path x{h.path.prefill:.2f}, "
+            f"token gap x{h.path.decode:.2f} the cost model's (the twin computes at these)",
             highlight=False,
         )
+    if r.real_phases is not None and r.sim_phases is not None:
+        _print_phases(r.real_phases, r.sim_phases)
+
+
+def _print_phases(real: TtftPhases, sim: TtftPhases) -> None:
+    """Where TTFT went, phase by phase (the first real run, the master's view)."""
+    from rich.table import Table
+
+    from mooncake.cli.output import console
+
+    table = Table(title="TTFT by phase (real: the first run's master)")
+    for col in ("phase", "real P50", "sim P50", "real P90", "sim P90"):
+        table.add_column(col, justify="left" if col == "phase" else "right")
+    for phase in ("queue", "prefill", "first_step"):
+        p50, p90 = f"{phase}_p50_s", f"{phase}_p90_s"
+        table.add_row(
+            phase.replace("_", " "),
+            *(_fmt(p50, getattr(x, p50)) for x in (real, sim)),
+            *(_fmt(p90, getattr(x, p90)) for x in (real, sim)),
+        )
+    console.print(table)

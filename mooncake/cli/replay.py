@@ -229,6 +229,11 @@ def _print_report(r: ReplayReport) -> None:
     ]  # fmt: skip
     if r.short_outputs:
         rows.append(("outputs shorter than asked", f"{r.short_outputs} (EOS not ignored?)"))
+    if sh := r.kv_block_shares:  # NOTE: only where the server attributes its misses
+        from mooncake.conductor.misses import CAUSES
+
+        shares = "  ".join(f"{c} {sh.get(c, 0.0):.1%}" for c in CAUSES)
+        rows.append(("blocks by cause (server)", shares))
     for name, value in rows:
         table.add_row(name, value)
     console.print(table)

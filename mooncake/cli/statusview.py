@@ -14,7 +14,7 @@ if TYPE_CHECKING:  # rich is imported inside the functions: every verb module lo
     from rich.table import Table
     from rich.text import Text
 
-    from mooncake.api.status import NodeStatus, Status
+    from mooncake.api.status import KVBlockShares, NodeStatus, Status
 
 WIDE = 110  # columns from which nodes show GPU and NIC names and pool bars are longer
 SIDE_BY_SIDE = 140  # columns from which the pool table sits beside the serving figures
@@ -193,15 +193,23 @@ def pool_table(status: Status, width: int) -> Table:
     for name, justify in (("tier", "left"), ("used / capacity", "right"), ("fill", "left")):
         table.add_column(name, justify=justify, no_wrap=True)  # type: ignore[arg-type]
     table.add_column("objects", justify="right", no_wrap=True)
+    table.add_column("hits", justify="right", no_wrap=True)
     tiers = sorted(status.pool, key=lambda t: {"vram": 0, "dram": 1, "ssd": 2}.get(t.tier, 9))
+    num_hits = sum(t.num_hits for t in tiers)
     for t in tiers:
         fill = t.used_bytes / t.capacity_bytes if t.capacity_bytes else 0.0
         used = f"{human_bytes(t.used_bytes)} / {human_bytes(t.capacity_bytes)}"
+        hits = f"{t.num_hits:,} ({t.num_hits / num_hits:.0%})" if num_hits else "0"
         table.add_row(
-            escape(t.tier), used, bar(fill, 12 if width >= WIDE else 8), f"{t.num_objects:,}"
+            escape(t.tier), used, bar(fill, 12 if width >= WIDE else 8), f"{t.num_objects:,}", hits
         )
     if not tiers:
-        table.add_row("-", "no pool memory registered", "", "")
+        table.add_row("-", "no pool memory registered", "", "", "")
+    elif status.num_demotions or status.num_promotions:
+        table.caption = (
+            f"{status.num_demotions:,} moved down a tier (DRAM -> SSD), "
+            f"{status.num_promotions:,} up on a hit"
+        )
     return table
 
 
@@ -275,6 +283,8 @@ def metrics_table(status: Status) -> Table:
         "pool hits", f"{s.hit_rate * 100:.1f}% of blocks in the pool at placement{lookups}"
     )
     table.add_row("local hits", f"{s.local_hit_rate * 100:.1f}% of blocks on the chosen node")
+    if (kv := s.kv_blocks) is not None and kv.blocks:
+        table.add_row("blocks", misses_line(kv))
     table.add_row("queues", f"{s.num_queued:,} queued  {s.num_running:,} running")
     for name, p50, p90, slo in (
         ("TTFT", s.ttft_p50_s, s.ttft_p90_s, s.ttft_slo_s),
@@ -308,6 +318,15 @@ def metrics_table(status: Status) -> Table:
     )
     table.add_row("transfer", human_rate(s.transfer_bytes_per_s))
     return table
+
+
+def misses_line(kv: KVBlockShares) -> str:
+    """The prefills' blocks by cause as shares (roles/attribution.py)."""
+    from mooncake.conductor.misses import CAUSES
+
+    sh = kv.shares
+    parts = "  ".join(f"{c} {sh.get(c, 0.0) * 100:.1f}%" for c in CAUSES)
+    return f"{parts}  ({kv.blocks:,} blocks of {kv.requests:,} prefills)"
 
 
 def render_status(status: Status, url: str, width: int) -> RenderableType:

@@ -73,6 +73,7 @@ class PrefillStats:
     load_wait_s: float = 0.0  # compute time spent waiting for reused KV layers
     compute_s: float = 0.0  # prefix matching to the last chunk's last layer (this stage)
     store_tail_s: float = 0.0  # end of compute to the sink's commit
+    seal_s: float = 0.0  # the hand-off to decode -> the pool objects sealed (a group's leader)
 
 
 @dataclass

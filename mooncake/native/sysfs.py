@@ -253,28 +253,31 @@ def disk_of(device: str, sysfs_root: Path = DEFAULT_SYSFS_ROOT) -> str:
     return name
 
 
-def read_filesystems(sysfs_root: Path = DEFAULT_SYSFS_ROOT) -> list[FilesystemInfo]:
+def read_filesystems(
+    sysfs_root: Path = DEFAULT_SYSFS_ROOT, mounts: Path | None = None
+) -> list[FilesystemInfo]:
     """Mounted local filesystems with their size and free space (psutil), sorted by mountpoint.
 
     A mount whose usage cannot be read (permission, stale network mount) is left out and
-    logged. The backing disk is looked up in `sysfs_root`.
+    logged. The backing disk is looked up in `sysfs_root`. `mounts`: a mount table in
+    /proc/self/mounts format to read instead of psutil's (its device-backed lines).
     """
     result = []
-    for part in psutil.disk_partitions(all=False):
+    for device, mountpoint, fstype in _mount_table(mounts):
         try:
-            usage = psutil.disk_usage(part.mountpoint)
+            usage = psutil.disk_usage(mountpoint)
         except OSError as e:
-            log.info("skipping filesystem %s: %s", part.mountpoint, e)
+            log.info("skipping filesystem %s: %s", mountpoint, e)
             continue
-        disk = disk_of(part.device, sysfs_root) if part.device.startswith("/dev/") else ""
+        disk = disk_of(device, sysfs_root) if device.startswith("/dev/") else ""
         rotational = (
             _read_int(sysfs_root / "block" / disk / "queue" / "rotational") if disk else None
         )
         result.append(
             FilesystemInfo(
-                mountpoint=part.mountpoint,
-                device=part.device,
-                fstype=part.fstype,
+                mountpoint=mountpoint,
+                device=device,
+                fstype=fstype,
                 total_bytes=usage.total,
                 free_bytes=usage.free,
                 disk=disk,
@@ -282,6 +285,18 @@ def read_filesystems(sysfs_root: Path = DEFAULT_SYSFS_ROOT) -> list[FilesystemIn
             )
         )
     return sorted(result, key=lambda f: f.mountpoint)
+
+
+def _mount_table(mounts: Path | None) -> list[tuple[str, str, str]]:
+    """(device, mountpoint, fstype) of mounted local filesystems."""
+    if mounts is None:
+        return [(p.device, p.mountpoint, p.fstype) for p in psutil.disk_partitions(all=False)]
+    table = []
+    for line in mounts.read_text().splitlines():
+        device, point, fstype = line.split()[:3]
+        if device.startswith("/dev/"):
+            table.append((device, point.replace("\\040", " "), fstype))
+    return table
 
 
 def natural_key(name: str) -> list[int | str]:

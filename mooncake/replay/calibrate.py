@@ -16,10 +16,8 @@ by the Conductor or out of decode room). `per_request` pairs each request's two 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
-import os
 import tempfile
 import time
 from collections.abc import Callable
@@ -28,11 +26,21 @@ from typing import Any
 
 import msgspec
 import numpy as np
-import psutil
 
+from mooncake.api.status import TtftPhases
 from mooncake.conductor.costmodel import CostModel
 from mooncake.config import Config
 from mooncake.configload import load_config
+from mooncake.replay.hostprobe import (
+    HostFigures,
+    PathScales,
+    control_plane,
+    cpu_seconds,
+    idle_latency_s,
+    idle_path_scales,
+    idle_sim_ttft_s,
+)
+from mooncake.replay.phases import master_status, sim_phases
 from mooncake.replay.prompts import PromptConfig
 from mooncake.replay.report import ReplayReport, RequestRecord, figure_ratios
 from mooncake.replay.runner import ReplayConfig, replay
@@ -66,6 +74,10 @@ class Figures(msgspec.Struct, kw_only=True):
     rejected: int
     completed: int
     failed: int = 0
+    # blocks by cause / blocks requested (conductor/misses.py): the simulator's, and the
+    # server's where it sends them (usage.prompt_tokens_details.kv_blocks); {} otherwise
+    block_shares: dict[str, float] = {}
+    ssd_hit_share: float | None = None  # pool reads served from SSD / pool reads
 
 
 class RequestPair(msgspec.Struct, array_like=True):
@@ -95,7 +107,22 @@ class Calibration(msgspec.Struct, kw_only=True):
     sim_wall_s: float
     host: HostFigures | None = None  # what the real runs measured of this host (medians)
     real_runs: list[Figures] = []  # each real run's figures (`real` is their median)
+    # TTFT phases of the first real run (the master's) and of the twin (replay/phases.py)
+    real_phases: TtftPhases | None = None
+    sim_phases: TtftPhases | None = None
     per_request: list[RequestPair] = []  # the first real run's requests
+
+
+@dataclasses.dataclass
+class RealRun:
+    """One replay on a fresh local cluster and what came with it."""
+
+    report: ReplayReport
+    seen: list[RequestRecord]
+    config: Config
+    host: HostFigures
+    phases: TtftPhases | None  # the master's TTFT phases at the end
+    tier_hits: dict[str, int]  # the Store's reads per tier (the master's status)
 
 
 def scaled_records(records: list[TraceRecord], prompts: PromptConfig) -> list[TraceRecord]:
@@ -107,59 +134,6 @@ def scaled_records(records: list[TraceRecord], prompts: PromptConfig) -> list[Tr
     ]
 
 
-class HostFigures(msgspec.Struct, kw_only=True):
-    """What the real run measured of its host, for the simulated twin: the latency a
-    small request on the idle cluster has beyond its compute (API, master, RPCs, stage
-    hops, streaming),
-    and the cores the control plane kept busy during the replay (the master, store nodes
-    and this process, whose replay client is part of the load)."""
-
-    overhead_s: float = 0.0
-    background_cores: float = 0.0
-    host_cores: float = msgspec.field(default_factory=lambda: float(len(os.sched_getaffinity(0))))
-
-
-def idle_latency_s(cfg: ReplayConfig, prompts: PromptConfig, samples: int = 5) -> float:
-    """Median TTFT of prompts of one block and one token, sent one at a time (the cluster
-    idle): the block goes through the prefill group, so every stage hop is in it."""
-    one = [
-        TraceRecord(
-            0, prompts.trace_block_tokens + 1, 1, [(1 << 40) + 2 * i, (1 << 40) + 2 * i + 1]
-        )
-        for i in range(samples)
-    ]
-    quiet = dataclasses.replace(cfg, concurrency=1, speed=1e9)
-    seen: list[RequestRecord] = []
-    replay(one, dataclasses.replace(prompts, seed=prompts.seed + 2), quiet, None, seen.append)
-    ttfts = [r.ttft_s for r in seen if r.ttft_s is not None]
-    return float(np.median(ttfts)) if ttfts else 0.0
-
-
-def idle_sim_ttft_s(cost: CostModel, block_tokens: int) -> float:
-    """The simulator's TTFT of `idle_latency_s`'s prompt: its prefill and one decode step."""
-    n = block_tokens + 1
-    return cost.prefill_time(n, 0) + cost.decode_step_time(1, n)
-
-
-def control_plane(launcher: LocalLauncher) -> list[psutil.Process]:
-    """The processes that do no model compute: the master, store nodes and this one."""
-    procs = [psutil.Process()]
-    for c in launcher.children:
-        if c.role in ("master", "store"):
-            with contextlib.suppress(psutil.Error):
-                procs.append(psutil.Process(c.proc.pid))
-    return procs
-
-
-def cpu_seconds(procs: list[psutil.Process]) -> float:
-    total = 0.0
-    for p in procs:
-        with contextlib.suppress(psutil.Error):
-            t = p.cpu_times()
-            total += t.user + t.system
-    return total
-
-
 def sim_config(
     plan: LocalPlan, config: Config, cost_path: Path, speed: float, host: HostFigures | None = None
 ) -> SimConfig:
@@ -169,6 +143,7 @@ def sim_config(
     cost = CostModel.load(cost_path)
     nodes = plan.num_prefill + plan.num_decode + (plan.num_store if plan.pool else 0)
     dram = config.store.dram_bytes.num_bytes if plan.pool else 0  # a share: not modelled
+    ssd = config.store.ssd_bytes.num_bytes if plan.pool else 0  # every node's, on prefill nodes
     block_bytes = cost.kv_bytes_per_token * plan.block_tokens
     sched, prefill = config.scheduler, config.prefill
     return SimConfig(
@@ -182,6 +157,7 @@ def sim_config(
         tbt_slo_s=sched.tbt_slo_s,
         cost_model_path=str(cost_path),
         pool_blocks=nodes * dram // block_bytes,
+        ssd_bytes=nodes * ssd // plan.num_prefill,
         block_tokens=plan.block_tokens,
         chunk_tokens=prefill.chunk_tokens,
         max_inflight=prefill.max_inflight,
@@ -190,7 +166,12 @@ def sim_config(
         tp=1,
         host_cores=host.host_cores if host else 0.0,
         background_cores=host.background_cores if host else 0.0,
-        request_overhead_s=max(0.0, host.overhead_s - idle_sim_ttft_s(cost, plan.block_tokens))
+        prefill_nice=plan.prefill_nice if host else 0,
+        prefill_scale=host.path.prefill if host else 1.0,
+        decode_scale=host.path.decode if host else 1.0,
+        request_overhead_s=max(
+            0.0, host.overhead_s - idle_sim_ttft_s(cost, plan.block_tokens, host.path)
+        )
         if host
         else 0.0,
     )
@@ -227,12 +208,16 @@ def simulate(cfg: SimConfig, records: list[TraceRecord]) -> tuple[Figures, float
         rejected=res.rejected,
         completed=res.completed,
         failed=res.failed,
+        block_shares=res.misses.shares,
+        ssd_hit_share=res.ssd_hit_share,
     )
     return figures, res.wall_s, sim
 
 
-def real_figures(report: ReplayReport) -> Figures:
+def real_figures(report: ReplayReport, tier_hits: dict[str, int] | None = None) -> Figures:
+    hits = sum((tier_hits or {}).values())
     return Figures(
+        ssd_hit_share=(tier_hits or {}).get("ssd", 0) / hits if hits else None,
         ttft_p50_s=report.ttft_p50_s,
         ttft_p90_s=report.ttft_p90_s,
         tbt_p50_s=report.tbt_p50_s,
@@ -241,6 +226,7 @@ def real_figures(report: ReplayReport) -> Figures:
         rejected=report.rejected,
         completed=report.completed,
         failed=report.failed,
+        block_shares={k: v for k, v in report.kv_block_shares.items() if k != "requested"},
     )
 
 
@@ -269,12 +255,17 @@ def calibrate(
         _real_run(records, prompts, plan, speed, cost, replay_fn, on_progress, warmup)
         for _ in range(repeat)
     ]
-    config = runs[0][2]
+    config = runs[0].config
     host = HostFigures(
-        overhead_s=float(np.median([h.overhead_s for _, _, _, h in runs])),
-        background_cores=float(np.median([h.background_cores for _, _, _, h in runs])),
+        overhead_s=float(np.median([r.host.overhead_s for r in runs])),
+        background_cores=float(np.median([r.host.background_cores for r in runs])),
+        path=PathScales(
+            prefill=float(np.median([r.host.path.prefill for r in runs])),
+            decode=float(np.median([r.host.path.decode for r in runs])),
+            prompt_tokens=runs[0].host.path.prompt_tokens,
+        ),
     )
-    reals = [real_figures(report) for report, _, _, _ in runs]
+    reals = [real_figures(r.report, r.tier_hits) for r in runs]
     real = median_figures(reals)
     sim_cfg = sim_config(plan, config, cost, speed, host)
     sim, wall, run = simulate(sim_cfg, scaled_records(records, prompts))
@@ -292,7 +283,9 @@ def calibrate(
         sim_wall_s=wall,
         host=host,
         real_runs=reals,
-        per_request=pair_requests(runs[0][1], run),
+        per_request=pair_requests(runs[0].seen, run),
+        real_phases=runs[0].phases,
+        sim_phases=sim_phases(run.requests, sim_cfg.request_overhead_s),
     )
 
 
@@ -305,8 +298,9 @@ def _real_run(
     replay_fn: ReplayFn,
     on_progress: Callable[[str], None],
     warmup: int,
-) -> tuple[ReplayReport, list[RequestRecord], Config, HostFigures]:
-    """One replay on a fresh cluster, with what it measured of the host."""
+) -> RealRun:
+    """One replay on a fresh cluster, with what it measured of the host, where its
+    requests' TTFT went and the Store's reads per tier (the master's status)."""
     launcher = LocalLauncher(plan, on_progress)
     launcher.runfile = plan.run_dir / "local.json"  # NOTE: never the user's own cluster's
     on_progress("starting the local cluster")
@@ -328,14 +322,25 @@ def _real_run(
             replay(records[:warmup], warm, dataclasses.replace(cfg, concurrency=1, speed=1e9))
         on_progress("measuring the idle cluster's fixed latency")
         host = HostFigures(overhead_s=idle_latency_s(cfg, prompts))
+        on_progress("measuring lone requests of the slice's median length")
+        model = CostModel.load(cost)
+        host.path = idle_path_scales(cfg, prompts, model, records, host.overhead_s)
         control = control_plane(launcher)
         cpu0, t0 = cpu_seconds(control), time.monotonic()
         report = replay_fn(records, prompts, cfg, seen.append)
         host.background_cores = (cpu_seconds(control) - cpu0) / (time.monotonic() - t0)
+        status = master_status(launcher.url, launcher.api_key)
     finally:
         on_progress("stopping the local cluster")
         launcher.stop()
-    return report, seen, config, host
+    return RealRun(
+        report,
+        seen,
+        config,
+        host,
+        phases=status.ttft_phases if status else None,
+        tier_hits={t.tier: t.num_hits for t in status.pool} if status else {},
+    )
 
 
 def median_figures(runs: list[Figures]) -> Figures:
@@ -354,6 +359,11 @@ def median_figures(runs: list[Figures]) -> Figures:
         rejected=round(med("rejected") or 0),
         completed=round(med("completed") or 0),
         failed=round(med("failed") or 0),
+        block_shares={
+            k: float(np.median([f.block_shares.get(k, 0.0) for f in runs]))
+            for k in (runs[0].block_shares if runs else {})
+        },
+        ssd_hit_share=med("ssd_hit_share"),
     )
 
 

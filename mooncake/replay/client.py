@@ -22,7 +22,7 @@ import httpx
 import msgspec
 
 from mooncake.errors import MooncakeError
-from mooncake.replay.report import RequestRecord
+from mooncake.replay.report import KV_BLOCK_KEYS, RequestRecord
 
 DEFAULT_VOCAB_SIZE = 32000  # when the server does not say (LLaMA 2's vocabulary)
 
@@ -200,6 +200,8 @@ async def send_completion(
         details = usage.get("prompt_tokens_details") or {}
         if details.get("cached_tokens") is not None:
             rec.cached_tokens = int(details["cached_tokens"])
+        if isinstance(blocks := details.get("kv_blocks"), dict):  # mooncake's extension
+            rec.kv_blocks = {k: int(v) for k, v in blocks.items() if k in KV_BLOCK_KEYS}
     if not chunk_times or finish == "abort" or (finish is None and not is_done):
         rec.error = f"stream ended early ({len(chunk_times)} token chunks, finish_reason {finish})"
         rec.error_kind = "ended early"

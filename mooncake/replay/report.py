@@ -18,6 +18,12 @@ from typing import Literal
 import msgspec
 import numpy as np
 
+from mooncake.conductor.misses import CAUSES, ELSEWHERE_PARTS
+
+# usage.prompt_tokens_details.kv_blocks of a mooncake server (api/bodies.py): the blocks
+# the prompt could have reused, and those by cause
+KV_BLOCK_KEYS = ("requested", *CAUSES, *ELSEWHERE_PARTS)
+
 Status = Literal["ok", "rejected", "error"]
 
 
@@ -34,6 +40,8 @@ class RequestRecord(msgspec.Struct, kw_only=True):
     output_tokens: int = 0  # as the server reported it (else token chunks seen)
     expected_output_tokens: int = 0  # what was asked for (max_tokens)
     cached_tokens: int | None = None  # prompt tokens served from the server's cache, if told
+    # usage.prompt_tokens_details.kv_blocks, if told (mooncake): requested and each cause
+    kv_blocks: dict[str, int] = {}
     error: str = ""  # why it failed (status "error") or was rejected
     # what kind of failure, from its shape, not its wording: "http <status> <error.type>",
     # "stream <error.type>" (an error event mid-stream), "connect", "disconnected" (the
@@ -78,6 +86,10 @@ class ReplayReport(msgspec.Struct, kw_only=True):
     vocab_size: int
     prompt_format: str  # tokens | text
     errors: dict[str, int] = {}  # error message -> count (failed and rejected requests)
+    # the completed requests' blocks by cause, where the server attributes its misses
+    # (KV_BLOCK_KEYS: requested, each cause, the elsewhere parts); {} if it never did
+    kv_blocks: dict[str, int] = {}
+    kv_block_shares: dict[str, float] = {}  # each of them / requested
 
 
 def _pct(values: list[float] | np.ndarray, q: float) -> float:
@@ -127,6 +139,10 @@ def summarize(records: list[RequestRecord], info: RunInfo) -> ReplayReport:
     output_tokens = sum(r.output_tokens for r in done)
     errors = Counter(r.error or r.status for r in records if r.status != "ok")
     met = sum(meets_slo(r, ttft_slo_s, tbt_slo_s) for r in records)
+    blocks = Counter[str]()
+    for r in done:
+        blocks.update(r.kv_blocks)
+    requested = blocks.get("requested", 0)
     return ReplayReport(
         sent=len(records),
         completed=len(done),
@@ -153,6 +169,8 @@ def summarize(records: list[RequestRecord], info: RunInfo) -> ReplayReport:
         ),
         duration_s=end - start,
         errors=dict(errors.most_common(10)),
+        kv_blocks=dict(blocks),
+        kv_block_shares={k: v / requested for k, v in blocks.items() if requested},
         url=info.url,
         model=info.model,
         block_tokens=info.block_tokens,

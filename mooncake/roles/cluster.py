@@ -39,13 +39,10 @@ from mooncake.config import Config
 from mooncake.engine.tokenizer import BaseTokenizer
 from mooncake.errors import ApiError, MooncakeError
 from mooncake.hashing import PrefixHasher
+from mooncake.roles.attribution import Attribution
 from mooncake.roles.cluster_metrics import PoolCounters
 from mooncake.roles.flight import Flight, Flights, request_deadline_s
-from mooncake.roles.messages import (
-    TokenMsg,
-    TokensAckMsg,
-    TokensMsg,
-)
+from mooncake.roles.messages import PrefillEventMsg, TokenMsg, TokensAckMsg, TokensMsg
 from mooncake.roles.nodecalls import NodeCalls
 from mooncake.roles.registry import Registry
 from mooncake.roles.tickets import NoInstance, Tickets
@@ -75,6 +72,7 @@ class ClusterBackend(BaseBackend):
         self.loop: asyncio.AbstractEventLoop | None = None
         self.flights = Flights()
         self.counters = PoolCounters()
+        self.misses = Attribution(conductor.index, block_tokens)  # why prefills missed
         self.phases = PhaseLog()  # where each request's TTFT went
         self.max_retries = 2
         self.calls = NodeCalls(registry, secret)
@@ -86,6 +84,7 @@ class ClusterBackend(BaseBackend):
         """Take the scheduler's waits and deadlines and the cluster's call timeouts."""
         self.scheduler = config.scheduler
         self.node_wait_s = config.scheduler.node_wait_s
+        self.misses.configure(config.scheduler.miss_memory_blocks)
         self.calls.configure(config.cluster)
 
     @property
@@ -137,14 +136,14 @@ class ClusterBackend(BaseBackend):
                     flight.phase = "decoding"
                     self.tickets.decode_started(flight.req_id)
                     if flight.num_placements == 1:  # NOTE: only a first one's moments are whole
-                        self.phases.record(flight.moments, time.monotonic())
+                        self.phases.first_token(flight.moments, time.monotonic())
+                if tok.finish_reason not in (None, "abort"):
+                    # NOTE: the stream ends once its new blocks are committed to the pool (the
+                    # prefill node reports after that): an immediate repeat reuses them
+                    await flight.wait_reported(self.scheduler.commit_wait_s)
                 if tok.token_id is not None:
                     flight.output_ids.append(tok.token_id)
-                out = Output(token_id=tok.token_id, text=tok.text, logprob=tok.logprob,
-                             top_logprobs=tok.top_logprobs, finish_reason=tok.finish_reason,
-                             error=tok.error,
-                             num_cached_tokens=flight.num_cached_tokens if first else 0,
-                             )  # fmt: skip
+                out = flight.output(tok)
                 first = False
                 if tok.finish_reason is not None:
                     # NOTE: ended before the last yield: a consumer that stops at the last
@@ -159,7 +158,9 @@ class ClusterBackend(BaseBackend):
                 self._end(flight, dropped=True, abort=True)
 
     async def _place(self, rid: int, n: int, hashes: list[int]) -> Decision:
-        return await self.tickets.place(rid, n, hashes)
+        d = await self.tickets.place(rid, n, hashes)
+        self.misses.placed(rid, n, hashes, d)
+        return d
 
     async def _place_waiting(self, rid: int, n: int, hashes: list[int], ends_at: float) -> Decision:
         """Place a new request, waiting up to node_wait_s (within its deadline) while no
@@ -204,6 +205,7 @@ class ClusterBackend(BaseBackend):
         own: whatever cancels the caller, the ticket is closed first)."""
         if not self.flights.end(flight):
             return
+        self.misses.forget(flight.req_id)
         self.tickets.close(flight.req_id, dropped)
         if abort:
             task = asyncio.ensure_future(self._abort_remote(flight))
@@ -256,17 +258,24 @@ class ClusterBackend(BaseBackend):
             end = TokenMsg(req_id, None, "", finish_reason="abort", error=why, kind="rejected")
             loop.call_soon_threadsafe(self._queue_tokens, [(flight, end)])
 
-    def on_prefill_finished(self, req_id: int, reused: int, kv_bytes: int) -> None:
-        """A prefill node computed the request and handed its KV to decode (RPC thread);
-        the start was recorded by `on_prefill_admission`."""
-        now = time.monotonic()
+    def on_prefill_finished(self, msg: PrefillEventMsg) -> None:
+        """A prefill node computed the request, handed its KV to decode and committed its
+        new blocks to the pool (RPC thread); the start was recorded by
+        `on_prefill_admission`. Its blocks get their causes (roles/attribution.py)."""
+        now, req_id = time.monotonic(), msg.req_id
         with self.lock:
             self.conductor.on_prefill_finished(req_id, now)
-            self.counters.add_kv(now, kv_bytes)
-        flight = self.flights.get(req_id)
+            self.counters.add_kv(now, msg.kv_bytes)
+            is_unverified = msg.num_rejected_blocks > 0
+            counts = self.misses.finished(req_id, msg.num_reused_tokens, is_unverified, now)
+        flight, loop = self.flights.get(req_id), self.loop
         if flight is not None:
-            flight.num_cached_tokens, flight.is_handed_off = reused, True
-            flight.moments.prefilled = now
+            flight.num_cached_tokens, flight.is_handed_off = msg.num_reused_tokens, True
+            flight.kv_blocks = counts
+            if flight.num_placements == 1:
+                self.phases.handed_off(flight.moments, now - msg.seal_s)
+            if loop is not None:
+                loop.call_soon_threadsafe(flight.reported.set)
 
     def on_node_down(self, node_id: str) -> None:
         """Place again every request the dead node was working on, except those already
@@ -278,6 +287,8 @@ class ClusterBackend(BaseBackend):
             d = flight.decision
             if d.decode == node_id or (d.prefill == node_id and flight.phase != "decoding"):
                 loop.call_soon_threadsafe(self._replace, flight, node_id)
+            elif d.prefill == node_id:  # decoding on: no report will come from it
+                loop.call_soon_threadsafe(flight.reported.set)
 
     def _replace(self, flight: Flight, node_id: str, failure: TokenMsg | None = None) -> None:
         """On the loop: place the request again, then tell its generator to dispatch.
@@ -313,8 +324,10 @@ class ClusterBackend(BaseBackend):
             if flight.done:
                 return False
             old = self.flights.move(flight)
+            self.misses.forget(old)
             self.tickets.close(old, dropped=True)
             flight.phase, flight.is_handed_off = "queued", False
+            flight.reported.clear()
             flight.num_placements += 1
             if flight.num_placements > self.max_retries + 2:
                 why = f"; the last failure: {flight.last_error}" if flight.last_error else ""

@@ -13,6 +13,7 @@ scaled, plus room for waiting on a restarting node and for a re-placement.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import threading
 import time
@@ -20,7 +21,8 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from mooncake.api.backend import GenerateRequest
+from mooncake.api.backend import GenerateRequest, Output
+from mooncake.conductor.misses import MissCounts
 from mooncake.conductor.types import Decision
 from mooncake.configroles import SchedulerConfig
 from mooncake.engine.params import SamplingParams
@@ -46,8 +48,13 @@ class Flight:
     decision: Decision
     ends_at: float = float("inf")  # time.monotonic() of its deadline
     phase: str = "queued"  # queued (at prefill) | prefilling | decoding
-    num_cached_tokens: int = 0
+    num_cached_tokens: int = 0  # as its prefill node reported (tokens reused)
+    kv_blocks: MissCounts | None = None  # its blocks by cause, as the master attributed them
     is_handed_off: bool = False  # its prefill node reported its KV with the decode node
+    # NOTE: set once its prefill node reported (after committing the new blocks to the
+    # pool) or died; cleared when it is placed again
+    reported: asyncio.Event = field(default_factory=asyncio.Event)
+    is_report_out: bool = False  # an output carried the report already
     done: bool = False
     output_ids: list[int] = field(default_factory=list)  # tokens streamed so far
     num_placements: int = 1
@@ -72,6 +79,29 @@ class Flight:
             return params
         owed = max(1, params.max_tokens - len(self.output_ids))
         return msgspec.structs.replace(params, max_tokens=owed)
+
+    def output(self, tok: TokenMsg) -> Output:
+        """The API's output for a token event; the first one after the prefill node's
+        report carries it (tokens reused, blocks by cause)."""
+        cached, kv_blocks = 0, None
+        if self.reported.is_set() and not self.is_report_out:
+            self.is_report_out = True
+            cached, kv_blocks = self.num_cached_tokens, self.kv_blocks
+        return Output(
+            token_id=tok.token_id,
+            text=tok.text,
+            logprob=tok.logprob,
+            top_logprobs=tok.top_logprobs,
+            finish_reason=tok.finish_reason,
+            error=tok.error,
+            num_cached_tokens=cached,
+            kv_blocks=kv_blocks,
+        )
+
+    async def wait_reported(self, timeout_s: float) -> None:
+        """Until its prefill node reported, at most `timeout_s` (a lost report)."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.reported.wait(), timeout_s)
 
     @property
     def where(self) -> str:

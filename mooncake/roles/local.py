@@ -7,19 +7,19 @@ run directory) and that many masters on it: one leads, the others forward their 
 and take over when it dies (docs/ha.md). With one master, the master journals the pool in
 the run directory (`cluster.state_dir`), so a restarted master keeps the pool.
 
-The launcher writes one config (a fresh secret, free ports, the small model) into a private
-run directory (see `runfile`), profiles the model once for the Conductor's cost model
-(cached per model and shape), starts the master and the other nodes, each reporting ready
-with a JSON line on stdout (no sleeps), and writes the runfile `mooncake status` and
-`mooncake replay` read. `supervise` restarts nodes that exit (`supervisor.Supervisor`);
-`stop` ends every child (SIGTERM, then SIGKILL once its grace, longer than a decode node's
-drain, is over). Children die with the launcher even if it is killed (PR_SET_PDEATHSIG).
+The launcher writes one config (a fresh secret, free ports, the small model, a small SSD
+tier per node under the run directory) into a private run directory (see `runfile`),
+profiles the model once for the Conductor's cost model (cached per model and shape), starts
+the master and the other nodes, each reporting ready with a JSON line on stdout (no sleeps),
+and writes the runfile `mooncake status` and `mooncake replay` read. `supervise` restarts
+nodes that exit (`supervisor.Supervisor`); `stop` ends every child (SIGTERM, then SIGKILL
+once its grace, longer than a decode node's drain, is over). Children die with the launcher
+even if it is killed (PR_SET_PDEATHSIG).
 """
 
 from __future__ import annotations
 
 import ctypes
-import json
 import logging
 import os
 import secrets
@@ -35,23 +35,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mooncake.config import Config, DecodeConfig
-from mooncake.configload import load_config, typed_override
+from mooncake.configload import load_config
 from mooncake.errors import MooncakeError
 from mooncake.ha.localetcd import LocalEtcd, tmpfs_data_dir
 from mooncake.native.shm import sweep_stale
+from mooncake.roles.localconfig import local_ssd_dir, write_config
 from mooncake.roles.runfile import (
     LocalCluster,
     private_dir,
     remove_runfile,
     runfile_path,
-    write_private,
     write_runfile,
 )
 from mooncake.roles.supervisor import Child, NodeEvent, RestartPolicy, Supervisor, wait_ready
 
 log = logging.getLogger(__name__)
 PREFILL_NICE = 10  # node.nice of prefill nodes sharing the host's cores with decode nodes
-DECODE_KV_BYTES = 128 << 20  # the decode node's KV cache (and the cost model's capacity)
 READY_TIMEOUT_S = 180.0  # seconds a node may take to load and report ready
 SCHEDULABLE_TIMEOUT_S = 30.0  # seconds for the master to see every ready node
 CONFIG_NAME = "mooncake-local.toml"
@@ -88,59 +87,21 @@ class LocalPlan:
     # more config keys: "section.key" -> a value, typed or as --set text ("false", "64MiB")
     extra: dict[str, object] = field(default_factory=dict)
 
+    @property
+    def prefill_nice(self) -> int:
+        """The nice its prefill nodes run at: `node.nice` when given; else PREFILL_NICE
+        when the compute nodes outnumber this host's cores (one each), so decode steps
+        go first as separate devices would keep them apart; else 0."""
+        if "node.nice" in self.extra:
+            return int(str(self.extra["node.nice"]))
+        shared = self.num_prefill + self.num_decode > len(os.sched_getaffinity(0))
+        return PREFILL_NICE if shared else 0
+
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def _toml_value(v: object) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, int | float):
-        return repr(v)
-    if isinstance(v, list | tuple):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    return json.dumps(str(v))
-
-
-def write_config(
-    plan: LocalPlan,
-    path: Path,
-    secret: str,
-    master_port: int,
-    cost_model: str,
-    ha: dict[str, object] | None = None,  # more [cluster] keys: masters, etcd, state_dir
-) -> Path:
-    """Write the cluster's config (mode 0600: it holds the secret) without following a
-    symlink; `plan.extra` values are typed by their key. Raises ConfigError, RunDirError."""
-    cluster = {"name": "local", "master": f"{plan.host}:{master_port}", "secret": secret}
-    sections: dict[str, dict[str, object]] = {
-        "cluster": {**cluster, **(ha or {})},
-        "node": {"advertise_address": plan.host},
-        "model": {"path": plan.model, "block_tokens": plan.block_tokens},
-        "prefill": {
-            "chunk_tokens": plan.chunk_tokens,
-            "pipeline_group_size": plan.group_size,
-            "kv_cache_bytes": "64MiB",
-        },
-        "decode": {"kv_cache_bytes": DECODE_KV_BYTES, "max_batch": 32},
-        "store": {"dram_bytes": "256MiB" if plan.pool else "0", "heartbeat_ttl_s": 6.0},
-        "api": {"host": plan.api_host, "port": plan.api_port},
-        "metrics": {"host": "127.0.0.1", "port": 0},  # /metrics on the API port
-        "scheduler": {"cost_model_path": cost_model},
-        "transfer": {"protocol": "auto"},
-    }
-    for key, value in plan.extra.items():
-        sec, _, name = key.partition(".")
-        sections.setdefault(sec, {})[name] = typed_override(key, value)
-    lines = []
-    for sec, kv in sections.items():
-        lines.append(f"[{sec}]")
-        lines += [f"{k} = {_toml_value(v)}" for k, v in kv.items()]
-        lines.append("")
-    return write_private(path.parent, path.name, "\n".join(lines).encode())
 
 
 def _die_with_parent() -> None:
@@ -181,6 +142,8 @@ class LocalLauncher:
         plan = self.plan
         private_dir(plan.run_dir)
         private_dir(self.runfile.parent, tighten=True)
+        ssd = local_ssd_dir(plan.run_dir)
+        private_dir(ssd.parent if ssd.parent != plan.run_dir else ssd)
         self._master_port = free_port()
         if plan.api_port == 0:
             plan.api_port = free_port()
@@ -248,12 +211,6 @@ class LocalLauncher:
         )
         write_runfile(self.info, self.runfile)
 
-    @property
-    def _shared_cores(self) -> bool:
-        """Do the compute nodes outnumber the cores they run on (one each)?"""
-        plan = self.plan
-        return plan.num_prefill + plan.num_decode > len(os.sched_getaffinity(0))
-
     def _launch(self, role: str, node_id: str) -> Child:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
         env.pop("NOTIFY_SOCKET", None)  # NOTE: systemd's readiness is the launcher's to tell
@@ -263,8 +220,8 @@ class LocalLauncher:
             cmd += ["--set", value]
         if (placed := self.plan.placements.get(node_id)) is not None:
             cmd = [*placed.prefix, *cmd, "--set", f"node.advertise_address={placed.address}"]
-        if role == "prefill" and self._shared_cores and "node.nice" not in self.plan.extra:
-            cmd += ["--set", f"node.nice={PREFILL_NICE}"]  # NOTE: decode steps go first
+        if role == "prefill" and "node.nice" not in self.plan.extra and self.plan.prefill_nice:
+            cmd += ["--set", f"node.nice={self.plan.prefill_nice}"]
         proc = self._forker.submit(
             subprocess.Popen, cmd, stdout=subprocess.PIPE, env=env, preexec_fn=_die_with_parent
         ).result()

@@ -9,7 +9,8 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from mooncake.roles.local import DECODE_KV_BYTES, LocalPlan
+from mooncake.roles.local import LocalPlan
+from mooncake.roles.localconfig import DECODE_KV_BYTES
 from mooncake.roles.runfile import private_dir, write_private
 
 

@@ -23,7 +23,7 @@ from prometheus_client import CollectorRegistry
 from mooncake.api.app import create_app
 from mooncake.api.server import ApiServer
 from mooncake.api.stats import RequestStats
-from mooncake.api.status import MasterStatus, NodeStatus, Status, TierStatus, host_port
+from mooncake.api.status import MasterStatus, NodeStatus, Status, host_port, pool_status
 from mooncake.conductor import ReplicationOrder
 from mooncake.conductor.index import StoreEvent as IndexEvent
 from mooncake.conductor.roofline import PrefillHardware, create_conductor
@@ -35,6 +35,7 @@ from mooncake.errors import ConfigError
 from mooncake.hashing import PrefixHasher
 from mooncake.portrange import node_ports
 from mooncake.roles import sdnotify
+from mooncake.roles.attribution import AttributionCollector
 from mooncake.roles.cluster import ClusterBackend
 from mooncake.roles.cluster_metrics import ClusterCollector
 from mooncake.roles.common import NODE_TTL_S, report_ready
@@ -114,6 +115,7 @@ class Master:
         self.metrics = CollectorRegistry()
         self.metrics.register(StoreCollector(self.store.stats))
         self.metrics.register(ClusterCollector(self.backend.counters, self.registry, self.lock))
+        self.metrics.register(AttributionCollector(self.backend.misses))
         self.stats = RequestStats()
         self.backend.phases.register_metrics(self.metrics)
         # NOTE: /metrics follows [metrics]: off when disabled, on its own port (no key: bind
@@ -196,6 +198,7 @@ class Master:
         with self.lock:
             adm = self.conductor.admit_prefill(msg.req_id, time.monotonic())
             rec = self.registry.nodes.get(adm.decode) if adm.is_accepted else None
+            self.backend.misses.started(msg.req_id)  # NOTE: the pool as the prefill starts
         self.backend.on_prefill_admission(msg.req_id, adm)
         if not adm.is_accepted:
             return PrefillStartReplyMsg(False, reason=adm.reason)
@@ -212,7 +215,7 @@ class Master:
                 self._mark_down(node_id)
             self.backend.on_prefill_failed(msg.req_id, msg.node_id, msg.error)
             return AckMsg()
-        self.backend.on_prefill_finished(msg.req_id, msg.num_reused_tokens, msg.kv_bytes)
+        self.backend.on_prefill_finished(msg)
         return AckMsg()
 
     def _replicate(self, order: ReplicationOrder) -> None:
@@ -230,16 +233,13 @@ class Master:
         with self.lock:
             for e in events:
                 kind = _KINDS.get(e.kind)
-                if kind is None:
-                    continue
-                if kind == "node_gone":
-                    self.conductor.index.apply(IndexEvent(kind="node_gone", node=e.node_id))
-                    continue
-                h = parse_kv_key(e.key)
-                if h is not None:
-                    ev = IndexEvent(kind=kind, node=e.node_id, block_hashes=(h,),
+                h = parse_kv_key(e.key) if kind not in (None, "node_gone") else None
+                if kind == "node_gone" or (kind is not None and h is not None):
+                    hashes = () if h is None else (h,)
+                    ev = IndexEvent(kind=kind, node=e.node_id, block_hashes=hashes,
                                     tier=e.tier or "dram")  # fmt: skip
                     self.conductor.index.apply(ev)
+                    self.backend.misses.event(kind, h, time.monotonic())  # after the index
 
     # -- housekeeping --
     def _loop(self) -> None:
@@ -329,15 +329,7 @@ class Master:
                 address=host_port(self.config.cluster.master),
             ),
         )
-        pool = [
-            TierStatus(
-                tier=t,
-                used_bytes=st.tier_used_bytes.get(t, 0),
-                capacity_bytes=cap,
-                num_objects=st.tier_objects.get(t, 0),
-            )  # fmt: skip
-            for t, cap in sorted(st.tier_capacity_bytes.items())
-        ]
+        pool = pool_status(st)
         c = self.backend.counters
         sched = self.config.scheduler
         return Status(
@@ -348,8 +340,10 @@ class Master:
             num_queued=s.num_waiting, num_running=s.num_streaming,
             ttft_slo_s=sched.ttft_slo_s, tbt_slo_s=sched.tbt_slo_s,
             transfer_bytes_per_s=kv_rate, pool_hits=c.hits, pool_lookups=c.lookups,
+            kv_blocks=await self.backend.tickets.locked(self.backend.misses.shares),
             ttft_phases=self.backend.phases.summary(),
             masters=masters, num_pool_objects=st.num_committed,
+            num_demotions=st.demotions, num_promotions=st.promotions,
             **s.status_fields(),
         )  # fmt: skip
 

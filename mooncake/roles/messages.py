@@ -143,7 +143,9 @@ class PrefillEventMsg(Msg, frozen=True, tag="master.prefill_event"):
     phase: Literal["finished", "failed"]  # the start is asked for: PrefillStartMsg
     num_reused_tokens: int = 0
     num_stored_blocks: int = 0
+    num_rejected_blocks: int = 0  # pool blocks found by hash whose check failed
     kv_bytes: int = 0  # bytes handed to the decode node
+    seal_s: float = 0.0  # s from the hand-off to decode to this report (the pool's seal)
     error: str = ""
     unreachable_address: str = ""  # failed: the decode node at this RPC address did not answer
 

@@ -243,6 +243,8 @@ class PrefillNode:
                     "finished",
                     num_reused_tokens=stats.num_reused_tokens if stats else 0,
                     num_stored_blocks=stats.num_stored_blocks if stats else 0,
+                    num_rejected_blocks=stats.num_rejected_blocks if stats else 0,
+                    seal_s=stats.seal_s if stats else 0.0,
                     kv_bytes=kv_bytes,
                 )
             except ReuseMismatchError as e:  # a later stage could not load every reused block

@@ -18,6 +18,7 @@ ended: the decode node never decodes from partial KV.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -134,6 +135,7 @@ class PrefillFlow:
             self._undo(flight, finished)
             raise
         self.runner.cache.free(st.block_ids)
+        submitted = time.perf_counter()
         if self.pool is not None and flight.targets:  # NOTE: after the submit: not on TTFT's path
             try:
                 st.stats.num_stored_blocks = self.pool.seal_objects(
@@ -143,6 +145,7 @@ class PrefillFlow:
                 log.warning(
                     "req %d: %d KV blocks not stored: %s", task.req_id, len(flight.targets), e
                 )
+        st.stats.seal_s = time.perf_counter() - submitted
         return st.stats, num_bytes
 
     def _undo(self, flight: Flight, finished: bool) -> None:

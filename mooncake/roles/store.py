@@ -1,6 +1,7 @@
 """The store role: this node's memory (a VRAM share, DRAM, SSD) in the KV pool, no model.
 
-Its tiers are sized from config, as bytes or a share of what the topology reports free,
+Its tiers are sized from config, as bytes or a share of what the topology reports free
+(the SSD tier's directory configured or found: mooncake/ssdplace.py),
 mounted with the master's Store service (which heartbeats them and sends demote/promote/
 evict instructions), and unmounted cleanly on SIGTERM.
 """
@@ -14,7 +15,8 @@ import psutil
 from mooncake.errors import ConfigError
 from mooncake.roles.common import MasterLink, NodeContext, install_signal_handlers, report_ready
 from mooncake.roles.messages import NodeInfoMsg, NodeLoadMsg
-from mooncake.roles.worker import engine_options, ssd_bytes, start_store_node
+from mooncake.roles.worker import engine_options, start_store_node
+from mooncake.ssdplace import place_ssd
 from mooncake.store.node import StoreNode, TierSizes
 
 log = logging.getLogger(__name__)
@@ -25,11 +27,12 @@ def tier_sizes(ctx: NodeContext) -> TierSizes:
     cfg = ctx.config.store
     gpu = ctx.gpu("cuda:0")  # torch's device 0: NVML's index differs under CUDA_VISIBLE_DEVICES
     vram = cfg.vram_bytes.resolve(gpu.memory_free_bytes) if gpu else 0
+    ssd = place_ssd(cfg, ctx.topology.filesystems)
     sizes = TierSizes(
         vram_bytes=vram,
         dram_bytes=cfg.dram_bytes.resolve(psutil.virtual_memory().available),
-        ssd_bytes=ssd_bytes(cfg.ssd_bytes, cfg.ssd_path),
-        ssd_path=cfg.ssd_path,
+        ssd_bytes=ssd.num_bytes if ssd else 0,
+        ssd_path=ssd.path if ssd else "",
         vram_device="cuda:0",
         dram_location=ctx.arena_location,
     )

@@ -42,6 +42,7 @@ class Moments:
     predicted_ttft_s: float
     started: float = 0.0
     prefilled: float = 0.0
+    first: float = 0.0  # its first token at the master
 
 
 class PhaseLog:
@@ -69,6 +70,22 @@ class PhaseLog:
             buckets=RATIO_BUCKETS,
         )
 
+    def first_token(self, m: Moments, t: float) -> None:
+        """Its first token arrived at `t`: recorded now if its prefill node reported, else
+        with the report (which comes after the pool's seal, often after the token)."""
+        with self._lock:
+            m.first, is_ready = t, m.prefilled > 0
+        if is_ready:
+            self.record(m, t)
+
+    def handed_off(self, m: Moments, t: float) -> None:
+        """Its prefill node reported its KV with the decode node at `t` (the report's
+        arrival less the seal that came between)."""
+        with self._lock:
+            m.prefilled, first = t, m.first
+        if first:
+            self.record(m, first)
+
     def record(self, m: Moments, first: float) -> None:
         """A request's first token arrived at `first`; ignored without a start. The prefill
         node's report and the decode node's first token come on different connections: a
@@ -95,14 +112,22 @@ class PhaseLog:
     def summary(self) -> TtftPhases:
         with self._lock:
             rows = list(self._rows)
-        q, p, f, r = ([row[i] for row in rows] for i in range(4))
-        return TtftPhases(
-            num_requests=len(rows),
-            queue_p50_s=percentile(q, 50),
-            queue_p90_s=percentile(q, 90),
-            prefill_p50_s=percentile(p, 50),
-            prefill_p90_s=percentile(p, 90),
-            first_step_p50_s=percentile(f, 50),
-            first_step_p90_s=percentile(f, 90),
-            predicted_over_actual_p50=percentile(r, 50),
-        )
+        return phase_summary([row[:3] for row in rows], [row[3] for row in rows])
+
+
+def phase_summary(
+    rows: list[tuple[float, float, float]], ratios: list[float] | None = None
+) -> TtftPhases:
+    """Percentiles of (queue, prefill, first step) rows, and the median of predicted /
+    actual TTFT when `ratios` are given."""
+    q, p, f = ([row[i] for row in rows] for i in range(3))
+    return TtftPhases(
+        num_requests=len(rows),
+        queue_p50_s=percentile(q, 50),
+        queue_p90_s=percentile(q, 90),
+        prefill_p50_s=percentile(p, 50),
+        prefill_p90_s=percentile(p, 90),
+        first_step_p50_s=percentile(f, 50),
+        first_step_p90_s=percentile(f, 90),
+        predicted_over_actual_p50=percentile(ratios or [], 50),
+    )

@@ -23,6 +23,7 @@ from mooncake.portrange import node_ports
 from mooncake.roles.common import NodeContext
 from mooncake.rpc import RpcClient
 from mooncake.sizes import Size
+from mooncake.ssdplace import place_ssd
 from mooncake.store.client import Store
 from mooncake.store.node import StoreNode, TierSizes
 from mooncake.transfer import EngineOptions
@@ -104,11 +105,12 @@ def mount_local_tiers(ctx: NodeContext) -> StoreNode | None:
     nothing; mounted with the master before the node reports ready."""
     cfg = ctx.config.store
     vm = psutil.virtual_memory()
+    ssd = place_ssd(cfg, ctx.topology.filesystems)
     sizes = TierSizes(
         vram_bytes=0,  # NOTE: prefill/decode VRAM holds their own KV caches
         dram_bytes=cfg.dram_bytes.resolve(vm.available),
-        ssd_bytes=ssd_bytes(cfg.ssd_bytes, cfg.ssd_path),
-        ssd_path=cfg.ssd_path,
+        ssd_bytes=ssd.num_bytes if ssd else 0,
+        ssd_path=ssd.path if ssd else "",
         dram_location=ctx.arena_location,
     )
     if not (sizes.dram_bytes or sizes.ssd_bytes):
@@ -133,12 +135,6 @@ def start_store_node(ctx: NodeContext, node: StoreNode) -> None:
         node.start(wait_s=ctx.master_wait_s)
     except RpcTimeout as e:
         raise RpcTimeout(f"cluster.master = {ctx.config.cluster.master}: {e}") from e
-
-
-def ssd_bytes(size: Size, path: str) -> int:
-    if size.is_zero or not path:
-        return 0
-    return size.resolve(psutil.disk_usage(path).free)
 
 
 def connect_pool(

@@ -5,11 +5,12 @@
     report.result.ttft_p90_s, report.result.slo_attainment
 
 Modules: `trace` (Mooncake-format JSONL), `cluster` (SimConfig), `simulator` (event loop),
-`prefill` / `decode` / `coupled` (instance models), `pool` (tiered LRU KV pool and the
-global-LRU hit rate), `misses` (why each block a request did not reuse missed),
-`metrics` (per-request records and the summary), `capacity` (bisection on replay
-speed), `plot` (PNG figures, matplotlib optional), `synth` (synthetic traces from a
-workload description), `tracestats` (what a trace holds: sharing, reuse distances).
+`prefill` / `decode` / `coupled` (instance models), `pool` (the tiered KV pool under the
+Store's eviction order, and the global-LRU hit rate), `misses` (why each block a request
+did not reuse missed), `metrics` (per-request records and the summary), `capacity`
+(bisection on replay speed), `plot` (PNG figures, matplotlib optional), `synth`
+(synthetic traces from a workload description), `tracestats` (what a trace holds:
+sharing, reuse distances).
 """
 
 from mooncake.sim.capacity import CapacityResult, find_capacity

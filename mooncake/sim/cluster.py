@@ -45,6 +45,9 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
     pool_blocks: int | None = None  # total DRAM blocks of the pool; None = from dram_bytes
     dram_bytes: int = 1024 * GIB  # per pool node, for KV blocks
     ssd_bytes: int = 0  # per pool node
+    # share of the pool's memory that duplicates (hot-spot replicas) may take: [store]
+    # replica_budget, the Store's policy (sim/pool.py)
+    replica_budget: float = 0.1
     block_tokens: int = 512
     # tokens per prefill chunk (coupled: per iteration, vLLM's max_num_batched_tokens)
     chunk_tokens: int = 512
@@ -58,10 +61,17 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
     late_binding: bool = True  # choose the decode instance at prefill start, in every mode
     # a cluster on one host (`up --local`): every node's compute shares `host_cores` cores,
     # `background_cores` of which the control plane (API, master, clients) keeps busy; a
-    # prefill or decode step is slowed by (busy compute processes + background) / cores
-    # when that exceeds 1. 0 = every node has its own device, as on a real cluster
+    # prefill or decode step gets its CPU share of them by the nodes' nice values
+    # (`sim/host.py`; prefill nodes at `prefill_nice`, the rest at 0). 0 = every node
+    # has its own device, as on a real cluster
     host_cores: float = 0.0
     background_cores: float = 0.0
+    prefill_nice: int = 0
+    # the real path's cost over the cost model's compute (prefill groups and decode nodes
+    # compute this much slower; the Conductor keeps the cost model): `bench cluster`'s
+    # lone-request probes (replay/hostprobe.py); 1 = the profile is the whole cost
+    prefill_scale: float = 1.0
+    decode_scale: float = 1.0
     request_overhead_s: float = 0.0  # control-plane latency before a request is scheduled
     seed: int = 0
 
@@ -79,12 +89,18 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
             )
         if self.host_cores < 0 or self.background_cores < 0 or self.request_overhead_s < 0:
             problems.append("host_cores, background_cores and request_overhead_s must be >= 0")
+        if not (self.prefill_scale > 0 and self.decode_scale > 0):
+            problems.append("prefill_scale and decode_scale must be > 0")
+        if not 0 <= self.prefill_nice <= 19:
+            problems.append(f"prefill_nice must be in 0..19, got {self.prefill_nice}")
         if not self.speed > 0:
             problems.append(f"speed must be > 0, got {self.speed}")
         if self.limit is not None and self.limit < 1:
             problems.append(f"limit must be >= 1, got {self.limit}")
         if self.pool_blocks is not None and self.pool_blocks < 0:
             problems.append(f"pool blocks must be >= 0, got {self.pool_blocks}")
+        if not 0 <= self.replica_budget <= 1:
+            problems.append(f"replica_budget must be in [0, 1], got {self.replica_budget}")
         if self.chunk_tokens < 1 or self.block_tokens < 1 or self.tp < 1:
             problems.append("chunk_tokens, block_tokens and tp must be >= 1")
         if self.group_size < 1 or self.max_inflight < 1:

@@ -43,6 +43,7 @@ class DecodeInstance:
         self.name = name
         self.sim = sim
         self.cost = sim.cost
+        self.scale = sim.cfg.decode_scale  # the real step's cost over the profiled one
         self.capacity_tokens = capacity_tokens  # KV tokens VRAM holds
         self.step = 0  # steps completed when the open segment starts
         self.seg_t0 = 0.0  # start of the open segment, s
@@ -97,6 +98,8 @@ class DecodeInstance:
             self.ctx_base -= req.ctx_key
             req.tbt = self._tbt(req)
             self.sim.decode_finished(req, now)
+            if not self.n:
+                self.sim.host_changed(now)
         if self.waiters and self.n < n_before:  # room freed: waiting groups try again
             for group in self.waiters:
                 group.wake(now)
@@ -120,8 +123,8 @@ class DecodeInstance:
         if self.n == 0:
             self.report()
             return
-        step_s = self.cost.decode_step_time(self.n, self.context_tokens)
-        self.tau = max(step_s * self.sim.compute_factor(), 1e-6)
+        step_s = self.cost.decode_step_time(self.n, self.context_tokens) * self.scale
+        self.tau = max(step_s * self.sim.compute_factor("decode"), 1e-6)
         end = self.seg_t0 + (self.targets[0][0] - self.step) * self.tau
         self.sim.push(end, self._tick, self.version)
         self.report()
@@ -146,6 +149,8 @@ class DecodeInstance:
         req.ctx_key = ctx - self.step
         self.ctx_base += req.ctx_key
         self.n += 1
+        if self.n == 1:
+            self.sim.host_changed(self.seg_t0)
         heapq.heappush(self.targets, (self.step + req.output_len - 1, req.rid, req))
 
     # -- arrivals ----------------------------------------------------------------------

@@ -16,7 +16,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from mooncake.sim.misses import CAUSES, ELSEWHERE_PARTS, MissCounts
+from mooncake.conductor.misses import CAUSES, ELSEWHERE_PARTS, MissCounts
 
 
 class SimRequest:
@@ -26,7 +26,7 @@ class SimRequest:
         "rid", "arrival", "input_len", "output_len", "hashes", "status", "decision",
         "fetch_ready", "reused_blocks", "prefill_start", "prefill_end", "stream_end",
         "ctx_key", "join_seg", "done_at", "tbt", "prefill_s", "first_token",
-        "reserve_deadline", "reserved", "misses",
+        "reserve_deadline", "reserved", "misses", "ssd_blocks",
     )  # fmt: skip
 
     def __init__(self, rid: int, arrival: float, input_len: int, output_len: int, hashes: list):
@@ -50,6 +50,7 @@ class SimRequest:
         self.reserve_deadline = -1.0  # admitted to start: it fails when no room by then
         self.reserved = False  # its decode room is reserved
         self.misses: MissCounts | None = None  # its blocks by cause, once its prefill starts
+        self.ssd_blocks = 0  # of reused_blocks, those read from an SSD tier
 
     @property
     def first_token_at(self) -> float:
@@ -74,7 +75,7 @@ def slowest_share_mean(gaps: list[tuple[float, int]], share: float) -> float:
 
 
 class MissSummary(msgspec.Struct, kw_only=True):
-    """Blocks of the requests whose prefill started, by cause (`sim/misses.py`); shares
+    """Blocks of the requests whose prefill started, by cause (`conductor/misses.py`); shares
     are of `blocks`, and `elsewhere` = `priced_out` + `plan_lost` + `after_placement`."""
 
     requests: int = 0
@@ -92,14 +93,16 @@ class MissSummary(msgspec.Struct, kw_only=True):
     evicted_age_p90_s: float = 0.0
 
 
-def summarize_misses(reqs: list[SimRequest], evicted_ages: list[float]) -> MissSummary:
+def summarize_misses(reqs: list[SimRequest]) -> MissSummary:
     names = (*CAUSES, *ELSEWHERE_PARTS)
     sums = [0] * len(names)
     started = 0
+    evicted_ages: list[float] = []
     for r in reqs:
         c = r.misses
         if c is not None:
             started += 1
+            evicted_ages += c.evicted_age_s
             for k, name in enumerate(names):
                 sums[k] += getattr(c, name)
     totals = dict(zip(names, sums, strict=True))
@@ -140,6 +143,7 @@ class SimResult(msgspec.Struct, kw_only=True):
     hit_rate: float  # blocks held anywhere in the pool / blocks requested
     local_hit_rate: float  # blocks held by the chosen instance itself / blocks requested
     reuse_rate: float  # blocks not recomputed / blocks prefilled
+    ssd_hit_share: float  # of the blocks not recomputed, those read from an SSD tier
     prefill_gpu_s: float  # GPU-seconds of prefill compute (instance seconds x GPUs)
     wasted_prefill_gpu_s: float  # of which for requests rejected after prefill
     makespan_s: float  # simulated time from first arrival to last completion
@@ -172,7 +176,6 @@ def summarize(
     gpus_per_instance: int,
     span_s: float,
     speed: float,
-    evicted_ages: list[float] | None = None,
 ) -> SimReport:
     """Aggregate the per-request records of a finished run."""
     done = [r for r in reqs if r.status == "done"]
@@ -210,12 +213,14 @@ def summarize(
         local_hit_rate=sum(r.decision.local_blocks for r in decided) / blocks,
         reuse_rate=sum(r.reused_blocks for r in prefilled)
         / (sum(len(r.hashes) for r in prefilled) or 1),
+        ssd_hit_share=sum(r.ssd_blocks for r in prefilled)
+        / (sum(r.reused_blocks for r in prefilled) or 1),
         prefill_gpu_s=sum(r.prefill_s for r in prefilled) * float(gpus_per_instance),
         wasted_prefill_gpu_s=sum(r.prefill_s for r in reqs if r.status == "rejected_late")
         * float(gpus_per_instance),
         makespan_s=max(end - start, 0.0),
         goodput_rps=met / span_s,
         speed=speed,
-        misses=summarize_misses(reqs, evicted_ages or []),
+        misses=summarize_misses(reqs),
     )
     return SimReport(result, ttft.tolist(), tbt.tolist())

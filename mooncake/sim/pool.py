@@ -1,15 +1,32 @@
-"""The simulated KV pool: per-node tiers with LRU eviction, reporting to the prefix index.
+"""The simulated KV pool: the pool nodes' tiers under the Store's eviction policy.
 
-Each pool node holds blocks in a DRAM tier and optionally an SSD tier, both LRU. A block
-evicted from DRAM is demoted to SSD when there is one, else dropped; a block evicted from
-SSD is dropped; a block read from SSD moves back to DRAM. Every change reaches the
-Conductor's `PrefixIndex` as added / demoted / evicted, as the real Store's events would,
-and, with a `MissLedger`, every use and every drop reaches the ledger too (times in
-seconds of simulated time), so a request's misses can be explained (`sim/misses.py`).
+A `SimPool` is the simulated Store: every pool node's DRAM (VRAM for a coupled instance)
+and optional SSD, counted in blocks, with one pool-wide recency order per tier
+(`store/poolorder.py`, the code the Store's eviction runs), so the pool keeps its
+capacity for distinct blocks:
 
-`global_lru_hit_rate` is the paper's Table 1 measure: one global LRU pool of `capacity`
-blocks, requests replayed in order, hit = the longest prefix of a request's blocks that
-is resident, hit rate = hits / blocks requested.
+- a block is written once: a write of a block the pool holds anywhere only refreshes it
+  (the Store answers the put "exists"); a new block goes to the writer's node while it
+  has room, else to the node with the most room, else where the policy's first victim
+  frees one;
+- victims in the policy's order: spare copies (duplicates, SSD copies of blocks also in
+  memory) before last copies, each least recently used first, pool-wide; a last copy in
+  memory is demoted to SSD (its node's, else where the SSD's own victim frees room) when
+  there is an SSD tier, else dropped;
+- a block read off its node's SSD moves back to memory there (the Store promotes it);
+- a replica the Conductor orders (hot-spot relief after a fetch) is made only into free
+  room and within `replica_budget` of the pool's memory, as the Store's moves are.
+
+The Store also keeps memory under its high watermark where victims can move down a tier
+(it demotes ahead); the simulator demotes when room is needed, which holds the same
+blocks in the pool. Every change reaches the Conductor's `PrefixIndex` per node as added
+/ demoted / evicted, as the Store's events would, and, with a `MissLedger`, every use and
+every drop reaches the ledger (times in seconds of simulated time, `conductor/misses.py`).
+
+A `NodePool` is one node's handle on its pool (a pool of its own when none is given: a
+coupled instance's local cache). `global_lru_hit_rate` is the paper's Table 1 measure:
+one global LRU pool of `capacity` blocks, requests replayed in order, hit = the longest
+prefix of a request's blocks that is resident, hit rate = hits / blocks requested.
 """
 
 from __future__ import annotations
@@ -18,12 +35,15 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
 from mooncake.conductor.index import PrefixIndex
-from mooncake.sim.misses import MissLedger
+from mooncake.conductor.misses import MissLedger
 from mooncake.sim.trace import TraceRecord
+from mooncake.store.poolorder import PoolOrder
+
+DEFAULT_REPLICA_BUDGET = 0.1  # share of the pool's memory duplicates may take ([store])
 
 
 class LruTier:
-    """Blocks in least-recently-used order; `capacity` None is unbounded."""
+    """A node's blocks of one tier in its own recency order; `capacity` None is unbounded."""
 
     __slots__ = ("blocks", "capacity", "name")
 
@@ -37,6 +57,14 @@ class LruTier:
 
     def __contains__(self, h: int) -> bool:
         return h in self.blocks
+
+    @property
+    def has_room(self) -> bool:
+        return self.capacity is None or len(self.blocks) < self.capacity
+
+    @property
+    def room(self) -> float:
+        return float("inf") if self.capacity is None else self.capacity - len(self.blocks)
 
     def put(self, h: int) -> list[int]:
         """Insert or refresh `h` as most recent; returns the blocks evicted, oldest first."""
@@ -55,8 +83,209 @@ class LruTier:
         self.blocks.pop(h, None)
 
 
+class SimPool:
+    """The pool nodes' tiers, one eviction order over all of them (module docstring)."""
+
+    def __init__(
+        self,
+        index: PrefixIndex | None = None,
+        ledger: MissLedger | None = None,
+        top_tier: str = "dram",
+        replica_budget: float = DEFAULT_REPLICA_BUDGET,
+    ):
+        self.index = index
+        self.ledger = ledger
+        self.top_tier = top_tier
+        self.replica_budget = replica_budget  # share of the pool's memory
+        self.order: PoolOrder[int] = PoolOrder((top_tier, "ssd"))
+        self.nodes: dict[str, NodePool] = {}
+        # tier -> block -> nodes holding it there, oldest copy first
+        self.holders: dict[str, dict[int, list[NodePool]]] = {top_tier: {}, "ssd": {}}
+        self._changed: dict[NodePool, dict[int, None]] = {}  # reported at the end of a call
+        self.free: dict[str, float] = {top_tier: 0, "ssd": 0}  # tier -> blocks free, all nodes
+
+    def join(self, node: NodePool) -> None:
+        assert node.node not in self.nodes, node.node
+        self.nodes[node.node] = node
+        self.free[self.top_tier] += node.top.room
+        self.free["ssd"] += node.ssd.room if node.ssd is not None else 0
+
+    @property
+    def has_ssd(self) -> bool:
+        return any(n.ssd is not None for n in self.nodes.values())
+
+    def tier_of(self, node: NodePool, tier: str) -> LruTier | None:
+        return node.top if tier == self.top_tier else node.ssd
+
+    # -- what the nodes call -----------------------------------------------------------
+
+    def write(self, writer: NodePool, hashes: Sequence[int], t: float) -> None:
+        """Blocks written (new) or read (held) by `writer` at `t`."""
+        if self.ledger is not None:
+            self.ledger.used(hashes, t)
+        order, top = self.order, self.top_tier
+        for h in hashes:
+            if h in writer.top:
+                order.touch(h)
+                writer.top.blocks.move_to_end(h)
+            elif writer.ssd is not None and h in writer.ssd:
+                self._promote(writer, h)
+            elif h in order.copies:
+                self.touch_block(h)  # NOTE: held elsewhere: the put says "exists"
+            else:
+                self._place(writer, h, top)
+        self._report(t)
+
+    def touch(self, hashes: Iterable[int], t: float) -> None:
+        """Blocks read from wherever they are at `t` (a fetch): most recent everywhere."""
+        held = [h for h in hashes if h in self.order.copies]
+        if self.ledger is not None:
+            self.ledger.used(held, t)
+        for h in held:
+            self.touch_block(h)
+
+    def replicate(self, dst: NodePool, hashes: Sequence[int], t: float) -> int:
+        """Copy blocks the pool holds to `dst`'s memory (a replica the Conductor ordered),
+        into free room only and within the budget; returns the copies made."""
+        if self.ledger is not None:
+            self.ledger.used(hashes, t)
+        top, order = self.top_tier, self.order
+        capacity = sum(n.top.capacity or 0 for n in self.nodes.values())
+        made = 0
+        for h in hashes:
+            self.touch_block(h)
+            if h in dst.top or h not in order.copies or not dst.top.has_room:
+                continue
+            if not order.may_duplicate(top, 1, self.replica_budget, capacity):
+                break
+            self._add(dst, h, top)
+            made += 1
+        self._report(t)
+        return made
+
+    def touch_block(self, h: int) -> None:
+        self.order.touch(h)
+        for tier, table in self.holders.items():
+            for node in table.get(h, ()):
+                lru = self.tier_of(node, tier)
+                assert lru is not None
+                lru.blocks.move_to_end(h)
+
+    # -- placement and eviction ----------------------------------------------------------
+
+    def _place(self, writer: NodePool, h: int, tier: str) -> None:
+        """A new block into `tier`: the writer's node, else the roomiest, else where the
+        first victim frees room; dropped (not stored) if the tier has no capacity."""
+        own = self.tier_of(writer, tier)
+        node = writer if own is not None and own.has_room else self._roomiest(tier)
+        if node is None:
+            node = self._make_room(tier)
+        if node is not None:
+            self._add(node, h, tier)
+
+    def _roomiest(self, tier: str) -> NodePool | None:
+        if not self.free[tier]:
+            return None
+        best, room = None, 0.0
+        for node in self.nodes.values():
+            lru = self.tier_of(node, tier)
+            if lru is not None and lru.room > room:
+                best, room = node, lru.room
+        return best
+
+    def _make_room(self, tier: str) -> NodePool | None:
+        """Free one block of `tier` by the policy's first victim; the node freed, or None
+        when the tier holds nothing."""
+        for h in self.order.victims(tier):
+            nodes = self.holders[tier][h]
+            if h in self.order.spare[tier]:
+                node = nodes[-1]  # NOTE: the newest copy: a duplicate goes before the original
+                self._remove(node, h, tier)
+                return node
+            node = nodes[0]
+            self._remove(node, h, tier)
+            if tier == self.top_tier and self.has_ssd:
+                self._demote(node, h)
+            return node
+        return None
+
+    def _demote(self, node: NodePool, h: int) -> None:
+        """`h`'s last memory copy left `node`: onto its SSD, else another node's, else
+        where the SSD's own first victim frees room (the lowest tier drops)."""
+        dst: NodePool | None = node if node.ssd is not None and node.ssd.has_room else None
+        if dst is None:
+            dst = self._roomiest("ssd") or self._make_room("ssd")
+        if dst is not None:
+            self._add(dst, h, "ssd")
+
+    def _promote(self, node: NodePool, h: int) -> None:
+        """`h`, on `node`'s SSD, is read: it moves back to memory there."""
+        self._remove(node, h, "ssd")
+        top = self.top_tier
+        if not node.top.has_room:
+            freed = self._make_room_on(node, top)
+            if not freed:  # NOTE: nothing on this node can go: it stays on SSD
+                self._add(node, h, "ssd")
+                return
+        self._add(node, h, top)
+
+    def _make_room_on(self, node: NodePool, tier: str) -> bool:
+        """Free one block of `tier` on `node` in the policy's order (a promotion lands on
+        the reader's node)."""
+        for h in self.order.victims(tier):
+            if node in self.holders[tier][h]:
+                last = h not in self.order.spare[tier]
+                self._remove(node, h, tier)
+                if last and tier == self.top_tier and self.has_ssd:
+                    self._demote(node, h)
+                return True
+        return False
+
+    # -- bookkeeping ---------------------------------------------------------------------
+
+    def _add(self, node: NodePool, h: int, tier: str) -> None:
+        lru = self.tier_of(node, tier)
+        assert lru is not None and h not in lru, (node.node, h, tier)
+        lru.blocks[h] = None
+        self.free[tier] -= 1
+        self.holders[tier].setdefault(h, []).append(node)
+        self.order.add(h, tier)
+        self._changed.setdefault(node, {})[h] = None
+
+    def _remove(self, node: NodePool, h: int, tier: str) -> None:
+        lru = self.tier_of(node, tier)
+        assert lru is not None
+        lru.remove(h)
+        self.free[tier] += 1
+        nodes = self.holders[tier][h]
+        nodes.remove(node)
+        if not nodes:
+            del self.holders[tier][h]
+        self.order.remove(h, tier)
+        self._changed.setdefault(node, {})[h] = None
+
+    def _report(self, t: float) -> None:
+        """Tell the index where each changed block ended up on each node."""
+        for node, blocks in self._changed.items():
+            node.report(blocks, t)
+        self._changed = {}
+
+    def check_integrity(self) -> None:
+        self.order.check_integrity()
+        for tier, table in self.holders.items():
+            for h, nodes in table.items():
+                assert nodes and all(h in (self.tier_of(n, tier) or ()) for n in nodes), h
+            total = sum(len(self.tier_of(n, tier) or ()) for n in self.nodes.values())
+            assert total == sum(len(v) for v in table.values()), tier
+            room = sum((self.tier_of(n, tier) or LruTier("", 0)).room for n in self.nodes.values())
+            assert self.free[tier] == room, (tier, self.free[tier], room)
+        for node in self.nodes.values():
+            node.check_integrity()
+
+
 class NodePool:
-    """One node's share of the pool (DRAM tier, optional SSD tier)."""
+    """One node's share of a pool (memory tier, optional SSD tier); a pool of its own
+    when `pool` is None."""
 
     def __init__(
         self,
@@ -66,13 +295,17 @@ class NodePool:
         index: PrefixIndex | None = None,
         top_tier: str = "dram",
         ledger: MissLedger | None = None,
+        pool: SimPool | None = None,
     ):
         self.node = node
         self.top = LruTier(top_tier, dram_blocks)
         self.ssd = LruTier("ssd", ssd_blocks) if ssd_blocks else None
-        self.index = index
-        self.ledger = ledger
+        self.pool = pool if pool is not None else SimPool(index, ledger, top_tier)
+        assert self.pool.top_tier == top_tier, (self.pool.top_tier, top_tier)
+        self.index = self.pool.index
+        self.ledger = self.pool.ledger
         self.num_evicted = 0  # blocks dropped from the node
+        self.pool.join(self)
 
     def prefix_len(self, hashes: Sequence[int]) -> int:
         """Leading blocks of `hashes` the node holds in any tier."""
@@ -85,41 +318,21 @@ class NodePool:
         return n
 
     def touch(self, hashes: Iterable[int], t: float) -> None:
-        """Blocks were read here at `t`: refresh those the node holds (a prefix split
-        across nodes is read from each holder, so some of `hashes` may be elsewhere)."""
-        top, ssd = self.top.blocks, self.ssd.blocks if self.ssd else {}
-        self.store([h for h in hashes if h in top or h in ssd], t)
+        """Blocks were read at `t` (a fetch from here): the most recent in the pool."""
+        self.pool.touch(hashes, t)
 
     def store(self, hashes: Sequence[int], t: float) -> None:
-        """Blocks were written or read here at `t`: make them the most recent in the top
-        tier."""
-        if self.ledger is not None:
-            self.ledger.used(hashes, t)
-        top, ssd = self.top.blocks, self.ssd
-        changed: dict[int, None] = {}  # blocks whose tier changed, reported at the end
-        for h in hashes:
-            if h in top:
-                top.move_to_end(h)
-                continue
-            if ssd is not None and h in ssd.blocks:
-                ssd.remove(h)
-            top[h] = None
-            changed[h] = None
-        # NOTE: evicting once at the end drops the same blocks, in the same order, as
-        # evicting after each insertion: new blocks are appended at the recent end.
-        cap = self.top.capacity
-        if cap is not None:
-            while len(top) > cap:
-                old = top.popitem(last=False)[0]
-                changed[old] = None
-                if ssd is not None:
-                    for dropped in ssd.put(old):
-                        changed[dropped] = None
-        if changed:
-            self._report(changed, t)
+        """Blocks were written or read here at `t`: new ones stored, held ones refreshed,
+        ones on this node's SSD moved back to memory."""
+        self.pool.write(self, hashes, t)
 
-    def _report(self, affected: dict[int, None], t: float) -> None:
-        """Tell the index where each affected block ended up (exact, whatever the order)."""
+    def replicate(self, hashes: Sequence[int], t: float) -> int:
+        """A copy here of blocks the pool holds elsewhere (room and budget permitting)."""
+        return self.pool.replicate(self, hashes, t)
+
+    def report(self, affected: dict[int, None], t: float) -> None:
+        """Tell the index where each affected block ended up here (exact, whatever the
+        order of the changes)."""
         in_top: list[int] = []
         in_ssd: list[int] = []
         gone: list[int] = []
@@ -133,14 +346,13 @@ class NodePool:
                 self.index.demote(self.node, in_ssd, "ssd")
             if gone:
                 self.index.evict(self.node, gone)
-                if self.ledger is not None:
-                    self.ledger.dropped(gone, t)
+        if gone and self.ledger is not None:
+            self.ledger.dropped(gone, t)
 
     def check_integrity(self) -> None:
         assert self.top.capacity is None or len(self.top) <= self.top.capacity, self.node
         if self.ssd is not None:
             assert self.ssd.capacity is None or len(self.ssd) <= self.ssd.capacity, self.node
-            assert not set(self.top.blocks) & set(self.ssd.blocks), "block in two tiers"
 
 
 def global_lru_hit_rate(records: Sequence[TraceRecord], capacity: int | None) -> float:

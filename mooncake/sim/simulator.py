@@ -10,7 +10,7 @@ sorted trace instead of being pushed up front. Per request:
 
 and the same Conductor hears every step back (`on_prefill_started`, ...), while the pool
 reports every block it gains or loses to the Conductor's prefix index and to the miss
-ledger, which gives each block a request does not reuse its cause (`sim/misses.py`).
+ledger, which gives each block a request does not reuse its cause (`conductor/misses.py`).
 """
 
 from __future__ import annotations
@@ -22,14 +22,15 @@ from collections.abc import Callable
 from typing import Any
 
 from mooncake.conductor import Conductor, ScheduleRequest
+from mooncake.conductor.misses import MissLedger
 from mooncake.errors import ConfigError
 from mooncake.modelspec import get_model_spec
 from mooncake.sim.cluster import SimConfig
 from mooncake.sim.coupled import CoupledInstance
 from mooncake.sim.decode import DecodeInstance
+from mooncake.sim.host import slowdown
 from mooncake.sim.metrics import SimReport, SimRequest, summarize
-from mooncake.sim.misses import MissLedger
-from mooncake.sim.pool import NodePool
+from mooncake.sim.pool import NodePool, SimPool
 from mooncake.sim.prefill import PrefillInstance
 from mooncake.sim.trace import TraceRecord, trace_span_s
 
@@ -57,7 +58,9 @@ class Simulator:
         self.coupled: dict[str, CoupledInstance] = {}
         capacity = self.cost.kv_capacity_tokens
         index = self.conductor.index
-        self.ledger = MissLedger(index)  # why requests missed (sim/misses.py)
+        self.ledger = MissLedger(index)  # why requests missed (conductor/misses.py)
+        # NOTE: coupled instances cache on their own; the disaggregated pool is one Store
+        pool = SimPool(index, self.ledger, replica_budget=cfg.replica_budget)
         if cfg.is_coupled:
             for i in range(cfg.num_coupled):
                 name = f"c{i}"
@@ -70,7 +73,7 @@ class Simulator:
             for i in range(cfg.num_groups):  # one instance per pipeline group
                 name = f"p{i}"
                 self.conductor.add_prefill_instance(name)
-                self.pools[name] = NodePool(name, top, ssd, index, ledger=self.ledger)
+                self.pools[name] = NodePool(name, top, ssd, pool=pool)
                 self.prefill[name] = PrefillInstance(name, self, self.pools[name], cfg.group_size)
             for i in range(cfg.num_decode):
                 name = f"d{i}"
@@ -108,20 +111,39 @@ class Simulator:
             gpus_per_instance=cfg.tp,
             span_s=self.span_s,
             speed=cfg.speed,
-            evicted_ages=self.ledger.evicted_ages,
         )
         report.result.wall_s = time.perf_counter() - wall
         return report
 
-    def compute_factor(self, starting: int = 0) -> float:
-        """How much slower compute runs now on a shared host (SimConfig.host_cores), with
-        `starting` more single-threaded compute processes about to start; 1 otherwise."""
+    def compute_factor(self, kind: str, starting: int = 0) -> float:
+        """How much slower a `kind` ("prefill" or "decode") node computes now on a shared
+        host (SimConfig.host_cores, prefill_nice: `sim/host.py`), with `starting` more
+        prefill stages about to start; 1 when every node has its own device."""
         cfg = self.cfg
         if cfg.host_cores <= 0:
             return 1.0
-        busy = starting + sum(p.stages for p in self.prefill.values() if p.inflight > 0)
-        busy += sum(1 for d in self.decode.values() if d.n > 0)
-        return max(1.0, (busy + cfg.background_cores) / cfg.host_cores)
+        return slowdown(
+            kind,
+            cfg.host_cores,
+            prefill_busy=starting + sum(p.stages for p in self.prefill.values() if p.inflight),
+            decode_busy=sum(1 for d in self.decode.values() if d.n > 0),
+            background_cores=cfg.background_cores,
+            prefill_nice=cfg.prefill_nice,
+        )
+
+    def host_changed(self, t: float) -> None:
+        """A prefill group or a decode node started or stopped computing: on a shared host
+        the others' compute is priced again (decode steps from their next boundary)."""
+        if self.cfg.host_cores > 0:
+            self.push(t, self._reprice, None)
+
+    def _reprice(self, t: float, _: object) -> None:
+        for group in self.prefill.values():
+            group.reprice(t)
+        for d in self.decode.values():
+            if d.n:
+                d.advance(t)
+                d.reschedule()
 
     # -- request lifecycle -----------------------------------------------------------------
     def _arrive(self, t: float, req: SimRequest) -> None:
@@ -132,9 +154,14 @@ class Simulator:
             return
         if d.fetch_from:
             hashes = req.hashes[d.local_blocks : d.reused_blocks]
-            self.pools[d.fetch_from].touch(hashes, t)  # the read refreshes the source's LRU
-            nbytes = len(hashes) * self.block_tokens * self.cost.kv_bytes_per_token
-            req.fetch_ready = self.network.reserve(d.fetch_from, d.prefill, nbytes, t)
+            source = self.pools[d.fetch_from]
+            ssd = source.ssd.blocks if source.ssd is not None else {}
+            req.ssd_blocks = sum(h in ssd for h in hashes)  # read there, then sent
+            source.touch(hashes, t)  # the read refreshes the source's LRU
+            block_bytes = self.block_tokens * self.cost.kv_bytes_per_token
+            req.fetch_ready = self.network.reserve(
+                d.fetch_from, d.prefill, len(hashes) * block_bytes, t
+            ) + self.cost.ssd_read_time(req.ssd_blocks * block_bytes)
         if self.coupled:
             self.coupled[d.prefill].enqueue(t, req)
         else:

@@ -1,13 +1,19 @@
 """Eviction: keeping each tier under its watermark without losing objects that have
-somewhere to go, and making room for a put at once.
+somewhere to go, and making room for a put at once, in the pool's order.
 
-Tiers, fastest first: vram -> dram -> ssd. An object is *clean* in a tier when it also has
-a committed replica in another tier (typically a copy on SSD of the same node): dropping
-its replica here loses nothing and frees the memory at once. A pass (`run`) does, per tier:
+Tiers, fastest first: vram -> dram -> ssd. Victims come in the order of `PoolOrder`
+(`poolorder.py`, the code the simulator runs too): one recency per tier over every node's
+segments (the master sees the whole pool), *spare* replicas (the object keeps more copies
+than its put asked for: a hot-spot duplicate on another node, or a copy in another tier,
+typically on SSD: the object is *clean* here) before *last* copies, least recently used
+first in each. A pass (`run`) does, per tier:
 
 1. evict: when the used share is above the high watermark (or a put found no room:
-   "pressure"), victims in LRU order (skipping leased, pinned, uncommitted and moving
-   objects) until the share would be under the low watermark (and the put would fit);
+   "pressure"), victims in that order (skipping leased, pinned, uncommitted and moving
+   objects) until the share would be under the low watermark (and the put would fit).
+   Last copies are victims only where a lower tier is mounted (they are demoted): with
+   nowhere to go, a last copy stays until a put needs its room (`make_room`), so the pool
+   keeps its whole capacity for distinct objects;
 2. copy ahead: when the used share is above `copy_ahead_watermark`, the least recently
    used objects past that share get a copy in the tier below (the replica here is kept),
    so that they are clean by the time they become victims.
@@ -16,21 +22,24 @@ For each victim, its replicas in the tier:
 
     | victim                                 | what happens                                 |
     |----------------------------------------|----------------------------------------------|
+    | duplicated here (two or more replicas) | all but its first replica here dropped       |
     | clean (a replica in another tier)      | dropped: demoted events when the same node   |
     |                                        | keeps it lower, else evicted                 |
-    | not clean, a lower tier has room       | one demoted (a move), the others dropped     |
-    | not clean, nowhere to go               | dropped: the object leaves the pool          |
+    | a last copy, a lower tier has room     | one demoted (a move), the others dropped     |
+    | a last copy, nowhere to go             | dropped: the object leaves the pool          |
 
 A put that finds no room does not wait for a pass (`make_room`): in the allocation path it
-drops replicas of objects that keep another (clean ones), least recently used first, until
-the value fits. Objects without another replica are dropped for it only where no lower
-tier is mounted (the policy above would drop them too); otherwise they wait for their
-demotion and the put goes on to its next tier (the KV pool asks for DRAM, then SSD), or
-answers no_space when none has room. Protected objects are never touched; when dropping
-every candidate would not make the value fit, nothing is dropped.
+drops spare replicas, in the pool's order, until the value fits in one segment (the put
+goes there: placement follows the pool's order, not the writer's node). Last copies are
+dropped for it only where no lower tier is mounted (the policy above would drop them too);
+otherwise they wait for their demotion and the put goes on to its next tier (the KV pool
+asks for DRAM, then SSD), or answers no_space when none has room. Protected objects are
+never touched; when dropping every candidate would not make the value fit, nothing is
+dropped. Hot-spot duplicates are bounded by `replica_budget` (`moves.py`).
 
-The moves themselves (copies between tiers and nodes, confirmed by the data plane) are
-`moves.py`'s.
+The Evictor takes only what it uses: the pool's state (`pool.py`: segments, objects,
+order, and the edits that release replicas), the moves and the settings. The moves
+themselves (copies between tiers and nodes, confirmed by the data plane) are `moves.py`'s.
 """
 
 from __future__ import annotations
@@ -49,8 +58,9 @@ from mooncake.store.objects import (
 )
 
 if TYPE_CHECKING:
-    from mooncake.store.metadata import MetadataService
     from mooncake.store.moves import Mover
+    from mooncake.store.pool import Pool
+    from mooncake.store.settings import MetadataConfig
 
 # tier -> where its victims may move (copies ahead too), first choice first
 BELOW: dict[Tier, tuple[Tier, ...]] = {"vram": ("dram", "ssd"), "dram": ("ssd",), "ssd": ()}
@@ -66,13 +76,28 @@ def is_clean(obj: ObjectRecord, tier: Tier) -> bool:
     return any(r.tier != tier and r.state == COMPLETE for r in obj.replicas)
 
 
+def going(obj: ObjectRecord, tier: Tier, is_spare: bool) -> list[Replica]:
+    """The replicas of `obj` in `tier` that eviction takes: a spare object's duplicates
+    there (all but the first), or all of them."""
+    here = [r for r in obj.replicas if r.tier == tier and r.state == COMPLETE]
+    return here[1:] if is_spare and len(here) > 1 else here
+
+
 class Evictor:
     """Eviction passes, copies ahead, and room made for puts."""
 
-    def __init__(self, svc: MetadataService):
-        self.svc = svc
-        self.mover: Mover = svc.mover
+    def __init__(self, pool: Pool, mover: Mover, config: MetadataConfig):
+        self.pool = pool
+        self.space = pool.space
+        self.objects = pool.objects  # key -> record
+        self.order = pool.order
+        self.mover = mover
+        self.config = config
         self.pressure: dict[Tier, int] = {}  # tier -> largest size a put found no room for
+
+    def has_below(self, tier: Tier) -> bool:
+        """Whether a tier below `tier` is mounted (its victims can move down)."""
+        return any(self.space.tier_segments[t] for t in BELOW[tier])
 
     def note_pressure(self, tier: Tier, size: int) -> None:
         """A put of `size` bytes found no room in `tier`: the next pass makes some."""
@@ -83,18 +108,19 @@ class Evictor:
     def run(self, now: float) -> int:
         """One pass over every tier (evict, then copy ahead); returns the number of victim
         objects."""
-        self.svc.space.release_due(now)  # ranges whose readers' leases ended
+        self.space.release_due(now)  # ranges whose readers' leases ended
         victims = 0
         for tier in TIERS:
             chosen = self._choose(tier, now)
-            for obj in chosen:
-                self._evict(obj, tier, now)
+            for obj, is_spare in chosen:
+                self._evict(obj, tier, is_spare, now)
             victims += len(chosen)
             self._copy_ahead(tier, now)
         return victims
 
-    def _choose(self, tier: Tier, now: float) -> list[ObjectRecord]:
-        space, cfg = self.svc.space, self.svc.config
+    def _choose(self, tier: Tier, now: float) -> list[tuple[ObjectRecord, bool]]:
+        """The victims of `tier` with whether each is spare, in the pool's order."""
+        space, cfg = self.space, self.config
         need = self.pressure.pop(tier, 0)
         usable = space.tier_usable[tier]
         used = space.tier_used[tier] - self.mover.pending_release(tier)
@@ -105,20 +131,21 @@ class Evictor:
         if not usable or (not over and met):
             return []
         freed_in: dict[Segment, list[int]] = {}  # segment -> offsets the victims free
-        freed, chosen, objects = 0, [], self.svc.objects
+        freed, chosen, spare = 0, [], self.order.spare[tier]
         at_mark = 0 if used <= target else None  # victims the watermark alone needs
-        for key in self.svc.lru[tier]:
-            obj = objects[key]
+        # NOTE: last copies with nowhere to go stay until a put needs their room
+        for key in self.order.victims(tier, spare_only=not self.has_below(tier)):
+            obj = self.objects[key]
             if obj.is_protected(now):
                 continue
-            chosen.append(obj)
-            for r in obj.replicas:
-                if r.tier == tier:
-                    freed += _aligned(r)
-                    alloc = r.segment.allocator
-                    offsets = freed_in.setdefault(r.segment, [])
-                    offsets.append(r.offset)
-                    met = met or alloc.largest_free_after(offsets) >= alloc.aligned(need)
+            is_spare = key in spare
+            chosen.append((obj, is_spare))
+            for r in going(obj, tier, is_spare):
+                freed += _aligned(r)
+                alloc = r.segment.allocator
+                offsets = freed_in.setdefault(r.segment, [])
+                offsets.append(r.offset)
+                met = met or alloc.largest_free_after(offsets) >= alloc.aligned(need)
             if at_mark is None and used - freed <= target:
                 at_mark = len(chosen)
             if met and at_mark is not None:
@@ -127,48 +154,48 @@ class Evictor:
             return chosen[:at_mark] if at_mark is not None else chosen
         return chosen
 
-    def _evict(self, obj: ObjectRecord, tier: Tier, now: float) -> None:
-        here = [r for r in obj.replicas if r.tier == tier]
+    def _evict(self, obj: ObjectRecord, tier: Tier, is_spare: bool, now: float) -> None:
+        here = going(obj, tier, is_spare)
         kept = None
-        if BELOW[tier] and not is_clean(obj, tier):
+        if not is_spare and BELOW[tier]:
             kept = self.mover.start(obj, here, "demote", BELOW[tier], "", now)
         self._drop(obj, [r for r in here if r is not kept], now)
 
     def _drop(self, obj: ObjectRecord, replicas: Iterable[Replica], now: float) -> None:
         """Drop `replicas` of an unprotected `obj` (and `obj` when none is left). A replica
         whose node keeps the object in a lower tier counts as demoted, others as evicted."""
-        svc = self.svc
+        pool = self.pool
         for r in replicas:
             desc = r.desc()
-            svc.detach(obj, r, now, emit="evicted")
+            pool.detach(obj, r, now, emit="evicted")
             rank = TIERS.index(r.tier)
             left = [TIERS.index(o.tier) for o in obj.complete() if o.node_id == r.node_id]
             if left and min(left) > rank:
-                svc.counters.demotions += 1
+                pool.counters.demotions += 1
             else:
-                svc.counters.evictions += 1
-            svc.instruct(r.node_id, Instruction(kind="evict", key=obj.key, src=desc))
+                pool.counters.evictions += 1
+            pool.instruct(r.node_id, Instruction(kind="evict", key=obj.key, src=desc))
         if not obj.replicas:
-            svc.drop(obj, now, emit=None)
+            pool.drop(obj, now, emit=None)
 
     def _copy_ahead(self, tier: Tier, now: float) -> None:
         """Copy the least recently used objects past `copy_ahead_watermark` of `tier` to
         the tier below, keeping them here; stops at the first that finds no room there."""
-        svc, space = self.svc, self.svc.space
+        space = self.space
         below = BELOW[tier]
-        if not below or not any(space.tier_segments[t] for t in below):
+        if not self.has_below(tier):
             return
         usable = space.tier_usable[tier]
         excess = (
             space.tier_used[tier]
             - self.mover.pending_release(tier)
-            - svc.config.copy_ahead_watermark * usable
+            - self.config.copy_ahead_watermark * usable
         )
         covered = 0  # bytes of the LRU end that are clean or on their way
-        for key in svc.lru[tier]:
+        for key in self.order.order[tier]:
             if covered >= excess:
                 return
-            obj = svc.objects[key]
+            obj = self.objects[key]
             here = [r for r in obj.replicas if r.tier == tier]
             moving = self.mover.moves[obj.move_id].kind if obj.move_id else ""
             if moving == "demote":  # NOTE: already out of `excess` (pending release)
@@ -185,16 +212,15 @@ class Evictor:
 
     def make_room(self, tier: Tier, size: int, now: float) -> bool:
         """Drop replicas in one segment of `tier` (usable now) until it can take `size`
-        bytes: replicas whose object keeps another one (a copy), least recently used first;
-        where no lower tier is mounted (victims have nowhere to go), then also objects'
-        last replicas. Never a protected object's. False, dropping nothing, if that does
-        not make room."""
-        space = self.svc.space
+        bytes: spare replicas (duplicates, clean copies) in the pool's order; where no
+        lower tier is mounted (victims have nowhere to go), then also objects' last
+        replicas. Never a protected object's. False, dropping nothing, if that does not
+        make room."""
+        space = self.space
         segs = {s for s in space.tier_segments[tier] if s.usable_from <= now}
         if space.release_due(now) and any(s.allocator.can_fit(size) for s in segs):
             return True  # ranges whose readers' leases ended were enough
-        below = any(space.tier_segments[t] for t in BELOW[tier])
-        victims = self._victims_for(tier, size, segs, now, (True,) if below else (True, False))
+        victims = self._victims_for(tier, size, segs, now, spare_only=self.has_below(tier))
         if victims is None:
             return False
         for obj, r in victims:
@@ -202,28 +228,27 @@ class Evictor:
         return True
 
     def _victims_for(
-        self, tier: Tier, size: int, segs: set[Segment], now: float, spare: tuple[bool, ...]
+        self, tier: Tier, size: int, segs: set[Segment], now: float, spare_only: bool
     ) -> list[tuple[ObjectRecord, Replica]] | None:
         """The fewest replicas of one of `segs` whose release leaves a free block of `size`
-        there, taken in LRU order: those whose object keeps another replica, then (if
-        `spare` has False) the others; None if releasing all of them would not."""
-        svc = self.svc
+        there, in the pool's order (spare ones, then, unless `spare_only`, last copies);
+        None if releasing all of them would not."""
         chosen: dict[Segment, list[tuple[ObjectRecord, Replica]]] = {}
         offsets: dict[Segment, list[int]] = {}  # segment -> offsets the victims free
-        for is_spare in spare:
-            for key in svc.lru[tier]:
-                obj = svc.objects[key]
-                if obj.is_protected(now) or (len(obj.replicas) > 1) != is_spare:
+        for key in self.order.victims(tier, spare_only):
+            obj = self.objects[key]
+            if obj.is_protected(now):
+                continue
+            # NOTE: one segment's victims are taken, so a duplicated object keeps a replica
+            for r in obj.replicas:
+                if r.tier != tier or r.state != COMPLETE or r.segment not in segs:
                     continue
-                for r in obj.replicas:
-                    if r.tier != tier or r.segment not in segs:
-                        continue
-                    chosen.setdefault(r.segment, []).append((obj, r))
-                    freed = offsets.setdefault(r.segment, [])
-                    freed.append(r.offset)
-                    alloc = r.segment.allocator
-                    if alloc.largest_free_after(freed) >= alloc.aligned(size):
-                        return chosen[r.segment]
+                chosen.setdefault(r.segment, []).append((obj, r))
+                freed = offsets.setdefault(r.segment, [])
+                freed.append(r.offset)
+                alloc = r.segment.allocator
+                if alloc.largest_free_after(freed) >= alloc.aligned(size):
+                    return chosen[r.segment]
         return None
 
     # -- moves (moves.py) ----------------------------------------------------------------

@@ -15,27 +15,25 @@ object is neither evicted nor removed. remove of a leased object is refused with
 still exists. A soft pin (`pin_ttl_s` on put, or `pin`) shields an object from eviction
 until it goes `pin_ttl_s` without a read.
 
-Space: eviction lives in `eviction.py`, tier moves in `moves.py`; events for the Conductor and
-instructions for the data plane queue here until drained. Per-key operations answer with a
-result whose status says what happened (batch forms answer per key); only segment and node
-misuse raises StoreError.
+The state is one `Pool` (`pool.py`: segments, objects, puts in flight, the eviction order,
+counters, pending events, instructions and journal changes); each protocol takes the pool
+and the few collaborators it uses: writes (`writes.py`), write slots (`slots.py`),
+eviction (`eviction.py`), tier moves (`moves.py`), node liveness (`membership.py`).
+Per-key operations answer with a result whose status says what happened (batch forms
+answer per key); only segment and node misuse raises StoreError.
 """
 
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
 from collections.abc import Sequence
 
 from mooncake.errors import StoreError
-from mooncake.store import audit, membership
+from mooncake.store import audit, membership, poolstate
 from mooncake.store.eviction import Evictor
 from mooncake.store.moves import Mover
 from mooncake.store.objects import (
-    COMPLETE,
     TIERS,
-    Counters,
-    EventKind,
     GetResult,
     Instruction,
     KeyResult,
@@ -44,10 +42,10 @@ from mooncake.store.objects import (
     Replica,
     StoreEvent,
     StoreStats,
-    Tier,
 )
 from mooncake.store.placement import create_placement
-from mooncake.store.poolstate import PoolChanges, object_entry, segment_entry
+from mooncake.store.pool import Pool
+from mooncake.store.poolstate import PoolChanges, PoolState
 from mooncake.store.segments import SegmentManager
 from mooncake.store.settings import MetadataConfig, key_error
 from mooncake.store.slots import SlotBook
@@ -67,21 +65,16 @@ class MetadataService:
     def __init__(self, config: MetadataConfig | None = None):
         self.config = config = config or MetadataConfig()
         self.space = SegmentManager(fit=config.fit)
-        self.objects: dict[str, ObjectRecord] = {}
-        # tier -> keys with a COMPLETE replica there, least recently used first
-        self.lru: dict[Tier, OrderedDict[str, None]] = {t: OrderedDict() for t in TIERS}
-        self.writing: dict[str, None] = {}  # keys in PROCESSING, oldest put first
-        self.counters = Counters()
+        self.pool = pool = Pool(self.space)
+        # NOTE: the pool's own containers, named here for readers and tests
+        self.objects, self.writing, self.order = pool.objects, pool.writing, pool.order
+        self.counters = pool.counters
         self.placement = create_placement(config.placement, config.seed)
-        self.mover = Mover(self)
-        self.evictor = Evictor(self)
-        self.slots = SlotBook(self)
-        self.writes = WriteProtocol(self)
-        self._events: list[StoreEvent] = []
-        self._instructions: dict[str, list[Instruction]] = {}  # node id -> its instructions
-        # NOTE: what changed in the committed state since the last drain_changes (poolstate.py)
-        self.changed_keys: dict[str, None] = {}
-        self.changed_segments: dict[str, None] = {}
+        self.mover = Mover(pool, config)
+        self.evictor = Evictor(pool, self.mover, config)
+        self.writes = WriteProtocol(pool, self.placement, self.evictor, config)
+        self.slots = SlotBook(pool, self.writes, config)
+        pool.on_drop = self._forget
 
     # -- nodes and segments (misuse raises StoreError) -----------------------------------
 
@@ -114,10 +107,10 @@ class MetadataService:
         if old is not None and old.node_id == node_id and old.token != token:
             log.warning("segment %s of node %s was registered again: its objects are gone",
                         name, node_id)  # fmt: skip
-            membership.lose_segment(self, old, now, emit="evicted")
+            membership.lose_segment(self.pool, self.mover, old, now, emit="evicted")
         usable_from = now + self.config.lease_ttl_s if is_remount else 0.0
         if self.space.mount(node_id, name, tier, capacity, endpoint, alignment, token, usable_from):
-            self.changed_segments[name] = None
+            self.pool.changed_segments[name] = None
             log.info("mounted %s segment %s of %d bytes on node %s", tier, name, capacity, node_id)
 
     def unmount_segment(self, node_id: str, name: str, now: float) -> int:
@@ -131,13 +124,13 @@ class MetadataService:
                 f"unmount of segment {name!r} by node {node_id!r}: {owner} has it mounted; "
                 "nothing to unmount"
             )
-        return membership.lose_segment(self, seg, now, emit="evicted")
+        return membership.lose_segment(self.pool, self.mover, seg, now, emit="evicted")
 
     def expire(self, now: float) -> list[str]:
         """Drop the nodes silent for heartbeat_ttl_s (node_gone; lost for objects left with
         no replica), reclaim abandoned puts and moves, free deferred ranges whose leases
         ended. Returns the ids of the dropped nodes."""
-        return membership.expire_nodes(self, now)
+        return membership.expire_nodes(self.pool, self.mover, self.config, now)
 
     # -- write protocol (the logic: writes.py) ------------------------------------------
 
@@ -186,7 +179,7 @@ class MetadataService:
     def write_error(self, key: str, segment: str, offset: int, length: int) -> str:
         """Why writing [offset, offset+length) of `segment` for `key` is not allowed ("" if
         it lies inside one of the key's PROCESSING replicas); changes nothing."""
-        return audit.write_error(self, key, segment, offset, length)
+        return audit.write_error(self.pool, key, segment, offset, length)
 
     # -- reads and management ------------------------------------------------------------
 
@@ -211,8 +204,8 @@ class MetadataService:
         replicas = obj.complete()
         if len(replicas) > 1:
             replicas.sort(key=lambda r: _read_order(r, reader))
-        for r in replicas:
-            self.lru[r.tier].move_to_end(key)
+        self.order.touch(key)
+        self.counters.tier_hits[replicas[0].tier] += 1
         if self.config.promote_on_hit and replicas[0].tier == "ssd" and not obj.move_id:
             # sorted: the first replica is on SSD only if every replica is
             self.evictor.promote(obj, reader, now)
@@ -238,7 +231,7 @@ class MetadataService:
         refusal = removal_refusal(obj, now)
         if refusal:
             return refusal
-        self.drop(obj, now, emit="removed")
+        self.pool.drop(obj, now, emit="removed")
         self.counters.removes += 1
         return KeyResult(key=key, status="ok")
 
@@ -299,89 +292,39 @@ class MetadataService:
 
     def drain_events(self) -> list[StoreEvent]:
         """The events since the last drain, oldest first (for the Conductor's index)."""
-        events, self._events = self._events, []
-        return events
+        return self.pool.drain_events()
 
     def drain_changes(self) -> PoolChanges:
         """The segments and committed objects changed since the last drain, each with its
         entry now (None: gone), for a journal (poolstate.py)."""
-        out = PoolChanges()
-        for name in self.changed_segments:
-            seg = self.space.segments.get(name)
-            out.segments[name] = segment_entry(seg) if seg is not None else None
-        for key in self.changed_keys:
-            out.objects[key] = object_entry(self.objects.get(key))
-        self.changed_segments, self.changed_keys = {}, {}
-        return out
+        return self.pool.drain_changes()
 
     def drain_instructions(self, node_id: str | None = None) -> list[Instruction]:
         """Pending instructions for `node_id` (None: for every node), oldest first."""
-        if node_id is not None:
-            return self._instructions.pop(node_id, [])
-        out = [i for batch in self._instructions.values() for i in batch]
-        self._instructions.clear()
-        return out
+        return self.pool.drain_instructions(node_id)
 
-    def instruct(self, node_id: str, instruction: Instruction) -> None:
-        self._instructions.setdefault(node_id, []).append(instruction)
+    def snapshot(self) -> PoolState:
+        """The pool's committed state as plain entries (poolstate.py); changes nothing."""
+        return poolstate.snapshot(self.pool)
 
-    def forget_instructions(self, node_id: str) -> None:
-        self._instructions.pop(node_id, None)
+    def restore(self, state: PoolState, now: float) -> int:
+        """Rebuild this service (which must be empty) from `state` (poolstate.restore);
+        returns the objects restored."""
+        cfg = self.config
+        return poolstate.restore(self.pool, state, now, cfg.lease_ttl_s, cfg.replicas)
 
     def stats(self) -> StoreStats:
         """A snapshot of the counters and per-tier totals; changes nothing."""
-        return audit.stats(self)
+        return audit.stats(self.pool)
 
     def check_integrity(self) -> None:
-        """Assert the objects, replicas, LRU lists, segments and moves all agree."""
-        audit.check_service(self)
+        """Assert the objects, replicas, order, segments, slots and moves all agree."""
+        audit.check_pool(self.pool)
+        self.slots.check_integrity()
+        self.mover.check_integrity()
 
-    # -- internals -----------------------------------------------------------------------
-
-    def emit(self, kind: EventKind, key: str, node_id: str, tier: str = "") -> None:
-        self._events.append(StoreEvent(kind=kind, key=key, node_id=node_id, tier=tier))
-
-    def emit_gain(self, obj: ObjectRecord, r: Replica) -> None:
-        """Replica `r` was just committed: an added event if its node held no other, a
-        promoted one if the others there are in slower tiers, else none."""
-        node = r.node_id
-        self.changed_keys[obj.key] = None
-        here = [TIERS.index(o.tier) for o in obj.complete() if o.node_id == node and o is not r]
-        if not here:
-            self.emit("added", obj.key, r.node_id, r.tier)
-        elif TIERS.index(r.tier) < min(here):
-            self.emit("promoted", obj.key, r.node_id, r.tier)
-
-    def detach(
-        self, obj: ObjectRecord, r: Replica, now: float, emit: EventKind | None, free: bool = True
-    ) -> None:
-        """Take replica `r` off `obj` (and the LRU of its tier if it was the last there);
-        free its range (after the lease if readers may hold it) unless `free` is False.
-        `emit` is the event if its node keeps no other replica; one kept in a slower tier
-        makes it a demoted event, one in a faster tier no event."""
-        obj.replicas.remove(r)
-        if r.state == COMPLETE:
-            self.changed_keys[obj.key] = None
-            if not any(o.tier == r.tier and o.state == COMPLETE for o in obj.replicas):
-                self.lru[r.tier].pop(obj.key, None)
-            here = [TIERS.index(o.tier) for o in obj.complete() if o.node_id == r.node_id]
-            if emit and not here:
-                self.emit(emit, obj.key, r.node_id, r.tier)
-            elif emit and min(here) > TIERS.index(r.tier):
-                self.emit("demoted", obj.key, r.node_id, TIERS[min(here)])
-        if free:
-            until = obj.lease_until if r.state == COMPLETE else 0.0
-            self.space.free(obj.key, r, until, now)
-        else:
-            r.segment.keys.discard(obj.key)
-
-    def drop(self, obj: ObjectRecord, now: float, emit: EventKind | None) -> None:
-        """Forget `obj`, freeing every replica (emitting `emit` for each committed one)."""
+    def _forget(self, obj: ObjectRecord) -> None:
+        """`obj` is being dropped: its tier move and its write slot go with it."""
         if obj.move_id:
             self.mover.cancel(obj.move_id)
-        # NOTE: slowest first, so that a node keeping it in two tiers gets one event
-        for r in sorted(obj.replicas, key=lambda r: -TIERS.index(r.tier)):
-            self.detach(obj, r, now, emit)
-        del self.objects[obj.key]
-        self.writing.pop(obj.key, None)
         self.slots.forget(obj.key)

@@ -60,6 +60,14 @@ class StoreCollector(Collector):
             ("mooncake_store_tier_objects", "Committed objects with a replica per tier.",
              "tier_objects"),
         )  # fmt: skip
+        hits = CounterMetricFamily(
+            "mooncake_store_tier_hits",
+            "Reads that found a committed object, by the tier of the replica read first.",
+            labels=["tier"],
+        )
+        for tier, value in sorted(s.tier_hits.items()):
+            hits.add_metric([tier], value)
+        yield hits
         for name, doc, field in per_tier:
             g = GaugeMetricFamily(name, doc, labels=["tier"])
             for tier, value in sorted(getattr(s, field).items()):

@@ -34,7 +34,8 @@ from mooncake.store.objects import (
 )
 
 if TYPE_CHECKING:
-    from mooncake.store.metadata import MetadataService
+    from mooncake.store.pool import Pool
+    from mooncake.store.settings import MetadataConfig
 
 
 MoveKind = Literal["demote", "copy", "promote", "replicate"]
@@ -56,8 +57,9 @@ class Move:
 class Mover:
     """The moves in flight, by id."""
 
-    def __init__(self, svc: MetadataService):
-        self.svc = svc
+    def __init__(self, pool: Pool, config: MetadataConfig):
+        self.pool = pool
+        self.config = config
         self.moves: dict[int, Move] = {}  # move id -> move
         self._next_move_id = 1
 
@@ -71,9 +73,14 @@ class Mover:
 
     def replicate(self, obj: ObjectRecord, dst_node: str, now: float) -> bool:
         """Start copying a committed object's memory replica to `dst_node`'s DRAM (a hot
-        spot, Algorithm 1); False if it is moving, already there, or has no room there
-        under the high watermark."""
+        spot, Algorithm 1); False if it is moving, already there, has no room there under
+        the high watermark, or the copy would pass DRAM's `replica_budget`."""
         if obj.move_id or not obj.is_committed or any(r.node_id == dst_node for r in obj.replicas):
+            return False
+        pool, budget = self.pool, self.config.replica_budget
+        in_flight = sum(m.dst.size for m in self.moves.values() if m.kind == "replicate")
+        usable = pool.space.tier_usable["dram"]
+        if not pool.order.may_duplicate("dram", in_flight + obj.size, budget, usable):
             return False
         sources = [r for r in obj.complete() if r.tier != "ssd"]
         return self.start(obj, sources, "replicate", ("dram",), dst_node, now) is not None
@@ -90,9 +97,9 @@ class Mover:
         """Allocate a destination for one of `sources` in the first of `tiers` with room,
         on the source's node if possible, else a node without a replica; queue the copy.
         Returns the source chosen, or None."""
-        svc, space = self.svc, self.svc.space
+        pool, space = self.pool, self.pool.space
         holders = {r.node_id for r in obj.replicas}
-        high = svc.config.high_watermark
+        high = self.config.high_watermark
         for src in sources:
             for tier in tiers:
                 cands = space.candidates(tier, obj.size, holders - {src.node_id}, now)
@@ -111,7 +118,7 @@ class Mover:
                 self.moves[move_id] = Move(move_id, kind, obj.key, src, dst, release, now)
                 obj.move_id = move_id
                 obj.replicas.append(dst)
-                svc.instruct(
+                pool.instruct(
                     src.node_id,
                     Instruction(
                         kind=kind,
@@ -130,14 +137,14 @@ class Mover:
     ) -> Replica | None:
         cands.sort(key=lambda s: (s.node_id != node, s.node_id != prefer, -s.free_ratio, s.name))
         for seg in cands:
-            dst = self.svc.space.allocate(seg, key, size)
+            dst = self.pool.space.allocate(seg, key, size)
             if dst is not None:
                 return dst
         return None
 
     def confirm(self, move_id: int, ok: bool, now: float) -> KeyResult:
         """Commit (ok) or abandon a move; not_found if it was cancelled meanwhile."""
-        svc = self.svc
+        pool = self.pool
         mv = self.moves.pop(move_id, None)
         if mv is None:
             msg = (
@@ -145,24 +152,22 @@ class Mover:
                 "object went, or it ran past put_timeout_s); discard the copy"
             )
             return KeyResult(key="", status="not_found", message=msg)
-        obj = svc.objects[mv.key]
+        obj = pool.objects[mv.key]
         obj.move_id = 0
         if not ok:
-            svc.detach(obj, mv.dst, now, emit=None)
+            pool.detach(obj, mv.dst, now, emit=None)
             return KeyResult(key=mv.key, status="ok", message="move abandoned; the source stays")
-        mv.dst.state = COMPLETE
-        svc.lru[mv.dst.tier][mv.key] = None
-        svc.emit_gain(obj, mv.dst)
+        pool.commit(obj, mv.dst)
         if mv.release_src:  # NOTE: after the gain: a node keeping it lower is a demotion
-            svc.detach(obj, mv.src, now, emit="evicted")
+            pool.detach(obj, mv.src, now, emit="evicted")
         if mv.kind == "demote":
-            svc.counters.demotions += 1
+            pool.counters.demotions += 1
         elif mv.kind == "copy":
-            svc.counters.copies += 1
+            pool.counters.copies += 1
         elif mv.kind == "promote":
-            svc.counters.promotions += 1
+            pool.counters.promotions += 1
         else:
-            svc.counters.replications += 1
+            pool.counters.replications += 1
         return KeyResult(key=mv.key, status="ok")
 
     def on_replica_lost(self, obj: ObjectRecord, replica: Replica, now: float) -> None:
@@ -173,26 +178,26 @@ class Mover:
             return
         self.cancel(mv.move_id)
         if replica is mv.src:
-            self.svc.detach(obj, mv.dst, now, emit=None)
+            self.pool.detach(obj, mv.dst, now, emit=None)
 
     def cancel(self, move_id: int) -> None:
         """Forget a move; the caller deals with its destination replica."""
         mv = self.moves.pop(move_id)
-        self.svc.objects[mv.key].move_id = 0
+        self.pool.objects[mv.key].move_id = 0
 
     def expire(self, now: float) -> None:
         """Abandon moves unconfirmed for put_timeout_s (their destination is freed)."""
-        timeout = self.svc.config.put_timeout_s
+        timeout = self.config.put_timeout_s
         for mv in [m for m in self.moves.values() if now - m.started_at > timeout]:
             self.cancel(mv.move_id)
-            self.svc.detach(self.svc.objects[mv.key], mv.dst, now, emit=None)
+            self.pool.detach(self.pool.objects[mv.key], mv.dst, now, emit=None)
 
     def check_integrity(self) -> None:
         """Assert every move matches its object: source COMPLETE, destination PROCESSING."""
-        moving = {k for k, o in self.svc.objects.items() if o.move_id}
+        moving = {k for k, o in self.pool.objects.items() if o.move_id}
         assert moving == {m.key for m in self.moves.values()}, "moves out of sync with objects"
         for move_id, mv in self.moves.items():
-            obj = self.svc.objects[mv.key]
+            obj = self.pool.objects[mv.key]
             assert obj.move_id == move_id and obj.is_committed, f"move {move_id}: bad object"
             assert mv.src in obj.replicas and mv.src.state == COMPLETE, f"move {move_id}: src"
             assert mv.dst in obj.replicas and mv.dst.state != COMPLETE, f"move {move_id}: dst"

@@ -128,6 +128,7 @@ class StoreStats(msgspec.Struct, frozen=True, kw_only=True):
     tier_used_bytes: dict[str, int]  # tier -> bytes allocated
     tier_objects: dict[str, int]  # tier -> committed objects with a replica there
     hits: int
+    tier_hits: dict[str, int] = {}  # tier -> hits whose first replica (the one read) is there
     misses: int
     puts: int  # committed puts
     removes: int
@@ -146,6 +147,7 @@ class Counters:
     """Monotonic counters kept as plain ints; the master exports them to Prometheus."""
 
     hits: int = 0
+    tier_hits: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
     misses: int = 0
     puts: int = 0
     removes: int = 0
@@ -228,6 +230,7 @@ class ObjectRecord:
     pin_ttl_s: float = 0.0  # s: soft pin length, renewed on each read; 0 = not pinned
     pin_until: float = 0.0  # s
     move_id: int = 0  # a demotion/promotion in flight (its dst is a PROCESSING replica)
+    wanted: int = 1  # copies the put asked for; more count against replica_budget
 
     def complete(self) -> list[Replica]:
         return [r for r in self.replicas if r.state == COMPLETE]

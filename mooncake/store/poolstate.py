@@ -26,7 +26,7 @@ import msgspec
 from mooncake.store.objects import COMPLETE, TIERS, ObjectRecord, Replica, Segment, Tier
 
 if TYPE_CHECKING:
-    from mooncake.store.metadata import MetadataService
+    from mooncake.store.pool import Pool
 
 log = logging.getLogger(__name__)
 
@@ -105,29 +105,31 @@ def object_entry(obj: ObjectRecord | None) -> ObjectEntry | None:
     return ObjectEntry(key=obj.key, size=obj.size, replicas=replicas, pin_ttl_s=obj.pin_ttl_s)
 
 
-def snapshot(svc: MetadataService) -> PoolState:
-    """The service's committed state, segments by name and objects by key (two services
-    with the same pool compare equal); changes nothing."""
-    segs = sorted((segment_entry(s) for s in svc.space.segments.values()), key=lambda e: e.name)
-    objs = [e for o in svc.objects.values() if (e := object_entry(o)) is not None]
+def snapshot(pool: Pool) -> PoolState:
+    """The pool's committed state, segments by name and objects by key (two pools with the
+    same contents compare equal); changes nothing."""
+    segs = sorted((segment_entry(s) for s in pool.space.segments.values()), key=lambda e: e.name)
+    objs = [e for o in pool.objects.values() if (e := object_entry(o)) is not None]
     objs.sort(key=lambda e: e.key)
     return PoolState(segments=tuple(segs), objects=tuple(objs))
 
 
-def restore(svc: MetadataService, state: PoolState, now: float) -> int:
-    """Rebuild `svc` (which must be empty) from `state`; returns the objects restored.
+def restore(pool: Pool, state: PoolState, now: float, lease_ttl_s: float, wanted: int = 1) -> int:
+    """Rebuild `pool` (which must be empty) from `state`; returns the objects restored.
+    Restored objects are leased for `lease_ttl_s`, and count `wanted` copies as asked for.
     Every restored replica is announced (added events: the Conductor's prefix index).
     A replica whose range is not free (a journal out of step with itself) is skipped
     with a warning; an object left without one is not restored."""
-    assert not svc.objects and not svc.space.segments, "restore into a service in use"
+    assert not pool.objects and not pool.space.segments, "restore into a pool in use"
+    space = pool.space
     # NOTE: the old master's readers may read ranges it freed, and its writers write the
     # ranges of its write slots, for as long as a lease (docs/ha.md: the consistency argument)
-    usable_from = leased_until = now + svc.config.lease_ttl_s
+    usable_from = leased_until = now + lease_ttl_s
     for e in state.segments:
         # NOTE: a lease more than a heartbeat TTL: owners' calls to the dead master must
         # time out before their heartbeats reach this one
-        svc.space.heartbeat(e.node_id, usable_from)
-        svc.space.mount(
+        space.heartbeat(e.node_id, usable_from)
+        space.mount(
             e.node_id,
             e.name,
             e.tier,
@@ -145,11 +147,12 @@ def restore(svc: MetadataService, state: PoolState, now: float) -> int:
             writer="",
             started_at=now,
             is_committed=True,
+            wanted=wanted,
             lease_until=leased_until,
             pin_ttl_s=o.pin_ttl_s,
         )
         for r in o.replicas:
-            seg = svc.space.segments.get(r.segment)
+            seg = space.segments.get(r.segment)
             if seg is None or not seg.allocator.allocate_at(r.offset, r.size):
                 log.warning(
                     "pool rebuild: replica %d of %r at %s+%d does not fit; skipped",
@@ -159,19 +162,19 @@ def restore(svc: MetadataService, state: PoolState, now: float) -> int:
                     r.offset,
                 )
                 continue
-            svc.space.tier_used[seg.tier] += seg.allocator.size_of(r.offset) or 0
+            space.tier_used[seg.tier] += seg.allocator.size_of(r.offset) or 0
             seg.keys.add(o.key)
             replica = Replica(seg, r.offset, r.size, COMPLETE, r.replica_id)
             obj.replicas.append(replica)
-            svc.lru[seg.tier][o.key] = None
+            pool.order.add(o.key, seg.tier, o.size, obj.wanted)
         if not obj.replicas:
             continue
-        svc.objects[o.key] = obj
+        pool.objects[o.key] = obj
         fastest: dict[str, Replica] = {}  # node id -> its fastest replica
         for replica in sorted(obj.replicas, key=lambda r: -TIERS.index(r.tier)):
             fastest[replica.node_id] = replica
         for node_id, replica in fastest.items():
-            svc.emit("added", o.key, node_id, replica.tier)
+            pool.emit("added", o.key, node_id, replica.tier)
         num += 1
-    svc.drain_changes()  # NOTE: what was restored is what the journal holds
+    pool.drain_changes()  # NOTE: what was restored is what the journal holds
     return num

@@ -20,7 +20,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from mooncake.rpc.server import RpcServer
-from mooncake.store import poolstate
 from mooncake.store.direct import DirectServer
 from mooncake.store.journal import BaseJournal, JournalError
 from mooncake.store.messages import DirectPortMsg, DirectPortReplyMsg, register
@@ -56,7 +55,7 @@ class StoreService:
         self._is_restored = False  # the journal was loaded (restore)
         # a journal write failed: this master can no longer promise durability (default: raise)
         self.on_journal_error: Callable[[JournalError], None] | None = None
-        self.on_events = on_events  # called under the lock, on the housekeeping thread
+        self.on_events = on_events  # called under the lock, before a change's reply goes
         self.lock = threading.Lock()
         key = secret.encode() if isinstance(secret, str) else secret
         self.server = RpcServer(address, key, name="store")
@@ -112,7 +111,7 @@ class StoreService:
         self._is_restored = True
         state = self.journal.load()
         with self.lock:
-            num = poolstate.restore(self.metadata, state, time.monotonic())
+            num = self.metadata.restore(state, time.monotonic())
         log.info(
             "store: rebuilt %d segments and %d of %d objects from the journal",
             len(state.segments),
@@ -122,22 +121,24 @@ class StoreService:
         return num
 
     def flush(self) -> None:
-        """Journal what the last operation changed (lock held: before its reply goes)."""
+        """Journal what the last operation changed and hand its events to the listener
+        (lock held: before its reply goes).
+
+        NOTE: so a put's commit is in the Conductor's index before the writer hears it is
+        done: a request placed after that sees the block (a tick later, it might not)."""
         md = self.metadata
         if self.journal is None:
-            md.changed_keys.clear()
-            md.changed_segments.clear()
-            return
-        changes = md.drain_changes()
-        if not changes:
-            return
-        try:
-            self.journal.write(changes)
-        except JournalError as e:
-            if self.on_journal_error is None:
+            md.pool.changed_keys.clear()
+            md.pool.changed_segments.clear()
+        elif changes := md.drain_changes():
+            try:
+                self.journal.write(changes)
+            except JournalError as e:
+                if self.on_journal_error is None:
+                    raise
+                self.on_journal_error(e)
                 raise
-            self.on_journal_error(e)
-            raise
+        self._deliver_events()
 
     def stats(self) -> StoreStats:
         """A snapshot of the metadata service's counters (taken under the lock)."""
@@ -158,13 +159,15 @@ class StoreService:
             gone = self.metadata.expire(now)
             num_evicted = self.metadata.evict(now)
             self.flush()
-            events = self.metadata.drain_events()  # NOTE: drained even unheard: memory flat
-            if self.on_events is not None and events:
-                self.on_events(events)
         if gone:
             log.warning("store nodes expired (no heartbeat): %s", ", ".join(gone))
         if num_evicted:
             log.info("evicted %d replicas above the high watermark", num_evicted)
+
+    def _deliver_events(self) -> None:
+        events = self.metadata.drain_events()  # NOTE: drained even unheard: memory flat
+        if self.on_events is not None and events:
+            self.on_events(events)
 
     def _loop(self) -> None:
         while not self._stop.wait(self.tick_s):

@@ -15,6 +15,8 @@ class MetadataConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Policies of the metadata service; `from_store_config` takes them from [store]."""
 
     replicas: int = 1  # copies per put when the put does not say
+    # share of a memory tier's bytes that copies beyond a put's replicas may take
+    replica_budget: float = 0.1
     lease_ttl_s: float = 5.0  # s a read protects an object
     heartbeat_ttl_s: float = 10.0  # s without a heartbeat before a node is dropped
     put_timeout_s: float = 30.0  # s before an unfinished put or tier move is reclaimed
@@ -33,6 +35,8 @@ class MetadataConfig(msgspec.Struct, frozen=True, kw_only=True):
         errors = []
         if self.replicas < 1:
             errors.append(f"store.replicas must be >= 1, got {self.replicas}")
+        if not 0 <= self.replica_budget <= 1:
+            errors.append(f"store.replica_budget must be in [0, 1], got {self.replica_budget}")
         for name in ("lease_ttl_s", "heartbeat_ttl_s", "put_timeout_s"):
             if getattr(self, name) <= 0:
                 errors.append(f"store.{name} must be > 0 seconds, got {getattr(self, name)}")
@@ -58,6 +62,7 @@ class MetadataConfig(msgspec.Struct, frozen=True, kw_only=True):
     def from_store_config(cls, store: StoreConfig, **overrides: object) -> MetadataConfig:
         fields = {
             "replicas": store.replicas,
+            "replica_budget": store.replica_budget,
             "lease_ttl_s": store.lease_ttl_s,
             "heartbeat_ttl_s": store.heartbeat_ttl_s,
             "high_watermark": store.high_watermark,

@@ -33,7 +33,9 @@ from mooncake.store.objects import COMPLETE, KeyResult, ObjectRecord, Slot
 from mooncake.store.settings import key_error
 
 if TYPE_CHECKING:
-    from mooncake.store.metadata import MetadataService
+    from mooncake.store.pool import Pool
+    from mooncake.store.settings import MetadataConfig
+    from mooncake.store.writes import WriteProtocol
 
 SLOT_KEY_PREFIX: Final = "\x00slot:"  # user keys cannot start with NUL (key_error)
 MAX_RESERVE: Final = 64  # slots per request (a batch of puts takes one each)
@@ -50,34 +52,39 @@ class SlotSpec(NamedTuple):
 
 class SlotBook:
     """The slots held by writers: slot id -> what it was reserved for. The objects
-    themselves live in the metadata service under `slot_key(id)`."""
+    themselves live in the pool under `slot_key(id)`; `writes` allocates and commits."""
 
-    def __init__(self, svc: MetadataService):
-        self.svc = svc
+    def __init__(self, pool: Pool, writes: WriteProtocol, config: MetadataConfig):
+        self.pool = pool
+        self.writes = writes
+        self.config = config
         self.specs: dict[int, SlotSpec] = {}
         self._ids = itertools.count(1)
 
     @property
     def grant_ttl_s(self) -> float:
         """Seconds after asking during which a writer may use a slot."""
-        return self.svc.config.lease_ttl_s
+        return self.config.lease_ttl_s
 
     def reserve(self, size: int, count: int, spec: SlotSpec, now: float) -> list[Slot]:
         """Up to `count` new slots of `size` bytes (fewer when spare space runs out, never
         more than MAX_RESERVE or MAX_RESERVE_BYTES in all)."""
-        svc, out = self.svc, []
+        pool, out = self.pool, []
         count = min(count, MAX_RESERVE, MAX_RESERVE_BYTES // size)
         for _ in range(count):
             slot_id = next(self._ids)
             key = slot_key(slot_id)
-            chosen = svc.allocate_replicas(key, size, spec.writer, spec.replicas, spec.tiers, now,
-                                           spare_only=True)  # fmt: skip
+            chosen = self.writes.allocate_replicas(
+                key, size, spec.writer, spec.replicas, spec.tiers, now, spare_only=True
+            )
             if not chosen:
                 break
-            svc.objects[key] = ObjectRecord(key, size, spec.writer, now, chosen)
-            svc.writing[key] = None
+            obj = ObjectRecord(key, size, spec.writer, now, chosen)
+            obj.wanted = spec.replicas or self.config.replicas
+            pool.objects[key] = obj
+            pool.writing[key] = None
             self.specs[slot_id] = spec
-            out.append(self._desc(slot_id, svc.objects[key]))
+            out.append(self._desc(slot_id, obj))
         return out
 
     def commit(
@@ -94,9 +101,8 @@ class SlotBook:
         and reserve up to `refill` more slots like it. A refusal for the key (exists,
         busy, leased) leaves the slot reserved for the writer's next put; an unknown slot
         (reclaimed, or already used) is an error: put again without it."""
-        svc = self.svc
         spec = self.specs.get(slot_id)
-        obj = svc.objects.get(slot_key(slot_id))
+        obj = self.pool.objects.get(slot_key(slot_id))
         if spec is None or obj is None or spec.writer != writer:
             msg = (
                 f"write slot {slot_id} is not held by {writer!r}: it was reclaimed after "
@@ -105,12 +111,12 @@ class SlotBook:
             return KeyResult(key=key, status="error", message=msg), ()
         if err := key_error(key):
             return KeyResult(key=key, status="error", message=err), ()
-        refusal = svc.clear_for_put(key, overwrite, now)
+        refusal = self.writes.clear_for_put(key, overwrite, now)
         if refusal:
             return refusal, ()
         self._rekey(obj, key, pin_ttl_s)
         del self.specs[slot_id]
-        result = svc.put_end(key, now)
+        result = self.writes.put_end(key, now)
         return result, tuple(self.reserve(obj.size, refill, spec, now)) if refill else ()
 
     def commit_many(
@@ -128,8 +134,15 @@ class SlotBook:
         if len(keys) != len(slot_ids):
             msg = f"{len(keys)} keys but {len(slot_ids)} write slots; send one slot per key"
             return [KeyResult(key=k, status="error", message=msg) for k in keys], ()
-        like = next(((self.specs[i], self.svc.objects[slot_key(i)].size) for i in slot_ids
-                     if i in self.specs and slot_key(i) in self.svc.objects), None)  # fmt: skip
+        objects = self.pool.objects
+        like = next(
+            (
+                (self.specs[i], objects[slot_key(i)].size)
+                for i in slot_ids
+                if i in self.specs and slot_key(i) in objects
+            ),
+            None,
+        )
         results = [self.commit(k, i, writer, now, pin_ttl_s, overwrite)[0]
                    for k, i in zip(keys, slot_ids, strict=True)]  # fmt: skip
         if not refill or like is None or like[0].writer != writer:
@@ -141,9 +154,9 @@ class SlotBook:
         freed = 0
         for slot_id in slot_ids:
             spec = self.specs.get(slot_id)
-            obj = self.svc.objects.get(slot_key(slot_id))
+            obj = self.pool.objects.get(slot_key(slot_id))
             if spec is not None and spec.writer == writer and obj is not None:
-                self.svc.drop(obj, now, emit=None)  # NOTE: drop() calls forget()
+                self.pool.drop(obj, now, emit=None)  # NOTE: the pool's on_drop calls forget()
                 freed += 1
         return freed
 
@@ -154,22 +167,22 @@ class SlotBook:
 
     def check_integrity(self) -> None:
         for slot_id in self.specs:
-            obj = self.svc.objects.get(slot_key(slot_id))
+            obj = self.pool.objects.get(slot_key(slot_id))
             assert obj is not None and not obj.is_committed, f"slot {slot_id}: {obj}"
 
     # -- helpers ---------------------------------------------------------------------------
 
     def _rekey(self, obj: ObjectRecord, key: str, pin_ttl_s: float) -> None:
-        svc, old = self.svc, obj.key
-        del svc.objects[old]
-        del svc.writing[old]
+        pool, old = self.pool, obj.key
+        del pool.objects[old]
+        del pool.writing[old]
         for r in obj.replicas:
             assert r.state != COMPLETE, (old, r)
             r.segment.keys.discard(old)
             r.segment.keys.add(key)
         obj.key, obj.pin_ttl_s = key, max(pin_ttl_s, 0.0)
-        svc.objects[key] = obj
-        svc.writing[key] = None
+        pool.objects[key] = obj
+        pool.writing[key] = None
 
     def _desc(self, slot_id: int, obj: ObjectRecord) -> Slot:
         replicas = tuple(r.desc() for r in obj.replicas)

@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING, cast
 
 from mooncake.errors import StoreError
 from mooncake.store.objects import (
-    COMPLETE,
     TIERS,
     KeyResult,
     ObjectRecord,
@@ -31,14 +30,23 @@ from mooncake.store.objects import (
 from mooncake.store.settings import key_error
 
 if TYPE_CHECKING:
-    from mooncake.store.metadata import MetadataService
+    from mooncake.store.eviction import Evictor
+    from mooncake.store.placement import BasePlacement
+    from mooncake.store.pool import Pool
+    from mooncake.store.settings import MetadataConfig
 
 
 class WriteProtocol:
-    """put_start / put_end / put_revoke over the service's objects and segments."""
+    """put_start / put_end / put_revoke over the pool's objects and segments, placing
+    replicas by `placement` and making room through `evictor`."""
 
-    def __init__(self, svc: MetadataService):
-        self.svc = svc
+    def __init__(
+        self, pool: Pool, placement: BasePlacement, evictor: Evictor, config: MetadataConfig
+    ):
+        self.pool = pool
+        self.placement = placement
+        self.evictor = evictor
+        self.config = config
 
     def put_start(
         self,
@@ -68,15 +76,16 @@ class WriteProtocol:
             return PutStartResult(
                 key=key, status="no_space", message=self._no_room(key, size, tiers)
             )
-        svc = self.svc
+        pool = self.pool
         obj = ObjectRecord(key, size, writer, now, chosen, pin_ttl_s=max(pin_ttl_s, 0.0))
-        svc.objects[key] = obj
-        svc.writing[key] = None
+        obj.wanted = replicas or self.config.replicas
+        pool.objects[key] = obj
+        pool.writing[key] = None
         return PutStartResult(key=key, status="ok", replicas=tuple(r.desc() for r in chosen))
 
     def clear_for_put(self, key: str, overwrite: bool, now: float) -> KeyResult | None:
         """None if the put may go ahead (an old value it overwrites is dropped), else why not."""
-        obj = self.svc.objects.get(key)
+        obj = self.pool.objects.get(key)
         if obj is None:
             return None
         if not obj.is_committed:
@@ -88,7 +97,7 @@ class WriteProtocol:
         refusal = removal_refusal(obj, now)
         if refusal:
             return refusal
-        self.svc.drop(obj, now, emit="removed")
+        self.pool.drop(obj, now, emit="removed")
         return None
 
     def allocate_replicas(self, key: str, size: int, writer: str, replicas: int,
@@ -98,20 +107,20 @@ class WriteProtocol:
         there is no room for the first one, eviction makes some at once if it can
         (eviction.py) before the next tier is tried. `spare_only`: in the first tier only,
         and only under its high watermark (no eviction)."""
-        svc = self.svc
-        want = replicas or svc.config.replicas
+        evictor = self.evictor
+        want = replicas or self.config.replicas
         chosen: list[Replica] = []
         used_nodes: set[str] = set()
         order = cast("list[Tier]", list(tiers[:1] if spare_only else tiers))
         for tier in order:
             self._place(key, size, writer, want, tier, now, spare_only, chosen, used_nodes)
-            if not chosen and not spare_only and svc.evictor.make_room(tier, size, now):
+            if not chosen and not spare_only and evictor.make_room(tier, size, now):
                 self._place(key, size, writer, want, tier, now, False, chosen, used_nodes)
             if len(chosen) == want:
                 break
         if not chosen and not spare_only:
             for tier in order:
-                svc.evictor.note_pressure(tier, size)
+                evictor.note_pressure(tier, size)
         return chosen
 
     def _place(
@@ -127,20 +136,20 @@ class WriteProtocol:
         used_nodes: set[str],
     ) -> None:
         """Add replicas in `tier` to `chosen` (on nodes not in `used_nodes`) up to `want`."""
-        svc, high = self.svc, self.svc.config.high_watermark
-        for seg in svc.placement.rank(svc.space.candidates(tier, size, used_nodes, now), writer):
+        space, high = self.pool.space, self.config.high_watermark
+        for seg in self.placement.rank(space.candidates(tier, size, used_nodes, now), writer):
             if len(chosen) == want:
                 return
-            if spare_only and svc.space.share(tier, seg.allocator.aligned(size)) > high:
+            if spare_only and space.share(tier, seg.allocator.aligned(size)) > high:
                 return  # NOTE: the share is the tier's: no other segment is spare either
-            replica = None if seg.node_id in used_nodes else svc.space.allocate(seg, key, size)
+            replica = None if seg.node_id in used_nodes else space.allocate(seg, key, size)
             if replica is not None:
                 chosen.append(replica)
                 used_nodes.add(seg.node_id)
 
     def _no_room(self, key: str, size: int, tiers: Sequence[str]) -> str:
         where = "/".join(tiers)
-        segs = [s for t in cast("list[Tier]", tiers) for s in self.svc.space.tier_segments[t]]
+        segs = [s for t in cast("list[Tier]", tiers) for s in self.pool.space.tier_segments[t]]
         largest = max((s.allocator.usable_bytes for s in segs), default=0)
         if size > largest:
             return (
@@ -155,30 +164,28 @@ class WriteProtocol:
 
     def put_end(self, key: str, now: float) -> KeyResult:
         """Mark the replicas COMPLETE, put them in their tiers' LRU, emit added events."""
-        svc = self.svc
-        obj = svc.objects.get(key)
+        pool = self.pool
+        obj = pool.objects.get(key)
         if obj is None:
             return KeyResult(key=key, status="not_found", message=_unknown_put(key))
         if not obj.is_committed:
             obj.is_committed = True
-            del svc.writing[key]
+            del pool.writing[key]
             obj.pin_until = now + obj.pin_ttl_s if obj.pin_ttl_s else 0.0
             for r in obj.replicas:
-                r.state = COMPLETE
-                svc.lru[r.tier][key] = None
-                svc.emit_gain(obj, r)
-            svc.counters.puts += 1
+                pool.commit(obj, r)
+            pool.counters.puts += 1
         return KeyResult(key=key, status="ok")
 
     def put_revoke(self, key: str, now: float) -> KeyResult:
         """Drop an uncommitted object (no events: readers never saw it)."""
-        obj = self.svc.objects.get(key)
+        obj = self.pool.objects.get(key)
         if obj is None:
             return KeyResult(key=key, status="not_found", message=_unknown_put(key))
         if obj.is_committed:
             msg = f"put_revoke of {key!r}: the put was already committed; use remove"
             return KeyResult(key=key, status="error", message=msg)
-        self.svc.drop(obj, now, emit=None)
+        self.pool.drop(obj, now, emit=None)
         return KeyResult(key=key, status="ok")
 
     # -- batches: one result per key, in order -------------------------------------------

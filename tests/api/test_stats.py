@@ -23,7 +23,8 @@ def test_ttft_and_tbt_come_from_the_token_times():
     assert empty.ttft_p50_s is None and empty.tbt_p90_s is None and empty.num_requests == 0
     trace = stats.start(arrival=10.0)
     assert stats.snapshot().num_waiting == 1
-    trace.prompt(100, num_cached=64)
+    trace.prompt(100)
+    trace.cached(64)
     for t in (10.5, 10.6, 10.8):
         trace.token(t)
     snap = stats.snapshot()

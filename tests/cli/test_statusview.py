@@ -6,7 +6,7 @@ import io
 
 from rich.console import Console, RenderableType
 
-from mooncake.api.status import NodeStatus, Status, TierStatus
+from mooncake.api.status import KVBlockShares, NodeStatus, Status, TierStatus
 from mooncake.cli.statusview import (
     human_bytes,
     human_duration,
@@ -43,10 +43,16 @@ def make_status(**changes: object) -> Status:
         ),
     ]  # fmt: skip
     pool = [
-        TierStatus(tier="dram", used_bytes=300 << 30, capacity_bytes=512 << 30, num_objects=123456),
+        TierStatus(
+            tier="dram", used_bytes=300 << 30, capacity_bytes=512 << 30, num_objects=123456,
+            num_hits=60000,
+        ),
         TierStatus(tier="vram", used_bytes=10 << 30, capacity_bytes=80 << 30, num_objects=2000),
-        TierStatus(tier="ssd", used_bytes=1900 << 30, capacity_bytes=2 << 40, num_objects=999999),
-    ]
+        TierStatus(
+            tier="ssd", used_bytes=1900 << 30, capacity_bytes=2 << 40, num_objects=999999,
+            num_hits=20000,
+        ),
+    ]  # fmt: skip
     fields: dict[str, object] = dict(
         cluster="prod-a", model="llama2-70b", uptime_s=7384.0, nodes=nodes, pool=pool,
         hit_rate=0.62, local_hit_rate=0.41, num_queued=5, num_running=50, num_requests=12000,
@@ -92,9 +98,11 @@ def test_view_at_80_columns_fits_and_keeps_every_cell_whole() -> None:
     assert rows["decode-0"][4:6] == ["8/1", "2/48"]
     assert rows["store-0"][3:6] == ["down", "-", "0/0"] and "1m15s" in rows["store-0"]
     # pool tiers in vram, dram, ssd order, whole cells
-    assert rows["vram"][1:6] == ["10.0", "GiB", "/", "80.0", "GiB"] and rows["vram"][-1] == "2,000"
-    assert rows["dram"][-1] == "123,456" and "59%" in rows["dram"]
+    assert rows["vram"][1:6] == ["10.0", "GiB", "/", "80.0", "GiB"]
+    assert rows["vram"][-3:] == ["2,000", "0", "(0%)"]  # objects, hits and their share
+    assert rows["dram"][-3:] == ["123,456", "60,000", "(75%)"] and "59%" in rows["dram"]
     assert rows["ssd"][1:6] == ["1.9", "TiB", "/", "2.0", "TiB"] and "93%" in rows["ssd"]
+    assert rows["ssd"][-2:] == ["20,000", "(25%)"]  # hits served from SSD, their share
     assert [ln.split()[0] for ln in lines if ln.split()[:1] in (["vram"], ["dram"], ["ssd"])] == [
         "vram", "dram", "ssd",
     ]  # fmt: skip
@@ -228,3 +236,20 @@ def test_view_shows_where_ttft_went_against_the_conductors_prediction() -> None:
     )
     empty = flat(to_text(render_status(make_status(), "http://m:8000", 80), 80))
     assert "TTFT P50 in" not in empty  # no phases before any request (or from `serve`)
+
+
+def test_the_blocks_line_shows_each_cause_as_a_share() -> None:
+    """The prefills' blocks by cause (the master's miss attribution), shares of the
+    blocks they could have reused; no line before any prefill was attributed."""
+    counts = {"hit": 600, "cold": 250, "evicted": 100, "elsewhere": 40, "unverified": 10}
+    kv = KVBlockShares(
+        requests=20, blocks=1000, counts=counts, shares={k: v / 1000 for k, v in counts.items()}
+    )
+    body = flat(to_text(render_status(make_status(kv_blocks=kv), "http://m:8000", 120), 120))
+    assert (
+        "blocks hit 60.0% cold 25.0% evicted 10.0% elsewhere 4.0% unverified 1.0% "
+        "(1,000 blocks of 20 prefills)"
+    ) in body
+    assert "blocks hit" not in flat(
+        to_text(render_status(make_status(), "http://m:8000", 120), 120)
+    )

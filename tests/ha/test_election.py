@@ -14,7 +14,6 @@ from mooncake.ha.etcd import Etcd
 from mooncake.ha.journal import EtcdJournal
 from mooncake.ha.localetcd import LocalEtcd, etcd_binary
 from mooncake.roles.common import masters_to_dial
-from mooncake.store import poolstate
 from mooncake.store.journal import JournalError
 from mooncake.store.metadata import MetadataService
 from tests.store.helpers import make_service, put
@@ -76,7 +75,7 @@ def test_the_journal_refuses_writes_from_a_master_that_no_longer_leads(etcd_url:
     # the new leader rebuilds what the old one journaled while it led, nothing after
     state = EtcdJournal(etcd, PREFIX, leader_key(PREFIX), b.value).load()
     fresh = MetadataService()
-    assert poolstate.restore(fresh, state, now=50.0) == 3
+    assert fresh.restore(state, now=50.0) == 3
     assert sorted(fresh.objects) == ["k0", "k1", "k2"]
     fresh.check_integrity()
     b.stop()

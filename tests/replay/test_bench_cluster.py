@@ -56,3 +56,12 @@ def test_bench_cluster_end_to_end_prints_real_sim_and_ratios(tmp_path: Path) -> 
     assert [p[0] for p in pairs] == [0, 1, 2, 3]
     assert all(p[2] > 0 and p[3] > 0 and p[4:] == ["ok", "done"] for p in pairs)
     assert "replay" in out.stderr  # the progress bar
+    # where TTFT went, on both sides (the master counts the warm-up and idle probes too)
+    real_ph, sim_ph = data["real_phases"], data["sim_phases"]
+    assert real_ph["num_requests"] >= 4 and sim_ph["num_requests"] == 4
+    for ph in (real_ph, sim_ph):
+        assert ph["prefill_p50_s"] > 0 and ph["first_step_p50_s"] > 0 and ph["queue_p50_s"] >= 0
+    # lone prompts of the slice's median length priced the real path against the profile
+    path = data["host"]["path"]
+    assert path["prompt_tokens"] > 0
+    assert 0.5 <= path["prefill"] <= 5.0 and 0.5 <= path["decode"] <= 5.0

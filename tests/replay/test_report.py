@@ -76,3 +76,17 @@ def test_nothing_completed_gives_none_percentiles_and_no_cache_share():
     r = summarize([RequestRecord(index=0, status="rejected", send_s=0, end_s=0)], INFO)
     assert r.ttft_p50_s is None and r.tbt_p99_s is None and r.cached_token_share is None
     assert r.slo_attainment == 0.0 and r.errors == {"rejected": 1}
+
+
+def test_blocks_by_cause_sum_over_the_completed_requests_that_told_them():
+    """A server that attributes its misses (usage.prompt_tokens_details.kv_blocks): the
+    report sums them and gives each as a share of the blocks requested; none told: {}."""
+    a = _ok(0, 0.2, [], kv_blocks={"requested": 10, "hit": 6, "cold": 4})
+    b = _ok(1, 0.2, [], kv_blocks={"requested": 30, "hit": 24, "evicted": 5, "elsewhere": 1})
+    c = _ok(2, 0.2, [])  # a server that does not attribute
+    lost = RequestRecord(index=3, status="error", send_s=0, end_s=1, kv_blocks={"requested": 9})
+    r = summarize([a, b, c, lost], INFO)
+    assert r.kv_blocks == {"requested": 40, "hit": 30, "cold": 4, "evicted": 5, "elsewhere": 1}
+    assert r.kv_block_shares["hit"] == pytest.approx(0.75)
+    assert r.kv_block_shares["evicted"] == pytest.approx(5 / 40)
+    assert summarize([c], INFO).kv_blocks == {} == summarize([c], INFO).kv_block_shares

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -44,3 +47,20 @@ def node_row(url: str, node_id: str) -> dict[str, Any]:
     """The node's row of the master's /v1/status ({} when the master does not list it)."""
     nodes = httpx.get(url + "/v1/status", timeout=10).json()["nodes"]
     return next((n for n in nodes if n["node_id"] == node_id), {})
+
+
+def start_node(
+    cluster: LocalLauncher, role: str, node_id: str, script: str, log: Path, env: dict[str, str]
+) -> subprocess.Popen[bytes]:
+    """Start `mooncake up --role ROLE` of the cluster's config under `python -c script` (the
+    real node with one function wrapped from the test side); returns once it is ready."""
+    cmd = [sys.executable, "-c", script, "up", "--role", role]
+    cmd += ["--config", str(cluster.config_path), "--set", f"node.id={node_id}"]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=log.open("wb"), env={**os.environ, **env}
+    )
+    assert proc.stdout is not None
+    for line in proc.stdout:  # the ready handshake
+        if json.loads(line).get("ready"):
+            return proc
+    raise AssertionError(f"{node_id} exited: {log.read_text()[-2000:]}")

@@ -8,11 +8,8 @@ events of marked requests (prompt starting with 251: the first arrival of the fi
 
 from __future__ import annotations
 
-import json
-import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -30,7 +27,7 @@ from mooncake.roles.messages import (
     DecodeReserveReplyMsg,
 )
 from mooncake.rpc import RpcClient
-from tests.roles.cluster import local_cluster, node_row
+from tests.roles.cluster import local_cluster, node_row, start_node
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -83,31 +80,6 @@ EXTRA = {
 }
 
 
-def _start(
-    cluster: LocalLauncher, role: str, node_id: str, script: str, log: Path, env: dict[str, str]
-) -> subprocess.Popen[bytes]:
-    cmd = [
-        sys.executable,
-        "-c",
-        script,
-        "up",
-        "--role",
-        role,
-        "--config",
-        str(cluster.config_path),
-        "--set",
-        f"node.id={node_id}",
-    ]
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=log.open("wb"), env={**os.environ, **env}
-    )
-    assert proc.stdout is not None
-    for line in proc.stdout:  # the ready handshake
-        if json.loads(line).get("ready"):
-            return proc
-    raise AssertionError(f"{node_id} exited: {log.read_text()[-2000:]}")
-
-
 def _replace(cluster: LocalLauncher, node_id: str) -> None:
     child = next(c for c in cluster.children if c.node_id == node_id)
     child.proc.send_signal(signal.SIGKILL)
@@ -130,9 +102,13 @@ def faulty(tmp_path_factory: pytest.TempPathFactory, cost_cache: Path) -> Iterat
             hold = tmp / "hold"
             env = {"MOONCAKE_TEST_HOLD": str(hold)}
             _replace(cluster, "master")
-            procs.append(_start(cluster, "master", "master", DROPPING_MASTER, tmp / "m.log", env))
+            procs.append(
+                start_node(cluster, "master", "master", DROPPING_MASTER, tmp / "m.log", env)
+            )
             _replace(cluster, "decode-0")
-            procs.append(_start(cluster, "decode", "decode-0", HOLDING_DECODE, tmp / "d.log", env))
+            procs.append(
+                start_node(cluster, "decode", "decode-0", HOLDING_DECODE, tmp / "d.log", env)
+            )
             _wait(lambda: _health(cluster.url).get("status") == "ok", "the cluster is not ready")
             yield Faulty(cluster, hold)
         finally:

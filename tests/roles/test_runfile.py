@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from mooncake.errors import MooncakeError
-from mooncake.roles.local import LocalPlan, write_config
+from mooncake.roles.local import LocalPlan
+from mooncake.roles.localconfig import write_config
 from mooncake.roles.runfile import LocalCluster, read_runfile, runfile_path, write_runfile
 
 pytestmark = pytest.mark.timeout(60)

@@ -9,9 +9,12 @@ from pathlib import Path
 import httpx
 import pytest
 
+from mooncake.roles.localconfig import LOCAL_SSD_BYTES
+from mooncake.sizes import parse_size
 from tests.roles.cluster import local_cluster
 
 pytestmark = pytest.mark.timeout(120)
+LOCAL_SSD = parse_size(LOCAL_SSD_BYTES)  # the SSD tier of each up --local node, bytes
 
 
 def _pool_capacity(url: str) -> int:
@@ -25,7 +28,7 @@ def test_store_node_mounts_its_tiers_and_unmounts_on_sigterm(
 ) -> None:
     with local_cluster(tmp_path, cost_cache, num_prefill=0, num_decode=0, num_store=1,
                        extra={"store.dram_bytes": "48MiB"}) as cluster:  # fmt: skip
-        assert _pool_capacity(cluster.url) == 48 << 20
+        assert _pool_capacity(cluster.url) == (48 << 20) + LOCAL_SSD  # DRAM and up --local's SSD
         store = next(c for c in cluster.children if c.role == "store")
         store.proc.send_signal(signal.SIGTERM)
         assert store.proc.wait(timeout=30) == 0
@@ -62,7 +65,7 @@ def test_a_store_node_started_before_its_master_waits_for_it(
         assert starting.poll() is None, "the store node gave up on its master"
         cluster.relaunch("master")
         deadline = time.monotonic() + 30
-        while _pool_capacity(cluster.url) != 48 << 20:
+        while _pool_capacity(cluster.url) != (48 << 20) + LOCAL_SSD:
             assert time.monotonic() < deadline, "the store node never mounted"
             time.sleep(0.2)
 

@@ -35,3 +35,20 @@ def test_a_request_never_started_is_not_counted():
     log.record(Moments(0, 5.0, predicted_ttft_s=1.0), 6.0)
     assert log.summary().num_requests == 0
     assert log.summary().queue_p50_s is None
+
+
+def test_a_report_after_the_first_token_is_recorded_once_at_its_hand_off():
+    """The prefill node reports after sealing the pool objects, often after the decode
+    node's first token: the request is recorded once both are in, the prefill ending at
+    the hand-off (the report's arrival less the seal), in either order."""
+    log = PhaseLog()
+    late = Moments(0, 0.0, predicted_ttft_s=1.0, started=1.0)
+    log.first_token(late, 3.0)
+    assert log.summary().num_requests == 0  # waits for the report
+    log.handed_off(late, 2.5)
+    early = Moments(1, 0.0, predicted_ttft_s=1.0, started=1.0)
+    log.handed_off(early, 2.5)
+    log.first_token(early, 3.0)
+    s = log.summary()
+    assert s.num_requests == 2
+    assert (s.queue_p50_s, s.prefill_p50_s, s.first_step_p50_s) == (1.0, 1.5, 0.5)

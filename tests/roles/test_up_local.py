@@ -19,7 +19,8 @@ import pytest
 
 from mooncake.configload import load_config, parse_set_option
 from mooncake.errors import ConfigError
-from mooncake.roles.local import LocalLauncher, LocalPlan, write_config
+from mooncake.roles.local import LocalLauncher, LocalPlan
+from mooncake.roles.localconfig import local_ssd_dir, write_config
 from mooncake.roles.localcost import ensure_cost_model
 from mooncake.sizes import Size
 
@@ -91,3 +92,21 @@ def test_a_decode_node_gets_longer_than_its_drain_to_stop(
     assert launcher.stop_grace_s("decode") > 100
     assert launcher.stop_grace_s("prefill") == launcher.policy.stop_grace_s
     assert launcher.api_key == "sk-one-0123456789"
+
+
+def test_each_node_gets_a_small_ssd_tier_under_the_run_directory(tmp_path: Path) -> None:
+    """The generated config puts the SSD tier under the run directory (on disk here), or
+    under /var/tmp when the run directory is a tmpfs (XDG_RUNTIME_DIR on most desktops);
+    --no-pool turns it off with the DRAM share."""
+    path = write_config(LocalPlan(run_dir=tmp_path), tmp_path / "c.toml", "s" * 32, 5000, "")
+    cfg = load_config(path, env={}).config
+    assert (cfg.store.ssd_path, cfg.store.ssd_bytes) == (
+        str(tmp_path / "ssd"),
+        Size.parse("256MiB"),
+    )
+    off = LocalPlan(run_dir=tmp_path, pool=False)
+    cfg = load_config(write_config(off, tmp_path / "off.toml", "s" * 32, 5000, ""), env={}).config
+    assert cfg.store.ssd_bytes.is_zero and cfg.store.dram_bytes.is_zero
+    if os.path.isdir("/dev/shm"):
+        on_tmpfs = local_ssd_dir(Path("/dev/shm") / "mooncake-run")
+        assert on_tmpfs == Path("/var/tmp") / f"mooncake-{os.getuid()}" / "ssd"

@@ -1,10 +1,13 @@
 """The simulated pool: exact LRU eviction order, demotion to SSD, and index events."""
 
+import random
+
 import pytest
 
 from mooncake.conductor import PrefixIndex
-from mooncake.sim.pool import LruTier, NodePool, global_lru_hit_rate
+from mooncake.sim.pool import LruTier, NodePool, SimPool, global_lru_hit_rate
 from mooncake.sim.trace import TraceRecord
+from tests.store.helpers import make_service, put
 
 
 def test_lru_evicts_the_least_recently_used_first():
@@ -54,3 +57,103 @@ def test_global_lru_hit_rate_by_hand():
     # 4 blocks: after request 3 the pool is [3, 1, 2, 4, 5] -> 3 evicted: 0 + 2 + 0 + 2
     assert global_lru_hit_rate(trace, 4) == pytest.approx(0.4)
     assert global_lru_hit_rate(trace, 0) == 0.0
+
+
+def _shared(nodes: int, dram: int, ssd: int = 0, budget: float = 0.5):
+    idx = PrefixIndex()
+    pool = SimPool(idx, replica_budget=budget)
+    return idx, pool, [NodePool(f"n{i}", dram, ssd, pool=pool) for i in range(nodes)]
+
+
+def test_one_pool_wide_order_evicts_the_oldest_block_on_any_node():
+    """A full writer does not drop its own recent blocks while another node holds older."""
+    idx, pool, (a, b) = _shared(2, 2)
+    b.store([1, 2], 0.0)  # oldest
+    a.store([3, 4], 1.0)
+    a.store([5], 2.0)  # pool full: 1 (on b) is the pool's least recently used
+    assert idx.holders(1) == {} and idx.holders(5) == {"n1": "dram"}
+    assert set(a.top.blocks) == {3, 4} and set(b.top.blocks) == {2, 5}
+    b.touch([2], 3.0)  # 3 is the oldest now, on a
+    b.store([6], 4.0)
+    assert idx.holders(3) == {} and idx.holders(6) == {"n0": "dram"}
+    pool.check_integrity()
+    idx.check_integrity()
+
+
+def test_a_block_is_written_once_and_duplicates_go_before_last_copies():
+    idx, pool, (a, b, c) = _shared(3, 2)
+    a.store([1, 2], 0.0)
+    b.store([1, 2], 1.0)  # the pool holds them: refreshed, not copied ("exists")
+    assert idx.holders(1) == {"n0": "dram"} and len(b.top) == 0
+    assert b.replicate([1], 2.0) == 1  # a hot-spot replica: a duplicate of 1
+    c.store([3, 4], 3.0)
+    b.store([5], 4.0)  # the last free block
+    b.store([6], 5.0)  # 2 is the oldest block, but b's copy of 1 is spare: it goes first
+    assert idx.holders(1) == {"n0": "dram"} and idx.holders(2) == {"n0": "dram"}
+    assert idx.holders(6) == {"n1": "dram"}
+    c.store([7], 6.0)  # no duplicates left: the pool's oldest last copy, 2 (used at 1 s)
+    assert idx.holders(2) == {} and idx.holders(7) == {"n0": "dram"}
+    pool.check_integrity()
+    idx.check_integrity()
+
+
+def test_replicas_stay_within_the_budget():
+    idx, pool, (a, b) = _shared(2, 4, budget=0.25)  # 8 blocks of memory: 2 duplicates
+    a.store([1, 2, 3], 0.0)
+    assert b.replicate([1, 2, 3], 1.0) == 2
+    assert set(b.top.blocks) == {1, 2} and pool.order.dup_units["dram"] == 2
+    _, pool0, (c, d) = _shared(2, 4, budget=0.0)
+    c.store([1], 0.0)
+    assert d.replicate([1], 1.0) == 0
+    pool.check_integrity()
+
+
+def test_memory_victims_are_demoted_to_ssd_before_the_pool_drops_anything():
+    idx, pool, (a, b) = _shared(2, 1, ssd=1)
+    a.store([1], 0.0)
+    b.store([2], 1.0)
+    a.store([3], 2.0)  # 1 (pool's oldest) goes down to its node's SSD
+    assert idx.holders(1) == {"n0": "ssd"} and pool.has_ssd
+    a.store([4], 3.0)  # 2 goes down to b's SSD: nothing dropped yet
+    assert idx.holders(2) == {"n1": "ssd"} and a.num_evicted + b.num_evicted == 0
+    b.store([5], 4.0)  # memory victim 3 needs SSD room: the SSD's oldest (1) is dropped
+    assert idx.holders(1) == {} and idx.holders(3) == {"n0": "ssd"}
+    assert a.num_evicted == 1
+    pool.check_integrity()
+    idx.check_integrity()
+
+
+def test_the_simulated_pool_holds_what_the_store_would_hold():
+    """The same writes and reads on the simulator's pool and on the Store's metadata (one
+    block = one object, DRAM only) leave the same blocks on the same nodes: the simulator
+    runs the Store's eviction order and placement."""
+    rng = random.Random(7)
+    idx = PrefixIndex()
+    pool = SimPool(idx)
+    nodes = [NodePool(f"n{i}", 4, pool=pool) for i in range(3)]
+    svc = make_service({f"n{i}": {"dram": 4 * 64} for i in range(3)}, lease_ttl_s=0.001)
+    next_block = 0
+    for step in range(400):
+        now = float(step)
+        writer = rng.randrange(3)
+        seen = [int(k) for k in svc.objects]
+        blocks = [rng.choice(seen) for _ in range(rng.randrange(3))] if seen else []
+        for _ in range(rng.randrange(1, 4)):
+            blocks.append(next_block)
+            next_block += 1
+        if rng.random() < 0.3 and seen:  # a read of a block wherever it is (a fetch)
+            h = rng.choice(seen)
+            nodes[writer].touch([h], now)
+            assert svc.get_replicas(str(h), now).status == "ok"
+            continue
+        nodes[writer].store(blocks, now)
+        for h in blocks:
+            if str(h) in svc.objects:
+                assert svc.get_replicas(str(h), now).status == "ok"
+            else:
+                assert put(svc, str(h), 64, now=now, writer=f"n{writer}") == "ok"
+        for node in nodes:
+            want = {str(h) for h in node.top.blocks}
+            assert svc.space.segments[f"{node.node}-dram"].keys == want, (step, node.node)
+    pool.check_integrity()
+    idx.check_integrity()

@@ -73,8 +73,8 @@ def test_same_seed_same_result():
 
 
 def test_rejections_before_or_after_prefill_by_mode(tmp_path):
-    # a decode pool of 60k tokens cannot hold the fixture's concurrency at 4x speed
-    cost = write_toy_cost(tmp_path / "cost.json", kv_capacity_tokens=60_000)
+    # a decode pool of 40k tokens cannot hold the fixture's concurrency at 4x speed
+    cost = write_toy_cost(tmp_path / "cost.json", kv_capacity_tokens=40_000)
     records = load_trace(FIXTURE)
     out = {}
     for mode in ("none", "basic", "predictive"):
@@ -176,3 +176,32 @@ def test_predictive_decides_again_as_each_prefill_starts(tmp_path):
     assert all(r.prefill_start < 0 and r.prefill_s == 0 for r in at_start)
     sim.conductor.check_integrity()
     assert sim.conductor.num_inflight == 0
+
+
+def test_a_prefix_demoted_to_ssd_is_reused_at_the_ssd_read_cost(tmp_path):
+    """One prefill node with DRAM for one 512-token block and SSD for four (1 byte of KV
+    per token, SSD read at 5,120 B/s: 0.1 s a block): the first prompt's two blocks are
+    pushed to SSD by the second prompt, and the third prompt reuses both from there,
+    paying their read before its 512 new tokens (1 ms each)."""
+    from mooncake.conductor import CostModel
+    from tests.conductor.toy import toy_cost_file
+
+    cost = tmp_path / "cost.json"
+    CostModel(toy_cost_file(1_000_000, 1e9, ssd_read_bytes_per_s=5120.0)).save(cost)
+    rows = [(0, 1024, 2, [1, 2]), (5000, 512, 2, [3]), (10000, 1536, 2, [1, 2, 4])]
+    cfg = SimConfig(
+        num_prefill=1, num_decode=1, cost_model_path=str(cost), block_tokens=512,
+        dram_bytes=512, ssd_bytes=4 * 512, reserve_at_start=False,
+    )  # fmt: skip
+    sim = Simulator(cfg, load_trace(write_trace(tmp_path / "t.jsonl", rows)))
+    result = sim.run().result
+    third = sim.requests[2]
+    assert (third.reused_blocks, third.ssd_blocks) == (2, 2)
+    assert third.prefill_end - third.arrival == pytest.approx(0.512 + 0.2)
+    assert result.ssd_hit_share == 1.0  # the only reused blocks were read from SSD
+    without = Simulator(
+        msgspec.structs.replace(cfg, ssd_bytes=0),
+        load_trace(write_trace(tmp_path / "t.jsonl", rows)),
+    )
+    assert without.run().result.ssd_hit_share == 0.0
+    assert without.requests[2].reused_blocks == 0  # dropped from DRAM: computed again

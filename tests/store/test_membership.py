@@ -96,7 +96,10 @@ def test_death_of_a_move_destination_cancels_the_move_and_keeps_the_source():
     svc.heartbeat("a", 15.0)
     svc.expire(15.0)
     assert len(svc.objects) == 7 and not svc.mover.moves
-    assert svc.evict(15.0) == 3  # retried: nowhere to demote now, so dropped
+    # nowhere to demote now: the last copies stay until a put needs their room
+    assert svc.evict(15.0) == 0 and len(svc.objects) == 7
+    assert put(svc, "k7", 64, now=15.0) == "ok" and put(svc, "k8", 64, now=15.0) == "ok"
+    assert "k0" not in svc.objects and len(svc.objects) == 8
     svc.check_integrity()
 
 

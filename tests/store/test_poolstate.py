@@ -9,7 +9,6 @@ import pytest
 
 from mooncake.rpc import RpcClient
 from mooncake.store import messages as m
-from mooncake.store import poolstate
 from mooncake.store.allocator import OffsetAllocator
 from mooncake.store.journal import FileJournal, JournalError
 from mooncake.store.metadata import MetadataService
@@ -75,10 +74,10 @@ def test_restore_from_the_file_journal_gives_the_same_objects_ranges_and_ids(tmp
 
     fresh = MetadataService(MetadataConfig(replicas=2, lease_ttl_s=5.0))
     again = FileJournal(path)
-    assert poolstate.restore(fresh, again.load(), now=100.0) == 5
+    assert fresh.restore(again.load(), now=100.0) == 5
     fresh.check_integrity()
     assert _view(fresh) == before and "open" not in fresh.objects
-    assert poolstate.snapshot(fresh) == poolstate.snapshot(svc)
+    assert fresh.snapshot() == svc.snapshot()
     got = fresh.get_replicas("k0", 100.0)
     assert got.status == "ok" and {d.replica_id for d in got.replicas} == {
         r[3] for r in before["k0"]

@@ -4,7 +4,8 @@ After every step the service passes check_integrity(); an object never vanishes 
 an explanation (remove, lost with its nodes, or dropped by eviction); expiry never loses an
 object that had a COMPLETE replica on a surviving node; eviction never touches a leased,
 pinned or uncommitted object. With SSD room for everything (`BigSsd`), eviction never
-loses an object at all.
+loses an object at all. The committed pool's plain entries (`snapshot`) rebuild a service
+whose own entries compare equal.
 """
 
 from __future__ import annotations
@@ -170,6 +171,12 @@ class StoreMachine(RuleBasedStateMachine):
         self.committed -= vanished
         assert self.committed == readable, (self.committed, readable)
         self.explained = set()
+        # the committed pool, as plain entries, rebuilds a service that compares equal
+        state = self.svc.snapshot()
+        fresh = MetadataService(self.svc.config)
+        assert fresh.restore(state, self.now) == len(state.objects)
+        fresh.check_integrity()
+        assert fresh.snapshot() == state
 
 
 class BigSsdMachine(StoreMachine):

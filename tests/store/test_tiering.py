@@ -190,6 +190,24 @@ def test_an_ssd_only_object_is_served_from_ssd_and_its_promotion_keeps_it_clean(
     svc.check_integrity()
 
 
+def test_hits_are_counted_by_the_tier_of_the_replica_read_first():
+    """A read of an object on SSD only is an SSD hit; once promoted, its reads are DRAM
+    hits (memory first) though the SSD copy stays."""
+    svc = full_of_copies()
+    put(svc, "new", 64, now=20.0)  # k0 -> SSD only
+    assert svc.get_replicas("k0", 21.0, reader="a").status == "ok"
+    assert svc.get_replicas("k7", 21.0, reader="a").status == "ok"
+    assert svc.stats().tier_hits == {"vram": 0, "dram": 1, "ssd": 1}
+    for i in range(5, 8):
+        svc.remove(f"k{i}", 30.0)  # room in DRAM: the next read promotes k0
+    svc.get_replicas("k0", 31.0, reader="a")
+    assert settle(svc, 32.0) == ["promote k0"]
+    svc.get_replicas("k0", 33.0, reader="a")
+    assert tiers_of(svc, "k0") == ["dram", "ssd"]
+    assert svc.stats().tier_hits == {"vram": 0, "dram": 2, "ssd": 2}
+    assert svc.stats().hits == 4
+
+
 def test_events_keep_the_index_on_each_nodes_fastest_tier():
     """Through copies, drops of DRAM replicas, an SSD copy's eviction, a promotion and a
     remove, the index (fed the service's events) always says the node's fastest tier."""

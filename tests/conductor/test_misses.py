@@ -1,12 +1,13 @@
-"""Miss attribution (`sim/misses.py`): causes by hand, and every request's blocks add up."""
+"""Miss attribution (`conductor/misses.py`) in the simulator: causes by hand, a bounded
+ledger, and every request's blocks add up."""
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mooncake.conductor import PrefixIndex
+from mooncake.conductor.misses import MissLedger
 from mooncake.sim.cluster import SimConfig
-from mooncake.sim.misses import MissLedger
 from mooncake.sim.pool import NodePool
 from mooncake.sim.simulator import Simulator
 from mooncake.sim.synth import LengthDist, SynthParams, synthesize
@@ -31,7 +32,8 @@ def test_cold_evicted_and_elsewhere_by_hand():
     c = ledger.attribute([7, 8, 1, 2, 9], hit=0, best_seen=2, planned=0)
     assert (c.hit, c.elsewhere, c.evicted, c.cold, c.unverified) == (0, 2, 2, 1, 0)
     assert c.priced_out == 2  # the placement saw both held blocks and recomputed them
-    assert ledger.evicted_ages == [4.0, 4.0] and c.total == 5
+    assert c.evicted_age_s == (4.0, 4.0) and c.total == 5
+    ledger.check_integrity()
     c = ledger.attribute([7, 8, 1], hit=0, best_seen=0, planned=0)
     assert (c.elsewhere, c.after_placement, c.evicted) == (2, 2, 1)  # stored since placed
 
@@ -42,7 +44,7 @@ def test_a_block_past_the_break_takes_the_breaks_cause():
     a.store([4, 5], 1.0)  # drops 1, 2; 3 stays
     c = ledger.attribute([1, 2, 3, 9], hit=0, best_seen=0, planned=0)
     assert (c.elsewhere, c.evicted, c.cold) == (0, 3, 1)  # 3 is held but unreachable
-    assert ledger.evicted_ages == [1.0, 1.0]  # only the blocks actually dropped
+    assert c.evicted_age_s == (1.0, 1.0)  # only the blocks actually dropped
     c = ledger.attribute([20, 3], hit=0, best_seen=0, planned=0)
     assert (c.cold, c.evicted) == (2, 0)
 
@@ -56,7 +58,25 @@ def test_a_copy_left_elsewhere_is_not_an_eviction():
     assert (c.hit, c.elsewhere, c.plan_lost, c.evicted) == (1, 1, 1, 0)
     b.store([8, 9, 10], 10.0)  # the last copies go: last used at 3 s
     c = ledger.attribute([1, 2], hit=0, best_seen=0, planned=0)
-    assert c.evicted == 2 and ledger.evicted_ages == [7.0, 7.0]
+    assert c.evicted == 2 and c.evicted_age_s == (7.0, 7.0)
+    ledger.check_integrity()
+
+
+def test_the_ledger_forgets_the_oldest_evictions_past_its_cap():
+    """Memory stays bounded: past `memory_blocks` evictions the oldest is forgotten and,
+    requested again, counts as cold; a block stored again is no longer an eviction."""
+    idx = PrefixIndex()
+    ledger = MissLedger(idx, memory_blocks=2)
+    a = NodePool("a", dram_blocks=2, index=idx, ledger=ledger)
+    a.store([1, 2], 0.0)
+    a.store([3, 4], 1.0)  # drops 1, 2
+    a.store([5], 2.0)  # drops 3: 1 is forgotten
+    assert list(ledger.evicted) == [2, 3] and len(ledger.last_use) == 2
+    c = ledger.attribute([1, 2, 3], hit=0, best_seen=0, planned=0)
+    assert (c.cold, c.evicted, c.evicted_age_s) == (1, 2, (1.0, 1.0))  # 1 forgotten: cold
+    a.store([2], 3.0)  # stored again: held, not evicted
+    assert 2 not in ledger.evicted
+    ledger.check_integrity()
 
 
 def _check_every_request_adds_up(sim):

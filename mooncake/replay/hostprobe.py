@@ -1,0 +1,145 @@
+"""What `bench cluster`'s real run measures of its host, for the simulated twin
+(`HostFigures`): the cores the control plane keeps busy during the replay, and what the idle
+local cluster takes beyond its cost model, measured with lone requests.
+
+`bench cluster`'s twin computes with the cost model `up --local` profiled: the engine's
+compute alone, on one process. A real request does more: it crosses the API and the master
+(a fixed latency), and its prefill streams each layer's KV to the decode node and writes it
+into pool objects while the stages hand activations on; each decode step sends its tokens
+back through the master. On a small model that work is a large share of the time. Before
+the replay, on the idle cluster, lone requests measure it:
+
+- `idle_latency_s`: prompts of one block and one output token: the fixed latency;
+- `idle_path_scales`: prompts of the slice's median length (other tokens: no cache hits),
+  one at a time: (their TTFT - the fixed latency) over the cost model's prefill of the
+  extra tokens, and their token gaps over the cost model's decode step of a batch of one.
+
+The twin's prefill groups and decode nodes compute at those factors; its Conductor keeps
+the cost model the real master uses, so both schedulers price requests alike.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+
+import msgspec
+import numpy as np
+import psutil
+
+from mooncake.conductor.costmodel import CostModel
+from mooncake.replay.prompts import PromptConfig
+from mooncake.replay.report import RequestRecord
+from mooncake.replay.runner import ReplayConfig, replay
+from mooncake.roles.local import LocalLauncher
+from mooncake.sim.trace import TraceRecord
+
+SCALE_BOUNDS = (0.5, 5.0)  # a probe outside these measured something else: clamped
+PROBE_ID_BASE = 1 << 40  # hash ids far from any trace's, so probes never hit its blocks
+
+
+class PathScales(msgspec.Struct, kw_only=True):
+    """The idle cluster's path against its cost model (1 = the profile is the whole cost)."""
+
+    prefill: float = 1.0  # a prompt's prefill path / the profiled prefill compute
+    decode: float = 1.0  # a token gap / the profiled decode step of a batch of one
+    prompt_tokens: int = 0  # the probe's prompt length (after scaling)
+
+
+class HostFigures(msgspec.Struct, kw_only=True):
+    """What the real run measured of its host, for the simulated twin: the latency a
+    small request on the idle cluster has beyond its compute (API, master, RPCs, stage
+    hops, streaming),
+    and the cores the control plane kept busy during the replay (the master, store nodes
+    and this process, whose replay client is part of the load)."""
+
+    overhead_s: float = 0.0
+    background_cores: float = 0.0
+    path: PathScales = msgspec.field(default_factory=PathScales)
+    host_cores: float = msgspec.field(default_factory=lambda: float(len(os.sched_getaffinity(0))))
+
+
+def control_plane(launcher: LocalLauncher) -> list[psutil.Process]:
+    """The processes that do no model compute: the master, store nodes and this one."""
+    procs = [psutil.Process()]
+    for c in launcher.children:
+        if c.role in ("master", "store"):
+            with contextlib.suppress(psutil.Error):
+                procs.append(psutil.Process(c.proc.pid))
+    return procs
+
+
+def cpu_seconds(procs: list[psutil.Process]) -> float:
+    total = 0.0
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            t = p.cpu_times()
+            total += t.user + t.system
+    return total
+
+
+def _lone(
+    records: list[TraceRecord], cfg: ReplayConfig, prompts: PromptConfig, seed: int
+) -> list[RequestRecord]:
+    """Replay `records` one at a time, as fast as they complete."""
+    quiet = dataclasses.replace(cfg, concurrency=1, speed=1e9)
+    seen: list[RequestRecord] = []
+    replay(
+        records, dataclasses.replace(prompts, seed=prompts.seed + seed), quiet, None, seen.append
+    )
+    return [r for r in seen if r.status == "ok" and r.ttft_s is not None]
+
+
+def _probe(i: int, blocks: int, input_length: int, output_length: int) -> TraceRecord:
+    ids = [PROBE_ID_BASE + 1000 * i + b for b in range(blocks)]
+    return TraceRecord(0, input_length, output_length, ids)
+
+
+def idle_latency_s(cfg: ReplayConfig, prompts: PromptConfig, samples: int = 5) -> float:
+    """Median TTFT of prompts of one block and one token, sent one at a time (the cluster
+    idle): the block goes through the prefill group, so every stage hop is in it."""
+    one = [_probe(i, 2, prompts.trace_block_tokens + 1, 1) for i in range(samples)]
+    ttfts = [r.ttft_s for r in _lone(one, cfg, prompts, 2) if r.ttft_s is not None]
+    return float(np.median(ttfts)) if ttfts else 0.0
+
+
+def idle_sim_ttft_s(cost: CostModel, block_tokens: int, scales: PathScales) -> float:
+    """The twin's compute in `idle_latency_s`'s prompt: its prefill and one decode step at
+    the path's scales (the rest of that TTFT is the twin's fixed latency)."""
+    n = block_tokens + 1
+    return cost.prefill_time(n, 0) * scales.prefill + cost.decode_step_time(1, n) * scales.decode
+
+
+def idle_path_scales(
+    cfg: ReplayConfig,
+    prompts: PromptConfig,
+    cost: CostModel,
+    records: list[TraceRecord],
+    overhead_s: float,
+    samples: int = 3,
+    output_tokens: int = 16,
+) -> PathScales:
+    """Lone prompts of `records`' median length against the cost model (module docstring)."""
+    median = sorted(records, key=lambda r: r.input_length)[len(records) // 2]
+    out = max(2, round(output_tokens / prompts.output_scale))  # NOTE: the replay scales it
+    probes = [
+        _probe(10 + i, len(median.hash_ids), median.input_length, out) for i in range(samples)
+    ]
+    seen = _lone(probes, cfg, prompts, 3)
+    n, bt = prompts.input_len(median), prompts.block_tokens
+    scales = PathScales(prompt_tokens=n)
+    extra_s = cost.prefill_time(n, 0) - cost.prefill_time(bt + 1, 0)
+    ttfts = [r.ttft_s for r in seen if r.ttft_s is not None]
+    if ttfts and extra_s > 0:
+        scales.prefill = _clamp((float(np.median(ttfts)) - overhead_s) / extra_s)
+    gaps = [g for r in seen for g in r.gaps_s]
+    if gaps:
+        step = cost.decode_step_time(1, n + output_tokens // 2)
+        scales.decode = _clamp(float(np.median(gaps)) / step)
+    return scales
+
+
+def _clamp(x: float) -> float:
+    lo, hi = SCALE_BOUNDS
+    return min(hi, max(lo, x))
