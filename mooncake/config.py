@@ -60,6 +60,16 @@ class ClusterConfig(msgspec.Struct, **_STRUCT):
             gt=0,
         ),
     ] = 5.0
+    heartbeat_timeout_s: Annotated[
+        float,
+        knob(
+            "Seconds a node waits for the answer to one heartbeat (sent every second) "
+            "before it counts as lost. Short, so that a heartbeat lost with a master that "
+            "died holding it is noticed at once: the next one reaches the new leader, which "
+            "answers 'unknown', and the node registers again (a reattachment within 5 s).",
+            gt=0,
+        ),
+    ] = 1.5
     notice_timeout_s: Annotated[
         float,
         knob(

@@ -5,6 +5,11 @@
     ...
     etcd.stop()
 
+A local cluster's etcd keeps its data in memory (`tmpfs_data_dir`: a directory on the
+/dev/shm tmpfs, removed by `stop`, or by the next local etcd when its process died): its
+data dies with the cluster anyway, and on a busy host's disk etcd's fsyncs take seconds
+(seen: 2-4 s), longer than `cluster.etcd_timeout_s`, which makes the leader step down.
+
 It runs Debian's `etcd` (package etcd-server) or any `etcd` >= 3.4 on PATH (or
 `$MOONCAKE_ETCD`); EtcdError when there is none or it does not answer in time.
 """
@@ -16,6 +21,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -23,11 +29,29 @@ from pathlib import Path
 from mooncake.ha.etcd import Etcd, EtcdError
 
 ETCD_ENV = "MOONCAKE_ETCD"  # path of the etcd binary, if not the one on PATH
+TMPFS = Path("/dev/shm")
+TMPFS_PREFIX = "mooncake-etcd-"  # then the pid of the process that made it
 
 
 def etcd_binary() -> str | None:
     """The etcd server to run, or None when this host has none."""
     return os.environ.get(ETCD_ENV) or shutil.which("etcd")
+
+
+def tmpfs_data_dir(fallback: Path) -> Path:
+    """A fresh data directory on the /dev/shm tmpfs named for this process (those of dead
+    processes are removed first), or `fallback` when /dev/shm is not a tmpfs."""
+    try:
+        mounts = Path("/proc/mounts").read_text().split("\n")
+    except OSError:
+        return fallback
+    if not any(line.split()[1:3] == [str(TMPFS), "tmpfs"] for line in mounts if line):
+        return fallback
+    for old in TMPFS.glob(f"{TMPFS_PREFIX}*"):
+        pid = old.name[len(TMPFS_PREFIX) :].split("-", 1)[0]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(old, ignore_errors=True)
+    return Path(tempfile.mkdtemp(prefix=f"{TMPFS_PREFIX}{os.getpid()}-", dir=TMPFS))
 
 
 def _free_port() -> int:
@@ -103,11 +127,12 @@ class LocalEtcd:
     def stop(self, grace_s: float = 5.0) -> None:
         """SIGTERM, then SIGKILL after `grace_s`; idempotent."""
         proc, self.proc = self.proc, None
-        if proc is None or proc.poll() is not None:
-            return
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(grace_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if self.data_dir.parent == TMPFS:  # NOTE: memory, not disk: never left behind
+            shutil.rmtree(self.data_dir, ignore_errors=True)

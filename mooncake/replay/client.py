@@ -84,6 +84,24 @@ def _error_message(status: int, body: bytes) -> str:
     return f"HTTP {status}: {_message(body)}"
 
 
+def _error_type(body: bytes) -> str:
+    """The OpenAI `error.type` of an error body, "" when it has none."""
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return ""
+    err = obj.get("error") if isinstance(obj, dict) else None
+    return str(err.get("type") or "") if isinstance(err, dict) else ""
+
+
+def _transport_kind(e: httpx.HTTPError) -> str:
+    if isinstance(e, httpx.ConnectError):
+        return "connect"
+    if isinstance(e, httpx.TimeoutException):
+        return "timeout"
+    return "disconnected"
+
+
 async def probe_server(client: httpx.AsyncClient, url: str, model: str = "") -> ServerInfo:
     """The model to use (`model`, or the first one listed) and what the server says of it.
 
@@ -135,7 +153,9 @@ async def send_completion(
         async with client.stream("POST", "/v1/completions", json=body) as resp:
             if resp.status_code != 200:
                 rec.status = "rejected" if resp.status_code == 429 else "error"
-                rec.error = _error_message(resp.status_code, await resp.aread())
+                payload = await resp.aread()
+                rec.error = _error_message(resp.status_code, payload)
+                rec.error_kind = f"http {resp.status_code} {_error_type(payload)}".rstrip()
                 return _ended(rec, t0)
             async for line in resp.aiter_lines():
                 if not line.startswith("data:"):
@@ -147,6 +167,7 @@ async def send_completion(
                 obj = json.loads(data)
                 if "error" in obj:
                     rec.error = f"stream error: {_message(data.encode())}"
+                    rec.error_kind = f"stream {_error_type(data.encode())}".rstrip()
                     return _ended(rec, t0)
                 usage = obj.get("usage") or usage
                 for choice in obj.get("choices") or ():
@@ -157,9 +178,11 @@ async def send_completion(
                     finish = choice.get("finish_reason") or finish
     except httpx.HTTPError as e:
         rec.error = describe_http_error(e)
+        rec.error_kind = _transport_kind(e)
         return _ended(rec, t0)
     except (ValueError, TypeError, AttributeError) as e:  # not JSON, or not OpenAI's shape
         rec.error = f"bad stream data from the server: {e}"
+        rec.error_kind = "bad data"
         return _ended(rec, t0)
     told = int((usage or {}).get("completion_tokens") or 0)
     if finish_at is not None and told > len(chunk_times):
@@ -181,6 +204,7 @@ async def send_completion(
             rec.kv_blocks = {k: int(v) for k, v in blocks.items() if k in KV_BLOCK_KEYS}
     if not chunk_times or finish == "abort" or (finish is None and not is_done):
         rec.error = f"stream ended early ({len(chunk_times)} token chunks, finish_reason {finish})"
+        rec.error_kind = "ended early"
     else:
         rec.status = "ok"
     return _ended(rec, t0)

@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import httpx
 import msgspec
@@ -154,18 +154,10 @@ async def _replay(
 
         async def one(i: int, rec: TraceRecord) -> RequestRecord:
             body = request_body(rec, prompts, cfg, info.model)
-            try:
-                return await asyncio.wait_for(send_completion(client, body, i, t0), run.hang_s)
-            except TimeoutError:
+            done = await send_by(client, body, i, t0, run.hang_s)
+            if done.error_kind == "hung":
                 hung.append(i)
-                now = time.perf_counter() - t0
-                return RequestRecord(
-                    index=i,
-                    status="error",
-                    send_s=now - run.hang_s,
-                    end_s=now,
-                    error=f"hung: no answer within {run.hang_s:g} s",
-                )
+            return done
 
         fault_task = asyncio.create_task(_strike(fault, launcher, run.at_s))
         probe_task = asyncio.create_task(_probe(client, info.model, run, t0))
@@ -191,6 +183,24 @@ async def _replay(
         ttft_p50_s=ttfts[len(ttfts) // 2] if ttfts else None,
         errors=errors,
     )
+
+
+async def send_by(
+    client: httpx.AsyncClient, body: dict[str, Any], index: int, t0: float, hang_s: float
+) -> RequestRecord:
+    """`send_completion`, given up after `hang_s` seconds: then a record of kind "hung"."""
+    try:
+        return await asyncio.wait_for(send_completion(client, body, index, t0), hang_s)
+    except TimeoutError:
+        now = time.perf_counter() - t0
+        return RequestRecord(
+            index=index,
+            status="error",
+            send_s=now - hang_s,
+            end_s=now,
+            error=f"hung: no answer within {hang_s:g} s",
+            error_kind="hung",
+        )
 
 
 async def _strike(fault: Fault, launcher: LocalLauncher, at_s: float) -> None:

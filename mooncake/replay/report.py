@@ -43,6 +43,11 @@ class RequestRecord(msgspec.Struct, kw_only=True):
     # usage.prompt_tokens_details.kv_blocks, if told (mooncake): requested and each cause
     kv_blocks: dict[str, int] = {}
     error: str = ""  # why it failed (status "error") or was rejected
+    # what kind of failure, from its shape, not its wording: "http <status> <error.type>",
+    # "stream <error.type>" (an error event mid-stream), "connect", "disconnected" (the
+    # connection cut mid-answer), "timeout", "ended early" (no finish and no error),
+    # "bad data", "hung" (set by a caller that gave up waiting); "" when it did not fail
+    error_kind: str = ""
 
     @property
     def tbt_p90_s(self) -> float:

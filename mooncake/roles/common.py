@@ -279,7 +279,8 @@ class MasterLink:
     def beat(self) -> None:
         try:
             msg = NodeHeartbeatMsg(self.info.node_id, self.load_fn(), self.state)
-            if not self.client.call(msg, NodeHeartbeatReplyMsg).is_known:
+            timeout_s = self.cluster.heartbeat_timeout_s  # NOTE: see the key's doc
+            if not self.client.call(msg, NodeHeartbeatReplyMsg, timeout_s=timeout_s).is_known:
                 log.warning(
                     "the master does not know node %s; registering again", self.info.node_id
                 )

@@ -37,7 +37,7 @@ from pathlib import Path
 from mooncake.config import Config, DecodeConfig
 from mooncake.configload import load_config
 from mooncake.errors import MooncakeError
-from mooncake.ha.localetcd import LocalEtcd
+from mooncake.ha.localetcd import LocalEtcd, tmpfs_data_dir
 from mooncake.native.shm import sweep_stale
 from mooncake.roles.localconfig import local_ssd_dir, write_config
 from mooncake.roles.runfile import (
@@ -54,6 +54,15 @@ PREFILL_NICE = 10  # node.nice of prefill nodes sharing the host's cores with de
 READY_TIMEOUT_S = 180.0  # seconds a node may take to load and report ready
 SCHEDULABLE_TIMEOUT_S = 30.0  # seconds for the master to see every ready node
 CONFIG_NAME = "mooncake-local.toml"
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one node runs when not beside the launcher (`mooncake soak` puts a node in a
+    network namespace of its own): the command prefix that puts it there and its address."""
+
+    prefix: tuple[str, ...]  # e.g. ("ip", "netns", "exec", NS): the node's command follows
+    address: str  # node.advertise_address there (peers reach it at this address)
 
 
 @dataclass
@@ -73,6 +82,8 @@ class LocalPlan:
     pool: bool = True  # False: no store node and no pool share (a no-reuse baseline)
     cost_model_path: str = ""  # "" = profile once and cache
     run_dir: Path = field(default_factory=lambda: Path.cwd())
+    host: str = "127.0.0.1"  # masters' control planes and nodes' addresses (not the API's)
+    placements: dict[str, Placement] = field(default_factory=dict)  # node id -> elsewhere
     # more config keys: "section.key" -> a value, typed or as --set text ("false", "64MiB")
     extra: dict[str, object] = field(default_factory=dict)
 
@@ -152,15 +163,16 @@ class LocalLauncher:
             for old in state.glob("pool-local-*.journal"):
                 old.unlink()
             return {"state_dir": str(state)}
-        self.etcd = LocalEtcd(plan.run_dir / f"etcd-{secrets.token_hex(4)}", _die_with_parent)
+        data = tmpfs_data_dir(plan.run_dir / f"etcd-{secrets.token_hex(4)}")
+        self.etcd = LocalEtcd(data, _die_with_parent)
         url = self._forker.submit(self.etcd.start).result()  # NOTE: dies with the launcher
         ports = [self._master_port] + [free_port() for _ in range(plan.num_masters - 1)]
         for i, port in enumerate(ports[1:], 1):
             self._node_sets[f"master-{i}"] = [
-                f"cluster.master=127.0.0.1:{port}",
+                f"cluster.master={plan.host}:{port}",
                 f"api.port={free_port()}",
             ]
-        return {"etcd": [url], "masters": [f"127.0.0.1:{p}" for p in ports]}
+        return {"etcd": [url], "masters": [f"{plan.host}:{p}" for p in ports]}
 
     def start(self, cost_model: str) -> LocalCluster:
         """Configure, start every node, wait until the master places on all of them, write
@@ -192,7 +204,7 @@ class LocalLauncher:
         """The runfile with the children's current pids; the caller holds the lock."""
         self.info = LocalCluster(
             url=self.url,
-            master=f"127.0.0.1:{self._master_port}",
+            master=f"{self.plan.host}:{self._master_port}",
             config_path=str(self.config_path),
             pids={c.node_id: c.proc.pid for c in self.children},
             api_key=self.api_key,
@@ -206,6 +218,8 @@ class LocalLauncher:
                "--config", str(self.config_path), "--set", f"node.id={node_id}"]  # fmt: skip
         for value in self._node_sets.get(node_id, []):
             cmd += ["--set", value]
+        if (placed := self.plan.placements.get(node_id)) is not None:
+            cmd = [*placed.prefix, *cmd, "--set", f"node.advertise_address={placed.address}"]
         if role == "prefill" and "node.nice" not in self.plan.extra and self.plan.prefill_nice:
             cmd += ["--set", f"node.nice={self.plan.prefill_nice}"]
         proc = self._forker.submit(

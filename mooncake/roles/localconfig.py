@@ -48,10 +48,10 @@ def write_config(
 ) -> Path:
     """Write the cluster's config (mode 0600: it holds the secret) without following a
     symlink; `plan.extra` values are typed by their key. Raises ConfigError, RunDirError."""
-    cluster = {"name": "local", "master": f"127.0.0.1:{master_port}", "secret": secret}
+    cluster = {"name": "local", "master": f"{plan.host}:{master_port}", "secret": secret}
     sections: dict[str, dict[str, object]] = {
         "cluster": {**cluster, **(ha or {})},
-        "node": {"advertise_address": "127.0.0.1"},
+        "node": {"advertise_address": plan.host},
         "model": {"path": plan.model, "block_tokens": plan.block_tokens},
         "prefill": {
             "chunk_tokens": plan.chunk_tokens,

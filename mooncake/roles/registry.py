@@ -11,6 +11,11 @@ is ready; it stops being schedulable when any of its nodes goes down, or when it
 says it is not ready (it lost its link to the next stage, and dials it again). A node
 that comes back under its id, after a crash or a clean stop, takes its old place (its
 stage's layers) in its group; `group_msg` then tells its neighbour where it listens now.
+A stage a restarted master awaits (another stage of its group came back first) is kept for
+its node while that one could still come back; once it has been awaited longer than
+`ttl_s` (a live node would have registered again by then) the next node that has no place
+yet takes it, so a group whose node restarted during the failover is not left waiting
+forever (seen in `mooncake soak`).
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ class Group:
     group_id: str
     size: int
     members: list[str] = field(default_factory=list)  # node ids by stage
+    awaited_s: float = 0.0  # when a restarted master rebuilt it with a stage missing
 
     @property
     def leader(self) -> str:
@@ -74,13 +80,13 @@ class Registry:
         else:
             rec.info, rec.last_seen_s = info, now
         if info.role == "prefill" and info.group_id and not rec.group_id:
-            self._rejoin(rec, info.group_id, info.stage)  # a master restarted under it
+            self._rejoin(rec, info.group_id, info.stage, now)  # a master restarted under it
         elif info.role == "prefill" and not rec.group_id:
             place = self._old_place(info.node_id)
             if place is not None:  # deregistered (a clean stop) and started again
-                self._rejoin(rec, *place)
+                self._rejoin(rec, *place, now)
             else:
-                self._place(rec)
+                self._place(rec, now)
         return rec
 
     def _old_place(self, node_id: str) -> tuple[str, int] | None:
@@ -95,7 +101,12 @@ class Registry:
             return 1
         return max(1, min(self.num_layers, -(-2 * self.weight_bytes // device_memory_bytes)))
 
-    def _place(self, rec: NodeRecord) -> None:
+    def _place(self, rec: NodeRecord, now: float) -> None:
+        for g in self.groups.values():
+            if "" in g.members and now - g.awaited_s > self.ttl_s:  # its node never came back
+                rec.group_id, rec.stage = g.group_id, g.members.index("")
+                g.members[rec.stage] = rec.node_id
+                return
         if self.group_size == 0:
             self.group_size = self._auto_group_size(rec.info.device_memory_bytes)
         size = min(self.group_size, self.num_layers)
@@ -109,11 +120,11 @@ class Registry:
         rec.group_id, rec.stage = group.group_id, len(group.members)
         group.members.append(rec.node_id)
 
-    def _rejoin(self, rec: NodeRecord, group_id: str, stage: int) -> None:
+    def _rejoin(self, rec: NodeRecord, group_id: str, stage: int, now: float) -> None:
         group = self.groups.get(group_id)
         if group is None:
             size = rec.info.group_size or self.group_size or 1
-            group = self.groups[group_id] = Group(group_id, min(size, self.num_layers))
+            group = self.groups[group_id] = Group(group_id, min(size, self.num_layers), [], now)
             self._num_groups = max(self._num_groups, int(group_id.removeprefix("pg") or 0))
         while len(group.members) <= stage:
             group.members.append("")

@@ -63,6 +63,18 @@ def test_a_restarted_master_puts_nodes_back_in_the_groups_they_serve() -> None:
     assert reg.group_msg("new").group_id == "pg2"
 
 
+def test_a_stage_whose_node_never_came_back_goes_to_the_next_new_node() -> None:
+    """A restarted master awaits pg1's stage 0 for ttl_s (its node may still register
+    again); after that a new node takes it instead of waiting in a group of its own."""
+    reg = Registry(num_layers=4, group_size=2, ttl_s=5)
+    reg.register(_prefill("b", "pg1", 1), 10.0)
+    reg.register(_prefill("early"), 14.0)
+    assert reg.group_msg("early").group_id == "pg2"
+    reg.register(_prefill("a"), 15.5)  # a restarted: no place of its own, pg1/0 awaited 5.5 s
+    assert (reg.group_msg("a").group_id, reg.group_msg("a").stage) == ("pg1", 0)
+    assert reg.groups["pg1"].members == ["a", "b"]
+
+
 def test_automatic_groups_split_weights_over_half_of_device_memory() -> None:
     """group_size 0: 140 GB of weights on 80 GB GPUs -> 4 stages (35 GB each <= 40 GB)."""
     reg = Registry(num_layers=80, group_size=0, ttl_s=5, weight_bytes=140 * 10**9)
