@@ -21,15 +21,23 @@ from mooncake.store.node import remote_name
 from mooncake.transfer import TransferRequest
 from mooncake.transfer.types import TransferOp
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = pytest.mark.timeout(120)
 SECRET = b"v" * 32
 LAYOUT = kv_layout(num_layers=2, block_tokens=4, num_kv_heads=2, head_dim=8, dtype="float32")
 FP = vllm_fingerprint("tiny", "cpu", LAYOUT)
 NUM_BLOCKS = 16
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def cluster() -> Iterator[LocalCluster]:
+    """One pool for the module (each test's prompts differ); a test that kills its node
+    takes `own_cluster`."""
+    with LocalCluster(SECRET, dram_bytes=8 << 20, lease_ttl_s=5.0) as c:
+        yield c
+
+
+@pytest.fixture
+def own_cluster() -> Iterator[LocalCluster]:
     with LocalCluster(SECRET, dram_bytes=8 << 20, lease_ttl_s=5.0) as c:
         yield c
 
@@ -113,24 +121,6 @@ def test_blocks_saved_by_one_instance_load_byte_for_byte_into_another(
         b.close()
 
 
-def test_a_dead_store_node_fails_the_loads_and_they_are_reported(cluster: LocalCluster) -> None:
-    a, b = Instance(cluster, cpu_caches(1)), Instance(cluster, cpu_caches(2))
-    try:
-        tokens = list(range(200, 213))
-        a.prefill("r1", tokens, [0, 1, 2, 3])
-        before = [t.clone() for t in b.caches.values()]
-        cluster.node.proc.kill()  # the only replica is gone; the master does not know yet
-        cluster.node.proc.join(5)
-        hit, failed = b.prefill("r2", tokens, [5, 6, 7, 8])
-        assert hit == 12  # the master still lists the blocks
-        assert failed == {5, 6, 7}  # every block of the hit: vLLM recomputes them
-        assert b.worker.num_failed_blocks == 3 and b.worker.num_saved_blocks == 0
-        assert all(torch.equal(x, y) for x, y in zip(before, b.caches.values(), strict=True))
-    finally:
-        a.close()
-        b.close()
-
-
 def test_a_block_that_does_not_match_its_digest_is_reported(cluster: LocalCluster) -> None:
     """A replica's layer changed after it was committed (memory corrupted): the reader
     checks every layer it landed and refuses that block and every later one."""
@@ -149,6 +139,27 @@ def test_a_block_that_does_not_match_its_digest_is_reported(cluster: LocalCluste
         hit, failed = b.prefill("r2", tokens, [5, 6, 7, 8])
         assert hit == 12 and failed == {6, 7}  # block 0 loaded; 1 is corrupt, 2 follows it
         assert b.worker.num_loaded_blocks == 1
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_dead_store_node_fails_the_loads_and_they_are_reported(
+    own_cluster: LocalCluster,
+) -> None:
+    cluster = own_cluster
+    a, b = Instance(cluster, cpu_caches(1)), Instance(cluster, cpu_caches(2))
+    try:
+        tokens = list(range(200, 213))
+        a.prefill("r1", tokens, [0, 1, 2, 3])
+        before = [t.clone() for t in b.caches.values()]
+        cluster.node.proc.kill()  # the only replica is gone; the master does not know yet
+        cluster.node.proc.join(5)
+        hit, failed = b.prefill("r2", tokens, [5, 6, 7, 8])
+        assert hit == 12  # the master still lists the blocks
+        assert failed == {5, 6, 7}  # every block of the hit: vLLM recomputes them
+        assert b.worker.num_failed_blocks == 3 and b.worker.num_saved_blocks == 0
+        assert all(torch.equal(x, y) for x, y in zip(before, b.caches.values(), strict=True))
     finally:
         a.close()
         b.close()

@@ -57,6 +57,7 @@ class PagedCache:
                 f"KV cache layer {index}: {t.device} tensor of strides {t.stride()}; the "
                 "connector moves KV straight from contiguous CPU caches only (vLLM for CPU)"
             )
+        pieces: tuple[tuple[int, int], ...]
         if t[0].numel() * size == lay.layer_bytes:  # (num_blocks, ...): a block is one piece
             stride, pieces = t.stride(0) * size, ((0, lay.layer_bytes),)
         elif t.shape[0] == 2 and t[0, 0].numel() * size == lay.half_bytes:  # (2, blocks, ...)
@@ -70,7 +71,7 @@ class PagedCache:
         flat = t.detach().view(-1).view(torch.uint8).numpy()
         segment = f"{self.store.node_id}.vllm-kv.{index}"
         self.store.register_buffer(segment, flat)
-        return _LayerTensor(segment, memoryview(flat), stride, pieces)
+        return _LayerTensor(segment, flat.data, stride, pieces)
 
     def close(self) -> None:
         for layer in self.layers:

@@ -23,6 +23,7 @@ from mooncake.engine.kvstore import StoreKVPool, kv_key
 from mooncake.errors import MooncakeError
 from mooncake.integrations.vllm.paged import PagedCache
 from mooncake.integrations.vllm.plan import BlockRun
+from mooncake.store.datapath import ReadPlan
 from mooncake.store.objects import ReplicaDesc
 from mooncake.transfer import Batch, TransferRequest
 from mooncake.transfer.types import TransferOp, TransferState
@@ -81,7 +82,7 @@ class Loads:
             return
         head_bytes = lay.payload_offset
         buf = heads.ensure(head_bytes * len(todo))
-        plan = [
+        plan: ReadPlan = [
             (r.key, r.replicas, heads.name, n * head_bytes, head_bytes)
             for n, r in enumerate(found)
             if r.replicas
@@ -97,7 +98,7 @@ class Loads:
             run, bt = self.runs[i], lay.block_tokens
             try:
                 _, _, digests = decode_kv_head(
-                    buf[n * head_bytes : (n + 1) * head_bytes],
+                    buf[n * head_bytes : (n + 1) * head_bytes].data,
                     lay,
                     self.pool.fingerprint,
                     block_hash=run.block_hashes[j],
