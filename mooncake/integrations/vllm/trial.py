@@ -10,6 +10,7 @@
     C         vLLM without the connector: P and Q (the reference tokens)
 
 Greedy decoding throughout; one instance runs at a time (a 2-core machine runs one well).
+KV moves over TCP, as between hosts.
 """
 
 from __future__ import annotations
@@ -84,6 +85,9 @@ def pool_config(path: Path, master_port: int, dram: str = "256MiB") -> Path:
         '[model]\npath = "dummy:tiny"\n[scheduler]\ncost_model_path = ""\n'
         f'[api]\nhost = "127.0.0.1"\nport = {free_port()}\n[metrics]\nenabled = false\n'
         f'[store]\ndram_bytes = "{dram}"\n'
+        # NOTE: as if the store node ran on another host: over shm a reader maps the node's
+        # arena itself, and a killed node's arena outlives it
+        '[transfer]\nprotocol = "tcp"\n'
     )
     return path
 
@@ -133,7 +137,8 @@ def pool(plan: TrialPlan) -> Iterator[tuple[Path, Node]]:
 
 def vllm(plan: TrialPlan, name: str, model: Path, config: Path | None) -> LaunchedServer:
     """vLLM on `model`; with `config`, PoolConnector on the pool it names."""
-    args = ["--max-model-len", str(plan.max_model_len)]
+    # NOTE: eager: no torch.compile at start (minutes on a busy 2-core host); all three the same
+    args = ["--max-model-len", str(plan.max_model_len), "--enforce-eager"]
     env: dict[str, str] = {}
     if config is not None:
         transfer = {
