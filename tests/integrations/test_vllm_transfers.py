@@ -101,7 +101,7 @@ def test_blocks_saved_by_one_instance_load_byte_for_byte_into_another(
     make = split_caches if split else cpu_caches
     a, b = Instance(cluster, make(1)), Instance(cluster, make(2))
     try:
-        tokens = list(range(100, 118))  # 4 full blocks and 2 tokens
+        tokens = list(range(100 + 50 * split, 118 + 50 * split))  # 4 full blocks and 2 more
         assert a.prefill("r1", tokens, [3, 4, 5, 6, 7]) == (0, set())
         assert a.worker.num_saved_blocks == 4
         hit, failed = b.prefill("r2", tokens, [9, 10, 11, 12, 13])
