@@ -1,6 +1,7 @@
 """PoolConnector in real vLLM (CPU): two instances on one pool (a master and a store node,
-real processes). Runs only where vLLM for CPU is installed (`scripts/vllm-venv`): its
-python from MOONCAKE_VLLM_PYTHON, else /tmp/vllm-venv/bin/python; skipped otherwise.
+real processes). Runs only when MOONCAKE_VLLM_PYTHON names the python of a vLLM for CPU
+venv (`scripts/vllm-venv` prints it), as tests/replay/test_bench_vllm.py; about 7 minutes
+on 2 cores (three vLLM start-ups).
 
 The second instance loads a prompt the first computed (vLLM counts external hit tokens)
 and its greedy tokens equal the first's and those of vLLM without the connector; with the
@@ -19,9 +20,7 @@ from mooncake.replay.checkpoint import CheckpointShape
 
 
 def vllm_python() -> str:
-    named = os.environ.get("MOONCAKE_VLLM_PYTHON", "")
-    default = "/tmp/vllm-venv/bin/python"
-    return named or (default if os.access(default, os.X_OK) else "")
+    return os.environ.get("MOONCAKE_VLLM_PYTHON", "")
 
 
 pytestmark = [
