@@ -2,12 +2,12 @@
 `mooncake bench vllm-pool` reports.
 
     pool      a master and a store node (`mooncake up --role master|store`), real processes
-    A         vLLM with PoolConnector: a warm-up, then prompts P and Q (stored in the pool)
-    B         another vLLM with PoolConnector on the same pool: a warm-up, a fresh prompt R
-              as long as P (its cold TTFT), then P (a pool hit: TTFT, external hit tokens);
-              then the store node is SIGKILLed and B gets Q (the pool cannot give it: B
-              recomputes)
-    C         vLLM without the connector: P and Q (the reference tokens)
+    A         vLLM with PoolConnector: a warm-up, then prompts P0..Pn-1 and Q (stored)
+    B         another vLLM with PoolConnector on the same pool: a warm-up, then for each i
+              a fresh prompt Ri as long as Pi (a cold TTFT) and Pi (a pool hit: TTFT,
+              external hit tokens); then the store node is SIGKILLed and B gets Q (the
+              pool cannot give it: B recomputes)
+    C         vLLM without the connector: every Pi and Q (the reference tokens)
 
 Greedy decoding throughout; one instance runs at a time (a 2-core machine runs one well).
 KV moves over TCP, as between hosts.
@@ -21,6 +21,7 @@ import os
 import random
 import select
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -54,6 +55,7 @@ class TrialPlan:
     start_timeout_s: float = 600.0  # vLLM profiles and warms up at start
     node_timeout_s: float = 300.0  # a master or store node to report ready
     seed: int = 0
+    pairs: int = 3  # (cold, pool hit) prompt pairs on B: TTFTs are their medians
 
 
 @dataclass
@@ -67,16 +69,33 @@ class Answer:
 
 @dataclass
 class TrialResult:
-    a: dict[str, Answer]  # "P", "Q"
-    b: dict[str, Answer]  # "R" (cold), "P" (pool hit), "Q" (store node dead)
-    c: dict[str, Answer]  # "P", "Q" without the connector
+    a: dict[str, Answer]  # "P0".., "Q"
+    b: dict[str, Answer]  # "R0".. (cold), "P0".. (pool hits), "Q" (store node dead)
+    c: dict[str, Answer]  # "P0".., "Q" without the connector
     b_external_hit_tokens: float  # after P
     b_external_hit_tokens_after_q: float
     b_log: str  # B's log (the failed loads are logged there)
 
     @property
+    def checked(self) -> list[str]:
+        """The prompts all three instances answered (A's, B's and C's tokens compared)."""
+        return sorted(self.c)
+
+    def agree(self, key: str) -> bool:
+        """The greedy tokens of A, B and C are the same for prompt `key`."""
+        return bool(self.a[key].token_ids) and (
+            self.a[key].token_ids == self.b[key].token_ids == self.c[key].token_ids
+        )
+
+    def median_ttft_s(self, prefix: str) -> float:
+        """B's median TTFT over its prompts named `prefix`N ("R": cold, "P": pool hits)."""
+        return statistics.median(
+            x.ttft_s for k, x in self.b.items() if k[0] == prefix and k[1:].isdigit()
+        )
+
+    @property
     def hit_over_cold_ttft(self) -> float:
-        return self.b["P"].ttft_s / self.b["R"].ttft_s
+        return self.median_ttft_s("P") / self.median_ttft_s("R")
 
 
 def pool_config(path: Path, master_port: int, dram: str = "256MiB") -> Path:
@@ -213,24 +232,27 @@ def run_trial(plan: TrialPlan) -> TrialResult:
     def prompt() -> list[int]:  # NOTE: ids 0 and 1 are the made tokenizer's <s> and </s>
         return [rng.randrange(2, plan.shape.vocab_size) for _ in range(n)]
 
-    prompts = {k: prompt() for k in ("W", "P", "Q", "R", "V")}  # W, V: warm-ups of A and B
+    pairs = [(f"R{i}", f"P{i}") for i in range(plan.pairs)]
+    stored = [p for _, p in pairs]
+    names = ["W", "V", "Q", *(k for pair in pairs for k in pair)]  # W, V: warm-ups of A, B
+    prompts = {k: prompt() for k in names}
     out = plan.output_tokens
     with pool(plan) as (config, store):
         with vllm(plan, "vllm-a", model, config) as a:
             ask_a = lambda k: complete(a.spec.url, str(model), prompts[k], out)  # noqa: E731
             ask_a("W")
-            got_a = {k: ask_a(k) for k in ("P", "Q")}
+            got_a = {k: ask_a(k) for k in (*stored, "Q")}
         with vllm(plan, "vllm-b", model, config) as b:
             ask_b = lambda k: complete(b.spec.url, str(model), prompts[k], out)  # noqa: E731
             ask_b("V")
-            got_b = {k: ask_b(k) for k in ("R", "P")}
+            got_b = {k: ask_b(k) for pair in pairs for k in pair}
             hits = external_hits(b.spec.url)
             store.kill()
             got_b["Q"] = ask_b("Q")
             hits_after = external_hits(b.spec.url)
             b_log = b.log_path
     with vllm(plan, "vllm-c", model, None) as c:
-        got_c = {k: complete(c.spec.url, str(model), prompts[k], out) for k in ("P", "Q")}
+        got_c = {k: complete(c.spec.url, str(model), prompts[k], out) for k in (*stored, "Q")}
     return TrialResult(
         a=got_a,
         b=got_b,
