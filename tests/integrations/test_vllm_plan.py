@@ -119,3 +119,12 @@ def test_other_versions_are_refused_naming_the_supported_ones(version: str) -> N
         check_vllm_version(version)
     assert version in str(e.value) and SUPPORTED_VLLM[0] in str(e.value)
     assert "scripts/vllm-venv" in str(e.value)
+
+
+def test_a_computed_count_that_is_not_whole_blocks_gets_no_hit() -> None:
+    """vLLM passes its hit in whole blocks; anything else is answered with 0, never a hit
+    that would start mid-block."""
+    p, pool = planner()
+    tokens = list(range(17))
+    pool.held.update(p.hasher.hash_blocks(tokens))
+    assert p.match("a", tokens, 6) == 0 and pool.num_lookups == 0

@@ -111,10 +111,17 @@ class PoolPlanner:
             tokens = list(token_ids)
             req = _Request(tokens, self.hasher.hash_blocks(tokens))
             self._requests[req_id] = req
-        assert num_computed_tokens % bt == 0, (req_id, num_computed_tokens, bt)
+        req.num_local_blocks, req.num_pool_blocks = num_computed_tokens // bt, 0
+        if num_computed_tokens % bt:  # NOTE: vLLM passes whole blocks; else no pool hit
+            log.warning(
+                "request %s: %d computed tokens are not whole blocks of %d",
+                req_id,
+                num_computed_tokens,
+                bt,
+            )
+            return 0
         start = num_computed_tokens // bt
         limit = (len(req.token_ids) - 1) // bt  # NOTE: the last token is always computed
-        req.num_local_blocks, req.num_pool_blocks = start, 0
         if start < limit:
             req.num_pool_blocks = self.lookup(req.block_hashes[start:limit])
         return req.num_pool_blocks * bt
