@@ -40,7 +40,8 @@ def bench_vllm_pool(
     vLLM B (--pairs times a fresh prompt as long as P, then one of A's from the pool; then
     the store node is killed and B gets Q: recomputed), and vLLM without the connector, one
     at a time. Prints B's median TTFT cold and from the pool and their ratio, the external
-    hit tokens vLLM counted and whether the greedy tokens of all three agree."""
+    hit tokens vLLM counted, the median TTFT of vLLM without the connector on A's prompts
+    (what a miss costs with it: B's cold one) and whether the greedy tokens agree."""
     from rich.table import Table
 
     from mooncake.cli.output import console, print_json
@@ -68,6 +69,7 @@ def bench_vllm_pool(
         "ttft_b_cold_p50_s": r.median_ttft_s("R"),
         "ttft_b_pool_hit_p50_s": r.median_ttft_s("P"),
         "hit_over_cold_ttft": r.hit_over_cold_ttft,
+        "ttft_no_connector_p50_s": r.median_ttft_s("P", on="c"),
         "ttft_b_store_dead_s": r.b["Q"].ttft_s,
         "external_hit_tokens": r.b_external_hit_tokens,
         "tokens_agree": all(r.agree(k) for k in r.checked),

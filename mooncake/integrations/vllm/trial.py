@@ -87,10 +87,12 @@ class TrialResult:
             self.a[key].token_ids == self.b[key].token_ids == self.c[key].token_ids
         )
 
-    def median_ttft_s(self, prefix: str) -> float:
-        """B's median TTFT over its prompts named `prefix`N ("R": cold, "P": pool hits)."""
+    def median_ttft_s(self, prefix: str, on: str = "b") -> float:
+        """The median TTFT of instance `on` ("a", "b", "c") over its prompts named
+        `prefix`N (on B: "R" cold, "P" pool hits; on C: "P" without the connector)."""
+        answers: dict[str, Answer] = getattr(self, on)
         return statistics.median(
-            x.ttft_s for k, x in self.b.items() if k[0] == prefix and k[1:].isdigit()
+            x.ttft_s for k, x in answers.items() if k[0] == prefix and k[1:].isdigit()
         )
 
     @property
