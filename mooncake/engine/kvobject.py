@@ -198,7 +198,7 @@ def encode_kv_object(
     return builder.commit()
 
 
-def decode_kv_object(
+def decode_kv_head(
     data: bytes | bytearray | memoryview,
     layout: KVLayout,
     fingerprint: bytes,
@@ -206,9 +206,11 @@ def decode_kv_object(
     block_hash: int | None = None,
     token_ids: Sequence[int] | np.ndarray | None = None,
     verify_checksum: bool = True,
-) -> KVObjectView:
-    """Validate an object against what the reader expects; raises KVObjectError if any
-    header field, the block hash, the token ids or the checksum differ. No copy."""
+) -> tuple[int, np.ndarray, np.ndarray]:
+    """Validate an object's head (its first `payload_offset` bytes, or more) against what the
+    reader expects; returns (block hash, token ids, layer digests) without touching a layer,
+    for a reader that lands each layer elsewhere and checks it against its digest. Raises
+    KVObjectError if any header field, the block hash, the token ids or the checksum differ."""
     view = memoryview(data).cast("B")
     name = f"{block_hash:032x}" if block_hash is not None else "KV object"
     if len(view) < HEADER.size:
@@ -222,13 +224,18 @@ def decode_kv_object(
         raise KVObjectError(f"{name}: written by another model or dtype (fingerprint differs)")
     got = (nl, bt, kvh, hd, dtype, poff, size)
     want = (
-        layout.num_layers, layout.block_tokens, layout.num_kv_heads, layout.head_dim,
-        DTYPE_CODES[layout.dtype], layout.payload_offset, layout.object_bytes,
-    )  # fmt: skip
+        layout.num_layers,
+        layout.block_tokens,
+        layout.num_kv_heads,
+        layout.head_dim,
+        DTYPE_CODES[layout.dtype],
+        layout.payload_offset,
+        layout.object_bytes,
+    )
     if got != want:
         raise KVObjectError(f"{name}: header shapes {got} differ from the expected {want}")
-    if len(view) != size:
-        raise KVObjectError(f"{name}: {len(view)} bytes, header says {size}")
+    if len(view) < poff:
+        raise KVObjectError(f"{name}: {len(view)} bytes is shorter than its head ({poff})")
     found_hash = int.from_bytes(bh, "little")
     if block_hash is not None and found_hash != block_hash:
         raise KVObjectError(f"{name}: holds block {found_hash:032x} instead")
@@ -236,11 +243,37 @@ def decode_kv_object(
     if token_ids is not None and not np.array_equal(stored, as_token_array(token_ids)):
         first = int(np.argmax(stored != as_token_array(token_ids)))
         raise KVObjectError(f"{name}: token ids differ from the prompt's at offset {first}")
+    if verify_checksum and xxhash.xxh3_64_intdigest(view[HEADER.size : poff]) != checksum:
+        raise KVObjectError(f"{name}: checksum mismatch (corrupted in memory or transfer)")
+    digests = np.frombuffer(view, dtype="<u8", count=nl, offset=layout.digests_offset)
+    return found_hash, stored, digests
+
+
+def decode_kv_object(
+    data: bytes | bytearray | memoryview,
+    layout: KVLayout,
+    fingerprint: bytes,
+    *,
+    block_hash: int | None = None,
+    token_ids: Sequence[int] | np.ndarray | None = None,
+    verify_checksum: bool = True,
+) -> KVObjectView:
+    """Validate an object against what the reader expects; raises KVObjectError if any
+    header field, the block hash, the token ids or the checksum differ. No copy."""
+    view = memoryview(data).cast("B")
+    found_hash, stored, digests = decode_kv_head(
+        view,
+        layout,
+        fingerprint,
+        block_hash=block_hash,
+        token_ids=token_ids,
+        verify_checksum=verify_checksum,
+    )
+    name = f"{found_hash:032x}"
+    if len(view) != layout.object_bytes:
+        raise KVObjectError(f"{name}: {len(view)} bytes, header says {layout.object_bytes}")
     if verify_checksum:
-        if xxhash.xxh3_64_intdigest(view[HEADER.size : poff]) != checksum:
-            raise KVObjectError(f"{name}: checksum mismatch (corrupted in memory or transfer)")
-        digests = np.frombuffer(view, dtype="<u8", count=nl, offset=layout.digests_offset)
-        for i in range(nl):
+        for i in range(layout.num_layers):
             lo = layout.k_offset(i)
             if xxhash.xxh3_64_intdigest(view[lo : lo + layout.layer_bytes]) != int(digests[i]):
                 raise KVObjectError(

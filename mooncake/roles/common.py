@@ -121,7 +121,7 @@ def create_context(config: Config, role: str) -> NodeContext:
     secret = config.cluster.require_secret().encode()
     for master in config.cluster.master_addresses:
         check_master_address(master)
-    host = config.node.advertise_address or _default_host(config.cluster.master)
+    host = config.node.advertise_address or default_host(config.cluster.master)
     # NOTE: the pid tells processes of one host apart, the random part hosts that share a
     # name but not a pid namespace (containers on the host's network, each pid 1)
     node_id = config.node.id or (
@@ -179,7 +179,7 @@ def check_master_address(master: str) -> None:
         pass  # NOTE: anything but a refusal is left to registration's retries
 
 
-def _default_host(master: str) -> str:
+def default_host(master: str) -> str:
     """The local address that routes to the master (loopback for a local cluster)."""
     host = master.rpartition(":")[0].strip("[]")
     if host in _LOOPBACK:

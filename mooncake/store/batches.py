@@ -176,14 +176,11 @@ class BatchCalls:
         out: dict[str, ValueResult] = {}
         cold = tuple(k for k in wanted if k not in found)
         sent_at, ttl = time.monotonic(), 0.0
-        for start in range(0, len(cold), m.MAX_BATCH):
-            msg = m.BatchGetReplicasMsg(cold[start : start + m.MAX_BATCH], self.node_id)
-            for r in self._call(msg, m.BatchGetReplicasReplyMsg).results:
-                replicas = self.data.rank(r.replicas) if r.status == "ok" else []
-                if replicas:
-                    found[r.key], ttl = (replicas, r.size), r.lease_ttl_s
-                else:
-                    out[r.key] = _miss(r)
+        for r in self.locate_batch(cold):
+            if r.replicas:
+                found[r.key], ttl = (list(r.replicas), r.size), r.lease_ttl_s
+            else:
+                out[r.key] = _miss(r)
         with self._lock:
             self._stage(sum(size for _, size in found.values()))
             plan: ReadPlan = []
@@ -209,6 +206,20 @@ class BatchCalls:
                 if cache is not None and (key in cold or key in moved):
                     cache.put(key, moved.get(key, tried[0]), size, sent_at, ttl)
         return [out[k] for k in map(self._key, keys)]
+
+    def locate_batch(self, keys: Sequence[str]) -> list[GetResult]:
+        """Where each key's committed value is: one GetResult per key, in order, its
+        replicas ranked cheapest first (none readable: an empty list). An "ok" one grants a
+        read lease: read the replicas within `lease_ttl_s` of asking (the caller moves the
+        bytes itself, e.g. a layer at a time straight into its own registered memory)."""
+        out: list[GetResult] = []
+        keys = [self._key(k) for k in keys]
+        for start in range(0, len(keys), m.MAX_BATCH):
+            msg = m.BatchGetReplicasMsg(tuple(keys[start : start + m.MAX_BATCH]), self.node_id)
+            for r in self._call(msg, m.BatchGetReplicasReplyMsg).results:
+                ranked = self.data.rank(r.replicas) if r.status == "ok" else []
+                out.append(msgspec.structs.replace(r, replicas=tuple(ranked)))
+        return out
 
     def exists_batch(self, keys: Sequence[str]) -> list[bool]:
         """Whether each key has a committed object (any number of keys, asked in chunks)."""

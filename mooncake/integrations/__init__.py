@@ -1,0 +1,2 @@
+"""Other serving engines on the pool: `integrations.vllm` is a vLLM v1 KV connector backed
+by the Store and the Transfer Engine. Nothing here is imported by the rest of the package."""
