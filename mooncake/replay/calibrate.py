@@ -34,11 +34,12 @@ from mooncake.configload import load_config
 from mooncake.replay.hostprobe import (
     HostFigures,
     PathScales,
-    control_plane,
+    cpu_per_work,
     cpu_seconds,
     idle_latency_s,
     idle_path_scales,
     idle_sim_ttft_s,
+    role_processes,
 )
 from mooncake.replay.phases import master_status, sim_phases
 from mooncake.replay.prompts import PromptConfig
@@ -169,6 +170,8 @@ def sim_config(
         prefill_nice=plan.prefill_nice if host else 0,
         prefill_scale=host.path.prefill if host else 1.0,
         decode_scale=host.path.decode if host else 1.0,
+        prefill_cpu=host.prefill_cpu if host else 1.0,
+        decode_cpu=host.decode_cpu if host else 1.0,
         request_overhead_s=max(
             0.0, host.overhead_s - idle_sim_ttft_s(cost, plan.block_tokens, host.path)
         )
@@ -259,6 +262,8 @@ def calibrate(
     host = HostFigures(
         overhead_s=float(np.median([r.host.overhead_s for r in runs])),
         background_cores=float(np.median([r.host.background_cores for r in runs])),
+        prefill_cpu_s=float(np.median([r.host.prefill_cpu_s for r in runs])),
+        decode_cpu_s=float(np.median([r.host.decode_cpu_s for r in runs])),
         path=PathScales(
             prefill=float(np.median([r.host.path.prefill for r in runs])),
             decode=float(np.median([r.host.path.decode for r in runs])),
@@ -267,8 +272,11 @@ def calibrate(
     )
     reals = [real_figures(r.report, r.tier_hits) for r in runs]
     real = median_figures(reals)
+    twin_records = scaled_records(records, prompts)
+    _, _, first = simulate(sim_config(plan, config, cost, speed, host), twin_records)
+    host.prefill_cpu, host.decode_cpu = cpu_per_work(host, first)  # NOTE: then again
     sim_cfg = sim_config(plan, config, cost, speed, host)
-    sim, wall, run = simulate(sim_cfg, scaled_records(records, prompts))
+    sim, wall, run = simulate(sim_cfg, twin_records)
     shape = f"{plan.num_prefill}P (groups of {plan.group_size}) + {plan.num_decode}D"
     return Calibration(
         real=real,
@@ -325,10 +333,12 @@ def _real_run(
         on_progress("measuring lone requests of the slice's median length")
         model = CostModel.load(cost)
         host.path = idle_path_scales(cfg, prompts, model, records, host.overhead_s)
-        control = control_plane(launcher)
-        cpu0, t0 = cpu_seconds(control), time.monotonic()
+        groups = [role_processes(launcher, r) for r in ("control", "prefill", "decode")]
+        cpu0, t0 = [cpu_seconds(g) for g in groups], time.monotonic()
         report = replay_fn(records, prompts, cfg, seen.append)
-        host.background_cores = (cpu_seconds(control) - cpu0) / (time.monotonic() - t0)
+        used = [cpu_seconds(g) - c0 for g, c0 in zip(groups, cpu0, strict=True)]
+        host.background_cores = used[0] / (time.monotonic() - t0)
+        host.prefill_cpu_s, host.decode_cpu_s = used[1], used[2]
         status = master_status(launcher.url, launcher.api_key)
     finally:
         on_progress("stopping the local cluster")

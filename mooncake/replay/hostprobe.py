@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+from typing import TYPE_CHECKING
 
 import msgspec
 import numpy as np
@@ -34,6 +35,9 @@ from mooncake.replay.report import RequestRecord
 from mooncake.replay.runner import ReplayConfig, replay
 from mooncake.roles.local import LocalLauncher
 from mooncake.sim.trace import TraceRecord
+
+if TYPE_CHECKING:
+    from mooncake.sim.simulator import Simulator
 
 SCALE_BOUNDS = (0.5, 5.0)  # a probe outside these measured something else: clamped
 PROBE_ID_BASE = 1 << 40  # hash ids far from any trace's, so probes never hit its blocks
@@ -57,14 +61,24 @@ class HostFigures(msgspec.Struct, kw_only=True):
     overhead_s: float = 0.0
     background_cores: float = 0.0
     path: PathScales = msgspec.field(default_factory=PathScales)
+    # CPU seconds the prefill and the decode nodes' processes used during the replay (all
+    # their threads: compute, KV stream, copies, links); the twin prices them per second of
+    # its own compute (`cpu_per_work`)
+    prefill_cpu_s: float = 0.0
+    decode_cpu_s: float = 0.0
+    # from those: the cores a busy prefill stage / decode node wants (`cpu_per_work`)
+    prefill_cpu: float = 1.0
+    decode_cpu: float = 1.0
     host_cores: float = msgspec.field(default_factory=lambda: float(len(os.sched_getaffinity(0))))
 
 
-def control_plane(launcher: LocalLauncher) -> list[psutil.Process]:
-    """The processes that do no model compute: the master, store nodes and this one."""
-    procs = [psutil.Process()]
+def role_processes(launcher: LocalLauncher, *roles: str) -> list[psutil.Process]:
+    """The cluster's processes of `roles` ("control": the master, store nodes and this
+    process, whose replay client is part of the load; else a node role)."""
+    wanted = {"master", "store"} if "control" in roles else set(roles)
+    procs = [psutil.Process()] if "control" in roles else []
     for c in launcher.children:
-        if c.role in ("master", "store"):
+        if c.role in wanted:
             with contextlib.suppress(psutil.Error):
                 procs.append(psutil.Process(c.proc.pid))
     return procs
@@ -138,6 +152,18 @@ def idle_path_scales(
         step = cost.decode_step_time(1, n + output_tokens // 2)
         scales.decode = _clamp(float(np.median(gaps)) / step)
     return scales
+
+
+def cpu_per_work(host: HostFigures, twin: Simulator) -> tuple[float, float]:
+    """The cores a busy prefill stage and a busy decode node want, per second of the
+    twin's compute for them: the CPU seconds their processes used during the replay over
+    the twin's compute seconds on the same slice (1 where either side has none)."""
+    prefill_work = sum(p.busy_s for p in twin.prefill.values())
+    decode_work = sum(d.work_s for d in twin.decode.values())
+    return (
+        _clamp(host.prefill_cpu_s / prefill_work) if prefill_work and host.prefill_cpu_s else 1.0,
+        _clamp(host.decode_cpu_s / decode_work) if decode_work and host.decode_cpu_s else 1.0,
+    )
 
 
 def _clamp(x: float) -> float:

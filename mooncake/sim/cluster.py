@@ -72,6 +72,10 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
     # lone-request probes (replay/hostprobe.py); 1 = the profile is the whole cost
     prefill_scale: float = 1.0
     decode_scale: float = 1.0
+    # cores a busy prefill stage / decode node wants per second of its compute (its
+    # process's other threads too; `sim/host.py`); `bench cluster` measures them
+    prefill_cpu: float = 1.0
+    decode_cpu: float = 1.0
     request_overhead_s: float = 0.0  # control-plane latency before a request is scheduled
     seed: int = 0
 
@@ -89,8 +93,10 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
             )
         if self.host_cores < 0 or self.background_cores < 0 or self.request_overhead_s < 0:
             problems.append("host_cores, background_cores and request_overhead_s must be >= 0")
-        if not (self.prefill_scale > 0 and self.decode_scale > 0):
+        if not all(x > 0 for x in (self.prefill_scale, self.decode_scale)):
             problems.append("prefill_scale and decode_scale must be > 0")
+        if not all(x > 0 for x in (self.prefill_cpu, self.decode_cpu)):
+            problems.append("prefill_cpu and decode_cpu must be > 0")
         if not 0 <= self.prefill_nice <= 19:
             problems.append(f"prefill_nice must be in 0..19, got {self.prefill_nice}")
         if not self.speed > 0:

@@ -56,6 +56,8 @@ class DecodeInstance:
         self.log_t0: list[float] = []  # closed segments: start time, s
         self.version = 0  # NOTE: bumped on every reschedule; older tick events are stale
         self.busy_s = 0.0  # simulated seconds with a non-empty batch
+        self.work_s = 0.0  # of those, the steps' compute as on a host of its own
+        self.slow = 1.0  # the shared host's slowdown of the open segment's steps
         self.reserve = sim.cfg.reserve_at_start
         self.reserved_tokens = 0  # KV room reserved by prefills streaming here
         self.slack_tokens = sim.block_tokens  # room kept per running request to grow
@@ -88,6 +90,7 @@ class DecodeInstance:
         self.step += k
         self.seg_t0 += k * self.tau
         self.busy_s += k * self.tau
+        self.work_s += k * self.tau / self.slow
 
     def finish_due(self) -> None:
         """Retire the requests whose last token was produced by the closed steps."""
@@ -124,7 +127,8 @@ class DecodeInstance:
             self.report()
             return
         step_s = self.cost.decode_step_time(self.n, self.context_tokens) * self.scale
-        self.tau = max(step_s * self.sim.compute_factor("decode"), 1e-6)
+        self.slow = self.sim.compute_factor("decode")
+        self.tau = max(step_s * self.slow, 1e-6)
         end = self.seg_t0 + (self.targets[0][0] - self.step) * self.tau
         self.sim.push(end, self._tick, self.version)
         self.report()

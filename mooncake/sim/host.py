@@ -54,11 +54,16 @@ def slowdown(
     decode_busy: int,
     background_cores: float = 0.0,
     prefill_nice: int = 0,
+    prefill_cpu: float = 1.0,
+    decode_cpu: float = 1.0,
 ) -> float:
-    """The slowdown factor (>= 1) of one single-threaded `kind` ("prefill" or "decode")
-    process on a host of `cores`, with `prefill_busy` prefill stages and `decode_busy`
-    decode nodes running (the one asked about among them, or counted as starting), and
-    `background_cores` of nice-0 control-plane work (API, master, store nodes)."""
+    """The slowdown factor (>= 1) of one `kind` ("prefill" or "decode") process on a host
+    of `cores`, with `prefill_busy` prefill stages and `decode_busy` decode nodes running
+    (the one asked about among them, or counted as starting), and `background_cores` of
+    nice-0 control-plane work (API, master, store nodes). A busy node wants `prefill_cpu`
+    or `decode_cpu` cores (its compute thread and the threads around it: KV stream,
+    copies, links; 1 = one single-threaded process); it is slowed by what it wants over
+    what it gets."""
     if cores <= 0:
         return 1.0
     if kind == "prefill":
@@ -67,9 +72,10 @@ def slowdown(
         decode_busy = max(decode_busy, 1)
     else:
         raise ValueError(f"kind must be 'prefill' or 'decode', got {kind!r}")
-    demands = [(nice_weight(prefill_nice), 1.0)] * prefill_busy
-    demands += [(NICE_0_WEIGHT, 1.0)] * decode_busy
+    demands = [(nice_weight(prefill_nice) * prefill_cpu, prefill_cpu)] * prefill_busy
+    demands += [(NICE_0_WEIGHT * decode_cpu, decode_cpu)] * decode_busy
     if background_cores > 0:
         demands.append((NICE_0_WEIGHT * background_cores, background_cores))
     share = core_shares(demands, cores)[0 if kind == "prefill" else prefill_busy]
-    return max(1.0, 1.0 / share) if share > 0 else float("inf")
+    want = prefill_cpu if kind == "prefill" else decode_cpu
+    return max(1.0, want / share) if share > 0 else float("inf")

@@ -129,6 +129,8 @@ class Simulator:
             decode_busy=sum(1 for d in self.decode.values() if d.n > 0),
             background_cores=cfg.background_cores,
             prefill_nice=cfg.prefill_nice,
+            prefill_cpu=cfg.prefill_cpu,
+            decode_cpu=cfg.decode_cpu,
         )
 
     def host_changed(self, t: float) -> None:

@@ -96,3 +96,33 @@ def test_path_scales_stretch_the_twins_compute_not_its_conductors_prices(tmp_pat
     assert scaled.decision.ttft_s == base.decision.ttft_s
     with pytest.raises(Exception, match="prefill_scale and decode_scale"):
         SimConfig(decode_scale=0)
+
+
+def test_a_node_that_wants_more_than_a_core_is_slowed_by_what_it_wants_over_what_it_gets():
+    """A prefill stage whose KV stream and copy threads keep 1.5 cores busy: alone on 2
+    cores it runs at full speed; two such stages and a decode node at nice 0 split 2 cores
+    by 1.5 : 1.5 : 1, so each stage gets 0.75 of the 1.5 it wants (2x slower)."""
+    alone = slowdown("prefill", 2, prefill_busy=1, decode_busy=0, prefill_cpu=1.5)
+    assert alone == 1.0
+    # 2 stages wanting 1.5 each and a decode node wanting 1, by weight 1.5 : 1.5 : 1 of 2
+    shared = slowdown("prefill", 2, prefill_busy=2, decode_busy=1, prefill_cpu=1.5)
+    assert shared == pytest.approx(1.5 / (2 * 1.5 / 4))
+    # at nice 10 the decode node takes its core; the stages share the other
+    nice = slowdown("prefill", 2, prefill_busy=2, decode_busy=1, prefill_cpu=1.5, prefill_nice=10)
+    assert nice == pytest.approx(1.5 / 0.5)
+    assert slowdown("decode", 2, prefill_busy=2, decode_busy=1, prefill_nice=10) == 1.0
+
+
+def test_cpu_per_work_is_the_processes_cpu_over_the_twins_compute(tmp_path):
+    from mooncake.replay.hostprobe import HostFigures, cpu_per_work
+
+    cost = write_toy_cost(tmp_path / "cost.json", step_per_request_s=0, step_per_token_s=0)
+    trace = load_trace(write_trace(tmp_path / "t.jsonl", [(0, 1000, 11, [1, 2])]))
+    cfg = SimConfig(num_prefill=1, num_decode=1, rejection="none", cost_model_path=cost)
+    sim = Simulator(cfg, trace)
+    sim.run()
+    # 1 s of prefill compute, 10 decode steps of 10 ms
+    host = HostFigures(prefill_cpu_s=1.5, decode_cpu_s=0.08)
+    assert cpu_per_work(host, sim) == pytest.approx((1.5, 0.8))
+    assert cpu_per_work(HostFigures(), sim) == (1.0, 1.0)  # nothing measured
+    assert cpu_per_work(HostFigures(prefill_cpu_s=100.0), sim)[0] == 5.0  # clamped
