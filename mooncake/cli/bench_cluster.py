@@ -142,7 +142,9 @@ def _print(r: Calibration) -> None:
             f"plane {h.background_cores:.2f} cores busy, idle latency "
             f"{h.overhead_s * 1000:.0f} ms; "
             f"lone {h.path.prompt_tokens}-token prompts: prefill path x{h.path.prefill:.2f}, "
-            f"token gap x{h.path.decode:.2f} the cost model's (the twin computes at these)",
+            f"token gap x{h.path.decode:.2f} the cost model's (the twin computes at these); "
+            f"a busy prefill stage keeps {h.prefill_cpu:.2f} cores busy, a decode node "
+            f"{h.decode_cpu:.2f} (their processes' CPU in the replay over the twin's compute)",
             highlight=False,
         )
     if r.real_phases is not None and r.sim_phases is not None:
