@@ -1,7 +1,8 @@
 """The ports a node listens on: `[node] port_range` ("LOW-HIGH"; "" = any free port).
 
-Every listener of a prefill, decode or store node (its RPC server, its Transfer Engine
-data-plane servers, a pipeline stage's listener) binds through `bind_in_range`, which tries
+Every listener of a node (its RPC server, its Transfer Engine data-plane servers, a pipeline
+stage's listener, the master's KV event sockets) binds through `bind_in_range` (ZeroMQ
+sockets through `bind_zmq`), which tries
 LOW, LOW+1, ... HIGH in order, so a firewall rule for the range covers the whole node.
 
     ports = PortRange.parse("7000-7019")            # ConfigError naming node.port_range if bad
@@ -14,11 +15,13 @@ from __future__ import annotations
 import errno
 import socket
 from collections.abc import Callable
-from typing import TYPE_CHECKING, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 from mooncake.errors import ConfigError, MooncakeError
 
 if TYPE_CHECKING:
+    import zmq
+
     from mooncake.config import Config
 
 KEY = "node.port_range"
@@ -84,6 +87,27 @@ def bind_in_range(ports: PortRange | int, bind: Callable[[int], _T], where: str 
         f"{KEY}: every port in {ports} is in use{' on ' + where if where else ''}; widen the "
         "range (each node needs one port per listener) or stop what holds those ports"
     )
+
+
+def bind_zmq(sock: zmq.Socket[Any], address: str, ports: PortRange) -> None:
+    """Bind a ZeroMQ socket to `address`; a tcp address at port 0 takes the first free
+    port of `ports` instead (any free port when the range is unset)."""
+    import zmq
+
+    if ports.is_any or not address.startswith("tcp://") or not address.endswith(":0"):
+        sock.bind(address)
+        return
+    prefix = address.removesuffix("0")
+
+    def bind_port(port: int) -> None:
+        try:
+            sock.bind(f"{prefix}{port}")
+        except zmq.ZMQError as e:  # the range helper moves on only past a port in use
+            if e.errno == zmq.EADDRINUSE:
+                raise OSError(errno.EADDRINUSE, str(e)) from e
+            raise
+
+    bind_in_range(ports, bind_port, prefix.removeprefix("tcp://").rstrip(":"))
 
 
 def listen(host: str, ports: PortRange | int = 0, backlog: int = 128) -> socket.socket:

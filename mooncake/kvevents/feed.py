@@ -14,6 +14,7 @@ from mooncake.api.status import KvEventsStatus
 from mooncake.config import Config
 from mooncake.kvevents.pool import PoolEvents
 from mooncake.kvevents.publisher import Publisher
+from mooncake.portrange import node_ports
 from mooncake.store.objects import StoreEvent
 
 
@@ -50,5 +51,11 @@ def create_pool_feed(config: Config) -> PoolFeed | None:
     kv = config.kv_events
     if not kv.enabled:
         return None
-    pub = Publisher(kv.endpoint, kv.replay_endpoint, topic=kv.topic, buffer_steps=kv.buffer_steps)
+    pub = Publisher(
+        kv.endpoint,
+        kv.replay_endpoint,
+        topic=kv.topic,
+        buffer_steps=kv.buffer_steps,
+        ports=node_ports(config),
+    )
     return PoolFeed(PoolEvents(config.model.block_tokens), pub, kv.topic)

@@ -24,6 +24,7 @@ import zmq
 
 from mooncake.errors import ConfigError
 from mooncake.kvevents.wire import END_SEQ, KVEventBatch, encode_batch, seq_bytes
+from mooncake.portrange import PortRange, bind_zmq
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +40,7 @@ class Publisher:
         topic: str = "",
         buffer_steps: int = 10_000,  # batches kept for replay
         hwm: int = 100_000,  # batches ZeroMQ queues per subscriber before dropping
+        ports: PortRange = PortRange(0, 0),  # where a tcp port 0 binds ([node] port_range)
     ):
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._topic = topic.encode()
@@ -49,12 +51,12 @@ class Publisher:
         self._pub.set_hwm(hwm)
         self._replay: zmq.Socket | None = None
         try:
-            self.endpoint = _bind(self._pub, endpoint, "kv_events.endpoint")
+            self.endpoint = _bind(self._pub, endpoint, "kv_events.endpoint", ports)
             self.replay_endpoint = ""
             if replay_endpoint:
                 self._replay = self._ctx.socket(zmq.ROUTER)
                 self.replay_endpoint = _bind(
-                    self._replay, replay_endpoint, "kv_events.replay_endpoint"
+                    self._replay, replay_endpoint, "kv_events.replay_endpoint", ports
                 )
         except ConfigError:
             self._close_sockets()
@@ -132,10 +134,10 @@ class Publisher:
             self._replay.close(linger=0)
 
 
-def _bind(sock: zmq.Socket, endpoint: str, key: str) -> str:
-    """Bind and return the bound address (the real port for port 0)."""
+def _bind(sock: zmq.Socket, endpoint: str, key: str, ports: PortRange) -> str:
+    """Bind and return the bound address (the real port for port 0: in `ports`)."""
     try:
-        sock.bind(endpoint)
+        bind_zmq(sock, endpoint, ports)
     except zmq.ZMQError as e:
         raise ConfigError(
             f"{key}: cannot bind {endpoint!r} ({e}); use tcp://HOST:PORT (port 0 = any free) "

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import errno
 import logging
 import threading
 import time
@@ -13,7 +12,7 @@ import msgspec
 import zmq
 
 from mooncake.errors import MooncakeError, ProtocolError, RpcError
-from mooncake.portrange import PortRange, bind_in_range
+from mooncake.portrange import PortRange, bind_zmq
 from mooncake.rpc import wire
 from mooncake.rpc.auth import ZapHandler, check_secret, secure_server
 from mooncake.rpc.wire import M, Msg, MsgType
@@ -151,20 +150,7 @@ class RpcServer:
         return "CURVE" if self._secret is not None else "DISABLED"
 
     def _bind(self) -> None:
-        if self.ports.is_any or not self.bind.endswith(":0"):
-            self._sock.bind(self.bind)
-            return
-        prefix = self.bind.removesuffix("0")
-
-        def bind_port(port: int) -> None:
-            try:
-                self._sock.bind(f"{prefix}{port}")
-            except zmq.ZMQError as e:  # the range helper moves on only past a port in use
-                if e.errno == zmq.EADDRINUSE:
-                    raise OSError(errno.EADDRINUSE, str(e)) from e
-                raise
-
-        bind_in_range(self.ports, bind_port, prefix.removeprefix("tcp://").rstrip(":"))
+        bind_zmq(self._sock, self.bind, self.ports)
 
     def _run(self) -> None:
         """The serving loop: blocking receives (no poll) keep the round trip short."""

@@ -47,8 +47,9 @@ def _listening_ports(pid: int) -> set[int]:
 
 def test_every_listener_of_every_node_binds_in_the_range(tmp_path: Path, cost_cache: Path):
     """Two prefill nodes (one pipeline group: stage 1 has a stage listener), a decode node
-    and a store node, each giving DRAM to the pool; the master's direct channel too (its
-    control plane and API keep their configured ports)."""
+    and a store node, each giving DRAM to the pool; the master's direct channel and its KV
+    event sockets (PUB and replay) too (its control plane and API keep their configured
+    ports)."""
     rng = free_block(40)  # the five processes need about a dozen
     extra = {"node.port_range": f"{rng.low}-{rng.high}"}
     with local_cluster(tmp_path, cost_cache, extra=extra) as cluster:  # all ready
@@ -57,7 +58,7 @@ def test_every_listener_of_every_node_binds_in_the_range(tmp_path: Path, cost_ca
         api_port = int(cluster.url.rpartition(":")[2])
     fixed = seen.pop(master)
     direct = {p for p in fixed if rng.low <= p <= rng.high}
-    assert len(direct) == 1 and api_port in fixed - direct and len(fixed) == 3, (fixed, rng)
+    assert len(direct) == 3 and api_port in fixed - direct and len(fixed) == 5, (fixed, rng)
     assert set(seen) == {"prefill-0", "prefill-1", "decode-0", "store-0"}, seen
     for node_id, ports in seen.items():
         outside = {p for p in ports if not rng.low <= p <= rng.high}
