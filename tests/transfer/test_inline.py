@@ -102,11 +102,13 @@ def test_segments_come_and_go_while_transfers_run(engines) -> None:
     pool = b.allocate("pool", 1 << 20)
     errors: list[str] = []
     stop = threading.Event()
+    registered = threading.Barrier(5)  # NOTE: the main thread moves src0/dst0 too
 
     def mover(k: int) -> None:
         src, dst = pattern(8192) ^ k, np.zeros(8192, np.uint8)
         a.register(f"src{k}", src)
         a.register(f"dst{k}", dst)
+        registered.wait(10)
         while not stop.is_set():
             a.move(TransferRequest(WRITE, f"src{k}", 0, "pool", k * 8192, 8192))
             a.move(TransferRequest(READ, f"dst{k}", 0, "pool", k * 8192, 8192))
@@ -116,6 +118,7 @@ def test_segments_come_and_go_while_transfers_run(engines) -> None:
     threads = [threading.Thread(target=mover, args=(k,)) for k in range(4)]
     for t in threads:
         t.start()
+    registered.wait(10)
     try:
         for i in range(30):
             b.allocate(f"extra{i}", 4096)
