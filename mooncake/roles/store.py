@@ -15,9 +15,9 @@ import psutil
 from mooncake.errors import ConfigError
 from mooncake.roles.common import MasterLink, NodeContext, install_signal_handlers, report_ready
 from mooncake.roles.messages import NodeInfoMsg, NodeLoadMsg
-from mooncake.roles.worker import engine_options, start_store_node
+from mooncake.roles.worker import new_store_node, start_store_node
 from mooncake.ssdplace import place_ssd
-from mooncake.store.node import StoreNode, TierSizes
+from mooncake.store.node import TierSizes
 
 log = logging.getLogger(__name__)
 
@@ -45,15 +45,7 @@ def tier_sizes(ctx: NodeContext) -> TierSizes:
 def run_store(ctx: NodeContext) -> None:
     install_signal_handlers(ctx.stop)
     sizes = tier_sizes(ctx)
-    node = StoreNode(
-        ctx.node_id,
-        ctx.master_rpc,
-        ctx.secret,
-        sizes,
-        host=ctx.host,
-        engine_options=engine_options(ctx.config),
-        nic_preference=ctx.nic_preference,
-    )
+    node = new_store_node(ctx, sizes)
     capacity = sizes.vram_bytes + sizes.dram_bytes + sizes.ssd_bytes
     ep = node.engine.endpoints[0]  # a store node serves no RPC: status shows its data plane
     host = f"[{ep.host}]" if ":" in ep.host else ep.host

@@ -115,7 +115,14 @@ def mount_local_tiers(ctx: NodeContext) -> StoreNode | None:
     )
     if not (sizes.dram_bytes or sizes.ssd_bytes):
         return None
-    node = StoreNode(
+    node = new_store_node(ctx, sizes)
+    start_store_node(ctx, node)
+    return node
+
+
+def new_store_node(ctx: NodeContext, sizes: TierSizes) -> StoreNode:
+    """This node's Store node (not mounted yet): its tiers, data plane and NICs."""
+    return StoreNode(
         ctx.node_id,
         ctx.master_rpc,
         ctx.secret,
@@ -124,8 +131,6 @@ def mount_local_tiers(ctx: NodeContext) -> StoreNode | None:
         engine_options=engine_options(ctx.config),
         nic_preference=ctx.nic_preference,
     )
-    start_store_node(ctx, node)
-    return node
 
 
 def start_store_node(ctx: NodeContext, node: StoreNode) -> None:
