@@ -330,7 +330,7 @@ def _real_run(
             replay(records[:warmup], warm, dataclasses.replace(cfg, concurrency=1, speed=1e9))
         on_progress("measuring the idle cluster's fixed latency")
         host = HostFigures(overhead_s=idle_latency_s(cfg, prompts))
-        on_progress("measuring lone requests of the slice's median length")
+        on_progress("measuring lone requests of the slice's lengths (median to P90)")
         model = CostModel.load(cost)
         host.path = idle_path_scales(cfg, prompts, model, records, host.overhead_s)
         groups = [role_processes(launcher, r) for r in ("control", "prefill", "decode")]

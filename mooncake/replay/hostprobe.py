@@ -10,9 +10,12 @@ back through the master. On a small model that work is a large share of the time
 the replay, on the idle cluster, lone requests measure it:
 
 - `idle_latency_s`: prompts of one block and one output token: the fixed latency;
-- `idle_path_scales`: prompts of the slice's median length (other tokens: no cache hits),
-  one at a time: (their TTFT - the fixed latency) over the cost model's prefill of the
-  extra tokens, and their token gaps over the cost model's decode step of a batch of one.
+- `idle_path_scales`: prompts of the slice's lengths from its median to its 90th
+  percentile (other tokens: no cache hits), one at a time: the sum of (TTFT - the fixed
+  latency) over the sum of the cost model's prefill of their extra tokens, and their token
+  gaps over the cost model's decode step of a batch of one. A ratio of sums over prompts
+  as long as the ones that load the cluster: a single short prompt's prefill is a few
+  tens of milliseconds on a small model, within the jitter of one sample.
 
 The twin's prefill groups and decode nodes compute at those factors; its Conductor keeps
 the cost model the real master uses, so both schedulers price requests alike.
@@ -131,27 +134,38 @@ def idle_path_scales(
     cost: CostModel,
     records: list[TraceRecord],
     overhead_s: float,
-    samples: int = 3,
+    samples: int = 5,
     output_tokens: int = 16,
 ) -> PathScales:
-    """Lone prompts of `records`' median length against the cost model (module docstring)."""
-    median = sorted(records, key=lambda r: r.input_length)[len(records) // 2]
+    """Lone prompts of `records`' lengths against the cost model (module docstring)."""
+    ranked = sorted(records, key=lambda r: r.input_length)
+    picks = [ranked[probe_rank(len(ranked), i, samples)] for i in range(samples)]
     out = max(2, round(output_tokens / prompts.output_scale))  # NOTE: the replay scales it
-    probes = [
-        _probe(10 + i, len(median.hash_ids), median.input_length, out) for i in range(samples)
-    ]
-    seen = _lone(probes, cfg, prompts, 3)
-    n, bt = prompts.input_len(median), prompts.block_tokens
-    scales = PathScales(prompt_tokens=n)
-    extra_s = cost.prefill_time(n, 0) - cost.prefill_time(bt + 1, 0)
-    ttfts = [r.ttft_s for r in seen if r.ttft_s is not None]
-    if ttfts and extra_s > 0:
-        scales.prefill = _clamp((float(np.median(ttfts)) - overhead_s) / extra_s)
-    gaps = [g for r in seen for g in r.gaps_s]
+    probes = [_probe(10 + i, len(r.hash_ids), r.input_length, out) for i, r in enumerate(picks)]
+    bt = prompts.block_tokens
+    lengths = [prompts.input_len(r) for r in picks]  # by position, as the replay numbers them
+    scales = PathScales(prompt_tokens=lengths[samples // 2])
+    spent = extra = 0.0
+    gaps: list[float] = []
+    for r in _lone(probes, cfg, prompts, 3):
+        n = lengths[r.index] if 0 <= r.index < len(lengths) else 0
+        if r.ttft_s is None or n <= bt + 1:
+            continue
+        spent += r.ttft_s - overhead_s
+        extra += cost.prefill_time(n, 0) - cost.prefill_time(bt + 1, 0)
+        gaps += [g / cost.decode_step_time(1, n + output_tokens // 2) for g in r.gaps_s]
+    if extra > 0:
+        scales.prefill = _clamp(spent / extra)
     if gaps:
-        step = cost.decode_step_time(1, n + output_tokens // 2)
-        scales.decode = _clamp(float(np.median(gaps)) / step)
+        scales.decode = _clamp(float(np.median(gaps)))
     return scales
+
+
+def probe_rank(count: int, i: int, samples: int) -> int:
+    """The rank of the i-th of `samples` probes among `count` sorted lengths: evenly from
+    the median to the 90th percentile."""
+    q = 0.5 + 0.4 * i / max(1, samples - 1)
+    return min(count - 1, int(q * (count - 1)))
 
 
 def cpu_per_work(host: HostFigures, twin: Simulator) -> tuple[float, float]:

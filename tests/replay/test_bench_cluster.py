@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from mooncake.replay.calibrate import FIGURES, _weighted_pct, scaled_records
+from mooncake.replay.hostprobe import probe_rank
 from mooncake.replay.prompts import PromptConfig
 from mooncake.sim.trace import load_trace
 
@@ -30,6 +31,12 @@ def test_pooled_gap_percentiles_weigh_each_run_by_its_count() -> None:
     runs = [(0.01, 9), (0.5, 1)]
     assert _weighted_pct(runs, 50) == 0.01 and _weighted_pct(runs, 90) == 0.01
     assert _weighted_pct(runs, 95) == 0.5 and _weighted_pct([], 50) is None
+
+
+def test_path_probes_spread_from_the_median_to_the_90th_percentile() -> None:
+    assert [probe_rank(201, i, 5) for i in range(5)] == [100, 120, 140, 160, 180]
+    assert [probe_rank(4, i, 5) for i in range(5)] == [1, 1, 2, 2, 2]
+    assert probe_rank(1, 0, 1) == 0  # one request: itself
 
 
 @pytest.mark.timeout(120)
@@ -61,7 +68,7 @@ def test_bench_cluster_end_to_end_prints_real_sim_and_ratios(tmp_path: Path) -> 
     assert real_ph["num_requests"] >= 4 and sim_ph["num_requests"] == 4
     for ph in (real_ph, sim_ph):
         assert ph["prefill_p50_s"] > 0 and ph["first_step_p50_s"] > 0 and ph["queue_p50_s"] >= 0
-    # lone prompts of the slice's median length priced the real path against the profile
+    # lone prompts of the slice's lengths priced the real path against the profile
     path = data["host"]["path"]
     assert path["prompt_tokens"] > 0
     assert 0.5 <= path["prefill"] <= 5.0 and 0.5 <= path["decode"] <= 5.0
