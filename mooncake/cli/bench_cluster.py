@@ -21,6 +21,9 @@ if TYPE_CHECKING:
 def bench_cluster(
     trace: Path = typer.Argument(..., help="Mooncake-format JSONL trace."),
     limit: int = typer.Option(60, "--limit", min=1, help="Replay the first N requests."),
+    skip: int = typer.Option(
+        0, "--skip", min=0, help="Start the slice after the trace's first N requests."
+    ),
     scale: float = typer.Option(
         0.0625, "--scale", help="Prompt scale (see `mooncake replay`); sets the block size."
     ),
@@ -62,7 +65,7 @@ def bench_cluster(
     from mooncake.roles.local import LocalPlan
     from mooncake.sim.trace import load_trace
 
-    records = load_trace(trace, limit=limit)
+    records = load_trace(trace, limit=limit, skip=skip)
     prompts = PromptConfig(scale=scale, output_scale=scale, max_tokens=max_tokens)
     prompts.validate()
     with tempfile.TemporaryDirectory(prefix="mooncake-bench-cluster-") as tmp:

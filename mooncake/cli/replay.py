@@ -35,6 +35,9 @@ def replay_cmd(
     limit: int = typer.Option(
         0, "--limit", min=0, help="Replay only the first N requests (0 = all)."
     ),
+    skip: int = typer.Option(
+        0, "--skip", min=0, help="Start after the trace's first N requests (--limit counts on)."
+    ),
     speed: float = typer.Option(
         1.0,
         "--speed",
@@ -142,7 +145,7 @@ def replay_cmd(
         tbt_slo_s=tbt_slo,
     )
     cfg.validate()
-    records = load_trace(trace, limit=limit or None)
+    records = load_trace(trace, limit=limit or None, skip=skip)
     if as_json:
         report = replay(records, prompts, cfg)
         print_json(report)

@@ -35,6 +35,16 @@ def pipeline_times(prefill_s: float, chunks: int, stages: int) -> tuple[float, f
     return stage_s, stage_s * (chunks + stages - 1) / chunks
 
 
+def inflight_bound(prompts: int, chunks: int, stages: int) -> float:
+    """The throughput gain of a group given `prompts` equal prompts at once over the same
+    group taking them one at a time, if compute were all: N latency_s against (N - 1)
+    stage_s + latency_s. A prompt of many chunks already keeps every stage busy but for
+    its first and last chunks, so the gain shrinks as chunks grow (2 stages: 4 prompts of
+    4 chunks 1.18x, of 1 chunk 1.6x)."""
+    stage_s, latency_s = pipeline_times(1.0, chunks, stages)
+    return prompts * latency_s / ((prompts - 1) * stage_s + latency_s)
+
+
 def stream_tail_s(chunk_kv_bytes: float, num_layers: int, bytes_per_s: float) -> float:
     """Seconds the streamed hand-off lasts past the last layer's compute: one layer's KV
     of the last chunk written to the decode node."""

@@ -62,16 +62,20 @@ def parse_trace_line(line: bytes | str, where: str, block_tokens: int = 512) -> 
 
 
 def load_trace(
-    path: str | Path, *, limit: int | None = None, block_tokens: int = 512
+    path: str | Path, *, limit: int | None = None, block_tokens: int = 512, skip: int = 0
 ) -> list[TraceRecord]:
-    """The first `limit` records (all when None) of a trace file, validated."""
+    """`limit` records (all when None) of a trace file after its first `skip`, validated
+    (the skipped ones too: a slice is taken from a well-formed trace only). A slice keeps
+    its timestamps; replays and simulations count time from its first request."""
+    if skip < 0:
+        raise TraceError(f"skip: expected a number of requests >= 0, got {skip}")
     path = Path(path)
     try:
         fh = path.open("rb")
     except OSError as e:
         raise TraceError(f"cannot read trace {path}: {e.strerror}") from e
     records: list[TraceRecord] = []
-    last_ts = 0
+    last_ts = skipped = 0
     with fh:
         for lineno, line in enumerate(fh, start=1):
             if limit is not None and len(records) >= limit:
@@ -85,9 +89,13 @@ def load_trace(
                     f"({rec.timestamp} ms after {last_ts} ms); sort the trace by timestamp"
                 )
             last_ts = rec.timestamp
-            records.append(rec)
+            if skipped < skip:
+                skipped += 1
+            else:
+                records.append(rec)
     if not records:
-        raise TraceError(f"trace {path} has no requests")
+        after = f" after the first {skipped}" if skip else ""
+        raise TraceError(f"trace {path} has no requests{after}")
     return records
 
 

@@ -4,7 +4,12 @@ latency is T/S * (C + S - 1)/C, and the queue drains at T/S per queued request."
 import pytest
 
 from mooncake.conductor import ScheduleRequest
-from mooncake.conductor.pipelining import num_chunks, pipeline_times, stream_tail_s
+from mooncake.conductor.pipelining import (
+    inflight_bound,
+    num_chunks,
+    pipeline_times,
+    stream_tail_s,
+)
 from tests.conductor.toy import toy_conductor
 
 
@@ -40,3 +45,12 @@ def test_one_stage_prices_are_unchanged():
     c.schedule(ScheduleRequest(1, 1000, [1]), now=0.0)
     d = c.schedule(ScheduleRequest(2, 1000, [2]), now=0.0)
     assert d.ttft_s == pytest.approx(2.0)
+
+
+def test_the_in_flight_gain_shrinks_as_prompts_have_more_chunks():
+    # 4 prompts on 2 stages: 4 x (C + 1) chunk-stage times against 4 C + 1
+    assert inflight_bound(4, 1, 2) == pytest.approx(8 / 5)
+    assert inflight_bound(4, 4, 2) == pytest.approx(20 / 17)
+    assert inflight_bound(4, 16, 2) == pytest.approx(68 / 65)
+    assert inflight_bound(4, 4, 1) == pytest.approx(1.0)  # one stage: nothing overlaps
+    assert inflight_bound(1, 4, 2) == pytest.approx(1.0)

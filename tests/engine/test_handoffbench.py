@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from typer.testing import CliRunner
 
 from mooncake.cli.app import app, load_verbs
@@ -43,6 +44,7 @@ def test_bench_engine_handoff_and_inflight_report_their_figures() -> None:
         assert figures["ratio"] == figures["ready_s"] / figures["prefill_s"]
     inflight = report["inflight"]
     assert inflight["throughput_ratio"] == inflight["one_at_a_time_s"] / inflight["in_flight_s"]
+    assert inflight["ideal_ratio"] == pytest.approx(3 * 4 / (3 * 3 + 1))  # 3 chunks, 2 stages
     assert (
         "prefill alone (streamed KV hand-off, 200-token prompt, 2-stage group)"
         in (report["runs_s"])

@@ -14,6 +14,17 @@ def test_fixture_loads_with_limit():
     assert trace_span_s(records) == records[-1].timestamp / 1000
 
 
+def test_a_slice_after_skipped_requests_keeps_its_records():
+    whole = load_trace(FIXTURE)
+    part = load_trace(FIXTURE, skip=100, limit=50)
+    assert part == whole[100:150]
+    assert load_trace(FIXTURE, skip=290) == whole[290:]
+    with pytest.raises(TraceError, match="no requests after the first 300"):
+        load_trace(FIXTURE, skip=300)
+    with pytest.raises(TraceError, match="skip: expected"):
+        load_trace(FIXTURE, skip=-1)
+
+
 GOOD = '{"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [0, 1]}'
 
 
