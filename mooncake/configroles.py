@@ -119,6 +119,16 @@ class DecodeConfig(msgspec.Struct, **_STRUCT):
             gt=0,
         ),
     ] = 120.0
+    step_interval_s: Annotated[
+        float,
+        knob(
+            "Least seconds from one decode step's start to the next's (0: back to back). "
+            "A decode node sharing its cores with prefill work leaves them the time its "
+            "steps do not need; keep it under scheduler.tbt_slo_s. up --local sets half "
+            "the TBT SLO when its compute nodes outnumber the host's cores.",
+            ge=0,
+        ),
+    ] = 0.0
     poll_s: Annotated[
         float,
         knob(

@@ -172,6 +172,7 @@ def sim_config(
         decode_scale=host.path.decode if host else 1.0,
         prefill_cpu=host.prefill_cpu if host else 1.0,
         decode_cpu=host.decode_cpu if host else 1.0,
+        decode_step_interval_s=plan.decode_step_interval_s,
         request_overhead_s=max(
             0.0, host.overhead_s - idle_sim_ttft_s(cost, plan.block_tokens, host.path)
         )

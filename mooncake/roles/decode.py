@@ -300,7 +300,9 @@ class DecodeNode:
         failures = 0
         max_failures = self.ctx.config.decode.max_step_failures
         poll_s = self.ctx.config.decode.poll_s
+        pace_s = self.ctx.config.decode.step_interval_s
         while not self.halt.is_set():
+            started = time.monotonic()
             with watch.busy():
                 try:
                     events = []
@@ -319,6 +321,9 @@ class DecodeNode:
                     error = ""
             if events:
                 self._send(events, error)
+                left = started + pace_s - time.monotonic() if self.runner.running else 0.0
+                if left > 0:  # paced (decode.step_interval_s); newcomers join the next step
+                    self.halt.wait(left)
             elif not self.runner.has_work and self.commands.empty():
                 self.wake.wait(poll_s)
                 self.wake.clear()

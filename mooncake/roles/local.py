@@ -34,7 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mooncake.config import Config, DecodeConfig
+from mooncake.config import Config, DecodeConfig, SchedulerConfig
 from mooncake.configload import load_config
 from mooncake.errors import MooncakeError
 from mooncake.ha.localetcd import LocalEtcd, tmpfs_data_dir
@@ -51,6 +51,7 @@ from mooncake.roles.supervisor import Child, NodeEvent, RestartPolicy, Superviso
 
 log = logging.getLogger(__name__)
 PREFILL_NICE = 10  # node.nice of prefill nodes sharing the host's cores with decode nodes
+PACE_OF_TBT_SLO = 0.5  # on a shared host, a decode step starts at most once per this x TBT SLO
 READY_TIMEOUT_S = 180.0  # seconds a node may take to load and report ready
 SCHEDULABLE_TIMEOUT_S = 30.0  # seconds for the master to see every ready node
 CONFIG_NAME = "mooncake-local.toml"
@@ -94,8 +95,24 @@ class LocalPlan:
         go first as separate devices would keep them apart; else 0."""
         if "node.nice" in self.extra:
             return int(str(self.extra["node.nice"]))
-        shared = self.num_prefill + self.num_decode > len(os.sched_getaffinity(0))
-        return PREFILL_NICE if shared else 0
+        return PREFILL_NICE if self.shares_cores else 0
+
+    @property
+    def shares_cores(self) -> bool:
+        """Its compute nodes outnumber this host's cores (one each)."""
+        return self.num_prefill + self.num_decode > len(os.sched_getaffinity(0))
+
+    @property
+    def decode_step_interval_s(self) -> float:
+        """The pace of its decode steps: `decode.step_interval_s` when given; else half the
+        TBT SLO when its compute nodes share the cores (a decode node's steps then leave
+        the prefill stages the time the SLO does not need), else 0 (back to back)."""
+        if "decode.step_interval_s" in self.extra:
+            return float(str(self.extra["decode.step_interval_s"]))
+        if not self.shares_cores:
+            return 0.0
+        slo = self.extra.get("scheduler.tbt_slo_s", SchedulerConfig().tbt_slo_s)
+        return PACE_OF_TBT_SLO * float(str(slo))
 
 
 def free_port() -> int:
@@ -222,6 +239,9 @@ class LocalLauncher:
             cmd = [*placed.prefix, *cmd, "--set", f"node.advertise_address={placed.address}"]
         if role == "prefill" and "node.nice" not in self.plan.extra and self.plan.prefill_nice:
             cmd += ["--set", f"node.nice={self.plan.prefill_nice}"]
+        pace = self.plan.decode_step_interval_s
+        if role == "decode" and "decode.step_interval_s" not in self.plan.extra and pace:
+            cmd += ["--set", f"decode.step_interval_s={pace}"]
         proc = self._forker.submit(
             subprocess.Popen, cmd, stdout=subprocess.PIPE, env=env, preexec_fn=_die_with_parent
         ).result()

@@ -77,6 +77,8 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
     prefill_cpu: float = 1.0
     decode_cpu: float = 1.0
     request_overhead_s: float = 0.0  # control-plane latency before a request is scheduled
+    # least seconds from one decode step's start to the next's (decode.step_interval_s)
+    decode_step_interval_s: float = 0.0
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -91,8 +93,10 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
             problems.append(
                 f"rejection {self.rejection!r} is not one of {', '.join(REJECTION_MODES)}"
             )
-        if self.host_cores < 0 or self.background_cores < 0 or self.request_overhead_s < 0:
+        if min(self.host_cores, self.background_cores, self.request_overhead_s) < 0:
             problems.append("host_cores, background_cores and request_overhead_s must be >= 0")
+        if self.decode_step_interval_s < 0:
+            problems.append("decode_step_interval_s must be >= 0")
         if not all(x > 0 for x in (self.prefill_scale, self.decode_scale)):
             problems.append("prefill_scale and decode_scale must be > 0")
         if not all(x > 0 for x in (self.prefill_cpu, self.decode_cpu)):

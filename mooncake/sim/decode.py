@@ -58,6 +58,9 @@ class DecodeInstance:
         self.busy_s = 0.0  # simulated seconds with a non-empty batch
         self.work_s = 0.0  # of those, the steps' compute as on a host of its own
         self.slow = 1.0  # the shared host's slowdown of the open segment's steps
+        self.step_work = 0.0  # the open segment's step compute as on a host of its own
+        self.pace = sim.cfg.decode_step_interval_s  # least seconds from step to step
+        self.duty = 1.0  # the share of a step's time spent computing (< 1 when paced)
         self.reserve = sim.cfg.reserve_at_start
         self.reserved_tokens = 0  # KV room reserved by prefills streaming here
         self.slack_tokens = sim.block_tokens  # room kept per running request to grow
@@ -90,7 +93,7 @@ class DecodeInstance:
         self.step += k
         self.seg_t0 += k * self.tau
         self.busy_s += k * self.tau
-        self.work_s += k * self.tau / self.slow
+        self.work_s += k * self.step_work
 
     def finish_due(self) -> None:
         """Retire the requests whose last token was produced by the closed steps."""
@@ -126,9 +129,11 @@ class DecodeInstance:
         if self.n == 0:
             self.report()
             return
-        step_s = self.cost.decode_step_time(self.n, self.context_tokens) * self.scale
+        self.step_work = self.cost.decode_step_time(self.n, self.context_tokens) * self.scale
         self.slow = self.sim.compute_factor("decode")
-        self.tau = max(step_s * self.slow, 1e-6)
+        compute = max(self.step_work * self.slow, 1e-6)
+        self.tau = max(compute, self.pace)  # paced: a step starts once per interval at most
+        self.duty = compute / self.tau
         end = self.seg_t0 + (self.targets[0][0] - self.step) * self.tau
         self.sim.push(end, self._tick, self.version)
         self.report()
@@ -178,7 +183,7 @@ class DecodeInstance:
             self.join(req)
             self.sim.conductor.on_decode_started(req.rid, t)
             self.reschedule()
-            req.first_token = self.seg_t0 + self.tau
+            req.first_token = self.seg_t0 + self.tau * self.duty  # its step's compute
             return
         ok = decode_can_admit(
             self.cost,

@@ -56,6 +56,7 @@ def slowdown(
     prefill_nice: int = 0,
     prefill_cpu: float = 1.0,
     decode_cpu: float = 1.0,
+    decode_duty: float = 1.0,
 ) -> float:
     """The slowdown factor (>= 1) of one `kind` ("prefill" or "decode") process on a host
     of `cores`, with `prefill_busy` prefill stages and `decode_busy` decode nodes running
@@ -63,7 +64,9 @@ def slowdown(
     nice-0 control-plane work (API, master, store nodes). A busy node wants `prefill_cpu`
     or `decode_cpu` cores (its compute thread and the threads around it: KV stream,
     copies, links; 1 = one single-threaded process); it is slowed by what it wants over
-    what it gets."""
+    what it gets. A paced decode node (decode.step_interval_s) computes `decode_duty` of
+    its time: the others see that share of its demand; it competes in full while it
+    steps."""
     if cores <= 0:
         return 1.0
     if kind == "prefill":
@@ -73,7 +76,8 @@ def slowdown(
     else:
         raise ValueError(f"kind must be 'prefill' or 'decode', got {kind!r}")
     demands = [(nice_weight(prefill_nice) * prefill_cpu, prefill_cpu)] * prefill_busy
-    demands += [(NICE_0_WEIGHT * decode_cpu, decode_cpu)] * decode_busy
+    duty = 1.0 if kind == "decode" else decode_duty
+    demands += [(NICE_0_WEIGHT * decode_cpu * duty, decode_cpu * duty)] * decode_busy
     if background_cores > 0:
         demands.append((NICE_0_WEIGHT * background_cores, background_cores))
     share = core_shares(demands, cores)[0 if kind == "prefill" else prefill_busy]

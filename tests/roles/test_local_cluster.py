@@ -15,11 +15,13 @@ from mooncake.roles.local import LocalLauncher
 from tests.roles.cluster import local_cluster
 
 pytestmark = pytest.mark.timeout(240)
+PACE_S = 0.05
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory, cost_cache: Path) -> Iterator[LocalLauncher]:
-    with local_cluster(tmp_path_factory.mktemp("local"), cost_cache) as launcher:
+    pace = {"decode.step_interval_s": PACE_S}  # as up --local sets it on a 2-core host
+    with local_cluster(tmp_path_factory.mktemp("local"), cost_cache, extra=pace) as launcher:
         yield launcher
 
 
@@ -151,6 +153,24 @@ def test_the_openai_client_streams_a_chat(cluster: LocalLauncher) -> None:
     assert finish == ["length"] and whole.usage is not None
     assert whole.usage.completion_tokens == 6
     assert text == whole.choices[0].message.content  # greedy: streamed == not streamed
+
+
+def test_decode_steps_keep_their_pace(cluster: LocalLauncher) -> None:
+    """decode.step_interval_s: a step starts once per interval at most, so 12 tokens (11
+    decode steps after the prefill's token) take at least 10 intervals to stream."""
+    import time
+
+    import openai
+
+    client = openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused")
+    seen: list[float] = []
+    for c in client.completions.create(
+        model="dummy:tiny", prompt=[7] * 40, max_tokens=12, temperature=0, stream=True,
+        extra_body={"ignore_eos": True},
+    ):  # fmt: skip
+        if c.choices and c.choices[0].text:
+            seen.append(time.monotonic())
+    assert seen and seen[-1] - seen[0] >= 10 * PACE_S
 
 
 def test_the_next_turn_of_a_conversation_reuses_the_decoded_tokens_kv(

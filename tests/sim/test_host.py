@@ -47,7 +47,7 @@ def test_at_nice_10_a_busy_decode_node_keeps_its_core_and_prefill_pays():
         slowdown("store", 2, prefill_busy=0, decode_busy=0)
 
 
-def _run(tmp_path, nice):
+def _run(tmp_path, nice, **kw):
     """A long-decoding request, then a prompt while it decodes, on a 2-stage group and a
     decode node sharing 2 cores."""
     cost = write_toy_cost(tmp_path / "cost.json", step_per_request_s=0, step_per_token_s=0)
@@ -61,6 +61,7 @@ def _run(tmp_path, nice):
         cost_model_path=cost,
         host_cores=2,
         prefill_nice=nice,
+        **kw,
     )
     sim = Simulator(cfg, load_trace(write_trace(tmp_path / "t.jsonl", rows)))
     sim.run()
@@ -126,3 +127,19 @@ def test_cpu_per_work_is_the_processes_cpu_over_the_twins_compute(tmp_path):
     assert cpu_per_work(host, sim) == pytest.approx((1.5, 0.8))
     assert cpu_per_work(HostFigures(), sim) == (1.0, 1.0)  # nothing measured
     assert cpu_per_work(HostFigures(prefill_cpu_s=100.0), sim)[0] == 5.0  # clamped
+
+
+def test_a_paced_decode_node_leaves_the_prefill_stages_what_its_steps_do_not_need(tmp_path):
+    """decode.step_interval_s: 10 ms steps started every 40 ms compute a quarter of the
+    time; at nice 10 the two stages share the 1.75 cores left (not 1), and the decode
+    node's gaps are the interval."""
+    kw = {"prefill_busy": 2, "decode_busy": 1, "decode_duty": 0.25}
+    assert slowdown("prefill", 2, prefill_nice=10, **kw) == pytest.approx(1 / 0.875)
+    assert slowdown("decode", 2, prefill_busy=2, decode_busy=1, decode_duty=0.25) == (
+        pytest.approx(slowdown("decode", 2, prefill_busy=2, decode_busy=1))
+    )  # it competes in full while it steps
+    paced = _run(tmp_path, 10, decode_step_interval_s=0.04)
+    assert paced[1].prefill_end - paced[1].prefill_start == pytest.approx(1 / 0.875)
+    assert paced[0].tbt == pytest.approx(0.04)
+    with pytest.raises(Exception, match="decode_step_interval_s"):
+        SimConfig(decode_step_interval_s=-1)
