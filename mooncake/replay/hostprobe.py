@@ -136,8 +136,13 @@ def idle_path_scales(
     overhead_s: float,
     samples: int = 5,
     output_tokens: int = 16,
+    pace_s: float = 0.0,
 ) -> PathScales:
-    """Lone prompts of `records`' lengths against the cost model (module docstring)."""
+    """Lone prompts of `records`' lengths against the cost model (module docstring). A
+    paced decode node (`pace_s`: decode.step_interval_s) spaces steps that compute faster
+    than the pace: a gap is priced against the longer of the profiled step and the pace,
+    so such steps measure 1 (their compute hidden by the pace) and slower ones their own
+    cost."""
     ranked = sorted(records, key=lambda r: r.input_length)
     picks = [ranked[probe_rank(len(ranked), i, samples)] for i in range(samples)]
     out = max(2, round(output_tokens / prompts.output_scale))  # NOTE: the replay scales it
@@ -153,7 +158,8 @@ def idle_path_scales(
             continue
         spent += r.ttft_s - overhead_s
         extra += cost.prefill_time(n, 0) - cost.prefill_time(bt + 1, 0)
-        gaps += [g / cost.decode_step_time(1, n + output_tokens // 2) for g in r.gaps_s]
+        step = max(cost.decode_step_time(1, n + output_tokens // 2), pace_s)
+        gaps += [g / step for g in r.gaps_s]
     if extra > 0:
         scales.prefill = _clamp(spent / extra)
     if gaps:
