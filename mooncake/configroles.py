@@ -124,8 +124,8 @@ class DecodeConfig(msgspec.Struct, **_STRUCT):
         knob(
             "Least seconds from one decode step's start to the next's (0: back to back). "
             "A decode node sharing its cores with prefill work leaves them the time its "
-            "steps do not need; keep it under scheduler.tbt_slo_s. up --local sets half "
-            "the TBT SLO when its compute nodes outnumber the host's cores.",
+            "steps do not need (a step of a fraction of the TBT SLO); keep it well under "
+            "scheduler.tbt_slo_s, and at 0 on a node with devices of its own.",
             ge=0,
         ),
     ] = 0.0

@@ -20,7 +20,7 @@ PACE_S = 0.05
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory, cost_cache: Path) -> Iterator[LocalLauncher]:
-    pace = {"decode.step_interval_s": PACE_S}  # as up --local sets it on a 2-core host
+    pace = {"decode.step_interval_s": PACE_S}  # [decode] step_interval_s, half the TBT SLO
     with local_cluster(tmp_path_factory.mktemp("local"), cost_cache, extra=pace) as launcher:
         yield launcher
 

@@ -42,16 +42,14 @@ def test_up_local_lowers_prefill_nodes_only_when_the_cores_are_shared(
     prefill, decode = launched
     assert (f"node.nice={PREFILL_NICE}" in prefill) == nice
     assert not any(a.startswith("node.nice") for a in decode)
-    # the decode node paces its steps at half the TBT SLO, leaving the stages the rest
-    assert ("decode.step_interval_s=0.05" in decode) == nice
-    assert not any(a.startswith("decode.step_interval_s") for a in prefill)
+    assert not any(a.startswith("decode.step_interval_s") for a in decode)
+    assert plan_pace(tmp_path) == 0.0  # decode steps are paced only when asked
 
 
-def test_a_pace_or_slo_given_wins_over_up_locals(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setattr(local.os, "sched_getaffinity", lambda _pid: {0, 1})
-    plan = LocalPlan(num_prefill=2, num_decode=1, run_dir=tmp_path)
-    assert plan.shares_cores and plan.decode_step_interval_s == 0.05
-    plan.extra = {"scheduler.tbt_slo_s": "0.2"}
-    assert plan.decode_step_interval_s == pytest.approx(0.1)
-    plan.extra = {"decode.step_interval_s": 0}
-    assert plan.decode_step_interval_s == 0
+def plan_pace(tmp_path: Path, **extra: object) -> float:
+    plan = LocalPlan(num_prefill=2, num_decode=1, run_dir=tmp_path, extra=extra)
+    return plan.decode_step_interval_s
+
+
+def test_the_twin_reads_the_pace_given() -> None:
+    assert plan_pace(Path("/nonexistent"), **{"decode.step_interval_s": "0.05"}) == 0.05
