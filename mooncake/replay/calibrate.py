@@ -333,7 +333,7 @@ def _real_run(
         host = HostFigures(overhead_s=idle_latency_s(cfg, prompts))
         on_progress("measuring lone requests of the slice's lengths (median to P90)")
         model = CostModel.load(cost)
-        pace = plan.decode_step_interval_s  # NOTE: up --local sets it on the decode node
+        pace = plan.decode_step_interval_s  # a --set of the bench's; 0 unless given
         host.path = idle_path_scales(cfg, prompts, model, records, host.overhead_s, pace_s=pace)
         groups = [role_processes(launcher, r) for r in ("control", "prefill", "decode")]
         cpu0, t0 = [cpu_seconds(g) for g in groups], time.monotonic()

@@ -94,20 +94,13 @@ class LocalPlan:
         go first as separate devices would keep them apart; else 0."""
         if "node.nice" in self.extra:
             return int(str(self.extra["node.nice"]))
-        return PREFILL_NICE if self.shares_cores else 0
-
-    @property
-    def shares_cores(self) -> bool:
-        """Its compute nodes outnumber this host's cores (one each)."""
-        return self.num_prefill + self.num_decode > len(os.sched_getaffinity(0))
+        shared = self.num_prefill + self.num_decode > len(os.sched_getaffinity(0))
+        return PREFILL_NICE if shared else 0
 
     @property
     def decode_step_interval_s(self) -> float:
         """The pace of its decode steps: `decode.step_interval_s` when given, else 0 (back
-        to back). Not set for the user: on a model whose steps take a fraction of the TBT
-        SLO a pace of half the SLO gave prompts the cores back (TTFT P50 -17..-23% on
-        dummy:tiny), but where steps take about that long it only pushed the TBT tail
-        over the SLO."""
+        to back; README: where a pace helps on a shared host and where it does not)."""
         return float(str(self.extra.get("decode.step_interval_s", 0.0)))
 
 
