@@ -341,6 +341,13 @@ class ModelConfig(msgspec.Struct, **_STRUCT):
     max_model_len: Annotated[
         int, knob("Longest prompt+output in tokens; 0 = from the model.", ge=0)
     ] = 0
+    cpu_gemm: Annotated[
+        Literal["onednn", "torch"],
+        knob(
+            "CPU matmuls: onednn = weights packed once for oneDNN (as vLLM's CPU backend; "
+            "falls back to torch where unsupported), torch = F.linear (MKL)."
+        ),
+    ] = "onednn"
 
 
 class ApiConfig(msgspec.Struct, **_STRUCT):

@@ -74,7 +74,9 @@ class EngineBackend(BaseBackend):
         if num_threads:
             torch.set_num_threads(num_threads)
         spec = info.spec
-        self.model = create_model(info, resolve_dtype(info, config.dtype, device), device)
+        self.model = create_model(
+            info, resolve_dtype(info, config.dtype, device), device, cpu_gemm=config.cpu_gemm
+        )
         elem = next(self.model.parameters()).element_size()
         block_bytes = spec.num_layers * PagedKVCache.block_bytes_per_layer(
             config.block_tokens, spec.num_kv_heads, spec.head_dim, elem

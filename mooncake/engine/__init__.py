@@ -5,6 +5,7 @@ Map (torch is imported only by the modules marked *):
 - `modelinfo`   what a model path names: its `ModelSpec`, weight layout, special tokens, KV dtype
 - `tokenizer`   byte-level tokenizer for dummy models, `tokenizers` for HF dirs, chat templates
 - `model` *     RMSNorm, RoPE (llama3 scaling), GQA attention over paged KV, SwiGLU, layer ranges
+- `cpugemm` *   CPU linears through oneDNN with weights packed once at load
 - `weights` *   deterministic random weights for `dummy:*`, safetensors loading for HF dirs
 - `kvcache` *   paged KV in device memory: block allocator and per-layer block tensors
 - `kvobject`    the KV object format of the pool: header + layer-contiguous K and V, validation

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from mooncake.engine.cpugemm import pack_linears
 from mooncake.engine.model import Model, rope_inv_freq
 from mooncake.engine.modelinfo import ModelInfo
 from mooncake.errors import ConfigError
@@ -42,10 +43,13 @@ def create_model(
     device: str = "cpu",
     layer_range: tuple[int, int] | None = None,
     seed: int = 0,
+    cpu_gemm: str = "onednn",
 ) -> Model:
     """A model (or the stage owning `layer_range`) with its weights, in eval mode.
 
-    `device="meta"` builds shapes only (no memory), for shape checks of the big specs.
+    `device="meta"` builds shapes only (no memory), for shape checks of the big specs. On
+    CPU its linear layers are then packed for oneDNN unless `cpu_gemm` is "torch"
+    (`cpugemm.pack_linears`).
     """
     with torch.device("meta"):
         model = Model(info, layer_range)
@@ -59,6 +63,8 @@ def create_model(
         _fill_dummy(model, seed)
     else:
         _load_hf(model, info)
+    if device == "cpu":
+        pack_linears(model, cpu_gemm)
     return model.eval()
 
 

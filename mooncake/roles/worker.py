@@ -84,7 +84,7 @@ def load_worker(
     info = load_model_info(cfg.model.path)
     dtype = resolve_dtype(info, cfg.model.dtype, device)
     first, end = layers or (0, info.spec.num_layers)
-    model = create_model(info, dtype, device, (first, end))
+    model = create_model(info, dtype, device, (first, end), cpu_gemm=cfg.model.cpu_gemm)
     bt = cfg.model.block_tokens
     num_blocks = cache_blocks(cache_size, ctx, info, dtype, end - first, bt, device)
     cache = PagedKVCache.for_model(model, num_blocks, bt)

@@ -1,0 +1,74 @@
+"""oneDNN-packed linears: F.linear's product for every row count, swapped in at load, and
+refused (the model left on F.linear) where oneDNN cannot run them."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+from mooncake.engine.cpugemm import MIN_ROWS, PackedLinear, pack_linears
+from mooncake.engine.kvcache import PagedKVCache
+from mooncake.engine.prefill import PrefillRunner
+from mooncake.engine.weights import create_model
+from tests.engine.conftest import BLOCK, prompt
+
+needs_onednn = pytest.mark.skipif(
+    not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN"
+)
+
+
+@needs_onednn
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, MIN_ROWS - 1, MIN_ROWS, 37])
+def test_a_packed_linear_gives_f_linear_s_product(rows, bias):
+    torch.manual_seed(rows)
+    linear = nn.Linear(96, 160, bias=bias)
+    packed = PackedLinear(linear)
+    x = torch.randn(rows, 96)
+    with torch.no_grad():
+        torch.testing.assert_close(packed(x), linear(x), rtol=1e-5, atol=1e-5)
+        x3 = torch.randn(2, rows, 96)  # leading dims are kept
+        torch.testing.assert_close(packed(x3), linear(x3), rtol=1e-5, atol=1e-5)
+        strided = torch.randn(rows, 192)[:, ::2]  # a non-contiguous input
+        torch.testing.assert_close(packed(strided), linear(strided), rtol=1e-5, atol=1e-5)
+    assert torch.equal(packed.weight, linear.weight)
+    assert not any(p is linear.weight for p in packed.parameters())
+
+
+@needs_onednn
+def test_the_model_s_linears_are_packed_and_its_logits_unchanged(tiny_info):
+    """Every linear of a CPU model is packed by default; prefill logits and KV match the
+    F.linear model's."""
+    packed = create_model(tiny_info, "float32", "cpu")
+    plain = create_model(tiny_info, "float32", "cpu", cpu_gemm="torch")
+    assert not any(type(m) is nn.Linear for m in packed.modules())
+    assert sum(type(m) is PackedLinear for m in packed.modules()) == 4 * len(packed.layers) + 1
+    assert not any(type(m) is PackedLinear for m in plain.modules())
+    ids = prompt(45)
+    results = []
+    for model in (packed, plain):
+        cache = PagedKVCache.for_model(model, 16, BLOCK)
+        out = PrefillRunner(model, cache, chunk_tokens=16).prefill(ids)
+        results.append((out.logits, cache.gather(model.first_layer, out.block_ids, 45)))
+    (lp, kvp), (lt, kvt) = results
+    torch.testing.assert_close(lp, lt, rtol=1e-4, atol=1e-4)
+    for a, b in zip(kvp, kvt, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_a_dtype_onednn_cannot_take_stays_on_f_linear(caplog):
+    model = nn.Sequential(nn.Linear(8, 8).to(torch.float16))
+    with caplog.at_level(logging.INFO, logger="mooncake.engine.cpugemm"):
+        assert pack_linears(model) == 0
+    assert type(model[0]) is nn.Linear
+    assert "stay on torch's F.linear" in caplog.text and "float16" in caplog.text
+
+
+def test_torch_keeps_f_linear_and_an_unknown_backend_is_named():
+    model = nn.Sequential(nn.Linear(8, 8))
+    assert pack_linears(model, "torch") == 0 and type(model[0]) is nn.Linear
+    with pytest.raises(ValueError, match="'mkl'.*allowed are onednn, torch"):
+        pack_linears(model, "mkl")
