@@ -8,7 +8,7 @@ import typer
 
 from mooncake.cli.app import bench_app
 
-PARTS = ("throughput", "stream", "reuse", "pipeline", "handoff", "inflight")
+PARTS = ("throughput", "stream", "reuse", "pipeline", "handoff", "inflight", "gemm")
 DEFAULT_PARTS = ("throughput", "stream", "reuse", "pipeline")
 Row = tuple[str, Any, str]  # (measurement, benchmarks.Timing, figure)
 Section = tuple[str, list[Row]]
@@ -30,7 +30,8 @@ def bench_engine(
         "(layer-wise KV store vs prefill alone vs store after prefill), reuse (prefill with "
         "part of the prompt from the pool vs full), pipeline (2 stages in 2 processes vs 1), "
         "handoff (prefill start to KV on the decode side vs the prefill alone, 1 and 2 "
-        "stages), inflight (a 2-stage group given prompts at once vs one at a time).",
+        "stages), inflight (a 2-stage group given prompts at once vs one at a time), gemm "
+        "(prefill and decode steps with oneDNN-packed linears vs F.linear, model.cpu_gemm).",
     ),
     model: str = typer.Option(
         "dummy:tiny",
@@ -168,6 +169,8 @@ def bench_engine(
         )
         report["pipeline_ratio"] = two.best / one.best
         report["pipeline_ratio_median"] = two.median / one.median
+    if "gemm" in chosen:
+        _gemm_part(bench, emit, report, lens[0], batches, decode_context, decode_steps, repeat)
     if {"handoff", "inflight"} & set(chosen):
         _handoff_parts(
             bench,
@@ -246,6 +249,35 @@ def _handoff_parts(
             }
     finally:
         hb.close()
+
+
+def _gemm_part(
+    bench: Any,
+    emit: Any,
+    report: dict[str, Any],
+    length: int,
+    batches: list[int],
+    context: int,
+    steps: int,
+    repeat: int,
+) -> None:
+    from mooncake.engine.cpugemm import PackedLinear
+
+    packed = any(isinstance(m, PackedLinear) for m in bench.model.modules())
+    report["gemm"] = {"packed": packed}
+    rows: list[Row] = []
+    for name, t in bench.gemm(length, batches, context, steps, repeat).items():
+        speedup = t["torch"].best / t["onednn"].best
+        rows.append((f"{name}, F.linear", t["torch"], ""))
+        rows.append((f"{name}, oneDNN", t["onednn"], f"{speedup:.2f}x faster"))
+        report["gemm"][name] = {
+            "torch_s": t["torch"].best,
+            "onednn_s": t["onednn"].best,
+            "speedup": speedup,
+            "speedup_median": t["torch"].median / t["onednn"].median,
+        }
+    note = "" if packed else " (oneDNN could not run here: both are F.linear)"
+    emit(f"CPU matmuls, oneDNN-packed vs F.linear{note}", rows)
 
 
 def _print_table(title: str, rows: list[Row]) -> None:

@@ -11,6 +11,7 @@ noisy neighbour slows both alike; each reports the best and the median of its re
               the CLI sets the time cut beside its FLOP bound (`ModelSpec.prefill_flops`):
               use `dummy:small`, as on `dummy:tiny` attention caps the cut near 32%
 - pipeline:   one process / a 2-stage pipeline with stage 1 in a second process over TCP
+- gemm:       prefill and decode steps with oneDNN-packed linears / with F.linear (MKL)
 """
 
 from __future__ import annotations
@@ -85,10 +86,16 @@ class Bench:
     """One model, one KV cache and one DRAM pool, shared by the measurements."""
 
     def __init__(
-        self, info: ModelInfo, dtype: str, block_tokens: int, chunk_tokens: int, num_blocks: int
+        self,
+        info: ModelInfo,
+        dtype: str,
+        block_tokens: int,
+        chunk_tokens: int,
+        num_blocks: int,
+        cpu_gemm: str = "onednn",
     ):
         self.info, self.dtype, self.bt, self.chunk = info, dtype, block_tokens, chunk_tokens
-        self.model: Model = create_model(info, dtype, "cpu")
+        self.model: Model = create_model(info, dtype, "cpu", cpu_gemm=cpu_gemm)
         self.cache = PagedKVCache.for_model(self.model, num_blocks, block_tokens)
         self.fingerprint = kv_fingerprint(info, dtype)
         self.hasher = PrefixHasher(block_tokens, SECRET, self.fingerprint)
@@ -138,6 +145,28 @@ class Bench:
                 runner.step()
             runs.append((time.perf_counter() - t0) / (steps - 1))
         return Timing(f"decode batch {batch}", runs)
+
+    def gemm(
+        self, length: int, batches: list[int], context: int, steps: int, repeat: int
+    ) -> dict[str, dict[str, Timing]]:
+        """Prefill of `length` tokens and a decode step per batch size, with this model's
+        linears ("onednn": packed, unless oneDNN could not run them here) and with the same
+        weights on F.linear ("torch"), interleaved."""
+        blocks = self.cache.allocator.num_blocks
+        plain = Bench(self.info, self.dtype, self.bt, self.chunk, blocks, cpu_gemm="torch")
+        ids = random_prompt(length, self.vocab)
+        prefill = {
+            "onednn": lambda: self.run(self.plain, ids),
+            "torch": lambda: plain.run(plain.plain, ids),
+        }
+        out = {f"prefill {length}": interleave(prefill, repeat)}
+        for b in batches:
+            runs: dict[str, Timing] = {k: Timing(k, []) for k in prefill}
+            for _ in range(repeat):
+                for name, bench in (("onednn", self), ("torch", plain)):
+                    runs[name].runs += bench.decode_rate(b, context, steps, 1).runs
+            out[f"decode step, batch {b}"] = runs
+        return out
 
     # -- Figure 7 analog ----------------------------------------------------------------
     def stream(self, length: int, repeat: int, link_bytes_per_s: float = 0.0) -> dict[str, Timing]:

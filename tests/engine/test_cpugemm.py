@@ -72,3 +72,24 @@ def test_torch_keeps_f_linear_and_an_unknown_backend_is_named():
     assert pack_linears(model, "torch") == 0 and type(model[0]) is nn.Linear
     with pytest.raises(ValueError, match="'mkl'.*allowed are onednn, torch"):
         pack_linears(model, "mkl")
+
+
+@needs_onednn
+def test_bench_engine_gemm_times_both_backends_on_the_same_weights():
+    import json
+
+    from typer.testing import CliRunner
+
+    from mooncake.cli.app import app, load_verbs
+
+    args = "bench engine --parts gemm --model dummy:tiny --block-tokens 16 --prefill-lens 64"
+    args += " --decode-batches 1,3 --decode-context 20 --decode-steps 3 --repeat 2 --json"
+    load_verbs()
+    result = CliRunner().invoke(app, args.split())
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)["gemm"]
+    assert report["packed"] is True
+    assert set(report) == {"packed", "prefill 64", "decode step, batch 1", "decode step, batch 3"}
+    for name in ("prefill 64", "decode step, batch 1", "decode step, batch 3"):
+        r = report[name]
+        assert r["speedup"] == r["torch_s"] / r["onednn_s"] and r["onednn_s"] > 0
