@@ -155,7 +155,7 @@ class Bench:
         blocks = self.cache.allocator.num_blocks
         plain = Bench(self.info, self.dtype, self.bt, self.chunk, blocks, cpu_gemm="torch")
         ids = random_prompt(length, self.vocab)
-        prefill = {
+        prefill: dict[str, Callable[[], object]] = {
             "onednn": lambda: self.run(self.plain, ids),
             "torch": lambda: plain.run(plain.plain, ids),
         }
