@@ -86,7 +86,7 @@ def profile(
         model, prefill, decode = profile_cost_model(
             info, dtype, cfg.model.block_tokens, cfg.prefill.chunk_tokens, lens,
             _numbers(reuse_fractions, float), batches, ctxs, decode_steps, repeat,
-            int(kv_capacity_tokens), link_bytes_per_s, show,
+            int(kv_capacity_tokens), link_bytes_per_s, show, cfg.model.cpu_gemm,
         )  # fmt: skip
     target.parent.mkdir(parents=True, exist_ok=True)
     model.save(target)

@@ -44,6 +44,7 @@ def measure_corun(
     tokens: int = 1024,
     repeat: int = 5,
     progress: Callable[[str], None] = lambda _: None,
+    cpu_gemm: str = "onednn",
 ) -> CorunFactors:
     """The slowdown of a prefill and of a decode step with `workers` computing at once
     (1.0 each when `workers` <= 1). The co-runners are paused and resumed between timed
@@ -54,7 +55,7 @@ def measure_corun(
     batch, context, steps = 4, 256, 4  # the decode step timed: 4 requests of 256 tokens
     blocks = max(-(-tokens // block_tokens), batch * -(-(context + steps) // block_tokens)) + 8
     progress(f"co-run: {workers} prefills at once, {tokens} tokens each")
-    main = Bench(info, dtype, block_tokens, chunk_tokens, blocks)
+    main = Bench(info, dtype, block_tokens, chunk_tokens, blocks, cpu_gemm)
     ids = random_prompt(tokens, main.vocab, seed=11)
 
     def prefill() -> float:
@@ -68,7 +69,7 @@ def measure_corun(
     ctx = multiprocessing.get_context("spawn")  # NOTE: no fork of a process running torch
     stop, run, ready = ctx.Event(), ctx.Event(), ctx.Barrier(workers)
     idle = [ctx.Event() for _ in range(workers - 1)]
-    args = (info.path, dtype, block_tokens, chunk_tokens, blocks, ids, ready, run, stop)
+    args = (info.path, dtype, block_tokens, chunk_tokens, blocks, cpu_gemm, ids, ready, run, stop)
     others = [ctx.Process(target=_prefill_loop, args=(*args, i), daemon=True) for i in idle]
     for p in others:
         p.start()
@@ -113,6 +114,7 @@ def _prefill_loop(
     block_tokens: int,
     chunk_tokens: int,
     blocks: int,
+    cpu_gemm: str,
     ids: list[int],
     ready: BarrierT,
     run: EventT,
@@ -126,7 +128,7 @@ def _prefill_loop(
     from mooncake.engine.modelinfo import load_model_info
 
     torch.set_num_threads(1)
-    bench = Bench(load_model_info(model), dtype, block_tokens, chunk_tokens, blocks)
+    bench = Bench(load_model_info(model), dtype, block_tokens, chunk_tokens, blocks, cpu_gemm)
     bench.run(bench.plain, ids)
     ready.wait(timeout=READY_TIMEOUT_S)
     while not stop.is_set():

@@ -150,14 +150,14 @@ def profile_cost_model(
     input_lens: Sequence[int], reuse_fractions: Sequence[float],
     batch_sizes: Sequence[int], contexts: Sequence[int], decode_steps: int, repeat: int,
     kv_capacity_tokens: int, link_bytes_per_s: float,
-    progress: Callable[[str], None] = lambda _: None,
+    progress: Callable[[str], None] = lambda _: None, cpu_gemm: str = "onednn",
 ) -> tuple[CostModel, list[Sample], list[Sample]]:  # fmt: skip
     """Measure this process's prefill and decode times and fit the cost model; returns it
     with the prefill and decode samples it was fitted to."""
     bt = block_tokens
     blocks = max(2 * -(-max(input_lens) // bt),
                  max(batch_sizes) * -(-(max(contexts) + decode_steps) // bt)) + 4  # fmt: skip
-    bench = Bench(info, dtype, bt, chunk_tokens, blocks)
+    bench = Bench(info, dtype, bt, chunk_tokens, blocks, cpu_gemm)
     prefill = profile_prefill(bench, input_lens, reuse_fractions, repeat, progress)
     decode = profile_decode(bench, batch_sizes, contexts, decode_steps, repeat, progress)
     model = build_cost_model(bench, prefill, decode, kv_capacity_tokens, link_bytes_per_s)

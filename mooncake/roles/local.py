@@ -98,6 +98,11 @@ class LocalPlan:
         return PREFILL_NICE if shared else 0
 
     @property
+    def cpu_gemm(self) -> str:
+        """How its nodes run CPU matmuls: `model.cpu_gemm` when given, else oneDNN."""
+        return str(self.extra.get("model.cpu_gemm", "onednn"))
+
+    @property
     def decode_step_interval_s(self) -> float:
         """The pace of its decode steps: `decode.step_interval_s` when given, else 0 (back
         to back; README: where a pace helps on a shared host and where it does not)."""

@@ -4,7 +4,9 @@ model and its block and chunk sizes, scaled by the co-run slowdown of its nodes 
 
 from __future__ import annotations
 
+import hashlib
 import os
+import platform
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -34,8 +36,9 @@ def ensure_cost_model(
     busy = min(plan.num_prefill + plan.num_decode, len(os.sched_getaffinity(0)))
     # NOTE: "p2": prompts up to 4096 tokens sampled (1024 before: a quadratic fitted there
     # overestimated a 5,000-token prefill by 60%); "k": scaled by the co-run slowdown of
-    # that many nodes; "m3": medians of 3 runs. A cached file of an older kind is not reused
-    tag = f"{name}-b{plan.block_tokens}-c{plan.chunk_tokens}-p2-k{busy}-m3"
+    # that many nodes; "m3": medians of 3 runs. A cached file of an older kind is not reused,
+    # nor one of another CPU, torch or matmul backend (a profile prices this host only)
+    tag = f"{name}-b{plan.block_tokens}-c{plan.chunk_tokens}-p2-k{busy}-m3-{host_tag(plan)}"
     path = private_dir(cache_dir) / f"costmodel-{tag}.json"
     if path.exists():
         return path
@@ -60,13 +63,30 @@ def ensure_cost_model(
             capacity,
             2e9,
             on_progress,
+            plan.cpu_gemm,
         )
-        corun = measure_corun(
-            info, dtype, plan.block_tokens, plan.chunk_tokens, busy, progress=on_progress
-        )
+        bt, chunk, gemm = plan.block_tokens, plan.chunk_tokens, plan.cpu_gemm
+        corun = measure_corun(info, dtype, bt, chunk, busy, progress=on_progress, cpu_gemm=gemm)
         model = scale_cost_model(model, corun)
     finally:
         torch.set_num_threads(threads)
     with tempfile.TemporaryDirectory() as tmp:  # save() follows symlinks; write_private not
         model.save(Path(tmp) / path.name)
         return write_private(cache_dir, path.name, (Path(tmp) / path.name).read_bytes())
+
+
+def host_tag(plan: LocalPlan) -> str:
+    """What a profile depends on besides the model's shape, hashed: the CPU model, the
+    torch version and the matmul backend (`model.cpu_gemm`)."""
+    import torch
+
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            cpu = next(
+                (ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu
+            )
+    except OSError:
+        pass
+    text = f"{cpu}|{torch.__version__}|{plan.cpu_gemm}"
+    return f"{plan.cpu_gemm}-{hashlib.sha256(text.encode()).hexdigest()[:10]}"

@@ -110,3 +110,33 @@ def test_each_node_gets_a_small_ssd_tier_under_the_run_directory(tmp_path: Path)
     if os.path.isdir("/dev/shm"):
         on_tmpfs = local_ssd_dir(Path("/dev/shm") / "mooncake-run")
         assert on_tmpfs == Path("/var/tmp") / f"mooncake-{os.getuid()}" / "ssd"
+
+
+def test_a_cached_cost_model_is_reused_only_for_the_same_matmul_backend(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A profile prices one host: one made with F.linear (or on another CPU or torch) is
+    not reused when the nodes run oneDNN, and the profile runs the backend they run."""
+    import mooncake.engine.corun as corun
+    import mooncake.engine.profiling as profiling
+    from mooncake.conductor.costmodel import CorunFactors
+    from mooncake.roles.localcost import host_tag
+
+    backends: list[str] = []
+    real_profile = profiling.profile_cost_model
+
+    def profile(*args: object, **kwargs: object):  # type: ignore[no-untyped-def]
+        backends.append(str(args[13]))  # cpu_gemm, positional after progress
+        return real_profile(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(profiling, "profile_cost_model", profile)
+    alone = CorunFactors(busy=1, prefill=1.0, decode=1.0)
+    monkeypatch.setattr(corun, "measure_corun", lambda *a, **k: alone)
+    onednn, torch_gemm = LocalPlan(), LocalPlan(extra={"model.cpu_gemm": "torch"})
+    assert host_tag(onednn) == host_tag(LocalPlan()) != host_tag(torch_gemm)
+    assert host_tag(onednn).startswith("onednn-") and host_tag(torch_gemm).startswith("torch-")
+    first = ensure_cost_model(torch_gemm, tmp_path)
+    second = ensure_cost_model(onednn, tmp_path)
+    assert first != second and first.exists() and second.exists()
+    assert ensure_cost_model(onednn, tmp_path) == second  # cached now
+    assert backends == ["torch", "onednn"]
