@@ -43,7 +43,6 @@ class PackedLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach()
-        self.dtype = weight.dtype
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT)
         self.bias = None if linear.bias is None else linear.bias.detach().clone()
 
@@ -81,13 +80,12 @@ def _why_not(linear: nn.Linear) -> str | None:
     try:
         packed = PackedLinear(linear)
         probe = torch.randn(MIN_ROWS + 3, linear.in_features).to(weight.dtype)
-        with torch.no_grad():
-            got, want = packed(probe[:2]).float(), linear(probe[:2]).float()
-            got_big, want_big = packed(probe).float(), linear(probe).float()
+        with torch.no_grad():  # a padded batch and a full one
+            pairs = [(packed(x).float(), linear(x).float()) for x in (probe[:2], probe)]
     except RuntimeError as e:
         return f"oneDNN failed: {e}"
     tol = 1e-3 if weight.dtype == torch.float32 else 3e-2
-    for a, b in ((got, want), (got_big, want_big)):
+    for a, b in pairs:
         if not torch.allclose(a, b, rtol=tol, atol=tol * float(b.abs().max().clamp(min=1.0))):
             return "oneDNN's result differs from F.linear's"
     return None

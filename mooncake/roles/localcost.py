@@ -88,5 +88,5 @@ def host_tag(plan: LocalPlan) -> str:
             )
     except OSError:
         pass
-    text = f"{cpu}|{torch.__version__}|{plan.cpu_gemm}"
-    return f"{plan.cpu_gemm}-{hashlib.sha256(text.encode()).hexdigest()[:10]}"
+    digest = hashlib.sha256(f"{cpu}|{torch.__version__}".encode()).hexdigest()[:10]
+    return f"{plan.cpu_gemm}-{digest}"

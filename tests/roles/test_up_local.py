@@ -117,6 +117,8 @@ def test_a_cached_cost_model_is_reused_only_for_the_same_matmul_backend(
 ) -> None:
     """A profile prices one host: one made with F.linear (or on another CPU or torch) is
     not reused when the nodes run oneDNN, and the profile runs the backend they run."""
+    import inspect
+
     import mooncake.engine.corun as corun
     import mooncake.engine.profiling as profiling
     from mooncake.conductor.costmodel import CorunFactors
@@ -126,7 +128,8 @@ def test_a_cached_cost_model_is_reused_only_for_the_same_matmul_backend(
     real_profile = profiling.profile_cost_model
 
     def profile(*args: object, **kwargs: object):  # type: ignore[no-untyped-def]
-        backends.append(str(args[13]))  # cpu_gemm, positional after progress
+        bound = inspect.signature(real_profile).bind(*args, **kwargs)
+        backends.append(str(bound.arguments["cpu_gemm"]))
         return real_profile(*args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(profiling, "profile_cost_model", profile)
