@@ -245,6 +245,7 @@ LABELS = {
     "tbt_p50_s": "TBT P50",
     "tbt_p90_s": "TBT P90",
     "output_tokens_per_s": "out tokens/s",
+    "goodput_tokens_per_s": "goodput tokens/s",
     "slo_attainment": "SLO met",
     "hit_rate": "hit rate",
 }

@@ -224,6 +224,7 @@ def _print_report(r: ReplayReport) -> None:
         (f"SLO attainment (TTFT <= {r.ttft_slo_s:g} s, own P90 TBT <= {r.tbt_slo_s:g} s)",
          f"{r.slo_attainment:.1%}"),
         ("output tokens/s", f"{r.output_tokens_per_s:,.1f}"),
+        ("goodput tokens/s (requests meeting both SLOs)", f"{r.goodput_tokens_per_s:,.1f}"),
         ("requests/s", f"{r.request_throughput_rps:,.3f}"),
         ("prompt / output tokens", f"{r.prompt_tokens:,} / {r.output_tokens:,}"),
         ("prompt-cache hit share", share),

@@ -76,6 +76,8 @@ class ReplayReport(msgspec.Struct, kw_only=True):
     prompt_tokens: int  # over completed requests
     output_tokens: int  # over completed requests
     output_tokens_per_s: float  # output_tokens / duration_s
+    # goodput: the output tokens of the requests meeting both SLOs / duration_s
+    goodput_tokens_per_s: float
     request_throughput_rps: float  # completed / duration_s
     cached_token_share: float | None  # cached / prompt tokens where reported; None if never
     duration_s: float  # first send to last response end
@@ -138,7 +140,7 @@ def summarize(records: list[RequestRecord], info: RunInfo) -> ReplayReport:
     reported_prompt = sum(r.prompt_tokens for r in reported)
     output_tokens = sum(r.output_tokens for r in done)
     errors = Counter(r.error or r.status for r in records if r.status != "ok")
-    met = sum(meets_slo(r, ttft_slo_s, tbt_slo_s) for r in records)
+    good = [r for r in records if meets_slo(r, ttft_slo_s, tbt_slo_s)]
     blocks = Counter[str]()
     for r in done:
         blocks.update(r.kv_blocks)
@@ -157,10 +159,11 @@ def summarize(records: list[RequestRecord], info: RunInfo) -> ReplayReport:
         tbt_p99_s=_pct_or_none(gaps, 99),
         ttft_slo_s=ttft_slo_s,
         tbt_slo_s=tbt_slo_s,
-        slo_attainment=met / max(len(records), 1),
+        slo_attainment=len(good) / max(len(records), 1),
         prompt_tokens=sum(r.prompt_tokens for r in done),
         output_tokens=output_tokens,
         output_tokens_per_s=output_tokens / duration,
+        goodput_tokens_per_s=sum(r.output_tokens for r in good) / duration,
         request_throughput_rps=len(done) / duration,
         cached_token_share=(
             sum(r.cached_tokens or 0 for r in reported) / reported_prompt

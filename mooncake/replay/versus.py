@@ -44,6 +44,7 @@ FIGURES = (
     "tbt_p50_s",
     "tbt_p90_s",
     "output_tokens_per_s",
+    "goodput_tokens_per_s",
     "slo_attainment",
     "hit_rate",
 )
@@ -131,6 +132,7 @@ class Row(msgspec.Struct, kw_only=True):
     tbt_p50_s: float | None
     tbt_p90_s: float | None
     output_tokens_per_s: float
+    goodput_tokens_per_s: float  # output tokens of the requests meeting both SLOs, per second
     slo_attainment: float
     hit_rate: float | None
     sent: int
@@ -173,6 +175,7 @@ def row_of(server: str, report: ReplayReport) -> Row:
         tbt_p50_s=report.tbt_p50_s,
         tbt_p90_s=report.tbt_p90_s,
         output_tokens_per_s=report.output_tokens_per_s,
+        goodput_tokens_per_s=report.goodput_tokens_per_s,
         slo_attainment=report.slo_attainment,
         hit_rate=report.cached_token_share,
         sent=report.sent,

@@ -53,6 +53,9 @@ def test_attainment_needs_ttft_and_the_requests_own_p90_tbt_and_counts_misses():
     assert [meets_slo(r, 1.0, 0.1) for r in recs] == [True, False, True, False, True, False, False]
     r = summarize(recs, INFO)
     assert r.slo_attainment == pytest.approx(3 / 7)
+    # goodput counts only the output of the three that met both SLOs: 11 + 11 + 1 tokens
+    assert r.output_tokens == 11 * 4 + 1
+    assert r.goodput_tokens_per_s == pytest.approx((11 + 11 + 1) / r.duration_s)
     assert (r.sent, r.completed, r.rejected, r.failed) == (7, 5, 1, 1)
     assert r.errors == {"HTTP 429: x": 1, "cannot connect": 1}
 
