@@ -190,6 +190,25 @@ class SchedulerConfig(msgspec.Struct, **_STRUCT):
             ge=0,
         ),
     ] = 2.0
+    defer_s: Annotated[
+        float,
+        knob(
+            "A request refused only for the prefill queue ahead of it (its own TTFT meets "
+            "ttft_slo_s) waits up to this many seconds for a prefill group with nothing "
+            "queued and runs there, late but in capacity no queued request needed; then "
+            "429. 0 = refused at once, as the paper's early rejection does.",
+            ge=0,
+        ),
+    ] = 10.0
+    defer_window_s: Annotated[
+        float,
+        knob(
+            "A waiting request gets an idle prefill group only while the prefill work that "
+            "arrived over about this many seconds (an exponential average) fits the groups' "
+            "capacity: bursts wait, sustained overload is refused.",
+            gt=0,
+        ),
+    ] = 30.0
     cost_model_path: Annotated[
         str,
         knob(

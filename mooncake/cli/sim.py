@@ -87,6 +87,13 @@ OPT: dict[str, Any] = {
         "at arrival, its load forecast for when the request's prefill ends; again as the "
         "prefill is about to start, choosing the decode instance the KV goes to).",
     ),
+    "defer": typer.Option(
+        0.0,
+        "--defer-s",
+        min=0,
+        help="A request refused for the prefill queue alone waits this long for an idle "
+        "prefill group (scheduler.defer_s; the cluster's default is 10); 0 = refused at once.",
+    ),
     "late_binding": typer.Option(
         True,
         "--late-binding/--arrival-binding",
@@ -157,6 +164,7 @@ def _config(kw: dict[str, Any]) -> SimConfig:
         speed=kw.get("speed", 1.0), limit=kw["limit"], seed=kw["seed"],
         late_binding=kw.get("late_binding", True), group_size=kw.get("group_size", 1),
         max_inflight=kw.get("max_inflight", 4), reserve_at_start=kw.get("reserve", True),
+        defer_s=kw.get("defer", 0.0),
     )  # fmt: skip
 
 
@@ -183,7 +191,7 @@ def sim_run(
     prefill: int = OPT["prefill"], decode: int = OPT["decode"], coupled: int = OPT["coupled"],
     group_size: int = OPT["group_size"], max_inflight: int = OPT["max_inflight"],
     reserve: bool = OPT["reserve"],
-    policy: str = OPT["policy"], rejection: str = OPT["rejection"],
+    policy: str = OPT["policy"], rejection: str = OPT["rejection"], defer: float = OPT["defer"],
     late_binding: bool = OPT["late_binding"], threshold: float = OPT["threshold"],
     gpu: str = OPT["gpu"], model: str = OPT["model"], tp: int = OPT["tp"],
     cost_model: Path | None = OPT["cost_model"], pool_blocks: int | None = OPT["pool_blocks"],

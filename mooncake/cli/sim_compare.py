@@ -30,6 +30,7 @@ VARIABLE: dict[str, tuple[str, Callable[[str], Any]]] = {  # --vary NAME -> (fie
     "policy": ("policy", str),
     "threshold": ("balancing_threshold", float),
     "binding": ("late_binding", _binding),
+    "defer": ("defer_s", float),
 }
 COLUMNS = (  # (SimResult field, header, format)
     ("completed", "done", "{:,}"),
@@ -38,6 +39,7 @@ COLUMNS = (  # (SimResult field, header, format)
     ("rejected_decode_load", "arr:dec", "{:,}"),  # at arrival, decode load over the limit
     ("rejected_at_prefill_start", "start", "{:,}"),  # when the prefill was about to start
     ("rejected_after_prefill", "late", "{:,}"),  # by the decode instance, prefill spent
+    ("waited", "waited", "{:,}"),  # admitted after waiting for an idle group (defer_s)
     ("wasted_prefill_gpu_s", "wasted GPU-s", "{:,.0f}"),
     ("ttft_mean_s", "TTFT mean", "{:.2f}"),
     ("ttft_p90_s", "TTFT p90", "{:.2f}"),
@@ -67,7 +69,7 @@ def sim_compare(
     vary: str = typer.Option(
         "rejection=none,basic,predictive", "--vary",
         help="The setting compared and its values: rejection=..., policy=..., "
-        "threshold=... or binding=late,arrival.",
+        "threshold=..., binding=late,arrival or defer=0,10 (scheduler.defer_s).",
     ),
     speeds: str = typer.Option("1", "--speeds", help="Replay speeds, comma-separated."),
     prefill: int = OPT["prefill"], decode: int = OPT["decode"], coupled: int = OPT["coupled"],

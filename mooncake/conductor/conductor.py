@@ -20,6 +20,7 @@ threads or clock; `now` is passed in.
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 from mooncake.conductor.admission import decide
@@ -63,6 +64,8 @@ class Conductor(Books):
         self._match_full = 0  # OR of _match_bits
         self._reach_full = 0  # of those, where any instance may read (coupled: the pool's)
         self._block_bytes = cost.kv_bytes_per_token * params.block_tokens
+        # first-stage seconds of prefill offered per group, decaying over defer_window_s
+        self._offered_s, self._offered_at = 0.0, 0.0
 
     @classmethod
     def from_config(
@@ -94,6 +97,8 @@ class Conductor(Books):
             tbt_slo_s=cfg.tbt_slo_s,
             balancing_threshold=cfg.balancing_threshold,
             forecast_sigmas=cfg.forecast_sigmas,
+            defer_s=cfg.defer_s,
+            defer_window_s=cfg.defer_window_s,
             block_tokens=block_tokens,
             stages=stages,
             chunk_tokens=chunk_tokens,
@@ -171,9 +176,16 @@ class Conductor(Books):
         self._rebuild_match()
 
     # -- the loop ----------------------------------------------------------------------
-    def schedule(self, req: ScheduleRequest, now: float) -> Decision:
+    def schedule(self, req: ScheduleRequest, now: float, waited: bool = False) -> Decision:
         """Decide where `req` runs, or reject it; an accepted decision is recorded as
-        load (queue, reservation, forecast) until the progress reports retire it."""
+        load (queue, reservation, forecast) until the progress reports retire it.
+
+        `waited`: the request was refused for the queue ahead of it (`Decision.can_wait`)
+        and is offered again: it goes only to a prefill group with no first-stage work
+        queued, so it takes capacity no queued request needs, and only while the prefill
+        work arriving (`offered_load`) fits the groups: a burst, not sustained overload,
+        where it would take the place of the next requests able to meet the SLO. Refused
+        again otherwise (can_wait still set)."""
         if not self.prefill or not self.decode:
             return Decision(req_id=req.req_id, is_accepted=False, reason="no_instance")
         p = self.params
@@ -213,7 +225,11 @@ class Conductor(Books):
             view.read_s = lambda blocks: self.cost.ssd_read_time(
                 ssd[min(blocks, len(ssd) - 1)] * self._block_bytes
             )
+        if waited:  # NOTE: a busy group's TTFT is infinite to it: the policy picks an idle one
+            view.queue_s = [0.0 if q <= 0.0 else math.inf for q in view.queue_s]
         plan = self.policy.choose(view)
+        if waited and (not plan.ttft_s < math.inf or self.offered_load(now) >= 1.0):
+            return Decision(req_id=req.req_id, is_accepted=False, reason="ttft_slo", can_wait=True)
         # place
         slots, tbt, running = self._place_decode(plan.idx, input_len, now)
         # admit
@@ -221,7 +237,13 @@ class Conductor(Books):
             self.cost, p, self.forecast, self.forecast_error, len(self.decode), running,
             input_len, plan.ttft_s, now,
         )  # fmt: skip
+        own_s = plan.ttft_s - view.queue_s[plan.idx]  # its TTFT with no queue ahead
         queue = self.prefill[plan.idx]
+        reused = min(plan.reused_blocks * p.block_tokens, input_len)
+        prefill_s = self.cost.prefill_time(input_len, reused)
+        if p.defer_s > 0 and not waited:  # each request counts once, when it arrives
+            chunks = num_chunks(input_len - reused, queue.chunk_tokens)
+            self.offered_load(now, queue.times(prefill_s, chunks)[0])
         src = names[plan.fetch_from] if plan.fetch_from >= 0 else ""
         replications: tuple[ReplicationOrder, ...] = ()
         if plan.replicate and plan.reused_blocks > lens[plan.idx]:
@@ -242,10 +264,9 @@ class Conductor(Books):
             prefill_load=prefill_load,
             decode_load=decode_load,
             replications=replications,
+            can_wait=reason == "ttft_slo" and p.defer_s > 0 and own_s <= p.ttft_slo_s,
         )
         if not reason:
-            reused = min(plan.reused_blocks * p.block_tokens, input_len)
-            prefill_s = self.cost.prefill_time(input_len, reused)
             self._book(
                 req.req_id,
                 queue,
@@ -256,6 +277,17 @@ class Conductor(Books):
                 input_len - reused,
             )
         return decision
+
+    def offered_load(self, now: float, stage_s: float = 0.0) -> float:
+        """The prefill groups' offered load at `now`, after adding an arrival's first-stage
+        seconds `stage_s`: first-stage seconds arriving per second per group, averaged with
+        an exponential decay of time constant `defer_window_s` (1 = the groups' capacity)."""
+        tau = self.params.defer_window_s
+        if now > self._offered_at:
+            self._offered_s *= math.exp((self._offered_at - now) / tau)
+            self._offered_at = now
+        self._offered_s += stage_s / max(1, len(self.prefill))
+        return self._offered_s / tau
 
     def _prefill_latency(self, input_len: int, reused_blocks: int) -> float:
         """T_prefill of Algorithm 1 on a group of `params.stages` stages: first chunk in

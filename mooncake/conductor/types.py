@@ -29,6 +29,13 @@ class ConductorParams(msgspec.Struct, frozen=True, kw_only=True):
     # predictive, at arrival: reject when the predicted decode load is over 1 by this many
     # standard deviations of the forecast's measured error (the check at prefill start is sharp)
     forecast_sigmas: float = 2.0
+    # a request refused only because of the queue ahead of it (its own TTFT meets the SLO)
+    # may wait up to this many seconds for an idle prefill group (`Decision.can_wait`,
+    # `Conductor.schedule(waited=True)`); 0 = refused at once (paper §7)
+    defer_s: float = 0.0
+    # ... and only while the prefill work offered, averaged over about this long, fits the
+    # groups (`Conductor.offered_load` < 1): bursts wait, sustained overload does not
+    defer_window_s: float = 30.0
     # choose the decode instance when the prefill starts (from the §7.4 per-instance
     # forecast), in every rejection mode; False: keep the one chosen at arrival, except
     # in predictive mode, whose check at prefill start chooses it anyway
@@ -60,6 +67,10 @@ class ConductorParams(msgspec.Struct, frozen=True, kw_only=True):
             )
         if self.block_tokens < 1:
             problems.append(f"block_tokens: must be >= 1, got {self.block_tokens}")
+        if not self.defer_s >= 0:
+            problems.append(f"defer_s: must be >= 0, got {self.defer_s}")
+        if not self.defer_window_s > 0:
+            problems.append(f"defer_window_s: must be > 0, got {self.defer_window_s}")
         if not self.forecast_sigmas >= 0:
             problems.append(f"forecast_sigmas: must be >= 0, got {self.forecast_sigmas}")
         if not 0 <= self.speed_ewma <= 1:
@@ -103,6 +114,9 @@ class Decision(msgspec.Struct, frozen=True, kw_only=True):
     prefill_load: float = 0.0  # ttft_s / TTFT SLO
     decode_load: float = 0.0  # decode load per the rejection mode (0 when not checked)
     replications: tuple[ReplicationOrder, ...] = ()
+    # rejected for the queue alone (TTFT SLO, own TTFT within it) and `defer_s` > 0: it may
+    # be offered again (`Conductor.schedule(waited=True)`) until a prefill group is idle
+    can_wait: bool = False
 
     @property
     def fetch_blocks(self) -> int:

@@ -140,7 +140,6 @@ def sim_config(
 ) -> SimConfig:
     """The simulated twin of the local cluster `plan` running `config` on this host
     (`host`: what the real run measured; None = every node its own device)."""
-
     cost = CostModel.load(cost_path)
     nodes = plan.num_prefill + plan.num_decode + (plan.num_store if plan.pool else 0)
     dram = config.store.dram_bytes.num_bytes if plan.pool else 0  # a share: not modelled
@@ -153,6 +152,9 @@ def sim_config(
         group_size=plan.group_size,
         policy=sched.policy,
         rejection=sched.rejection,
+        defer_s=sched.defer_s,
+        defer_window_s=sched.defer_window_s,
+        poll_s=sched.node_poll_s,
         balancing_threshold=sched.balancing_threshold,
         ttft_slo_s=sched.ttft_slo_s,
         tbt_slo_s=sched.tbt_slo_s,

@@ -1,7 +1,8 @@
 """The master's serving backend: every request's way through the cluster.
 
     match+place   hash the prompt's blocks; the Conductor picks a prefill group and a
-                  decode node, or rejects (HTTP 429 before any work is done)
+                  decode node, or rejects (HTTP 429 before any work is done; one refused
+                  for the queue alone waits up to `scheduler.defer_s` for an idle group)
     dispatch      send the prefill task to the group's leader
     stream        the decode node's tokens arrive (RPC thread) and go to the request's
                   asyncio queue; the first one is the TTFT
@@ -45,7 +46,7 @@ from mooncake.roles.flight import Flight, Flights, request_deadline_s
 from mooncake.roles.messages import PrefillEventMsg, TokenMsg, TokensAckMsg, TokensMsg
 from mooncake.roles.nodecalls import NodeCalls
 from mooncake.roles.registry import Registry
-from mooncake.roles.tickets import NoInstance, Tickets
+from mooncake.roles.tickets import MayWait, NoInstance, Tickets
 from mooncake.roles.timeline import PhaseLog
 
 log = logging.getLogger(__name__)
@@ -157,21 +158,27 @@ class ClusterBackend(BaseBackend):
             if not flight.done:  # the client went away (or the loop is closing)
                 self._end(flight, dropped=True, abort=True)
 
-    async def _place(self, rid: int, n: int, hashes: list[int]) -> Decision:
-        d = await self.tickets.place(rid, n, hashes)
+    async def _place(self, rid: int, n: int, hashes: list[int], waited: bool = False) -> Decision:
+        d = await self.tickets.place(rid, n, hashes, waited)
         self.misses.placed(rid, n, hashes, d)
         return d
 
     async def _place_waiting(self, rid: int, n: int, hashes: list[int], ends_at: float) -> Decision:
-        """Place a new request, waiting up to node_wait_s (within its deadline) while no
-        node can take it."""
-        give_up = min(time.monotonic() + self.node_wait_s, ends_at)
+        """Place a new request, waiting up to node_wait_s while no node can take it, and up
+        to defer_s for an idle group when refused for the queue alone (within its deadline)."""
+        give_up, wait_until = min(time.monotonic() + self.node_wait_s, ends_at), 0.0
         while True:
             try:
-                return await self._place(rid, n, hashes)
+                return await self._place(rid, n, hashes, waited=wait_until > 0)
             except NoInstance:
                 if time.monotonic() >= give_up:
                     raise
+            except MayWait as e:
+                now = time.monotonic()
+                wait_until = wait_until or min(now + self.scheduler.defer_s, ends_at)
+                if now >= wait_until:
+                    why = f"{e}, none idle within {self.scheduler.defer_s:g} s; retry later"
+                    raise Rejected(why, retry_after_s=e.retry_after_s) from None
             await asyncio.sleep(self.scheduler.node_poll_s)
 
     async def _dispatch_retrying(self, flight: Flight) -> None:
@@ -367,15 +374,12 @@ class ClusterBackend(BaseBackend):
     async def _replacement(self, flight: Flight) -> Decision:
         prompt = flight.task_prompt
         assert self.hasher is not None
-        hashes = flight.block_hashes
-        if flight.output_ids:
-            hashes = self.hasher.hash_blocks(prompt)
+        hashes = self.hasher.hash_blocks(prompt) if flight.output_ids else flight.block_hashes
         return await self._place(flight.req_id, len(prompt), hashes)
 
     async def health(self) -> dict[str, object]:
-        """ok while a prefill group and a decode node can take requests; raises
-        MooncakeError naming what is missing otherwise. `num_tickets`: the Conductor's
-        open tickets (each running request holds one)."""
+        """ok while a prefill group and a decode node can take requests, else MooncakeError
+        naming what is missing. `num_tickets`: the Conductor's open tickets (one a request)."""
         leaders, decoders, missing = await self.tickets.locked(self._health_facts)
         if missing:
             raise MooncakeError(missing)

@@ -34,6 +34,11 @@ class NoInstance(MooncakeError):
     """No prefill group or no decode node can take a request now."""
 
 
+class MayWait(Rejected):
+    """Refused for the queue ahead of it alone (`Decision.can_wait`): it may be offered
+    again, with `waited`, for an idle prefill group."""
+
+
 class Tickets:
     """The Conductor's decisions and progress reports for the HTTP requests."""
 
@@ -52,12 +57,15 @@ class Tickets:
         with self.lock:
             return fn(*args)
 
-    async def place(self, req_id: int, num_tokens: int, hashes: list[int]) -> Decision:
-        """Open the request's ticket: the Conductor's placement. Raises NoInstance (no
-        node can take it now), Rejected (overload) or MooncakeError. Cancelled, it closes
+    async def place(
+        self, req_id: int, num_tokens: int, hashes: list[int], waited: bool = False
+    ) -> Decision:
+        """Open the request's ticket: the Conductor's placement (`waited`: offered again
+        after a MayWait). Raises NoInstance (no node can take it now), MayWait (refused
+        for the queue alone), Rejected (overload) or MooncakeError. Cancelled, it closes
         the ticket the placement may still open."""
         try:
-            d, missing = await self.locked(self._schedule, req_id, num_tokens, hashes)
+            d, missing = await self.locked(self._schedule, req_id, num_tokens, hashes, waited)
         except asyncio.CancelledError:  # NOTE: runs after the placement, closing its ticket
             self.close(req_id, dropped=True)
             raise
@@ -66,6 +74,8 @@ class Tickets:
         if not d.is_accepted:
             if d.reason == "no_instance":
                 raise NoInstance(f"{missing or 'ready nodes are not scheduled yet'}; retry shortly")
+            if d.can_wait:
+                raise MayWait(f"every prefill group is busy ({d.reason})", retry_after_s=2.0)
             raise Rejected(
                 f"the cluster is overloaded ({d.reason}); retry later", retry_after_s=2.0
             )
@@ -75,9 +85,12 @@ class Tickets:
         for order in orders:
             self.on_replicate(order)
 
-    def _schedule(self, req_id: int, n: int, hashes: list[int]) -> tuple[Decision, str]:
+    def _schedule(
+        self, req_id: int, n: int, hashes: list[int], waited: bool
+    ) -> tuple[Decision, str]:
         try:
-            d = self.conductor.schedule(ScheduleRequest(req_id, n, hashes), time.monotonic())
+            req = ScheduleRequest(req_id, n, hashes)
+            d = self.conductor.schedule(req, time.monotonic(), waited)
         except SchedulingError as e:
             raise MooncakeError(f"cannot place the request: {e}") from e
         missing = self.registry.missing() if d.reason == "no_instance" else ""

@@ -59,6 +59,11 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
     limit: int | None = None  # replay only the first N requests
     tbt_share: float = 0.1  # a request's TBT = mean of this slowest share of its gaps
     late_binding: bool = True  # choose the decode instance at prefill start, in every mode
+    # a request refused for the queue alone waits this long for an idle prefill group,
+    # offered again every `poll_s` (scheduler.defer_s, node_poll_s); 0 = refused at once
+    defer_s: float = 0.0
+    defer_window_s: float = 30.0  # ... while the offered load over about this long fits
+    poll_s: float = 0.25
     # a cluster on one host (`up --local`): every node's compute shares `host_cores` cores,
     # `background_cores` of which the control plane (API, master, clients) keeps busy; a
     # prefill or decode step gets its CPU share of them by the nodes' nice values
@@ -92,6 +97,10 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
         if self.rejection not in REJECTION_MODES:
             problems.append(
                 f"rejection {self.rejection!r} is not one of {', '.join(REJECTION_MODES)}"
+            )
+        if self.defer_s < 0 or not self.poll_s > 0:
+            problems.append(
+                f"defer_s must be >= 0 and poll_s > 0, got {self.defer_s}, {self.poll_s}"
             )
         if min(self.host_cores, self.background_cores, self.request_overhead_s) < 0:
             problems.append("host_cores, background_cores and request_overhead_s must be >= 0")
@@ -149,6 +158,8 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
             block_tokens=self.block_tokens,
             global_pool=not self.is_coupled,
             late_binding=self.late_binding,
+            defer_s=self.defer_s,
+            defer_window_s=self.defer_window_s,
             stages=1 if self.is_coupled else self.group_size,
             chunk_tokens=self.chunk_tokens,
             seed=self.seed,

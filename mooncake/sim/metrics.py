@@ -26,7 +26,7 @@ class SimRequest:
         "rid", "arrival", "input_len", "output_len", "hashes", "status", "decision",
         "fetch_ready", "reused_blocks", "prefill_start", "prefill_end", "stream_end",
         "ctx_key", "join_seg", "done_at", "tbt", "prefill_s", "first_token",
-        "reserve_deadline", "reserved", "misses", "ssd_blocks",
+        "reserve_deadline", "reserved", "misses", "ssd_blocks", "waited",
     )  # fmt: skip
 
     def __init__(self, rid: int, arrival: float, input_len: int, output_len: int, hashes: list):
@@ -51,6 +51,7 @@ class SimRequest:
         self.reserved = False  # its decode room is reserved
         self.misses: MissCounts | None = None  # its blocks by cause, once its prefill starts
         self.ssd_blocks = 0  # of reused_blocks, those read from an SSD tier
+        self.waited = False  # admitted after waiting for an idle group (`defer_s`)
 
     @property
     def first_token_at(self) -> float:
@@ -130,6 +131,7 @@ class SimResult(msgspec.Struct, kw_only=True):
     rejected_at_prefill_start: int  # of which when the prefill was about to start
     rejected_after_prefill: int
     failed: int  # no decode room within reserve_timeout_s (an error, not a rejection)
+    waited: int  # admitted after waiting for an idle prefill group (scheduler.defer_s)
     ttft_mean_s: float
     ttft_p50_s: float
     ttft_p90_s: float
@@ -199,6 +201,7 @@ def summarize(
         rejected_at_prefill_start=sum(r.status == "rejected_start" for r in reqs),
         rejected_after_prefill=sum(r.status == "rejected_late" for r in reqs),
         failed=sum(r.status == "failed" for r in reqs),
+        waited=sum(r.waited for r in reqs),
         ttft_mean_s=float(ttft.mean()) if len(ttft) else 0.0,
         ttft_p50_s=_pct(ttft, 50),
         ttft_p90_s=_pct(ttft, 90),

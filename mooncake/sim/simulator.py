@@ -18,11 +18,13 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
 from mooncake.conductor import Conductor, ScheduleRequest
 from mooncake.conductor.misses import MissLedger
+from mooncake.conductor.types import Decision
 from mooncake.errors import ConfigError
 from mooncake.modelspec import get_model_spec
 from mooncake.sim.cluster import SimConfig
@@ -86,6 +88,10 @@ class Simulator:
             for i, r in enumerate(records)
         ]
         self.span_s = trace_span_s(records) / cfg.speed
+        # requests refused for the queue alone, waiting for an idle group (`defer_s`):
+        # (when they give up, the request, the Conductor's first decision)
+        self.waiting: deque[tuple[float, SimRequest, Decision]] = deque()
+        self._polling = False  # a poll of the waiting requests is pending
 
     def push(self, t: float, fn: Callable[[float, Any], None], arg: Any) -> None:
         heapq.heappush(self._heap, (t, next(self._seq), fn, arg))
@@ -151,6 +157,39 @@ class Simulator:
     # -- request lifecycle -----------------------------------------------------------------
     def _arrive(self, t: float, req: SimRequest) -> None:
         d = self.conductor.schedule(ScheduleRequest(req.rid, req.input_len, req.hashes), t)
+        if d.can_wait:  # refused for the queue alone: it waits for an idle group
+            self.waiting.append((t + self.cfg.defer_s, req, d))
+            self._poll_soon(t)
+            return
+        self._placed(t, req, d)
+
+    def _poll_soon(self, t: float) -> None:
+        if not self._polling:
+            self._polling = True
+            self.push(t + self.cfg.poll_s, self._poll, None)
+
+    def _poll(self, t: float, _: object) -> None:
+        """Offer the waiting requests again, oldest first, as the master does every
+        `scheduler.node_poll_s`; one past its `defer_s` is refused."""
+        self._polling = False
+        waiting, self.waiting = self.waiting, deque()
+        for give_up, req, first in waiting:
+            if t >= give_up:
+                self._placed(t, req, first)
+                continue
+            d = self.conductor.schedule(
+                ScheduleRequest(req.rid, req.input_len, req.hashes), t, waited=True
+            )
+            if d.can_wait:
+                self.waiting.append((give_up, req, first))
+            else:
+                req.waited = d.is_accepted
+                self._placed(t, req, d if d.is_accepted else first)
+        if self.waiting:
+            self._poll_soon(t)
+
+    def _placed(self, t: float, req: SimRequest, d: Decision) -> None:
+        """The Conductor's final word on the request: rejected, or on its way to prefill."""
         req.decision = d
         if not d.is_accepted:
             req.status = "rejected_early"

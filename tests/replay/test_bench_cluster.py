@@ -72,3 +72,20 @@ def test_bench_cluster_end_to_end_prints_real_sim_and_ratios(tmp_path: Path) -> 
     path = data["host"]["path"]
     assert path["prompt_tokens"] > 0
     assert 0.5 <= path["prefill"] <= 5.0 and 0.5 <= path["decode"] <= 5.0
+
+
+def test_the_twin_waits_for_an_idle_group_as_the_cluster_is_configured_to(tmp_path: Path) -> None:
+    import msgspec
+
+    from mooncake.config import Config
+    from mooncake.replay.calibrate import sim_config
+    from mooncake.roles.local import LocalPlan
+    from tests.sim.toy import write_toy_cost
+
+    cost = Path(write_toy_cost(tmp_path / "cost.json"))
+    config = Config()
+    sched = msgspec.structs.replace(config.scheduler, defer_s=3.5, node_poll_s=0.1)
+    twin = sim_config(LocalPlan(), msgspec.structs.replace(config, scheduler=sched), cost, 1.0)
+    assert (twin.defer_s, twin.poll_s) == (3.5, 0.1)
+    assert twin.conductor_params().defer_s == 3.5
+    assert sim_config(LocalPlan(), Config(), cost, 1.0).defer_s == Config().scheduler.defer_s == 10

@@ -205,3 +205,26 @@ def test_a_prefix_demoted_to_ssd_is_reused_at_the_ssd_read_cost(tmp_path):
     )
     assert without.run().result.ssd_hit_share == 0.0
     assert without.requests[2].reused_blocks == 0  # dropped from DRAM: computed again
+
+
+def test_requests_refused_for_the_queue_wait_for_an_idle_group_within_defer_s(tmp_path):
+    # six 500-token prompts at once (0.5 s of prefill each) on one group, TTFT SLO 1.2 s:
+    # two fit the SLO; the other four are refused for the queue ahead of them alone
+    cost = write_toy_cost(tmp_path / "cost.json")
+    rows = [(0, 500, 4, [10 * i]) for i in range(6)]
+    trace = load_trace(write_trace(tmp_path / "t.jsonl", rows))
+    base = SimConfig(num_prefill=1, num_decode=1, cost_model_path=cost, ttft_slo_s=1.2)
+    strict = run_sim(base, trace).result
+    assert (strict.completed, strict.rejected_ttft_slo, strict.waited) == (2, 4, 0)
+    # waiting up to 5 s: each runs when the group has nothing queued, one after the other
+    sim = Simulator(msgspec.structs.replace(base, defer_s=5.0), trace)
+    waited = sim.run().result
+    assert (waited.completed, waited.rejected, waited.waited) == (6, 0, 4)
+    starts = sorted(r.prefill_start for r in sim.requests)
+    assert starts == pytest.approx([0.0, 0.5, 1.0, 1.5, 2.0, 2.5])  # the 0.25 s polls
+    assert waited.slo_attainment == strict.slo_attainment == pytest.approx(2 / 6)
+    sim.conductor.check_integrity()
+    assert sim.conductor.num_inflight == 0
+    # waiting up to 1.2 s: the group is idle once (at 1.0 s) within it; three give up
+    short = run_sim(msgspec.structs.replace(base, defer_s=1.2), trace).result
+    assert (short.completed, short.rejected, short.waited) == (3, 3, 1)

@@ -1,0 +1,73 @@
+"""A request the Conductor refused for the prefill queue ahead of it alone waits at the
+master, offered again every `node_poll_s`, for a group with nothing queued, up to
+`scheduler.defer_s`; then it is a 429 naming the wait. Checked on a `ClusterBackend` with
+a real Conductor (round-number costs: 1 ms of prefill per token), no nodes."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from types import SimpleNamespace
+from typing import cast
+
+import msgspec
+import pytest
+
+from mooncake.api.backend import Rejected
+from mooncake.config import Config
+from mooncake.engine.tokenizer import ByteTokenizer
+from mooncake.roles.cluster import ClusterBackend
+from mooncake.roles.registry import Registry
+from tests.conductor.toy import toy_conductor
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def _backend(defer_s: float) -> ClusterBackend:
+    conductor = toy_conductor(1, 1, ttft_slo_s=1.0, defer_s=defer_s)
+    lock = threading.Lock()
+    registry = cast(Registry, SimpleNamespace(nodes={}, missing=lambda: ""))
+    backend = ClusterBackend(conductor, registry, ByteTokenizer(), "m", 4096, b"s" * 32, 100, lock)
+    config = Config()
+    sched = msgspec.structs.replace(config.scheduler, defer_s=defer_s, node_poll_s=0.02)
+    backend.configure(msgspec.structs.replace(config, scheduler=sched))
+    return backend
+
+
+def test_a_request_refused_for_the_queue_runs_once_the_group_is_idle() -> None:
+    backend = _backend(defer_s=5.0)
+    conductor = backend.conductor
+
+    async def main() -> None:
+        first = await backend._place_waiting(1, 800, [1], time.monotonic() + 60)
+        assert first.is_accepted  # 0.8 s queued on the only group now
+        waiting = asyncio.ensure_future(backend._place_waiting(2, 500, [2], time.monotonic() + 60))
+        await asyncio.sleep(0.2)
+        assert not waiting.done() and conductor.num_inflight == 1  # nothing booked yet
+        with backend.lock:
+            conductor.on_prefill_started(1, time.monotonic())
+            conductor.on_prefill_finished(1, time.monotonic())  # the group is idle
+        d = await asyncio.wait_for(waiting, 5)
+        assert d.is_accepted and d.prefill == "p0" and conductor.num_inflight == 2
+
+    asyncio.run(main())
+
+
+def test_a_request_no_group_takes_within_defer_s_is_a_429_naming_the_wait() -> None:
+    backend = _backend(defer_s=0.2)
+
+    async def main() -> None:
+        assert (await backend._place_waiting(1, 800, [1], time.monotonic() + 60)).is_accepted
+        start = time.monotonic()
+        with pytest.raises(Rejected, match="none idle within 0.2 s") as e:
+            await backend._place_waiting(2, 500, [2], time.monotonic() + 60)
+        assert time.monotonic() - start >= 0.2 and e.value.retry_after_s > 0
+        assert backend.conductor.num_inflight == 1
+        # a prompt over the SLO even alone is refused at once, without waiting
+        start = time.monotonic()
+        with pytest.raises(Rejected, match="overloaded"):
+            await backend._place_waiting(3, 1_200, [3], time.monotonic() + 60)
+        assert time.monotonic() - start < 0.2
+
+    asyncio.run(main())
