@@ -125,6 +125,11 @@ class Status(msgspec.Struct, frozen=True, kw_only=True):
     num_cached_tokens: int = 0  # of those, reported as cached (KV reused, not computed)
     cached_token_share: float = 0.0  # num_cached_tokens / num_prompt_tokens (0 before any)
     num_refused: int = 0  # bad requests refused with a 4xx (400/404/413): not received
+    # refused for the prefill queue alone (scheduler.defer_s): waiting now for an idle
+    # group, and since start placed after waiting / refused when none was idle in time
+    num_waiting: int = 0
+    num_waited: int = 0
+    num_waited_out: int = 0
     ttft_phases: TtftPhases | None = None  # where TTFT went (the cluster's master only)
     masters: list[MasterStatus] = []  # every master process, the leader among them
     num_pool_objects: int = 0  # committed objects in the pool (what readers can get)

@@ -285,7 +285,10 @@ def metrics_table(status: Status) -> Table:
     table.add_row("local hits", f"{s.local_hit_rate * 100:.1f}% of blocks on the chosen node")
     if (kv := s.kv_blocks) is not None and kv.blocks:
         table.add_row("blocks", misses_line(kv))
-    table.add_row("queues", f"{s.num_queued:,} queued  {s.num_running:,} running")
+    waits = f"  ({s.num_waiting:,} waiting for an idle group)" if s.num_waiting else ""
+    table.add_row("queues", f"{s.num_queued:,} queued  {s.num_running:,} running{waits}")
+    if s.num_waited or s.num_waited_out:
+        table.add_row("waited", f"{s.num_waited:,} placed, {s.num_waited_out:,} refused")
     for name, p50, p90, slo in (
         ("TTFT", s.ttft_p50_s, s.ttft_p90_s, s.ttft_slo_s),
         ("TBT", s.tbt_p50_s, s.tbt_p90_s, s.tbt_slo_s),

@@ -26,6 +26,7 @@ then ends with an error naming why. A new request that finds no node ready waits
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 import time
@@ -46,7 +47,7 @@ from mooncake.roles.flight import Flight, Flights, request_deadline_s
 from mooncake.roles.messages import PrefillEventMsg, TokenMsg, TokensAckMsg, TokensMsg
 from mooncake.roles.nodecalls import NodeCalls
 from mooncake.roles.registry import Registry
-from mooncake.roles.tickets import MayWait, NoInstance, Tickets
+from mooncake.roles.tickets import NoInstance, Tickets, place_waiting
 from mooncake.roles.timeline import PhaseLog
 
 log = logging.getLogger(__name__)
@@ -164,22 +165,9 @@ class ClusterBackend(BaseBackend):
         return d
 
     async def _place_waiting(self, rid: int, n: int, hashes: list[int], ends_at: float) -> Decision:
-        """Place a new request, waiting up to node_wait_s while no node can take it, and up
-        to defer_s for an idle group when refused for the queue alone (within its deadline)."""
-        give_up, wait_until = min(time.monotonic() + self.node_wait_s, ends_at), 0.0
-        while True:
-            try:
-                return await self._place(rid, n, hashes, waited=wait_until > 0)
-            except NoInstance:
-                if time.monotonic() >= give_up:
-                    raise
-            except MayWait as e:
-                now = time.monotonic()
-                wait_until = wait_until or min(now + self.scheduler.defer_s, ends_at)
-                if now >= wait_until:
-                    why = f"{e}, none idle within {self.scheduler.defer_s:g} s; retry later"
-                    raise Rejected(why, retry_after_s=e.retry_after_s) from None
-            await asyncio.sleep(self.scheduler.node_poll_s)
+        """Place a new request, waiting for a node and for an idle group (`place_waiting`)."""
+        place = functools.partial(self._place, rid, n, hashes)
+        return await place_waiting(place, self.scheduler, self.node_wait_s, self.counters, ends_at)
 
     async def _dispatch_retrying(self, flight: Flight) -> None:
         """Send the task; a leader that does not answer is reported down and the request

@@ -26,6 +26,11 @@ class PoolCounters:
     local_hits: int = 0  # held by the chosen prefill node itself
     kv_bytes: int = 0  # KV handed from prefill to decode nodes
     kv_window: deque[tuple[float, int]] = field(default_factory=deque)  # (time, bytes)
+    # requests refused for the prefill queue alone (scheduler.defer_s): waiting now for an
+    # idle group, placed after waiting, refused when none was idle in time
+    waiting: int = 0
+    waited: int = 0
+    waited_out: int = 0
 
     def add_lookup(self, num_blocks: int, num_hits: int, num_local_hits: int) -> None:
         self.lookups += num_blocks
@@ -73,8 +78,24 @@ class ClusterCollector(Collector):
                 "KV bytes handed from prefill to decode nodes.",
                 c.kv_bytes,
             ),
+            (
+                "mooncake_requests_waited",
+                "Requests refused for the prefill queue alone that waited for an idle group "
+                "and were placed (scheduler.defer_s).",
+                c.waited,
+            ),
+            (
+                "mooncake_requests_waited_out",
+                "Requests that waited for an idle prefill group and were refused (429).",
+                c.waited_out,
+            ),
         ):
             yield CounterMetricFamily(name, doc, value=value)
+        yield GaugeMetricFamily(
+            "mooncake_requests_waiting",
+            "Requests waiting now for an idle prefill group (scheduler.defer_s).",
+            value=c.waiting,
+        )
         g = GaugeMetricFamily(
             "mooncake_nodes", "Nodes by role and state.", labels=["role", "state"]
         )

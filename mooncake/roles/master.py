@@ -329,6 +329,7 @@ class Master:
             num_queued=s.num_waiting, num_running=s.num_streaming,
             ttft_slo_s=sched.ttft_slo_s, tbt_slo_s=sched.tbt_slo_s,
             transfer_bytes_per_s=kv_rate, pool_hits=c.hits, pool_lookups=c.lookups,
+            num_waiting=c.waiting, num_waited=c.waited, num_waited_out=c.waited_out,
             kv_blocks=await self.backend.tickets.locked(self.backend.misses.shares),
             ttft_phases=self.backend.phases.summary(),
             masters=masters, num_pool_objects=st.num_committed,

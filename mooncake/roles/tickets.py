@@ -17,14 +17,16 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 from mooncake.api.backend import Rejected
 from mooncake.conductor import Conductor
 from mooncake.conductor.types import Decision, ReplicationOrder, ScheduleRequest
+from mooncake.configroles import SchedulerConfig
 from mooncake.errors import MooncakeError, SchedulingError
+from mooncake.roles.cluster_metrics import PoolCounters
 from mooncake.roles.registry import Registry
 
 T = TypeVar("T")
@@ -123,3 +125,37 @@ class Tickets:
 
     def shutdown(self) -> None:
         self._thread.shutdown(wait=True)
+
+
+async def place_waiting(
+    place: Callable[[bool], Awaitable[Decision]],
+    sched: SchedulerConfig,
+    node_wait_s: float,
+    counters: PoolCounters,
+    ends_at: float,
+) -> Decision:
+    """`place(waited)` until it decides, within the request's deadline `ends_at`: waiting
+    up to `node_wait_s` while no node can take it (NoInstance), and up to `sched.defer_s`
+    for an idle prefill group when it was refused for the queue alone (MayWait; then a
+    Rejected naming the wait), trying again every `sched.node_poll_s`."""
+    give_up, wait_until = min(time.monotonic() + node_wait_s, ends_at), 0.0
+    try:
+        while True:
+            try:
+                d = await place(wait_until > 0)
+                counters.waited += wait_until > 0
+                return d
+            except NoInstance:
+                if time.monotonic() >= give_up:
+                    raise
+            except MayWait as e:
+                now = time.monotonic()
+                counters.waiting += not wait_until
+                wait_until = wait_until or min(now + sched.defer_s, ends_at)
+                if now >= wait_until:
+                    counters.waited_out += 1
+                    why = f"{e}, none idle within {sched.defer_s:g} s; retry later"
+                    raise Rejected(why, retry_after_s=e.retry_after_s) from None
+            await asyncio.sleep(sched.node_poll_s)
+    finally:
+        counters.waiting -= wait_until > 0

@@ -45,11 +45,14 @@ def test_a_request_refused_for_the_queue_runs_once_the_group_is_idle() -> None:
         waiting = asyncio.ensure_future(backend._place_waiting(2, 500, [2], time.monotonic() + 60))
         await asyncio.sleep(0.2)
         assert not waiting.done() and conductor.num_inflight == 1  # nothing booked yet
+        assert backend.counters.waiting == 1
         with backend.lock:
             conductor.on_prefill_started(1, time.monotonic())
             conductor.on_prefill_finished(1, time.monotonic())  # the group is idle
         d = await asyncio.wait_for(waiting, 5)
         assert d.is_accepted and d.prefill == "p0" and conductor.num_inflight == 2
+        c = backend.counters
+        assert (c.waiting, c.waited, c.waited_out) == (0, 1, 0)
 
     asyncio.run(main())
 
@@ -64,6 +67,8 @@ def test_a_request_no_group_takes_within_defer_s_is_a_429_naming_the_wait() -> N
             await backend._place_waiting(2, 500, [2], time.monotonic() + 60)
         assert time.monotonic() - start >= 0.2 and e.value.retry_after_s > 0
         assert backend.conductor.num_inflight == 1
+        c = backend.counters
+        assert (c.waiting, c.waited, c.waited_out) == (0, 0, 1)
         # a prompt over the SLO even alone is refused at once, without waiting
         start = time.monotonic()
         with pytest.raises(Rejected, match="overloaded"):
