@@ -143,19 +143,22 @@ async def place_waiting(
         while True:
             try:
                 d = await place(wait_until > 0)
-                counters.waited += wait_until > 0
+                if wait_until:
+                    counters.waited += 1
                 return d
             except NoInstance:
                 if time.monotonic() >= give_up:
                     raise
             except MayWait as e:
                 now = time.monotonic()
-                counters.waiting += not wait_until
-                wait_until = wait_until or min(now + sched.defer_s, ends_at)
+                if not wait_until:  # refused for the first time: it starts waiting
+                    wait_until = min(now + sched.defer_s, ends_at)
+                    counters.waiting += 1
                 if now >= wait_until:
                     counters.waited_out += 1
                     why = f"{e}, none idle within {sched.defer_s:g} s; retry later"
                     raise Rejected(why, retry_after_s=e.retry_after_s) from None
             await asyncio.sleep(sched.node_poll_s)
     finally:
-        counters.waiting -= wait_until > 0
+        if wait_until:
+            counters.waiting -= 1

@@ -69,10 +69,9 @@ def test_a_request_no_group_takes_within_defer_s_is_a_429_naming_the_wait() -> N
         assert backend.conductor.num_inflight == 1
         c = backend.counters
         assert (c.waiting, c.waited, c.waited_out) == (0, 0, 1)
-        # a prompt over the SLO even alone is refused at once, without waiting
-        start = time.monotonic()
+        # a prompt over the SLO even alone is refused at once: it never waited
         with pytest.raises(Rejected, match="overloaded"):
             await backend._place_waiting(3, 1_200, [3], time.monotonic() + 60)
-        assert time.monotonic() - start < 0.2
+        assert (c.waiting, c.waited, c.waited_out) == (0, 0, 1)
 
     asyncio.run(main())
