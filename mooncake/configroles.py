@@ -196,16 +196,18 @@ class SchedulerConfig(msgspec.Struct, **_STRUCT):
             "A request refused only for the prefill queue ahead of it (its own TTFT meets "
             "ttft_slo_s) waits up to this many seconds for a prefill group with nothing "
             "queued and runs there, late but in capacity no queued request needed; then "
-            "429. 0 = refused at once, as the paper's early rejection does.",
+            "429. It waits only if a group is predicted idle for it within this time, "
+            "behind the requests already waiting (oldest first); else 429 at once. "
+            "0 = refused at once, as the paper's early rejection does.",
             ge=0,
         ),
     ] = 10.0
     defer_window_s: Annotated[
         float,
         knob(
-            "A waiting request gets an idle prefill group only while the prefill work that "
+            "A request may start waiting (defer_s) only while the prefill work that "
             "arrived over about this many seconds (an exponential average) fits the groups' "
-            "capacity: bursts wait, sustained overload is refused.",
+            "capacity: bursts wait, sustained overload is refused at once.",
             gt=0,
         ),
     ] = 30.0

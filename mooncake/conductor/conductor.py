@@ -40,6 +40,7 @@ from mooncake.conductor.types import (
     ReplicationOrder,
     ScheduleRequest,
 )
+from mooncake.conductor.waiting import WaitingRoom, next_idle_s
 from mooncake.errors import SchedulingError
 
 if TYPE_CHECKING:
@@ -66,6 +67,7 @@ class Conductor(Books):
         self._block_bytes = cost.kv_bytes_per_token * params.block_tokens
         # first-stage seconds of prefill offered per group, decaying over defer_window_s
         self._offered_s, self._offered_at = 0.0, 0.0
+        self.waiting = WaitingRoom(params.defer_s)  # refused for the queue alone, waiting
 
     @classmethod
     def from_config(
@@ -180,15 +182,19 @@ class Conductor(Books):
         """Decide where `req` runs, or reject it; an accepted decision is recorded as
         load (queue, reservation, forecast) until the progress reports retire it.
 
-        `waited`: the request was refused for the queue ahead of it (`Decision.can_wait`)
-        and is offered again: it goes only to a prefill group with no first-stage work
-        queued, so it takes capacity no queued request needs, and only while the prefill
-        work arriving (`offered_load`) fits the groups: a burst, not sustained overload,
-        where it would take the place of the next requests able to meet the SLO. Refused
-        again otherwise (can_wait still set)."""
+        A request refused for the queue ahead of it alone joins the waiting room
+        (`Decision.can_wait`) if the prefill work arriving (`offered_load`) fits the
+        groups (a burst, not sustained overload, where it would take the place of the
+        next requests able to meet the SLO) and a group is predicted idle for it within
+        `defer_s` (`mooncake.conductor.waiting`). `waited`: it is offered again; it goes
+        only to a prefill group with no first-stage work queued, in its turn, so it takes
+        capacity no queued request needs; otherwise it is refused again, can_wait still
+        set while it may wait on."""
         if not self.prefill or not self.decode:
             return Decision(req_id=req.req_id, is_accepted=False, reason="no_instance")
         p = self.params
+        if waited and (not_yet := self.waiting.turn(req.req_id, self._free_s(now), now)):
+            return not_yet
         hashes, input_len = req.block_hashes, req.input_len
         # match: every prefill instance's local prefix, and the longest one anywhere
         held = self.index.prefix_lens(hashes, self._match_bits, self._match_full)
@@ -228,8 +234,8 @@ class Conductor(Books):
         if waited:  # NOTE: a busy group's TTFT is infinite to it: the policy picks an idle one
             view.queue_s = [0.0 if q <= 0.0 else math.inf for q in view.queue_s]
         plan = self.policy.choose(view)
-        if waited and (not plan.ttft_s < math.inf or self.offered_load(now) >= 1.0):
-            return Decision(req_id=req.req_id, is_accepted=False, reason="ttft_slo", can_wait=True)
+        if waited and not plan.ttft_s < math.inf:
+            return self.waiting.wait_on(req.req_id, self._free_s(now))
         # place
         slots, tbt, running = self._place_decode(plan.idx, input_len, now)
         # admit
@@ -241,9 +247,19 @@ class Conductor(Books):
         queue = self.prefill[plan.idx]
         reused = min(plan.reused_blocks * p.block_tokens, input_len)
         prefill_s = self.cost.prefill_time(input_len, reused)
+        can_wait = False
         if p.defer_s > 0 and not waited:  # each request counts once, when it arrives
             chunks = num_chunks(input_len - reused, queue.chunk_tokens)
-            self.offered_load(now, queue.times(prefill_s, chunks)[0])
+            stage_s = queue.times(prefill_s, chunks)[0]
+            load = self.offered_load(now, stage_s)
+            can_wait = (
+                reason == "ttft_slo"
+                and own_s <= p.ttft_slo_s
+                and load < 1.0
+                and self.waiting.enter(req.req_id, stage_s, self._free_s(now), now)
+            )
+        elif waited:  # placed, or refused for another reason: it waits no more
+            self.waiting.leave(req.req_id)
         src = names[plan.fetch_from] if plan.fetch_from >= 0 else ""
         replications: tuple[ReplicationOrder, ...] = ()
         if plan.replicate and plan.reused_blocks > lens[plan.idx]:
@@ -264,7 +280,8 @@ class Conductor(Books):
             prefill_load=prefill_load,
             decode_load=decode_load,
             replications=replications,
-            can_wait=reason == "ttft_slo" and p.defer_s > 0 and own_s <= p.ttft_slo_s,
+            can_wait=can_wait,
+            wait_s=next_idle_s(self._free_s(now)) if can_wait else 0.0,
         )
         if not reason:
             self._book(
@@ -277,6 +294,14 @@ class Conductor(Books):
                 input_len - reused,
             )
         return decision
+
+    def _free_s(self, now: float) -> list[float]:
+        """Each prefill group's queued first-stage seconds at `now`."""
+        return [q.queue_time(now) for q in self.prefill]
+
+    def end_wait(self, req_id: int) -> None:
+        """A waiting request was refused after its wait (or its client went away)."""
+        self.waiting.leave(req_id)
 
     def offered_load(self, now: float, stage_s: float = 0.0) -> float:
         """The prefill groups' offered load at `now`, after adding an arrival's first-stage

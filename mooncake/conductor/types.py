@@ -114,9 +114,11 @@ class Decision(msgspec.Struct, frozen=True, kw_only=True):
     prefill_load: float = 0.0  # ttft_s / TTFT SLO
     decode_load: float = 0.0  # decode load per the rejection mode (0 when not checked)
     replications: tuple[ReplicationOrder, ...] = ()
-    # rejected for the queue alone (TTFT SLO, own TTFT within it) and `defer_s` > 0: it may
-    # be offered again (`Conductor.schedule(waited=True)`) until a prefill group is idle
+    # rejected for the queue alone (TTFT SLO, own TTFT within it) and in the waiting room
+    # (`mooncake.conductor.waiting`): offer it again (`Conductor.schedule(waited=True)`)
+    # after `wait_s` seconds, when the next prefill group is predicted idle
     can_wait: bool = False
+    wait_s: float = 0.0
 
     @property
     def fetch_blocks(self) -> int:

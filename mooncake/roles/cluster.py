@@ -167,7 +167,10 @@ class ClusterBackend(BaseBackend):
     async def _place_waiting(self, rid: int, n: int, hashes: list[int], ends_at: float) -> Decision:
         """Place a new request, waiting for a node and for an idle group (`place_waiting`)."""
         place = functools.partial(self._place, rid, n, hashes)
-        return await place_waiting(place, self.scheduler, self.node_wait_s, self.counters, ends_at)
+        end_wait = functools.partial(self.tickets.end_wait, rid)
+        return await place_waiting(
+            place, self.scheduler, self.node_wait_s, self.counters, ends_at, end_wait
+        )
 
     async def _dispatch_retrying(self, flight: Flight) -> None:
         """Send the task; a leader that does not answer is reported down and the request

@@ -24,6 +24,7 @@ from typing import TypeVar
 from mooncake.api.backend import Rejected
 from mooncake.conductor import Conductor
 from mooncake.conductor.types import Decision, ReplicationOrder, ScheduleRequest
+from mooncake.conductor.waiting import MIN_OFFER_GAP_S
 from mooncake.configroles import SchedulerConfig
 from mooncake.errors import MooncakeError, SchedulingError
 from mooncake.roles.cluster_metrics import PoolCounters
@@ -37,8 +38,13 @@ class NoInstance(MooncakeError):
 
 
 class MayWait(Rejected):
-    """Refused for the queue ahead of it alone (`Decision.can_wait`): it may be offered
-    again, with `waited`, for an idle prefill group."""
+    """Refused for the queue ahead of it alone and waiting (`Decision.can_wait`): offer it
+    again, with `waited`, for an idle prefill group, after `wait_s` seconds (when the
+    next group is predicted idle)."""
+
+    def __init__(self, message: str, wait_s: float):
+        super().__init__(message, retry_after_s=2.0)
+        self.wait_s = wait_s
 
 
 class Tickets:
@@ -77,7 +83,7 @@ class Tickets:
             if d.reason == "no_instance":
                 raise NoInstance(f"{missing or 'ready nodes are not scheduled yet'}; retry shortly")
             if d.can_wait:
-                raise MayWait(f"every prefill group is busy ({d.reason})", retry_after_s=2.0)
+                raise MayWait(f"every prefill group is busy ({d.reason})", d.wait_s)
             raise Rejected(
                 f"the cluster is overloaded ({d.reason}); retry later", retry_after_s=2.0
             )
@@ -97,6 +103,10 @@ class Tickets:
             raise MooncakeError(f"cannot place the request: {e}") from e
         missing = self.registry.missing() if d.reason == "no_instance" else ""
         return d, missing
+
+    def end_wait(self, req_id: int) -> None:
+        """A waiting request was refused after its wait, or its client went away."""
+        self._thread.submit(self._run_locked, self.conductor.end_wait, req_id)
 
     def decode_started(self, req_id: int) -> None:
         self._thread.submit(self._run_locked, self._decode_started, req_id)
@@ -133,16 +143,21 @@ async def place_waiting(
     node_wait_s: float,
     counters: PoolCounters,
     ends_at: float,
+    end_wait: Callable[[], None],
 ) -> Decision:
     """`place(waited)` until it decides, within the request's deadline `ends_at`: waiting
-    up to `node_wait_s` while no node can take it (NoInstance), and up to `sched.defer_s`
-    for an idle prefill group when it was refused for the queue alone (MayWait; then a
-    Rejected naming the wait), trying again every `sched.node_poll_s`."""
-    give_up, wait_until = min(time.monotonic() + node_wait_s, ends_at), 0.0
+    up to `node_wait_s` while no node can take it (NoInstance), trying again every
+    `sched.node_poll_s`, and up to `sched.defer_s` in the Conductor's waiting room when
+    it was refused for the queue alone (MayWait; then a Rejected naming the wait), tried
+    again when the next prefill group is predicted idle (at most `node_poll_s` apart).
+    `end_wait` tells the Conductor a wait ended unplaced."""
+    give_up, wait_until, placed = min(time.monotonic() + node_wait_s, ends_at), 0.0, False
     try:
         while True:
+            pause_s = sched.node_poll_s
             try:
                 d = await place(wait_until > 0)
+                placed = True
                 if wait_until:
                     counters.waited += 1
                 return d
@@ -158,7 +173,10 @@ async def place_waiting(
                     counters.waited_out += 1
                     why = f"{e}, none idle within {sched.defer_s:g} s; retry later"
                     raise Rejected(why, retry_after_s=e.retry_after_s) from None
-            await asyncio.sleep(sched.node_poll_s)
+                pause_s = min(pause_s, max(e.wait_s, MIN_OFFER_GAP_S), wait_until - now)
+            await asyncio.sleep(pause_s)
     finally:
         if wait_until:
             counters.waiting -= 1
+            if not placed:  # refused after waiting, or its client went away
+                end_wait()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -25,6 +26,7 @@ from typing import Any
 from mooncake.conductor import Conductor, ScheduleRequest
 from mooncake.conductor.misses import MissLedger
 from mooncake.conductor.types import Decision
+from mooncake.conductor.waiting import MIN_OFFER_GAP_S
 from mooncake.errors import ConfigError
 from mooncake.modelspec import get_model_spec
 from mooncake.sim.cluster import SimConfig
@@ -91,7 +93,7 @@ class Simulator:
         # requests refused for the queue alone, waiting for an idle group (`defer_s`):
         # (when they give up, the request, the Conductor's first decision)
         self.waiting: deque[tuple[float, SimRequest, Decision]] = deque()
-        self._polling = False  # a poll of the waiting requests is pending
+        self._poll_at = math.inf  # the next poll of the waiting requests (inf: none pending)
 
     def push(self, t: float, fn: Callable[[float, Any], None], arg: Any) -> None:
         heapq.heappush(self._heap, (t, next(self._seq), fn, arg))
@@ -159,22 +161,28 @@ class Simulator:
         d = self.conductor.schedule(ScheduleRequest(req.rid, req.input_len, req.hashes), t)
         if d.can_wait:  # refused for the queue alone: it waits for an idle group
             self.waiting.append((t + self.cfg.defer_s, req, d))
-            self._poll_soon(t)
+            self._poll_soon(t, d.wait_s)
             return
         self._placed(t, req, d)
 
-    def _poll_soon(self, t: float) -> None:
-        if not self._polling:
-            self._polling = True
-            self.push(t + self.cfg.poll_s, self._poll, None)
+    def _poll_soon(self, t: float, wait_s: float) -> None:
+        """Poll the waiting requests when the next group is predicted idle, within `poll_s`
+        (as the master offers each again)."""
+        at = t + min(self.cfg.poll_s, max(wait_s, MIN_OFFER_GAP_S))
+        if at < self._poll_at:
+            self._poll_at = at
+            self.push(at, self._poll, None)
 
     def _poll(self, t: float, _: object) -> None:
-        """Offer the waiting requests again, oldest first, as the master does every
-        `scheduler.node_poll_s`; one past its `defer_s` is refused."""
-        self._polling = False
+        """Offer the waiting requests again, oldest first; one past its `defer_s` is
+        refused (and leaves the Conductor's waiting room)."""
+        if t != self._poll_at:
+            return  # an earlier poll replaced this one
+        self._poll_at, wait_s = math.inf, math.inf
         waiting, self.waiting = self.waiting, deque()
         for give_up, req, first in waiting:
             if t >= give_up:
+                self.conductor.end_wait(req.rid)
                 self._placed(t, req, first)
                 continue
             d = self.conductor.schedule(
@@ -182,11 +190,12 @@ class Simulator:
             )
             if d.can_wait:
                 self.waiting.append((give_up, req, first))
+                wait_s = min(wait_s, d.wait_s, give_up - t)
             else:
                 req.waited = d.is_accepted
                 self._placed(t, req, d if d.is_accepted else first)
         if self.waiting:
-            self._poll_soon(t)
+            self._poll_soon(t, wait_s)
 
     def _placed(self, t: float, req: SimRequest, d: Decision) -> None:
         """The Conductor's final word on the request: rejected, or on its way to prefill."""

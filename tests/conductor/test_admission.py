@@ -3,8 +3,6 @@
 Toy decode step (tests/conductor/toy.py): 10 ms + 1 ms per request + 1 us per KV token.
 """
 
-import math
-
 import pytest
 
 from mooncake.conductor import ScheduleRequest
@@ -127,48 +125,3 @@ def test_prefill_queue_time_counts_down_the_running_request():
     assert q.queue_time(9.0) == pytest.approx(2.0)  # overdue: the running one counts as done
     q.finish("a")
     assert q.queue_time(9.0) == 2.0
-
-
-def test_a_request_refused_for_the_queue_alone_may_wait_and_runs_only_on_an_idle_group():
-    # TTFT SLO 1 s; p0 and p1 each hold 0.8 s of queued prefill
-    c = toy_conductor(2, 1, ttft_slo_s=1.0, defer_s=5.0)
-    for rid in (1, 2):
-        assert c.schedule(_req(rid, 800), now=0.0).is_accepted
-    d = c.schedule(_req(3, 500), now=0.0)  # 0.8 + 0.5 s: over the SLO for the queue alone
-    assert (d.is_accepted, d.reason, d.can_wait) == (False, "ttft_slo", True)
-    # a prompt over the SLO on its own would miss it anywhere: refused, never waits
-    long = c.schedule(_req(4, 1_200), now=0.0)
-    assert (long.is_accepted, long.can_wait) == (False, False)
-    # offered again: p0 has run 0.5 of its 0.8 s; 0.3 + 0.5 s would meet the SLO, but a
-    # waiting request takes only a group with nothing queued, and books nothing until then
-    c.on_prefill_started(1, 0.0)
-    c.on_prefill_started(2, 0.0)
-    again = c.schedule(_req(3, 500), now=0.5, waited=True)
-    assert (again.is_accepted, again.can_wait) == (False, True)
-    assert c.num_inflight == 2
-    c.on_prefill_finished(2, 0.6)  # p1 is idle early (p0 has 0.2 s left): it goes there
-    placed = c.schedule(_req(3, 500), now=0.6, waited=True)
-    assert placed.is_accepted and placed.prefill == "p1" and not placed.can_wait
-    assert placed.ttft_s == pytest.approx(0.5) and c.num_inflight == 3
-    c.check_integrity()
-
-
-def test_without_defer_s_a_request_refused_for_the_queue_never_waits():
-    c = toy_conductor(1, 1, ttft_slo_s=1.0)
-    assert c.schedule(_req(1, 800), now=0.0).is_accepted
-    d = c.schedule(_req(2, 500), now=0.0)
-    assert (d.is_accepted, d.reason, d.can_wait) == (False, "ttft_slo", False)
-
-
-def test_a_waiting_request_gets_an_idle_group_only_while_the_offered_load_fits():
-    # one group; the offered load decays over 1 s: 0.8 + 0.5 s of first-stage work came in
-    c = toy_conductor(1, 1, ttft_slo_s=1.0, defer_s=5.0, defer_window_s=1.0)
-    assert c.schedule(_req(1, 800), now=0.0).is_accepted
-    assert c.schedule(_req(2, 500), now=0.0).can_wait
-    assert c.offered_load(0.0) == pytest.approx(1.3)
-    c.on_prefill_started(1, 0.0)
-    c.on_prefill_finished(1, 0.1)  # the group is idle, but 1.3 e^-0.1 = 1.18 of it is offered
-    assert c.schedule(_req(2, 500), now=0.1, waited=True).can_wait
-    assert c.num_inflight == 1  # request 1's ticket alone: nothing booked for request 2
-    d = c.schedule(_req(2, 500), now=0.5, waited=True)  # 1.3 e^-0.5 = 0.79: a burst, not overload
-    assert d.is_accepted and c.offered_load(0.5) == pytest.approx(1.3 * math.exp(-0.5))

@@ -1,7 +1,9 @@
 """A request the Conductor refused for the prefill queue ahead of it alone waits at the
-master, offered again every `node_poll_s`, for a group with nothing queued, up to
-`scheduler.defer_s`; then it is a 429 naming the wait. Checked on a `ClusterBackend` with
-a real Conductor (round-number costs: 1 ms of prefill per token), no nodes."""
+master, offered again when a group is predicted idle (at most `node_poll_s` apart), for a
+group with nothing queued, up to `scheduler.defer_s`; then it is a 429 naming the wait,
+and it leaves the Conductor's waiting room. One not predicted to start in time is refused
+at once. Checked on a `ClusterBackend` with a real Conductor (round-number costs: 1 ms of
+prefill per token), no nodes."""
 
 from __future__ import annotations
 
@@ -58,20 +60,45 @@ def test_a_request_refused_for_the_queue_runs_once_the_group_is_idle() -> None:
 
 
 def test_a_request_no_group_takes_within_defer_s_is_a_429_naming_the_wait() -> None:
-    backend = _backend(defer_s=0.2)
+    backend = _backend(defer_s=1.0)
 
     async def main() -> None:
         assert (await backend._place_waiting(1, 800, [1], time.monotonic() + 60)).is_accepted
         start = time.monotonic()
-        with pytest.raises(Rejected, match="none idle within 0.2 s") as e:
-            await backend._place_waiting(2, 500, [2], time.monotonic() + 60)
-        assert time.monotonic() - start >= 0.2 and e.value.retry_after_s > 0
+        # predicted to start in 0.8 s, but request 1 never starts: it waits its 1 s out
+        waiting = asyncio.ensure_future(backend._place_waiting(2, 500, [2], time.monotonic() + 60))
+        await asyncio.sleep(0.1)
+        # behind it, another 0.5 s prompt would start at 1.3 s: refused at once
+        with pytest.raises(Rejected, match="overloaded"):
+            await backend._place_waiting(3, 500, [3], time.monotonic() + 60)
+        with pytest.raises(Rejected, match="none idle within 1 s") as e:
+            await waiting
+        assert time.monotonic() - start >= 1.0 and e.value.retry_after_s > 0
         assert backend.conductor.num_inflight == 1
+        assert await backend.tickets.num_open() == 1  # (after the queued end_wait)
+        assert len(backend.conductor.waiting) == 0
         c = backend.counters
         assert (c.waiting, c.waited, c.waited_out) == (0, 0, 1)
         # a prompt over the SLO even alone is refused at once: it never waited
         with pytest.raises(Rejected, match="overloaded"):
-            await backend._place_waiting(3, 1_200, [3], time.monotonic() + 60)
+            await backend._place_waiting(4, 1_200, [4], time.monotonic() + 60)
         assert (c.waiting, c.waited, c.waited_out) == (0, 0, 1)
+
+    asyncio.run(main())
+
+
+def test_a_waiting_request_whose_client_goes_away_leaves_the_room() -> None:
+    backend = _backend(defer_s=5.0)
+
+    async def main() -> None:
+        assert (await backend._place_waiting(1, 800, [1], time.monotonic() + 60)).is_accepted
+        waiting = asyncio.ensure_future(backend._place_waiting(2, 500, [2], time.monotonic() + 60))
+        await asyncio.sleep(0.1)
+        assert 2 in backend.conductor.waiting
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        await backend.tickets.num_open()  # after the queued end_wait
+        assert len(backend.conductor.waiting) == 0 and backend.counters.waiting == 0
 
     asyncio.run(main())

@@ -221,10 +221,16 @@ def test_requests_refused_for_the_queue_wait_for_an_idle_group_within_defer_s(tm
     waited = sim.run().result
     assert (waited.completed, waited.rejected, waited.waited) == (6, 0, 4)
     starts = sorted(r.prefill_start for r in sim.requests)
-    assert starts == pytest.approx([0.0, 0.5, 1.0, 1.5, 2.0, 2.5])  # the 0.25 s polls
+    # each offered again when the group is predicted idle, not on the next 0.25 s poll
+    assert starts == pytest.approx([0.0, 0.5, 1.0, 1.5, 2.0, 2.5])
     assert waited.slo_attainment == strict.slo_attainment == pytest.approx(2 / 6)
     sim.conductor.check_integrity()
     assert sim.conductor.num_inflight == 0
-    # waiting up to 1.2 s: the group is idle once (at 1.0 s) within it; three give up
-    short = run_sim(msgspec.structs.replace(base, defer_s=1.2), trace).result
+    # waiting up to 1.2 s: the group is idle once (at 1.0 s) within it; the three behind
+    # would start at 1.5 s and later: refused on arrival, never waiting
+    sim = Simulator(msgspec.structs.replace(base, defer_s=1.2), trace)
+    short = sim.run().result
     assert (short.completed, short.rejected, short.waited) == (3, 3, 1)
+    refused = [r for r in sim.requests if r.status == "rejected_early"]
+    assert [r.decision.can_wait for r in refused] == [False] * 3
+    assert len(sim.conductor.waiting) == 0
