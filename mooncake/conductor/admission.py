@@ -46,9 +46,9 @@ speeds 0.1 and 0.2, 112 and 98 served instead of 54, SLO attainment 0.37 and 0.3
 0.35; at 0.35 (about the cluster's capacity) 69 against 54, attainment 0.30 against 0.35;
 at 4, 8 and 16 (overload) 1-4 more served, attainment equal or better. On the real
 `up --local` (same slice and shape): speed 0.2, 92 served instead of 50, attainment 0.35
-against 0.30; speeds 4, 8 and 16, output 2.6x, 1.7x and 4.2x vLLM for CPU's (with
-waiting bounded by the offered load alone, where requests waited 10 s to be refused:
-1.0x, 1.4x and 1.0x).
+against 0.30; speeds 4, 8 and 16, output 1.7-2.6x, 1.7-1.9x and 4.0-4.2x vLLM for
+CPU's over two runs (with waiting bounded by the offered load alone, where requests
+waited 10 s to be refused: 1.0x, 1.4x and 1.0x).
 
 Which decode instance gets the KV is placement (`mooncake.conductor.placement`), and late
 binding at prefill start applies in every mode, so the modes differ only in their
