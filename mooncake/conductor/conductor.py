@@ -247,17 +247,15 @@ class Conductor(Books):
         queue = self.prefill[plan.idx]
         reused = min(plan.reused_blocks * p.block_tokens, input_len)
         prefill_s = self.cost.prefill_time(input_len, reused)
-        can_wait = False
+        can_wait, wait_s = False, 0.0
         if p.defer_s > 0 and not waited:  # each request counts once, when it arrives
             chunks = num_chunks(input_len - reused, queue.chunk_tokens)
             stage_s = queue.times(prefill_s, chunks)[0]
             load = self.offered_load(now, stage_s)
-            can_wait = (
-                reason == "ttft_slo"
-                and own_s <= p.ttft_slo_s
-                and load < 1.0
-                and self.waiting.enter(req.req_id, stage_s, self._free_s(now), now)
-            )
+            if reason == "ttft_slo" and own_s <= p.ttft_slo_s and load < 1.0:
+                free_s = self._free_s(now)
+                can_wait = self.waiting.enter(req.req_id, stage_s, free_s, now)
+                wait_s = next_idle_s(free_s) if can_wait else 0.0
         elif waited:  # placed, or refused for another reason: it waits no more
             self.waiting.leave(req.req_id)
         src = names[plan.fetch_from] if plan.fetch_from >= 0 else ""
@@ -281,7 +279,7 @@ class Conductor(Books):
             decode_load=decode_load,
             replications=replications,
             can_wait=can_wait,
-            wait_s=next_idle_s(self._free_s(now)) if can_wait else 0.0,
+            wait_s=wait_s,
         )
         if not reason:
             self._book(

@@ -73,12 +73,7 @@ class WaitingRoom:
     def rank(self, req_id: int, now: float) -> int | None:
         """How many wait ahead of it; None when it is not waiting (left, or dropped)."""
         self.expire(now)
-        if req_id not in self._waiters:
-            return None
-        for i, rid in enumerate(self._waiters):
-            if rid == req_id:
-                return i
-        raise AssertionError("unreachable")
+        return next((i for i, rid in enumerate(self._waiters) if rid == req_id), None)
 
     def leave(self, req_id: int) -> None:
         self._waiters.pop(req_id, None)

@@ -60,7 +60,8 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
     tbt_share: float = 0.1  # a request's TBT = mean of this slowest share of its gaps
     late_binding: bool = True  # choose the decode instance at prefill start, in every mode
     # a request refused for the queue alone waits this long for an idle prefill group,
-    # offered again every `poll_s` (scheduler.defer_s, node_poll_s); 0 = refused at once
+    # offered again when the next group is predicted idle, at most `poll_s` apart
+    # (scheduler.defer_s, node_poll_s); 0 = refused at once
     defer_s: float = 0.0
     defer_window_s: float = 30.0  # ... while the offered load over about this long fits
     poll_s: float = 0.25

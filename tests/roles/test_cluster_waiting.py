@@ -17,6 +17,7 @@ import msgspec
 import pytest
 
 from mooncake.api.backend import Rejected
+from mooncake.conductor.types import Decision
 from mooncake.config import Config
 from mooncake.engine.tokenizer import ByteTokenizer
 from mooncake.roles.cluster import ClusterBackend
@@ -37,14 +38,20 @@ def _backend(defer_s: float) -> ClusterBackend:
     return backend
 
 
+async def _hold_the_group_and_wait(backend: ClusterBackend) -> asyncio.Future[Decision]:
+    """Place a 0.8 s prompt on the only group, then a 0.5 s one that must wait behind it;
+    returns the waiting one's placement, still running."""
+    first = await backend._place_waiting(1, 800, [1], time.monotonic() + 60)
+    assert first.is_accepted  # 0.8 s queued on the only group now
+    return asyncio.ensure_future(backend._place_waiting(2, 500, [2], time.monotonic() + 60))
+
+
 def test_a_request_refused_for_the_queue_runs_once_the_group_is_idle() -> None:
     backend = _backend(defer_s=5.0)
     conductor = backend.conductor
 
     async def main() -> None:
-        first = await backend._place_waiting(1, 800, [1], time.monotonic() + 60)
-        assert first.is_accepted  # 0.8 s queued on the only group now
-        waiting = asyncio.ensure_future(backend._place_waiting(2, 500, [2], time.monotonic() + 60))
+        waiting = await _hold_the_group_and_wait(backend)
         await asyncio.sleep(0.2)
         assert not waiting.done() and conductor.num_inflight == 1  # nothing booked yet
         assert backend.counters.waiting == 1
@@ -63,10 +70,9 @@ def test_a_request_no_group_takes_within_defer_s_is_a_429_naming_the_wait() -> N
     backend = _backend(defer_s=1.0)
 
     async def main() -> None:
-        assert (await backend._place_waiting(1, 800, [1], time.monotonic() + 60)).is_accepted
         start = time.monotonic()
         # predicted to start in 0.8 s, but request 1 never starts: it waits its 1 s out
-        waiting = asyncio.ensure_future(backend._place_waiting(2, 500, [2], time.monotonic() + 60))
+        waiting = await _hold_the_group_and_wait(backend)
         await asyncio.sleep(0.1)
         # behind it, another 0.5 s prompt would start at 1.3 s: refused at once
         with pytest.raises(Rejected, match="overloaded"):
@@ -91,8 +97,7 @@ def test_a_waiting_request_whose_client_goes_away_leaves_the_room() -> None:
     backend = _backend(defer_s=5.0)
 
     async def main() -> None:
-        assert (await backend._place_waiting(1, 800, [1], time.monotonic() + 60)).is_accepted
-        waiting = asyncio.ensure_future(backend._place_waiting(2, 500, [2], time.monotonic() + 60))
+        waiting = await _hold_the_group_and_wait(backend)
         await asyncio.sleep(0.1)
         assert 2 in backend.conductor.waiting
         waiting.cancel()
