@@ -206,8 +206,12 @@ class PrefillRunner:
         (T, hidden) for the next stage. On the last stage the final chunk sets st.logits."""
         model, bt = self.model, self.cache.block_tokens
         fb = prefill_batch(model.inv_freq, st.block_ids, start, end, bt, self.dtype)
-        h = model.embed(st.tokens[start:end]) if model.is_first else hidden
-        assert h is not None and h.shape[0] == end - start, "a later stage needs activations"
+        if model.is_first:
+            h = model.embed(st.tokens[start:end])
+        else:  # activations from the previous stage arrive in host memory
+            assert hidden is not None, "a later stage needs activations"
+            h = hidden.to(model.inv_freq.device)
+        assert h.shape[0] == end - start, "a later stage needs activations"
         done = [b for b in range(st.first_store_block, end // bt) if (b + 1) * bt > start]
         for layer in model.layer_ids:
             if start == st.compute_start:

@@ -47,7 +47,7 @@ def store_output_kv(w: Worker, pool: StoreKVPool, seq: Sequence) -> None:
     ids = seq.token_ids[: num_full * bt]
     hashes = w.hasher.hash_blocks(ids)[first:]
     put = pool.begin(hashes, [ids[b * bt : (b + 1) * bt] for b in range(first, num_full)])
-    idx = torch.tensor(seq.block_ids[first:num_full])
+    idx = torch.tensor(seq.block_ids[first:num_full], device=w.cache.k[0].device)
     positions = list(range(num_full - first))
     for layer in w.model.layer_ids:
         k, v = w.cache.layer(layer)
