@@ -302,14 +302,16 @@ class TransferConfig(RdmaConfig, frozen=True, forbid_unknown_fields=True, kw_onl
             gt=0,
         ),
     ] = 5.0
-    max_handshakes_per_peer: Annotated[
+    max_pending_handshakes: Annotated[
         int,
         knob(
-            "Connections from one address that may be in the handshake at once; more are "
-            "refused until those finish (authenticated connections do not count).",
+            "Connections that may be in the handshake at once, from all addresses "
+            "(authenticated connections do not count); one more pushes out the oldest "
+            "of the address holding the most, so idle connections cannot keep real peers "
+            "out.",
             ge=1,
         ),
-    ] = 64
+    ] = 256
     stage_chunk_bytes: Annotated[
         int,
         knob(

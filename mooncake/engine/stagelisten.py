@@ -1,8 +1,9 @@
 """Where a later pipeline stage accepts its upstream link.
 
 `StageListener` runs each handshake on its own thread, within a deadline for the whole
-exchange and a bound per peer address, so that slow or hostile peers never hold up the
-stage's real upstream; authenticated connections become `TcpStageLink`s.
+exchange and a bound on connections in the handshake at once (a new one pushes out the
+oldest, `wire.PendingHandshakes`), so that slow or hostile peers never hold up the stage's
+real upstream; authenticated connections become `TcpStageLink`s.
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ class StageListener:
     """Accepts authenticated links from the previous stage (bind 127.0.0.1:0 in tests).
 
     An accept thread hands each connection to a handshake thread, which must finish the
-    challenge within `handshake_timeout_s` in all; at most `max_handshakes_per_peer`
-    connections from one address are in the handshake at once (more are refused).
+    challenge within `handshake_timeout_s` in all; at most `max_pending_handshakes`
+    connections are in the handshake at once (one more pushes out the oldest of the
+    address holding the most).
     Authenticated links queue for `accept`; peers that fail are logged and closed."""
 
     def __init__(
@@ -38,11 +40,13 @@ class StageListener:
         port: int | PortRange = 0,  # a range: its first free port ([node] port_range)
         *,
         handshake_timeout_s: float = wire.HANDSHAKE_TIMEOUT_S,
-        max_handshakes_per_peer: int = wire.MAX_HANDSHAKES_PER_PEER,
+        max_pending_handshakes: int = wire.MAX_PENDING_HANDSHAKES,
     ):
         stageauth.check_secret(secret)
         self._secret, self.handshake_timeout_s = secret, handshake_timeout_s
-        self._slots = wire.HandshakeSlots(max_handshakes_per_peer)
+        self._pending = wire.PendingHandshakes(
+            max_pending_handshakes, "stage listener", handshake_timeout_s
+        )
         self._sock = listen(host, port)
         self.port: int = self._sock.getsockname()[1]
         self._links: queue.SimpleQueue[TcpStageLink | None] = queue.SimpleQueue()  # None: closed
@@ -68,15 +72,7 @@ class StageListener:
                 sock, addr = self._sock.accept()
             except OSError:  # closed
                 break
-            if not self._slots.take(addr[0]):
-                log.warning(
-                    "refusing a stage link from %s: %d of its connections are already in "
-                    "the handshake",
-                    addr[0],
-                    self._slots.limit,
-                )
-                sock.close()
-                continue
+            self._pending.admit(sock, addr[0])
             auth = threading.Thread(
                 target=self._handshake, args=(sock, addr), name="stage-auth", daemon=True
             )
@@ -85,6 +81,7 @@ class StageListener:
 
     def _handshake(self, sock: socket.socket, addr: tuple) -> None:
         deadline = time.monotonic() + self.handshake_timeout_s
+        why = ""
         try:
             stageauth.server_handshake(sock, self._secret, deadline)
             sock.settimeout(None)
@@ -92,11 +89,15 @@ class StageListener:
             why = str(e)
             if isinstance(e, TimeoutError):
                 why = f"no complete handshake within {self.handshake_timeout_s:g} s"
+        finally:
+            is_pending = self._pending.finish(sock)
+        if not is_pending:  # dropped to admit a newer connection (logged)
+            sock.close()
+            return
+        if why:
             log.warning("refused a stage link from %s:%s: %s", addr[0], addr[1], why)
             sock.close()
             return
-        finally:
-            self._slots.give_back(addr[0])
         with self._lock:
             if not self._closed:
                 self._links.put(TcpStageLink(sock))

@@ -119,7 +119,7 @@ class PrefillNode:
                 ctx.host,
                 ctx.ports,
                 handshake_timeout_s=t.handshake_timeout_s,
-                max_handshakes_per_peer=t.max_handshakes_per_peer,
+                max_pending_handshakes=t.max_pending_handshakes,
             )
         stage_address = f"{ctx.host}:{self.listener.port}" if self.listener else ""
         self.link.info = msgspec.structs.replace(

@@ -64,9 +64,9 @@ class DirectServer:
         port: int | PortRange = 0,
         *,
         handshake_timeout_s: float = wire.HANDSHAKE_TIMEOUT_S,
-        max_handshakes_per_peer: int = wire.MAX_HANDSHAKES_PER_PEER,
+        max_pending_handshakes: int = wire.MAX_PENDING_HANDSHAKES,
     ):
-        """`handshake_timeout_s`, `max_handshakes_per_peer`: [transfer]'s, as TcpServer's."""
+        """`handshake_timeout_s`, `max_pending_handshakes`: [transfer]'s, as TcpServer's."""
         self._rpc = rpc
         self._local = threading.local()  # a msgpack encoder per connection thread
         self._tcp = TcpServer(
@@ -75,7 +75,7 @@ class DirectServer:
             host,
             port,
             handshake_timeout_s=handshake_timeout_s,
-            max_handshakes_per_peer=max_handshakes_per_peer,
+            max_pending_handshakes=max_pending_handshakes,
         )
         self._tcp.handlers[Op.CALL] = self._answer
         self.port: int = self._tcp.port

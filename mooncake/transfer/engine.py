@@ -93,7 +93,7 @@ class TransferEngine:
             host,
             port or self.options.ports,
             handshake_timeout_s=self.options.handshake_timeout_s,
-            max_handshakes_per_peer=self.options.max_handshakes_per_peer,
+            max_pending_handshakes=self.options.max_pending_handshakes,
             stager=Stager(staging, chunk, num),
         )
         self.server.handlers[Op.DESCRIBE] = self._on_describe

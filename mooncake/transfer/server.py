@@ -3,8 +3,9 @@ handshake (segment descriptors, RDMA queue-pair exchange) that peers use without
 
 One thread per connection; a connection is served only after it passes the cluster-secret
 handshake, which must finish within `handshake_timeout_s` in all; at most
-`max_handshakes_per_peer` connections from one address may be in the handshake at once
-(more are refused at accept), so unauthenticated peers cannot hold threads. Replies are
+`max_pending_handshakes` connections may be in the handshake at once, a new one pushing out
+the oldest of the address holding the most (`wire.PendingHandshakes`), so unauthenticated
+peers can neither hold threads nor keep authenticated ones out. Replies are
 queued and sent together when the client says it waits (FLAG_FLUSH on its last request)
 or has nothing more in flight, so a group of slices costs one reply syscall. A malformed
 header closes that connection with a logged error; the server goes on serving the others.
@@ -18,7 +19,6 @@ import contextlib
 import logging
 import socket
 import threading
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -63,14 +63,15 @@ class TcpServer:
         port: int | PortRange = 0,
         *,
         handshake_timeout_s: float = wire.HANDSHAKE_TIMEOUT_S,
-        max_handshakes_per_peer: int = wire.MAX_HANDSHAKES_PER_PEER,
+        max_pending_handshakes: int = wire.MAX_PENDING_HANDSHAKES,
         stager: Stager | None = None,  # serves device segments through host memory
     ):
         self.segments = segments
         self._stager = stager
         self.handshake_timeout_s = handshake_timeout_s
-        self._slots = wire.HandshakeSlots(max_handshakes_per_peer)
-        self._refusal_logged_s = -float("inf")  # monotonic time of the last refusal logged
+        self.pending = wire.PendingHandshakes(
+            max_pending_handshakes, "transfer server", handshake_timeout_s
+        )
         segments.on_stuck = self.drop_connections  # frees a native loop held by a stalled peer
         self.handlers: dict[Op, ControlHandler] = {}  # DESCRIBE, RDMA_CONNECT
         self._secret = secret
@@ -95,11 +96,8 @@ class TcpServer:
                     )
                     sock.close()
                     continue
-                if not self._slots.take(addr[0]):
-                    self._log_refusal(addr[0])
-                    sock.close()
-                    continue
                 self._conns.add(sock)
+            self.pending.admit(sock, addr[0])
             threading.Thread(
                 target=self._serve, args=(sock, addr), name="te-conn", daemon=True
             ).start()
@@ -113,7 +111,8 @@ class TcpServer:
                 wire.tune(sock, 0.0)
                 wire.server_handshake(sock, self._secret, self.handshake_timeout_s)
             finally:
-                self._slots.give_back(addr[0])
+                if not self.pending.finish(sock):
+                    raise _Closing  # dropped to admit a newer connection (logged)
             self._loop(sock, peer)
         except MooncakeError as e:
             log.warning("transfer server: rejected %s: %s", peer, e)
@@ -286,19 +285,6 @@ class TcpServer:
         except Exception:
             log.exception("transfer server: %s from %s failed", Op(op).name, peer)
             return Status.INTERNAL, b""
-
-    def _log_refusal(self, host: str) -> None:
-        """Say that `host` was refused, at most once per handshake timeout (an attacker
-        opening connections in a loop must not flood the log)."""
-        now = time.monotonic()
-        if now - self._refusal_logged_s >= self.handshake_timeout_s:
-            self._refusal_logged_s = now
-            log.warning(
-                "transfer server: refusing connections from %s: %d of its connections are "
-                "already in the handshake",
-                host,
-                self._slots.limit,
-            )
 
     @staticmethod
     def _malformed(peer: str, why: str) -> None:

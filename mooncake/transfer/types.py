@@ -112,7 +112,7 @@ class EngineOptions:
     group_bytes: int = 1 << 20  # bytes of slices a TCP connection sends before reading replies
     spin_us: float = 200.0  # microseconds a thread polls for a reply before it sleeps
     handshake_timeout_s: float = 5.0  # seconds a new connection has for the whole handshake
-    max_handshakes_per_peer: int = 64  # connections from one address in the handshake at once
+    max_pending_handshakes: int = 256  # connections in the handshake at once, all peers
     stage_chunk_bytes: int = 4 << 20  # device memory over tcp/shm: bytes per bounce buffer
     ports: PortRange = PortRange()  # where the data-plane server listens ([node] port_range)
     rdma: RdmaConfig = RdmaConfig()  # the [transfer] rdma_* keys
@@ -136,7 +136,7 @@ class EngineOptions:
             "timeout_s": cfg.timeout_s,
             "spin_us": cfg.spin_us,
             "handshake_timeout_s": cfg.handshake_timeout_s,
-            "max_handshakes_per_peer": cfg.max_handshakes_per_peer,
+            "max_pending_handshakes": cfg.max_pending_handshakes,
             "stage_chunk_bytes": int(cfg.stage_chunk_bytes),
             "rdma": RdmaConfig(**{k: getattr(cfg, k) for k in RdmaConfig.__struct_fields__}),
         }

@@ -130,22 +130,23 @@ def test_malformed_frames_fail_the_link_with_a_clear_error(header, message):
 
 
 def test_slow_or_silent_peers_neither_hold_up_the_upstream_nor_outlive_the_deadline():
-    """While a peer trickles its handshake (a byte every tenth of the deadline) and another
-    stays silent, the real upstream is accepted and carries frames; with all three
-    handshake slots of the address taken, one more connection is refused; the trickling
-    peer is cut off at the deadline, long before its trickle would end."""
+    """While a peer stays silent and another trickles its handshake (a byte every tenth of
+    the deadline), the real upstream is accepted and carries frames; with all three
+    handshake places taken, one more connection pushes out the oldest (the silent one) and
+    is served; the trickling peer is cut off at the deadline, long before its trickle
+    would end."""
     deadline_s = 0.5
-    listener = StageListener(SECRET, handshake_timeout_s=deadline_s, max_handshakes_per_peer=3)
+    listener = StageListener(SECRET, handshake_timeout_s=deadline_s, max_pending_handshakes=3)
     try:
-        slow, silent = _in_handshake(listener.port), _in_handshake(listener.port)
+        silent, slow = _in_handshake(listener.port), _in_handshake(listener.port)
         link = TcpStageLink.connect("127.0.0.1", listener.port, SECRET)
         upstream = listener.accept(timeout=10)
         link.send(StageFrame(FrameKind.END, 5))
         got = upstream.recv(timeout=10)
         assert got is not None and (got.kind, got.req_id) == (FrameKind.END, 5)
         silent2 = _in_handshake(listener.port)
-        extra = socket.create_connection(("127.0.0.1", listener.port))
-        assert _is_closed(extra, 10.0), "a fourth unauthenticated connection was served"
+        extra = _in_handshake(listener.port)  # served: its HELLO came
+        assert _is_closed(silent, 10.0), "the oldest pending connection was not pushed out"
         sent = _trickle(slow, 32 + 32 - 1, deadline_s / 10)  # 63 of its 64 bytes: 3 s
         assert sent < 63, "the listener waited for the whole trickle"
         for s in (extra, slow, silent, silent2):

@@ -1,6 +1,7 @@
-"""Unauthenticated peers cannot hold a transfer server's connections: the cluster-secret
-handshake has one deadline for the whole exchange (not one per read), and only so many
-connections from one address may be in it at once."""
+"""Unauthenticated peers can neither hold a transfer server's connections nor keep real
+peers out: the cluster-secret handshake has one deadline for the whole exchange (not one
+per read), and only so many connections may be in it at once, a new one pushing out the
+oldest of the address holding the most."""
 
 from __future__ import annotations
 
@@ -12,10 +13,13 @@ import numpy as np
 import pytest
 
 from mooncake.config import TransferConfig
-from mooncake.transfer import EngineOptions, wire
+from mooncake.transfer import EngineOptions, TransferOp, TransferRequest, wire
 from mooncake.transfer.segment import SegmentTable
 from mooncake.transfer.server import TcpServer
 from mooncake.transfer.wire import REQ, RESP, Op, Status
+from tests.transfer.conftest import SECRET as ENGINE_SECRET
+from tests.transfer.conftest import make_engine
+from tests.transfer.peer import pattern
 
 SECRET = b"handshake-test-secret-0123456789"
 
@@ -71,10 +75,10 @@ def _round_trip(sock: socket.socket, token: int, data: bytes) -> bytes:
 def test_a_peer_trickling_its_handshake_is_cut_off_at_the_deadline(segment) -> None:
     """One byte every tenth of the deadline: every read is in time, the whole handshake is
     not. The server closes the connection long before the trickle would have ended, and
-    its slot is free again (the bound is 1: the next client gets in)."""
+    the next client gets in."""
     table, mem, token = segment
     deadline_s = 0.5
-    server = TcpServer(table, SECRET, handshake_timeout_s=deadline_s, max_handshakes_per_peer=1)
+    server = TcpServer(table, SECRET, handshake_timeout_s=deadline_s)
     try:
         slow = _dial(server.port)
         wire.recv_exact(slow, bytearray(wire.HELLO.size))
@@ -89,50 +93,101 @@ def test_a_peer_trickling_its_handshake_is_cut_off_at_the_deadline(segment) -> N
         server.close()
 
 
-def test_more_unauthenticated_connections_from_one_address_than_the_bound_are_refused(
-    segment,
-) -> None:
-    """Three silent connections hold the three handshake slots of 127.0.0.1: a fourth is
-    closed at once (no HELLO), while an authenticated connection keeps working; once a
-    silent one leaves, a new client authenticates again."""
-    table, mem, token = segment
-    server = TcpServer(table, SECRET, handshake_timeout_s=60.0, max_handshakes_per_peer=3)
-    silent: list[socket.socket] = []
+def _is_dropped(sock: socket.socket) -> bool:
+    """True once the server closed `sock` (after its HELLO, if it sent one); False if it
+    is still open 10 s later."""
+    sock.settimeout(10.0)
     try:
-        authed = wire.connect("127.0.0.1", server.port, SECRET, 5.0)
-        for _ in range(3):
-            s = _dial(server.port)
-            wire.recv_exact(s, bytearray(wire.HELLO.size))  # accepted: it holds a slot
-            silent.append(s)
-        extra = _dial(server.port)
-        assert _is_closed(extra, 10.0), "a fourth unauthenticated connection was served"
-        extra.close()
-        assert _round_trip(authed, token, b"still works") == b"still works"
-        assert bytes(mem[:11]) == b"still works"
-        silent.pop().close()
-        # NOTE: the server frees the slot when its thread sees the EOF: poll for it
-        for _attempt in range(100):
-            probe = _dial(server.port)
-            if not _is_closed(probe, 10.0):  # a HELLO (served) or EOF (refused) comes
-                break
-            probe.close()
-        else:
-            pytest.fail("the slot of a closed unauthenticated connection was never freed")
-        wire.client_handshake(probe, SECRET)
-        assert _round_trip(probe, token, b"new") == b"new"
-        probe.close()
-        authed.close()
+        while sock.recv(4096):
+            pass
+    except ConnectionResetError:
+        pass
+    except TimeoutError:
+        return False
+    return True
+
+
+def _sync(port: int, secret: bytes = SECRET) -> None:
+    """Return once the server has admitted every connection dialed before: it accepts in
+    order, and this one's handshake completes only after its own admission."""
+    wire.connect("127.0.0.1", port, secret, 10.0).close()
+
+
+def test_idle_connections_beyond_the_budget_cannot_keep_a_real_peer_out() -> None:
+    """Three times max_pending_handshakes idle connections from 127.0.0.1 (the address of
+    every real peer on `up --local`), with a deadline long enough never to expire: the
+    oldest are pushed out, an engine authenticated before the flood goes on transferring,
+    and a new engine with the secret connects and transfers byte for byte."""
+    limit = 8
+    target = make_engine("target", protocol="tcp", max_pending_handshakes=limit,
+                         handshake_timeout_s=60.0)  # fmt: skip
+    early, late = make_engine("early", protocol="tcp"), make_engine("late", protocol="tcp")
+    idle: list[socket.socket] = []
+    try:
+        pool = target.allocate("pool", 100_000)
+        for e in (early, late):
+            e.directory.add_peer("127.0.0.1", target.server.port)  # type: ignore[attr-defined]
+        src = pattern(30_000)
+        early.register("src", src)
+        early.transfer([TransferRequest(TransferOp.WRITE, "src", 0, "pool", 0, 30_000)]).check(5)
+        idle = [_dial(target.server.port) for _ in range(3 * limit)]
+        _sync(target.server.port, ENGINE_SECRET)
+        assert all(_is_dropped(s) for s in idle[: 2 * limit])
+        assert target.server.pending.num_dropped == 2 * limit + 1  # and one for _sync's
+
+        more = pattern(30_000, 7)
+        early.register("more", more)
+        batch = [TransferRequest(TransferOp.WRITE, "more", 0, "pool", 30_000, 30_000)]
+        early.transfer(batch).check(5)
+        dst = np.zeros(60_000, np.uint8)
+        late.register("dst", dst)
+        late.transfer([TransferRequest(TransferOp.READ, "dst", 0, "pool", 0, 60_000)]).check(5)
+        assert (dst[:30_000] == src).all() and (dst[30_000:] == more).all()
+        assert (pool[:60_000] == dst).all()
+        assert len(target.server.pending) <= limit
     finally:
-        for s in silent:
+        for s in idle:
+            s.close()
+        for e in (early, late, target):
+            e.close()
+
+
+def test_a_flood_from_one_address_never_pushes_out_the_handshake_of_another(segment) -> None:
+    """A connection from 127.0.0.1 waits in the handshake while 127.0.0.2 opens three
+    times max_pending_handshakes idle ones: only 127.0.0.2's are pushed out (oldest
+    first), and the first one then completes its handshake and transfers."""
+    table, mem, token = segment
+    limit = 4
+    server = TcpServer(table, SECRET, handshake_timeout_s=60.0, max_pending_handshakes=limit)
+    flood: list[socket.socket] = []
+    try:
+        waiting = _dial(server.port)
+        _sync(server.port)  # `waiting` is admitted: the only one pending
+        for _ in range(3 * limit):
+            flood.append(
+                socket.create_connection(
+                    ("127.0.0.1", server.port), timeout=10, source_address=("127.0.0.2", 0)
+                )
+            )
+        _sync(server.port)
+        # the flood fills limit - 1 places, then each of the rest and _sync's drops one
+        assert server.pending.num_dropped == 2 * limit + 2
+        assert all(_is_dropped(s) for s in flood[: 2 * limit + 2])
+        wire.client_handshake(waiting, SECRET)
+        assert _round_trip(waiting, token, b"waited") == b"waited"
+        assert bytes(mem[:6]) == b"waited"
+        waiting.close()
+    finally:
+        for s in flood:
             s.close()
         server.close()
 
 
 def test_the_handshake_settings_default_alike_everywhere() -> None:
-    """[transfer] handshake_timeout_s and max_handshakes_per_peer have one default."""
+    """[transfer] handshake_timeout_s and max_pending_handshakes have one default."""
     cfg, opts = TransferConfig(), EngineOptions()
     assert cfg.handshake_timeout_s == opts.handshake_timeout_s == wire.HANDSHAKE_TIMEOUT_S
-    assert cfg.max_handshakes_per_peer == opts.max_handshakes_per_peer
-    assert cfg.max_handshakes_per_peer == wire.MAX_HANDSHAKES_PER_PEER
-    got = EngineOptions.from_config(TransferConfig(handshake_timeout_s=1.5))
-    assert got.handshake_timeout_s == 1.5
+    assert cfg.max_pending_handshakes == opts.max_pending_handshakes
+    assert cfg.max_pending_handshakes == wire.MAX_PENDING_HANDSHAKES
+    got = EngineOptions.from_config(TransferConfig(max_pending_handshakes=3))
+    assert got.max_pending_handshakes == 3
