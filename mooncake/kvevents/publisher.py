@@ -10,6 +10,13 @@ Framing and replay are vLLM's (`mooncake.kvevents.wire`): a subscriber written f
 per batch; the last `buffer_steps` batches are kept for replay. One thread owns both
 sockets (ZeroMQ sockets are not thread-safe); `publish` hands it batches through a queue
 and wakes it through a pipe, so it never polls on a timer.
+
+What subscribers send is small: a subscription (1 byte + the topic), a replay request
+(8 bytes), ZeroMQ's handshake commands (a few hundred bytes). Both sockets drop the
+connection of a peer announcing a larger frame (`INBOUND_MAX_BYTES` + the topic's length,
+zmq MAXMSGSIZE) before buffering any of it, so a peer cannot make the master hold
+gigabytes. Neither socket is authenticated (vLLM's format has no authentication): bind
+them to loopback or a private network (docs/kv-events.md).
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import os
 import queue
 import threading
 from collections import deque
+from typing import Final
 
 import zmq
 
@@ -27,6 +35,8 @@ from mooncake.kvevents.wire import END_SEQ, KVEventBatch, encode_batch, seq_byte
 from mooncake.portrange import PortRange, bind_zmq
 
 log = logging.getLogger(__name__)
+
+INBOUND_MAX_BYTES: Final = 64 << 10  # a frame a subscriber sends, beyond the topic's length
 
 
 class Publisher:
@@ -50,11 +60,14 @@ class Publisher:
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.set_hwm(hwm)
         self._replay: zmq.Socket | None = None
+        max_bytes = INBOUND_MAX_BYTES + len(self._topic)
+        self._pub.setsockopt(zmq.MAXMSGSIZE, max_bytes)
         try:
             self.endpoint = _bind(self._pub, endpoint, "kv_events.endpoint", ports)
             self.replay_endpoint = ""
             if replay_endpoint:
                 self._replay = self._ctx.socket(zmq.ROUTER)
+                self._replay.setsockopt(zmq.MAXMSGSIZE, max_bytes)
                 self.replay_endpoint = _bind(
                     self._replay, replay_endpoint, "kv_events.replay_endpoint", ports
                 )
