@@ -21,7 +21,10 @@ class KvEventsConfig(msgspec.Struct, **_STRUCT):
         str,
         knob(
             "ZeroMQ PUB address the master binds for KV event batches, tcp://HOST:PORT "
-            "(port 0 = any free; `mooncake status --json` names the bound one) or ipc://PATH.",
+            "(port 0 = any free; `mooncake status --json` names the bound one) or ipc://PATH. "
+            "Unauthenticated (vLLM's format has none): whoever reaches it learns no tokens, "
+            "but every request's block count and timing; bind it to loopback or a private "
+            "network.",
             min_length=1,
         ),
     ] = "tcp://127.0.0.1:0"
@@ -29,7 +32,8 @@ class KvEventsConfig(msgspec.Struct, **_STRUCT):
         str,
         knob(
             "ZeroMQ ROUTER address answering replay requests (an 8-byte start sequence "
-            'number) from the last buffer_steps batches; "" = no replay.'
+            'number) from the last buffer_steps batches; "" = no replay. Unauthenticated, '
+            "as endpoint: loopback or a private network."
         ),
     ] = "tcp://127.0.0.1:0"
     topic: Annotated[str, knob("Topic frame of every batch (subscribers filter on it).")] = ""
