@@ -342,6 +342,15 @@ class PendingHandshakes:
         with self._lock:
             return len(self._sock_to_host)
 
+    def check_integrity(self) -> None:
+        """Assert that the per-address counts match the pending connections."""
+        with self._lock:
+            counts: dict[str, int] = {}
+            for host in self._sock_to_host.values():
+                counts[host] = counts.get(host, 0) + 1
+            assert counts == self._host_to_num, (counts, self._host_to_num)
+            assert len(self._sock_to_host) <= self.limit, (len(self._sock_to_host), self.limit)
+
     def _log_drop(self, host: str) -> None:
         now = time.monotonic()
         if now - self._drop_logged_s >= self._log_every_s:

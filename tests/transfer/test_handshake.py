@@ -134,6 +134,7 @@ def test_idle_connections_beyond_the_budget_cannot_keep_a_real_peer_out() -> Non
         _sync(target.server.port, ENGINE_SECRET)
         assert all(_is_dropped(s) for s in idle[: 2 * limit])
         assert target.server.pending.num_dropped == 2 * limit + 1  # and one for _sync's
+        target.server.pending.check_integrity()
 
         more = pattern(30_000, 7)
         early.register("more", more)
@@ -144,7 +145,7 @@ def test_idle_connections_beyond_the_budget_cannot_keep_a_real_peer_out() -> Non
         late.transfer([TransferRequest(TransferOp.READ, "dst", 0, "pool", 0, 60_000)]).check(5)
         assert (dst[:30_000] == src).all() and (dst[30_000:] == more).all()
         assert (pool[:60_000] == dst).all()
-        assert len(target.server.pending) <= limit
+        target.server.pending.check_integrity()
     finally:
         for s in idle:
             s.close()
@@ -172,10 +173,13 @@ def test_a_flood_from_one_address_never_pushes_out_the_handshake_of_another(segm
         _sync(server.port)
         # the flood fills limit - 1 places, then each of the rest and _sync's drops one
         assert server.pending.num_dropped == 2 * limit + 2
+        server.pending.check_integrity()
         assert all(_is_dropped(s) for s in flood[: 2 * limit + 2])
         wire.client_handshake(waiting, SECRET)
         assert _round_trip(waiting, token, b"waited") == b"waited"
         assert bytes(mem[:6]) == b"waited"
+        server.pending.check_integrity()
+        assert len(server.pending) == 2  # the flood's two newest, waiting for the deadline
         waiting.close()
     finally:
         for s in flood:
