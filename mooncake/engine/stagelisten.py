@@ -2,7 +2,7 @@
 
 `StageListener` runs each handshake on its own thread, within a deadline for the whole
 exchange and a bound on connections in the handshake at once (a new one pushes out the
-oldest, `wire.PendingHandshakes`), so that slow or hostile peers never hold up the stage's
+oldest, `admission.PendingHandshakes`), so that slow or hostile peers never hold up the stage's
 real upstream; authenticated connections become `TcpStageLink`s.
 """
 
@@ -19,7 +19,7 @@ from mooncake.engine import stageauth
 from mooncake.engine.stagelink import TcpStageLink
 from mooncake.errors import AuthError
 from mooncake.portrange import PortRange, listen
-from mooncake.transfer import wire
+from mooncake.transfer import admission, wire
 
 log = logging.getLogger(__name__)
 
@@ -40,11 +40,11 @@ class StageListener:
         port: int | PortRange = 0,  # a range: its first free port ([node] port_range)
         *,
         handshake_timeout_s: float = wire.HANDSHAKE_TIMEOUT_S,
-        max_pending_handshakes: int = wire.MAX_PENDING_HANDSHAKES,
+        max_pending_handshakes: int = admission.MAX_PENDING_HANDSHAKES,
     ):
         stageauth.check_secret(secret)
         self._secret, self.handshake_timeout_s = secret, handshake_timeout_s
-        self._pending = wire.PendingHandshakes(
+        self._pending = admission.PendingHandshakes(
             max_pending_handshakes, "stage listener", handshake_timeout_s
         )
         self._sock = listen(host, port)

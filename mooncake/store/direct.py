@@ -37,7 +37,7 @@ from mooncake.rpc.client import RpcClient
 from mooncake.rpc.server import Peer, RpcServer
 from mooncake.rpc.wire import M, Msg, RemoteProtocolError
 from mooncake.store.messages import DirectPortMsg, DirectPortReplyMsg
-from mooncake.transfer import wire
+from mooncake.transfer import admission, wire
 from mooncake.transfer.segment import SegmentTable
 from mooncake.transfer.server import TcpServer
 from mooncake.transfer.wire import FLAG_FLUSH, REQ, RESP, Op, Status
@@ -64,7 +64,7 @@ class DirectServer:
         port: int | PortRange = 0,
         *,
         handshake_timeout_s: float = wire.HANDSHAKE_TIMEOUT_S,
-        max_pending_handshakes: int = wire.MAX_PENDING_HANDSHAKES,
+        max_pending_handshakes: int = admission.MAX_PENDING_HANDSHAKES,
     ):
         """`handshake_timeout_s`, `max_pending_handshakes`: [transfer]'s, as TcpServer's."""
         self._rpc = rpc

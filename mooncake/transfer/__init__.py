@@ -13,6 +13,7 @@ Module map:
     engine     TransferEngine: register -> submit -> poll, retries
     directory  name -> descriptor: BaseDirectory, PeerDirectory (P2P handshake)
     wire       TCP data-plane headers and the HMAC connection handshake
+    admission  PendingHandshakes: how many connections wait in the handshake, who is dropped
     server     per-node TCP server: one-sided reads/writes, DESCRIBE, RDMA_CONNECT
     transport  BaseTransport, local and shm copy transports
     tcp        TCP transport (connection pool per path, zero-copy sendmsg/recv_into)

@@ -4,7 +4,7 @@ handshake (segment descriptors, RDMA queue-pair exchange) that peers use without
 One thread per connection; a connection is served only after it passes the cluster-secret
 handshake, which must finish within `handshake_timeout_s` in all; at most
 `max_pending_handshakes` connections may be in the handshake at once, a new one pushing out
-the oldest of the address holding the most (`wire.PendingHandshakes`), so unauthenticated
+the oldest of the address holding the most (`admission.PendingHandshakes`), so unauthenticated
 peers can neither hold threads nor keep authenticated ones out. Replies are
 queued and sent together when the client says it waits (FLAG_FLUSH on its last request)
 or has nothing more in flight, so a group of slices costs one reply syscall. A malformed
@@ -26,7 +26,7 @@ import numpy as np
 
 from mooncake.errors import MooncakeError
 from mooncake.portrange import PortRange, listen
-from mooncake.transfer import wire
+from mooncake.transfer import admission, wire
 from mooncake.transfer.segment import Region, SegmentTable
 from mooncake.transfer.staging import Stager
 from mooncake.transfer.wire import REQ, RESP, Op, Status
@@ -63,13 +63,13 @@ class TcpServer:
         port: int | PortRange = 0,
         *,
         handshake_timeout_s: float = wire.HANDSHAKE_TIMEOUT_S,
-        max_pending_handshakes: int = wire.MAX_PENDING_HANDSHAKES,
+        max_pending_handshakes: int = admission.MAX_PENDING_HANDSHAKES,
         stager: Stager | None = None,  # serves device segments through host memory
     ):
         self.segments = segments
         self._stager = stager
         self.handshake_timeout_s = handshake_timeout_s
-        self.pending = wire.PendingHandshakes(
+        self.pending = admission.PendingHandshakes(
             max_pending_handshakes, "transfer server", handshake_timeout_s
         )
         segments.on_stuck = self.drop_connections  # frees a native loop held by a stalled peer

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from mooncake.config import TransferConfig
-from mooncake.transfer import EngineOptions, TransferOp, TransferRequest, wire
+from mooncake.transfer import EngineOptions, TransferOp, TransferRequest, admission, wire
 from mooncake.transfer.segment import SegmentTable
 from mooncake.transfer.server import TcpServer
 from mooncake.transfer.wire import REQ, RESP, Op, Status
@@ -192,6 +192,6 @@ def test_the_handshake_settings_default_alike_everywhere() -> None:
     cfg, opts = TransferConfig(), EngineOptions()
     assert cfg.handshake_timeout_s == opts.handshake_timeout_s == wire.HANDSHAKE_TIMEOUT_S
     assert cfg.max_pending_handshakes == opts.max_pending_handshakes
-    assert cfg.max_pending_handshakes == wire.MAX_PENDING_HANDSHAKES
+    assert cfg.max_pending_handshakes == admission.MAX_PENDING_HANDSHAKES
     got = EngineOptions.from_config(TransferConfig(max_pending_handshakes=3))
     assert got.max_pending_handshakes == 3
