@@ -135,6 +135,13 @@ def _suggest(word: str, options: Any, fmt: str = "{}") -> str:
     return f"; did you mean {fmt.format(close[0])}?" if close else ""
 
 
+# Keys an earlier release accepted -> what replaced them (said instead of a guess).
+RETIRED_KEYS = {
+    "transfer.max_handshakes_per_peer": "replaced by transfer.max_pending_handshakes, one "
+    "budget of unauthenticated handshakes for all source addresses",
+}
+
+
 def _unknown_key(section: str, key: str, env_var: str = "") -> str:
     known = ", ".join(FIELDS[section])
     what = (
@@ -142,6 +149,8 @@ def _unknown_key(section: str, key: str, env_var: str = "") -> str:
         if env_var
         else f"{section}.{key}: unknown key"
     )
+    if (retired := RETIRED_KEYS.get(f"{section}.{key}")) is not None:
+        return f"{what}: {retired}"
     return f"{what} (known keys in [{section}]: {known}){_suggest(key, FIELDS[section])}"
 
 

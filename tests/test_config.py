@@ -245,6 +245,12 @@ def test_unknown_override_key_and_section() -> None:
     assert info.value.errors[1].startswith("stor.replicas: unknown section [stor]")
 
 
+def test_a_retired_key_names_what_replaced_it() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(env={}, overrides={"transfer.max_handshakes_per_peer": 64})
+    assert "replaced by transfer.max_pending_handshakes" in info.value.errors[0]
+
+
 def test_missing_file_is_a_config_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="cannot read the config file"):
         load_config(tmp_path / "absent.toml", env={})
