@@ -1,13 +1,39 @@
 """Tests grouped by the hardware they need: `gpu` (a CUDA GPU through torch) and `rdma`
 (an RDMA device with an ACTIVE port, and pyverbs). Without it they are skipped with the
-reason; `scripts/hwtest` runs them on a GPU+RDMA node."""
+reason; `scripts/hwtest` runs them on a GPU+RDMA node.
+
+Every test runs with its own run directory (`private_run_dir`), never the user's."""
 
 from __future__ import annotations
 
 import functools
+import shutil
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+
+@pytest.fixture(scope="session", autouse=True)
+def private_run_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """XDG_RUNTIME_DIR for the whole session (and every process a test starts): a directory
+    of this run, so the run directory `$XDG_RUNTIME_DIR/mooncake-<uid>` is never the user's
+    (their cluster's runfile, config with its secret, ssd/ and state/). It is kept on disk:
+    on a tmpfs the local cluster's SSD tier would go to the user's /var/tmp/mooncake-<uid>."""
+    from mooncake.ssdplace import MEMORY_FILESYSTEMS, fstype_of
+
+    base = tmp_path_factory.mktemp("xdg-runtime")
+    on_disk = None
+    if fstype_of(str(base)) in MEMORY_FILESYSTEMS:
+        base = on_disk = Path(tempfile.mkdtemp(prefix="mooncake-tests-", dir="/var/tmp"))
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("XDG_RUNTIME_DIR", str(base))
+            yield base
+    finally:
+        if on_disk is not None:
+            shutil.rmtree(on_disk, ignore_errors=True)
 
 
 @functools.cache

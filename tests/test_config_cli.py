@@ -117,3 +117,17 @@ def test_check_refuses_what_would_stop_the_master(runner: CliRunner, tmp_path: P
     # a prefill node does not read the master's cost model file: not its problem
     args += ["--set", "node.role=prefill"]
     assert runner.invoke(app, args).exit_code == 0
+
+
+def test_the_readme_config_commands_run_as_written(runner: CliRunner) -> None:
+    """Every `mooncake config check ...` the README shows runs (FILE: the example file)."""
+    import re
+    import shlex
+
+    readme = (EXAMPLE.parent / "README.md").read_text()
+    commands = re.findall(r"`mooncake (config check [^`]*)`", readme)
+    assert commands
+    for command in commands:
+        args = [str(EXAMPLE) if a == "FILE" else a for a in shlex.split(command)]
+        result = runner.invoke(app, args)
+        assert result.exit_code == 0, (command, result.output)

@@ -2,15 +2,35 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
 import msgspec
 import typer
-from rich.console import Console
+from rich.console import Console, ConsoleDimensions
 
-console = Console()
-err_console = Console(stderr=True)
+OFF_TERMINAL_WIDTH = 1000  # columns: as wide as a table or a command line needs
+
+
+class _Console(Console):
+    """A rich console that, writing to a pipe or a file with no COLUMNS set, lays out lines
+    as long as they need: rich would wrap at 80 columns and cut table cells to fit."""
+
+    @property
+    def size(self) -> ConsoleDimensions:
+        size = super().size
+        if self.is_terminal or self._width is not None or "COLUMNS" in os.environ:
+            return size
+        return ConsoleDimensions(OFF_TERMINAL_WIDTH, size.height)
+
+    @size.setter
+    def size(self, new_size: tuple[int, int]) -> None:
+        self._width, self._height = new_size
+
+
+console: Console = _Console()
+err_console: Console = _Console(stderr=True)
 
 
 def print_json(data: Any) -> None:

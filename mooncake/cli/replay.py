@@ -46,17 +46,20 @@ def replay_cmd(
     concurrency: int = typer.Option(
         0, "--concurrency", min=0, help="Requests in flight at most (0 = no cap; later ones wait)."
     ),
-    scale: float = typer.Option(
-        1.0,
+    scale: float | None = typer.Option(
+        None,
         "--scale",
         help="Prompt scale: blocks become round(512 * S) tokens and prompts keep their blocks "
         "(the last one partial), so prefix sharing is kept. 0.0625: 32-token blocks, a 12k "
-        "prompt becomes 750 tokens. Set the server's block size to the printed value.",
+        "prompt becomes 750 tokens. Set the server's block size to the printed value. "
+        "Default: 1, halved until every request fits the server's context (the max_model_len "
+        "/v1/models gives; 0.0625 for the first 20 requests of the bundled trace on up --local).",
+        show_default=False,
     ),
     output_scale: float | None = typer.Option(
         None,
         "--output-scale",
-        help="Output lengths = the trace's times this (default: --scale), at least 1.",
+        help="Output lengths = the trace's times this (default: the scale), at least 1.",
     ),
     max_tokens: int | None = typer.Option(
         None, "--max-tokens", min=1, help="Cap on each request's output tokens."
@@ -123,8 +126,9 @@ def replay_cmd(
     if prompt_format not in ("tokens", "text"):
         raise ConfigError(f"--prompt-format: expected tokens or text, got {prompt_format!r}")
     prompts = PromptConfig(
-        scale=scale,
-        output_scale=scale if output_scale is None else output_scale,
+        scale=1.0 if scale is None else scale,
+        output_scale=next((s for s in (output_scale, scale) if s is not None), 1.0),
+        fit_context=scale is None,
         max_tokens=max_tokens,
         vocab_size=vocab_size or 32000,
         first_id=first_id,
@@ -176,6 +180,15 @@ def _replay_with_progress(
     task = progress.add_task("replay", total=len(records), counts="")
 
     def on_start(info: ServerInfo, final: PromptConfig) -> None:
+        if final.scale != prompts.scale and info.max_model_len is not None:
+            why = "the largest power of 2 at which every request fits"
+            if not final.fits(records, info.max_model_len):
+                why = "the smallest; some requests still do not fit"
+            err_console.print(
+                f"--scale {final.scale:g}: {why} the server's context of {info.max_model_len} "
+                "tokens (pass --scale to choose)",
+                highlight=False,
+            )
         err_console.print(
             f"replaying {len(records)} requests on {info.model}: blocks of "
             f"[bold]{final.block_tokens}[/] tokens after --scale {final.scale:g} (set the "
@@ -243,3 +256,10 @@ def _print_report(r: ReplayReport) -> None:
     console.print(table)
     for message, num in r.errors.items():
         console.print(f"[red]{num} x[/] {message}", highlight=False)
+    if too_long := sum(n for m, n in r.errors.items() if "maximum context length" in m):
+        console.print(
+            f"hint: {too_long} request{'s' if too_long > 1 else ''} did not fit the server's "
+            f"context at --scale {r.scale:g}; leave --scale out to have replay fit the trace to "
+            "it, or pass a smaller one (or --max-tokens)",
+            highlight=False,
+        )

@@ -12,7 +12,10 @@ from mooncake.cli.config_cmd import SET_HELP, _load
 from mooncake.roles.supervisor import RestartPolicy
 
 if TYPE_CHECKING:
+    from rich.console import Console
+
     from mooncake.roles.local import LocalPlan
+    from mooncake.roles.runfile import LocalCluster
 
 
 @app.command("up")
@@ -146,24 +149,8 @@ def _up_local(plan: LocalPlan, policy: RestartPolicy) -> None:
         cost = ensure_cost_model(plan, plan.run_dir / "cache", lambda s: status.update(s))
         launcher = LocalLauncher(plan, lambda s: status.update(s), policy)
         info = launcher.start(str(cost))
-    num_store = plan.num_store if plan.pool else 0
-    console.print(
-        f"[bold green]mooncake local cluster ready[/]: {info.url}  ({plan.num_prefill} prefill, "
-        f"{plan.num_decode} decode, {num_store} store, {plan.num_masters} master"
-        f"{'s on etcd ' + launcher.etcd.url if launcher.etcd else ''}; model {plan.model})"
-    )
-    key = " -H 'Authorization: Bearer KEY'" if info.api_key else ""  # KEY: of api.api_keys
-    served = plan.extra.get("api.served_model_name") or plan.model  # as the master names it
-    console.print(
-        f"  try: curl {info.url}/v1/completions -H 'Content-Type: application/json'{key} "
-        f'-d \'{{"model": "{served}", "prompt": "Hello", "max_tokens": 16}}\''
-    )
-    console.print("  watch: mooncake status    load: mooncake replay TRACE    stop: Ctrl-C")
-    if policy.limit:
-        console.print(
-            f"  a node that exits is restarted (at most {policy.limit} times in "
-            f"{policy.window_s:g} s); to restart one, kill it: pids in {launcher.runfile}"
-        )
+    etcd_url = launcher.etcd.url if launcher.etcd else ""
+    print_ready(console, plan, info, policy, etcd_url, launcher.runfile)
 
     def show(event: NodeEvent) -> None:
         color = {"exited": "yellow", "ready": "green", "gave_up": "red"}.get(event.kind, "")
@@ -176,3 +163,58 @@ def _up_local(plan: LocalPlan, policy: RestartPolicy) -> None:
     launcher.stop()
     if reason is not None:
         raise typer.Exit(1)
+
+
+def print_ready(
+    out: Console,
+    plan: LocalPlan,
+    info: LocalCluster,
+    policy: RestartPolicy,
+    etcd_url: str,
+    runfile: Path,
+) -> None:
+    """The banner of a started local cluster: its URL, a request to paste, what to run next."""
+    num_store = plan.num_store if plan.pool else 0
+    out.print(
+        f"[bold green]mooncake local cluster ready[/]: {info.url}  ({plan.num_prefill} prefill, "
+        f"{plan.num_decode} decode, {num_store} store, {plan.num_masters} master"
+        f"{'s on etcd ' + etcd_url if etcd_url else ''}; model {plan.model})"
+    )
+    key = " -H 'Authorization: Bearer KEY'" if info.api_key else ""  # KEY: of api.api_keys
+    served = plan.extra.get("api.served_model_name") or plan.model  # as the master names it
+    # NOTE: one line however narrow the terminal: rich's wrapping would break the paste
+    out.print(
+        f"  try: curl {info.url}/v1/completions -H 'Content-Type: application/json'{key} "
+        f'-d \'{{"model": "{served}", "prompt": "Hello", "max_tokens": 16}}\'',
+        soft_wrap=True,
+        markup=False,
+        highlight=False,
+    )
+    cmd = command_name()
+    out.print(
+        f"  watch: {cmd} status    load: {cmd} replay TRACE    stop: Ctrl-C",
+        soft_wrap=True,
+        highlight=False,
+    )
+    if policy.limit:
+        out.print(
+            f"  a node that exits is restarted (at most {policy.limit} times in "
+            f"{policy.window_s:g} s); to restart one, kill it: pids in {runfile}"
+        )
+
+
+def command_name() -> str:
+    """How to run mooncake again from this shell: `mooncake` when that is on PATH and is
+    this program, else the path this process was started by (`.venv/bin/mooncake` from
+    scripts/run, whose virtualenv is not on PATH)."""
+    import os
+    import shutil
+    import sys
+
+    started = sys.argv[0]
+    if os.path.basename(started) != "mooncake":  # python -m mooncake
+        return f"{sys.executable} -m mooncake"
+    on_path = shutil.which("mooncake")
+    if on_path is not None and os.path.realpath(on_path) == os.path.realpath(started):
+        return "mooncake"
+    return started

@@ -11,12 +11,15 @@ were: with `block_tokens = round(512 * scale)`, a request of n blocks whose last
 holds r of 512 tokens gets (n - 1) full blocks and a last block of ceil(r * block_tokens
 / 512) tokens. At scale 0.0625 a 12,000-token prompt (23 blocks + 224 tokens) becomes
 23 * 32 + 14 = 750 tokens.
+
+`fit_context` (`mooncake replay` without --scale) lets the replay halve the scale until
+every request fits the server's context, which a trace of 100k-token prompts rarely does.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from mooncake.errors import ConfigError
 from mooncake.hashing import trace_prompt_tokens
@@ -53,6 +56,8 @@ class PromptConfig:
     first_id: int = 0
     seed: int = 0  # another seed, other tokens (a warm server cache does not hit)
     trace_block_tokens: int = TRACE_BLOCK_TOKENS
+    # the replay may halve `scale` (and an `output_scale` equal to it) to fit the server
+    fit_context: bool = False
 
     def validate(self) -> None:
         """Raise ConfigError naming the flag that is out of range."""
@@ -92,6 +97,18 @@ class PromptConfig:
         """Output tokens to ask for: the trace's, scaled, at least 1, capped by max_tokens."""
         n = max(1, round(rec.output_length * self.output_scale))
         return min(n, self.max_tokens) if self.max_tokens is not None else n
+
+    def fits(self, records: list[TraceRecord], max_len: int) -> bool:
+        """Whether every record's prompt and output fit in `max_len` tokens."""
+        return all(self.input_len(r) + self.output_len(r) <= max_len for r in records)
+
+    def fitted(self, records: list[TraceRecord], max_len: int) -> PromptConfig:
+        """This config with `scale` halved (an `output_scale` equal to it too) until every
+        record fits in `max_len` tokens, or blocks are one token; unchanged if they fit."""
+        p, out_factor = self, 0.5 if self.output_scale == self.scale else 1.0
+        while not p.fits(records, max_len) and p.block_tokens > 1:
+            p = replace(p, scale=p.scale / 2, output_scale=p.output_scale * out_factor)
+        return p
 
     def prompt_ids(self, rec: TraceRecord) -> list[int]:
         """The token ids of `rec`'s prompt (deterministic in hash_ids, sizes and seed)."""

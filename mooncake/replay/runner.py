@@ -132,6 +132,8 @@ async def replay_async(
                 "--vocab-size N if the model's vocabulary is smaller", url, prompts.first_id,
                 prompts.vocab_size,
             )  # fmt: skip
+        if prompts.fit_context and info.max_model_len is not None:
+            prompts = prompts.fitted(records, info.max_model_len)
         prompts.validate()
         _warn_too_long(records, prompts, info)
         if on_start is not None:

@@ -197,13 +197,22 @@ class Registry:
         return " and ".join(out)
 
     def _first_unready(self, g: Group) -> str:
+        """The stage `g` waits for: a stage whose node is gone (never registered, stopped,
+        down or failed) before one that is only starting, since a leader that lost its link
+        to a stopped next stage reports itself starting while it dials again."""
+        starting = ""
         for stage in range(g.size):
-            rec = self.nodes.get(g.members[stage]) if stage < len(g.members) else None
+            member = g.members[stage] if stage < len(g.members) else ""
+            rec = self.nodes.get(member) if member else None
             if rec is None:
-                return f"stage {stage} to register"
-            if rec.state != "ready":
+                return (
+                    f"stage {stage} ({member}, stopped)" if member else f"stage {stage} to register"
+                )
+            if rec.state not in ("ready", "starting"):
                 return f"stage {stage} ({rec.node_id}, {rec.state})"
-        return "the master to schedule it"
+            if rec.state == "starting" and not starting:
+                starting = f"stage {stage} ({rec.node_id}, starting)"
+        return starting or "the master to schedule it"
 
 
 def node_statuses(

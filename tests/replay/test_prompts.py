@@ -95,3 +95,19 @@ def test_bad_settings_name_the_flag():
         PromptConfig(vocab_size=100, first_id=100).validate()
     with pytest.raises(ConfigError, match="--speed must be > 0"):
         ReplayConfig(url="http://x", speed=0).validate()
+
+
+def test_fitting_halves_the_scale_until_every_request_fits_the_context():
+    """The bundled trace's first 20 requests on `up --local` (dummy:tiny's 8192 tokens):
+    10 do not fit at scale 1, all at 0.0625 (32-token blocks, the cluster's own)."""
+    records = load_trace(FIXTURE, limit=20)
+    one = PromptConfig(fit_context=True)
+    assert sum(one.input_len(r) + one.output_len(r) > 8192 for r in records) == 10
+    fitted = one.fitted(records, 8192)
+    assert (fitted.scale, fitted.output_scale, fitted.block_tokens) == (0.0625, 0.0625, 32)
+    assert fitted.fits(records, 8192) and not PromptConfig(scale=0.125).fits(records, 8192)
+    assert one.fitted(records[:1], 8192) == one  # already fits: unchanged
+    # an output scale of its own is kept; at one-token blocks it stops, fitting or not
+    assert PromptConfig(output_scale=0.5).fitted(records, 8192).output_scale == 0.5
+    tiny = one.fitted(records, 10)
+    assert tiny.block_tokens == 1 and tiny.scale == 1 / 512 and not tiny.fits(records, 10)

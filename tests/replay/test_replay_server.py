@@ -157,3 +157,38 @@ def test_cli_finds_the_local_cluster_and_prints_json(url, tmp_path, monkeypatch)
         assert key in out, key
     assert out["url"] == url and out["sent"] == out["completed"] == 4
     assert out["block_tokens"] == 15 and out["output_tokens"] == 4 * 3
+
+
+def _cli(url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *flags: str):
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    write_runfile(LocalCluster(url=url, master="127.0.0.1:1", config_path="",
+                               pids={"master": os.getpid()}, api_key=KEY))  # fmt: skip
+    args = ["replay", str(FIXTURE), "--max-tokens", "2", "--vocab-size", str(VOCAB),
+            "--speed", "1000", *flags]  # fmt: skip
+    return CliRunner().invoke(app, args)
+
+
+def test_without_scale_the_cli_fits_the_trace_to_the_servers_context(
+    url, engine, tmp_path, monkeypatch
+):
+    """The first try works: at scale 1 these prompts exceed the server's 2048 tokens, so
+    replay halves the scale until they fit, and says which it took."""
+    assert engine.max_model_len == 2048
+    result = _cli(url, tmp_path, monkeypatch, "--limit", "2")
+    assert result.exit_code == 0, (result.output, result.exception)
+    assert (
+        "--scale 0.25: the largest power of 2 at which every request fits the server's "
+        "context of 2048 tokens (pass --scale to choose)"
+    ) in result.output
+    assert "blocks of 128 tokens after --scale 0.25" in result.output
+    assert "2 / 2" in result.output  # sent / completed
+
+
+def test_requests_over_the_context_end_with_a_hint_naming_scale(url, tmp_path, monkeypatch):
+    result = _cli(url, tmp_path, monkeypatch, "--limit", "2", "--scale", "1")
+    assert result.exit_code == 1, (result.output, result.exception)  # none completed
+    assert "maximum context length is 2048 tokens" in result.output
+    assert (
+        "hint: 2 requests did not fit the server's context at --scale 1; leave --scale out "
+        "to have replay fit the trace to it, or pass a smaller one (or --max-tokens)"
+    ) in result.output

@@ -100,3 +100,25 @@ def test_a_node_stopped_cleanly_takes_its_old_stage_when_it_comes_back() -> None
     assert (got.group_id, got.stage, got.first_layer, got.end_layer) == ("pg1", 1, 2, 4)
     reg.register(_prefill("b", "pg1", 1, "b:7001"), 2.0)  # listening, after loading
     assert reg.group_msg("a").next_stage_address == "b:7001"
+
+
+def test_a_group_missing_a_stage_names_that_stage_not_its_waiting_leader() -> None:
+    """A stopped (or silent) stage 1 is what pg1 waits for, though its leader, having lost
+    its link to stage 1, reports itself starting."""
+    reg = Registry(num_layers=4, group_size=2, ttl_s=5)
+    reg.register(_prefill("a"), 0.0)
+    reg.register(_prefill("b"), 0.0)
+    reg.heartbeat("a", NodeLoadMsg(), "starting", 0.5)
+    assert "pg1 waits for stage 0 (a, starting)" in reg.missing()  # b too is starting: a first
+    reg.heartbeat("b", NodeLoadMsg(), "ready", 1.0)
+    reg.remove("b")  # a clean stop
+    reg.heartbeat("a", NodeLoadMsg(), "starting", 1.5)  # it dials b again
+    assert "pg1 waits for stage 1 (b, stopped)" in reg.missing()
+    reg.register(_prefill("b"), 2.0)
+    reg.heartbeat("a", NodeLoadMsg(), "starting", 7.0)
+    assert reg.expire(7.5) == [reg.nodes["b"]]  # killed: silent past ttl_s
+    assert "pg1 waits for stage 1 (b, down)" in reg.missing()
+    reg2 = Registry(num_layers=4, group_size=2, ttl_s=5)
+    reg2.register(_prefill("a"), 0.0)
+    reg2.heartbeat("a", NodeLoadMsg(), "starting", 0.5)
+    assert "pg1 waits for stage 1 to register" in reg2.missing()

@@ -4,6 +4,7 @@ JSON object other tools read (keys and sanity of values, never the timings thems
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -27,6 +28,24 @@ def test_local_bench_prints_the_documented_json(protocol: str, op: str, baseline
     assert result["baseline"] == baseline and result["gbps"] > 0 and result["baseline_gbps"] > 0
     assert result["num_batches"] > 0 and result["p99_us"] >= result["p50_us"] > 0
     assert result["rss_peak_bytes"] > 0 and result["target_rss_peak_bytes"] > 0
+
+
+def test_the_table_off_a_terminal_keeps_every_header_and_figure() -> None:
+    """Piped (no terminal, no COLUMNS) the table is as wide as it needs: nothing cut to 80."""
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    out = subprocess.run(
+        [sys.executable, "-m", "mooncake", "bench", "transfer", "--local", "--op", "read",
+         "--block-size", "4KiB", "--batch-size", "1", "--duration", "0.2"],
+        capture_output=True, text=True, timeout=60, check=True, env=env,
+    )  # fmt: skip
+    lines = out.stdout.splitlines()
+    header = next(line for line in lines if "requests/s" in line)
+    for col in ("GB/s", "p50 us", "p99 us", "ratio", "retries", "RSS start/end/peak MiB",
+                "target peak MiB"):  # fmt: skip
+        assert col in header, header
+    assert "…" not in out.stdout, out.stdout
+    figures = lines[lines.index(header) + 2].strip("│ ").split("│")
+    assert len(figures) == 9 and all(f.strip() for f in figures), figures
 
 
 def test_bad_option_is_a_clear_error() -> None:
