@@ -4,6 +4,7 @@ the Triton KV write equals index_put. Without a GPU the kernels run in Triton's 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -24,7 +25,8 @@ from mooncake.engine.attention.reference import (  # noqa: E402
     write_kv_reference,
 )
 from mooncake.engine.attention.triton_paged import (  # noqa: E402
-    choose_num_splits,
+    KernelConfig,
+    choose_config,
     paged_attention,
 )
 
@@ -63,9 +65,14 @@ def make_batch(
 
 
 def check(q, k_cache, v_cache, meta, num_splits=None, atol=1e-5) -> None:
+    """The kernel with `choose_config`'s cut, or with `num_splits` forced, against an fp64
+    reference on the real rows."""
     scale = HEAD_DIM**-0.5
     want = attention_reference(q, k_cache, v_cache, meta, scale, compute_dtype=torch.float64)
-    got = paged_attention(q, k_cache, v_cache, meta, scale, num_splits=num_splits)
+    config = choose_config(meta, q.shape[1], k_cache.shape[2], HEAD_DIM)
+    if num_splits is not None:
+        config = dataclasses.replace(config, num_splits=num_splits)
+    got = paged_attention(q, k_cache, v_cache, meta, scale, config)
     num_tokens = int(meta.query_start_loc[-1])
     err = (got[:num_tokens].double() - want[:num_tokens].double()).abs().max().item()
     assert err <= atol, f"max abs error {err} > {atol}"
@@ -110,18 +117,29 @@ def test_triton_matches_reference_fp16() -> None:
     check(*batch, atol=3e-3)
 
 
-def test_split_heuristic() -> None:
+def test_choose_config() -> None:
     """Split-KV only for decode-only steps with few sequences, never beyond a segment per
-    tile of the longest context."""
+    tile of the longest context; prefill steps take tall programs."""
     decode = make_batch(1, [150], [1], 8)[3]
-    assert choose_num_splits(decode, num_kv_heads=8) == 2  # 150 tokens: 3 tiles of 64
-    decode.max_seq_len = 4096
-    assert choose_num_splits(decode, num_kv_heads=8) == 32
+    assert choose_config(decode, 64, 8, 128) == KernelConfig(16, 64, 4, num_splits=2)
+    decode.max_seq_len = 4096  # 64 tiles: 256 programs / 8 KV heads
+    assert choose_config(decode, 64, 8, 128).num_splits == 32
     mixed = make_batch(1, [30, 40], [1, 5], 1)[3]
-    assert choose_num_splits(mixed, num_kv_heads=8) == 1
+    assert choose_config(mixed, 32, 8, 128) == KernelConfig(128, 64, 8)
+    assert choose_config(mixed, 32, 8, 256).block_m == 64
     many = create_metadata([[0]] * 32, [4] * 32, [1] * 32, 16)
     many.max_seq_len = 4096
-    assert choose_num_splits(many, num_kv_heads=8) == 1
+    assert choose_config(many, 32, 8, 128).num_splits == 1
+
+
+def test_other_cuts_agree() -> None:
+    """Narrow key tiles, short programs and split-KV on a prefill batch give the same
+    output: the cut changes the speed, never the result."""
+    q, k_cache, v_cache, meta = make_batch(11, [45, 20], [13, 1], 4)
+    want = paged_attention(q, k_cache, v_cache, meta, 0.25)
+    for config in (KernelConfig(16, 16, 4), KernelConfig(64, 32, 4, num_splits=4)):
+        got = paged_attention(q, k_cache, v_cache, meta, 0.25, config)
+        assert (got[:14] - want[:14]).abs().max().item() <= 1e-5, config
 
 
 def test_write_kv_matches_index_put_and_skips_padding() -> None:

@@ -5,7 +5,8 @@ chunks in one batch.
 - `reference`     the torch oracle and baseline: a sequence at a time through SDPA
 - `triton_paged`  `paged_attention`: one Triton launch per layer, split-KV for small decode
 - `kvwrite`       `write_kv`: new K/V into the cache by slot mapping (Triton)
+- `timing`        microseconds per call on a GPU (L2 flushed, CUDA graphs), the copy ceiling
 - `gpucheck`      `python -m mooncake.engine.attention.gpucheck`: correctness and speed on a GPU
 
-`triton_paged`, `kvwrite` and `gpucheck` need triton; all need torch.
+`triton_paged` and `kvwrite` need triton (`timing` on a GPU too); all need torch.
 """

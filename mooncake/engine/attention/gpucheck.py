@@ -28,10 +28,12 @@ import json
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
+
+from mooncake.engine.attention.timing import copy_gbps, graph_us, time_us
 
 HBM_GBPS = 4800.0  # H200 HBM3e, the vendor's datasheet
 
@@ -54,6 +56,8 @@ class CheckConfig:
     time_batches: tuple[int, ...]
     time_contexts: tuple[int, ...]
     split_choices: tuple[int, ...]  # split-KV segments timed at B = 1
+    decode_cuts: tuple[tuple[int, int, int], ...]  # (block_m, tile, num_warps) tried
+    prefill_cuts: tuple[tuple[int, int, int], ...]
     copy_bytes: int  # bytes of the device-to-device copy
     oracle_dtype: torch.dtype  # what the reference computes in for the correctness oracle
     min_tolerance: float  # max abs error always accepted
@@ -74,6 +78,8 @@ LLAMA3_8B = CheckConfig(
     time_batches=(1, 32, 128),
     time_contexts=(1024, 4096, 16384),
     split_choices=(1, 4, 16, 64),
+    decode_cuts=((16, 16, 4), (16, 32, 4), (16, 64, 4), (16, 64, 8)),
+    prefill_cuts=((64, 64, 4), (64, 64, 8), (128, 32, 8), (128, 64, 8)),
     copy_bytes=2 << 30,
     oracle_dtype=torch.float32,
     min_tolerance=1e-2,
@@ -93,6 +99,8 @@ CPU_SMOKE = CheckConfig(
     time_batches=(1, 3),
     time_contexts=(40, 130),
     split_choices=(1, 2),
+    decode_cuts=((16, 16, 4), (16, 64, 4)),
+    prefill_cuts=((64, 32, 4), (128, 64, 8)),
     copy_bytes=1 << 20,
     oracle_dtype=torch.float64,
     min_tolerance=1e-5,
@@ -146,40 +154,19 @@ def decode_batch(cfg: CheckConfig, block_tokens: int, batch: int, context: int) 
     return make_batch(cfg, block_tokens, seq_lens, [1] * batch, seed=batch * 131 + context)
 
 
-def time_us(fn: Callable[[], Any], device: str) -> float:
-    """Mean microseconds per call: triton's do_bench (L2 flushed between calls) on a GPU,
-    one timed call after a warm-up on the CPU."""
-    if device == "cpu":
-        fn()
-        start = time.perf_counter()
-        fn()
-        return (time.perf_counter() - start) * 1e6
-    import triton.testing
+def kernel_config(b: Batch, **changes: int) -> Any:
+    """`choose_config`'s KernelConfig for the batch, with `changes` to its fields."""
+    from mooncake.engine.attention.triton_paged import choose_config
 
-    return float(triton.testing.do_bench(fn, warmup=10, rep=40)) * 1e3
+    q, k = b.q, b.k_cache
+    return replace(choose_config(b.meta, q.shape[1], k.shape[2], q.shape[2]), **changes)
 
 
-def graph_us(fn: Callable[[], Any], device: str) -> float | None:
-    """Microseconds per call replayed from a CUDA graph (no Python launch cost); None on
-    the CPU."""
-    if device == "cpu":
-        return None
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()  # compile and warm up outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return time_us(graph.replay, device)
-
-
-def _attention(b: Batch, num_splits: int | None = None) -> Callable[[], Any]:
+def _attention(b: Batch, config: Any = None) -> Callable[[], Any]:
     from mooncake.engine.attention.triton_paged import paged_attention
 
     scale = b.q.shape[-1] ** -0.5
-    return lambda: paged_attention(b.q, b.k_cache, b.v_cache, b.meta, scale, num_splits)
+    return lambda: paged_attention(b.q, b.k_cache, b.v_cache, b.meta, scale, config)
 
 
 def _reference(b: Batch, dtype: torch.dtype | None = None) -> Callable[[], Any]:
@@ -189,19 +176,17 @@ def _reference(b: Batch, dtype: torch.dtype | None = None) -> Callable[[], Any]:
     return lambda: attention_reference(b.q, b.k_cache, b.v_cache, b.meta, scale, dtype)
 
 
-def check_case(cfg: CheckConfig, case: dict[str, Any], b: Batch, num_splits: int | None) -> dict:
+def check_case(cfg: CheckConfig, case: dict[str, Any], b: Batch, config: Any) -> dict:
     """The Triton output's max abs error against the oracle, the torch reference's in
     cfg.dtype beside it, and whether the first is within tolerance."""
-    from mooncake.engine.attention.triton_paged import choose_num_splits
-
     oracle = _reference(b, cfg.oracle_dtype)().float()
-    got = _attention(b, num_splits)().float()
+    got = _attention(b, config)().float()
     ref = _reference(b)().float()
     err = (got - oracle).abs().max().item()
     ref_err = (ref - oracle).abs().max().item()
-    splits = num_splits or choose_num_splits(b.meta, cfg.num_kv_heads)
     ok = bool(err <= max(2 * ref_err, cfg.min_tolerance))
-    return {**case, "num_splits": splits, "max_abs_err": err, "ref_max_abs_err": ref_err, "ok": ok}
+    config = asdict(config or kernel_config(b))
+    return {**case, "config": config, "max_abs_err": err, "ref_max_abs_err": ref_err, "ok": ok}
 
 
 def correctness(cfg: CheckConfig) -> list[dict]:
@@ -214,7 +199,7 @@ def correctness(cfg: CheckConfig) -> list[dict]:
                 case["context"] = context
                 results.append(check_case(cfg, case, b, None))
                 if batch == 1:  # the heuristic splits there: check the plain kernel too
-                    results.append(check_case(cfg, case, b, 1))
+                    results.append(check_case(cfg, case, b, kernel_config(b, num_splits=1)))
                 del b
         seq_len = cfg.prefix_len + cfg.chunk_len
         b = make_batch(cfg, block_tokens, [seq_len], [cfg.chunk_len], seed=block_tokens)
@@ -230,17 +215,7 @@ def correctness(cfg: CheckConfig) -> list[dict]:
     return results
 
 
-def copy_gbps(cfg: CheckConfig) -> float:
-    """A device-to-device copy's GB/s, counting the bytes read and the bytes written."""
-    src = torch.empty(cfg.copy_bytes, dtype=torch.uint8, device=cfg.device)
-    dst = torch.empty_like(src)
-    us = time_us(lambda: dst.copy_(src), cfg.device)
-    return 2 * cfg.copy_bytes / us / 1e3
-
-
 def decode_speed(cfg: CheckConfig, ceiling_gbps: float) -> list[dict]:
-    from mooncake.engine.attention.triton_paged import choose_num_splits
-
     rows = []
     for batch in cfg.time_batches:
         for context in cfg.time_contexts:
@@ -254,7 +229,7 @@ def decode_speed(cfg: CheckConfig, ceiling_gbps: float) -> list[dict]:
                 {
                     "batch": batch,
                     "context": context,
-                    "num_splits": choose_num_splits(b.meta, cfg.num_kv_heads),
+                    "config": asdict(kernel_config(b)),
                     "kv_bytes": b.kv_bytes,
                     "us": us,
                     "us_graph": us_graph,
@@ -271,16 +246,14 @@ def decode_speed(cfg: CheckConfig, ceiling_gbps: float) -> list[dict]:
 
 def split_vs_not(cfg: CheckConfig) -> list[dict]:
     """Decode at B = 1: each split-KV choice's time, and which the heuristic takes."""
-    from mooncake.engine.attention.triton_paged import choose_num_splits
-
     rows = []
     for context in cfg.time_contexts:
         b = decode_batch(cfg, cfg.time_block_tokens, 1, context)
         by_splits = {}
         for splits in cfg.split_choices:
-            us_graph = graph_us(_attention(b, splits), cfg.device)
-            by_splits[str(splits)] = us_graph or time_us(_attention(b, splits), cfg.device)
-        heuristic = choose_num_splits(b.meta, cfg.num_kv_heads)
+            run = _attention(b, kernel_config(b, num_splits=splits))
+            by_splits[str(splits)] = graph_us(run, cfg.device) or time_us(run, cfg.device)
+        heuristic = kernel_config(b).num_splits
         rows.append({"context": context, "heuristic": heuristic, "us_by_splits": by_splits})
         del b
     return rows
@@ -302,6 +275,34 @@ def prefill_speed(cfg: CheckConfig) -> dict:
         "TFLOPs": flops / us / 1e6,
         "ref_us": ref_us,
         "ref_TFLOPs": flops / ref_us / 1e6,
+    }
+
+
+def tuning(cfg: CheckConfig) -> dict:
+    """Other cuts (rows per program / keys per step / warps) of one decode batch and of the
+    prefill chunk: the data for retuning `choose_config`."""
+    batch, context = cfg.time_batches[len(cfg.time_batches) // 2], cfg.time_contexts[1]
+    b = decode_batch(cfg, cfg.time_block_tokens, batch, context)
+    decode_us = {}
+    for block_m, tile, warps in cfg.decode_cuts:
+        run = _attention(b, kernel_config(b, block_m=block_m, tile=tile, num_warps=warps))
+        decode_us[f"{block_m}/{tile}/{warps}"] = graph_us(run, cfg.device) or time_us(
+            run, cfg.device
+        )
+    chosen = {"decode": asdict(kernel_config(b))}
+    del b
+    seq_len = cfg.prefix_len + cfg.chunk_len
+    b = make_batch(cfg, cfg.time_block_tokens, [seq_len], [cfg.chunk_len], seed=3)
+    prefill_us = {}
+    for block_m, tile, warps in cfg.prefill_cuts:
+        run = _attention(b, kernel_config(b, block_m=block_m, tile=tile, num_warps=warps))
+        prefill_us[f"{block_m}/{tile}/{warps}"] = time_us(run, cfg.device)
+    return {
+        "decode_batch": batch,
+        "decode_context": context,
+        "decode_us": decode_us,  # by a CUDA graph's replay on a GPU
+        "prefill_us": prefill_us,
+        "chosen": {**chosen, "prefill": asdict(kernel_config(b))},  # choose_config's
     }
 
 
@@ -328,12 +329,13 @@ def run(cfg: CheckConfig) -> dict:
         "dtype": str(cfg.dtype).removeprefix("torch."),
     }
     _section(report, "correctness", lambda: correctness(cfg))
-    _section(report, "copy_GBps", lambda: copy_gbps(cfg))
+    _section(report, "copy_GBps", lambda: copy_gbps(cfg.copy_bytes, cfg.device))
     report["hbm_GBps"] = HBM_GBPS
     ceiling = report["copy_GBps"] if isinstance(report["copy_GBps"], float) else HBM_GBPS
     _section(report, "decode", lambda: decode_speed(cfg, ceiling))
     _section(report, "split_vs_not", lambda: split_vs_not(cfg))
     _section(report, "prefill", lambda: prefill_speed(cfg))
+    _section(report, "tuning", lambda: tuning(cfg))
     if cfg.device == "cuda":
         report["peak_memory_GB"] = torch.cuda.max_memory_allocated() / 1e9
     report["wall_s"] = time.perf_counter() - start

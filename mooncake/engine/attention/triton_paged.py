@@ -12,7 +12,7 @@ sequence and one KV head:
     program id 1        KV head
     program id 2        split-KV segment (1 unless split)
 
-It walks the sequence's keys TILE_N at a time, looking each key's block up in the block
+It walks the sequence's keys TILE at a time, looking each key's block up in the block
 table (so any block size works: 16, 512, ...), with an online softmax in fp32 in the
 log2 domain. The split-KV variant (decode with few sequences, where B x num_kv_heads
 programs cannot fill the GPU) gives each of NUM_SEGMENTS programs a share of the tiles;
@@ -20,10 +20,14 @@ it stores unnormalized partial outputs with their running max and sum, and
 `_reduce_segments_kernel` merges them. Offsets into the caches are int64 (a cache of
 > 2^31 elements is common on an H200). New K/V reach the cache through `kvwrite.write_kv`.
 
-Use `paged_attention` (it picks split-KV by `choose_num_splits`); `num_splits` forces it.
+Use `paged_attention`; `choose_config` picks how a step is cut (`KernelConfig`: rows per
+program, keys per step, warps, split-KV), and a config passed in overrides it (tests,
+tuning in gpucheck).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -33,11 +37,18 @@ from torch import Tensor
 from mooncake.engine.attention.metadata import AttentionMetadata
 
 LOG2E = 1.4426950408889634
-DECODE_BLOCK_M = 16  # tl.dot needs >= 16 rows
-PREFILL_BLOCK_M = 64
-TILE_N = 64  # keys per inner step
 SPLIT_TARGET_PROGRAMS = 256  # about 2 programs per SM of an H100/H200 (132 SMs)
 MAX_SPLITS = 64
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """How one launch is cut into programs; `choose_config` picks it per step."""
+
+    block_m: int  # rows per program: query tokens x query heads of one KV head; >= 16
+    tile: int  # keys per inner step; >= 16, a power of two
+    num_warps: int
+    num_splits: int = 1  # split-KV segments per query block (1 = none), a power of two
 
 
 @triton.jit
@@ -216,17 +227,27 @@ def _pow2(n: int) -> int:
     return triton.next_power_of_2(n)
 
 
-def choose_num_splits(meta: AttentionMetadata, num_kv_heads: int, tile: int = TILE_N) -> int:
-    """Split-KV segments for this step: >1 only for decode-only steps whose B x KV heads
-    programs are too few for the GPU, at most one segment per tile of the longest context."""
+def choose_config(
+    meta: AttentionMetadata, num_heads: int, num_kv_heads: int, head_dim: int
+) -> KernelConfig:
+    """Decode-only steps: 16-row programs (one token's query heads), split-KV when B x KV
+    heads programs are too few for the GPU (at most a segment per tile of the longest
+    context). Steps with prefill chunks: 128-row programs (64 for head_dim > 128), so that
+    each K/V tile serves many queries. Sizes from register counts of sm_90 builds (no
+    spills: 16/64/4 warps about 115 registers, 128/64/8 warps about 190)."""
+    g_pad = _pow2(num_heads // num_kv_heads)
+    if not meta.is_decode_only:
+        block_m = 128 if head_dim <= 128 else 64
+        return KernelConfig(block_m=max(block_m, g_pad), tile=64, num_warps=8)
+    config = KernelConfig(block_m=max(16, g_pad), tile=64, num_warps=4)
     programs = meta.num_seqs * num_kv_heads
-    if not meta.is_decode_only or programs >= SPLIT_TARGET_PROGRAMS // 2:
-        return 1
+    if programs >= SPLIT_TARGET_PROGRAMS // 2:
+        return config
     splits = min(_pow2(-(-SPLIT_TARGET_PROGRAMS // programs)), MAX_SPLITS)
-    tiles = -(-meta.max_seq_len // tile)
+    tiles = -(-meta.max_seq_len // config.tile)
     while splits > 1 and splits > tiles:
         splits //= 2
-    return splits
+    return replace(config, num_splits=splits)
 
 
 def _check_last_dim(*tensors: Tensor) -> None:
@@ -240,13 +261,12 @@ def paged_attention(
     v_cache: Tensor,
     meta: AttentionMetadata,
     scale: float,
-    num_splits: int | None = None,
+    config: KernelConfig | None = None,
 ) -> Tensor:
     """(T, num_heads, head_dim) attention of the step's queries q (T, num_heads, head_dim)
     over the paged caches (num_blocks, block_tokens, num_kv_heads, head_dim) in one launch
     (two when split). Rows past query_start_loc[-1] (padding) are left undefined.
-    `num_splits` (a power of two) forces the split-KV segments; None lets
-    `choose_num_splits` pick. Reads nothing back to the host (CUDA-graph safe)."""
+    `config` None: `choose_config`'s. Reads nothing back to the host (CUDA-graph safe)."""
     num_tokens, num_heads, head_dim = q.shape
     _, block_tokens, num_kv_heads, _ = k_cache.shape
     assert q.dtype == k_cache.dtype == v_cache.dtype, (q.dtype, k_cache.dtype, v_cache.dtype)
@@ -254,10 +274,11 @@ def paged_attention(
     _check_last_dim(q, k_cache, v_cache)
     group = num_heads // num_kv_heads
     g_pad = _pow2(group)
-    block_m = max(DECODE_BLOCK_M if meta.is_decode_only else PREFILL_BLOCK_M, g_pad)
-    block_q = block_m // g_pad
+    config = config or choose_config(meta, num_heads, num_kv_heads, head_dim)
+    block_q = config.block_m // g_pad
     head_dim_pad = max(_pow2(head_dim), 16)
-    splits = choose_num_splits(meta, num_kv_heads) if num_splits is None else num_splits
+    splits = config.num_splits
+    assert block_q >= 1 and config.block_m >= 16 and config.tile >= 16, config
     assert splits >= 1 and splits == _pow2(splits), f"num_splits {splits}: a power of two"
     num_seqs = meta.num_seqs
     out = torch.empty_like(q)
@@ -292,14 +313,15 @@ def paged_attention(
         GROUP=group,
         G_PAD=g_pad,
         BLOCK_Q=block_q,
-        BLOCK_M=block_m,
+        BLOCK_M=config.block_m,
         HEAD_DIM=head_dim,
         HEAD_DIM_PAD=head_dim_pad,
         BLOCK_TOKENS=block_tokens,
-        TILE=TILE_N,
+        TILE=config.tile,
         NUM_SEGMENTS=splits,
         USE_WINDOW=window is not None,
         IEEE=q.dtype == torch.float32,
+        num_warps=config.num_warps,
     )
     if splits > 1:
         _reduce_segments_kernel[(num_tokens, num_heads)](
