@@ -69,7 +69,7 @@ def check(q, k_cache, v_cache, meta, num_splits=None, atol=1e-5) -> None:
     reference on the real rows."""
     scale = HEAD_DIM**-0.5
     want = attention_reference(q, k_cache, v_cache, meta, scale, compute_dtype=torch.float64)
-    config = choose_config(meta, q.shape[1], k_cache.shape[2], HEAD_DIM)
+    config = choose_config(meta, q.shape[1], k_cache.shape[2], HEAD_DIM, q.element_size())
     if num_splits is not None:
         config = dataclasses.replace(config, num_splits=num_splits)
     got = paged_attention(q, k_cache, v_cache, meta, scale, config)
@@ -127,6 +127,7 @@ def test_choose_config() -> None:
     mixed = make_batch(1, [30, 40], [1, 5], 1)[3]
     assert choose_config(mixed, 32, 8, 128) == KernelConfig(128, 64, 8)
     assert choose_config(mixed, 32, 8, 256).block_m == 64
+    assert choose_config(mixed, 32, 8, 128, dtype_bytes=4) == KernelConfig(64, 32, 8)
     many = create_metadata([[0]] * 32, [4] * 32, [1] * 32, 16)
     many.max_seq_len = 4096
     assert choose_config(many, 32, 8, 128).num_splits == 1

@@ -13,12 +13,15 @@ At Llama-3-8B's attention shapes (32 query heads, 8 KV heads, head_dim 128, bf16
   of the H200's 4.8 TB/s and of a device-to-device copy measured here (the practical
   ceiling, counting its reads and writes); split-KV against none at B = 1;
 - the prefill chunk's TFLOP/s; the same calls through the torch reference (per-sequence
-  SDPA), the baseline.
+  SDPA), the baseline;
+- tuning: other cuts (rows per program / keys per step / warps) of a decode batch and of
+  the prefill chunk, beside the ones `choose_config` takes.
 
 One JSON document on stdout; exit 1 if a check failed. Without a CUDA GPU it says so and
 exits 0. `--cpu-smoke` runs every path at tiny shapes in fp32 on the CPU under Triton's
 interpreter (the test suite does), so the script is exercised where no GPU is.
-Imports only torch, triton and this package; about a minute and < 20 GB on an H200.
+Imports only torch, triton and this package; meant to take < 2 minutes and < 20 GB on an
+H200 (most of it Triton compiling about 25 kernel variants). Progress goes to stderr.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
@@ -159,7 +163,8 @@ def kernel_config(b: Batch, **changes: int) -> Any:
     from mooncake.engine.attention.triton_paged import choose_config
 
     q, k = b.q, b.k_cache
-    return replace(choose_config(b.meta, q.shape[1], k.shape[2], q.shape[2]), **changes)
+    config = choose_config(b.meta, q.shape[1], k.shape[2], q.shape[2], q.element_size())
+    return replace(config, **changes)
 
 
 def _attention(b: Batch, config: Any = None) -> Callable[[], Any]:
@@ -307,12 +312,16 @@ def tuning(cfg: CheckConfig) -> dict:
 
 
 def _section(report: dict, name: str, fn: Callable[[], Any]) -> None:
-    """Runs one part; a failure is recorded in the report and the others still run."""
+    """Runs one part; a failure is recorded in the report and the others still run.
+    Progress goes to stderr, so a run cut short still shows how far it came."""
+    start = time.perf_counter()
     try:
         report[name] = fn()
     except Exception as e:  # a report with the error beats no report on a leased GPU
         report[name] = {"error": f"{type(e).__name__}: {e}"}
         report["errors"].append(name)
+    status = "failed" if name in report["errors"] else "done"
+    print(f"gpucheck: {name} {status} in {time.perf_counter() - start:.1f} s", file=sys.stderr)
 
 
 def run(cfg: CheckConfig) -> dict:

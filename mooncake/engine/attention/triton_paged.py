@@ -228,17 +228,19 @@ def _pow2(n: int) -> int:
 
 
 def choose_config(
-    meta: AttentionMetadata, num_heads: int, num_kv_heads: int, head_dim: int
+    meta: AttentionMetadata, num_heads: int, num_kv_heads: int, head_dim: int, dtype_bytes: int = 2
 ) -> KernelConfig:
     """Decode-only steps: 16-row programs (one token's query heads), split-KV when B x KV
     heads programs are too few for the GPU (at most a segment per tile of the longest
-    context). Steps with prefill chunks: 128-row programs (64 for head_dim > 128), so that
-    each K/V tile serves many queries. Sizes from register counts of sm_90 builds (no
-    spills: 16/64/4 warps about 115 registers, 128/64/8 warps about 190)."""
+    context). Steps with prefill chunks: 128-row programs, so that each K/V tile serves
+    many queries; 64 for head_dim > 128 or fp32 (whose dots also take 32-key tiles).
+    Sizes from register counts of sm_90 builds at head_dim 128, none spilling: 16/64/4
+    warps about 120 registers, 128/64/8 about 180 (bf16), 64/32/8 about 150 (fp32)."""
     g_pad = _pow2(num_heads // num_kv_heads)
     if not meta.is_decode_only:
-        block_m = 128 if head_dim <= 128 else 64
-        return KernelConfig(block_m=max(block_m, g_pad), tile=64, num_warps=8)
+        block_m = 64 if head_dim > 128 or dtype_bytes > 2 else 128
+        tile = 32 if dtype_bytes > 2 else 64
+        return KernelConfig(block_m=max(block_m, g_pad), tile=tile, num_warps=8)
     config = KernelConfig(block_m=max(16, g_pad), tile=64, num_warps=4)
     programs = meta.num_seqs * num_kv_heads
     if programs >= SPLIT_TARGET_PROGRAMS // 2:
@@ -274,7 +276,7 @@ def paged_attention(
     _check_last_dim(q, k_cache, v_cache)
     group = num_heads // num_kv_heads
     g_pad = _pow2(group)
-    config = config or choose_config(meta, num_heads, num_kv_heads, head_dim)
+    config = config or choose_config(meta, num_heads, num_kv_heads, head_dim, q.element_size())
     block_q = config.block_m // g_pad
     head_dim_pad = max(_pow2(head_dim), 16)
     splits = config.num_splits
