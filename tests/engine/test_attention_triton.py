@@ -44,8 +44,9 @@ def make_batch(
     window: int | None = None,
     dtype: torch.dtype = torch.float32,
     num_padding: int = 0,
+    head_dim: int = HEAD_DIM,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
-    """q (T + num_padding, heads, HEAD_DIM), caches with each sequence's blocks scattered
+    """q (T + num_padding, heads, head_dim), caches with each sequence's blocks scattered
     over a shuffled pool (spare blocks in between), and the batch's metadata."""
     gen = torch.Generator().manual_seed(seed)
     need = [-(-n // block_tokens) for n in seq_lens]
@@ -55,11 +56,11 @@ def make_batch(
     for n in need:
         tables.append(order[:n])
         order = order[n:]
-    shape = (num_blocks, block_tokens, NUM_KV_HEADS, HEAD_DIM)
+    shape = (num_blocks, block_tokens, NUM_KV_HEADS, head_dim)
     k_cache = torch.randn(shape, generator=gen).to(dtype).to(DEVICE)
     v_cache = torch.randn(shape, generator=gen).to(dtype).to(DEVICE)
     num_tokens = sum(query_lens) + num_padding
-    q = torch.randn(num_tokens, NUM_KV_HEADS * group, HEAD_DIM, generator=gen)
+    q = torch.randn(num_tokens, NUM_KV_HEADS * group, head_dim, generator=gen)
     meta = create_metadata(tables, seq_lens, query_lens, block_tokens, DEVICE, window)
     return q.to(dtype).to(DEVICE), k_cache, v_cache, meta
 
@@ -67,9 +68,9 @@ def make_batch(
 def check(q, k_cache, v_cache, meta, num_splits=None, atol=1e-5) -> None:
     """The kernel with `choose_config`'s cut, or with `num_splits` forced, against an fp64
     reference on the real rows."""
-    scale = HEAD_DIM**-0.5
+    scale = q.shape[-1] ** -0.5
     want = attention_reference(q, k_cache, v_cache, meta, scale, compute_dtype=torch.float64)
-    config = choose_config(meta, q.shape[1], k_cache.shape[2], HEAD_DIM, q.element_size())
+    config = choose_config(meta, q.shape[1], k_cache.shape[2], q.shape[-1], q.element_size())
     if num_splits is not None:
         config = dataclasses.replace(config, num_splits=num_splits)
     got = paged_attention(q, k_cache, v_cache, meta, scale, config)
@@ -109,6 +110,12 @@ def test_padding_rows_and_strided_q() -> None:
     fused = torch.zeros(q.shape[0], q.shape[1] + 3, HEAD_DIM, device=DEVICE)
     fused[:, : q.shape[1]] = q
     check(fused[:, : q.shape[1]], k_cache, v_cache, meta)
+
+
+def test_group_and_head_dim_not_powers_of_two() -> None:
+    """3 query heads per KV head (rows padded to 4) and head_dim 24 (padded to 32)."""
+    check(*make_batch(13, [40, 29], [1, 11], 3, head_dim=24))
+    check(*make_batch(14, [70], [1], 3, head_dim=24), num_splits=2)
 
 
 def test_triton_matches_reference_fp16() -> None:

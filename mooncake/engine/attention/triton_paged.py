@@ -197,8 +197,7 @@ def _reduce_segments_kernel(
     part_out_ptr,  # (T, num_heads, NUM_SEGMENTS, HEAD_DIM_PAD) fp32
     part_max_ptr,  # (T, num_heads, NUM_SEGMENTS) fp32
     part_sum_ptr,  # (T, num_heads, NUM_SEGMENTS) fp32
-    num_tokens,  # real query tokens (query_start_loc[-1]); padding rows are left alone
-    query_start_loc_ptr,
+    query_start_loc_ptr,  # (B + 1,) int32: rows past [B] are padding, left alone
     num_seqs,
     stride_o_t,
     stride_o_h,
@@ -331,7 +330,6 @@ def paged_attention(
             part_out,
             part_max,
             part_sum,
-            num_tokens,
             meta.query_start_loc,
             num_seqs,
             out.stride(0),
