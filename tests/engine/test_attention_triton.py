@@ -167,6 +167,9 @@ def test_write_kv_matches_index_put_and_skips_padding() -> None:
     assert torch.equal(k_cache.view(-1, NUM_KV_HEADS, HEAD_DIM)[95], k[3])
 
 
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="on a GPU the kernels here are compiled, not interpreted"
+)
 def test_gpucheck_cpu_smoke(capsys: pytest.CaptureFixture[str]) -> None:
     """gpucheck's every path (correctness, timings, baselines) runs at tiny shapes on the
     CPU and prints one JSON document with its sections."""
