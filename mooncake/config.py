@@ -108,6 +108,41 @@ class ClusterConfig(msgspec.Struct, **_STRUCT):
             "keep the pool's state there (docs/ha.md); empty = one master, no etcd."
         ),
     ] = ()
+    etcd_user: Annotated[
+        str,
+        knob(
+            'etcd v3 auth user the masters and nodes log in as; "" = etcd runs without auth '
+            "(then whoever reaches it can rewrite the cluster's keys; docs/ha.md)."
+        ),
+    ] = ""
+    etcd_password: Annotated[
+        str,
+        knob(
+            "Password of etcd_user: set it in MOONCAKE_CLUSTER_ETCD_PASSWORD or the config "
+            "file, never as a flag (every local user sees a command line); or etcd_password_file.",
+            "secret",
+        ),
+    ] = ""
+    etcd_password_file: Annotated[
+        str, knob("Path of a file holding etcd_user's password; use instead of etcd_password.")
+    ] = ""
+    etcd_ca_file: Annotated[
+        str,
+        knob(
+            "PEM file of the CA that signed etcd's server certificate (https:// endpoints); "
+            '"" = the system\'s CAs.'
+        ),
+    ] = ""
+    etcd_cert_file: Annotated[
+        str,
+        knob(
+            "PEM client certificate presented to etcd over https (etcd --client-cert-auth), "
+            'with etcd_key_file; "" = none.'
+        ),
+    ] = ""
+    etcd_key_file: Annotated[
+        str, knob("PEM private key of etcd_cert_file (keep it mode 0600).")
+    ] = ""
     etcd_prefix: Annotated[
         str,
         knob(
