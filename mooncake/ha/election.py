@@ -16,8 +16,9 @@ the pool. Every journal write is fenced as well
 
 Every record is sealed with the cluster secret (ha/sealed.py) over its key and lease. A
 leader record that is not (someone else who reached etcd wrote it) names no leader: a
-standby forwards nothing to it and logs it once, critically. The leader checks its key at
-every poll and puts its own record back over a forged one (as its journal does when a
+standby forwards nothing to it and logs it once, critically. The leader checks its key
+after each renewal (whenever a read can take all of `etcd.timeout_s` and leave its
+step-down on time) and puts its own record back over a forged one (as its journal does when a
 write's fence fails on one); a forged record nobody reclaims within `leader_ttl_s` is
 replaced by a standby's campaign, so a forgery with no lease cannot block the election.
 """
@@ -171,7 +172,7 @@ class Election:
                     self._renew()
                 if not self.is_leader:
                     self._campaign()
-                elif not self.reclaim(self.etcd.get(self.key)):
+                elif self._has_time_for_a_call() and not self.reclaim(self.etcd.get(self.key)):
                     self._step_down("the leader key names another master")
                     return
             except EtcdError as e:
@@ -182,6 +183,12 @@ class Election:
                 )
                 return
             self._stop.wait(min(self.poll_s, max(next_renewal - time.monotonic(), 0.0)))
+
+    def _has_time_for_a_call(self) -> bool:
+        """NOTE: whether a read that takes all of its timeout still leaves the step-down on
+        time: a leader reads its key only then (at each renewal when etcd answers)."""
+        deadline = self.ttl_s - self.margin_s
+        return time.monotonic() - self._renewed + self.etcd.timeout_s < deadline
 
     def _renew(self) -> None:
         sent = time.monotonic()  # NOTE: etcd counts the lease from when it got this, or later

@@ -125,6 +125,7 @@ class Etcd:
         assert endpoints, "no etcd endpoints"
         self.endpoints = [e.rstrip("/") for e in endpoints]
         self.access = access
+        self.timeout_s = timeout_s  # s a call may take (per endpoint)
         self._http = httpx.Client(timeout=timeout_s, verify=access.tls or True)
         self._first = 0  # the endpoint that answered last
         self._token = ""  # of etcd's v3 auth; "" = none taken yet

@@ -27,6 +27,9 @@ EVIL = MasterInfo(id="evil", rpc="127.0.0.1:1", api="http://127.0.0.1:1", pid=1)
 def _election(
     etcd: Etcd, name: str, ttl_s: float = 1.0
 ) -> tuple[Election, threading.Event, list[str]]:
+    """NOTE: a leader reads its key only when a read that takes all of the client's timeout
+    leaves its step-down on time: a client with a short one."""
+    etcd = Etcd(etcd.endpoints, timeout_s=0.3, access=etcd.access)
     elected, lost = threading.Event(), []
     me = MasterInfo(id=name, rpc=f"127.0.0.1:{len(name)}", api=f"http://{name}", pid=1)
     e = Election(etcd, PREFIX, me, ttl_s, 0.05, elected.set, lost.append, Sealer(SECRET))
