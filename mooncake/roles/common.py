@@ -140,7 +140,8 @@ def masters_to_dial(config: Config) -> tuple[str, ...]:
     c = config.cluster
     if c.masters or not c.etcd:
         return c.master_addresses
-    etcd, sealer = create_etcd(c), Sealer(c.require_secret().encode())  # NOTE: ConfigError
+    # NOTE: outside the try: a bad setting stops the node (ConfigError), not just a warning
+    etcd, sealer = create_etcd(c), Sealer(c.require_secret().encode())
     try:
         found = find_masters(etcd, c.etcd_key_prefix, sealer)
     except MooncakeError as e:
