@@ -17,6 +17,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
+from mooncake.configetcd import EtcdConfig
 from mooncake.configknob import STRUCT as _STRUCT
 from mooncake.configknob import knob
 from mooncake.configroles import DecodeConfig, PrefillConfig, SchedulerConfig
@@ -31,7 +32,8 @@ CONFIG_ENV = "MOONCAKE_CONFIG"  # environment variable naming the config file, i
 Role = Literal["master", "prefill", "decode", "store"]
 
 
-class ClusterConfig(msgspec.Struct, **_STRUCT):
+# NOTE: the etcd keys come from EtcdConfig (mooncake/configetcd.py); flags spelled out for mypy
+class ClusterConfig(EtcdConfig, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """[cluster]: what every node of one cluster shares."""
 
     name: Annotated[
@@ -101,33 +103,6 @@ class ClusterConfig(msgspec.Struct, **_STRUCT):
             "etcd, the masters registered there when the node starts."
         ),
     ] = ()
-    etcd: Annotated[
-        tuple[str, ...],
-        knob(
-            'etcd client URLs ("http://host:2379"); set: masters elect a leader there and '
-            "keep the pool's state there (docs/ha.md); empty = one master, no etcd."
-        ),
-    ] = ()
-    etcd_prefix: Annotated[
-        str,
-        knob(
-            "etcd key prefix; this cluster's keys live under <etcd_prefix>/<name>, so several "
-            "clusters share one etcd.",
-            pattern="^/[A-Za-z0-9/_.-]*$",
-        ),
-    ] = "/mooncake"
-    etcd_timeout_s: Annotated[float, knob("Seconds an etcd call may take.", gt=0)] = 2.0
-    leader_ttl_s: Annotated[
-        float,
-        knob(
-            "Seconds of a master's etcd lease: a dead leader is replaced within about this "
-            "long (a leader that cannot renew it for half of it steps down).",
-            ge=1,
-        ),
-    ] = 3.0
-    election_poll_s: Annotated[
-        float, knob("Seconds between a standby master's reads of who leads.", gt=0)
-    ] = 0.25
     state_dir: Annotated[
         str,
         knob(

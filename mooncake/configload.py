@@ -254,11 +254,46 @@ class _Layers:
                 "cluster.secret_file: set either cluster.secret or cluster.secret_file, not both"
             )
 
+        self.errors += _etcd_problems(v, self.sources)
+
     def build(self) -> Config:
         sections: dict[str, Any] = {
             s: t(**{k: self.values[f"{s}.{k}"] for k in FIELDS[s]}) for s, t in SECTIONS.items()
         }
         return Config(**sections)
+
+
+def _etcd_problems(v: Mapping[str, Any], sources: Mapping[str, str]) -> list[str]:
+    """The etcd client's credentials that cannot work together (files are read later)."""
+    out = []
+    if sources["cluster.etcd_password"] == "flag":
+        out.append(
+            "cluster.etcd_password: not accepted as a flag (every local user sees a command "
+            "line); set MOONCAKE_CLUSTER_ETCD_PASSWORD or cluster.etcd_password_file"
+        )
+    has_password = bool(v["cluster.etcd_password"] or v["cluster.etcd_password_file"])
+    if v["cluster.etcd_password"] and v["cluster.etcd_password_file"]:
+        out.append(
+            "cluster.etcd_password_file: set either cluster.etcd_password or "
+            "cluster.etcd_password_file, not both"
+        )
+    if v["cluster.etcd_user"] and not has_password:
+        out.append(
+            "cluster.etcd_user: needs a password: set cluster.etcd_password_file or "
+            "MOONCAKE_CLUSTER_ETCD_PASSWORD"
+        )
+    if has_password and not v["cluster.etcd_user"]:
+        out.append("cluster.etcd_user: a password is set for etcd but no user to log in as")
+    if bool(v["cluster.etcd_cert_file"]) != bool(v["cluster.etcd_key_file"]):
+        out.append("cluster.etcd_cert_file: set it together with cluster.etcd_key_file")
+    tls = [k for k in ("ca_file", "cert_file", "key_file") if v[f"cluster.etcd_{k}"]]
+    plain = [u for u in v["cluster.etcd"] if u.startswith("http://")]
+    if tls and plain:
+        out.append(
+            f"cluster.etcd_{tls[0]}: TLS is set but cluster.etcd has http:// URLs "
+            f"({', '.join(plain)}); write them as https://"
+        )
+    return out
 
 
 def typed_override(dotted: str, value: object) -> object:

@@ -8,12 +8,20 @@ and deletes), leases (grant, keep alive, revoke).
     ok = etcd.txn([Compare.absent("k")], [Put("k", b"v", lease)])
 
 A call tries each endpoint in turn; EtcdError when none answers, naming them.
+
+`EtcdAccess` says how the client proves who it is: with a user, it takes a token from
+etcd's v3 auth (`/v3/auth/authenticate`) and sends it in the `Authorization` header of
+every call, taking a new one when etcd says it expired; over `https://` it checks etcd's
+certificate against a CA file and may present a client certificate (TLS settings come as
+an `ssl.SSLContext`, see ha/etcdaccess.py, which builds both from `[cluster]`).
 """
 
 from __future__ import annotations
 
 import base64
 import logging
+import ssl
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +36,18 @@ MAX_TXN_OPS = 128  # etcd's default --max-txn-ops
 
 class EtcdError(MooncakeError):
     """etcd did not answer, or refused a call."""
+
+
+@dataclass(frozen=True)
+class EtcdAccess:
+    """Credentials of an etcd client; the defaults: no auth, system CAs for https."""
+
+    user: str = ""  # "" = etcd runs without auth
+    password: str = ""
+    tls: ssl.SSLContext | None = None  # CA and client certificate for https:// endpoints
+
+
+_EXPIRED = "invalid auth token"  # etcd's message (code 16, HTTP 401) for an expired token
 
 
 def _b64(data: str | bytes) -> str:
@@ -99,30 +119,65 @@ class Compare:
 class Etcd:
     """A blocking client of one etcd cluster (thread-safe: httpx's client is)."""
 
-    def __init__(self, endpoints: Sequence[str], timeout_s: float):
+    def __init__(
+        self, endpoints: Sequence[str], timeout_s: float, access: EtcdAccess = EtcdAccess()
+    ):
         assert endpoints, "no etcd endpoints"
         self.endpoints = [e.rstrip("/") for e in endpoints]
-        self._http = httpx.Client(timeout=timeout_s)
+        self.access = access
+        self.timeout_s = timeout_s  # s a call may take (per endpoint)
+        self._http = httpx.Client(timeout=timeout_s, verify=access.tls or True)
         self._first = 0  # the endpoint that answered last
+        self._token = ""  # of etcd's v3 auth; "" = none taken yet
+        self._token_lock = threading.Lock()
 
     def close(self) -> None:
         self._http.close()
 
     def call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        """POST `body` to `path` on the first endpoint that answers; its JSON reply."""
+        """POST `body` to `path` on the first endpoint that answers; its JSON reply. With a
+        user, authenticates first, and once more when etcd says the token expired."""
+        if not self.access.user:
+            return self._post(path, body, "")
+        token = self._token or self._authenticate("")
+        try:
+            return self._post(path, body, token)
+        except EtcdError as e:
+            if _EXPIRED not in str(e):
+                raise
+        return self._post(path, body, self._authenticate(token))
+
+    def _authenticate(self, stale: str) -> str:
+        """A fresh token in place of `stale` (one thread asks etcd; the others reuse it)."""
+        with self._token_lock:
+            if self._token == stale:
+                creds = {"name": self.access.user, "password": self.access.password}
+                try:
+                    self._token = str(self._post("/v3/auth/authenticate", creds, "")["token"])
+                except KeyError:
+                    raise EtcdError(
+                        "etcd gave no auth token: its auth is not enabled; leave "
+                        "cluster.etcd_user empty or enable etcd's auth"
+                    ) from None
+            return self._token
+
+    def _post(self, path: str, body: dict[str, Any], token: str) -> dict[str, Any]:
         errors = []
         n = len(self.endpoints)
+        headers = {"Authorization": token} if token else {}
         for i in range(n):
             url = self.endpoints[(self._first + i) % n]
             try:
-                r = self._http.post(url + path, json=body)
+                r = self._http.post(url + path, json=body, headers=headers)
             except httpx.HTTPError as e:
                 errors.append(f"{url}: {e}")
                 continue
             self._first = (self._first + i) % n
             data = r.json()
             if r.status_code != 200 or "error" in data:
-                raise EtcdError(f"etcd {url}{path}: {data.get('message') or r.text}")
+                raise EtcdError(
+                    f"etcd {url}{path}: {data.get('message') or r.text}{_hint(data, token)}"
+                )
             return dict(data)
         raise EtcdError(
             f"no etcd endpoint answered ({'; '.join(errors)}); check cluster.etcd and that "
@@ -193,6 +248,21 @@ class Etcd:
             self.call("/v3/lease/revoke", {"ID": str(lease)})
         except EtcdError as e:
             log.info("etcd: revoking lease %x: %s", lease, e)
+
+
+def _hint(data: dict[str, Any], token: str) -> str:
+    """What to do about an error of etcd's auth, for the user."""
+    message = str(data.get("message", ""))
+    if "user name is empty" in message and not token:
+        return (
+            " (this etcd requires authentication: set cluster.etcd_user and "
+            "cluster.etcd_password_file or MOONCAKE_CLUSTER_ETCD_PASSWORD)"
+        )
+    if "invalid user ID or password" in message:
+        return " (check cluster.etcd_user and its password)"
+    if "permission denied" in message:
+        return " (the etcd user lacks read-write access to cluster.etcd_prefix)"
+    return ""
 
 
 def _kv(kv: dict[str, Any]) -> KeyValue:

@@ -26,6 +26,8 @@ import msgspec
 from mooncake.config import ClusterConfig, Config
 from mooncake.errors import ConfigError, MooncakeError
 from mooncake.ha.election import find_masters
+from mooncake.ha.etcdaccess import create_etcd
+from mooncake.ha.sealed import Sealer
 from mooncake.native import cudamap
 from mooncake.native.nvml import GpuInfo
 from mooncake.portrange import PortRange, node_ports
@@ -138,11 +140,15 @@ def masters_to_dial(config: Config) -> tuple[str, ...]:
     c = config.cluster
     if c.masters or not c.etcd:
         return c.master_addresses
+    # NOTE: outside the try: a bad setting stops the node (ConfigError), not just a warning
+    etcd, sealer = create_etcd(c), Sealer(c.require_secret().encode())
     try:
-        found = find_masters(c.etcd, c.etcd_key_prefix, c.etcd_timeout_s)
+        found = find_masters(etcd, c.etcd_key_prefix, sealer)
     except MooncakeError as e:
         log.warning("cannot read the masters from etcd (%s); dialing cluster.master only", e)
         return (c.master,)
+    finally:
+        etcd.close()
     return tuple(dict.fromkeys([c.master, *(m.rpc for m in found)]))
 
 

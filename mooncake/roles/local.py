@@ -2,10 +2,11 @@
 
     master  +  prefill x N (one pipeline group of `group_size`)  +  decode x M  +  store x K
 
-With `num_masters` > 1 it also runs a one-member etcd (`ha/localetcd.py`, fresh data in the
-run directory) and that many masters on it: one leads, the others forward their API to it
-and take over when it dies (docs/ha.md). With one master, the master journals the pool in
-the run directory (`cluster.state_dir`), so a restarted master keeps the pool.
+With `num_masters` > 1 it also runs a one-member etcd (`ha/localetcd.py`, fresh data in
+memory, auth on: its root password is in the config) and that many masters on it: one
+leads, the others forward their API to it and take over when it dies (docs/ha.md). With
+one master, the master journals the pool in the run directory (`cluster.state_dir`), so a
+restarted master keeps the pool.
 
 The launcher writes one config (a fresh secret, free ports, the small model, a small SSD
 tier per node under the run directory) into a private run directory (see `runfile`),
@@ -183,7 +184,12 @@ class LocalLauncher:
                 f"cluster.master={plan.host}:{port}",
                 f"api.port={free_port()}",
             ]
-        return {"etcd": [url], "masters": [f"{plan.host}:{p}" for p in ports]}
+        return {
+            "etcd": [url],
+            "etcd_user": self.etcd.access.user,
+            "etcd_password": self.etcd.access.password,  # NOTE: in the 0600 config file
+            "masters": [f"{plan.host}:{p}" for p in ports],
+        }
 
     def start(self, cost_model: str) -> LocalCluster:
         """Configure, start every node, wait until the master places on all of them, write

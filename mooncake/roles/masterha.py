@@ -25,10 +25,12 @@ from typing import Any
 from mooncake.api.status import MasterStatus
 from mooncake.config import Config
 from mooncake.errors import ConfigError
-from mooncake.ha.election import Election, MasterInfo, leader_key
-from mooncake.ha.etcd import Etcd, EtcdError
+from mooncake.ha.election import Election, MasterInfo
+from mooncake.ha.etcd import EtcdError
+from mooncake.ha.etcdaccess import create_etcd
 from mooncake.ha.forward import Forwarder, LeaderSwitch
 from mooncake.ha.journal import EtcdJournal
+from mooncake.ha.sealed import Sealer
 from mooncake.store.journal import FileJournal, JournalError
 from mooncake.store.service import StoreService
 
@@ -60,19 +62,14 @@ class MasterHa:
 
     def __init__(self, config: Config, store: StoreService, take_control: Callable[[], None]):
         c = config.cluster
-        bad = [u for u in c.etcd if not u.startswith(("http://", "https://"))]
-        if bad:
-            raise ConfigError(
-                f"cluster.etcd: {', '.join(map(repr, bad))} is not an etcd client URL; "
-                'write each as "http://host:2379"'
-            )
         if c.masters and c.master not in c.masters:
             raise ConfigError(
                 f"cluster.masters ({', '.join(c.masters)}) does not list this master's own "
                 f"cluster.master {c.master}: nodes would never reach it when it leads"
             )
         self.config, self.store, self.take_control = config, store, take_control
-        self.etcd = Etcd(c.etcd, c.etcd_timeout_s)
+        self.etcd = create_etcd(c)
+        self.sealer = Sealer(c.require_secret().encode())
         self.prefix = c.etcd_key_prefix
         self.forwarder = Forwarder(self.leader_url, c.etcd_timeout_s, c.election_poll_s)
         self.switch: LeaderSwitch | None = None
@@ -103,6 +100,7 @@ class MasterHa:
             c.election_poll_s,
             self._on_elected,
             exit_to_restart,
+            self.sealer,
         )
         self.election.start()
         log.info(
@@ -114,7 +112,7 @@ class MasterHa:
         assert e is not None and self.switch is not None
         try:
             self.store.journal = EtcdJournal(
-                self.etcd, self.prefix, leader_key(self.prefix), e.value
+                self.etcd, self.prefix, e.key, e.value, self.sealer, e.reclaim
             )
             self.take_control()
         except (JournalError, EtcdError, OSError) as err:

@@ -13,9 +13,11 @@ from mooncake.ha.election import Election, MasterInfo, find_masters, leader_key
 from mooncake.ha.etcd import Etcd
 from mooncake.ha.journal import EtcdJournal
 from mooncake.ha.localetcd import LocalEtcd, etcd_binary
+from mooncake.ha.sealed import Sealer
 from mooncake.roles.common import masters_to_dial
 from mooncake.store.journal import JournalError
 from mooncake.store.metadata import MetadataService
+from tests.ha.conftest import SECRET
 from tests.store.helpers import make_service, put
 
 PREFIX = "/test/cluster"
@@ -24,8 +26,19 @@ PREFIX = "/test/cluster"
 def _election(etcd: Etcd, name: str, elected: threading.Event, lost: list[str]) -> Election:
     me = MasterInfo(id=name, rpc=f"127.0.0.1:{len(name)}", api=f"http://{name}", pid=1)
     return Election(
-        etcd, PREFIX, me, ttl_s=1.0, poll_s=0.05, on_elected=elected.set, on_lost=lost.append
+        etcd,
+        PREFIX,
+        me,
+        ttl_s=1.0,
+        poll_s=0.05,
+        on_elected=elected.set,
+        on_lost=lost.append,
+        sealer=Sealer(SECRET),
     )
+
+
+def _journal(etcd: Etcd, e: Election) -> EtcdJournal:
+    return EtcdJournal(etcd, PREFIX, e.key, e.value, e.sealer, e.reclaim)
 
 
 def _crash(e: Election) -> None:
@@ -34,8 +47,7 @@ def _crash(e: Election) -> None:
     e._thread.join()
 
 
-def test_one_master_leads_and_a_standby_takes_over_when_its_lease_runs_out(etcd_url: str):
-    etcd = Etcd([etcd_url], timeout_s=2.0)
+def test_one_master_leads_and_a_standby_takes_over_when_its_lease_runs_out(etcd: Etcd):
     won_a, won_b, lost = threading.Event(), threading.Event(), []
     a = _election(etcd, "a", won_a, lost)
     a.start()
@@ -54,13 +66,12 @@ def test_one_master_leads_and_a_standby_takes_over_when_its_lease_runs_out(etcd_
     assert etcd.get(leader_key(PREFIX)) is None  # NOTE: a clean stop gives leadership back
 
 
-def test_the_journal_refuses_writes_from_a_master_that_no_longer_leads(etcd_url: str):
-    etcd = Etcd([etcd_url], timeout_s=2.0)
+def test_the_journal_refuses_writes_from_a_master_that_no_longer_leads(etcd: Etcd):
     won_a, won_b, lost = threading.Event(), threading.Event(), []
     a = _election(etcd, "a", won_a, lost)
     a.start()
     assert won_a.wait(5)
-    journal = EtcdJournal(etcd, PREFIX, leader_key(PREFIX), a.value)
+    journal = _journal(etcd, a)
     svc = make_service({"n": {"dram": 4096}})
     for i in range(3):
         assert put(svc, f"k{i}", 100) == "ok"
@@ -73,7 +84,7 @@ def test_the_journal_refuses_writes_from_a_master_that_no_longer_leads(etcd_url:
     with pytest.raises(JournalError, match="no longer leads"):
         journal.write(svc.drain_changes())
     # the new leader rebuilds what the old one journaled while it led, nothing after
-    state = EtcdJournal(etcd, PREFIX, leader_key(PREFIX), b.value).load()
+    state = _journal(etcd, b).load()
     fresh = MetadataService()
     assert fresh.restore(state, now=50.0) == 3
     assert sorted(fresh.objects) == ["k0", "k1", "k2"]
@@ -81,19 +92,29 @@ def test_the_journal_refuses_writes_from_a_master_that_no_longer_leads(etcd_url:
     b.stop()
 
 
-def test_nodes_without_cluster_masters_dial_the_masters_registered_in_etcd(etcd_url: str):
-    config = Config(cluster=ClusterConfig(name="t", master="127.0.0.1:7000", etcd=(etcd_url,)))
-    etcd = Etcd([etcd_url], timeout_s=2.0)
+def test_nodes_without_cluster_masters_dial_the_masters_registered_in_etcd(
+    local_etcd: LocalEtcd, etcd: Etcd
+):
+    cluster = ClusterConfig(
+        name="t",
+        master="127.0.0.1:7000",
+        secret=SECRET.decode(),
+        etcd=(local_etcd.url,),
+        etcd_user="root",
+        etcd_password=local_etcd.access.password,
+    )
+    config = Config(cluster=cluster)
     elections = []
     for name, port in (("m0", 7000), ("m1", 7001)):
         me = MasterInfo(id=name, rpc=f"127.0.0.1:{port}", api="http://x", pid=1)
-        e = Election(etcd, config.cluster.etcd_key_prefix, me, 1.0, 0.05, lambda: None, print)
+        prefix = cluster.etcd_key_prefix
+        e = Election(etcd, prefix, me, 1.0, 0.05, lambda: None, print, Sealer(SECRET))
         e.start()
         elections.append(e)
-    found = find_masters([etcd_url], config.cluster.etcd_key_prefix, 2.0)
+    found = find_masters(etcd, cluster.etcd_key_prefix, Sealer(SECRET))
     assert sorted(m.rpc for m in found) == ["127.0.0.1:7000", "127.0.0.1:7001"]
     assert masters_to_dial(config) == ("127.0.0.1:7000", "127.0.0.1:7001")
-    listed = Config(cluster=ClusterConfig(masters=("127.0.0.1:9",), etcd=(etcd_url,)))
+    listed = Config(cluster=ClusterConfig(masters=("127.0.0.1:9",), etcd=(local_etcd.url,)))
     assert masters_to_dial(listed) == ("127.0.0.1:9",)  # NOTE: the config's list wins
     for e in elections:
         e.stop()
@@ -105,7 +126,7 @@ def test_a_leader_cut_off_from_etcd_steps_down_before_another_can_lead(tmp_path)
     server = LocalEtcd(tmp_path / "etcd")
     url = server.start()
     try:
-        etcd = Etcd([url], timeout_s=0.5)
+        etcd = Etcd([url], timeout_s=0.5, access=server.access)
         events: list[str] = []
         won_a, won_b = threading.Event(), threading.Event()
         a = _election(etcd, "a", won_a, [])

@@ -4,12 +4,20 @@ Run with -s to see the failover figures."""
 
 from __future__ import annotations
 
+import base64
+import socket
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import msgspec
 import pytest
 
+from mooncake.configload import load_config
+from mooncake.ha.election import MasterInfo
+from mooncake.ha.etcd import Etcd
 from mooncake.ha.localetcd import etcd_binary
 from mooncake.roles.local import LocalLauncher
 from tests.roles.cluster import kill, local_cluster
@@ -58,9 +66,68 @@ def test_status_names_both_masters_one_leads_and_the_standby_forwards(
     assert r.status_code == 200 and r.json()["data"][0]["id"] == "dummy:tiny"
 
 
+class Listener:
+    """An attacker's API address: counts the connections it gets (and answers none)."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.num_connections = 0
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.num_connections += 1
+            conn.close()
+
+
+def test_a_forged_leader_key_gets_no_request_and_the_leader_keeps_leading(
+    cluster: LocalLauncher,
+) -> None:
+    """The finding of issue 30: one put of the leader key naming another address made the
+    standby forward every request there and the leader exit. Now the local etcd refuses a
+    put without its password, and a forged record put with it is never trusted."""
+    assert cluster.etcd is not None
+    key = load_config(cluster.config_path).config.cluster.etcd_key_prefix + "/leader"
+    attacker = Listener()
+    forged = msgspec.json.encode(MasterInfo(id="evil", rpc="127.0.0.1:1", api=attacker.url, pid=1))
+    body = {
+        "key": base64.b64encode(key.encode()).decode(),
+        "value": base64.b64encode(forged).decode(),
+    }
+    r = httpx.post(cluster.etcd.url + "/v3/kv/put", json=body, timeout=10)
+    assert r.status_code != 200 and "user name is empty" in r.text, r.text
+    leader, standby = _masters(cluster)
+    etcd = Etcd([cluster.etcd.url], timeout_s=5.0, access=cluster.etcd.access)
+    etcd.put(key, forged)  # NOTE: with the password: the seal alone must hold
+    deadline = time.monotonic() + 5.0
+    codes = set()
+    while time.monotonic() < deadline:
+        r = httpx.get(
+            standby["api"] + "/v1/models", headers={"Authorization": "Bearer k-test"}, timeout=10
+        )
+        codes.add(r.status_code)
+    assert attacker.num_connections == 0
+    assert codes <= {200, 503}, codes  # the real leader's answer, or "no leader right now"
+    assert _masters(cluster)[0]["pid"] == leader["pid"]  # the same process leads
+    kv = etcd.get(key)
+    assert kv is not None and kv.value != forged and kv.lease != 0
+    # NOTE: garbage in the pool's journal: the next test's new leader must load past it
+    prefix = key.removesuffix("/leader")
+    etcd.put(prefix + "/pool/o/forged", b"\xffgarbage")
+    etcd.put(prefix + "/pool/s/forged", forged)
+    etcd.close()
+    attacker.sock.close()
+
+
 def test_leader_killed_the_standby_serves_with_every_committed_object_and_prefix(
     cluster: LocalLauncher,
 ) -> None:
+    """(Past the forged pool entries the test before left in etcd.)"""
     leader, standby = _masters(cluster)
     complete(standby["api"])
     assert complete(standby["api"])["prompt_tokens_details"]["cached_tokens"] > 0
