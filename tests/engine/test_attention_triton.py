@@ -11,11 +11,11 @@ import os
 import pytest
 
 pytest.importorskip("torch", reason="the attention tests need torch")
-pytest.importorskip("triton", reason="the Triton attention tests need triton (pip install triton)")
 import torch  # noqa: E402
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernels are defined
+if not torch.cuda.is_available():  # NOTE: before triton's import, which reads it
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton", reason="the Triton attention tests need triton (pip install triton)")
 
 from mooncake.engine.attention import gpucheck  # noqa: E402
 from mooncake.engine.attention.kvwrite import write_kv  # noqa: E402
