@@ -1,13 +1,14 @@
 """Input that once crashed a step or answered 500 is a 400 naming the field, and the
 server serves the next request: sampling values the sampler cannot compute with, nesting
 deeper than a prompt has, bodies that are not UTF-8, token ids past the vocabulary or
-past what the wire carries."""
+past what the wire carries, stop strings past their bounds in number and size."""
 
 from __future__ import annotations
 
 import httpx
 import pytest
 
+from mooncake.engine.params import MAX_STOP_BYTES, MAX_STOP_CHARS, MAX_STOPS
 from tests.api.conftest import KEY, MODEL
 
 pytestmark = pytest.mark.timeout(60)
@@ -71,6 +72,25 @@ def _still_serves(http: httpx.Client) -> None:
         ),
         ("completions", {"prompt": "a", "top_k": 2**64}, "top_k", "<= 2147483647"),
         ("completions", {"prompt": "a", "seed": 2**64}, "seed", "<= 9223372036854775807"),
+        # the issue's 2.3 MB body, which held a decode step 220 ms per token
+        (
+            "completions",
+            {"prompt": "a", "stop": [f"s{i}" for i in range(200_000)]},
+            "stop",
+            f"stop must be at most {MAX_STOPS} strings, got 200000",
+        ),
+        (
+            "chat/completions",
+            {**CHAT, "stop": "x" * (MAX_STOP_CHARS + 1)},
+            "stop",
+            f"stop must be strings of 1 to {MAX_STOP_CHARS} characters, got 1025 characters",
+        ),
+        (
+            "completions",
+            {"prompt": "a", "stop": ["é" * MAX_STOP_CHARS] * 9},
+            "stop",
+            f"stop must be at most {MAX_STOP_BYTES} bytes of UTF-8 together, got 18432",
+        ),
     ],
 )
 def test_values_past_what_the_model_or_sampler_can_take_are_named(http, path, body, param, message):
