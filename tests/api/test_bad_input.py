@@ -5,6 +5,8 @@ past what the wire carries, stop strings past their bounds in number and size.""
 
 from __future__ import annotations
 
+import threading
+
 import httpx
 import pytest
 
@@ -136,3 +138,47 @@ def test_a_batch_of_one_prompt_of_ids_is_still_served(http):
     body = {"model": MODEL, "prompt": [[1, 2, 3]], "max_tokens": 2, "ignore_eos": True}
     resp = http.post("/v1/completions", json=body)
     assert resp.status_code == 200 and resp.json()["usage"]["prompt_tokens"] == 3
+
+
+@pytest.fixture
+def encodes(served, monkeypatch) -> list[str]:
+    """The names of the threads the served model's (real) tokenizer encoded on."""
+    tokenizer = served.engine.tokenizer
+    threads: list[str] = []
+    encode = tokenizer.encode
+
+    def counting(text: str, add_special_tokens: bool = True) -> list[int]:
+        threads.append(threading.current_thread().name)
+        return encode(text, add_special_tokens)
+
+    monkeypatch.setattr(tokenizer, "encode", counting)
+    return threads
+
+
+@pytest.mark.parametrize(
+    ("path", "field", "body"),
+    [
+        ("completions", "prompt", lambda text: {"prompt": text}),
+        ("completions", "prompt", lambda text: {"prompt": [text]}),
+        ("chat/completions", "messages", lambda text: {**CHAT, "messages": [
+            {"role": "user", "content": text[: len(text) // 2]},
+            {"role": "user", "content": text[len(text) // 2 :]}]}),
+    ],
+)  # fmt: skip
+def test_a_prompt_too_long_for_the_context_is_refused_before_it_is_tokenized(
+    http, served, encodes, path, field, body
+):
+    """Its characters alone say it cannot fit (the byte tokenizer: a token per byte), so
+    the tokenizer is never called; a prompt that fits is tokenized off the event loop."""
+    limit = served.engine.max_model_len
+    resp = http.post(f"/v1/{path}", json={"model": MODEL, **body("é" * (limit + 1))})
+    _refused(resp, field, f"characters, more than {limit} tokens can hold (at most {limit} ")
+    assert encodes == []
+    _still_serves(http)
+    assert encodes and "api-server" not in encodes, encodes  # the server's loop thread
+
+
+def test_token_ids_past_the_context_are_refused_for_their_number(http, served):
+    limit = served.engine.max_model_len
+    resp = http.post("/v1/completions", json={"model": MODEL, "prompt": [10**6] * (limit + 1)})
+    _refused(resp, "prompt", f"maximum context length is {limit} tokens, but the prompt has")

@@ -18,7 +18,8 @@ from mooncake.engine.params import (
 )
 from mooncake.engine.sequence import Sequence
 from mooncake.engine.stopmatch import StopMatcher
-from mooncake.engine.tokenizer import ByteTokenizer
+from mooncake.engine.tokenizer import ByteTokenizer, create_tokenizer
+from tests.engine.test_tokenizer import _bpe_dir
 
 
 class CountingTokenizer(ByteTokenizer):
@@ -119,3 +120,18 @@ def test_stop_strings_are_bounded_in_number_and_size(stop: tuple[str, ...], mess
         SamplingParams(stop=stop)
     assert e.value.param == "stop" and message in str(e.value), str(e.value)
     SamplingParams(stop=("z" * MAX_STOP_CHARS,) * (MAX_STOP_BYTES // MAX_STOP_CHARS))
+
+
+@pytest.mark.parametrize("pre_tokenizer", ["bytelevel", "metaspace"])
+def test_the_text_streamed_token_by_token_is_the_whole_outputs_decoding(tmp_path, pre_tokenizer):
+    """With a real BPE tokenizer (leading spaces, characters split across tokens). Any ids
+    for the byte-level one; HF's byte fallback turns a byte token next to an invalid one
+    into U+FFFD, which no incremental decoder can know before the next token."""
+    hf = create_tokenizer(str(_bpe_dir(tmp_path, pre_tokenizer)))
+    rng = random.Random(0)
+    outputs = [hf.encode(t, False) for t in ("hello wörld, 你好世界 😀 the fox " * 3, "😀你 ßæ ")]
+    if pre_tokenizer == "bytelevel":
+        outputs += [[rng.randrange(2, 300) for _ in range(40)] for _ in range(50)]
+    for ids in outputs:
+        seq = Sequence(1, [0], SamplingParams(max_tokens=len(ids)), tokenizer=hf)
+        assert "".join(seq.append(t).text for t in ids) == hf.decode(ids), ids
