@@ -13,9 +13,8 @@ integer carries:
 | `top_p`          | MIN_TOP_P (1e-5) .. 1                                    |
 | `top_k`          | 0 (off) .. MAX_INT32                                     |
 | `seed`           | None or a signed 64-bit integer                          |
-| `stop`           | at most MAX_STOPS (64) non-empty strings, each at most       |
-|                  | MAX_STOP_CHARS (1024) characters, MAX_STOP_BYTES (16 KiB) of |
-|                  | UTF-8 together (each is matched against every output token)  |
+| `stop`           | at most MAX_STOPS (64) strings of 1 .. MAX_STOP_CHARS    |
+|                  | (1024) characters, MAX_STOP_BYTES (4 KiB) together       |
 | `stop_token_ids` | each 0 .. MAX_INT32 (the API also checks the vocabulary) |
 | `logprobs`       | None or 0 .. MAX_LOGPROBS (20)                           |
 """
@@ -35,11 +34,12 @@ MAX_TEMPERATURE = 1e6
 MIN_TOP_P = 1e-5  # smaller values already keep only the top token; tiny ones underflow float32
 MAX_INT32 = 2**31 - 1  # token ids and counts; larger ones name no token and overflow the wire
 MAX_LOGPROBS = 20  # as OpenAI allows
-# NOTE: stop strings cost every decode step of their request (and so the steps of every
-# request batched with it) and the held-back text grows with the longest; OpenAI allows 4
+# NOTE: stop strings cost their request's decode node an automaton (~100 bytes and a few
+# microseconds to build per character, stopmatch.py) and the held-back text grows with the
+# longest; OpenAI allows 4
 MAX_STOPS = 64
 MAX_STOP_CHARS = 1024  # characters of one stop string
-MAX_STOP_BYTES = 16 * 1024  # UTF-8 bytes of all the stop strings together
+MAX_STOP_BYTES = 4 * 1024  # UTF-8 bytes of all the stop strings together
 
 
 class InvalidSamplingParams(ApiError):

@@ -13,6 +13,7 @@ stop strings. After a chunk the matcher knows:
 
 from __future__ import annotations
 
+from array import array
 from collections import deque
 from collections.abc import Sequence
 from functools import lru_cache
@@ -21,57 +22,57 @@ from functools import lru_cache
 class StopAutomaton:
     """The trie of the stop strings with fail links (immutable once built).
 
-    State 0 is the root (the empty string); state s stands for the string of
-    `depth[s]` characters that spells its path from the root."""
+    State 0 is the root (the empty string); state s stands for the string of `depth[s]`
+    characters that spells its path from the root. Flat arrays and one dict of edges
+    keep it near 100 bytes a state (a state per character of the stop strings)."""
 
     def __init__(self, stops: Sequence[str]):
         assert all(stops), f"stop strings must not be empty: {stops!r}"
-        self.next: list[dict[str, int]] = [{}]  # state -> char -> state (trie edges)
-        self.depth = [0]  # state -> characters of its string
+        self.edges: dict[int, int] = {}  # _key(state, char) -> next state (trie edges)
+        self.depth = array("l", [0])  # state -> characters of its string
+        children: list[list[tuple[int, int]]] = [[]]  # state -> (char, state): build only
+        is_stop = [False]
         for s in stops:
             state = 0
             for ch in s:
-                child = self.next[state].get(ch)
+                key = _key(state, ord(ch))
+                child = self.edges.get(key)
                 if child is None:
-                    child = len(self.next)
-                    self.next[state][ch] = child
-                    self.next.append({})
+                    child = self.edges[key] = len(self.depth)
                     self.depth.append(self.depth[state] + 1)
+                    children[state].append((ord(ch), child))
+                    children.append([])
+                    is_stop.append(False)
                 state = child
-        is_stop = [False] * len(self.next)
-        for s in stops:
-            is_stop[self._walk(s)] = True
+            is_stop[state] = True
         # fail[s]: the longest proper suffix of s's string that is a state;
         # match_len[s]: the longest stop string that is a suffix of s's string (0 = none)
-        self.fail = [0] * len(self.next)
-        self.match_len = [0] * len(self.next)
-        queue = deque(self.next[0].values())
+        self.fail = array("l", bytes(8 * len(self.depth)))
+        self.match_len = array("l", bytes(8 * len(self.depth)))
+        queue = deque(child for _, child in children[0])
         while queue:  # breadth first: a state's fail link is shallower, so already set
             state = queue.popleft()
             f = self.fail[state]
             self.match_len[state] = self.depth[state] if is_stop[state] else self.match_len[f]
-            for ch, child in self.next[state].items():
-                g = f
-                while g and ch not in self.next[g]:
-                    g = self.fail[g]
-                self.fail[child] = self.next[g].get(ch, 0)
+            for o, child in children[state]:
+                self.fail[child] = self.step(f, o) if state else 0
                 queue.append(child)
 
-    def _walk(self, s: str) -> int:
-        state = 0
-        for ch in s:
-            state = self.next[state][ch]
-        return state
-
-    def step(self, state: int, ch: str) -> int:
-        """The state after reading `ch` in `state`."""
-        nxt = self.next
-        while state and ch not in nxt[state]:
-            state = self.fail[state]
-        return nxt[state].get(ch, 0)
+    def step(self, state: int, o: int) -> int:
+        """The state after reading the character of code point `o` in `state`."""
+        edges, fail = self.edges, self.fail
+        while (nxt := edges.get(_key(state, o))) is None:
+            if not state:
+                return 0
+            state = fail[state]
+        return nxt
 
 
-@lru_cache(maxsize=256)
+def _key(state: int, o: int) -> int:
+    return state << 21 | o  # NOTE: code points are below 2**21
+
+
+@lru_cache(maxsize=32)
 def create_automaton(stops: tuple[str, ...]) -> StopAutomaton:
     """The automaton of `stops`, built once for every request that names the same ones."""
     return StopAutomaton(stops)
@@ -97,7 +98,7 @@ class StopMatcher:
         before `num_chars - num_held` of the previous call."""
         a, state, start = self.automaton, self.state, None
         for i, ch in enumerate(text, self.num_chars + 1):  # i: characters read with ch
-            state = a.step(state, ch)
+            state = a.step(state, ord(ch))
             if a.match_len[state] and (start is None or i - a.match_len[state] < start):
                 start = i - a.match_len[state]
         self.state = state
