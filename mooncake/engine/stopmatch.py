@@ -24,7 +24,7 @@ class StopAutomaton:
 
     State 0 is the root (the empty string); state s stands for the string of `depth[s]`
     characters that spells its path from the root. Flat arrays and one dict of edges
-    keep it near 100 bytes a state (a state per character of the stop strings)."""
+    keep it near 130 bytes a state (a state per character of the stop strings)."""
 
     def __init__(self, stops: Sequence[str]):
         assert all(stops), f"stop strings must not be empty: {stops!r}"
@@ -47,8 +47,8 @@ class StopAutomaton:
             is_stop[state] = True
         # fail[s]: the longest proper suffix of s's string that is a state;
         # match_len[s]: the longest stop string that is a suffix of s's string (0 = none)
-        self.fail = array("l", bytes(8 * len(self.depth)))
-        self.match_len = array("l", bytes(8 * len(self.depth)))
+        self.fail = array("l", [0]) * len(self.depth)
+        self.match_len = array("l", [0]) * len(self.depth)
         queue = deque(child for _, child in children[0])
         while queue:  # breadth first: a state's fail link is shallower, so already set
             state = queue.popleft()
