@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 
 from mooncake.api.server import check_open_api, is_loopback
 from mooncake.cli.app import app, load_verbs
-from mooncake.config import ApiConfig
+from mooncake.configapi import ApiConfig
 from mooncake.errors import ConfigError
 from mooncake.roles.local import free_port
 
