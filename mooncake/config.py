@@ -17,6 +17,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
+from mooncake.configapi import ApiConfig
 from mooncake.configetcd import EtcdConfig
 from mooncake.configknob import STRUCT as _STRUCT
 from mooncake.configknob import knob
@@ -325,19 +326,6 @@ class ModelConfig(msgspec.Struct, **_STRUCT):
             "falls back to torch where unsupported), torch = F.linear (MKL)."
         ),
     ] = "onednn"
-
-
-class ApiConfig(msgspec.Struct, **_STRUCT):
-    """[api]: the OpenAI-compatible HTTP front end (on the master)."""
-
-    host: Annotated[str, knob("Address the HTTP API listens on.", min_length=1)] = "0.0.0.0"
-    port: Annotated[int, knob("TCP port of the HTTP API.", ge=1, le=65535)] = 8000
-    api_keys: Annotated[
-        tuple[str, ...], knob("Bearer keys accepted by the API; empty = no auth.", "secret")
-    ] = ()
-    served_model_name: Annotated[
-        str, knob("Model id clients name in requests and /v1/models; empty = model.path.")
-    ] = ""
 
 
 class MetricsConfig(msgspec.Struct, **_STRUCT):

@@ -20,6 +20,8 @@ from msgspec import Meta
 
 from mooncake.engine.params import (
     MAX_INT32,
+    MAX_STOP_CHARS,
+    MAX_STOPS,
     MAX_TEMPERATURE,
     MIN_TEMPERATURE,
     MIN_TOP_P,
@@ -44,7 +46,8 @@ def _only(**schema: object) -> Meta:
     return Meta(extra_json_schema=schema)
 
 
-_StopString = Annotated[str, _only(minLength=1)]
+# NOTE: SamplingParams also bounds their UTF-8 bytes together (MAX_STOP_BYTES)
+_StopString = Annotated[str, _only(minLength=1, maxLength=MAX_STOP_CHARS)]
 _TokenIds = Annotated[list[TokenId], _only(minItems=1)]
 
 
@@ -78,7 +81,7 @@ class _Common(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     top_p: Annotated[float, Meta(ge=MIN_TOP_P, le=1)] | None = None
     top_k: Annotated[int, Meta(ge=-1, le=MAX_INT32)] | None = None  # extension; -1, 0 = off
     seed: _Seed | None = None
-    stop: _StopString | list[_StopString] | None = None
+    stop: _StopString | Annotated[list[_StopString], _only(maxItems=MAX_STOPS)] | None = None
     stop_token_ids: list[TokenId] | None = None  # extension
     ignore_eos: bool = False  # extension
     return_token_ids: Annotated[bool, Meta(description=RETURN_TOKEN_IDS)] = False  # vLLM's

@@ -13,7 +13,7 @@ import contextlib
 import ipaddress
 import socket
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import psutil
 import uvicorn
@@ -58,6 +58,35 @@ def this_host_address(ipv6: bool = False) -> str:
             if not (ip.is_loopback or ip.is_link_local or ip.is_unspecified):
                 return str(ip)
     return socket.gethostname()
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (an address or a name) is reachable from this host alone."""
+    try:
+        return ipaddress.ip_address(host.split("%")[0]).is_loopback
+    except ValueError:
+        pass
+    if not host:
+        return False  # every interface
+    try:
+        addrs = {str(a[4][0]) for a in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)}
+    except OSError:
+        return False  # binding will fail and say so
+    return all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addrs)
+
+
+def check_open_api(host: str, api_keys: Sequence[str], allow_unauthenticated: bool) -> None:
+    """Raise ConfigError if the API would listen beyond loopback with no key, unless
+    `allow_unauthenticated` says so on purpose."""
+    if any(api_keys) or allow_unauthenticated or is_loopback(host):
+        return
+    raise ConfigError(
+        f"api.host: {host or '(every interface)'} lets other hosts reach the API, and no API "
+        "key is set: anyone could generate and read /v1/status (node addresses, pids, "
+        "endpoints). Set keys (api.api_keys_file, a file of mode 0600, or "
+        "MOONCAKE_API_API_KEYS), bind api.host to 127.0.0.1, or set "
+        "api.allow_unauthenticated = true to serve it open on purpose."
+    )
 
 
 class _Server(uvicorn.Server):

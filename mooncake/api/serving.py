@@ -1,5 +1,9 @@
 """One generation request end to end: parse -> tokenize -> start -> stream or collect.
 
+Tokenizing runs on a worker thread, and a prompt text longer than the context's tokens can
+stand for (`BaseTokenizer.max_token_chars` each) is refused before it, so that a huge
+prompt holds up neither the event loop nor the streams it serves.
+
 The backend's first output is awaited before any response is started, so a request the
 backend refuses (`Rejected`, `ApiError`, another `MooncakeError`) gets a real HTTP status
 even when it asked to stream. A streamed response then sends one SSE chunk per output;
@@ -18,6 +22,7 @@ from dataclasses import dataclass
 
 import anyio
 import anyio.abc
+import anyio.to_thread
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
@@ -71,11 +76,32 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 
 def _prompt_ids(ctx: ServingContext, req: CompletionRequest | ChatRequest) -> list[int]:
+    """The prompt's token ids; a text that cannot fit the context is refused before it is
+    tokenized. Called off the event loop: a long prompt takes a while to tokenize."""
     tokenizer = ctx.backend.tokenizer
     if isinstance(req, ChatRequest):
-        return tokenizer.encode_chat(schemas.chat_messages(req))
+        text = tokenizer.render_chat(schemas.chat_messages(req))
+        _check_chars(ctx, text, "messages")
+        return tokenizer.encode(text, add_special_tokens=False)  # the template wrote them
     prompt = schemas.completion_prompt(req)
-    return tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+    if isinstance(prompt, str):
+        _check_chars(ctx, prompt, "prompt")
+        return tokenizer.encode(prompt)
+    return prompt
+
+
+def _check_chars(ctx: ServingContext, text: str, field: str) -> None:
+    """Refuse a text with more characters than the context's tokens can stand for."""
+    limit, max_token_chars = ctx.backend.max_model_len, ctx.backend.tokenizer.max_token_chars
+    max_chars = limit * max_token_chars
+    if max_chars and len(text) > max_chars:
+        raise InvalidRequest(
+            f"This model's maximum context length is {limit} tokens, but the {field} has "
+            f"{len(text)} characters, more than {limit} tokens can hold (at most {max_chars} "
+            f"characters: a token of this model stands for at most {max_token_chars}). "
+            "Please shorten it.",
+            field,
+        )
 
 
 def _check_vocab(ctx: ServingContext, ids: Sequence[int], field: str) -> None:
@@ -142,12 +168,13 @@ async def generate(ctx: ServingContext, request: Request, is_chat: bool) -> Resp
                 f"The model `{req.model}` does not exist; this server serves `{model}`.",
                 "model", status=404, code="model_not_found",
             )  # fmt: skip
-        prompt_ids = _prompt_ids(ctx, req)
+        prompt_ids = await anyio.to_thread.run_sync(_prompt_ids, ctx, req)
         field = "messages" if is_chat else "prompt"
         if not prompt_ids:
             raise InvalidRequest("the prompt is empty", field)
+        max_tokens = _max_tokens(ctx, req, len(prompt_ids))  # NOTE: before reading the ids
         _check_vocab(ctx, prompt_ids, field)
-        params = schemas.sampling_params(req, _max_tokens(ctx, req, len(prompt_ids)))
+        params = schemas.sampling_params(req, max_tokens)
         _check_vocab(ctx, params.stop_token_ids, "stop_token_ids")
         gen = GenerateRequest(req_id=req_id, prompt_ids=prompt_ids, params=params,
                               arrival_s=arrival_s)  # fmt: skip

@@ -35,7 +35,10 @@ def serve(
         None, "--port", min=0, max=65535, help="TCP port (api.port); 0 = any free port."
     ),
     api_keys: list[str] = typer.Option(
-        [], "--api-key", help="Bearer key clients must send; repeatable (api.api_keys)."
+        [],
+        "--api-key",
+        help="Bearer key clients must send; repeatable (api.api_keys). Every local user can "
+        "read a command line (ps): prefer MOONCAKE_API_API_KEYS or api.api_keys_file.",
     ),
     max_batch: int | None = typer.Option(
         None, "--max-batch", min=1, help="Most requests decoded together (decode.max_batch)."
@@ -80,7 +83,7 @@ def serve(
 
     from mooncake.api.app import create_app
     from mooncake.api.engine_backend import EngineBackend
-    from mooncake.api.server import ApiServer
+    from mooncake.api.server import ApiServer, check_open_api
     from mooncake.api.stats import RequestStats
     from mooncake.api.status import Status
     from mooncake.cli.output import console
@@ -105,6 +108,8 @@ def serve(
     is_default = {k: loaded.sources[k] == "default" for k in ("api.host", "metrics.host")}
     api_host = LOCALHOST if is_default["api.host"] else cfg.api.host
     metrics_host = LOCALHOST if is_default["metrics.host"] else cfg.metrics.host
+    keys = cfg.api.load_keys()  # api_keys (--api-key) and api_keys_file
+    check_open_api(api_host, keys, cfg.api.allow_unauthenticated)
     backend = EngineBackend(
         cfg.model,
         max_batch=cfg.decode.max_batch,
@@ -127,7 +132,7 @@ def serve(
                               tbt_slo_s=cfg.scheduler.tbt_slo_s)  # fmt: skip
 
     api = create_app(
-        backend, api_keys=cfg.api.api_keys, status_fn=status, stats=stats,
+        backend, api_keys=keys, status_fn=status, stats=stats,
         metrics_registry=registry, default_max_tokens=cfg.decode.max_tokens_default,
         serve_metrics=metrics_server is None,
     )  # fmt: skip

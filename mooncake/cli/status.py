@@ -1,8 +1,9 @@
 """`mooncake status`: a live view of the cluster, polled from the master's `GET /v1/status`.
 
 Finding the master: `--url`, else `--config FILE` (api.host, or cluster.master's host
-when api.host is a wildcard such as 0.0.0.0; api.port; the first of api.api_keys), else
-the `mooncake up --local` cluster of this machine (its runfile).
+when api.host is a wildcard such as 0.0.0.0; api.port; the first of api.api_keys, then
+of api.api_keys_file), else the `mooncake up --local` cluster of this machine (its
+runfile).
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def find_master(url: str, config: Path | None, api_key: str | None) -> Master:
             host = cfg.cluster.master.rpartition(":")[0].strip("[]")
             host = "127.0.0.1" if host in wildcards else host
         host = f"[{host}]" if ":" in host else host
-        key = api.api_keys[0] if api.api_keys else ""
+        key = next(iter(api.load_keys()), "")
         found = Master(f"http://{host}:{api.port}", key, f"--config {config}")
     elif (cluster := read_runfile()) is not None:
         found = Master(cluster.url.rstrip("/"), cluster.api_key, f"runfile {runfile_path()}")
@@ -65,7 +66,8 @@ def find_master(url: str, config: Path | None, api_key: str | None) -> Master:
         raise ConfigError(
             "no master to read: pass --url http://HOST:PORT, or --config FILE (the master's "
             "mooncake.toml; api.host or cluster.master's host, api.port and the first of "
-            "api.api_keys are used), or start a local cluster with `mooncake up --local` "
+            "api.api_keys or api.api_keys_file are used), or start a local cluster with "
+            "`mooncake up --local` "
             f"(it writes {runfile_path()}, which is found with no arguments)"
         )
     return found if api_key is None else Master(found.url, api_key, found.source)
@@ -160,7 +162,7 @@ def status(
         metavar="FILE",
         help="The master's config file: the URL comes from api.host (cluster.master's host when "
         "api.host is a wildcard such as 0.0.0.0) and api.port, the key from the first of "
-        "api.api_keys. Used when --url is not given.",
+        "api.api_keys, then of api.api_keys_file. Used when --url is not given.",
     ),
     api_key: str | None = typer.Option(
         None, "--api-key", metavar="KEY", help="Bearer key for the API; overrides the one found."

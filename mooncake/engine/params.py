@@ -13,6 +13,8 @@ integer carries:
 | `top_p`          | MIN_TOP_P (1e-5) .. 1                                    |
 | `top_k`          | 0 (off) .. MAX_INT32                                     |
 | `seed`           | None or a signed 64-bit integer                          |
+| `stop`           | at most MAX_STOPS (64) strings of 1 .. MAX_STOP_CHARS    |
+|                  | (1024) characters, MAX_STOP_BYTES (4 KiB) together       |
 | `stop_token_ids` | each 0 .. MAX_INT32 (the API also checks the vocabulary) |
 | `logprobs`       | None or 0 .. MAX_LOGPROBS (20)                           |
 """
@@ -32,6 +34,12 @@ MAX_TEMPERATURE = 1e6
 MIN_TOP_P = 1e-5  # smaller values already keep only the top token; tiny ones underflow float32
 MAX_INT32 = 2**31 - 1  # token ids and counts; larger ones name no token and overflow the wire
 MAX_LOGPROBS = 20  # as OpenAI allows
+# NOTE: stop strings cost their request's decode node an automaton (~100 bytes and a few
+# microseconds to build per character, stopmatch.py) and the held-back text grows with the
+# longest; OpenAI allows 4
+MAX_STOPS = 64
+MAX_STOP_CHARS = 1024  # characters of one stop string
+MAX_STOP_BYTES = 4 * 1024  # UTF-8 bytes of all the stop strings together
 
 
 class InvalidSamplingParams(ApiError):
@@ -76,6 +84,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
         _require(MIN_TOP_P <= p <= 1, "top_p", f"in [{MIN_TOP_P:g}, 1]", p)
         if self.seed is not None:
             _require(-(2**63) <= self.seed < 2**63, "seed", "a signed 64-bit integer", self.seed)
+        self._validate_stop()
         for i in self.stop_token_ids:
             _require(0 <= i <= MAX_INT32, "stop_token_ids", f"token ids in [0, {MAX_INT32}]", i)
         if self.logprobs is not None:
@@ -85,6 +94,24 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
                 f"in [0, {MAX_LOGPROBS}]",
                 self.logprobs,
             )
+
+    def _validate_stop(self) -> None:
+        stop = self.stop
+        _require(len(stop) <= MAX_STOPS, "stop", f"at most {MAX_STOPS} strings", len(stop))
+        for i, s in enumerate(stop):
+            if not s or len(s) > MAX_STOP_CHARS:
+                raise InvalidSamplingParams(
+                    f"stop must be strings of 1 to {MAX_STOP_CHARS} characters, "
+                    f"got {len(s)} characters in stop[{i}]",
+                    "stop",
+                )
+        num_bytes = sum(len(s.encode("utf-8", "surrogatepass")) for s in stop)
+        _require(
+            num_bytes <= MAX_STOP_BYTES,
+            "stop",
+            f"at most {MAX_STOP_BYTES} bytes of UTF-8 together",
+            num_bytes,
+        )
 
     @property
     def is_greedy(self) -> bool:

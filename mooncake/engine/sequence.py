@@ -5,7 +5,10 @@ Invariant of a running sequence: the KV of token_ids[:-1] is in the cache
 
 Text is decoded incrementally: a token's text is streamed once it is certain, i.e. it
 does not end in an incomplete UTF-8 character and cannot be the start of a stop string.
-A stop string ends the output before it (OpenAI semantics); a stop token adds no text.
+A stop string ends the output before it (OpenAI semantics; the earliest one to start, of
+those found); a stop token adds no text. Per token, only the tokens since the last text
+streamed are decoded and only the new text is searched for stop strings
+(`stopmatch.StopMatcher`), so the work does not grow with the output.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from typing import Any, Literal
 
 from mooncake.engine.params import SamplingParams
 from mooncake.engine.sampler import make_generator
+from mooncake.engine.stopmatch import StopMatcher
 from mooncake.engine.tokenizer import BaseTokenizer
 
 FinishReason = Literal["stop", "length", "abort"]
@@ -68,7 +72,11 @@ class Sequence:
             stops.update(eos_token_ids)
         self.stop_token_ids = frozenset(stops)
         self.finish_reason: FinishReason | None = None
-        self.text = ""  # output text streamed so far
+        # incremental decoding: output ids [prefix_offset, read_offset) gave the text
+        # before the last one streamed; those from read_offset on are not decoded yet
+        self.prefix_offset = self.read_offset = 0
+        self.held_text = ""  # decoded, not streamed: it may begin a stop string
+        self.stop_matcher = StopMatcher(params.stop) if params.stop else None
         self.num_preemptions = 0
 
     @property
@@ -100,28 +108,43 @@ class Sequence:
     def _new_text(self, token_id: int) -> str:
         if self.tokenizer is None:
             return ""
-        out = self.output_ids
-        if token_id in self.stop_token_ids:
-            out = out[:-1]
-        full = self.tokenizer.decode(out)
-        stops = self.params.stop
-        if stops:
-            horizon = max(0, len(self.text) - max(len(s) for s in stops))
-            hits = [i for s in stops if (i := full.find(s, horizon)) >= 0]
-            if hits:
-                full = full[: min(hits)]
-                self.finish_reason = "stop"
-        if self.finish_reason is None:
-            full = full.rstrip("\ufffd")  # an incomplete UTF-8 character: wait for the rest
-            for s in stops:  # hold back a tail that may grow into a stop string
-                for k in range(min(len(s) - 1, len(full)), 0, -1):
-                    if full.endswith(s[:k]):
-                        full = full[:-k]
-                        break
-        if len(full) <= len(self.text):
+        is_done = self.finish_reason is not None
+        # NOTE: a stop token adds no text
+        num_ids = len(self.token_ids) - self.prompt_len - (token_id in self.stop_token_ids)
+        chunk = self._decode(num_ids, is_done)
+        text = self.held_text + chunk  # not streamed yet, in the order decoded
+        self.held_text = ""
+        if self.stop_matcher is None:
+            return text
+        start = self.stop_matcher.feed(chunk)
+        if start is not None:  # cut before the stop string
+            self.finish_reason = "stop"
+            cut = start - (self.stop_matcher.num_chars - len(text))
+            assert 0 <= cut <= len(text), (start, self.stop_matcher.num_chars, len(text))
+            return text[:cut]
+        if is_done:
+            return text
+        num_held = self.stop_matcher.num_held  # hold back what may grow into a stop string
+        assert num_held <= len(text), (num_held, len(text))
+        if num_held:
+            text, self.held_text = text[:-num_held], text[-num_held:]
+        return text
+
+    def _decode(self, num_ids: int, is_done: bool) -> str:
+        """The text the first `num_ids` output tokens add to what was decoded before
+        (as vLLM decodes incrementally): "" while the last token ends in an incomplete
+        UTF-8 character, unless the request `is_done`. Decodes only the tokens since the
+        text before the last one returned, which give the new ones their context (a
+        leading space)."""
+        assert self.tokenizer is not None
+        ids, base = self.token_ids, self.prompt_len
+        window = ids[base + self.prefix_offset : base + num_ids]
+        prefix = self.tokenizer.decode(window[: self.read_offset - self.prefix_offset])
+        full = self.tokenizer.decode(window)
+        if not is_done and (len(full) <= len(prefix) or full.endswith("\ufffd")):
             return ""
-        new, self.text = full[len(self.text) :], full
-        return new
+        self.prefix_offset, self.read_offset = self.read_offset, num_ids
+        return full[len(prefix) :]
 
     def finish(self, reason: FinishReason) -> TokenEvent:
         """End the request from outside (abort, cache too small)."""

@@ -33,6 +33,9 @@ class BaseTokenizer(ABC):
     chat_template: str | None = None
     bos_token: str = ""
     eos_token: str = ""
+    # characters of text one token stands for at most, so that a text of more than
+    # n * max_token_chars characters has more than n tokens; 0 = unknown
+    max_token_chars: int = 0
 
     @abstractmethod
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
@@ -71,6 +74,7 @@ class ByteTokenizer(BaseTokenizer):
         self.bos_token_id = self.BOS
         self.eos_token_ids = (self.EOS,)
         self.chat_template = BYTE_CHAT_TEMPLATE
+        self.max_token_chars = 1  # a character is one to four bytes, a token one byte
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = list(text.encode("utf-8"))
@@ -117,12 +121,64 @@ class HFTokenizer(BaseTokenizer):
             ids.append(eos_id)
         self.eos_token_ids = tuple(ids)
         self.chat_template = _find_template(root, config)
+        self.max_token_chars = _max_token_chars(self._tok)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return str(self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
+
+
+# NOTE: normalizers and pre-tokenizers that drop characters (whitespace, accents): a text
+# through them may have far fewer tokens than characters
+_DROPS_CHARS = frozenset(
+    {"Whitespace", "WhitespaceSplit", "BertPreTokenizer", "BertNormalizer", "Strip",
+     "StripAccents", "Precompiled"}
+)  # fmt: skip
+
+
+def _drops_chars(part: dict[str, Any]) -> bool:
+    kind, pattern = part.get("type"), part.get("pattern")
+    if kind == "Split":  # Llama 3's and Qwen2's split keeps what it matches ("Isolated")
+        return part.get("behavior") == "Removed"
+    if kind == "Replace":  # Llama 2's " " -> "▁" keeps the length
+        if not (isinstance(pattern, dict) and isinstance(pattern.get("String"), str)):
+            return True  # a regex may match more than it leaves
+        return len(str(part.get("content", ""))) < len(pattern["String"])
+    return kind in _DROPS_CHARS
+
+
+def _max_token_chars(tok: Any) -> int:
+    """The most characters of text a token of `tok` stands for: its longest vocabulary
+    entry (a byte-level entry spells one character per byte, a SentencePiece one one per
+    character), or 0 when a character may be in no token: a normalizer or pre-tokenizer
+    that drops some, or a model that drops or fuses unknown ones (neither byte-level with
+    every byte in its vocabulary nor falling back to bytes)."""
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    spec = json.loads(tok.to_str())
+    vocab = tok.get_vocab(with_added_tokens=True)
+    parts, is_byte_level = [spec.get("normalizer"), spec.get("pre_tokenizer")], False
+    while parts:
+        part = parts.pop()
+        if isinstance(part, list):
+            parts += part
+        elif isinstance(part, dict):
+            if _drops_chars(part):
+                return 0
+            is_byte_level |= part.get("type") == "ByteLevel"
+            parts += [part.get("normalizers"), part.get("pretokenizers")]
+    model = spec.get("model") or {}
+    if model.get("type") not in ("BPE", "Unigram"):
+        return 0  # WordPiece, WordLevel: an unknown word of any length is one token
+    byte_tokens = [f"<0x{b:02X}>" for b in range(256)] if model.get("byte_fallback") else []
+    if not (
+        (byte_tokens and set(byte_tokens) <= vocab.keys())
+        or (is_byte_level and set(ByteLevel.alphabet()) <= vocab.keys())
+    ):
+        return 0
+    return max(map(len, vocab), default=0)
 
 
 def _read_json(path: Path) -> dict[str, Any]:

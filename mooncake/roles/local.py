@@ -136,7 +136,7 @@ class LocalLauncher:
         self.config_path = plan.run_dir / CONFIG_NAME
         self.runfile = runfile_path()
         self.url = ""
-        self.api_key = ""  # the first of api.api_keys, for the launcher's own calls
+        self.api_key = ""  # the first API key, for the launcher's own calls
         self.is_stopping = False
         self.info: LocalCluster | None = None  # what the runfile says, once started
         self._drain_s = DecodeConfig().drain_s  # decode.drain_s of the generated config
@@ -162,7 +162,7 @@ class LocalLauncher:
         secret = secrets.token_urlsafe(24)
         write_config(plan, self.config_path, secret, self._master_port, cost_model, self._ha_keys())
         config = load_config(self.config_path).config
-        self.api_key = config.api.api_keys[0] if config.api.api_keys else ""
+        self.api_key = next(iter(config.api.load_keys()), "")
         self._drain_s = config.decode.drain_s
         return config
 

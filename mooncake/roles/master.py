@@ -20,7 +20,7 @@ from functools import partial
 from prometheus_client import CollectorRegistry
 
 from mooncake.api.app import create_app
-from mooncake.api.server import ApiServer
+from mooncake.api.server import ApiServer, check_open_api
 from mooncake.api.stats import RequestStats
 from mooncake.api.status import MasterStatus, NodeStatus, Status, host_port, pool_status
 from mooncake.conductor import ReplicationOrder
@@ -68,6 +68,8 @@ class Master:
     def __init__(self, config: Config):
         self.config = cfg = config
         self.secret = cfg.cluster.require_secret().encode()
+        api_keys = cfg.api.load_keys()
+        check_open_api(cfg.api.host, api_keys, cfg.api.allow_unauthenticated)
         self.started = time.monotonic()
         self.lock = threading.Lock()  # NOTE: guards the Conductor and the registry
         info = load_model_info(cfg.model.path)
@@ -132,7 +134,7 @@ class Master:
         )
         app = create_app(
             self.router or self.backend,
-            api_keys=cfg.api.api_keys,
+            api_keys=api_keys,
             status_fn=self.status,
             metrics_registry=self.metrics,
             stats=self.stats,

@@ -1,13 +1,16 @@
 """Input that once crashed a step or answered 500 is a 400 naming the field, and the
 server serves the next request: sampling values the sampler cannot compute with, nesting
 deeper than a prompt has, bodies that are not UTF-8, token ids past the vocabulary or
-past what the wire carries."""
+past what the wire carries, stop strings past their bounds in number and size."""
 
 from __future__ import annotations
+
+import threading
 
 import httpx
 import pytest
 
+from mooncake.engine.params import MAX_STOP_BYTES, MAX_STOP_CHARS, MAX_STOPS
 from tests.api.conftest import KEY, MODEL
 
 pytestmark = pytest.mark.timeout(60)
@@ -71,6 +74,25 @@ def _still_serves(http: httpx.Client) -> None:
         ),
         ("completions", {"prompt": "a", "top_k": 2**64}, "top_k", "<= 2147483647"),
         ("completions", {"prompt": "a", "seed": 2**64}, "seed", "<= 9223372036854775807"),
+        # the issue's 2.3 MB body, which held a decode step 220 ms per token
+        (
+            "completions",
+            {"prompt": "a", "stop": [f"s{i}" for i in range(200_000)]},
+            "stop",
+            f"stop must be at most {MAX_STOPS} strings, got 200000",
+        ),
+        (
+            "chat/completions",
+            {**CHAT, "stop": "x" * (MAX_STOP_CHARS + 1)},
+            "stop",
+            f"stop must be strings of 1 to {MAX_STOP_CHARS} characters, got 1025 characters",
+        ),
+        (
+            "completions",
+            {"prompt": "a", "stop": ["é" * MAX_STOP_CHARS] * 9},
+            "stop",
+            f"stop must be at most {MAX_STOP_BYTES} bytes of UTF-8 together, got 18432",
+        ),
     ],
 )
 def test_values_past_what_the_model_or_sampler_can_take_are_named(http, path, body, param, message):
@@ -116,3 +138,47 @@ def test_a_batch_of_one_prompt_of_ids_is_still_served(http):
     body = {"model": MODEL, "prompt": [[1, 2, 3]], "max_tokens": 2, "ignore_eos": True}
     resp = http.post("/v1/completions", json=body)
     assert resp.status_code == 200 and resp.json()["usage"]["prompt_tokens"] == 3
+
+
+@pytest.fixture
+def encodes(served, monkeypatch) -> list[str]:
+    """The names of the threads the served model's (real) tokenizer encoded on."""
+    tokenizer = served.engine.tokenizer
+    threads: list[str] = []
+    encode = tokenizer.encode
+
+    def counting(text: str, add_special_tokens: bool = True) -> list[int]:
+        threads.append(threading.current_thread().name)
+        return encode(text, add_special_tokens)
+
+    monkeypatch.setattr(tokenizer, "encode", counting)
+    return threads
+
+
+@pytest.mark.parametrize(
+    ("path", "field", "body"),
+    [
+        ("completions", "prompt", lambda text: {"prompt": text}),
+        ("completions", "prompt", lambda text: {"prompt": [text]}),
+        ("chat/completions", "messages", lambda text: {**CHAT, "messages": [
+            {"role": "user", "content": text[: len(text) // 2]},
+            {"role": "user", "content": text[len(text) // 2 :]}]}),
+    ],
+)  # fmt: skip
+def test_a_prompt_too_long_for_the_context_is_refused_before_it_is_tokenized(
+    http, served, encodes, path, field, body
+):
+    """Its characters alone say it cannot fit (the byte tokenizer: a token per byte), so
+    the tokenizer is never called; a prompt that fits is tokenized off the event loop."""
+    limit = served.engine.max_model_len
+    resp = http.post(f"/v1/{path}", json={"model": MODEL, **body("é" * (limit + 1))})
+    _refused(resp, field, f"characters, more than {limit} tokens can hold (at most {limit} ")
+    assert encodes == []
+    _still_serves(http)
+    assert encodes and "api-server" not in encodes, encodes  # the server's loop thread
+
+
+def test_token_ids_past_the_context_are_refused_for_their_number(http, served):
+    limit = served.engine.max_model_len
+    resp = http.post("/v1/completions", json={"model": MODEL, "prompt": [10**6] * (limit + 1)})
+    _refused(resp, "prompt", f"maximum context length is {limit} tokens, but the prompt has")

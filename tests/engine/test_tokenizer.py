@@ -58,3 +58,54 @@ def test_a_template_that_breaks_on_the_messages_is_an_api_error():
     tok.chat_template = "{% for m in messages %}{{ m['content'] + '!' }}{% endfor %}"
     with pytest.raises(ApiError, match="cannot render"):
         tok.render_chat([{"role": "user", "content": None}])
+
+
+def _bpe_dir(tmp_path: Path, pre_tokenizer: str) -> Path:
+    """A small BPE tokenizer.json trained here: byte-level (GPT-2, Llama 3, Qwen2) or
+    Metaspace (SentencePiece: Llama 2, Mistral)."""
+    tokenizers = pytest.importorskip("tokenizers", reason="pip install tokenizers")
+    pre, dec, trainers = tokenizers.pre_tokenizers, tokenizers.decoders, tokenizers.trainers
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE(byte_fallback=pre_tokenizer != "bytelevel"))
+    alphabet = []
+    if pre_tokenizer == "bytelevel":
+        tok.pre_tokenizer, tok.decoder = pre.ByteLevel(add_prefix_space=False), dec.ByteLevel()
+        alphabet = pre.ByteLevel.alphabet()
+    else:
+        tok.pre_tokenizer = pre.Metaspace()
+        tok.decoder = dec.Sequence([dec.Metaspace(), dec.ByteFallback(), dec.Fuse()])
+
+    corpus = ["hello world, héllo wörld! 你好世界 😀", "the quick brown fox jumps over the dog"]
+    trainer = trainers.BpeTrainer(vocab_size=300, initial_alphabet=alphabet,
+                                  special_tokens=["<s>", "</s>"])  # fmt: skip
+    tok.train_from_iterator(corpus * 50, trainer)
+    spec = json.loads(tok.to_str())
+    if pre_tokenizer != "bytelevel":  # as Llama 2's: a token per byte in the vocabulary
+        vocab = spec["model"]["vocab"]
+        vocab.update({f"<0x{b:02X}>": len(vocab) + b for b in range(256)})
+    path = tmp_path / pre_tokenizer
+    path.mkdir()
+    (path / "tokenizer.json").write_text(json.dumps(spec))
+    return path
+
+
+@pytest.mark.parametrize("pre_tokenizer", ["bytelevel", "metaspace"])
+def test_no_token_stands_for_more_than_max_token_chars(tmp_path: Path, pre_tokenizer: str):
+    hf = create_tokenizer(str(_bpe_dir(tmp_path, pre_tokenizer)))
+    assert hf.max_token_chars > 1
+    for text in ["hello world " * 30, "the quick brown fox", "你好世界 😀 " * 9, "zzzz" * 40]:
+        assert len(text) <= len(hf.encode(text, False)) * hf.max_token_chars, text
+
+
+def test_a_tokenizer_that_drops_characters_has_no_max_token_chars(tmp_path: Path):
+    """WhitespaceSplit drops spaces: a text of a million spaces is no token at all; a
+    BPE without byte fallback drops characters it does not know."""
+    tokenizers = pytest.importorskip("tokenizers", reason="pip install tokenizers")
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({"[UNK]": 0, "hi": 1}, "[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    hf = create_tokenizer(str(tmp_path))
+    assert hf.encode(" " * 1000 + "hi") == [1] and hf.max_token_chars == 0
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE({"a": 0}, []))
+    tok.save(str(tmp_path / "tokenizer.json"))
+    hf = create_tokenizer(str(tmp_path))
+    assert hf.encode("z" * 1000 + "a") == [0] and hf.max_token_chars == 0

@@ -26,14 +26,16 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def test_master_starts_on_dummy_tiny_without_a_cost_model(tmp_path: Path) -> None:
-    """... and on `api.host = "0.0.0.0"` (the default) its log says it listens on all
-    interfaces with a URL other hosts can use, not 127.0.0.1."""
+    """... and on `api.host = "0.0.0.0"` (the default; with no key only when
+    `api.allow_unauthenticated`) its log says it listens on all interfaces with a URL other
+    hosts can use, not 127.0.0.1."""
     config = tmp_path / "master.toml"
     port = free_port()
     config.write_text(
         f'[cluster]\nmaster = "127.0.0.1:{free_port()}"\nsecret = "{"s" * 32}"\n'
         '[model]\npath = "dummy:tiny"\n[scheduler]\ncost_model_path = ""\n'
-        f'[api]\nhost = "0.0.0.0"\nport = {port}\n[metrics]\nenabled = false\n'
+        f'[api]\nhost = "0.0.0.0"\nport = {port}\nallow_unauthenticated = true\n'
+        "[metrics]\nenabled = false\n"
     )
     env = {**os.environ, "MOONCAKE_LOG_LEVEL": "info"}
     cmd = [sys.executable, "-m", "mooncake", "up", "--role", "master", "--config", str(config)]

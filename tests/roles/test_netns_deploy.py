@@ -73,7 +73,8 @@ protocol = "auto"
 """
 
 ROLE = {  # one file per node: the shared part, then what only this node says
-    "master": '[node]\nrole = "master"\n\n[metrics]\nenabled = false\n',
+    "master": '[node]\nrole = "master"\n\n[api]\nallow_unauthenticated = true\n\n'
+    "[metrics]\nenabled = false\n",
     "store-0": '[node]\nrole = "store"\nid = "store-0"\n',
     "prefill-0": '[node]\nrole = "prefill"\nid = "prefill-0"\n',
     "prefill-1": '[node]\nrole = "prefill"\nid = "prefill-1"\n',
