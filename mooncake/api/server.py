@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ipaddress
+import signal
 import socket
 import threading
 from collections.abc import Callable, Iterator
@@ -65,11 +66,22 @@ class _Server(uvicorn.Server):
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
-        # uvicorn re-raises a captured SIGINT/SIGTERM after its graceful shutdown, which
-        # would kill the process before its owner cleans up; here serve() just returns.
-        with super().capture_signals():
+        # uvicorn's own would take SIGINT even where it is ignored (a child of `up --local`
+        # leaves Ctrl-C to the launcher, which drains the cluster in order), and re-raises a
+        # captured signal after its shutdown, killing the process before its owner cleans
+        # up; here an ignored signal stays ignored and serve() just returns.
+        if threading.current_thread() is not threading.main_thread():
             yield
-            self._captured_signals.clear()
+            return
+        taken = [
+            s for s in (signal.SIGINT, signal.SIGTERM) if signal.getsignal(s) != signal.SIG_IGN
+        ]
+        old = {s: signal.signal(s, self.handle_exit) for s in taken}
+        try:
+            yield
+        finally:
+            for s, handler in old.items():
+                signal.signal(s, handler)
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)

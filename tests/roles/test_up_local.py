@@ -11,6 +11,7 @@ import stat
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -143,3 +144,54 @@ def test_a_cached_cost_model_is_reused_only_for_the_same_matmul_backend(
     assert first != second and first.exists() and second.exists()
     assert ensure_cost_model(onednn, tmp_path) == second  # cached now
     assert backends == ["torch", "onednn"]
+
+
+def _stream_lines(url: str, max_tokens: int, on_token: Callable[[int], None]) -> list[str]:
+    """The SSE `data:` payloads of one streamed completion; `on_token(n)` runs after the
+    n-th token arrived."""
+    body = {"model": "dummy:tiny", "prompt": [7] * 40, "max_tokens": max_tokens,
+            "temperature": 0, "ignore_eos": True, "stream": True}  # fmt: skip
+    lines: list[str] = []
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                lines.append(line.removeprefix("data: "))
+                if lines[-1] != "[DONE]" and "error" not in json.loads(lines[-1]):
+                    on_token(len(lines))
+    return lines
+
+
+def test_ctrl_c_in_a_terminal_lets_streams_finish_then_stops_every_process(
+    tmp_path: Path, cost_cache: Path
+) -> None:
+    """A terminal's Ctrl-C sends SIGINT to the whole process group: the children leave it
+    to the launcher, whose stop lets a running stream finish (every token, then [DONE]),
+    then ends every process it started."""
+    cost = ensure_cost_model(LocalPlan(), cost_cache)
+    env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path), "COLUMNS": "200"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mooncake", "up", "--local", "--port", "0", "--prefill", "1",
+         "--group-size", "1", "--cost-model", str(cost), "--set", "decode.step_interval_s=0.05"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True,
+        start_new_session=True,  # a process group of its own, as a terminal's job has
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()  # the handshake: printed once the cluster serves
+        assert "ready" in line, line
+        url = line.split("ready")[1].split()[1]
+        children = psutil.Process(proc.pid).children(recursive=True)
+
+        def ctrl_c(num_tokens: int) -> None:
+            if num_tokens == 2:
+                os.killpg(proc.pid, signal.SIGINT)
+
+        lines = _stream_lines(url, 60, ctrl_c)  # 60 steps of >= 50 ms: past uvicorn's 2 s
+        assert lines[-1] == "[DONE]" and len(lines) == 61, lines[-3:]
+        assert proc.wait(timeout=60) == 0
+        assert psutil.wait_procs(children, timeout=10)[1] == []
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
