@@ -4,6 +4,7 @@ over a config file, and exits cleanly on SIGTERM."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -111,3 +112,33 @@ def test_serve_listens_where_it_says_on_this_machine_only_by_default():
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_stream_still_running_after_the_drain_ends_with_an_error_event(tmp_path: Path):
+    """SIGTERM: a stream still running once api.drain_s is over ends with an SSE error
+    event and [DONE] (not a cut chunked body), and the server exits 0 with no traceback."""
+    cmd = [sys.executable, "-m", "mooncake", "serve", "--model", "dummy:tiny", "--host",
+           "127.0.0.1", "--port", "0", "--threads", "1", "--set", "api.drain_s=0",
+           "--set", "metrics.enabled=false"]  # fmt: skip
+    stderr = (tmp_path / "stderr").open("w+")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True)
+    try:
+        assert proc.stdout is not None
+        match = re.search(r"listening on (http://127\.0\.0\.1:\d+)", proc.stdout.readline())
+        assert match, (tmp_path / "stderr").read_text()
+        body = {"prompt": [7] * 8, "max_tokens": 1000, "ignore_eos": True, "stream": True}
+        events: list[str] = []
+        with httpx.stream("POST", match.group(1) + "/v1/completions", json=body) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line.removeprefix("data: "))
+                if len(events) == 1:
+                    proc.send_signal(signal.SIGTERM)
+        assert events[-1] == "[DONE]" and 2 < len(events) < 1001, events[-3:]
+        error = json.loads(events[-2])["error"]
+        assert error["code"] == 503 and "shutting down" in error["message"], error
+        assert proc.wait(timeout=30) == 0
+        assert "Traceback" not in (tmp_path / "stderr").read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -84,13 +84,16 @@ def test_set_values_keep_their_keys_types_in_the_generated_config(tmp_path: Path
 def test_a_decode_node_gets_longer_than_its_drain_to_stop(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The launcher's grace before SIGKILL covers decode.drain_s from the generated config;
-    it also uses the first API key for its own readiness calls."""
+    """The launcher's grace before SIGKILL covers decode.drain_s (api.drain_s for the
+    master) from the generated config; it also uses the first API key for its own
+    readiness calls."""
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
     extra: dict[str, object] = {"decode.drain_s": "100", "api.api_keys": "sk-one-0123456789"}
+    extra["api.drain_s"] = "70"
     launcher = LocalLauncher(LocalPlan(run_dir=tmp_path, api_port=0, extra=extra))
     launcher.configure("")
     assert launcher.stop_grace_s("decode") > 100
+    assert 70 < launcher.stop_grace_s("master") < 100
     assert launcher.stop_grace_s("prefill") == launcher.policy.stop_grace_s
     assert launcher.api_key == "sk-one-0123456789"
 
