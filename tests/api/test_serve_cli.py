@@ -123,8 +123,8 @@ def test_requests_still_running_after_the_drain_end_with_an_error(tmp_path: Path
     cmd = [sys.executable, "-m", "mooncake", "serve", "--model", "dummy:tiny", "--host",
            "127.0.0.1", "--port", "0", "--threads", "1", "--set", "api.drain_s=0",
            "--set", "metrics.enabled=false"]  # fmt: skip
-    stderr = (tmp_path / "stderr").open("w+")
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True)
+    with (tmp_path / "stderr").open("w") as stderr:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True)
     try:
         assert proc.stdout is not None
         match = re.search(r"listening on (http://127\.0\.0\.1:\d+)", proc.stdout.readline())
