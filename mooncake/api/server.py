@@ -155,8 +155,8 @@ class ApiServer:
         return f"all interfaces, port {self.port} ({url})"
 
     async def serve(self, on_ready: Callable[[], None] | None = None) -> None:
-        """Serve until `stop()` (or SIGINT/SIGTERM when run in the main thread: then it
-        returns after a graceful shutdown)."""
+        """Serve until `stop()` (or, run in the main thread, SIGTERM or a SIGINT this
+        process does not ignore: then it returns after draining, see the module docstring)."""
         self.server.on_ready = on_ready
         await self.server.serve(sockets=[self.sock])
 
