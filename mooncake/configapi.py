@@ -48,6 +48,15 @@ class ApiConfig(msgspec.Struct, **_STRUCT):
     served_model_name: Annotated[
         str, knob("Model id clients name in requests and /v1/models; empty = model.path.")
     ] = ""
+    drain_s: Annotated[
+        float,
+        knob(
+            "Seconds a stopping API server (the master, `mooncake serve`) lets running "
+            "requests finish before it ends them with an error (503, or an error event "
+            "in a stream).",
+            ge=0,
+        ),
+    ] = 10.0
 
     def load_keys(self) -> tuple[str, ...]:
         """The bearer keys: api_keys, then those in api_keys_file. Reads the file; raises

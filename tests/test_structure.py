@@ -27,15 +27,3 @@ def test_structure_md_names_no_missing_module():
         and not (ROOT / token.strip("`")).exists()
     ]
     assert not stale, f"docs/structure.md names modules that do not exist: {stale}"
-
-
-MAX_MODULE_LINES = 400  # STYLE.md: at ~400 lines, look for the second idea in the file
-
-
-def test_no_module_outgrows_the_line_budget():
-    over = {
-        path.relative_to(ROOT).as_posix(): n
-        for path in sorted((ROOT / "mooncake").rglob("*.py"))
-        if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES
-    }
-    assert not over, f"split these along their second idea (> {MAX_MODULE_LINES} lines): {over}"

@@ -4,6 +4,11 @@ it serves (port 0 picks a free port), in this thread or a background one.
     server = ApiServer(app, "127.0.0.1", 0)
     server.start_in_thread()          # returns once it accepts connections
     requests.get(server.url + "/health"); server.stop()
+
+Stopping (SIGTERM, or `stop()`), the server accepts no more connections and lets running
+requests finish for `drain_s`; then it sets the asyncio.Event every HTTP request finds at
+`scope["extensions"][CLOSING]`, on which a request still running ends itself with an
+error (`serving.py`), and after END_S more cancels what is left.
 """
 
 from __future__ import annotations
@@ -11,15 +16,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ipaddress
+import math
+import signal
 import socket
 import threading
 from collections.abc import Callable, Iterator, Sequence
 
 import psutil
 import uvicorn
-from starlette.types import ASGIApp
+from starlette.types import ASGIApp, Receive, Scope, Send
 
+from mooncake.config import ApiConfig
 from mooncake.errors import ConfigError
+
+CLOSING = "mooncake.closing"  # scope["extensions"] key: set once a stopping server's drain is over
+END_S = 1.0  # least seconds requests get after the drain to send their error (one write)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -92,31 +103,65 @@ def check_open_api(host: str, api_keys: Sequence[str], allow_unauthenticated: bo
 class _Server(uvicorn.Server):
     on_ready: Callable[[], None] | None = None
 
+    def __init__(self, config: uvicorn.Config, drain_s: float):
+        super().__init__(config)
+        self.drain_s = drain_s  # seconds
+        self.closing = asyncio.Event()  # set drain_s after the shutdown starts
+
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
-        # uvicorn re-raises a captured SIGINT/SIGTERM after its graceful shutdown, which
-        # would kill the process before its owner cleans up; here serve() just returns.
-        with super().capture_signals():
+        # uvicorn's own would take SIGINT even where it is ignored (a child of `up --local`
+        # leaves Ctrl-C to the launcher, which drains the cluster in order), and re-raises a
+        # captured signal after its shutdown, killing the process before its owner cleans
+        # up; here an ignored signal stays ignored and serve() just returns.
+        if threading.current_thread() is not threading.main_thread():
             yield
-            self._captured_signals.clear()
+            return
+        taken = [
+            s for s in (signal.SIGINT, signal.SIGTERM) if signal.getsignal(s) != signal.SIG_IGN
+        ]
+        old = {s: signal.signal(s, self.handle_exit) for s in taken}
+        try:
+            yield
+        finally:
+            for s, handler in old.items():
+                signal.signal(s, handler)
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
         if self.started and self.on_ready is not None:
             self.on_ready()
 
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        asyncio.get_running_loop().call_later(self.drain_s, self.closing.set)
+        await super().shutdown(sockets)  # NOTE: it cancels what still runs END_S later
+
 
 class ApiServer:
     """One uvicorn server over `app` on a socket bound at construction."""
 
     def __init__(self, app: ASGIApp, host: str = "127.0.0.1", port: int = 0, *,
-                 log_level: str = "warning"):  # fmt: skip
+                 log_level: str = "warning", drain_s: float = ApiConfig().drain_s):  # fmt: skip
         self.sock = bind_socket(host, port)
         self.host, self.port = host, self.sock.getsockname()[1]
-        config = uvicorn.Config(app, log_level=log_level, access_log=False, lifespan="off",
-                                timeout_graceful_shutdown=2)  # fmt: skip
-        self.server = _Server(config)
+        config = uvicorn.Config(
+            self._offer_closing(app),
+            log_level=log_level,
+            access_log=False,
+            lifespan="off",
+            timeout_graceful_shutdown=math.ceil(drain_s + END_S),
+        )
+        self.server = _Server(config, drain_s)
         self._thread: threading.Thread | None = None
+
+    def _offer_closing(self, app: ASGIApp) -> ASGIApp:
+        async def offered(scope: Scope, receive: Receive, send: Send) -> None:
+            if scope["type"] == "http":
+                extensions = {**scope.get("extensions", {}), CLOSING: self.server.closing}
+                scope = {**scope, "extensions": extensions}
+            await app(scope, receive, send)
+
+        return offered
 
     @property
     def url(self) -> str:
@@ -139,8 +184,8 @@ class ApiServer:
         return f"all interfaces, port {self.port} ({url})"
 
     async def serve(self, on_ready: Callable[[], None] | None = None) -> None:
-        """Serve until `stop()` (or SIGINT/SIGTERM when run in the main thread: then it
-        returns after a graceful shutdown)."""
+        """Serve until `stop()` (or, run in the main thread, SIGTERM or a SIGINT this
+        process does not ignore: then it returns after draining, see the module docstring)."""
         self.server.on_ready = on_ready
         await self.server.serve(sockets=[self.sock])
 

@@ -8,11 +8,14 @@ The backend's first output is awaited before any response is started, so a reque
 backend refuses (`Rejected`, `ApiError`, another `MooncakeError`) gets a real HTTP status
 even when it asked to stream. A streamed response then sends one SSE chunk per output;
 when the client goes away the SSE body is closed, which closes the backend's iterator,
-which aborts the request. Every request is traced in `RequestStats`.
+which aborts the request. A request still running when a stopping server's drain is over
+(`server.CLOSING`) ends with an error: a 503 before its response started, else an error
+event and [DONE] in its stream. Every request is traced in `RequestStats`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -26,18 +29,20 @@ import anyio.to_thread
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from mooncake.api import schemas
 from mooncake.api.backend import BaseBackend, GenerateRequest, Output, Rejected
 from mooncake.api.bodies import Body, ResponseBuilder, error_body, usage_body
 from mooncake.api.schemas import ChatRequest, CompletionRequest, InvalidRequest
+from mooncake.api.server import CLOSING
 from mooncake.api.stats import Outcome, RequestStats, RequestTrace
 from mooncake.conductor.misses import MissCounts
 from mooncake.errors import ApiError, MooncakeError
 
 log = logging.getLogger(__name__)
 OPENAI_DEFAULT_MAX_TOKENS = 16  # /v1/completions without max_tokens, as OpenAI does
+SHUTTING_DOWN = "the server is shutting down: the request was ended before it finished"
 
 
 class StreamFailed(MooncakeError):
@@ -58,6 +63,9 @@ def json_response(body: Body, status: int = 200, headers: dict[str, str] | None 
 
 def sse(body: Body) -> bytes:
     return b"data: " + msgspec.json.encode(body) + b"\n\n"
+
+
+DONE = b"data: [DONE]\n\n"  # a stream's last event
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -149,9 +157,32 @@ async def _close(it: AsyncIterator[Output]) -> None:
             await aclose()
 
 
+@contextlib.asynccontextmanager
+async def _until_closing(closing: asyncio.Event | None) -> AsyncIterator[None]:
+    """Run the block; once `closing` is set, cancel it and raise StreamFailed."""
+    if closing is None:
+        yield
+        return
+    with anyio.CancelScope() as scope:
+        waiter = asyncio.ensure_future(closing.wait())
+
+        def cancel(_: object) -> None:
+            scope.cancel()
+
+        waiter.add_done_callback(cancel)
+        try:
+            yield
+        finally:
+            waiter.remove_done_callback(cancel)
+            waiter.cancel()
+    if scope.cancelled_caught:
+        raise StreamFailed(SHUTTING_DOWN)
+
+
 async def generate(ctx: ServingContext, request: Request, is_chat: bool) -> Response:
     """Serve one POST /v1/completions or /v1/chat/completions."""
     trace = ctx.stats.start()
+    closing: asyncio.Event | None = request.scope.get("extensions", {}).get(CLOSING)
     arrival_s = time.time()
     req_id = ("chatcmpl-" if is_chat else "cmpl-") + uuid.uuid4().hex
     it: AsyncIterator[Output] | None = None
@@ -179,7 +210,8 @@ async def generate(ctx: ServingContext, request: Request, is_chat: bool) -> Resp
         gen = GenerateRequest(req_id=req_id, prompt_ids=prompt_ids, params=params,
                               arrival_s=arrival_s)  # fmt: skip
         it = ctx.backend.generate(gen)
-        first = await it.__anext__()
+        async with _until_closing(closing):
+            first = await it.__anext__()
         if first.finish_reason == "abort":
             raise StreamFailed(f"the request was aborted: {first.error or 'no reason given'}")
     except BaseException as e:
@@ -206,9 +238,10 @@ async def generate(ctx: ServingContext, request: Request, is_chat: bool) -> Resp
     usage = _Usage(len(prompt_ids), trace)
     if req.stream:
         include_usage = req.stream_options is not None and req.stream_options.include_usage
-        body = _stream(it, first, trace, builder, usage, include_usage)
-        return SSEResponse(body, headers={"X-Request-Id": req_id})
-    return await _collect(request, it, first, trace, builder, usage)
+        body = _stream(it, first, trace, builder, usage, include_usage, closing)
+        return SSEResponse(body, {"X-Request-Id": req_id}, closing)
+    async with _until_closing(closing):
+        return await _collect(request, it, first, trace, builder, usage)
 
 
 def _outcome_of(e: BaseException) -> Outcome:
@@ -291,7 +324,7 @@ async def _collect(
 
 async def _stream(
     it: AsyncIterator[Output], first: Output, trace: RequestTrace, builder: ResponseBuilder,
-    usage: _Usage, include_usage: bool,
+    usage: _Usage, include_usage: bool, closing: asyncio.Event | None,
 ) -> AsyncIterator[bytes]:  # fmt: skip
     outcome: Outcome = "cancelled"  # unless the stream reaches its end
     try:
@@ -322,27 +355,41 @@ async def _stream(
                 break
             if out.token_id is not None:
                 trace.token()
-        yield b"data: [DONE]\n\n"
+        yield DONE
     finally:
         await _close(it)
-        trace.end(outcome)
+        is_cut = outcome == "cancelled" and closing is not None and closing.is_set()
+        trace.end("failed" if is_cut else outcome)  # NOTE: SSEResponse cut it
 
 
 class SSEResponse(StreamingResponse):
     """A text/event-stream whose body (and so the backend request) is closed as soon as the
-    client disconnects, whatever the server's ASGI version."""
+    client disconnects, whatever the server's ASGI version, or once `closing` is set (a
+    stopping server's drain is over): then the stream ends with an error event and [DONE]."""
 
     media_type = "text/event-stream"
 
-    def __init__(self, content: AsyncIterator[bytes], headers: dict[str, str]):
+    def __init__(
+        self, content: AsyncIterator[bytes], headers: dict[str, str], closing: asyncio.Event | None
+    ):
         super().__init__(content, headers={"Cache-Control": "no-cache",
                                            "X-Accel-Buffering": "no", **headers})  # fmt: skip
+        self.closing = closing
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         body = self.body_iterator
         assert isinstance(body, AsyncIterator), "SSEResponse streams an async generator"
+        is_started = is_ended = False  # NOTE: uvicorn writes a message before send() awaits
+
+        async def send_and_note(message: Message) -> None:
+            nonlocal is_started, is_ended
+            is_started = True
+            is_ended = message["type"] == "http.response.body" and not message.get("more_body")
+            await send(message)
+
+        is_cut = False
         try:
-            async with anyio.create_task_group() as tg:
+            async with _until_closing(self.closing), anyio.create_task_group() as tg:
 
                 async def watch() -> None:
                     await self.listen_for_disconnect(receive)
@@ -351,10 +398,24 @@ class SSEResponse(StreamingResponse):
                 tg.start_soon(watch)
                 # the client is gone: ASGI >= 2.4 servers raise OSError on send
                 with contextlib.suppress(OSError):
-                    await self.stream_response(send)
+                    await self.stream_response(send_and_note)
                 tg.cancel_scope.cancel()
+        except StreamFailed:
+            is_cut = not is_ended
         finally:
             aclose = getattr(body, "aclose", None)
             if aclose is not None:
                 with anyio.CancelScope(shield=True):
                     await aclose()
+        if is_cut:
+            with contextlib.suppress(OSError):
+                await self._end_cut(send, is_started)
+
+    async def _end_cut(self, send: Send, is_started: bool) -> None:
+        """End a stream cut by the server's shutdown with an error event and [DONE]."""
+        log.warning("%s: %s", self.headers.get("x-request-id", "a stream"), SHUTTING_DOWN)
+        if not is_started:
+            await send({"type": "http.response.start", "status": self.status_code,
+                        "headers": self.raw_headers})  # fmt: skip
+        end = sse(error_body(SHUTTING_DOWN, "server_error", code=503)) + DONE
+        await send({"type": "http.response.body", "body": end, "more_body": False})

@@ -136,7 +136,9 @@ def serve(
         metrics_registry=registry, default_max_tokens=cfg.decode.max_tokens_default,
         serve_metrics=metrics_server is None,
     )  # fmt: skip
-    server = ApiServer(api, api_host, cfg.api.port if port is None else port)
+    server = ApiServer(
+        api, api_host, cfg.api.port if port is None else port, drain_s=cfg.api.drain_s
+    )
 
     def ready() -> None:
         metrics = f"{server.url}/metrics" if registry is not None else "off"

@@ -199,7 +199,8 @@ def default_host(master: str) -> str:
 
 
 def install_signal_handlers(stop: threading.Event) -> None:
-    """SIGINT and SIGTERM set `stop` (the role then drains and deregisters)."""
+    """SIGINT and SIGTERM set `stop` (the role then drains and deregisters); one ignored
+    as this process starts stays ignored (`up --local` leaves Ctrl-C to its launcher)."""
 
     def handler(signum: int, _frame: Any) -> None:
         log.info("signal %s: stopping", signal.Signals(signum).name)
@@ -207,8 +208,9 @@ def install_signal_handlers(stop: threading.Event) -> None:
             sdnotify.notify_stopping()
         stop.set()
 
-    signal.signal(signal.SIGINT, handler)
-    signal.signal(signal.SIGTERM, handler)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        if signal.getsignal(sig) != signal.SIG_IGN:
+            signal.signal(sig, handler)
 
 
 def report_ready(**info: Any) -> None:

@@ -35,7 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mooncake.config import Config, DecodeConfig
+from mooncake.config import ApiConfig, Config, DecodeConfig
 from mooncake.configload import load_config
 from mooncake.errors import MooncakeError
 from mooncake.ha.localetcd import LocalEtcd, tmpfs_data_dir
@@ -139,7 +139,8 @@ class LocalLauncher:
         self.api_key = ""  # the first API key, for the launcher's own calls
         self.is_stopping = False
         self.info: LocalCluster | None = None  # what the runfile says, once started
-        self._drain_s = DecodeConfig().drain_s  # decode.drain_s of the generated config
+        # role -> its drain in the generated config (decode.drain_s, api.drain_s), seconds
+        self._drain_s = {"decode": DecodeConfig().drain_s, "master": ApiConfig().drain_s}
         self._master_port = 0
         self.etcd: LocalEtcd | None = None  # with several masters
         self._node_sets: dict[str, list[str]] = {}  # node id -> its own --set values
@@ -163,7 +164,7 @@ class LocalLauncher:
         write_config(plan, self.config_path, secret, self._master_port, cost_model, self._ha_keys())
         config = load_config(self.config_path).config
         self.api_key = next(iter(config.api.load_keys()), "")
-        self._drain_s = config.decode.drain_s
+        self._drain_s = {"decode": config.decode.drain_s, "master": config.api.drain_s}
         return config
 
     def _ha_keys(self) -> dict[str, object]:
@@ -329,8 +330,9 @@ class LocalLauncher:
 
     def stop_grace_s(self, role: str) -> float:
         """Seconds a node of `role` may take to exit after SIGTERM before it is killed:
-        the policy's stop_grace_s, plus decode.drain_s for a decode node."""
-        return self.policy.stop_grace_s + (self._drain_s if role == "decode" else 0.0)
+        the policy's stop_grace_s, plus decode.drain_s for a decode node and api.drain_s
+        for a master."""
+        return self.policy.stop_grace_s + self._drain_s.get(role, 0.0)
 
     def stop(self, grace_s: float | None = None) -> None:
         """SIGTERM every child (nodes first, master last; with SIGCONT, so a stopped one

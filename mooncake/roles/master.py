@@ -143,7 +143,12 @@ class Master:
         )
         # NOTE: on etcd, a standby forwards the API to the leader until it leads itself
         self.ha = MasterHa(cfg, self.store, self.take_control) if cfg.cluster.etcd else None
-        self.api = ApiServer(self.ha.wrap(app) if self.ha else app, cfg.api.host, cfg.api.port)
+        self.api = ApiServer(
+            self.ha.wrap(app) if self.ha else app,
+            cfg.api.host,
+            cfg.api.port,
+            drain_s=cfg.api.drain_s,
+        )
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="master-house", daemon=True)
         self._instances: set[str] = set()  # Conductor instances (prefill leaders, decoders)

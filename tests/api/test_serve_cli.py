@@ -4,12 +4,15 @@ over a config file, and exits cleanly on SIGTERM."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
 import socket
 import subprocess
 import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -111,3 +114,43 @@ def test_serve_listens_where_it_says_on_this_machine_only_by_default():
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_requests_still_running_after_the_drain_end_with_an_error(tmp_path: Path):
+    """SIGTERM: once api.drain_s is over, a request still running ends with an error: a
+    stream with an SSE error event and [DONE] (not a cut chunked body), a whole response
+    with a 503; the server exits 0 with no traceback."""
+    cmd = [sys.executable, "-m", "mooncake", "serve", "--model", "dummy:tiny", "--host",
+           "127.0.0.1", "--port", "0", "--threads", "1", "--set", "api.drain_s=0",
+           "--set", "metrics.enabled=false"]  # fmt: skip
+    with (tmp_path / "stderr").open("w") as stderr:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True)
+    try:
+        assert proc.stdout is not None
+        match = re.search(r"listening on (http://127\.0\.0\.1:\d+)", proc.stdout.readline())
+        assert match, (tmp_path / "stderr").read_text()
+        url = match.group(1) + "/v1/completions"
+        body = {"prompt": [7] * 8, "max_tokens": 1000, "ignore_eos": True}
+        with ThreadPoolExecutor(1) as pool:
+            whole = pool.submit(httpx.post, url, json=body, timeout=60)
+            deadline = time.monotonic() + 30
+            while httpx.get(match.group(1) + "/v1/status").json()["num_running"] < 1:
+                assert time.monotonic() < deadline and not whole.done()
+                time.sleep(0.05)
+            events: list[str] = []
+            with httpx.stream("POST", url, json={**body, "stream": True}, timeout=60) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        events.append(line.removeprefix("data: "))
+                    if len(events) == 1:
+                        proc.send_signal(signal.SIGTERM)
+            assert events[-1] == "[DONE]" and 2 < len(events) < 1001, events[-3:]
+            error = json.loads(events[-2])["error"]
+            assert error["code"] == 503 and "shutting down" in error["message"], error
+            assert whole.result().status_code == 503
+            assert "shutting down" in whole.result().json()["error"]["message"]
+        assert proc.wait(timeout=30) == 0
+        assert "Traceback" not in (tmp_path / "stderr").read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()

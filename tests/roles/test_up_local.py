@@ -4,6 +4,7 @@ started. Its generated config holds `--set` values with their keys' types."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -11,6 +12,7 @@ import stat
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -83,13 +85,16 @@ def test_set_values_keep_their_keys_types_in_the_generated_config(tmp_path: Path
 def test_a_decode_node_gets_longer_than_its_drain_to_stop(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The launcher's grace before SIGKILL covers decode.drain_s from the generated config;
-    it also uses the first API key for its own readiness calls."""
+    """The launcher's grace before SIGKILL covers decode.drain_s (api.drain_s for the
+    master) from the generated config; it also uses the first API key for its own
+    readiness calls."""
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
     extra: dict[str, object] = {"decode.drain_s": "100", "api.api_keys": "sk-one-0123456789"}
+    extra["api.drain_s"] = "70"
     launcher = LocalLauncher(LocalPlan(run_dir=tmp_path, api_port=0, extra=extra))
     launcher.configure("")
     assert launcher.stop_grace_s("decode") > 100
+    assert 70 < launcher.stop_grace_s("master") < 100
     assert launcher.stop_grace_s("prefill") == launcher.policy.stop_grace_s
     assert launcher.api_key == "sk-one-0123456789"
 
@@ -143,3 +148,70 @@ def test_a_cached_cost_model_is_reused_only_for_the_same_matmul_backend(
     assert first != second and first.exists() and second.exists()
     assert ensure_cost_model(onednn, tmp_path) == second  # cached now
     assert backends == ["torch", "onednn"]
+
+
+def _stream_lines(url: str, max_tokens: int, on_token: Callable[[int], None]) -> list[str]:
+    """The SSE `data:` payloads of one streamed completion; `on_token(n)` runs after the
+    n-th token arrived."""
+    body = {"model": "dummy:tiny", "prompt": [7] * 40, "max_tokens": max_tokens,
+            "temperature": 0, "ignore_eos": True, "stream": True}  # fmt: skip
+    lines: list[str] = []
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                lines.append(line.removeprefix("data: "))
+                if lines[-1] != "[DONE]" and "error" not in json.loads(lines[-1]):
+                    on_token(len(lines))
+    return lines
+
+
+def _in_session(sid: int) -> list[str]:
+    """The live processes of session `sid`, as "pid command line"."""
+    left = []
+    for p in psutil.process_iter(["cmdline", "status"]):
+        with contextlib.suppress(ProcessLookupError):
+            if os.getsid(p.pid) == sid and p.info["status"] != psutil.STATUS_ZOMBIE:
+                left.append(f"{p.pid} {' '.join(p.info['cmdline'] or [])}")
+    return left
+
+
+def test_ctrl_c_in_a_terminal_lets_streams_finish_then_stops_every_process(
+    tmp_path: Path, cost_cache: Path
+) -> None:
+    """A terminal's Ctrl-C sends SIGINT to the whole process group: the children leave it
+    to the launcher, whose stop lets a running stream finish (every token, then [DONE]),
+    then ends every process it started, with no traceback in the log."""
+    cost = ensure_cost_model(LocalPlan(), cost_cache)
+    env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path), "COLUMNS": "200"}
+    with (tmp_path / "stderr").open("w") as stderr:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "mooncake", "up", "--local", "--port", "0", "--prefill", "1",
+             "--group-size", "1", "--cost-model", str(cost),
+             "--set", "decode.step_interval_s=0.05"],
+            stdout=subprocess.PIPE, stderr=stderr, env=env, text=True,
+            start_new_session=True,  # a process group of its own, as a terminal's job has
+        )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()  # the handshake: printed once the cluster serves
+        assert "ready" in line, line
+        url = line.split("ready")[1].split()[1]
+        assert len(psutil.Process(proc.pid).children(recursive=True)) == 4
+
+        def ctrl_c(num_tokens: int) -> None:
+            if num_tokens == 2:
+                os.killpg(proc.pid, signal.SIGINT)
+
+        lines = _stream_lines(url, 60, ctrl_c)  # 60 steps of >= 50 ms: 3 s past Ctrl-C
+        assert lines[-1] == "[DONE]" and len(lines) == 61, lines[-3:]
+        assert proc.wait(timeout=60) == 0
+        deadline = time.monotonic() + 10
+        while left := _in_session(proc.pid):  # whatever it started, restarted ones too
+            assert time.monotonic() < deadline, left
+            time.sleep(0.1)
+        assert "Traceback" not in (tmp_path / "stderr").read_text()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
