@@ -19,7 +19,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from mooncake.errors import StoreError
+from mooncake.errors import StoreError, TransferError
 from mooncake.rpc.wire import Msg
 from mooncake.store import messages as m
 from mooncake.store.datapath import DataPath, ReadPlan
@@ -63,6 +63,9 @@ class BatchCalls:
     _lock: threading.Lock  # NOTE: guards the staging buffer, one op at a time
     _staging: np.ndarray
     _staging_name: str
+    _moving_lock: threading.Lock  # guards `_moving`
+    _moving: np.ndarray | None  # registered as `_moving_name`, grown as needed
+    _moving_name: str
 
     def _call(self, msg: Msg, reply_type: type[Any]) -> Any:
         raise NotImplementedError
@@ -104,13 +107,14 @@ class BatchCalls:
             if self.slots is not None and shape is not None and reply.slots:
                 self.slots.add(shape, reply.slots, sent_at)
             starts = reply.results
+            unmoved = self._relocate(starts)
             plan, off = [], 0
             for r, v in zip(starts, values, strict=True):
-                if r.status == "ok":
+                if r.status == "ok" and r.key not in unmoved:
                     self._staging[off : off + len(v)] = np.frombuffer(v, dtype=np.uint8)
                     plan.append((r.key, r.replicas, self._staging_name, off))
                 off += len(v)
-            failed = self.data.write(plan)
+            failed = {**unmoved, **self.data.write(plan)}
         if failed:
             self._revoke(list(failed))
         ok = tuple(r.key for r in starts if r.status == "ok" and r.key not in failed)
@@ -261,7 +265,43 @@ class BatchCalls:
             part = tuple(keys[i : i + m.MAX_BATCH])
             msg = m.BatchPutStartMsg(part, (size,) * len(part), self.node_id, **opts)
             out += self._call(msg, m.BatchPutStartReplyMsg).results
+        if failed := self._relocate(out):
+            self._revoke(list(failed))
+            out = [
+                PutStartResult(key=r.key, status="error", message=failed[r.key])
+                if r.key in failed
+                else r
+                for r in out
+            ]
         return out
+
+    def _relocate(self, starts: Sequence[PutStartResult]) -> dict[str, str]:
+        """Copy what the master relocated to make these puts room on their writer's node
+        (`Relocation`: from where it was to where it goes, before a value is written over
+        it); key of the put -> why it failed (the caller revokes that put, which drops the
+        objects it carried)."""
+        failed: dict[str, str] = {}
+        moves = [(r.key, rel) for r in starts if r.status == "ok" for rel in r.relocations]
+        if not moves:
+            return failed
+        with self._moving_lock:
+            need = max(rel.src.size for _, rel in moves)
+            if self._moving is None or len(self._moving) < need:
+                if self._moving is not None:
+                    self.engine.unregister(self._moving_name)
+                self._moving = self.engine.allocate(self._moving_name, need)
+            for key, rel in moves:
+                if key in failed:
+                    continue
+                try:
+                    self.data.read_one(rel.src, self._moving_name, 0, rel.src.size)
+                except TransferError as e:
+                    failed[key] = f"relocating {rel.key!r} for the put: {e}"
+                    continue
+                why = self.data.write([(rel.key, (rel.dst,), self._moving_name, 0)])
+                if why:
+                    failed[key] = f"relocating {rel.key!r} for the put: {why[rel.key]}"
+        return failed
 
     def end_puts(
         self, keys: Sequence[str], replicas: Sequence[Sequence[ReplicaDesc]] = ()

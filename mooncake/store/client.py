@@ -68,6 +68,10 @@ class Store(BatchCalls):
         self._lock = threading.Lock()  # NOTE: guards the staging buffer, one op at a time
         self._staging_name = f"{self.node_id}.staging"
         self._staging = engine.allocate(self._staging_name, staging)
+        # objects the master relocated for our puts pass through here (store/batches.py)
+        self._moving_lock = threading.Lock()  # NOTE: taken after _lock, never before
+        self._moving_name = f"{self.node_id}.moving"
+        self._moving: np.ndarray | None = None
 
     @classmethod
     def connect(
@@ -167,7 +171,7 @@ class Store(BatchCalls):
             self.slots.add(shape, reply.slots, sent_at)
         r = reply.result
         self._raise(r)
-        failed = self.data.write([(key, r.replicas, segment, offset)])
+        failed = self._relocate([r]) or self.data.write([(key, r.replicas, segment, offset)])
         if failed:
             self._revoke([key])
             raise StoreError(f"put of {key!r} failed, nothing was committed: {failed[key]}")

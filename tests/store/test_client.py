@@ -156,3 +156,43 @@ def test_node_killed_during_gets_never_hangs_or_corrupts() -> None:
     finally:
         for c in [*nodes, master]:
             c.stop()
+
+
+def _where(store: Store, key: str) -> list[str]:
+    """The nodes the master lists for `key` (a read: it leases the object)."""
+    from mooncake.store import messages as m
+
+    reply = store._call(m.GetReplicasMsg(key), m.GetReplicasReplyMsg)
+    return [d.node_id for d in reply.result.replicas]
+
+
+def test_a_put_into_its_writers_full_memory_stays_there_and_its_oldest_moves() -> None:
+    """Node w0 is full and the pool's oldest value is on w1: w0's put lands on w0, and
+    w0's own oldest value, relocated by the master to where the pool's oldest was, is
+    copied there by the writer first: every value left reads back byte for byte."""
+    master = start_master()
+    nodes = [start_node(f"w{i}", master, 64 * 1024) for i in range(2)]
+    try:
+        conn = {
+            name: Store.connect(
+                master.address, SECRET, node_id=name, timeout_s=5.0, reuse_grants=False
+            )
+            for name in ("w0", "w1")
+        }
+        values = {f"k{i}": os.urandom(16000) for i in range(9)}
+        for i in range(4):
+            conn["w1"].put(f"k{i}", values[f"k{i}"])  # the pool's oldest, on w1
+        for i in range(4, 8):
+            conn["w0"].put(f"k{i}", values[f"k{i}"])
+        conn["w0"].put("k8", values["k8"])  # the pool is full
+        assert _where(conn["w0"], "k8") == ["w0"]
+        assert _where(conn["w0"], "k4") == ["w1"]  # w0's oldest took k0's place
+        assert not conn["w0"].exists("k0")
+        for key, value in values.items():
+            if key != "k0":
+                assert conn["w0"].get(key) == value, key
+        for store in conn.values():
+            store.close()
+    finally:
+        for c in [*nodes, master]:
+            c.stop()
