@@ -19,12 +19,13 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from mooncake.errors import StoreError, TransferError
+from mooncake.errors import StoreError
 from mooncake.rpc.wire import Msg
 from mooncake.store import messages as m
-from mooncake.store.datapath import DataPath, ReadPlan
+from mooncake.store.datapath import DataPath, ReadPlan, WritePlan
 from mooncake.store.grants import LocationCache, PutShape, SlotPool
 from mooncake.store.objects import GetResult, KeyResult, PutStartResult, ReplicaDesc, Slot
+from mooncake.store.relocator import Relocator
 from mooncake.store.settings import key_error
 from mooncake.transfer.engine import TransferEngine
 
@@ -63,9 +64,9 @@ class BatchCalls:
     _lock: threading.Lock  # NOTE: guards the staging buffer, one op at a time
     _staging: np.ndarray
     _staging_name: str
-    _moving_lock: threading.Lock  # guards `_moving`
-    _moving: np.ndarray | None  # registered as `_moving_name`, grown as needed
-    _moving_name: str
+    relocator: Relocator  # copies what the master relocated for our puts
+    put_wait_s: float  # s a put that found no room waits while room is on its way
+    put_retry_s: float  # s between its asks
 
     def _call(self, msg: Msg, reply_type: type[Any]) -> Any:
         raise NotImplementedError
@@ -106,9 +107,10 @@ class BatchCalls:
             reply = self._call(msg, m.BatchPutStartReplyMsg)
             if self.slots is not None and shape is not None and reply.slots:
                 self.slots.add(shape, reply.slots, sent_at)
-            starts = reply.results
-            unmoved = self._relocate(starts)
-            plan, off = [], 0
+            starts = self._wait_for_room(reply.results, sizes, opts)
+            unmoved = self.relocator.copy(starts)
+            plan: WritePlan = []
+            off = 0
             for r, v in zip(starts, values, strict=True):
                 if r.status == "ok" and r.key not in unmoved:
                     self._staging[off : off + len(v)] = np.frombuffer(v, dtype=np.uint8)
@@ -264,8 +266,9 @@ class BatchCalls:
         for i in range(0, len(keys), m.MAX_BATCH):  # the master's limit per call
             part = tuple(keys[i : i + m.MAX_BATCH])
             msg = m.BatchPutStartMsg(part, (size,) * len(part), self.node_id, **opts)
-            out += self._call(msg, m.BatchPutStartReplyMsg).results
-        if failed := self._relocate(out):
+            results = self._call(msg, m.BatchPutStartReplyMsg).results
+            out += self._wait_for_room(results, [size] * len(part), opts)
+        if failed := self.relocator.copy(out):
             self._revoke(list(failed))
             out = [
                 PutStartResult(key=r.key, status="error", message=failed[r.key])
@@ -275,33 +278,26 @@ class BatchCalls:
             ]
         return out
 
-    def _relocate(self, starts: Sequence[PutStartResult]) -> dict[str, str]:
-        """Copy what the master relocated to make these puts room on their writer's node
-        (`Relocation`: from where it was to where it goes, before a value is written over
-        it); key of the put -> why it failed (the caller revokes that put, which drops the
-        objects it carried)."""
-        failed: dict[str, str] = {}
-        moves = [(r.key, rel) for r in starts if r.status == "ok" for rel in r.relocations]
-        if not moves:
-            return failed
-        with self._moving_lock:
-            need = max(rel.src.size for _, rel in moves)
-            if self._moving is None or len(self._moving) < need:
-                if self._moving is not None:
-                    self.engine.unregister(self._moving_name)
-                self._moving = self.engine.allocate(self._moving_name, need)
-            for key, rel in moves:
-                if key in failed:
-                    continue
-                try:
-                    self.data.read_one(rel.src, self._moving_name, 0, rel.src.size)
-                except TransferError as e:
-                    failed[key] = f"relocating {rel.key!r} for the put: {e}"
-                    continue
-                why = self.data.write([(rel.key, (rel.dst,), self._moving_name, 0)])
-                if why:
-                    failed[key] = f"relocating {rel.key!r} for the put: {why[rel.key]}"
-        return failed
+    def _wait_for_room(
+        self, starts: Sequence[PutStartResult], sizes: Sequence[int], opts: dict[str, Any]
+    ) -> list[PutStartResult]:
+        """`starts` (put_start answers for values of `sizes`), each that found no room
+        while the master said room is on its way (`room_pending`: demotions to SSD in
+        flight) asked again every put_retry_s until it gets an answer or put_wait_s ran
+        out (then its last answer stands)."""
+        out = list(starts)
+        deadline = time.monotonic() + self.put_wait_s
+        while waiting := [
+            i for i, r in enumerate(out) if r.status == "no_space" and r.room_pending
+        ]:
+            if time.monotonic() + self.put_retry_s > deadline:
+                break
+            time.sleep(self.put_retry_s)
+            keys = tuple(out[i].key for i in waiting)
+            msg = m.BatchPutStartMsg(keys, tuple(sizes[i] for i in waiting), self.node_id, **opts)
+            for i, r in zip(waiting, self._call(msg, m.BatchPutStartReplyMsg).results, strict=True):
+                out[i] = r
+        return out
 
     def end_puts(
         self, keys: Sequence[str], replicas: Sequence[Sequence[ReplicaDesc]] = ()

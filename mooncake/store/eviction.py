@@ -109,6 +109,15 @@ class Evictor:
         """Whether a tier below `tier` is mounted (its victims can move down)."""
         return any(self.space.tier_segments[t] for t in BELOW[tier])
 
+    def is_room_coming(self, tier: Tier, now: float) -> bool:
+        """Whether room in `tier` is on its way: demotions in flight, ranges freed when
+        readers' leases end, or a victim the next pass can move down; changes nothing."""
+        if self.mover.pending_release(tier) or any(
+            r.segment.tier == tier for _, r in self.space.deferred
+        ):
+            return True
+        return self.has_below(tier) and self._first_victim(tier, now, spare_only=False) is not None
+
     def note_pressure(self, tier: Tier, size: int) -> None:
         """A put of `size` bytes found no room in `tier`: the next pass makes some."""
         self.pressure[tier] = max(self.pressure.get(tier, 0), size)

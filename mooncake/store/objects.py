@@ -67,6 +67,9 @@ class PutStartResult(msgspec.Struct, frozen=True, kw_only=True):
     replicas: tuple[ReplicaDesc, ...] = ()  # status ok: write the value to every one
     # status ok: copy each of these first (a full writer's room, made by moving its oldest)
     relocations: tuple[Relocation, ...] = ()
+    # status no_space: room is on its way (demotions in flight or about to start, ranges
+    # freed when readers' leases end): the same put asked again soon may succeed
+    room_pending: bool = False
 
 
 class Slot(msgspec.Struct, frozen=True, kw_only=True):

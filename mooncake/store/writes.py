@@ -83,7 +83,12 @@ class WriteProtocol:
             for o, _, _ in moved:  # NOTE: never happens: the room made was the writer's
                 pool.drop(o, now, emit=None)
             return PutStartResult(
-                key=key, status="no_space", message=self._no_room(key, size, tiers)
+                key=key,
+                status="no_space",
+                message=self._no_room(key, size, tiers),
+                room_pending=any(
+                    self.evictor.is_room_coming(t, now) for t in cast("list[Tier]", tiers)
+                ),
             )
         obj = ObjectRecord(key, size, writer, now, chosen, pin_ttl_s=max(pin_ttl_s, 0.0))
         obj.wanted = replicas or self.config.replicas

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -195,4 +196,26 @@ def test_a_put_into_its_writers_full_memory_stays_there_and_its_oldest_moves() -
             store.close()
     finally:
         for c in [*nodes, master]:
+            c.stop()
+
+
+def test_a_put_into_full_dram_waits_for_the_demotions_that_free_room(tmp_path: Path) -> None:
+    """DRAM full of last copies, no copies ahead, an SSD tier below: the master answers a
+    DRAM-only put "no room, but on its way" while it demotes (a store node carries the
+    copies out on its heartbeats); the put asks again until it gets room, then every value
+    reads back byte for byte (the oldest from SSD)."""
+    wm = {"high_watermark": 1.0, "low_watermark": 0.5, "copy_ahead_watermark": 1.0}
+    master = start_master(**wm)
+    node = start_node("s0", master, 64 * 1024, str(tmp_path), str(1 << 20))
+    try:
+        with Store.connect(
+            master.address, SECRET, timeout_s=5.0, reuse_grants=False, put_wait_s=60.0
+        ) as store:
+            values = {f"k{i}": os.urandom(16000) for i in range(5)}
+            for key, value in values.items():  # the fifth finds DRAM full
+                store.put(key, value)
+            for key, value in values.items():
+                assert store.get(key) == value, key
+    finally:
+        for c in (node, master):
             c.stop()
