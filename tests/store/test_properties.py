@@ -74,6 +74,8 @@ class StoreMachine(RuleBasedStateMachine):
             assert all(d.node_id == writer for d in r.replicas[:1]) or not moved
             self.committed -= moved
             self.moving |= moved
+            if moved:
+                event("relocated")
             if end:
                 self.end(key)
 
