@@ -180,7 +180,7 @@ def test_a_put_into_its_writers_full_memory_stays_there_and_its_oldest_moves() -
             )
             for name in ("w0", "w1")
         }
-        values = {f"k{i}": os.urandom(16000) for i in range(9)}
+        values = {f"k{i}": os.urandom(16000) for i in range(11)}
         for i in range(4):
             conn["w1"].put(f"k{i}", values[f"k{i}"])  # the pool's oldest, on w1
         for i in range(4, 8):
@@ -188,10 +188,12 @@ def test_a_put_into_its_writers_full_memory_stays_there_and_its_oldest_moves() -
         conn["w0"].put("k8", values["k8"])  # the pool is full
         assert _where(conn["w0"], "k8") == ["w0"]
         assert _where(conn["w0"], "k4") == ["w1"]  # w0's oldest took k0's place
-        assert not conn["w0"].exists("k0")
-        for key, value in values.items():
-            if key != "k0":
-                assert conn["w0"].get(key) == value, key
+        results = conn["w0"].put_batch(["k9", "k10"], [values["k9"], values["k10"]])
+        assert [r.status for r in results] == ["ok", "ok"]
+        assert _where(conn["w0"], "k10") == ["w0"] and _where(conn["w0"], "k6") == ["w1"]
+        assert not any(conn["w0"].exists_batch(["k0", "k1", "k2"]))
+        for i in range(3, 11):
+            assert conn["w0"].get(f"k{i}") == values[f"k{i}"], i
         for store in conn.values():
             store.close()
     finally:
