@@ -237,6 +237,12 @@ class StoreConfig(msgspec.Struct, **_STRUCT):
     heartbeat_ttl_s: Annotated[
         float, knob("Seconds without a heartbeat before the master drops a node.", gt=0)
     ] = 10.0
+    put_wait_s: Annotated[
+        float, knob("Seconds a put waits for room that demotions free; 0: fail at once.", ge=0)
+    ] = 5.0
+    put_retry_s: Annotated[
+        float, knob("Seconds between the asks of a put waiting for room.", gt=0)
+    ] = 0.01
 
 
 # NOTE: the rdma_* keys come from RdmaConfig (mooncake/rdmaconfig.py); flags spelled out for mypy

@@ -149,6 +149,7 @@ def connect_pool(
     store node's Transfer Engine (one engine per process and node id), so this node's own
     replicas are read in place and new objects are placed here first."""
     timeout_s = ctx.config.cluster.store_call_timeout_s
+    wait_s, retry_s = ctx.config.store.put_wait_s, ctx.config.store.put_retry_s
     if store_node is None:
         store = Store.connect(
             ctx.master_rpc,
@@ -158,12 +159,16 @@ def connect_pool(
             engine_options=engine_options(ctx.config),
             timeout_s=timeout_s,
             nic_preference=ctx.nic_preference,
+            put_wait_s=wait_s,
+            put_retry_s=retry_s,
         )
     else:
         master = RpcClient(
             ctx.master_rpc, ctx.secret, timeout_s=timeout_s, max_frame_bytes=64 << 20
         )
-        store = Store(master, store_node.engine, timeout_s, 16 << 20)
+        store = Store(
+            master, store_node.engine, timeout_s, 16 << 20, put_wait_s=wait_s, put_retry_s=retry_s
+        )
     return store, StoreKVPool(store, worker.layout, worker.fingerprint)
 
 

@@ -15,8 +15,8 @@ sharing, reuse distances).
 
 from mooncake.sim.capacity import CapacityResult, find_capacity
 from mooncake.sim.cluster import SimConfig
+from mooncake.sim.lru import global_lru_hit_rate
 from mooncake.sim.metrics import SimReport, SimResult
-from mooncake.sim.pool import global_lru_hit_rate
 from mooncake.sim.simulator import Simulator, run_sim
 from mooncake.sim.trace import TraceError, TraceRecord, load_trace
 

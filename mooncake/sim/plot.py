@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from mooncake.errors import MooncakeError
+from mooncake.sim.lru import global_lru_hit_rate
 from mooncake.sim.metrics import SimReport
-from mooncake.sim.pool import global_lru_hit_rate
 from mooncake.sim.trace import TraceRecord
 
 DEFAULT_POOL_SIZES = (1_000, 10_000, 30_000, 50_000, 100_000, None)  # blocks; None = unbounded

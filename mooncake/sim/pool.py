@@ -6,9 +6,14 @@ and optional SSD, counted in blocks, with one pool-wide recency order per tier
 capacity for distinct blocks:
 
 - a block is written once: a write of a block the pool holds anywhere only refreshes it
-  (the Store answers the put "exists"); a new block goes to the writer's node while it
-  has room, else to the node with the most room, else where the policy's first victim
-  frees one;
+  (the Store answers the put "exists"); a new block goes to the writer's node. When the
+  writer's memory is full, the writer's first victim in the policy's order makes room:
+  a spare copy gives up its slot, a last copy moves to the node with the most room, else
+  to where the policy's first victim (evicted or demoted) was; the pool's first victim on
+  the writer itself is evicted as usual. So the pool holds what it held before (its
+  order decides what leaves), and a node keeps what it wrote most recently: the next turn
+  of a conversation finds its prefix there, not scattered over the pool (the Store does
+  the same, `store/eviction.py`'s `room_on_writer`);
 - victims in the policy's order: spare copies (duplicates, SSD copies of blocks also in
   memory) before last copies, each least recently used first, pool-wide; a last copy in
   memory is demoted to SSD (its node's, else where the SSD's own victim frees room) when
@@ -24,63 +29,21 @@ blocks in the pool. Every change reaches the Conductor's `PrefixIndex` per node 
 every drop reaches the ledger (times in seconds of simulated time, `conductor/misses.py`).
 
 A `NodePool` is one node's handle on its pool (a pool of its own when none is given: a
-coupled instance's local cache). `global_lru_hit_rate` is the paper's Table 1 measure:
-one global LRU pool of `capacity` blocks, requests replayed in order, hit = the longest
-prefix of a request's blocks that is resident, hit rate = hits / blocks requested.
+coupled instance's local cache); each of its tiers is an `LruTier` (`sim/lru.py`).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import heapq
+import itertools
 from collections.abc import Iterable, Sequence
 
 from mooncake.conductor.index import PrefixIndex
 from mooncake.conductor.misses import MissLedger
-from mooncake.sim.trace import TraceRecord
+from mooncake.sim.lru import LruTier
 from mooncake.store.poolorder import PoolOrder
 
 DEFAULT_REPLICA_BUDGET = 0.1  # share of the pool's memory duplicates may take ([store])
-
-
-class LruTier:
-    """A node's blocks of one tier in its own recency order; `capacity` None is unbounded."""
-
-    __slots__ = ("blocks", "capacity", "name")
-
-    def __init__(self, name: str, capacity: int | None):
-        self.name = name
-        self.capacity = capacity  # blocks
-        self.blocks: OrderedDict[int, None] = OrderedDict()  # oldest first
-
-    def __len__(self) -> int:
-        return len(self.blocks)
-
-    def __contains__(self, h: int) -> bool:
-        return h in self.blocks
-
-    @property
-    def has_room(self) -> bool:
-        return self.capacity is None or len(self.blocks) < self.capacity
-
-    @property
-    def room(self) -> float:
-        return float("inf") if self.capacity is None else self.capacity - len(self.blocks)
-
-    def put(self, h: int) -> list[int]:
-        """Insert or refresh `h` as most recent; returns the blocks evicted, oldest first."""
-        blocks = self.blocks
-        if h in blocks:
-            blocks.move_to_end(h)
-            return []
-        blocks[h] = None
-        evicted = []
-        if self.capacity is not None:
-            while len(blocks) > self.capacity:
-                evicted.append(blocks.popitem(last=False)[0])
-        return evicted
-
-    def remove(self, h: int) -> None:
-        self.blocks.pop(h, None)
 
 
 class SimPool:
@@ -103,10 +66,18 @@ class SimPool:
         self.holders: dict[str, dict[int, list[NodePool]]] = {top_tier: {}, "ssd": {}}
         self._changed: dict[NodePool, dict[int, None]] = {}  # reported at the end of a call
         self.free: dict[str, float] = {top_tier: 0, "ssd": 0}  # tier -> blocks free, all nodes
+        # NOTE: a block's place in the top tier's pool order (a counter: the order's
+        # appends and touches), and per node a heap of (place, block) with stale entries
+        # skipped, so a node's first block in the pool's order is found without a scan
+        self._place_of: dict[int, int] = {}  # block -> its place in the top tier's order
+        self._heaps: dict[NodePool, list[tuple[int, int]]] = {}
+        self._clock = itertools.count()
+        self.num_relocated = 0  # last copies moved off a full writer to make it room
 
     def join(self, node: NodePool) -> None:
         assert node.node not in self.nodes, node.node
         self.nodes[node.node] = node
+        self._heaps[node] = []
         self.free[self.top_tier] += node.top.room
         self.free["ssd"] += node.ssd.room if node.ssd is not None else 0
 
@@ -126,8 +97,7 @@ class SimPool:
         order, top = self.order, self.top_tier
         for h in hashes:
             if h in writer.top:
-                order.touch(h)
-                writer.top.blocks.move_to_end(h)
+                self.touch_block(h)
             elif writer.ssd is not None and h in writer.ssd:
                 self._promote(writer, h)
             elif h in order.copies:
@@ -165,23 +135,77 @@ class SimPool:
 
     def touch_block(self, h: int) -> None:
         self.order.touch(h)
+        place = 0
+        if h in self._place_of:
+            self._place_of[h] = place = next(self._clock)
         for tier, table in self.holders.items():
             for node in table.get(h, ()):
                 lru = self.tier_of(node, tier)
                 assert lru is not None
                 lru.blocks.move_to_end(h)
+                if tier == self.top_tier:
+                    heapq.heappush(self._heaps[node], (place, h))
 
     # -- placement and eviction ----------------------------------------------------------
 
     def _place(self, writer: NodePool, h: int, tier: str) -> None:
-        """A new block into `tier`: the writer's node, else the roomiest, else where the
-        first victim frees room; dropped (not stored) if the tier has no capacity."""
+        """A new block into `tier`: the writer's node (made room on when full), else (a
+        writer without this tier) the roomiest, else where the first victim frees room;
+        dropped (not stored) if the tier has no capacity."""
         own = self.tier_of(writer, tier)
-        node = writer if own is not None and own.has_room else self._roomiest(tier)
-        if node is None:
-            node = self._make_room(tier)
+        if own is not None and own.capacity != 0:
+            if own.has_room or self._room_on_writer(writer, tier):
+                self._add(writer, h, tier)
+            return
+        node = self._roomiest(tier) or self._make_room(tier)
         if node is not None:
             self._add(node, h, tier)
+
+    def _room_on_writer(self, writer: NodePool, tier: str) -> bool:
+        """Free one block of `tier` on the full `writer` (module docstring): its first
+        victim gives up its slot (a spare copy) or moves where there is room (a last copy);
+        the pool's first victim on the writer itself is evicted as usual."""
+        mine = self._first_on(writer, tier)
+        if mine is None:
+            return False
+        if mine in self.order.spare[tier]:
+            self._remove(writer, mine, tier)
+            return True
+        dst = self._roomiest(tier) or self._make_room(tier)
+        if dst is None:
+            return False
+        if dst is not writer:  # NOTE: else the pool's first victim was the writer's own
+            self._relocate(writer, dst, mine, tier)
+        return True
+
+    def _first_on(self, node: NodePool, tier: str) -> int | None:
+        """`node`'s first block of `tier` in the policy's order: spare copies first."""
+        holders = self.holders[tier]
+        for h in self.order.victims(tier, spare_only=True):
+            if node in holders[h]:
+                return h
+        heap, lru, place = self._heaps[node], self.tier_of(node, tier), self._place_of
+        assert tier == self.top_tier and lru is not None, (node.node, tier)
+        while heap:
+            at, h = heap[0]
+            if h in lru and place.get(h) == at:
+                return h
+            heapq.heappop(heap)  # NOTE: stale: touched since, or gone from the node
+        return None
+
+    def _relocate(self, src: NodePool, dst: NodePool, h: int, tier: str) -> None:
+        """Move `h`'s copy in `tier` from `src` to `dst`, keeping its place in the pool's
+        order (the Store's relocation: the same object, elsewhere)."""
+        src_lru, dst_lru = self.tier_of(src, tier), self.tier_of(dst, tier)
+        assert src_lru is not None and dst_lru is not None and h not in dst_lru, h
+        self._changed.setdefault(dst, {})[h] = None
+        src_lru.remove(h)
+        dst_lru.blocks[h] = None
+        nodes = self.holders[tier][h]
+        nodes[nodes.index(src)] = dst
+        heapq.heappush(self._heaps[dst], (self._place_of[h], h))
+        self._changed.setdefault(src, {})[h] = None
+        self.num_relocated += 1
 
     def _roomiest(self, tier: str) -> NodePool | None:
         if not self.free[tier]:
@@ -250,6 +274,10 @@ class SimPool:
         self.free[tier] -= 1
         self.holders[tier].setdefault(h, []).append(node)
         self.order.add(h, tier)
+        if tier == self.top_tier:
+            if h not in self._place_of:  # NOTE: a duplicate keeps the original's place
+                self._place_of[h] = next(self._clock)
+            heapq.heappush(self._heaps[node], (self._place_of[h], h))
         self._changed.setdefault(node, {})[h] = None
 
     def _remove(self, node: NodePool, h: int, tier: str) -> None:
@@ -261,24 +289,29 @@ class SimPool:
         nodes.remove(node)
         if not nodes:
             del self.holders[tier][h]
+            if tier == self.top_tier:
+                del self._place_of[h]
         self.order.remove(h, tier)
         self._changed.setdefault(node, {})[h] = None
 
     def _report(self, t: float) -> None:
-        """Tell the index where each changed block ended up on each node."""
-        for node, blocks in self._changed.items():
-            node.report(blocks, t)
+        """Tell the index where each changed block ended up on each node, then the ledger
+        which blocks left (a block moved between nodes is not one)."""
+        gone = [h for node, blocks in self._changed.items() for h in node.report(blocks)]
         self._changed = {}
+        if gone and self.ledger is not None:
+            self.ledger.dropped(gone, t)
 
     def check_integrity(self) -> None:
         self.order.check_integrity()
         for tier, table in self.holders.items():
             for h, nodes in table.items():
                 assert nodes and all(h in (self.tier_of(n, tier) or ()) for n in nodes), h
-            total = sum(len(self.tier_of(n, tier) or ()) for n in self.nodes.values())
-            assert total == sum(len(v) for v in table.values()), tier
-            room = sum((self.tier_of(n, tier) or LruTier("", 0)).room for n in self.nodes.values())
+            lrus = [lru for n in self.nodes.values() if (lru := self.tier_of(n, tier)) is not None]
+            assert sum(map(len, lrus)) == sum(len(v) for v in table.values()), tier
+            room = sum(lru.room for lru in lrus)  # NOTE: not `or`: an empty tier is falsy
             assert self.free[tier] == room, (tier, self.free[tier], room)
+        assert set(self._place_of) == set(self.holders[self.top_tier]), "places out of sync"
         for node in self.nodes.values():
             node.check_integrity()
 
@@ -330,9 +363,9 @@ class NodePool:
         """A copy here of blocks the pool holds elsewhere (room and budget permitting)."""
         return self.pool.replicate(self, hashes, t)
 
-    def report(self, affected: dict[int, None], t: float) -> None:
+    def report(self, affected: dict[int, None]) -> list[int]:
         """Tell the index where each affected block ended up here (exact, whatever the
-        order of the changes)."""
+        order of the changes); returns those no longer here."""
         in_top: list[int] = []
         in_ssd: list[int] = []
         gone: list[int] = []
@@ -346,32 +379,9 @@ class NodePool:
                 self.index.demote(self.node, in_ssd, "ssd")
             if gone:
                 self.index.evict(self.node, gone)
-        if gone and self.ledger is not None:
-            self.ledger.dropped(gone, t)
+        return gone
 
     def check_integrity(self) -> None:
         assert self.top.capacity is None or len(self.top) <= self.top.capacity, self.node
         if self.ssd is not None:
             assert self.ssd.capacity is None or len(self.ssd) <= self.ssd.capacity, self.node
-
-
-def global_lru_hit_rate(records: Sequence[TraceRecord], capacity: int | None) -> float:
-    """Table 1's hit rate of one global LRU pool of `capacity` blocks (None = unbounded)."""
-    lru: OrderedDict[int, None] = OrderedDict()
-    hits = total = 0
-    for rec in records:
-        ids = rec.hash_ids
-        for h in ids:
-            if h not in lru:
-                break
-            hits += 1
-        total += len(ids)
-        for h in ids:
-            if h in lru:
-                lru.move_to_end(h)
-            else:
-                lru[h] = None
-        if capacity is not None:
-            while len(lru) > capacity:
-                lru.popitem(last=False)
-    return hits / total if total else 0.0

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import msgspec
 import numpy as np
 
-from mooncake.sim.pool import global_lru_hit_rate
+from mooncake.sim.lru import global_lru_hit_rate
 from mooncake.sim.trace import TraceRecord, trace_span_s
 
 PCTS = (50, 90, 99)

@@ -53,7 +53,11 @@ def check_pool(pool: Pool) -> None:
         done = obj.complete()
         where = {(r.node_id, r.tier) for r in done}
         assert len(where) == len(done), f"{key}: two replicas in one tier of a node"
-        if obj.is_committed:
+        if obj.relocated_by:
+            assert obj.is_committed and len(obj.replicas) == 1 and not done, key
+            put = pool.objects.get(obj.relocated_by)
+            assert put is not None and any(o is obj for o, _ in put.relocations), key
+        elif obj.is_committed:
             assert done, f"{key}: committed without a COMPLETE replica"
             assert len(obj.replicas) - len(done) == (1 if obj.move_id else 0), key
         else:
@@ -68,7 +72,8 @@ def check_pool(pool: Pool) -> None:
     pool.order.check_integrity()
     for key, obj in pool.objects.items():
         per: dict[str, int] = {}
-        for r in obj.complete():
+        # NOTE: a relocated object keeps its place in the order through its move
+        for r in obj.replicas if obj.relocated_by else obj.complete():
             per[r.tier] = per.get(r.tier, 0) + 1
         assert pool.order.copies.get(key, {}) == per, f"{key}: eviction order out of sync"
     for _, r in space.deferred:

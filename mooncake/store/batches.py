@@ -22,9 +22,10 @@ import numpy as np
 from mooncake.errors import StoreError
 from mooncake.rpc.wire import Msg
 from mooncake.store import messages as m
-from mooncake.store.datapath import DataPath, ReadPlan
+from mooncake.store.datapath import DataPath, ReadPlan, WritePlan
 from mooncake.store.grants import LocationCache, PutShape, SlotPool
 from mooncake.store.objects import GetResult, KeyResult, PutStartResult, ReplicaDesc, Slot
+from mooncake.store.relocator import Relocator
 from mooncake.store.settings import key_error
 from mooncake.transfer.engine import TransferEngine
 
@@ -63,6 +64,9 @@ class BatchCalls:
     _lock: threading.Lock  # NOTE: guards the staging buffer, one op at a time
     _staging: np.ndarray
     _staging_name: str
+    relocator: Relocator  # copies what the master relocated for our puts
+    put_wait_s: float  # s a put that found no room waits while room is on its way
+    put_retry_s: float  # s between its asks
 
     def _call(self, msg: Msg, reply_type: type[Any]) -> Any:
         raise NotImplementedError
@@ -103,14 +107,16 @@ class BatchCalls:
             reply = self._call(msg, m.BatchPutStartReplyMsg)
             if self.slots is not None and shape is not None and reply.slots:
                 self.slots.add(shape, reply.slots, sent_at)
-            starts = reply.results
-            plan, off = [], 0
+            starts = self._wait_for_room(reply.results, sizes, opts)
+            unmoved = self.relocator.copy(starts)
+            plan: WritePlan = []
+            off = 0
             for r, v in zip(starts, values, strict=True):
-                if r.status == "ok":
+                if r.status == "ok" and r.key not in unmoved:
                     self._staging[off : off + len(v)] = np.frombuffer(v, dtype=np.uint8)
                     plan.append((r.key, r.replicas, self._staging_name, off))
                 off += len(v)
-            failed = self.data.write(plan)
+            failed = {**unmoved, **self.data.write(plan)}
         if failed:
             self._revoke(list(failed))
         ok = tuple(r.key for r in starts if r.status == "ok" and r.key not in failed)
@@ -260,7 +266,37 @@ class BatchCalls:
         for i in range(0, len(keys), m.MAX_BATCH):  # the master's limit per call
             part = tuple(keys[i : i + m.MAX_BATCH])
             msg = m.BatchPutStartMsg(part, (size,) * len(part), self.node_id, **opts)
-            out += self._call(msg, m.BatchPutStartReplyMsg).results
+            results = self._call(msg, m.BatchPutStartReplyMsg).results
+            out += self._wait_for_room(results, [size] * len(part), opts)
+        if failed := self.relocator.copy(out):
+            self._revoke(list(failed))
+            out = [
+                PutStartResult(key=r.key, status="error", message=failed[r.key])
+                if r.key in failed
+                else r
+                for r in out
+            ]
+        return out
+
+    def _wait_for_room(
+        self, starts: Sequence[PutStartResult], sizes: Sequence[int], opts: dict[str, Any]
+    ) -> list[PutStartResult]:
+        """`starts` (put_start answers for values of `sizes`), each that found no room
+        while the master said room is on its way (`room_pending`: demotions to SSD in
+        flight) asked again every put_retry_s until it gets an answer or put_wait_s ran
+        out (then its last answer stands)."""
+        out = list(starts)
+        deadline = time.monotonic() + self.put_wait_s
+        while waiting := [
+            i for i, r in enumerate(out) if r.status == "no_space" and r.room_pending
+        ]:
+            if time.monotonic() + self.put_retry_s > deadline:
+                break
+            time.sleep(self.put_retry_s)
+            keys = tuple(out[i].key for i in waiting)
+            msg = m.BatchPutStartMsg(keys, tuple(sizes[i] for i in waiting), self.node_id, **opts)
+            for i, r in zip(waiting, self._call(msg, m.BatchPutStartReplyMsg).results, strict=True):
+                out[i] = r
         return out
 
     def end_puts(

@@ -42,6 +42,7 @@ from mooncake.store.datapath import DataPath
 from mooncake.store.direct import MasterCalls
 from mooncake.store.grants import MARGIN, LocationCache, PutShape, SlotPool
 from mooncake.store.objects import GetResult, ReplicaDesc
+from mooncake.store.relocator import Relocator
 from mooncake.transfer.engine import TransferEngine
 from mooncake.transfer.inline import Finish
 from mooncake.transfer.staging import BaseStaging, Event
@@ -54,12 +55,15 @@ class Store(BatchCalls):
     """A connection to the pool: a control channel to the master and a Transfer Engine."""
 
     def __init__(self, master: RpcClient, engine: TransferEngine, timeout_s: float, staging: int,
-                 *, direct: bool = True, reuse_grants: bool = True):  # fmt: skip
+                 *, direct: bool = True, reuse_grants: bool = True, put_wait_s: float = 5.0,
+                 put_retry_s: float = 0.01):  # fmt: skip
         """`direct`: make the calls on the master's direct channel when it offers one
         (store/direct.py); False keeps every call on the CURVE-encrypted RPC.
         `reuse_grants`: reuse read leases and write slots (store/grants.py); False asks
-        the master on every call, as a client of upstream Mooncake does."""
+        the master on every call, as a client of upstream Mooncake does. `put_wait_s`,
+        `put_retry_s`: [store]'s, how long a put waits for room on its way."""
         self.master, self.engine, self.timeout_s = master, engine, timeout_s
+        self.put_wait_s, self.put_retry_s = put_wait_s, put_retry_s
         self.node_id = engine.name
         self.data = DataPath(engine, self.node_id, timeout_s)
         self.locations = LocationCache() if reuse_grants else None
@@ -68,6 +72,7 @@ class Store(BatchCalls):
         self._lock = threading.Lock()  # NOTE: guards the staging buffer, one op at a time
         self._staging_name = f"{self.node_id}.staging"
         self._staging = engine.allocate(self._staging_name, staging)
+        self.relocator = Relocator(engine, self.data, f"{self.node_id}.moving")
 
     @classmethod
     def connect(
@@ -84,6 +89,8 @@ class Store(BatchCalls):
         reuse_grants: bool = True,  # reuse read leases and write slots (store/grants.py)
         nic_preference: Mapping[str, Any] | None = None,  # Topology.nic_preference
         staging: BaseStaging | None = None,  # device memory over tcp/shm; None = CUDA's
+        put_wait_s: float = 5.0,  # s a put waits for room on its way ([store] put_wait_s)
+        put_retry_s: float = 0.01,  # s between its asks ([store] put_retry_s)
     ) -> Store:
         """Connect to the master at `master_address` (e.g. "tcp://10.0.0.1:7100")."""
         key = secret.encode() if isinstance(secret, str) else secret
@@ -94,7 +101,8 @@ class Store(BatchCalls):
         try:
             master = RpcClient(master_address, key, timeout_s=timeout_s, max_frame_bytes=64 << 20)
             return cls(master, engine, timeout_s, staging_bytes, direct=direct,
-                       reuse_grants=reuse_grants)  # fmt: skip
+                       reuse_grants=reuse_grants, put_wait_s=put_wait_s,
+                       put_retry_s=put_retry_s)  # fmt: skip
         except BaseException:
             engine.close()
             raise
@@ -165,9 +173,9 @@ class Store(BatchCalls):
                            m.PutStartReplyMsg)  # fmt: skip
         if self.slots is not None and reply.slots:
             self.slots.add(shape, reply.slots, sent_at)
-        r = reply.result
+        r = self._wait_for_room([reply.result], [size], opts)[0]
         self._raise(r)
-        failed = self.data.write([(key, r.replicas, segment, offset)])
+        failed = self.relocator.copy([r]) or self.data.write([(key, r.replicas, segment, offset)])
         if failed:
             self._revoke([key])
             raise StoreError(f"put of {key!r} failed, nothing was committed: {failed[key]}")

@@ -37,6 +37,15 @@ asks for DRAM, then SSD), or answers no_space when none has room. Protected obje
 never touched; when dropping every candidate would not make the value fit, nothing is
 dropped. Hot-spot duplicates are bounded by `replica_budget` (`moves.py`).
 
+Under `local_first` placement a put into its writer's full memory segment stays there
+(`room_on_writer`): the writer's first objects in the pool's order make room, each a
+spare copy giving up its range or a last copy *relocated*: moved to another segment's
+free room, else to where the pool's first victim was dropped, keeping its place in the
+order (the pool's first victim on the writer itself is dropped as usual). The pool holds
+what the plain order would hold, and each node keeps what it wrote or read last, so the
+next turn of a conversation finds its prefix on one node. A relocated object's bytes are
+copied by the put's writer before it writes (`Relocation`, pool.py's `relocate`).
+
 The Evictor takes only what it uses: the pool's state (`pool.py`: segments, objects,
 order, and the edits that release replicas), the moves and the settings. The moves
 themselves (copies between tiers and nodes, confirmed by the data plane) are `moves.py`'s.
@@ -52,6 +61,7 @@ from mooncake.store.objects import (
     TIERS,
     Instruction,
     ObjectRecord,
+    Relocation,
     Replica,
     Segment,
     Tier,
@@ -98,6 +108,15 @@ class Evictor:
     def has_below(self, tier: Tier) -> bool:
         """Whether a tier below `tier` is mounted (its victims can move down)."""
         return any(self.space.tier_segments[t] for t in BELOW[tier])
+
+    def is_room_coming(self, tier: Tier, now: float) -> bool:
+        """Whether room in `tier` is on its way: demotions in flight, ranges freed when
+        readers' leases end, or a victim the next pass can move down; changes nothing."""
+        if self.mover.pending_release(tier) or any(
+            r.segment.tier == tier for _, r in self.space.deferred
+        ):
+            return True
+        return self.has_below(tier) and self._first_victim(tier, now, spare_only=False) is not None
 
     def note_pressure(self, tier: Tier, size: int) -> None:
         """A put of `size` bytes found no room in `tier`: the next pass makes some."""
@@ -226,6 +245,67 @@ class Evictor:
         for obj, r in victims:
             self._drop(obj, [r], now)
         return True
+
+    def room_on_writer(
+        self, seg: Segment, size: int, put_key: str, now: float
+    ) -> list[tuple[ObjectRecord, Replica, Relocation]]:
+        """Make the writer's full segment `seg` fit `size` bytes for the put of `put_key`
+        (module docstring); returns the objects relocated (with their new replica and what
+        the writer copies). When a last copy finds no room elsewhere, nothing on `seg`
+        moves (spare copies there and victims dropped elsewhere cost nothing: the pool's
+        order would drop them next)."""
+        tier, space = seg.tier, self.space
+        spare_only = self.has_below(tier)  # NOTE: last copies wait for their demotion
+        others = {
+            s
+            for s in space.tier_segments[tier]
+            if s.usable_from <= now and s.node_id != seg.node_id
+        }
+        mine = self._victims_for(tier, size, {seg}, now, spare_only=False)
+        if mine is None:
+            return []
+        going: list[tuple[ObjectRecord, Replica]] = []  # the pool's first victim, as usual
+        moving: list[tuple[ObjectRecord, Replica, Replica]] = []  # (object, from, to)
+        for obj, r in mine:
+            if obj.key in self.order.spare[tier] or len(obj.replicas) != 1:
+                self._drop(obj, [r], now)  # a spare copy gives up its range (first: its
+                continue  # other copies are last ones now, never victims for the room below)
+            dst = self._allocate_in(obj, self._free_room(obj, others))
+            if dst is None and not moving and self._first_victim(tier, now, spare_only) is obj:
+                going.append((obj, r))
+                continue
+            if dst is None:
+                room = self._victims_for(tier, obj.size, others, now, spare_only)
+                if room is not None:
+                    for victim, vr in room:
+                        self._drop(victim, [vr], now)
+                    dst = self._allocate_in(obj, room[0][1].segment)
+            if dst is None:
+                for o, _, d in moving:  # NOTE: allocated only: freed as if never taken
+                    space.free(o.key, d)
+                return []
+            moving.append((obj, r, dst))
+        for obj, r in going:
+            self._drop(obj, [r], now)
+        pool = self.pool
+        return [(obj, dst, pool.relocate(obj, r, dst, put_key)) for obj, r, dst in moving]
+
+    def _allocate_in(self, obj: ObjectRecord, seg: Segment | None) -> Replica | None:
+        return self.space.allocate(seg, obj.key, obj.size) if seg is not None else None
+
+    def _free_room(self, obj: ObjectRecord, segs: set[Segment]) -> Segment | None:
+        """The emptiest of `segs` with room for `obj` now, on a node not holding it."""
+        holders = {r.node_id for r in obj.replicas}
+        fits = [s for s in segs if s.node_id not in holders and s.allocator.can_fit(obj.size)]
+        return min(fits, key=lambda s: (-s.free_ratio, s.name), default=None)
+
+    def _first_victim(self, tier: Tier, now: float, spare_only: bool) -> ObjectRecord | None:
+        """The pool's first unprotected victim in `tier`."""
+        for key in self.order.victims(tier, spare_only):
+            obj = self.objects[key]
+            if not obj.is_protected(now):
+                return obj
+        return None
 
     def _victims_for(
         self, tier: Tier, size: int, segs: set[Segment], now: float, spare_only: bool

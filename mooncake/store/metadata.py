@@ -190,7 +190,7 @@ class MetadataService:
         copies), and one only on SSD starts a promotion to DRAM for the next reads. A miss:
         status not_found."""
         obj = self.objects.get(key)
-        if obj is None or not obj.is_committed:
+        if obj is None or not obj.is_committed or obj.relocated_by:  # NOTE: relocating: a miss
             err = key_error(key)
             if err:
                 return GetResult(key=key, status="error", message=err)

@@ -48,6 +48,16 @@ class ReplicaDesc(msgspec.Struct, frozen=True, kw_only=True):
     replica_id: int = 0
 
 
+class Relocation(msgspec.Struct, frozen=True, kw_only=True):
+    """An object the master moved off the writer's full segment to make the put room
+    there (store/eviction.py, `room_on_writer`): the writer copies `src` to `dst` before
+    it writes its own value (which may take `src`'s range); the put's end commits `dst`."""
+
+    key: str  # the object moved
+    src: ReplicaDesc  # where its bytes are until the writer's value overwrites them
+    dst: ReplicaDesc  # where they go (PROCESSING until the put ends)
+
+
 class PutStartResult(msgspec.Struct, frozen=True, kw_only=True):
     """put_start's answer: status "ok" with the replicas to write, or why not."""
 
@@ -55,6 +65,11 @@ class PutStartResult(msgspec.Struct, frozen=True, kw_only=True):
     status: Status
     message: str = ""  # what went wrong and what to do; "" when ok
     replicas: tuple[ReplicaDesc, ...] = ()  # status ok: write the value to every one
+    # status ok: copy each of these first (a full writer's room, made by moving its oldest)
+    relocations: tuple[Relocation, ...] = ()
+    # status no_space: room is on its way (demotions in flight or about to start, ranges
+    # freed when readers' leases end): the same put asked again soon may succeed
+    room_pending: bool = False
 
 
 class Slot(msgspec.Struct, frozen=True, kw_only=True):
@@ -231,15 +246,22 @@ class ObjectRecord:
     pin_until: float = 0.0  # s
     move_id: int = 0  # a demotion/promotion in flight (its dst is a PROCESSING replica)
     wanted: int = 1  # copies the put asked for; more count against replica_budget
+    # NOTE: a relocation (eviction.py, `room_on_writer`): the moved object's only replica
+    # is its PROCESSING destination, written by the put `relocated_by` names, which keeps
+    # (moved object, destination) in `relocations`; the moved object keeps its place in
+    # the pool's order and reads as a miss until that put ends
+    relocated_by: str = ""  # key of the put carrying this object's bytes; "" = none
+    relocations: list[tuple[ObjectRecord, Replica]] = field(default_factory=list)
 
     def complete(self) -> list[Replica]:
         return [r for r in self.replicas if r.state == COMPLETE]
 
     def is_protected(self, now: float) -> bool:
-        """Leased, pinned, uncommitted or moving: eviction must skip it."""
+        """Leased, pinned, uncommitted, moving or relocated: eviction must skip it."""
         return (
             not self.is_committed
             or self.move_id != 0
+            or bool(self.relocated_by)
             or self.lease_until > now
             or self.pin_until > now
         )

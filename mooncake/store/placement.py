@@ -4,7 +4,9 @@ A strategy only ranks candidate segments (all of one tier, all with a free block
 enough); the service walks the ranking and takes at most one segment per node, so the
 replicas of one object always land on distinct nodes.
 
-- local_first: the writer's own segments first (its reads stay local), then free_ratio.
+- local_first: the writer's own segments first (its reads stay local), then free_ratio;
+  a full writer's memory is made room on rather than the put landing elsewhere
+  (`keeps_local`: eviction.py's `room_on_writer`).
 - free_ratio: the emptiest segments first (share of free bytes), spreading load evenly.
 - random: a uniform shuffle from a seeded RNG (reproducible in tests and the simulator).
 """
@@ -25,6 +27,7 @@ class BasePlacement:
     """Ranks candidate segments for the replicas of one new object."""
 
     name: str = ""
+    keeps_local: bool = False  # a put into its writer's full memory makes room there
 
     def rank(self, candidates: Sequence[Segment], writer: str) -> Iterable[Segment]:
         """Candidates, best first (consumed lazily); does not change the segments."""
@@ -45,6 +48,7 @@ class FreeRatioPlacement(BasePlacement):
 
 class LocalFirstPlacement(BasePlacement):
     name = "local_first"
+    keeps_local = True
 
     def rank(self, candidates: Sequence[Segment], writer: str) -> Iterator[Segment]:
         # NOTE: a generator: when the writer's own segment takes the only replica, the

@@ -23,6 +23,7 @@ from mooncake.store.objects import (
     EventKind,
     Instruction,
     ObjectRecord,
+    Relocation,
     Replica,
     StoreEvent,
 )
@@ -103,9 +104,41 @@ class Pool:
         else:
             r.segment.keys.discard(obj.key)
 
+    def relocate(self, obj: ObjectRecord, r: Replica, dst: Replica, put_key: str) -> Relocation:
+        """Move unprotected `obj`'s only replica `r` to `dst` (allocated for it, PROCESSING)
+        for the put of `put_key` to copy (eviction.py, `room_on_writer`): `r`'s range is
+        freed at once, `obj` keeps its place in the order and reads as a miss until that
+        put ends (`settle_relocations`)."""
+        assert obj.replicas == [r] and obj.is_committed and not obj.move_id, obj.key
+        src = r.desc()
+        obj.replicas = [dst]
+        obj.relocated_by = put_key
+        self.space.free(obj.key, r)
+        self.changed_keys[obj.key] = None  # NOTE: out of the journal until the copy is done
+        self.emit("evicted", obj.key, r.node_id, r.tier)
+        return Relocation(key=obj.key, src=src, dst=dst.desc())
+
+    def settle_relocations(self, put: ObjectRecord) -> None:
+        """The put carrying them ended: the objects it relocated are readable there."""
+        for moved, dst in put.relocations:
+            if self.objects.get(moved.key) is moved and moved.relocated_by == put.key:
+                dst.state = COMPLETE  # NOTE: already in the order: it kept its place
+                moved.relocated_by = ""
+                self.emit_gain(moved, dst)
+        put.relocations = []
+
     def drop(self, obj: ObjectRecord, now: float, emit: EventKind | None) -> None:
-        """Forget `obj`, freeing every replica (emitting `emit` for each committed one)."""
+        """Forget `obj`, freeing every replica (emitting `emit` for each committed one);
+        the objects its put was relocating go too (their bytes may be overwritten)."""
         self.on_drop(obj)
+        for moved, _ in obj.relocations:
+            if self.objects.get(moved.key) is moved and moved.relocated_by == obj.key:
+                self.drop(moved, now, emit=None)
+        obj.relocations = []
+        if obj.relocated_by:  # NOTE: its replica never re-entered the order: its place goes
+            for tier in list(self.order.copies.get(obj.key, ())):
+                self.order.remove(obj.key, tier)
+            obj.relocated_by = ""
         # NOTE: slowest first, so that a node keeping it in two tiers gets one event
         for r in sorted(obj.replicas, key=lambda r: -TIERS.index(r.tier)):
             self.detach(obj, r, now, emit)

@@ -8,7 +8,10 @@
   registers it with a Transfer Engine: a reader copies an SSD replica straight into its
   own buffer, one-sided like memory, and the kernel pages the bytes in from the SSD (the
   node serves it; no promotion to wait for). The node's own moves use O_DIRECT I/O with
-  an xxh3 checksum per object it wrote, checked when it reads the object back.
+  an xxh3 checksum per object it wrote, checked when it reads the object back. The node
+  holds an exclusive flock on its file while it lives (the kernel drops it when the
+  process dies, however), so a starting node sweeps the directory's files nobody holds
+  (`sweep_stale`: left by a killed node) and never touches a live node's.
 
 Every tier answers `read(offset, size) -> bytes` and `write(offset, data)` for the node's
 own moves; memory tiers also have a `segment` name that clients hand the Transfer Engine.
@@ -16,6 +19,8 @@ own moves; memory tiers also have a `segment` name that clients hand the Transfe
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
 import mmap
 import os
@@ -32,6 +37,7 @@ from mooncake.transfer.engine import TransferEngine
 log = logging.getLogger(__name__)
 
 SSD_ALIGN_BYTES: Final = 4096  # O_DIRECT needs offsets, lengths and buffers on this grid
+SSD_FILE_SUFFIX: Final = ".pool"  # an SSD tier's file: <segment>.pool under ssd_path
 MEMORY_ALIGN_BYTES: Final = 64  # a cache line
 
 
@@ -141,26 +147,47 @@ class SsdTier(BaseTier):
     tier: Tier = "ssd"
 
     def __init__(self, ssd_path: str, segment: str, capacity_bytes: int):
+        """Claim `<segment>.pool` under `ssd_path` (after sweeping the directory's stale
+        files), sized to `capacity_bytes` and empty. Raises StoreError when a live node
+        holds that file (two nodes with one id) or it cannot be sized."""
         self.segment = segment
         self.alignment = SSD_ALIGN_BYTES
         self.capacity_bytes = capacity_bytes
         os.makedirs(ssd_path, exist_ok=True)
-        self.path = os.path.join(ssd_path, f"{segment}.pool")
+        sweep_stale(ssd_path)
+        self.path = os.path.join(ssd_path, f"{segment}{SSD_FILE_SUFFIX}")
         self._checksums: dict[int, tuple[int, int]] = {}  # offset -> (size bytes, xxh3_64)
-        flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC
+        self.fd, self.is_direct = self._claim()
         try:
-            self.fd = os.open(self.path, flags | getattr(os, "O_DIRECT", 0), 0o600)
-            self.is_direct = hasattr(os, "O_DIRECT")
-        except OSError:  # tmpfs and some others refuse O_DIRECT
-            self.fd = os.open(self.path, flags, 0o600)
-            self.is_direct = False
-        try:
+            os.ftruncate(self.fd, 0)  # NOTE: a killed predecessor's bytes go (sparse again)
             os.ftruncate(self.fd, capacity_bytes)
             self.mapping = self._map()
         except OSError as e:
             os.close(self.fd)
             raise StoreError(f"cannot size SSD tier file {self.path} to {capacity_bytes} "
                              f"bytes: {e}; free space or lower store.ssd_bytes") from e  # fmt: skip
+
+    def _claim(self) -> tuple[int, bool]:
+        """Open and flock our file (O_DIRECT where the filesystem takes it); returns the
+        descriptor and whether it is direct."""
+        flags = os.O_RDWR | os.O_CREAT
+        while True:
+            try:
+                fd = os.open(self.path, flags | getattr(os, "O_DIRECT", 0), 0o600)
+                is_direct = hasattr(os, "O_DIRECT")
+            except OSError:  # tmpfs and some others refuse O_DIRECT
+                fd, is_direct = os.open(self.path, flags, 0o600), False
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError as e:
+                os.close(fd)
+                raise StoreError(
+                    f"SSD tier file {self.path} is held by another live node; give each "
+                    "node its own node.id (or its own store.ssd_path)"
+                ) from e
+            if _is_same_file(self.path, fd):
+                return fd, is_direct
+            os.close(fd)  # NOTE: swept between our open and our lock: open it again
 
     def _map(self) -> mmap.mmap:
         """The whole file, shared and writable (a Transfer Engine segment must be writable:
@@ -236,8 +263,50 @@ class SsdTier(BaseTier):
             self.mapping.close()
         except BufferError:  # NOTE: a view still exported: unmapped when the last one goes
             log.debug("SSD tier %s: mapping still in use; unmapped later", self.segment)
-        os.close(self.fd)
-        try:
+        try:  # NOTE: removed while we hold the lock: never a successor's file
             os.unlink(self.path)
         except OSError:
             log.warning("could not remove SSD tier file %s", self.path)
+        os.close(self.fd)
+
+
+def _is_same_file(path: str, fd: int) -> bool:
+    """Whether `path` still names the file open as `fd` (not unlinked, not made anew)."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return False
+    own = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (own.st_dev, own.st_ino)
+
+
+def sweep_stale(ssd_path: str) -> list[str]:
+    """Remove the SSD tier files under `ssd_path` that no live process holds (their node
+    was killed before it could remove them); returns their paths. A file a live node holds
+    (its flock) is never touched, nor one made anew under the same name meanwhile."""
+    removed: list[str] = []
+    try:
+        names = sorted(os.listdir(ssd_path))
+    except OSError:
+        return removed
+    for name in names:
+        if not name.endswith(SSD_FILE_SUFFIX):
+            continue
+        path = os.path.join(ssd_path, name)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue  # gone meanwhile, or not ours to read
+        try:
+            with contextlib.suppress(BlockingIOError):
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                if _is_same_file(path, fd):
+                    os.unlink(path)
+                    removed.append(path)
+        except OSError as e:
+            log.warning("could not sweep stale SSD tier file %s: %s", path, e)
+        finally:
+            os.close(fd)  # NOTE: releases our lock
+    if removed:
+        log.warning("removed %d SSD tier files left by dead nodes in %s", len(removed), ssd_path)
+    return removed

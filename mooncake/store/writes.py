@@ -3,7 +3,9 @@
 put_start allocates `replicas` PROCESSING replicas on distinct nodes (the placement strategy
 ranks segments; the first of the put's tiers with room wins, where eviction makes room at
 once if it can, `Evictor.make_room`, before the next tier is tried; a put no tier takes
-answers no_space); the writer fills them; put_end commits (readers see the object) or
+answers no_space; under local_first, a full writer's memory segment is made room on first,
+`Evictor.room_on_writer`, its oldest objects relocated: the writer copies them, then
+writes); the writer fills them; put_end commits (readers see the object) or
 put_revoke abandons (the space is freed). A put never ended is reclaimed after
 `put_timeout_s`, or at once when its writer's node expires (`membership.py`).
 
@@ -20,11 +22,14 @@ from typing import TYPE_CHECKING, cast
 
 from mooncake.errors import StoreError
 from mooncake.store.objects import (
+    MEMORY_TIERS,
     TIERS,
     KeyResult,
     ObjectRecord,
     PutStartResult,
+    Relocation,
     Replica,
+    Segment,
     Tier,
 )
 from mooncake.store.settings import key_error
@@ -71,17 +76,31 @@ class WriteProtocol:
         refusal = self.clear_for_put(key, overwrite, now)
         if refusal:
             return PutStartResult(key=key, status=refusal.status, message=refusal.message)
-        chosen = self.allocate_replicas(key, size, writer, replicas, tiers, now)
-        if not chosen:
-            return PutStartResult(
-                key=key, status="no_space", message=self._no_room(key, size, tiers)
-            )
+        moved: list[tuple[ObjectRecord, Replica, Relocation]] = []
+        chosen = self.allocate_replicas(key, size, writer, replicas, tiers, now, moved=moved)
         pool = self.pool
+        if not chosen:
+            for o, _, _ in moved:  # NOTE: never happens: the room made was the writer's
+                pool.drop(o, now, emit=None)
+            return PutStartResult(
+                key=key,
+                status="no_space",
+                message=self._no_room(key, size, tiers),
+                room_pending=any(
+                    self.evictor.is_room_coming(t, now) for t in cast("list[Tier]", tiers)
+                ),
+            )
         obj = ObjectRecord(key, size, writer, now, chosen, pin_ttl_s=max(pin_ttl_s, 0.0))
         obj.wanted = replicas or self.config.replicas
+        obj.relocations = [(o, dst) for o, dst, _ in moved]
         pool.objects[key] = obj
         pool.writing[key] = None
-        return PutStartResult(key=key, status="ok", replicas=tuple(r.desc() for r in chosen))
+        return PutStartResult(
+            key=key,
+            status="ok",
+            replicas=tuple(r.desc() for r in chosen),
+            relocations=tuple(rel for _, _, rel in moved),
+        )
 
     def clear_for_put(self, key: str, overwrite: bool, now: float) -> KeyResult | None:
         """None if the put may go ahead (an old value it overwrites is dropped), else why not."""
@@ -102,17 +121,25 @@ class WriteProtocol:
 
     def allocate_replicas(self, key: str, size: int, writer: str, replicas: int,
                           tiers: Sequence[str], now: float, spare_only: bool = False,
+                          moved: list[tuple[ObjectRecord, Replica, Relocation]] | None = None,
                           ) -> list[Replica]:  # fmt: skip
         """Replicas on distinct nodes, best ranked first, tier by tier: in each tier where
         there is no room for the first one, eviction makes some at once if it can
         (eviction.py) before the next tier is tried. `spare_only`: in the first tier only,
-        and only under its high watermark (no eviction)."""
+        and only under its high watermark (no eviction). `moved` (given): a full writer's
+        memory segment is made room on first, the objects relocated added to it."""
         evictor = self.evictor
         want = replicas or self.config.replicas
         chosen: list[Replica] = []
         used_nodes: set[str] = set()
         order = cast("list[Tier]", list(tiers[:1] if spare_only else tiers))
         for tier in order:
+            if spare_only and self._is_writer_full(size, writer, tier, now):
+                return chosen  # NOTE: a slot elsewhere would dodge room_on_writer
+            if moved is not None and not chosen and self._is_writer_full(size, writer, tier, now):
+                moved += self.evictor.room_on_writer(
+                    self._writer_segments(writer, tier, now)[0], size, key, now
+                )
             self._place(key, size, writer, want, tier, now, spare_only, chosen, used_nodes)
             if not chosen and not spare_only and evictor.make_room(tier, size, now):
                 self._place(key, size, writer, want, tier, now, False, chosen, used_nodes)
@@ -122,6 +149,25 @@ class WriteProtocol:
             for tier in order:
                 evictor.note_pressure(tier, size)
         return chosen
+
+    def _writer_segments(self, writer: str, tier: Tier, now: float) -> list[Segment]:
+        space = self.pool.space
+        return [
+            s
+            for s in space.node_segments.get(writer, ())
+            if s.tier == tier and s.usable_from <= now
+        ]
+
+    def _is_writer_full(self, size: int, writer: str, tier: Tier, now: float) -> bool:
+        """Whether the put's first replica would leave its writer's full memory segment of
+        `tier` while the placement keeps puts local (`Evictor.room_on_writer` makes room
+        there instead)."""
+        if not self.placement.keeps_local or tier not in MEMORY_TIERS:
+            return False
+        own = self._writer_segments(writer, tier, now)
+        if not own or size > own[0].allocator.usable_bytes:
+            return False
+        return not any(s.allocator.can_fit(size) for s in own)
 
     def _place(
         self,
@@ -174,6 +220,7 @@ class WriteProtocol:
             obj.pin_until = now + obj.pin_ttl_s if obj.pin_ttl_s else 0.0
             for r in obj.replicas:
                 pool.commit(obj, r)
+            pool.settle_relocations(obj)
             pool.counters.puts += 1
         return KeyResult(key=key, status="ok")
 
@@ -210,8 +257,8 @@ def removal_refusal(obj: ObjectRecord, now: float) -> KeyResult | None:
     if not obj.is_committed:
         msg = f"{key!r} is being written; its writer must put_end or put_revoke it first"
         return KeyResult(key=key, status="busy", message=msg)
-    if obj.move_id:
-        msg = f"{key!r} is moving between tiers; retry in a moment"
+    if obj.move_id or obj.relocated_by:
+        msg = f"{key!r} is moving between tiers or nodes; retry in a moment"
         return KeyResult(key=key, status="busy", message=msg)
     if obj.lease_until > now:
         left = obj.lease_until - now

@@ -5,7 +5,7 @@ import msgspec
 import pytest
 
 from mooncake.sim.cluster import SimConfig
-from mooncake.sim.pool import global_lru_hit_rate
+from mooncake.sim.lru import global_lru_hit_rate
 from mooncake.sim.simulator import Simulator, run_sim
 from mooncake.sim.trace import load_trace
 from tests.sim.toy import FIXTURE, STEP_1, write_toy_cost, write_trace

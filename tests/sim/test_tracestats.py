@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from mooncake.sim.pool import global_lru_hit_rate
+from mooncake.sim.lru import global_lru_hit_rate
 from mooncake.sim.trace import TraceRecord, load_trace
 from mooncake.sim.tracestats import reuse_distances, shared_prefixes, trace_stats
 from tests.sim.toy import FIXTURE

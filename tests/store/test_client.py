@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -155,4 +156,68 @@ def test_node_killed_during_gets_never_hangs_or_corrupts() -> None:
             assert store.get("big") == value  # the survivor still serves it
     finally:
         for c in [*nodes, master]:
+            c.stop()
+
+
+def _where(store: Store, key: str) -> list[str]:
+    """The nodes the master lists for `key` (a read: it leases the object)."""
+    from mooncake.store import messages as m
+
+    reply = store._call(m.GetReplicasMsg(key), m.GetReplicasReplyMsg)
+    return [d.node_id for d in reply.result.replicas]
+
+
+def test_a_put_into_its_writers_full_memory_stays_there_and_its_oldest_moves() -> None:
+    """Node w0 is full and the pool's oldest value is on w1: w0's put lands on w0, and
+    w0's own oldest value, relocated by the master to where the pool's oldest was, is
+    copied there by the writer first: every value left reads back byte for byte."""
+    master = start_master()
+    nodes = [start_node(f"w{i}", master, 64 * 1024) for i in range(2)]
+    try:
+        conn = {
+            name: Store.connect(
+                master.address, SECRET, node_id=name, timeout_s=5.0, reuse_grants=False
+            )
+            for name in ("w0", "w1")
+        }
+        values = {f"k{i}": os.urandom(16000) for i in range(11)}
+        for i in range(4):
+            conn["w1"].put(f"k{i}", values[f"k{i}"])  # the pool's oldest, on w1
+        for i in range(4, 8):
+            conn["w0"].put(f"k{i}", values[f"k{i}"])
+        conn["w0"].put("k8", values["k8"])  # the pool is full
+        assert _where(conn["w0"], "k8") == ["w0"]
+        assert _where(conn["w0"], "k4") == ["w1"]  # w0's oldest took k0's place
+        results = conn["w0"].put_batch(["k9", "k10"], [values["k9"], values["k10"]])
+        assert [r.status for r in results] == ["ok", "ok"]
+        assert _where(conn["w0"], "k10") == ["w0"] and _where(conn["w0"], "k6") == ["w1"]
+        assert not any(conn["w0"].exists_batch(["k0", "k1", "k2"]))
+        for i in range(3, 11):
+            assert conn["w0"].get(f"k{i}") == values[f"k{i}"], i
+        for store in conn.values():
+            store.close()
+    finally:
+        for c in [*nodes, master]:
+            c.stop()
+
+
+def test_a_put_into_full_dram_waits_for_the_demotions_that_free_room(tmp_path: Path) -> None:
+    """DRAM full of last copies, no copies ahead, an SSD tier below: the master answers a
+    DRAM-only put "no room, but on its way" while it demotes (a store node carries the
+    copies out on its heartbeats); the put asks again until it gets room, then every value
+    reads back byte for byte (the oldest from SSD)."""
+    wm = {"high_watermark": 1.0, "low_watermark": 0.5, "copy_ahead_watermark": 1.0}
+    master = start_master(**wm)
+    node = start_node("s0", master, 64 * 1024, str(tmp_path), str(1 << 20))
+    try:
+        with Store.connect(
+            master.address, SECRET, timeout_s=5.0, reuse_grants=False, put_wait_s=60.0
+        ) as store:
+            values = {f"k{i}": os.urandom(16000) for i in range(5)}
+            for key, value in values.items():  # the fifth finds DRAM full
+                store.put(key, value)
+            for key, value in values.items():
+                assert store.get(key) == value, key
+    finally:
+        for c in (node, master):
             c.stop()

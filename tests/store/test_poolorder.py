@@ -4,6 +4,7 @@ demotion to SSD before anything leaves the pool."""
 
 from __future__ import annotations
 
+from mooncake.store.metadata import MetadataService
 from mooncake.store.poolorder import PoolOrder
 from tests.store.helpers import dst, make_service, put
 
@@ -38,19 +39,69 @@ def test_the_budget_counts_copies_beyond_what_the_put_asked_for():
     order.check_integrity()
 
 
-def test_a_put_into_a_full_pool_evicts_the_pools_oldest_object_whichever_node_holds_it():
-    """Per-node LRU would drop the writer's own recent objects; the pool's order drops the
-    oldest object of the pool, and the put goes where it freed room."""
+def _full_pool() -> MetadataService:
+    """Nodes a and b, 4 objects of 64 bytes each: a's old0-3 (oldest), then b's new0-3."""
     svc = make_service({"a": {"dram": 256}, "b": {"dram": 256}})
     for i in range(4):
         assert put(svc, f"old{i}", 64, now=float(i), writer="a") == "ok"
     for i in range(4):
         assert put(svc, f"new{i}", 64, now=10.0 + i, writer="b") == "ok"
     svc.drain_events()
+    return svc
+
+
+def test_a_put_into_a_full_pool_evicts_the_pools_oldest_object_and_stays_on_its_writer():
+    """Per-node LRU would drop the writer's own recent objects; the pool's order drops the
+    oldest object of the pool, and the writer's own oldest object takes its place (a
+    relocation the writer copies), so the put lands on its writer."""
+    svc = _full_pool()
     r = svc.put_start("newest", 64, 20.0, writer="b")
-    assert r.status == "ok" and [d.node_id for d in r.replicas] == ["a"]
-    assert [(e.kind, e.key) for e in svc.drain_events()] == [("evicted", "old0")]
-    assert all(f"new{i}" in svc.objects for i in range(4))
+    assert r.status == "ok" and [d.node_id for d in r.replicas] == ["b"]
+    (rel,) = r.relocations
+    assert (rel.key, rel.src.node_id, rel.dst.node_id) == ("new0", "b", "a")
+    assert rel.dst.offset == 0 and rel.src.offset == r.replicas[0].offset  # the old ranges
+    events = [(e.kind, e.key, e.node_id) for e in svc.drain_events()]
+    assert events == [("evicted", "old0", "a"), ("evicted", "new0", "b")]
+    assert all(f"new{i}" in svc.objects for i in range(4)) and "old0" not in svc.objects
+    svc.check_integrity()
+    assert svc.get_replicas("new0", 20.0).status == "not_found"  # until its copy is done
+    assert svc.snapshot().objects[-1].key != "new0" and len(svc.snapshot().objects) == 6
+    assert svc.put_end("newest", 21.0).status == "ok"
+    svc.check_integrity()
+    assert list(svc.pool.order.order["dram"])[:5] == ["old1", "old2", "old3", "new0", "new1"]
+    got = svc.get_replicas("new0", 22.0)  # it kept its place in the order until now
+    assert got.status == "ok" and [(d.node_id, d.offset) for d in got.replicas] == [("a", 0)]
+    events = [(e.kind, e.key, e.node_id) for e in svc.drain_events()]
+    assert ("added", "new0", "a") in events and ("added", "newest", "b") in events
+    # the pool's oldest is the writer's own: dropped as usual, nothing relocated
+    r = svc.put_start("later", 64, 30.0, writer="a")
+    assert [d.node_id for d in r.replicas] == ["a"] and not r.relocations
+    assert "old1" not in svc.objects
+    svc.check_integrity()
+
+
+def test_a_revoked_put_takes_the_objects_it_was_relocating_with_it():
+    """The writer never copied them (or wrote over their old range): they go, cleanly."""
+    svc = _full_pool()
+    r = svc.put_start("newest", 64, 20.0, writer="b")
+    assert [m.key for m in r.relocations] == ["new0"]
+    assert svc.remove("new0", 20.5).status == "busy"  # moving: not removable meanwhile
+    assert svc.put_revoke("newest", 21.0).status == "ok"
+    assert "new0" not in svc.objects and "newest" not in svc.objects
+    svc.check_integrity()
+    assert put(svc, "again", 64, now=22.0, writer="b") == "ok"  # the room is b's again
+    assert svc.objects["again"].replicas[0].node_id == "b"
+    svc.check_integrity()
+
+
+def test_other_placements_still_put_where_the_pools_oldest_was():
+    svc = make_service({"a": {"dram": 256}, "b": {"dram": 256}}, placement="free_ratio")
+    for i in range(4):
+        assert put(svc, f"old{i}", 64, now=float(i), writer="a") == "ok"
+    for i in range(4):
+        assert put(svc, f"new{i}", 64, now=10.0 + i, writer="b") == "ok"
+    r = svc.put_start("newest", 64, 20.0, writer="b")
+    assert [d.node_id for d in r.replicas] == ["a"] and not r.relocations
     svc.check_integrity()
 
 

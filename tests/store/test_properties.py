@@ -5,7 +5,9 @@ an explanation (remove, lost with its nodes, or dropped by eviction); expiry nev
 object that had a COMPLETE replica on a surviving node; eviction never touches a leased,
 pinned or uncommitted object. With SSD room for everything (`BigSsd`), eviction never
 loses an object at all. The committed pool's plain entries (`snapshot`) rebuild a service
-whose own entries compare equal.
+whose own entries compare equal. An object relocated off a full writer (store/eviction.py,
+`room_on_writer`) reads as a miss until the put carrying its bytes ends, and goes if that
+put never does.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ class StoreMachine(RuleBasedStateMachine):
         self.alive = set(NODES)
         self.pending: list[Instruction] = []
         self.committed: set[str] = set()  # keys the model believes readable
+        self.moving: set[str] = set()  # keys relocated by a put not ended yet
         self.explained: set[str] = set()  # keys allowed to vanish during this step
         for node in NODES:
             self._mount(node)
@@ -67,6 +70,12 @@ class StoreMachine(RuleBasedStateMachine):
             assert {d.node_id for d in r.replicas}.__len__() == len(r.replicas)
             self.committed.discard(key)
             self.explained.add(key)  # an overwrite removes the old object
+            moved = {m.key for m in r.relocations}
+            assert all(d.node_id == writer for d in r.replicas[:1]) or not moved
+            self.committed -= moved
+            self.moving |= moved
+            if moved:
+                event("relocated")
             if end:
                 self.end(key)
 
@@ -83,6 +92,12 @@ class StoreMachine(RuleBasedStateMachine):
         assert (status == "ok") == (obj is not None)
         if was_writing:
             self.committed.add(key)
+        for k in list(self.moving):  # the relocations its put carried are readable again
+            o = self.svc.objects.get(k)
+            if o is None or not o.relocated_by:
+                self.moving.discard(k)
+                if o is not None and o.is_committed:
+                    self.committed.add(k)
 
     @rule(key=KEYS)
     def revoke(self, key):
@@ -166,6 +181,9 @@ class StoreMachine(RuleBasedStateMachine):
         self.svc.check_integrity()
         self._drain()
         readable = {k for k, o in self.svc.objects.items() if o.is_committed}
+        gone = {k for k in self.moving if k not in readable}  # their put never ended
+        self.moving -= gone
+        readable -= self.moving
         vanished = self.committed - readable
         assert vanished <= self.explained, f"vanished without a reason: {vanished}"
         self.committed -= vanished

@@ -145,6 +145,27 @@ def test_a_put_with_no_copy_to_drop_goes_to_ssd_or_is_refused_dropping_nothing()
     ]
 
 
+def test_a_refused_put_says_whether_room_is_on_its_way():
+    """no_space with `room_pending` while demotions are in flight or a pass can start
+    some (the client asks again, store/batches.py); without, when nothing can move down."""
+    svc = make_service({"a": {"dram": 512, "ssd": 4096}}, copy_ahead_watermark=1.0)
+    for i in range(8):
+        assert put(svc, f"k{i}", 64, now=float(i)) == "ok"
+    r = svc.put_start("new", 64, 10.0)
+    assert r.status == "no_space" and r.room_pending  # the next pass demotes
+    svc.evict(10.5)
+    assert svc.put_start("new", 64, 11.0).room_pending  # demotions in flight
+    settle(svc, 12.0)
+    assert put(svc, "new", 64, now=12.0) == "ok"
+    bare = make_service({"a": {"dram": 128}}, copy_ahead_watermark=1.0)
+    for i in range(2):
+        assert put(bare, f"p{i}", 64, now=0.0, pin_ttl_s=100.0) == "ok"
+    r = bare.put_start("new", 64, 1.0)
+    assert r.status == "no_space" and not r.room_pending  # pinned, nowhere to go
+    svc.check_integrity()
+    bare.check_integrity()
+
+
 def test_protected_objects_are_never_dropped_for_a_put():
     """Leased, pinned and moving objects keep their DRAM replicas whatever a put needs:
     the put takes the oldest unprotected copy, and is refused when there is none."""

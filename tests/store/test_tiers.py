@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from mooncake.errors import StoreError
-from mooncake.store.tiers import DramTier, SsdTier, VramTier
+from mooncake.store.tiers import DramTier, SsdTier, VramTier, sweep_stale
 from mooncake.transfer.engine import TransferEngine
 
 SECRET = b"tier-test-secret-0123456789abcdef"
@@ -71,3 +74,61 @@ def test_memory_tiers_are_engine_segments() -> None:
         dram.close()
         vram.close()
         assert engine.describe("t.dram") is None
+
+
+_HOLD_SSD = """
+import sys
+from mooncake.store.tiers import SsdTier
+tier = SsdTier(sys.argv[1], sys.argv[2], 1 << 20)
+print("READY", tier.path, flush=True)
+sys.stdin.read()
+tier.close()
+"""
+
+
+def _node_with_ssd(ssd_path: Path, segment: str) -> tuple[subprocess.Popen[str], str]:
+    """A child process holding an SSD tier file, ready once it printed the file's path."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _HOLD_SSD, str(ssd_path), segment],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    ready, path = proc.stdout.readline().split()
+    assert ready == "READY" and os.path.exists(path), path
+    return proc, path
+
+
+def test_a_starting_node_sweeps_the_files_of_killed_nodes_and_never_a_live_ones(
+    tmp_path: Path,
+) -> None:
+    """Three nodes share one SSD directory: one is SIGKILLed (its sparse file stays
+    behind), one lives on. A node starting there removes the dead one's file, keeps the
+    live one's; a node with the killed one's id starts on its name again; one with the
+    live one's id is refused rather than truncating its file."""
+    dead, dead_path = _node_with_ssd(tmp_path, "dead.ssd")
+    live, live_path = _node_with_ssd(tmp_path, "live.ssd")
+    stray = tmp_path / "notes.txt"  # not an SSD tier file: never touched
+    stray.write_text("x")
+    try:
+        dead.send_signal(signal.SIGKILL)
+        dead.wait(timeout=10)
+        assert os.path.exists(dead_path)
+        tier = SsdTier(str(tmp_path), "new.ssd", 1 << 16)
+        try:
+            assert not os.path.exists(dead_path)
+            assert os.path.exists(live_path) and stray.exists()
+            again = SsdTier(str(tmp_path), "dead.ssd", 1 << 16)  # the killed node restarts
+            again.close()
+            with pytest.raises(StoreError, match="held by another live node"):
+                SsdTier(str(tmp_path), "live.ssd", 1 << 16)
+            assert os.path.getsize(live_path) == 1 << 20
+        finally:
+            tier.close()
+        assert sweep_stale(str(tmp_path)) == []  # the live one's is still held
+    finally:
+        assert live.stdin is not None
+        live.stdin.close()
+        live.wait(timeout=10)
+    assert not os.path.exists(live_path)  # removed by its own node as it stopped

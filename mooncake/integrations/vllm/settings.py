@@ -37,6 +37,8 @@ class ConnectorSettings:
     replicas: int  # copies of each stored block
     host: str  # address of this process's Transfer Engine server
     engine_options: EngineOptions
+    put_wait_s: float = 5.0  # s a put waits for room on its way ([store] put_wait_s)
+    put_retry_s: float = 0.01  # s between its asks ([store] put_retry_s)
 
 
 def load_settings(extra: Mapping[str, Any]) -> ConnectorSettings:
@@ -59,6 +61,8 @@ def load_settings(extra: Mapping[str, Any]) -> ConnectorSettings:
         replicas=config.store.replicas,
         host=config.node.advertise_address or default_host(config.cluster.master),
         engine_options=EngineOptions.from_config(config.transfer, ports=node_ports(config)),
+        put_wait_s=config.store.put_wait_s,
+        put_retry_s=config.store.put_retry_s,
     )
 
 
@@ -71,6 +75,8 @@ def connect(settings: ConnectorSettings, role: str) -> Store:
         host=settings.host,
         timeout_s=settings.timeout_s,
         engine_options=settings.engine_options,
+        put_wait_s=settings.put_wait_s,
+        put_retry_s=settings.put_retry_s,
     )
 
 
