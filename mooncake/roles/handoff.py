@@ -127,7 +127,8 @@ class DecodeHandoff:
 
     def _give_back(self, client: RpcClient) -> None:
         with self._lock:
-            self._calls[client] -= 1
+            if client in self._calls:  # NOTE: not after close()
+                self._calls[client] -= 1
             if client not in self._clients.values():
                 self._retire(client)
 
