@@ -81,7 +81,8 @@ class StageServer:
             except Exception as e:  # a bad request never kills the stage
                 log.exception("req %d failed on this stage", frame.req_id)
                 self._drop(frame.req_id)
-                self._failed.add(frame.req_id)
+                if frame.kind != FrameKind.END:  # NOTE: no frame of it follows its END
+                    self._failed.add(frame.req_id)
                 reuse = isinstance(e, ReuseMismatchError)
                 good = e.num_good_blocks if isinstance(e, ReuseMismatchError) else 0
                 try:

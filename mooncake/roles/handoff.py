@@ -48,15 +48,20 @@ class DecodeUnreachable(TransferError):
 
 class DecodeHandoff:
     """Reserves blocks on decode nodes and submits requests to them; one RPC client per
-    decode address. The KV itself streams into the blocks during the prefill
-    (engine/kvstream.py). Any thread may call it (the worker reserves, the completer
-    submits): calls to one decode node are serialized."""
+    decode node, of the address its latest task named. The KV itself streams into the
+    blocks during the prefill (engine/kvstream.py). Any thread may call it (the worker
+    reserves, the completer submits).
+
+    A decode node restarted under its id answers at a new address: its client of the old
+    one is closed once no call is in flight on it, so that a node restarted again and
+    again leaves no sockets (each reconnecting to a dead address) behind."""
 
     def __init__(self, secret: bytes, settings: PrefillConfig):
         """`settings`: reserve_timeout_s, reserve_poll_s, decode_call_timeout_s."""
         self.secret, self.settings = secret, settings
-        self._clients: dict[str, RpcClient] = {}
-        self._lock = threading.Lock()
+        self._clients: dict[str, RpcClient] = {}  # decode node id -> client
+        self._calls: dict[RpcClient, int] = {}  # client -> calls in flight on it
+        self._lock = threading.Lock()  # guards both
 
     def reserve(self, task: PrefillTaskMsg, n: int) -> KVDest:
         """Blocks for `n` tokens of KV on the task's decode node, waiting while it has no
@@ -99,18 +104,44 @@ class DecodeHandoff:
             )
 
     def _call(self, task: PrefillTaskMsg, msg: Msg, reply_type: type[R]) -> R:
-        with self._lock:
-            client = self._clients.get(task.decode_address)
-            if client is None:
-                timeout_s = self.settings.decode_call_timeout_s
-                client = RpcClient(task.decode_address, self.secret, timeout_s=timeout_s)
-                self._clients[task.decode_address] = client
+        client = self._take(task)
         try:
             return client.call(msg, reply_type)
         except RpcTimeout as e:
             raise DecodeUnreachable(task.decode_node, task.decode_address, e) from e
+        finally:
+            self._give_back(client)
+
+    def _take(self, task: PrefillTaskMsg) -> RpcClient:
+        """The client of the task's decode node at the task's address, with a call counted."""
+        with self._lock:
+            client = self._clients.get(task.decode_node)
+            if client is None or client.address != task.decode_address:
+                if client is not None:
+                    self._retire(client)
+                timeout_s = self.settings.decode_call_timeout_s
+                client = RpcClient(task.decode_address, self.secret, timeout_s=timeout_s)
+                self._clients[task.decode_node] = client
+            self._calls[client] = self._calls.get(client, 0) + 1
+            return client
+
+    def _give_back(self, client: RpcClient) -> None:
+        with self._lock:
+            if client in self._calls:  # NOTE: not after close()
+                self._calls[client] -= 1
+            if client not in self._clients.values():
+                self._retire(client)
+
+    def _retire(self, client: RpcClient) -> None:
+        """Close a client no task will get again, once its last call returned; the caller
+        holds the lock."""
+        if self._calls.get(client, 0) == 0:
+            self._calls.pop(client, None)
+            client.close()
 
     def close(self) -> None:
         with self._lock:
             for c in self._clients.values():
                 c.close()
+            self._clients.clear()
+            self._calls.clear()

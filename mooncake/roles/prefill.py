@@ -195,27 +195,39 @@ class PrefillNode:
         self.close()
 
     def _serve_stage(self) -> None:
-        """Stage > 0: serve the upstream link. A new authenticated link (the leader came
-        back, or dialled again after its link broke) replaces the one being served."""
+        """Stage > 0: take each authenticated upstream link for the stage thread. A new one
+        (the leader came back, or dialled again after its link broke) replaces the one
+        being served: that one is cut off, and the requests it left half done give their
+        KV blocks back before the new one is served."""
         assert self.listener is not None
-        serving: tuple[TcpStageLink, threading.Thread] | None = None
+        links: queue.SimpleQueue[TcpStageLink | None] = queue.SimpleQueue()
+        threading.Thread(target=self._serve_links, args=(links,), name="stage", daemon=True).start()
+        latest: TcpStageLink | None = None
         while True:
             try:
                 upstream = self.listener.accept()
             except OSError:  # the listener closed: stopping
                 break
-            if serving is not None:
-                old, thread = serving
-                if thread.is_alive():
+            if latest is not None:
+                if not latest.ended.is_set():
                     log.info("a new link from the leader replaces the one being served")
-                old.abort()
-                thread.join()
-            server = StageServer(self.runner, upstream, streamer=self.flow.streamer)
-            thread = threading.Thread(target=server.serve, name="stage", daemon=True)
-            thread.start()
-            serving = (upstream, thread)
-        if serving is not None:
-            serving[0].abort()
+                latest.abort()
+            links.put(upstream)
+            latest = upstream
+        if latest is not None:
+            latest.abort()
+        links.put(None)
+
+    def _serve_links(self, links: queue.SimpleQueue[TcpStageLink | None]) -> None:
+        """Serve upstream links one after another on this one thread. NOTE: one thread
+        for the node's life: the store client keeps each calling thread's connections
+        until it closes, so a thread per link would leave a socket behind per link."""
+        while (upstream := links.get()) is not None:
+            try:
+                StageServer(self.runner, upstream, streamer=self.flow.streamer).serve()
+            except Exception:  # a bug of ours on one link never stops the stage
+                log.exception("serving the link from the leader failed")
+                upstream.abort()
 
     def _work(self) -> None:
         """Begin tasks in order, up to [prefill] max_inflight at once."""

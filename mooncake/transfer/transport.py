@@ -130,7 +130,22 @@ class TargetCache:
         target = transport.open(desc)
         self._log_choice(desc, transport, on_device)
         with self._lock:
+            self._drop_earlier_lives(desc)
             return self._targets.setdefault((name, on_device), target)
+
+    def _drop_earlier_lives(self, desc: SegmentDesc) -> None:
+        """Forget the targets of `desc`'s owner that name other endpoints: the owner was
+        restarted under its name (a node's process SIGKILLed and started again), so they
+        are dead, and a shm one keeps the dead process's arena mapped (its memory resident)
+        here for good. Slices in flight keep theirs until they end. The caller holds the
+        lock."""
+        dead = [
+            key
+            for key, t in self._targets.items()
+            if t.desc.node == desc.node and t.desc.endpoints != desc.endpoints
+        ]
+        for key in dead:
+            del self._targets[key]
 
     def _log_choice(self, desc: SegmentDesc, transport: BaseTransport, on_device: bool) -> None:
         """Log, once per peer endpoint, transport and kind of local buffer, which transport

@@ -17,7 +17,7 @@ from mooncake.engine.kvstream import KVDest, KVStreamer, StreamPlan, StreamWrite
 from mooncake.engine.params import SamplingParams
 from mooncake.engine.pipeline import Answers, send_prompt
 from mooncake.engine.prefill import PrefillRunner, PrefillState
-from mooncake.engine.stagelink import local_link_pair
+from mooncake.engine.stagelink import LocalStageLink, local_link_pair
 from mooncake.engine.stageserver import StageServer
 from mooncake.engine.weights import create_model
 from mooncake.errors import TransferError
@@ -54,6 +54,28 @@ def _assert_same_kv(a: PagedKVCache, a_blocks, b: PagedKVCache, b_blocks, layers
     for layer in layers:
         for x, y in zip(a.gather(layer, a_blocks, n), b.gather(layer, b_blocks, n), strict=True):
             torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)
+
+
+def _two_stage_group(
+    tiny_info, src: TransferEngine, writer: StreamWriter, num_blocks: int
+) -> tuple[list[PrefillRunner], LocalStageLink, threading.Thread]:
+    """Stage 0's and stage 1's runners (layers 0-1, 2-3; caches in `src`'s segments), the
+    link to stage 1, and the thread serving stage 1, which streams its own layers."""
+    runners: list[PrefillRunner] = []
+    for i, layers in enumerate([(0, 2), (2, 4)]):
+        model = create_model(tiny_info, "float32", "cpu", layers)
+        cache = PagedKVCache.for_model(model, num_blocks, BLOCK)
+        place_cache_in_segments(src, cache, f"s{i}.kv.")
+        runners.append(PrefillRunner(model, cache, chunk_tokens=10))
+
+    def streamer(st: PrefillState, plan: StreamPlan) -> KVStreamer:
+        r = runners[1]
+        return KVStreamer(src, r.cache, "s1.kv.", st.block_ids, plan, r.layout, writer, 10.0)
+
+    up, down = local_link_pair()
+    server = threading.Thread(target=StageServer(runners[1], down, streamer=streamer).serve)
+    server.start()
+    return runners, up, server
 
 
 def test_one_stage_streams_every_layer_including_the_reused_prefix(tiny, fingerprint, engines):
@@ -126,20 +148,7 @@ def test_a_two_stage_group_with_prompts_in_flight_streams_each_stage_s_own_layer
     decode = PagedKVCache.for_model(tiny, 64, BLOCK)
     place_cache_in_segments(dst, decode, "dc.kv.")
     writer = StreamWriter()
-    runners: list[PrefillRunner] = []
-    for i, layers in enumerate([(0, 2), (2, 4)]):
-        model = create_model(tiny_info, "float32", "cpu", layers)
-        cache = PagedKVCache.for_model(model, 32, BLOCK)
-        place_cache_in_segments(src, cache, f"s{i}.kv.")
-        runners.append(PrefillRunner(model, cache, chunk_tokens=10))
-
-    def streamer(st: PrefillState, plan: StreamPlan) -> KVStreamer:
-        r = runners[1]
-        return KVStreamer(src, r.cache, "s1.kv.", st.block_ids, plan, r.layout, writer, 10.0)
-
-    up, down = local_link_pair()
-    server = threading.Thread(target=StageServer(runners[1], down, streamer=streamer).serve)
-    server.start()
+    runners, up, server = _two_stage_group(tiny_info, src, writer, 32)
     answers = Answers(up, 2, stage_timeout_s=10.0)
     prompts = [prompt(n, seed=n) for n in (37, 22, 45)]
     flights = []
@@ -190,3 +199,39 @@ def test_the_decode_node_refuses_kv_that_did_not_land_in_every_layer():
     assert "3 of 4 layers" in missing_layers(msg([40] * 3), 4)
     assert "layer 2: 32" in missing_layers(msg([40, 40, 32, 40]), 4)
     assert missing_layers(msg([], 0), 4) == ""  # a one-token prompt: nothing to land
+
+
+def test_a_prompt_whose_stream_failed_at_its_end_is_served_again_under_its_id(tiny_info, engines):
+    """A later stage whose KV stream of a prompt fails at the prompt's END answers ERROR
+    and keeps nothing of it: the same request id sent again on the same link (the master
+    placed the request on the group again) is answered, and the stage's blocks are free."""
+    src, dst = engines
+    writer = StreamWriter()
+    runners, up, server = _two_stage_group(tiny_info, src, writer, 16)
+    answers = Answers(up, 2, stage_timeout_s=5.0)
+    ids = prompt(30, seed=9)
+    ep = dst.endpoints[0]
+    nowhere = KVDest(  # a segment the decode side does not have: the stream fails at END
+        endpoint=f"{ep.host}:{ep.port}", prefix="nowhere.", block_ids=list(range(4)), num_tokens=30
+    )
+    try:
+        st = runners[0].start(ids, req_id=5)
+        a = answers.expect(5, has_plan=True)
+        plan = StreamPlan(decode=nowhere)
+        answers.sent(a, send_prompt(runners[0], st, up, plan))
+        with pytest.raises(TransferError, match="nowhere"):
+            answers.wait(a)
+        runners[0].abort(st)
+        st = runners[0].start(ids, req_id=5)
+        again = answers.expect(5, has_plan=False)
+        answers.sent(again, send_prompt(runners[0], st, up))
+        answers.wait(again)  # NOTE: a stage that still dropped req 5's frames never answers
+        runners[0].finish(st)
+        runners[0].cache.free(st.block_ids)
+    finally:
+        up.close()
+        server.join(timeout=30)
+        writer.close()
+    assert again.logits is not None and again.hops == 1
+    assert runners[1].cache.allocator.num_free == 16
+    runners[1].cache.allocator.check_integrity()

@@ -3,6 +3,7 @@ node makes the prefill wait for room, then fail clearly past [prefill] reserve_t
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 
@@ -73,3 +74,31 @@ def test_no_room_within_the_deadline_fails_naming_the_node_and_the_key(
         handoff.close()
     assert node.asks > 1  # it asked again, it did not give up at once
     assert time.monotonic() - start < 10
+
+
+def _num_open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_a_decode_node_restarted_again_and_again_leaves_no_connections_behind() -> None:
+    """The decode node is restarted 20 times under its id, each time at a new address (a
+    task names the current one): the prefill's hand-off reserves on each, and keeps only
+    the connection to the live one. A client kept per address ever used would hold its
+    sockets (reconnecting to a dead address) for the life of the prefill node."""
+    handoff = DecodeHandoff(SECRET, PrefillConfig(reserve_timeout_s=30))
+    try:
+        for i in range(21):
+            node = FullDecodeNode(0)
+            try:
+                dest = handoff.reserve(_task(node.server.address), 19)
+            finally:
+                node.server.stop()
+            assert dest.block_ids == [3, 4]
+            if i == 0:
+                before = _num_open_fds()  # NOTE: after the first: the ZeroMQ context is up
+        after = _num_open_fds()
+    finally:
+        handoff.close()
+    # NOTE: each client left behind holds several descriptors (its socket and its
+    # handshake monitor's); a few of slack for anything else the process opens meanwhile
+    assert after - before < 10, (before, after)

@@ -4,11 +4,13 @@ dropped connections are re-opened on next use, and a path that keeps failing is 
 
 from __future__ import annotations
 
+import gc
+
 import numpy as np
 
 from mooncake.native.shm import ShmArena
 from mooncake.transfer import TransferOp, TransferRequest, TransferState
-from tests.transfer.conftest import make_engine
+from tests.transfer.conftest import SECRET, make_engine
 from tests.transfer.peer import PeerProcess, pattern
 
 READ, WRITE = TransferOp.READ, TransferOp.WRITE
@@ -103,3 +105,27 @@ def test_transfer_to_a_killed_peer_fails_within_the_deadline(peer: PeerProcess) 
         peer.kill()
         batch = e.transfer([req])
         assert batch.is_done and batch.poll()[0].state is not DONE
+
+
+def test_a_peer_restarted_again_and_again_leaves_no_arena_of_its_earlier_lives_mapped() -> None:
+    """A peer SIGKILLed and started again under its name 20 times, its shm segment written
+    each time at its new endpoint: the initiator keeps only the latest life's arena mapped.
+    One kept per life would hold each dead process's segment resident here for good."""
+    e = make_engine("init", protocol="shm")
+    e.register("src", pattern(4096))
+    lives: list[str] = []  # shm names of the peer's arenas, one per life
+    try:
+        for _ in range(21):
+            peer = PeerProcess.start(SECRET, 1 << 16)
+            try:
+                e.move(TransferRequest(WRITE, "src", 0, f"pool@127.0.0.1:{peer.port}", 0, 4096))
+            finally:
+                peer.kill()
+            lives.append(peer.shm_name)
+        gc.collect()
+        with open("/proc/self/maps") as f:
+            maps = f.read()
+    finally:
+        e.close()
+    assert [name for name in lives[:-1] if name in maps] == []
+    assert lives[-1] in maps  # NOTE: the check sees the mappings this process holds
