@@ -6,7 +6,8 @@ while the master stands by, and serves the master's own app once it leads. Forwa
 streams the leader's answer through as it comes (SSE included). With no leader known (an
 election under way) the answer is 503 with `Retry-After`; a leader that does not answer is
 502; a leader lost in the middle of an answer ends it: a stream gets a last error event,
-any other body is cut short, so no client waits on a dead leader.
+any other body is cut short, so no client waits on a dead leader. So does the standby's own
+stop once its drain is over (`server.CLOSING`), as the master's own answers do.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from typing import Any
 
 import httpx
 from starlette.types import Receive, Scope, Send
+
+from mooncake.api.server import CLOSING
 
 log = logging.getLogger(__name__)
 _HOP = {
@@ -95,22 +98,30 @@ class Forwarder:
                 "unavailable",
             )
             return
+        closing: asyncio.Event | None = scope.get("extensions", {}).get(CLOSING)
         try:
-            await self._relay(resp, url, send)
+            await self._relay(resp, url, send, closing)
         finally:
             await resp.aclose()
 
-    async def _relay(self, resp: httpx.Response, url: str, send: Send) -> None:
+    async def _relay(
+        self, resp: httpx.Response, url: str, send: Send, closing: asyncio.Event | None
+    ) -> None:
         headers = [(k, v) for k, v in resp.headers.raw if k.lower() not in _HOP]
         await send({"type": "http.response.start", "status": resp.status_code, "headers": headers})
         is_stream = resp.headers.get("content-type", "").startswith("text/event-stream")
         chunks = resp.aiter_raw()
         # NOTE: one read in flight across the checks (cancelling a read breaks the stream)
         pending = asyncio.ensure_future(anext(chunks))
+        closed = asyncio.ensure_future(closing.wait()) if closing is not None else None
+        waits = {pending} if closed is None else {pending, closed}
         try:
             while True:
-                done, _ = await asyncio.wait({pending}, timeout=self.check_s)
-                if not done:
+                done, _ = await asyncio.wait(waits, timeout=self.check_s)
+                if closed is not None and closed in done:
+                    pending.cancel()
+                    why = "this master is shutting down: the answer was ended before it finished"
+                elif not done:
                     if self.leader_url() == url:
                         continue  # NOTE: a slow answer from a leader still in office
                     pending.cancel()
@@ -127,6 +138,7 @@ class Forwarder:
                     else:
                         await send({"type": "http.response.body", "body": chunk, "more_body": True})
                         pending = asyncio.ensure_future(anext(chunks))
+                        waits = {pending} if closed is None else {pending, closed}
                         continue
                 log.warning("forwarding: %s", why)
                 if not is_stream:  # NOTE: the connection is cut: the client sees a broken body
@@ -137,6 +149,8 @@ class Forwarder:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             pending.cancel()  # NOTE: a no-op once done; else the client left mid-answer
+            if closed is not None:
+                closed.cancel()
 
 
 class LeaderSwitch:

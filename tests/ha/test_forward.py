@@ -12,7 +12,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
-from mooncake.api.server import ApiServer, bind_socket
+from mooncake.api.server import CLOSING, ApiServer, bind_socket
 from mooncake.ha.forward import Forwarder, LeaderSwitch
 
 
@@ -106,5 +106,33 @@ def test_a_slow_stream_comes_through_whole_and_ends_with_an_error_if_the_leader_
         lines = _stream_through(Forwarder(lambda: next(urls, "http://other"), 2.0, 0.05))
         assert lines[0] == "data: 0" and len(lines) < 5
         assert "leading master changed" in lines[-1] and "retry" in lines[-1]
+    finally:
+        leader.stop()
+
+
+def test_a_stream_relayed_when_the_standby_stops_ends_with_an_error_event():
+    """The standby's drain over (its server sets CLOSING), a relayed stream ends at once
+    with an error event instead of being cut when the server cancels it."""
+    leader = ApiServer(Starlette(routes=[Route("/events", _slow_events)]))
+    leader.start_in_thread()
+    fwd = Forwarder(lambda: leader.url, 2.0, 0.05)
+
+    async def go() -> list[str]:
+        closing = asyncio.Event()
+
+        async def app(scope, receive, send):  # type: ignore[no-untyped-def]
+            scope = {**scope, "extensions": {**scope.get("extensions", {}), CLOSING: closing}}
+            await fwd(scope, receive, send)
+
+        asyncio.get_running_loop().call_later(0.45, closing.set)  # after the first event
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://standby") as c:
+            r = await c.get("/events")
+            return [line for line in r.text.split("\n") if line]
+
+    try:
+        lines = asyncio.run(go())
+        assert lines[0] == "data: 0" and len(lines) == 2, lines
+        assert "shutting down" in lines[-1] and lines[-1].startswith("data: {")
     finally:
         leader.stop()
