@@ -31,7 +31,7 @@ def test_the_curl_line_is_one_intact_command_on_a_narrow_console(
     tmp_path: Path, api_key: str
 ) -> None:
     lines = _banner(tmp_path, 40, api_key)
-    (curl,) = [line for line in lines if "curl" in line]
+    (curl,) = [line for line in lines if line.startswith("  try: curl")]
     words = shlex.split(curl.removeprefix("  try: "))
     assert words[:2] == ["curl", "http://127.0.0.1:8000/v1/completions"]
     assert words[-2:] == ["-d", '{"model": "dummy:tiny", "prompt": "Hello", "max_tokens": 16}']
