@@ -27,7 +27,7 @@ STAGE_TIMEOUT_S = 2.0  # prefill.stage_timeout_s; the prompts here are 2 chunks 
 # NOTE: a leader gives up on a stopped stage by the deadline of its request (2 chunks)
 # plus the time to tell the master on a loaded machine; the stage is resumed then, before
 # the heartbeat TTL (10 s) after which the master would drop it itself
-GIVE_UP_S = 2 * STAGE_TIMEOUT_S + 4.0
+GIVE_UP_S = 2 * STAGE_TIMEOUT_S + 5.0
 
 
 @pytest.fixture(scope="module")
