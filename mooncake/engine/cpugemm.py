@@ -20,11 +20,22 @@ are loaded, once it has checked on a small input that oneDNN gives F.linear's re
 oneDNN is missing (a torch built without it, another architecture), cannot handle the
 dtype, or disagrees, the model keeps its `nn.Linear`s and the reason is logged. GPU models
 are never packed: cuBLAS already owns their layout.
+
+Each row count is a new product shape, and oneDNN (its primitive cache) and ideep (torch's
+wrapper, its LRU cache) each keep one entry per shape, 1,024 by default: ~400 KiB of
+malloc'd memory per shape for `dummy:tiny`, more for larger weights. Decode's row counts
+are few (batch sizes, padded), but a prefill chunk's are any of 1..`chunk_tokens`, so a
+prefill node's caches fill for its first thousand-odd shapes: +230 MiB of private memory
+over a 600 s soak, and evictions past the bound fragment the heap further.
+`limit_shape_caches` bounds both before their first use; a prefill node keeps
+`PREFILL_SHAPE_ENTRIES` (a chunk's layers share its few shapes, so only a chunk's first
+layer builds them: ~0.4 ms each, against a chunk's milliseconds to seconds).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 from torch import Tensor, nn
@@ -34,6 +45,16 @@ log = logging.getLogger(__name__)
 MIN_ROWS = 4  # fewer rows are padded up to this many (see the table above)
 PACK_BATCH_HINT = 32  # the row count oneDNN picks its weight layout for, as vLLM's
 CPU_GEMMS = ("onednn", "torch")
+PREFILL_SHAPE_ENTRIES = 64  # cached product shapes on a prefill node (see above)
+SHAPE_CACHE_VARS = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")  # oneDNN, ideep
+
+
+def limit_shape_caches(entries: int) -> dict[str, str]:
+    """Bound oneDNN's and ideep's per-shape caches to `entries` each in this process, unless
+    the environment already sets them; returns the values in force. Both read their bound
+    once, at their first use: call this before the model loads."""
+    assert entries >= 1, entries  # NOTE: ideep fails on a capacity of 0
+    return {name: os.environ.setdefault(name, str(entries)) for name in SHAPE_CACHE_VARS}
 
 
 class PackedLinear(nn.Module):

@@ -35,6 +35,7 @@ from typing import Any
 
 import msgspec
 
+from mooncake.engine.cpugemm import PREFILL_SHAPE_ENTRIES, limit_shape_caches
 from mooncake.engine.kvcache import CacheFullError
 from mooncake.engine.kvhandoff import place_cache_in_segments
 from mooncake.engine.prefill import PrefillRunner, ReuseMismatchError
@@ -371,6 +372,7 @@ class PrefillNode:
 
 def run_prefill(ctx: NodeContext) -> None:
     install_signal_handlers(ctx.stop)
+    limit_shape_caches(PREFILL_SHAPE_ENTRIES)  # NOTE: before the model's first product
     PrefillNode(ctx).serve()
 
 

@@ -4,12 +4,22 @@ refused (the model left on F.linear) where oneDNN cannot run them."""
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 from torch import nn
 
-from mooncake.engine.cpugemm import MIN_ROWS, PackedLinear, pack_linears
+from mooncake.engine.cpugemm import (
+    MIN_ROWS,
+    PREFILL_SHAPE_ENTRIES,
+    SHAPE_CACHE_VARS,
+    PackedLinear,
+    limit_shape_caches,
+    pack_linears,
+)
 from mooncake.engine.kvcache import PagedKVCache
 from mooncake.engine.prefill import PrefillRunner
 from mooncake.engine.weights import create_model
@@ -93,3 +103,48 @@ def test_bench_engine_gemm_times_both_backends_on_the_same_weights():
     for name in ("prefill 64", "decode step, batch 1", "decode step, batch 3"):
         r = report[name]
         assert r["speedup"] == r["torch_s"] / r["onednn_s"] and r["onednn_s"] > 0
+
+
+SHAPES_PROBE = """
+import sys
+from mooncake.engine.cpugemm import PackedLinear, limit_shape_caches
+limit_shape_caches(int(sys.argv[1]))
+import torch
+from torch import nn
+
+def anon_bytes():
+    for line in open("/proc/self/status"):
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) * 1024
+
+torch.set_num_threads(1)
+shapes = ((256, 768), (256, 1024), (512, 256))  # dummy:tiny's (in, out)
+linears = [PackedLinear(nn.Linear(i, o, bias=False)) for i, o in shapes]
+with torch.no_grad():
+    for rows in range(1, 301):  # a prefill chunk's row count is any of 1..chunk_tokens
+        if rows == 41:
+            start = anon_bytes()
+        for linear in linears:
+            linear(torch.randn(rows, linear.in_features))
+print(anon_bytes() - start)
+"""
+
+
+@needs_onednn
+def test_a_prefill_node_s_shape_caches_stay_bounded_over_many_row_counts():
+    """260 new row counts (780 product shapes) add ~460 MiB to oneDNN's and ideep's caches
+    at their default bound of 1,024 each; bounded to 8 they add next to nothing (the limit
+    checked with generous slack, in a fresh process: each cache reads its bound once)."""
+    env = {k: v for k, v in os.environ.items() if k not in SHAPE_CACHE_VARS}
+    out = subprocess.run([sys.executable, "-c", SHAPES_PROBE, "8"], env=env, check=True,
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert int(out.stdout) < 64 << 20, out.stdout
+
+
+def test_the_environment_s_shape_cache_bounds_win(monkeypatch):
+    monkeypatch.setenv("LRU_CACHE_CAPACITY", "2048")
+    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
+    assert limit_shape_caches(PREFILL_SHAPE_ENTRIES) == {
+        "ONEDNN_PRIMITIVE_CACHE_CAPACITY": str(PREFILL_SHAPE_ENTRIES),
+        "LRU_CACHE_CAPACITY": "2048",
+    }
