@@ -28,8 +28,13 @@ def _tree(tmp_path: Path) -> Path:
 def _installs(tree: Path, extras: str) -> list[str]:
     """The pip installs one `scripts/setup EXTRAS` ran."""
     (tree / "calls").unlink(missing_ok=True)
-    subprocess.run(["bash", "scripts/setup", extras], cwd=tree, check=True, timeout=60,
-                   env={"PATH": "/usr/bin:/bin", "PYTHON": sys.executable})  # fmt: skip
+    subprocess.run(
+        ["bash", "scripts/setup", extras],
+        cwd=tree,
+        check=True,
+        timeout=60,
+        env={"PATH": "/usr/bin:/bin", "PYTHON": sys.executable},
+    )
     calls = (tree / "calls").read_text().splitlines() if (tree / "calls").exists() else []
     return [c for c in calls if c.startswith("-m pip install --quiet -e")]
 

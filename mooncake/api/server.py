@@ -140,8 +140,15 @@ class _Server(uvicorn.Server):
 class ApiServer:
     """One uvicorn server over `app` on a socket bound at construction."""
 
-    def __init__(self, app: ASGIApp, host: str = "127.0.0.1", port: int = 0, *,
-                 log_level: str = "warning", drain_s: float = ApiConfig().drain_s):  # fmt: skip
+    def __init__(
+        self,
+        app: ASGIApp,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        log_level: str = "warning",
+        drain_s: float = ApiConfig().drain_s,
+    ):
         self.sock = bind_socket(host, port)
         self.host, self.port = host, self.sock.getsockname()[1]
         config = uvicorn.Config(

@@ -415,7 +415,12 @@ class SSEResponse(StreamingResponse):
         """End a stream cut by the server's shutdown with an error event and [DONE]."""
         log.warning("%s: %s", self.headers.get("x-request-id", "a stream"), SHUTTING_DOWN)
         if not is_started:
-            await send({"type": "http.response.start", "status": self.status_code,
-                        "headers": self.raw_headers})  # fmt: skip
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": self.status_code,
+                    "headers": self.raw_headers,
+                }
+            )
         end = sse(error_body(SHUTTING_DOWN, "server_error", code=503)) + DONE
         await send({"type": "http.response.body", "body": end, "more_body": False})

@@ -133,9 +133,16 @@ class HFTokenizer(BaseTokenizer):
 # NOTE: normalizers and pre-tokenizers that drop characters (whitespace, accents): a text
 # through them may have far fewer tokens than characters
 _DROPS_CHARS = frozenset(
-    {"Whitespace", "WhitespaceSplit", "BertPreTokenizer", "BertNormalizer", "Strip",
-     "StripAccents", "Precompiled"}
-)  # fmt: skip
+    {
+        "Whitespace",
+        "WhitespaceSplit",
+        "BertPreTokenizer",
+        "BertNormalizer",
+        "Strip",
+        "StripAccents",
+        "Precompiled",
+    }
+)
 
 
 def _drops_chars(part: dict[str, Any]) -> bool:

@@ -54,9 +54,18 @@ __all__ = ["NotFoundError", "Store", "ValueResult"]
 class Store(BatchCalls):
     """A connection to the pool: a control channel to the master and a Transfer Engine."""
 
-    def __init__(self, master: RpcClient, engine: TransferEngine, timeout_s: float, staging: int,
-                 *, direct: bool = True, reuse_grants: bool = True, put_wait_s: float = 5.0,
-                 put_retry_s: float = 0.01):  # fmt: skip
+    def __init__(
+        self,
+        master: RpcClient,
+        engine: TransferEngine,
+        timeout_s: float,
+        staging: int,
+        *,
+        direct: bool = True,
+        reuse_grants: bool = True,
+        put_wait_s: float = 5.0,
+        put_retry_s: float = 0.01,
+    ):
         """`direct`: make the calls on the master's direct channel when it offers one
         (store/direct.py); False keeps every call on the CURVE-encrypted RPC.
         `reuse_grants`: reuse read leases and write slots (store/grants.py); False asks
@@ -100,9 +109,16 @@ class Store(BatchCalls):
         )
         try:
             master = RpcClient(master_address, key, timeout_s=timeout_s, max_frame_bytes=64 << 20)
-            return cls(master, engine, timeout_s, staging_bytes, direct=direct,
-                       reuse_grants=reuse_grants, put_wait_s=put_wait_s,
-                       put_retry_s=put_retry_s)  # fmt: skip
+            return cls(
+                master,
+                engine,
+                timeout_s,
+                staging_bytes,
+                direct=direct,
+                reuse_grants=reuse_grants,
+                put_wait_s=put_wait_s,
+                put_retry_s=put_retry_s,
+            )
         except BaseException:
             engine.close()
             raise

@@ -160,11 +160,19 @@ def encodes(served, monkeypatch) -> list[str]:
     [
         ("completions", "prompt", lambda text: {"prompt": text}),
         ("completions", "prompt", lambda text: {"prompt": [text]}),
-        ("chat/completions", "messages", lambda text: {**CHAT, "messages": [
-            {"role": "user", "content": text[: len(text) // 2]},
-            {"role": "user", "content": text[len(text) // 2 :]}]}),
+        (
+            "chat/completions",
+            "messages",
+            lambda text: {
+                **CHAT,
+                "messages": [
+                    {"role": "user", "content": text[: len(text) // 2]},
+                    {"role": "user", "content": text[len(text) // 2 :]},
+                ],
+            },
+        ),
     ],
-)  # fmt: skip
+)
 def test_a_prompt_too_long_for_the_context_is_refused_before_it_is_tokenized(
     http, served, encodes, path, field, body
 ):

@@ -36,8 +36,9 @@ def _start_master(tmp_path: Path, api: str, env: dict[str, str]) -> tuple[subpro
         f"[api]\nport = {free_port()}\n{api}\n[metrics]\nenabled = false\n"
     )
     cmd = [sys.executable, "-m", "mooncake", "up", "--role", "master", "--config", str(config)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, **env})  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **env}
+    )
     assert proc.stdout is not None
     return proc, proc.stdout.readline()
 

@@ -120,9 +120,24 @@ def test_requests_still_running_after_the_drain_end_with_an_error(tmp_path: Path
     """SIGTERM: once api.drain_s is over, a request still running ends with an error: a
     stream with an SSE error event and [DONE] (not a cut chunked body), a whole response
     with a 503; the server exits 0 with no traceback."""
-    cmd = [sys.executable, "-m", "mooncake", "serve", "--model", "dummy:tiny", "--host",
-           "127.0.0.1", "--port", "0", "--threads", "1", "--set", "api.drain_s=0",
-           "--set", "metrics.enabled=false"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "mooncake",
+        "serve",
+        "--model",
+        "dummy:tiny",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--threads",
+        "1",
+        "--set",
+        "api.drain_s=0",
+        "--set",
+        "metrics.enabled=false",
+    ]
     with (tmp_path / "stderr").open("w") as stderr:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True)
     try:

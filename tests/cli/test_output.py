@@ -10,8 +10,17 @@ from rich.table import Table
 
 from mooncake.cli.output import OFF_TERMINAL_WIDTH, _Console
 
-HEADERS = ("GB/s", "requests/s", "p50 us", "p99 us", "memcpy GB/s", "ratio", "retries",
-           "RSS start/end/peak MiB", "target peak MiB")  # fmt: skip
+HEADERS = (
+    "GB/s",
+    "requests/s",
+    "p50 us",
+    "p99 us",
+    "memcpy GB/s",
+    "ratio",
+    "retries",
+    "RSS start/end/peak MiB",
+    "target peak MiB",
+)
 FIGURES = ("12.34", "123,456", "12", "34", "15.00", "0.82", "0", "100/120/130", "90")
 
 

@@ -20,8 +20,13 @@ from mooncake.roles.supervisor import RestartPolicy
 
 def _banner(tmp_path: Path, width: int, api_key: str = "") -> list[str]:
     out = Console(file=io.StringIO(), width=width)
-    info = LocalCluster(url="http://127.0.0.1:8000", master="127.0.0.1:5000", config_path="",
-                        pids={}, api_key=api_key)  # fmt: skip
+    info = LocalCluster(
+        url="http://127.0.0.1:8000",
+        master="127.0.0.1:5000",
+        config_path="",
+        pids={},
+        api_key=api_key,
+    )
     print_ready(out, LocalPlan(run_dir=tmp_path), info, RestartPolicy(), "", tmp_path / "rf")
     return out.file.getvalue().splitlines()  # type: ignore[attr-defined]
 
@@ -45,8 +50,10 @@ def test_the_banner_names_the_program_that_started_it(
     monkeypatch.setattr(sys, "argv", [".venv/bin/mooncake", "up", "--local"])
     monkeypatch.setenv("PATH", "/nonexistent")
     lines = _banner(tmp_path, 40)
-    assert "  watch: .venv/bin/mooncake status    load: .venv/bin/mooncake replay TRACE    " \
-        "stop: Ctrl-C" in lines  # fmt: skip
+    assert (
+        "  watch: .venv/bin/mooncake status    load: .venv/bin/mooncake replay TRACE    "
+        "stop: Ctrl-C" in lines
+    )
 
 
 def test_command_name_is_mooncake_only_when_path_finds_this_program(

@@ -136,8 +136,14 @@ def test_a_prefill_node_s_shape_caches_stay_bounded_over_many_row_counts():
     at their default bound of 1,024 each; bounded to 8 they add next to nothing (the limit
     checked with generous slack, in a fresh process: each cache reads its bound once)."""
     env = {k: v for k, v in os.environ.items() if k not in SHAPE_CACHE_VARS}
-    out = subprocess.run([sys.executable, "-c", SHAPES_PROBE, "8"], env=env, check=True,
-                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", SHAPES_PROBE, "8"],
+        env=env,
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert int(out.stdout) < 64 << 20, out.stdout
 
 

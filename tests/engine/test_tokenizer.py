@@ -75,8 +75,9 @@ def _bpe_dir(tmp_path: Path, pre_tokenizer: str) -> Path:
         tok.decoder = dec.Sequence([dec.Metaspace(), dec.ByteFallback(), dec.Fuse()])
 
     corpus = ["hello world, héllo wörld! 你好世界 😀", "the quick brown fox jumps over the dog"]
-    trainer = trainers.BpeTrainer(vocab_size=300, initial_alphabet=alphabet,
-                                  special_tokens=["<s>", "</s>"])  # fmt: skip
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=alphabet, special_tokens=["<s>", "</s>"]
+    )
     tok.train_from_iterator(corpus * 50, trainer)
     spec = json.loads(tok.to_str())
     if pre_tokenizer != "bytelevel":  # as Llama 2's: a token per byte in the vocabulary

@@ -74,19 +74,55 @@ def _openssl(*args: str, cwd: Path) -> None:
 def _certificates(d: Path) -> None:
     """A CA, a server certificate for 127.0.0.1 and a client certificate, all signed by it."""
     ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
-    _openssl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "1",
-             "-subj", "/CN=test-ca", cwd=d)  # fmt: skip
+    _openssl(
+        "req",
+        "-x509",
+        *ec,
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+        "-days",
+        "1",
+        "-subj",
+        "/CN=test-ca",
+        cwd=d,
+    )
     for name, ext in (
         # NOTE: etcd's JSON gateway dials etcd itself with the server certificate
         ("server", "subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth,clientAuth"),
         ("client", "extendedKeyUsage=clientAuth"),
     ):
         (d / f"{name}.ext").write_text(ext + "\n")
-        _openssl("req", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr",
-                 "-subj", f"/CN={name}", cwd=d)  # fmt: skip
-        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
-                 "-CAcreateserial", "-out", f"{name}.pem", "-days", "1",
-                 "-extfile", f"{name}.ext", cwd=d)  # fmt: skip
+        _openssl(
+            "req",
+            *ec,
+            "-keyout",
+            f"{name}.key",
+            "-out",
+            f"{name}.csr",
+            "-subj",
+            f"/CN={name}",
+            cwd=d,
+        )
+        _openssl(
+            "x509",
+            "-req",
+            "-in",
+            f"{name}.csr",
+            "-CA",
+            "ca.pem",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-out",
+            f"{name}.pem",
+            "-days",
+            "1",
+            "-extfile",
+            f"{name}.ext",
+            cwd=d,
+        )
 
 
 def _port() -> int:
@@ -105,12 +141,30 @@ def tls_etcd(tmp_path: Path) -> Iterator[str]:
         pytest.skip("no openssl to make the test certificates")
     _certificates(tmp_path)
     url, peer = f"https://127.0.0.1:{_port()}", f"http://127.0.0.1:{_port()}"
-    cmd = [binary, "--data-dir", str(tmp_path / "data"), "--listen-client-urls", url,
-           "--advertise-client-urls", url, "--listen-peer-urls", peer,
-           "--initial-advertise-peer-urls", peer, "--initial-cluster", f"default={peer}",
-           "--cert-file", str(tmp_path / "server.pem"), "--key-file", str(tmp_path / "server.key"),
-           "--trusted-ca-file", str(tmp_path / "ca.pem"), "--client-cert-auth",
-           "--log-level", "error"]  # fmt: skip
+    cmd = [
+        binary,
+        "--data-dir",
+        str(tmp_path / "data"),
+        "--listen-client-urls",
+        url,
+        "--advertise-client-urls",
+        url,
+        "--listen-peer-urls",
+        peer,
+        "--initial-advertise-peer-urls",
+        peer,
+        "--initial-cluster",
+        f"default={peer}",
+        "--cert-file",
+        str(tmp_path / "server.pem"),
+        "--key-file",
+        str(tmp_path / "server.key"),
+        "--trusted-ca-file",
+        str(tmp_path / "ca.pem"),
+        "--client-cert-auth",
+        "--log-level",
+        "error",
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         yield url

@@ -161,10 +161,22 @@ def test_cli_finds_the_local_cluster_and_prints_json(url, tmp_path, monkeypatch)
 
 def _cli(url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *flags: str):
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
-    write_runfile(LocalCluster(url=url, master="127.0.0.1:1", config_path="",
-                               pids={"master": os.getpid()}, api_key=KEY))  # fmt: skip
-    args = ["replay", str(FIXTURE), "--max-tokens", "2", "--vocab-size", str(VOCAB),
-            "--speed", "1000", *flags]  # fmt: skip
+    write_runfile(
+        LocalCluster(
+            url=url, master="127.0.0.1:1", config_path="", pids={"master": os.getpid()}, api_key=KEY
+        )
+    )
+    args = [
+        "replay",
+        str(FIXTURE),
+        "--max-tokens",
+        "2",
+        "--vocab-size",
+        str(VOCAB),
+        "--speed",
+        "1000",
+        *flags,
+    ]
     return CliRunner().invoke(app, args)
 
 

@@ -153,8 +153,14 @@ def test_a_cached_cost_model_is_reused_only_for_the_same_matmul_backend(
 def _stream_lines(url: str, max_tokens: int, on_token: Callable[[int], None]) -> list[str]:
     """The SSE `data:` payloads of one streamed completion; `on_token(n)` runs after the
     n-th token arrived."""
-    body = {"model": "dummy:tiny", "prompt": [7] * 40, "max_tokens": max_tokens,
-            "temperature": 0, "ignore_eos": True, "stream": True}  # fmt: skip
+    body = {
+        "model": "dummy:tiny",
+        "prompt": [7] * 40,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     lines: list[str] = []
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
         assert r.status_code == 200, r.read()
@@ -186,12 +192,29 @@ def test_ctrl_c_in_a_terminal_lets_streams_finish_then_stops_every_process(
     env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path), "COLUMNS": "200"}
     with (tmp_path / "stderr").open("w") as stderr:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "mooncake", "up", "--local", "--port", "0", "--prefill", "1",
-             "--group-size", "1", "--cost-model", str(cost),
-             "--set", "decode.step_interval_s=0.05"],
-            stdout=subprocess.PIPE, stderr=stderr, env=env, text=True,
+            [
+                sys.executable,
+                "-m",
+                "mooncake",
+                "up",
+                "--local",
+                "--port",
+                "0",
+                "--prefill",
+                "1",
+                "--group-size",
+                "1",
+                "--cost-model",
+                str(cost),
+                "--set",
+                "decode.step_interval_s=0.05",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            env=env,
+            text=True,
             start_new_session=True,  # a process group of its own, as a terminal's job has
-        )  # fmt: skip
+        )
     try:
         assert proc.stdout is not None
         line = proc.stdout.readline()  # the handshake: printed once the cluster serves

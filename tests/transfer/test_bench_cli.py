@@ -34,14 +34,39 @@ def test_the_table_off_a_terminal_keeps_every_header_and_figure() -> None:
     """Piped (no terminal, no COLUMNS) the table is as wide as it needs: nothing cut to 80."""
     env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
     out = subprocess.run(
-        [sys.executable, "-m", "mooncake", "bench", "transfer", "--local", "--op", "read",
-         "--block-size", "4KiB", "--batch-size", "1", "--duration", "0.2"],
-        capture_output=True, text=True, timeout=60, check=True, env=env,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "mooncake",
+            "bench",
+            "transfer",
+            "--local",
+            "--op",
+            "read",
+            "--block-size",
+            "4KiB",
+            "--batch-size",
+            "1",
+            "--duration",
+            "0.2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+        env=env,
+    )
     lines = out.stdout.splitlines()
     header = next(line for line in lines if "requests/s" in line)
-    for col in ("GB/s", "p50 us", "p99 us", "ratio", "retries", "RSS start/end/peak MiB",
-                "target peak MiB"):  # fmt: skip
+    for col in (
+        "GB/s",
+        "p50 us",
+        "p99 us",
+        "ratio",
+        "retries",
+        "RSS start/end/peak MiB",
+        "target peak MiB",
+    ):
         assert col in header, header
     assert "…" not in out.stdout, out.stdout
     figures = lines[lines.index(header) + 2].strip("│ ").split("│")

@@ -119,8 +119,9 @@ def test_idle_connections_beyond_the_budget_cannot_keep_a_real_peer_out() -> Non
     oldest are pushed out, an engine authenticated before the flood goes on transferring,
     and a new engine with the secret connects and transfers byte for byte."""
     limit = 8
-    target = make_engine("target", protocol="tcp", max_pending_handshakes=limit,
-                         handshake_timeout_s=60.0)  # fmt: skip
+    target = make_engine(
+        "target", protocol="tcp", max_pending_handshakes=limit, handshake_timeout_s=60.0
+    )
     early, late = make_engine("early", protocol="tcp"), make_engine("late", protocol="tcp")
     idle: list[socket.socket] = []
     try:
