@@ -21,7 +21,7 @@ def private_run_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     of this run, so the run directory `$XDG_RUNTIME_DIR/mooncake-<uid>` is never the user's
     (their cluster's runfile, config with its secret, ssd/ and state/). It is kept on disk:
     on a tmpfs the local cluster's SSD tier would go to the user's /var/tmp/mooncake-<uid>."""
-    from mooncake.ssdplace import MEMORY_FILESYSTEMS, fstype_of
+    from mooncake.hw.ssdplace import MEMORY_FILESYSTEMS, fstype_of
 
     base = tmp_path_factory.mktemp("xdg-runtime")
     on_disk = None

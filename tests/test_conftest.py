@@ -8,8 +8,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from mooncake.roles.localconfig import local_ssd_dir
-from mooncake.roles.runfile import default_run_dir
+from mooncake.local.config import local_ssd_dir
+from mooncake.local.runfile import default_run_dir
 
 
 def test_the_run_directory_is_this_sessions_never_the_users(private_run_dir: Path) -> None:
@@ -19,7 +19,7 @@ def test_the_run_directory_is_this_sessions_never_the_users(private_run_dir: Pat
     assert run_dir == private_run_dir / f"mooncake-{os.getuid()}"
     assert run_dir != Path(tempfile.gettempdir()) / f"mooncake-{os.getuid()}"
     assert local_ssd_dir(run_dir).is_relative_to(private_run_dir)
-    code = "from mooncake.roles.runfile import default_run_dir; print(default_run_dir())"
+    code = "from mooncake.local.runfile import default_run_dir; print(default_run_dir())"
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
     )

@@ -58,13 +58,13 @@ def _key_checker(api_keys: Sequence[str]) -> Callable[[Request], None]:
             raise InvalidRequest(
                 "You didn't provide an API key. Send it in an Authorization header "
                 "using Bearer auth (Authorization: Bearer YOUR_KEY).",
-                status=401, code="invalid_api_key",
-            )  # fmt: skip
+                status=401,
+                code="invalid_api_key",
+            )
         token = given.strip().encode()
         # NOTE: compare against every key so that timing does not tell which one matched
         if not any([hmac.compare_digest(token, k) for k in keys]):
-            raise InvalidRequest("Incorrect API key provided.", status=401,
-                                 code="invalid_api_key")  # fmt: skip
+            raise InvalidRequest("Incorrect API key provided.", status=401, code="invalid_api_key")
 
     return check
 
@@ -156,9 +156,14 @@ def create_app(
         return await serve(request, is_chat=True)
 
     def model_card() -> dict[str, object]:
-        return {"id": backend.model_name, "object": "model", "created": started,
-                "owned_by": "mooncake", "max_model_len": backend.max_model_len,
-                "vocab_size": backend.vocab_size or None}  # fmt: skip
+        return {
+            "id": backend.model_name,
+            "object": "model",
+            "created": started,
+            "owned_by": "mooncake",
+            "max_model_len": backend.max_model_len,
+            "vocab_size": backend.vocab_size or None,
+        }
 
     @app.get("/v1/models", dependencies=auth)
     async def models() -> Response:
@@ -167,8 +172,12 @@ def create_app(
     @app.get("/v1/models/{model_id:path}", dependencies=auth)
     async def model(model_id: str) -> Response:
         if model_id != backend.model_name:
-            raise InvalidRequest(f"The model `{model_id}` does not exist.", "model",
-                                 status=404, code="model_not_found")  # fmt: skip
+            raise InvalidRequest(
+                f"The model `{model_id}` does not exist.",
+                "model",
+                status=404,
+                code="model_not_found",
+            )
         return json_response(model_card())
 
     @app.get("/v1/status", dependencies=auth)

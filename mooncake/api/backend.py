@@ -22,9 +22,9 @@ from typing import Literal
 import msgspec
 
 from mooncake.conductor.misses import MissCounts
-from mooncake.engine.params import SamplingParams
-from mooncake.engine.tokenizer import BaseTokenizer
 from mooncake.errors import MooncakeError
+from mooncake.model.params import SamplingParams
+from mooncake.model.tokenizer import BaseTokenizer
 
 FinishReason = Literal["stop", "length", "abort"]
 

@@ -22,15 +22,17 @@ from typing import Any
 
 from mooncake.api.backend import Output
 from mooncake.conductor.misses import CAUSES, ELSEWHERE_PARTS, MissCounts
-from mooncake.engine.tokenizer import BaseTokenizer
+from mooncake.model.tokenizer import BaseTokenizer
 
 Body = dict[str, Any]
 
 
 def error_body(
-    message: str, type_: str = "invalid_request_error", param: str | None = None,
+    message: str,
+    type_: str = "invalid_request_error",
+    param: str | None = None,
     code: str | int | None = None,
-) -> Body:  # fmt: skip
+) -> Body:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 

@@ -28,11 +28,11 @@ from typing import Literal
 from mooncake.api.backend import BaseBackend, GenerateRequest, Output
 from mooncake.api.stats import RequestStats
 from mooncake.api.status import NodeStatus, Status
-from mooncake.config import ModelConfig
-from mooncake.engine.prefill import check_token_ids
-from mooncake.engine.sequence import Sequence, TokenEvent
-from mooncake.engine.tokenizer import create_tokenizer
+from mooncake.config.settings import ModelConfig
 from mooncake.errors import ApiError, ConfigError, MooncakeError
+from mooncake.model.prefill import check_token_ids
+from mooncake.model.sequence import Sequence, TokenEvent
+from mooncake.model.tokenizer import create_tokenizer
 
 log = logging.getLogger(__name__)
 DEFAULT_KV_CACHE_BYTES = 512 * 1024 * 1024
@@ -63,11 +63,11 @@ class EngineBackend(BaseBackend):
     ):
         import torch
 
-        from mooncake.engine.decode import DecodeRunner
-        from mooncake.engine.kvcache import PagedKVCache
-        from mooncake.engine.modelinfo import load_model_info, resolve_dtype
-        from mooncake.engine.prefixcache import PrefixCache
-        from mooncake.engine.weights import create_model
+        from mooncake.model.decode import DecodeRunner
+        from mooncake.model.info import load_model_info, resolve_dtype
+        from mooncake.model.kvcache import PagedKVCache
+        from mooncake.model.prefixcache import PrefixCache
+        from mooncake.model.weights import create_model
 
         config = model or ModelConfig()
         info = load_model_info(config.path)
@@ -102,8 +102,9 @@ class EngineBackend(BaseBackend):
         limit = config.max_model_len or spec.max_position_embeddings
         self.max_model_len = min(limit, num_blocks * config.block_tokens)
         if self.max_model_len < limit:
-            log.warning("max_model_len cut to %d tokens: the KV cache holds no more",
-                        self.max_model_len)  # fmt: skip
+            log.warning(
+                "max_model_len cut to %d tokens: the KV cache holds no more", self.max_model_len
+            )
         self._ids = itertools.count()
         self._cond = threading.Condition()
         self._inbox: list[tuple[Literal["add", "abort"], Sequence | int]] = []
@@ -125,8 +126,14 @@ class EngineBackend(BaseBackend):
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
                 f"max_model_len ({self.max_model_len})"
             )
-        seq = Sequence(next(self._ids), ids, params, eos_token_ids=self.tokenizer.eos_token_ids,
-                       max_model_len=self.max_model_len, tokenizer=self.tokenizer)  # fmt: skip
+        seq = Sequence(
+            next(self._ids),
+            ids,
+            params,
+            eos_token_ids=self.tokenizer.eos_token_ids,
+            max_model_len=self.max_model_len,
+            tokenizer=self.tokenizer,
+        )
         queue: asyncio.Queue[Output] = asyncio.Queue()
         with self._cond:
             if self._is_stopping or not self._thread.is_alive():
@@ -153,18 +160,29 @@ class EngineBackend(BaseBackend):
         """Requests waiting for and in the running batch (read without a lock: a glance)."""
         return {"num_waiting": len(self.runner.waiting), "num_running": len(self.runner.running)}
 
-    def status(self, stats: RequestStats, *, uptime_s: float, cluster: str = "serve",
-               ttft_slo_s: float = 0.0, tbt_slo_s: float = 0.0) -> Status:  # fmt: skip
+    def status(
+        self,
+        stats: RequestStats,
+        *,
+        uptime_s: float,
+        cluster: str = "serve",
+        ttft_slo_s: float = 0.0,
+        tbt_slo_s: float = 0.0,
+    ) -> Status:
         """The `/v1/status` snapshot of this single-process server: one node, no pool."""
         snap, load, pc = stats.snapshot(), self.load(), self.prefix_cache
         hit_rate = (
             pc.num_hit_tokens / pc.num_queried_tokens if pc and pc.num_queried_tokens else 0.0
         )
         node = NodeStatus(
-            node_id=f"{socket.gethostname()}-coupled", role="coupled", address="", state="ready",
-            num_queued=load["num_waiting"], num_running=load["num_running"],
+            node_id=f"{socket.gethostname()}-coupled",
+            role="coupled",
+            address="",
+            state="ready",
+            num_queued=load["num_waiting"],
+            num_running=load["num_running"],
             load=load["num_running"] / self.runner.max_batch,
-        )  # fmt: skip
+        )
         return Status(
             cluster=cluster,
             model=self.model_name,
@@ -229,8 +247,11 @@ class EngineBackend(BaseBackend):
         events = [e for s in [*runner.running, *runner.waiting] if (e := runner.abort(s.seq_id))]
         with self._cond:
             known = {e.seq_id for e in events}
-            events += [TokenEvent(i, None, "", finish_reason="abort") for i in self._pending
-                       if i not in known]  # fmt: skip
+            events += [
+                TokenEvent(i, None, "", finish_reason="abort")
+                for i in self._pending
+                if i not in known
+            ]
         self._deliver(events, error)
 
     def _deliver(self, events: list[TokenEvent], error: str) -> None:

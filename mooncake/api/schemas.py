@@ -18,7 +18,8 @@ from typing import Annotated, Any, Literal, TypeVar
 import msgspec
 from msgspec import Meta
 
-from mooncake.engine.params import (
+from mooncake.errors import ApiError
+from mooncake.model.params import (
     MAX_INT32,
     MAX_STOP_CHARS,
     MAX_STOPS,
@@ -28,7 +29,6 @@ from mooncake.engine.params import (
     InvalidSamplingParams,
     SamplingParams,
 )
-from mooncake.errors import ApiError
 
 T = TypeVar("T")
 _Temperature = Annotated[
@@ -54,8 +54,9 @@ _TokenIds = Annotated[list[TokenId], _only(minItems=1)]
 class InvalidRequest(ApiError):
     """A request the API refuses (HTTP `status`, OpenAI `invalid_request_error` body)."""
 
-    def __init__(self, message: str, param: str | None = None, *, status: int = 400,
-                 code: str | None = None):  # fmt: skip
+    def __init__(
+        self, message: str, param: str | None = None, *, status: int = 400, code: str | None = None
+    ):
         super().__init__(message)
         self.param, self.status, self.code = param, status, code
 
@@ -217,9 +218,12 @@ def _refuse_unsupported(req: _Common) -> None:
         (bool(req.presence_penalty), "presence_penalty", "only 0 is supported"),
         (bool(req.frequency_penalty), "frequency_penalty", "only 0 is supported"),
         (bool(req.logit_bias), "logit_bias", "is not supported; leave it empty"),
-        (req.stream_options is not None and not req.stream, "stream_options",
-         "is only allowed when stream is true"),
-    ]  # fmt: skip
+        (
+            req.stream_options is not None and not req.stream,
+            "stream_options",
+            "is only allowed when stream is true",
+        ),
+    ]
     if isinstance(req, CompletionRequest):
         checks += [
             (req.echo, "echo", "is not supported; use echo=false"),
@@ -229,9 +233,12 @@ def _refuse_unsupported(req: _Common) -> None:
     if isinstance(req, ChatRequest):
         checks += [
             (bool(req.tools), "tools", "tool calling is not supported"),
-            (req.top_logprobs is not None and not req.logprobs, "top_logprobs",
-             "requires logprobs=true"),
-        ]  # fmt: skip
+            (
+                req.top_logprobs is not None and not req.logprobs,
+                "top_logprobs",
+                "requires logprobs=true",
+            ),
+        ]
     for bad, param, message in checks:
         if bad:
             raise InvalidRequest(f"{param}: {message}", param)

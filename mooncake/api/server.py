@@ -26,7 +26,7 @@ import psutil
 import uvicorn
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from mooncake.config import ApiConfig
+from mooncake.config.settings import ApiConfig
 from mooncake.errors import ConfigError
 
 CLOSING = "mooncake.closing"  # scope["extensions"] key: set once a stopping server's drain is over

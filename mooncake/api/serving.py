@@ -197,8 +197,10 @@ async def generate(ctx: ServingContext, request: Request, is_chat: bool) -> Resp
         if req.model is not None and req.model != model:
             raise InvalidRequest(
                 f"The model `{req.model}` does not exist; this server serves `{model}`.",
-                "model", status=404, code="model_not_found",
-            )  # fmt: skip
+                "model",
+                status=404,
+                code="model_not_found",
+            )
         prompt_ids = await anyio.to_thread.run_sync(_prompt_ids, ctx, req)
         field = "messages" if is_chat else "prompt"
         if not prompt_ids:
@@ -207,8 +209,9 @@ async def generate(ctx: ServingContext, request: Request, is_chat: bool) -> Resp
         _check_vocab(ctx, prompt_ids, field)
         params = schemas.sampling_params(req, max_tokens)
         _check_vocab(ctx, params.stop_token_ids, "stop_token_ids")
-        gen = GenerateRequest(req_id=req_id, prompt_ids=prompt_ids, params=params,
-                              arrival_s=arrival_s)  # fmt: skip
+        gen = GenerateRequest(
+            req_id=req_id, prompt_ids=prompt_ids, params=params, arrival_s=arrival_s
+        )
         it = ctx.backend.generate(gen)
         async with _until_closing(closing):
             first = await it.__anext__()
@@ -274,9 +277,13 @@ class _Usage:
 
 
 async def _collect(
-    request: Request, it: AsyncIterator[Output], first: Output, trace: RequestTrace,
-    builder: ResponseBuilder, usage: _Usage,
-) -> Response:  # fmt: skip
+    request: Request,
+    it: AsyncIterator[Output],
+    first: Output,
+    trace: RequestTrace,
+    builder: ResponseBuilder,
+    usage: _Usage,
+) -> Response:
     """Gather the outputs into one body; a client that disconnects first aborts the request."""
     outs, error, is_gone = [first], "", False
 
@@ -308,8 +315,9 @@ async def _collect(
     finally:
         await _close(it)
         last = outs[-1].finish_reason
-        trace.end("cancelled" if is_gone else "completed" if last in ("stop", "length")
-                  else "failed")  # fmt: skip
+        trace.end(
+            "cancelled" if is_gone else "completed" if last in ("stop", "length") else "failed"
+        )
     if is_gone:
         log.info("%s: the client went away; request aborted", builder.req_id)
         return Response(status_code=499)  # nobody reads it
@@ -323,9 +331,14 @@ async def _collect(
 
 
 async def _stream(
-    it: AsyncIterator[Output], first: Output, trace: RequestTrace, builder: ResponseBuilder,
-    usage: _Usage, include_usage: bool, closing: asyncio.Event | None,
-) -> AsyncIterator[bytes]:  # fmt: skip
+    it: AsyncIterator[Output],
+    first: Output,
+    trace: RequestTrace,
+    builder: ResponseBuilder,
+    usage: _Usage,
+    include_usage: bool,
+    closing: asyncio.Event | None,
+) -> AsyncIterator[bytes]:
     outcome: Outcome = "cancelled"  # unless the stream reaches its end
     try:
         if builder.is_chat:
@@ -372,8 +385,9 @@ class SSEResponse(StreamingResponse):
     def __init__(
         self, content: AsyncIterator[bytes], headers: dict[str, str], closing: asyncio.Event | None
     ):
-        super().__init__(content, headers={"Cache-Control": "no-cache",
-                                           "X-Accel-Buffering": "no", **headers})  # fmt: skip
+        super().__init__(
+            content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers}
+        )
         self.closing = closing
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

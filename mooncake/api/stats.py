@@ -95,9 +95,11 @@ class _Metrics:
     def __init__(self, registry: CollectorRegistry):
         self.registry = registry
         self.requests = Counter(
-            "mooncake_api_requests", "Generation requests by outcome.", ["outcome"],
+            "mooncake_api_requests",
+            "Generation requests by outcome.",
+            ["outcome"],
             registry=registry,
-        )  # fmt: skip
+        )
         for outcome in OUTCOMES:
             self.requests.labels(outcome)
         self.refused = Counter(
@@ -110,13 +112,17 @@ class _Metrics:
             "mooncake_api_requests_in_flight", "Requests being served.", registry=registry
         )
         self.ttft = Histogram(
-            "mooncake_api_ttft_seconds", "Time to first token (arrival to first token).",
-            registry=registry, buckets=TTFT_BUCKETS_S,
-        )  # fmt: skip
+            "mooncake_api_ttft_seconds",
+            "Time to first token (arrival to first token).",
+            registry=registry,
+            buckets=TTFT_BUCKETS_S,
+        )
         self.tbt = Histogram(
-            "mooncake_api_tbt_seconds", "Time between consecutive tokens of a request.",
-            registry=registry, buckets=TBT_BUCKETS_S,
-        )  # fmt: skip
+            "mooncake_api_tbt_seconds",
+            "Time between consecutive tokens of a request.",
+            registry=registry,
+            buckets=TBT_BUCKETS_S,
+        )
         self.prompt_tokens = Counter(
             "mooncake_api_prompt_tokens", "Prompt tokens of started requests.", registry=registry
         )

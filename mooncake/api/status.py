@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Literal
 import msgspec
 
 if TYPE_CHECKING:
-    from mooncake.store.objects import StoreStats
+    from mooncake.store.metadata.objects import StoreStats
 
 NodeState = Literal["starting", "ready", "draining", "failed", "down"]  # as the master sees it
 

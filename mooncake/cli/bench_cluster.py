@@ -14,7 +14,7 @@ from mooncake.cli.config_cmd import SET_HELP
 
 if TYPE_CHECKING:
     from mooncake.api.status import TtftPhases
-    from mooncake.replay.calibrate import Calibration
+    from mooncake.bench.calibrate import Calibration
 
 
 @bench_app.command("cluster")
@@ -57,12 +57,12 @@ def bench_cluster(
     rate and rejections of both, with the ratio sim / real of each. The simulated twin runs
     on this host as the real cluster does: its nodes share the host's cores, with the
     control plane's share and the idle cluster's fixed latency both measured in the run."""
+    from mooncake.bench.calibrate import calibrate
     from mooncake.cli.output import err_console, print_json
     from mooncake.cli.replay import _replay_with_progress
-    from mooncake.configload import parse_set_option
-    from mooncake.replay.calibrate import calibrate
+    from mooncake.config.load import parse_set_option
+    from mooncake.local.launcher import LocalPlan
     from mooncake.replay.prompts import PromptConfig
-    from mooncake.roles.local import LocalPlan
     from mooncake.sim.trace import load_trace
 
     records = load_trace(trace, limit=limit, skip=skip)
@@ -109,9 +109,9 @@ def _fmt(name: str, value: float | None) -> str:
 def _print(r: Calibration) -> None:
     from rich.table import Table
 
+    from mooncake.bench.calibrate import FIGURES
     from mooncake.cli.output import console
     from mooncake.conductor.misses import CAUSES
-    from mooncake.replay.calibrate import FIGURES
 
     table = Table(
         title=f"{r.requests} requests at speed {r.speed:g}, scale {r.scale:g} on {r.cluster}"

@@ -77,9 +77,9 @@ def bench_engine(
     chunked pipeline parallelism, on this machine's CPU, with the baselines in the same run."""
     import torch
 
+    from mooncake.bench.engine import Bench
     from mooncake.cli.output import print_json
-    from mooncake.engine.benchmarks import Bench
-    from mooncake.engine.modelinfo import load_model_info, resolve_dtype
+    from mooncake.model.info import load_model_info, resolve_dtype
 
     chosen = [p.strip() for p in parts.split(",") if p.strip()]
     unknown = sorted(set(chosen) - set(PARTS))
@@ -204,8 +204,8 @@ def _handoff_parts(
     count: int,
     repeat: int,
 ) -> None:
+    from mooncake.bench.handoff import HandoffBench
     from mooncake.conductor.pipelining import inflight_bound, num_chunks
-    from mooncake.engine.handoffbench import HandoffBench
 
     hb = HandoffBench(bench, max(length, inflight_len * count), protocol)
     try:
@@ -261,7 +261,7 @@ def _gemm_part(
     steps: int,
     repeat: int,
 ) -> None:
-    from mooncake.engine.cpugemm import PackedLinear
+    from mooncake.model.cpugemm import PackedLinear
 
     packed = any(isinstance(m, PackedLinear) for m in bench.model.modules())
     report["gemm"] = {"packed": packed}

@@ -12,7 +12,7 @@ import typer
 from mooncake.cli.app import bench_app
 
 if TYPE_CHECKING:
-    from mooncake.replay.faults import FaultResult
+    from mooncake.bench.faults import FaultResult
 
 
 @bench_app.command("faults")
@@ -43,11 +43,11 @@ def bench_faults(
     the fault until a one-token probe (sent every 0.25 s, queued behind the backlog) is
     answered, the restarts the supervisor made, and the median TTFT of completed requests.
     The `none` row is the same replay with no fault."""
+    from mooncake.bench.faults import FaultRun, parse_faults, run_fault
     from mooncake.cli.output import err_console, print_json
-    from mooncake.replay.faults import FaultRun, parse_faults, run_fault
+    from mooncake.local.cost import ensure_cost_model
+    from mooncake.local.launcher import LocalPlan
     from mooncake.replay.prompts import PromptConfig
-    from mooncake.roles.local import LocalPlan
-    from mooncake.roles.localcost import ensure_cost_model
     from mooncake.sim.trace import load_trace
 
     chosen = parse_faults(faults)

@@ -39,7 +39,7 @@ def bench_hash(
     import numpy as np
 
     from mooncake.cli.output import console, print_json
-    from mooncake.hashing import PrefixHasher, model_fingerprint
+    from mooncake.kv.hashing import PrefixHasher, model_fingerprint
 
     num_blocks = max(1, num_tokens // block_tokens)
     num_tokens = num_blocks * block_tokens

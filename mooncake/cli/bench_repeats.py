@@ -13,7 +13,7 @@ from mooncake.cli.app import bench_app
 from mooncake.cli.config_cmd import SET_HELP
 
 if TYPE_CHECKING:
-    from mooncake.replay.repeats import RepeatsResult
+    from mooncake.bench.repeats import RepeatsResult
 
 
 @bench_app.command("repeats")
@@ -37,10 +37,10 @@ def bench_repeats(
     with the server's blocks by cause (its kv_blocks). A block committed before a request
     is placed must be reused by it: every repeat should reuse every full block (0 misses
     of committed blocks). Exits 1 when a repeat missed some."""
+    from mooncake.bench.repeats import run_repeats
     from mooncake.cli.output import err_console, print_json
-    from mooncake.configload import parse_set_option
-    from mooncake.replay.repeats import run_repeats
-    from mooncake.roles.local import LocalPlan
+    from mooncake.config.load import parse_set_option
+    from mooncake.local.launcher import LocalPlan
 
     with tempfile.TemporaryDirectory(prefix="mooncake-bench-repeats-") as tmp:
         plan = LocalPlan(

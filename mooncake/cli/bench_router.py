@@ -67,11 +67,11 @@ def bench_router(
     instance served."""
     import dataclasses
 
+    from mooncake.bench.routing import RoutingPlan, run_routing
+    from mooncake.bench.versus import VersusPlan
     from mooncake.cli.bench_vllm import _checkpoint, _say
     from mooncake.cli.output import console, err_console, print_json
     from mooncake.replay.prompts import PromptConfig
-    from mooncake.replay.routing import RoutingPlan, run_routing
-    from mooncake.replay.versus import VersusPlan
     from mooncake.sim.trace import load_trace
 
     records = load_trace(trace, limit=limit)

@@ -13,7 +13,7 @@ from mooncake.transfer.types import EngineOptions
 if TYPE_CHECKING:
     from rich.table import Table
 
-    from mooncake.store.bench import StoreBenchRow
+    from mooncake.bench.store import StoreBenchRow
 
 
 @bench_app.command("store")
@@ -108,12 +108,12 @@ def bench_store(
 
     import msgspec
 
+    from mooncake.bench import store as bench
+    from mooncake.bench.storeprocs import LocalCluster
+    from mooncake.bench.transfer import cpu_note, new_secret
+    from mooncake.bench.upstream import UpstreamStore
     from mooncake.cli.output import console, print_json
-    from mooncake.sizes import parse_size
-    from mooncake.store import bench
-    from mooncake.store.localproc import LocalCluster
-    from mooncake.store.upstream import UpstreamStore
-    from mooncake.transfer.bench import cpu_note, new_secret
+    from mooncake.config.sizes import parse_size
 
     if protocol not in ("tcp", "auto"):
         raise ConfigError(f"--protocol: expected tcp or auto, got {protocol!r}")
@@ -163,9 +163,12 @@ def bench_store(
                     up = twin.run(api, size, duration, warmup_s=twin_warmup)
                     twin_warmup = 0.0
                     row = msgspec.structs.replace(
-                        row, upstream_put_gbps=up.put_gbps, upstream_get_gbps=up.get_gbps,
-                        upstream_put_p50_us=up.put_p50_us, upstream_get_p50_us=up.get_p50_us,
-                    )  # fmt: skip
+                        row,
+                        upstream_put_gbps=up.put_gbps,
+                        upstream_get_gbps=up.get_gbps,
+                        upstream_put_p50_us=up.put_p50_us,
+                        upstream_get_p50_us=up.get_p50_us,
+                    )
                 runs[api, size].append(row)
         rows = [bench.median_row(runs[cell]) for cell in cells]
     if as_json:
@@ -187,30 +190,49 @@ def _table(rows: list[StoreBenchRow], title: str, has_upstream: bool) -> Table:
     our/upstream GB/s ratios, or else the reference quoted from PAPER.md."""
     from rich.table import Table
 
-    from mooncake.store.bench import UPSTREAM_0_3_13
+    from mooncake.bench.store import UPSTREAM_0_3_13
 
     table = Table(title=title)
-    cols = ["api", "value", "keys/call", "via", "put GB/s", "get GB/s", "put p50/p99 us",
-            "get p50/p99 us", "socket p50 w/r us (same run)"]  # fmt: skip
+    cols = [
+        "api",
+        "value",
+        "keys/call",
+        "via",
+        "put GB/s",
+        "get GB/s",
+        "put p50/p99 us",
+        "get p50/p99 us",
+        "socket p50 w/r us (same run)",
+    ]
     if has_upstream:
-        cols += ["upstream put/get GB/s (same run)", "upstream p50 put/get us",
-                 "ours/upstream put/get GB/s"]  # fmt: skip
+        cols += [
+            "upstream put/get GB/s (same run)",
+            "upstream p50 put/get us",
+            "ours/upstream put/get GB/s",
+        ]
     else:
         cols += ["upstream 0.3.13 (PAPER.md, not this run)"]
     for col in cols:
         table.add_column(col, justify="left" if col in ("api", "via") else "right")
     for r in rows:
         cells = [
-            r.api, _human(r.value_bytes), str(r.keys_per_call), r.protocol,
-            f"{r.put_gbps:.2f}", f"{r.get_gbps:.2f}",
-            f"{r.put_p50_us:,.0f}/{r.put_p99_us:,.0f}", f"{r.get_p50_us:,.0f}/{r.get_p99_us:,.0f}",
+            r.api,
+            _human(r.value_bytes),
+            str(r.keys_per_call),
+            r.protocol,
+            f"{r.put_gbps:.2f}",
+            f"{r.get_gbps:.2f}",
+            f"{r.put_p50_us:,.0f}/{r.put_p99_us:,.0f}",
+            f"{r.get_p50_us:,.0f}/{r.get_p99_us:,.0f}",
             f"{r.socket_put_p50_us:,.0f}/{r.socket_get_p50_us:,.0f}",
-        ]  # fmt: skip
+        ]
         if has_upstream:
-            cells += [f"{r.upstream_put_gbps:.2f}/{r.upstream_get_gbps:.2f}",
-                      f"{r.upstream_put_p50_us:,.0f}/{r.upstream_get_p50_us:,.0f}",
-                      f"{_ratio(r.put_gbps, r.upstream_put_gbps)}/"
-                      f"{_ratio(r.get_gbps, r.upstream_get_gbps)}"]  # fmt: skip
+            cells += [
+                f"{r.upstream_put_gbps:.2f}/{r.upstream_get_gbps:.2f}",
+                f"{r.upstream_put_p50_us:,.0f}/{r.upstream_get_p50_us:,.0f}",
+                f"{_ratio(r.put_gbps, r.upstream_put_gbps)}/"
+                f"{_ratio(r.get_gbps, r.upstream_get_gbps)}",
+            ]
         else:
             ref = UPSTREAM_0_3_13.get((r.api, r.value_bytes))
             ref_text = "-"

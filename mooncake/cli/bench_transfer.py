@@ -10,7 +10,7 @@ from mooncake.errors import ConfigError, TransferError
 
 
 def _size(text: str, what: str) -> int:
-    from mooncake.sizes import parse_size
+    from mooncake.config.sizes import parse_size
 
     value = parse_size(text)
     if value <= 0:
@@ -84,9 +84,9 @@ def bench_transfer(
     of one batch's size as the transfer does: a plain two-process Python socket stream (tcp,
     rdma) or a single-threaded memcpy (shm); `ratio` is gbps / baseline_gbps.
     """
+    from mooncake.bench import transfer as bench
+    from mooncake.bench.transferbase import MemcpyBaseline, StreamBaseline
     from mooncake.cli.output import console, err_console, print_json
-    from mooncake.transfer import bench
-    from mooncake.transfer.baseline import MemcpyBaseline, StreamBaseline
 
     if mode not in ("target", "initiator"):
         raise ConfigError(f"--mode: expected target or initiator, got {mode!r}")
@@ -125,8 +125,20 @@ def bench_transfer(
     group_bytes = _size(group_size, "--group-size") if group_size else 0
     ini = baseline = None
     try:
-        ini = bench.Initiator(key, thost, tport, protocol, op, block, batch_size, threads,
-                              slice_bytes, connections, group_bytes, scatter)  # fmt: skip
+        ini = bench.Initiator(
+            key,
+            thost,
+            tport,
+            protocol,
+            op,
+            block,
+            batch_size,
+            threads,
+            slice_bytes,
+            connections,
+            group_bytes,
+            scatter,
+        )
         if not no_baseline:
             uses_copy = ini.target.transport.name in ("shm", "local")
             baseline = MemcpyBaseline(block, span) if uses_copy else StreamBaseline(block, span)
@@ -164,12 +176,18 @@ def bench_transfer(
         table.add_column(col, justify="right")
     mib = 1 << 20
     table.add_row(
-        f"{result.gbps:.2f}", f"{result.requests_per_s:,.0f}", f"{result.p50_us:,.0f}",
-        f"{result.p99_us:,.0f}", f"{result.baseline_gbps:.2f}", f"{result.ratio:.2f}",
+        f"{result.gbps:.2f}",
+        f"{result.requests_per_s:,.0f}",
+        f"{result.p50_us:,.0f}",
+        f"{result.p99_us:,.0f}",
+        f"{result.baseline_gbps:.2f}",
+        f"{result.ratio:.2f}",
         str(result.num_retries),
-        "/".join(str(n // mib) for n in (result.rss_start_bytes, result.rss_end_bytes,
-                                          result.rss_peak_bytes)),
+        "/".join(
+            str(n // mib)
+            for n in (result.rss_start_bytes, result.rss_end_bytes, result.rss_peak_bytes)
+        ),
         str(result.target_rss_peak_bytes // mib) if result.target_rss_peak_bytes else "-",
         *([f"{result.target_busy_share:.0%}"] if busy_target else []),
-    )  # fmt: skip
+    )
     console.print(table)

@@ -17,10 +17,10 @@ if TYPE_CHECKING:
 
     from rich.status import Status
 
+    from mooncake.bench.versus import OnRecord, ReplayFn, Row, Versus
     from mooncake.replay.prompts import PromptConfig
     from mooncake.replay.report import ReplayReport
     from mooncake.replay.runner import ReplayConfig
-    from mooncake.replay.versus import OnRecord, ReplayFn, Row, Versus
     from mooncake.sim.trace import TraceRecord
 
 
@@ -115,9 +115,9 @@ def bench_vllm(
     server's ratio to the baseline. `--baseline serve` needs no vLLM."""
     import dataclasses
 
+    from mooncake.bench.versus import VersusPlan, parse_cpus, run_versus
     from mooncake.cli.output import err_console, print_json
     from mooncake.replay.prompts import PromptConfig
-    from mooncake.replay.versus import VersusPlan, parse_cpus, run_versus
     from mooncake.sim.trace import load_trace
 
     records = load_trace(trace, limit=limit)
@@ -183,9 +183,9 @@ def _checkpoint(
     import dataclasses
     import json
 
+    from mooncake.bench.checkpoint import CheckpointShape, make_checkpoint
     from mooncake.errors import ConfigError
-    from mooncake.modelspec import get_model_spec
-    from mooncake.replay.checkpoint import CheckpointShape, make_checkpoint
+    from mooncake.model.spec import get_model_spec
 
     if model_dir.startswith("dummy:"):
         return model_dir, get_model_spec(model_dir).vocab_size
@@ -254,8 +254,8 @@ LABELS = {
 def _print(r: Versus) -> None:
     from rich.table import Table
 
+    from mooncake.bench.versus import FIGURES
     from mooncake.cli.output import console
-    from mooncake.replay.versus import FIGURES
 
     others = [s for s in r.servers if s != r.baseline]
     for res in r.speeds:

@@ -44,9 +44,9 @@ def bench_vllm_pool(
     (what a miss costs with it: B's cold one) and whether the greedy tokens agree."""
     from rich.table import Table
 
+    from mooncake.bench.checkpoint import CheckpointShape
     from mooncake.cli.output import console, print_json
     from mooncake.integrations.vllm.trial import TrialPlan, run_trial
-    from mooncake.replay.checkpoint import CheckpointShape
 
     made = CheckpointShape.of(shape)
     need = prompt_blocks * block_tokens + 5 + TrialPlan.output_tokens

@@ -26,7 +26,7 @@ SET_HELP = (
 def _load(file: Path | None, sets: list[str]) -> Any:
     """LoadedConfig from FILE, os.environ and --set; on ConfigError prints every problem and
     exits 2."""
-    from mooncake.configload import load_config, parse_set_option
+    from mooncake.config.load import load_config, parse_set_option
     from mooncake.errors import ConfigError
 
     try:
@@ -69,8 +69,8 @@ def start_problems(config: Any) -> list[str]:
     path that does not load, and on the master a cost model that cannot be built (through
     the function the master itself calls, so the two cannot disagree)."""
     from mooncake.conductor.roofline import master_cost_model
-    from mooncake.engine.modelinfo import load_model_info
     from mooncake.errors import ConfigError
+    from mooncake.model.info import load_model_info
 
     try:
         info = load_model_info(config.model.path)
@@ -106,7 +106,7 @@ def show(
     docs: bool = typer.Option(False, "--doc", help="Add a column with each key's meaning."),
 ) -> None:
     """Print the resolved configuration as a table or JSON."""
-    from mooncake.configdoc import ALL_FIELDS, FIELDS, json_value, show_value
+    from mooncake.config.doc import ALL_FIELDS, FIELDS, json_value, show_value
 
     loaded = _load(file, sets)
     config, sources = loaded.config, loaded.sources
@@ -118,7 +118,7 @@ def show(
                 key: {
                     **json_value(spec, getattr(getattr(config, section), key)),
                     "source": sources[spec.dotted],
-                }  # fmt: skip
+                }
                 for key, spec in specs.items()
             }
             for section, specs in FIELDS.items()
@@ -153,6 +153,6 @@ def show(
 )
 def example() -> None:
     """Print the documented default config file."""
-    from mooncake.configdoc import render_example
+    from mooncake.config.doc import render_example
 
     typer.echo(render_example(), nl=False)

@@ -39,12 +39,12 @@ def doctor(
     from rich.table import Table
 
     from mooncake.cli.output import console, print_json
-    from mooncake.doctor import check_node, gather, summary
+    from mooncake.hw.doctor import check_node, gather, summary
 
     checks = check_node(gather(sysfs_root))
     if config is not None:
-        from mooncake.configload import load_config
-        from mooncake.doctorconfig import check_config
+        from mooncake.config.load import load_config
+        from mooncake.hw.doctorconfig import check_config
 
         checks += check_config(load_config(config).config)
     counts = summary(checks)

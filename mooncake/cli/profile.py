@@ -24,7 +24,7 @@ def profile(
         envvar="MOONCAKE_CONFIG",
         help="TOML config: model.path/dtype/block_tokens, prefill.chunk_tokens and the output "
         "file scheduler.cost_model_path come from it (defaults without a file).",
-    ),  # fmt: skip
+    ),
     out: Path | None = typer.Option(
         None,
         "--out",
@@ -57,11 +57,11 @@ def profile(
     import torch
 
     from mooncake.cli.output import console, err_console, print_json
-    from mooncake.configload import load_config
-    from mooncake.engine.kvobject import DTYPE_BYTES
-    from mooncake.engine.modelinfo import load_model_info, resolve_dtype
-    from mooncake.engine.profiling import profile_cost_model
+    from mooncake.config.load import load_config
     from mooncake.errors import ConfigError
+    from mooncake.kv.object import DTYPE_BYTES
+    from mooncake.model.info import load_model_info, resolve_dtype
+    from mooncake.model.profiling import profile_cost_model
 
     cfg = load_config(config).config
     target = out or (Path(cfg.scheduler.cost_model_path) if cfg.scheduler.cost_model_path else None)
@@ -84,10 +84,21 @@ def profile(
             status.update(f"profiling: {what}")
 
         model, prefill, decode = profile_cost_model(
-            info, dtype, cfg.model.block_tokens, cfg.prefill.chunk_tokens, lens,
-            _numbers(reuse_fractions, float), batches, ctxs, decode_steps, repeat,
-            int(kv_capacity_tokens), link_bytes_per_s, show, cfg.model.cpu_gemm,
-        )  # fmt: skip
+            info,
+            dtype,
+            cfg.model.block_tokens,
+            cfg.prefill.chunk_tokens,
+            lens,
+            _numbers(reuse_fractions, float),
+            batches,
+            ctxs,
+            decode_steps,
+            repeat,
+            int(kv_capacity_tokens),
+            link_bytes_per_s,
+            show,
+            cfg.model.cpu_gemm,
+        )
     target.parent.mkdir(parents=True, exist_ok=True)
     model.save(target)
     if json_out:
@@ -101,14 +112,21 @@ def profile(
     ):
         terms = " + ".join(f"{t.coef:.3e}·{x}^{t.powers[0]}·{y}^{t.powers[1]}" for t in poly.terms)
         err = poly.fit_error
-        table = Table(title=f"{name} (s) = {terms}\nfit: rmse {err.rmse_s * 1e3:.2f} ms, "
-                      f"worst {err.max_rel:.1%} over {err.num_samples} samples")  # fmt: skip
+        table = Table(
+            title=f"{name} (s) = {terms}\nfit: rmse {err.rmse_s * 1e3:.2f} ms, "
+            f"worst {err.max_rel:.1%} over {err.num_samples} samples"
+        )
         for col in (x, y, "measured s", "fitted s", "error"):
             table.add_column(col, justify="right")
         predict = model.prefill_time if name == "prefill" else model.decode_step_time
         for s in samples:
             fitted = predict(int(s.x), int(s.y))
-            table.add_row(f"{s.x:.0f}", f"{s.y:.0f}", f"{s.seconds:.4f}", f"{fitted:.4f}",
-                          f"{(fitted - s.seconds) / s.seconds:+.1%}")  # fmt: skip
+            table.add_row(
+                f"{s.x:.0f}",
+                f"{s.y:.0f}",
+                f"{s.seconds:.4f}",
+                f"{fitted:.4f}",
+                f"{(fitted - s.seconds) / s.seconds:+.1%}",
+            )
         console.print(table)
     console.print(f"wrote {target} ({info.spec.name}, {model.spec.device})")

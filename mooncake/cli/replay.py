@@ -111,8 +111,8 @@ def replay_cmd(
     """
     from mooncake.cli.output import print_json
     from mooncake.errors import ConfigError
+    from mooncake.local.runfile import read_runfile
     from mooncake.replay import PromptConfig, ReplayConfig, ReplayError, replay
-    from mooncake.roles.runfile import read_runfile
     from mooncake.sim.trace import load_trace
 
     if not url:
@@ -174,9 +174,14 @@ def _replay_with_progress(
 
     counts = {"ok": 0, "rejected": 0, "error": 0}
     progress = Progress(
-        TextColumn("[bold]replay"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        TextColumn("{task.fields[counts]}"), console=err_console, transient=False,
-    )  # fmt: skip
+        TextColumn("[bold]replay"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.fields[counts]}"),
+        console=err_console,
+        transient=False,
+    )
     task = progress.add_task("replay", total=len(records), counts="")
 
     def on_start(info: ServerInfo, final: PromptConfig) -> None:
@@ -234,8 +239,10 @@ def _print_report(r: ReplayReport) -> None:
         ("rejected (429) / failed", f"{r.rejected} / {r.failed}"),
         ("TTFT p50 / p90 / p99", _three(r.ttft_p50_s, r.ttft_p90_s, r.ttft_p99_s)),
         ("TBT p50 / p90 / p99", _three(r.tbt_p50_s, r.tbt_p90_s, r.tbt_p99_s)),
-        (f"SLO attainment (TTFT <= {r.ttft_slo_s:g} s, own P90 TBT <= {r.tbt_slo_s:g} s)",
-         f"{r.slo_attainment:.1%}"),
+        (
+            f"SLO attainment (TTFT <= {r.ttft_slo_s:g} s, own P90 TBT <= {r.tbt_slo_s:g} s)",
+            f"{r.slo_attainment:.1%}",
+        ),
         ("output tokens/s", f"{r.output_tokens_per_s:,.1f}"),
         ("goodput tokens/s (requests meeting both SLOs)", f"{r.goodput_tokens_per_s:,.1f}"),
         ("requests/s", f"{r.request_throughput_rps:,.3f}"),
@@ -243,7 +250,7 @@ def _print_report(r: ReplayReport) -> None:
         ("prompt-cache hit share", share),
         ("block size after scaling", f"{r.block_tokens} tokens"),
         ("duration", f"{r.duration_s:,.2f} s at --speed {r.speed:g}"),
-    ]  # fmt: skip
+    ]
     if r.short_outputs:
         rows.append(("outputs shorter than asked", f"{r.short_outputs} (EOS not ignored?)"))
     if sh := r.kv_block_shares:  # NOTE: only where the server attributes its misses

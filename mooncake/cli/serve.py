@@ -20,7 +20,7 @@ def serve(
         envvar="MOONCAKE_CONFIG",
         help="TOML config; serve reads its model, prefill, decode, scheduler, api and "
         "metrics sections. Flags win over it.",
-    ),  # fmt: skip
+    ),
     model: str = typer.Option(
         "", "--model", help='Model: a local HF directory or "dummy:NAME" (model.path).'
     ),
@@ -65,7 +65,7 @@ def serve(
         "--set",
         metavar="KEY=VALUE",
         help="Override one config key, as SECTION.KEY=VALUE; repeatable.",
-    ),  # fmt: skip
+    ),
 ) -> None:
     """Serve a model from this process over the OpenAI-compatible HTTP API.
 
@@ -87,10 +87,10 @@ def serve(
     from mooncake.api.stats import RequestStats
     from mooncake.api.status import Status
     from mooncake.cli.output import console
-    from mooncake.configload import load_config, parse_set_option
+    from mooncake.config.load import load_config, parse_set_option
+    from mooncake.config.sizes import parse_size
     from mooncake.errors import ConfigError
-    from mooncake.sizes import parse_size
-    from mooncake.store.metrics import MetricsServer
+    from mooncake.store.server.metrics import MetricsServer
 
     overrides: dict[str, object] = dict(parse_set_option(s) for s in sets)
     flags = {
@@ -122,20 +122,27 @@ def serve(
     registry = CollectorRegistry() if cfg.metrics.enabled else None
     metrics_server = None
     if registry is not None and cfg.metrics.port:
-        metrics_server = MetricsServer(registry=registry, host=metrics_host,
-                                       port=cfg.metrics.port)  # fmt: skip
+        metrics_server = MetricsServer(registry=registry, host=metrics_host, port=cfg.metrics.port)
     stats, started = RequestStats(), time.monotonic()
 
     async def status() -> Status:
-        return backend.status(stats, uptime_s=time.monotonic() - started, cluster=cfg.cluster.name,
-                              ttft_slo_s=cfg.scheduler.ttft_slo_s,
-                              tbt_slo_s=cfg.scheduler.tbt_slo_s)  # fmt: skip
+        return backend.status(
+            stats,
+            uptime_s=time.monotonic() - started,
+            cluster=cfg.cluster.name,
+            ttft_slo_s=cfg.scheduler.ttft_slo_s,
+            tbt_slo_s=cfg.scheduler.tbt_slo_s,
+        )
 
     api = create_app(
-        backend, api_keys=keys, status_fn=status, stats=stats,
-        metrics_registry=registry, default_max_tokens=cfg.decode.max_tokens_default,
+        backend,
+        api_keys=keys,
+        status_fn=status,
+        stats=stats,
+        metrics_registry=registry,
+        default_max_tokens=cfg.decode.max_tokens_default,
         serve_metrics=metrics_server is None,
-    )  # fmt: skip
+    )
     server = ApiServer(
         api, api_host, cfg.api.port if port is None else port, drain_s=cfg.api.drain_s
     )
@@ -148,8 +155,9 @@ def serve(
         console.print(
             f"mooncake serve: {backend.model_name} listening on {server.bound_url}{everywhere} "
             f"(OpenAI API at {server.url}/v1, metrics {metrics})",
-            highlight=False, soft_wrap=True,
-        )  # fmt: skip
+            highlight=False,
+            soft_wrap=True,
+        )
         sys.stdout.flush()
 
     try:

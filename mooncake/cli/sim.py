@@ -151,21 +151,36 @@ OPT: dict[str, Any] = {
 
 
 def _config(kw: dict[str, Any]) -> SimConfig:
+    from mooncake.config.sizes import parse_size
     from mooncake.sim.cluster import SimConfig
-    from mooncake.sizes import parse_size
 
     return SimConfig(
-        num_prefill=kw["prefill"], num_decode=kw["decode"], num_coupled=kw["coupled"],
-        policy=kw["policy"], rejection=kw["rejection"], balancing_threshold=kw["threshold"],
-        ttft_slo_s=kw["ttft_slo"], tbt_slo_s=kw["tbt_slo"], gpu=kw["gpu"], model=kw["model"],
-        tp=kw["tp"], cost_model_path=str(kw["cost_model"] or ""), pool_blocks=kw["pool_blocks"],
-        dram_bytes=parse_size(kw["dram_bytes"]), ssd_bytes=parse_size(kw["ssd_bytes"]),
-        block_tokens=kw["block_tokens"], chunk_tokens=kw["chunk_tokens"],
-        speed=kw.get("speed", 1.0), limit=kw["limit"], seed=kw["seed"],
-        late_binding=kw.get("late_binding", True), group_size=kw.get("group_size", 1),
-        max_inflight=kw.get("max_inflight", 4), reserve_at_start=kw.get("reserve", True),
+        num_prefill=kw["prefill"],
+        num_decode=kw["decode"],
+        num_coupled=kw["coupled"],
+        policy=kw["policy"],
+        rejection=kw["rejection"],
+        balancing_threshold=kw["threshold"],
+        ttft_slo_s=kw["ttft_slo"],
+        tbt_slo_s=kw["tbt_slo"],
+        gpu=kw["gpu"],
+        model=kw["model"],
+        tp=kw["tp"],
+        cost_model_path=str(kw["cost_model"] or ""),
+        pool_blocks=kw["pool_blocks"],
+        dram_bytes=parse_size(kw["dram_bytes"]),
+        ssd_bytes=parse_size(kw["ssd_bytes"]),
+        block_tokens=kw["block_tokens"],
+        chunk_tokens=kw["chunk_tokens"],
+        speed=kw.get("speed", 1.0),
+        limit=kw["limit"],
+        seed=kw["seed"],
+        late_binding=kw.get("late_binding", True),
+        group_size=kw.get("group_size", 1),
+        max_inflight=kw.get("max_inflight", 4),
+        reserve_at_start=kw.get("reserve", True),
         defer_s=kw.get("defer", 0.0),
-    )  # fmt: skip
+    )
 
 
 def _cluster_name(cfg: SimConfig) -> str:
@@ -188,20 +203,33 @@ def sim_run(
     speed: float = typer.Option(
         1.0, "--speed", help="Replay speed factor (2 = twice as many requests per second)."
     ),
-    prefill: int = OPT["prefill"], decode: int = OPT["decode"], coupled: int = OPT["coupled"],
-    group_size: int = OPT["group_size"], max_inflight: int = OPT["max_inflight"],
+    prefill: int = OPT["prefill"],
+    decode: int = OPT["decode"],
+    coupled: int = OPT["coupled"],
+    group_size: int = OPT["group_size"],
+    max_inflight: int = OPT["max_inflight"],
     reserve: bool = OPT["reserve"],
-    policy: str = OPT["policy"], rejection: str = OPT["rejection"], defer: float = OPT["defer"],
-    late_binding: bool = OPT["late_binding"], threshold: float = OPT["threshold"],
-    gpu: str = OPT["gpu"], model: str = OPT["model"], tp: int = OPT["tp"],
-    cost_model: Path | None = OPT["cost_model"], pool_blocks: int | None = OPT["pool_blocks"],
-    dram_bytes: str = OPT["dram_bytes"], ssd_bytes: str = OPT["ssd_bytes"],
+    policy: str = OPT["policy"],
+    rejection: str = OPT["rejection"],
+    defer: float = OPT["defer"],
+    late_binding: bool = OPT["late_binding"],
+    threshold: float = OPT["threshold"],
+    gpu: str = OPT["gpu"],
+    model: str = OPT["model"],
+    tp: int = OPT["tp"],
+    cost_model: Path | None = OPT["cost_model"],
+    pool_blocks: int | None = OPT["pool_blocks"],
+    dram_bytes: str = OPT["dram_bytes"],
+    ssd_bytes: str = OPT["ssd_bytes"],
     limit: int | None = OPT["limit"],
-    ttft_slo: float = OPT["ttft_slo"], tbt_slo: float = OPT["tbt_slo"],
-    chunk_tokens: int = OPT["chunk_tokens"], block_tokens: int = OPT["block_tokens"],
+    ttft_slo: float = OPT["ttft_slo"],
+    tbt_slo: float = OPT["tbt_slo"],
+    chunk_tokens: int = OPT["chunk_tokens"],
+    block_tokens: int = OPT["block_tokens"],
     seed: int = OPT["seed"],
-    json_out: bool = OPT["json"], plot: Path | None = OPT["plot"],
-) -> None:  # fmt: skip
+    json_out: bool = OPT["json"],
+    plot: Path | None = OPT["plot"],
+) -> None:
     """Replay TRACE on a simulated cluster (see the group's help)."""
     if ctx.invoked_subcommand is not None:
         return
@@ -218,9 +246,13 @@ def sim_run(
     files = []
     if plot is not None:
         files = write_plots(
-            plot, report, hit_rate_curve(records), ttft_slo_s=ttft_slo, tbt_slo_s=tbt_slo,
+            plot,
+            report,
+            hit_rate_curve(records),
+            ttft_slo_s=ttft_slo,
+            tbt_slo_s=tbt_slo,
             label=f"({_cluster_name(cfg)})",
-        )  # fmt: skip
+        )
     print_result(report.result, _cluster_name(cfg), trace, json_out, files)
 
 
@@ -233,18 +265,27 @@ def sim_capacity(
     lo: float = typer.Option(0.05, "--lo", help="Lowest replay speed tried."),
     hi: float = typer.Option(8.0, "--hi", help="Highest replay speed tried."),
     tolerance: float = typer.Option(0.03, "--tolerance", help="Stop when hi/lo < 1 + this."),
-    prefill: int = OPT["prefill"], decode: int = OPT["decode"], coupled: int = OPT["coupled"],
-    policy: str = OPT["policy"], rejection: str = OPT["rejection"],
+    prefill: int = OPT["prefill"],
+    decode: int = OPT["decode"],
+    coupled: int = OPT["coupled"],
+    policy: str = OPT["policy"],
+    rejection: str = OPT["rejection"],
     threshold: float = OPT["threshold"],
-    gpu: str = OPT["gpu"], model: str = OPT["model"], tp: int = OPT["tp"],
-    cost_model: Path | None = OPT["cost_model"], pool_blocks: int | None = OPT["pool_blocks"],
-    dram_bytes: str = OPT["dram_bytes"], ssd_bytes: str = OPT["ssd_bytes"],
+    gpu: str = OPT["gpu"],
+    model: str = OPT["model"],
+    tp: int = OPT["tp"],
+    cost_model: Path | None = OPT["cost_model"],
+    pool_blocks: int | None = OPT["pool_blocks"],
+    dram_bytes: str = OPT["dram_bytes"],
+    ssd_bytes: str = OPT["ssd_bytes"],
     limit: int | None = OPT["limit"],
-    ttft_slo: float = OPT["ttft_slo"], tbt_slo: float = OPT["tbt_slo"],
-    chunk_tokens: int = OPT["chunk_tokens"], block_tokens: int = OPT["block_tokens"],
+    ttft_slo: float = OPT["ttft_slo"],
+    tbt_slo: float = OPT["tbt_slo"],
+    chunk_tokens: int = OPT["chunk_tokens"],
+    block_tokens: int = OPT["block_tokens"],
     seed: int = OPT["seed"],
     json_out: bool = OPT["json"],
-) -> None:  # fmt: skip
+) -> None:
     """Effective request capacity: the highest replay speed of TRACE at which at least
     --target of all requests meet both the TTFT and the TBT SLO, found by bisection."""
     from mooncake.sim.capacity import find_capacity
@@ -260,12 +301,15 @@ def sim_capacity(
 def sim_hitrate(
     trace: Path = typer.Argument(..., help=TRACE_HELP, show_default=False),
     sizes: str = typer.Option(
-        "1000,10000,30000,50000,100000,0", "--sizes",
+        "1000,10000,30000,50000,100000,0",
+        "--sizes",
         help="Pool capacities in blocks, comma-separated; 0 = unbounded.",
     ),
-    limit: int | None = OPT["limit"], block_tokens: int = OPT["block_tokens"],
-    json_out: bool = OPT["json"], plot: Path | None = OPT["plot"],
-) -> None:  # fmt: skip
+    limit: int | None = OPT["limit"],
+    block_tokens: int = OPT["block_tokens"],
+    json_out: bool = OPT["json"],
+    plot: Path | None = OPT["plot"],
+) -> None:
     """Hit rate of one global LRU pool per capacity (the paper's Table 1): the longest
     resident prefix of each request's blocks over all blocks requested, in trace order."""
     from mooncake.errors import ConfigError

@@ -53,8 +53,9 @@ def parse_vary(spec: str) -> tuple[str, str, list[tuple[str, Any]]]:
     when bad (unknown values of rejection and policy are named by SimConfig itself)."""
     name, _, values = spec.partition("=")
     if name not in VARIABLE or not values:
-        raise ConfigError(f"--vary: expected NAME=V1,V2,... with NAME one of "
-                          f"{', '.join(VARIABLE)}, got {spec!r}")  # fmt: skip
+        raise ConfigError(
+            f"--vary: expected NAME=V1,V2,... with NAME one of {', '.join(VARIABLE)}, got {spec!r}"
+        )
     field, parse = VARIABLE[name]
     try:
         parsed = [(v.strip(), parse(v.strip())) for v in values.split(",") if v.strip()]
@@ -67,23 +68,34 @@ def parse_vary(spec: str) -> tuple[str, str, list[tuple[str, Any]]]:
 def sim_compare(
     trace: Path = typer.Argument(..., help=TRACE_HELP, show_default=False),
     vary: str = typer.Option(
-        "rejection=none,basic,predictive", "--vary",
+        "rejection=none,basic,predictive",
+        "--vary",
         help="The setting compared and its values: rejection=..., policy=..., "
         "threshold=..., binding=late,arrival or defer=0,10 (scheduler.defer_s).",
     ),
     speeds: str = typer.Option("1", "--speeds", help="Replay speeds, comma-separated."),
-    prefill: int = OPT["prefill"], decode: int = OPT["decode"], coupled: int = OPT["coupled"],
-    policy: str = OPT["policy"], rejection: str = OPT["rejection"],
-    late_binding: bool = OPT["late_binding"], threshold: float = OPT["threshold"],
-    gpu: str = OPT["gpu"], model: str = OPT["model"], tp: int = OPT["tp"],
-    cost_model: Path | None = OPT["cost_model"], pool_blocks: int | None = OPT["pool_blocks"],
-    dram_bytes: str = OPT["dram_bytes"], ssd_bytes: str = OPT["ssd_bytes"],
+    prefill: int = OPT["prefill"],
+    decode: int = OPT["decode"],
+    coupled: int = OPT["coupled"],
+    policy: str = OPT["policy"],
+    rejection: str = OPT["rejection"],
+    late_binding: bool = OPT["late_binding"],
+    threshold: float = OPT["threshold"],
+    gpu: str = OPT["gpu"],
+    model: str = OPT["model"],
+    tp: int = OPT["tp"],
+    cost_model: Path | None = OPT["cost_model"],
+    pool_blocks: int | None = OPT["pool_blocks"],
+    dram_bytes: str = OPT["dram_bytes"],
+    ssd_bytes: str = OPT["ssd_bytes"],
     limit: int | None = OPT["limit"],
-    ttft_slo: float = OPT["ttft_slo"], tbt_slo: float = OPT["tbt_slo"],
-    chunk_tokens: int = OPT["chunk_tokens"], block_tokens: int = OPT["block_tokens"],
+    ttft_slo: float = OPT["ttft_slo"],
+    tbt_slo: float = OPT["tbt_slo"],
+    chunk_tokens: int = OPT["chunk_tokens"],
+    block_tokens: int = OPT["block_tokens"],
     seed: int = OPT["seed"],
     json_out: bool = OPT["json"],
-) -> None:  # fmt: skip
+) -> None:
     """Replay TRACE once per (speed, value of --vary) on the same cluster and print one
     row each: requests completed and rejected (where: at arrival for TTFT or decode load,
     at prefill start, after prefill), prefill wasted on late rejections, TTFT and TBT."""

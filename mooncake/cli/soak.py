@@ -14,10 +14,10 @@ from mooncake.cli.app import app
 if TYPE_CHECKING:
     from rich.console import Console
 
+    from mooncake.bench.soak.run import SoakConfig, SoakReport
+    from mooncake.local.launcher import LocalPlan
     from mooncake.replay.prompts import PromptConfig
-    from mooncake.roles.local import LocalPlan
     from mooncake.sim.trace import TraceRecord
-    from mooncake.soak.run import SoakConfig, SoakReport
 
 
 @app.command("soak")
@@ -89,15 +89,15 @@ def soak_cmd(
     whether every master serves at the end. Exits 1 when a check fails (a hung request, an
     unclear error, RSS growth over 20%, a failover over 5 s or losing objects, not
     serving at the end)."""
+    from mooncake.bench.soak.faults import KINDS, FaultPlan
+    from mooncake.bench.soak.netns import Degrade
+    from mooncake.bench.soak.run import SoakConfig, default_trace
     from mooncake.cli.output import err_console, print_json
     from mooncake.errors import ConfigError
+    from mooncake.local.cost import ensure_cost_model
+    from mooncake.local.launcher import LocalPlan
     from mooncake.replay.prompts import PromptConfig
-    from mooncake.roles.local import LocalPlan
-    from mooncake.roles.localcost import ensure_cost_model
     from mooncake.sim.trace import load_trace
-    from mooncake.soak.faults import KINDS, FaultPlan
-    from mooncake.soak.netns import Degrade
-    from mooncake.soak.run import SoakConfig, default_trace
 
     names = [k.strip() for k in faults.split(",") if k.strip()]
     kinds = tuple(k for k in KINDS if k in names)
@@ -160,7 +160,7 @@ def _run_with_progress(
     """`run_soak` under a rich progress bar: the figures so far, each event as a line."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from mooncake.soak.run import SoakProgress, run_soak
+    from mooncake.bench.soak.run import SoakProgress, run_soak
 
     with Progress(
         TextColumn("soak"),

@@ -40,14 +40,14 @@ class Master:
 def find_master(url: str, config: Path | None, api_key: str | None) -> Master:
     """The master to poll: --url, else --config, else the local cluster's runfile; an
     explicit `api_key` wins over the one found. Raises ConfigError when none applies."""
-    from mooncake.roles.runfile import read_runfile, runfile_path
+    from mooncake.local.runfile import read_runfile, runfile_path
 
     if url:
         if not _is_http_url(url):
             raise ConfigError(f"--url: expected http://HOST:PORT or https://..., got {url!r}")
         found = Master(url.rstrip("/"), "", "--url")
     elif config is not None:
-        from mooncake.configload import load_config
+        from mooncake.config.load import load_config
 
         cfg = load_config(config).config
         api = cfg.api

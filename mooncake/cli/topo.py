@@ -11,7 +11,7 @@ from mooncake.cli.app import app
 from mooncake.cli.output import sysfs_root_option
 
 if TYPE_CHECKING:
-    from mooncake.topology import Topology
+    from mooncake.hw.topology import Topology
 
 
 def _gib(num_bytes: int) -> str:
@@ -128,7 +128,7 @@ def topo(
 ) -> None:
     """Detect and print this node's topology."""
     from mooncake.cli.output import print_json
-    from mooncake.topology import detect_topology
+    from mooncake.hw.topology import detect_topology
 
     allow = [name.strip() for name in nics.split(",") if name.strip()]
     topology = detect_topology(sysfs_root=sysfs_root, nic_allow=allow or None)

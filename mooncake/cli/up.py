@@ -9,13 +9,13 @@ import typer
 
 from mooncake.cli.app import app
 from mooncake.cli.config_cmd import SET_HELP, _load
-from mooncake.roles.supervisor import RestartPolicy
+from mooncake.local.supervisor import RestartPolicy
 
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from mooncake.roles.local import LocalPlan
-    from mooncake.roles.runfile import LocalCluster
+    from mooncake.local.launcher import LocalPlan
+    from mooncake.local.runfile import LocalCluster
 
 
 @app.command("up")
@@ -32,7 +32,7 @@ def up(
         "--local",
         help="Start a whole cluster on this machine: master, prefill "
         "nodes (one pipeline group), decode node(s) and a store node, on loopback.",
-    ),  # fmt: skip
+    ),
     num_prefill: int = typer.Option(2, "--prefill", min=1, help="--local: prefill nodes."),
     group_size: int = typer.Option(
         2, "--group-size", min=1, help="--local: prefill nodes per pipeline group."
@@ -54,19 +54,19 @@ def up(
     ),
     port: int = typer.Option(
         8000, "--port", min=0, max=65535, help="--local: HTTP API port (0 = any free one)."
-    ),  # fmt: skip
+    ),
     block_tokens: int = typer.Option(
         32, "--block-tokens", min=1, help="--local: tokens per KV block."
-    ),  # fmt: skip
+    ),
     pool: bool = typer.Option(
         True, "--pool/--no-pool", help="--local: the KV pool (off = recompute every prefix)."
-    ),  # fmt: skip
+    ),
     cost_model: Path | None = typer.Option(
         None,
         "--cost-model",
         help="--local: the Conductor's cost model file (default: "
         "profile the model once and cache the result).",
-    ),  # fmt: skip
+    ),
     run_dir: Path | None = typer.Option(
         None,
         "--run-dir",
@@ -89,9 +89,9 @@ def up(
     to send OpenAI-compatible requests to; a node of it that exits is restarted (see
     --restart-limit). Ctrl-C stops every process."""
     if local:
-        from mooncake.configload import parse_set_option
-        from mooncake.roles.local import LocalPlan
-        from mooncake.roles.runfile import default_run_dir
+        from mooncake.config.load import parse_set_option
+        from mooncake.local.launcher import LocalPlan
+        from mooncake.local.runfile import default_run_dir
 
         plan = LocalPlan(
             model=model,
@@ -118,8 +118,9 @@ def up(
     cfg = _load(config, sets).config
     the_role = role or cfg.node.role
     if the_role not in ("master", "prefill", "decode", "store"):
-        raise typer.BadParameter(f"{the_role!r}: expected master, prefill, decode or store",
-                                 param_hint="--role")  # fmt: skip
+        raise typer.BadParameter(
+            f"{the_role!r}: expected master, prefill, decode or store", param_hint="--role"
+        )
     logging.getLogger(__name__).info("starting %s node", the_role)
     run_node(cfg, the_role)
 
@@ -130,11 +131,11 @@ def _up_local(plan: LocalPlan, policy: RestartPolicy) -> None:
     import threading
 
     from mooncake.cli.output import console, err_console
-    from mooncake.roles.local import LocalLauncher
-    from mooncake.roles.localcost import ensure_cost_model
-    from mooncake.roles.runfile import read_runfile
-    from mooncake.roles.sdnotify import notify_ready, notify_stopping
-    from mooncake.roles.supervisor import NodeEvent
+    from mooncake.local.cost import ensure_cost_model
+    from mooncake.local.launcher import LocalLauncher
+    from mooncake.local.runfile import read_runfile
+    from mooncake.local.supervisor import NodeEvent
+    from mooncake.roles.node.sdnotify import notify_ready, notify_stopping
 
     running = read_runfile()
     if running is not None:

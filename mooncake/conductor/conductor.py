@@ -44,7 +44,7 @@ from mooncake.conductor.waiting import WaitingRoom, next_idle_s
 from mooncake.errors import SchedulingError
 
 if TYPE_CHECKING:
-    from mooncake.config import SchedulerConfig
+    from mooncake.config.settings import SchedulerConfig
 
 
 class Conductor(Books):
@@ -240,9 +240,16 @@ class Conductor(Books):
         slots, tbt, running = self._place_decode(plan.idx, input_len, now)
         # admit
         prefill_load, decode_load, reason = decide(
-            self.cost, p, self.forecast, self.forecast_error, len(self.decode), running,
-            input_len, plan.ttft_s, now,
-        )  # fmt: skip
+            self.cost,
+            p,
+            self.forecast,
+            self.forecast_error,
+            len(self.decode),
+            running,
+            input_len,
+            plan.ttft_s,
+            now,
+        )
         own_s = plan.ttft_s - view.queue_s[plan.idx]  # its TTFT with no queue ahead
         queue = self.prefill[plan.idx]
         reused = min(plan.reused_blocks * p.block_tokens, input_len)
@@ -361,15 +368,24 @@ class Conductor(Books):
         predictive = self.params.rejection == "predictive"
         if (predictive or self.params.late_binding) and not self.is_coupled:
             best, load = place_at_start(
-                self.cost, self.params.tbt_slo_s, self.forecast, self.decode, req_id, tokens,
-                now, now + latency_s,
-            )  # fmt: skip
+                self.cost,
+                self.params.tbt_slo_s,
+                self.forecast,
+                self.decode,
+                req_id,
+                tokens,
+                now,
+                now + latency_s,
+            )
             if predictive and load > 1.0:
                 self.on_request_dropped(req_id, now)
                 return PrefillAdmission(
-                    req_id=req_id, is_accepted=False, decode=slots.name,
-                    reason="decode_load", decode_load=load,
-                )  # fmt: skip
+                    req_id=req_id,
+                    is_accepted=False,
+                    decode=slots.name,
+                    reason="decode_load",
+                    decode_load=load,
+                )
             self._rebind(req_id, best)
             slots = best
         self._start_prefill(req_id, now, prefill_s)

@@ -71,7 +71,7 @@ class Poly2(msgspec.Struct, frozen=True):
 
 class CorunFactors(msgspec.Struct, frozen=True, kw_only=True):
     """How much slower compute ran with `busy` nodes computing at once on the profiled
-    host (`mooncake.engine.corun`); the file's polynomials already include them."""
+    host (`mooncake.model.corun`); the file's polynomials already include them."""
 
     busy: int  # nodes (one core each) computing at once
     prefill: float  # prefill time beside them / alone

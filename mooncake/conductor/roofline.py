@@ -59,12 +59,12 @@ from mooncake.conductor.costmodel import (
     Term,
 )
 from mooncake.errors import ConfigError
-from mooncake.modelspec import ModelSpec, get_model_spec
+from mooncake.model.spec import ModelSpec, get_model_spec
 
 if TYPE_CHECKING:
     from mooncake.conductor.conductor import Conductor
-    from mooncake.config import Config
-    from mooncake.engine.modelinfo import ModelInfo
+    from mooncake.config.settings import Config
+    from mooncake.model.info import ModelInfo
 
 log = logging.getLogger(__name__)
 
@@ -261,7 +261,7 @@ def master_cost_model(
 
 def gpu_dtype_bytes(cfg: Config, info: ModelInfo) -> int:
     """Bytes per weight and KV element of the engines' dtype on a GPU."""
-    from mooncake.engine.modelinfo import resolve_dtype
+    from mooncake.model.info import resolve_dtype
 
     return 4 if resolve_dtype(info, cfg.model.dtype, "cuda") == "float32" else 2
 

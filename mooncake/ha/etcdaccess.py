@@ -12,7 +12,7 @@ from __future__ import annotations
 import ssl
 from pathlib import Path
 
-from mooncake.config import ClusterConfig
+from mooncake.config.settings import ClusterConfig
 from mooncake.errors import ConfigError
 from mooncake.ha.etcd import Etcd, EtcdAccess
 

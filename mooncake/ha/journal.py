@@ -21,8 +21,8 @@ import msgspec
 
 from mooncake.ha.etcd import MAX_TXN_OPS, Compare, Delete, Etcd, EtcdError, KeyValue, Put
 from mooncake.ha.sealed import ForgedRecord, Sealer
-from mooncake.store.journal import BaseJournal, JournalError
-from mooncake.store.poolstate import ObjectEntry, PoolChanges, PoolState, SegmentEntry
+from mooncake.store.metadata.journal import BaseJournal, JournalError
+from mooncake.store.metadata.poolstate import ObjectEntry, PoolChanges, PoolState, SegmentEntry
 
 log = logging.getLogger(__name__)
 SHOWN_KEYS = 5  # forged keys named in the report of a load

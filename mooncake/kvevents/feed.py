@@ -11,11 +11,11 @@ from __future__ import annotations
 import threading
 
 from mooncake.api.status import KvEventsStatus
-from mooncake.config import Config
+from mooncake.config.portrange import node_ports
+from mooncake.config.settings import Config
 from mooncake.kvevents.pool import PoolEvents
 from mooncake.kvevents.publisher import Publisher
-from mooncake.portrange import node_ports
-from mooncake.store.objects import StoreEvent
+from mooncake.store.metadata.objects import StoreEvent
 
 
 class PoolFeed:

@@ -10,7 +10,7 @@ one node (demotion, promotion) is `BlockRemoved` from the old medium then `Block
 in the new one. A consumer that ignores ranks sees the union of the pool's nodes, except
 that a node's `AllBlocksCleared` then reads as the whole pool's.
 
-A block's hash is our 128-bit prefix hash (`mooncake.hashing`) as 16 big-endian bytes;
+A block's hash is our 128-bit prefix hash (`mooncake.kv.hashing`) as 16 big-endian bytes;
 its token ids are not known to the master (the Store keeps bytes under a key), so
 `BlockStored` carries `token_ids=[]` and `parent_block_hash=None` (docs/kv-events.md says
 how a router uses these hashes). Keys that do not name a KV block are not reported.
@@ -22,7 +22,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from mooncake.engine.kvstore import parse_kv_key
+from mooncake.kv.keys import parse_kv_key
 from mooncake.kvevents.wire import (
     TIER_TO_MEDIUM,
     AllBlocksCleared,
@@ -31,7 +31,7 @@ from mooncake.kvevents.wire import (
     Event,
     KVEventBatch,
 )
-from mooncake.store.objects import StoreEvent
+from mooncake.store.metadata.objects import StoreEvent
 
 
 def block_hash_bytes(block_hash: int) -> bytes:

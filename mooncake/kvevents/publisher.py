@@ -30,9 +30,9 @@ from typing import Final
 
 import zmq
 
+from mooncake.config.portrange import PortRange, bind_zmq
 from mooncake.errors import ConfigError
 from mooncake.kvevents.wire import END_SEQ, KVEventBatch, encode_batch, seq_bytes
-from mooncake.portrange import PortRange, bind_zmq
 
 log = logging.getLogger(__name__)
 

@@ -58,8 +58,11 @@ def library() -> ctypes.CDLL | None:
         try:
             lib = ctypes.CDLL(spec.origin)
         except OSError as e:
-            log.warning("native data loop %s does not load (%s): the Python loop serves "
-                        "transfers", spec.origin, e)  # fmt: skip
+            log.warning(
+                "native data loop %s does not load (%s): the Python loop serves transfers",
+                spec.origin,
+                e,
+            )
             return None
         u64, ptr = ctypes.c_uint64, ctypes.c_void_p
         lib.dl_table_new.restype = ptr

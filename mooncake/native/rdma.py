@@ -24,10 +24,10 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
+from mooncake.config.rdma import RdmaConfig
 from mooncake.errors import TransferError
 from mooncake.native import cudadmabuf
 from mooncake.native.rdmaaddr import choose_port, device_limits
-from mooncake.rdmaconfig import RdmaConfig
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 Every reader takes `sysfs_root` (default /sys) so tests feed recorded trees. Readers return
 the facts as found and decide nothing: which NIC is usable or preferred is
-mooncake/topology.py's business.
+mooncake/hw/topology.py's business.
 
 NUMA: sysfs reports -1 when the firmware gave no affinity (usual on one-socket machines).
 Readers return None for it ("unknown"); topology.py turns None into the only node of a

@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass, replace
 
 from mooncake.errors import ConfigError
-from mooncake.hashing import trace_prompt_tokens
+from mooncake.kv.hashing import trace_prompt_tokens
 from mooncake.sim.trace import TraceRecord
 
 TRACE_BLOCK_TOKENS = 512  # block size of the published Mooncake traces

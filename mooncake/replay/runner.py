@@ -57,11 +57,15 @@ class ReplayConfig:
             (self.speed > 0, f"--speed must be > 0, got {self.speed}"),
             (self.concurrency >= 0, f"--concurrency must be >= 0, got {self.concurrency}"),
             (self.timeout_s > 0, f"--timeout must be > 0 s, got {self.timeout_s}"),
-            (self.prompt_format in ("tokens", "text"),
-             f"--prompt-format must be tokens or text, got {self.prompt_format!r}"),
-            (self.vocab_size is None or self.vocab_size >= 1,
-             f"--vocab-size must be >= 1, got {self.vocab_size}"),
-        ]  # fmt: skip
+            (
+                self.prompt_format in ("tokens", "text"),
+                f"--prompt-format must be tokens or text, got {self.prompt_format!r}",
+            ),
+            (
+                self.vocab_size is None or self.vocab_size >= 1,
+                f"--vocab-size must be >= 1, got {self.vocab_size}",
+            ),
+        ]
         if problems := [message for ok, message in checks if not ok]:
             raise ConfigError(problems)
 
@@ -129,9 +133,11 @@ async def replay_async(
         if cfg.vocab_size is None and info.vocab_size is None:
             log.warning(
                 "%s/v1/models gives no vocab_size: token ids are drawn from [%d, %d); pass "
-                "--vocab-size N if the model's vocabulary is smaller", url, prompts.first_id,
+                "--vocab-size N if the model's vocabulary is smaller",
+                url,
+                prompts.first_id,
                 prompts.vocab_size,
-            )  # fmt: skip
+            )
         if prompts.fit_context and info.max_model_len is not None:
             prompts = prompts.fitted(records, info.max_model_len)
         prompts.validate()
@@ -207,5 +213,7 @@ def _warn_too_long(records: list[TraceRecord], prompts: PromptConfig, info: Serv
         log.warning(
             "%d of %d requests exceed the server's max_model_len %d (prompt + output) and "
             "will likely fail; lower --scale or --max-tokens",
-            num, len(records), info.max_model_len,
-        )  # fmt: skip
+            num,
+            len(records),
+            info.max_model_len,
+        )

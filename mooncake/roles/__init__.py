@@ -14,30 +14,30 @@ from __future__ import annotations
 
 import os
 
-from mooncake.config import Config
+from mooncake.config.settings import Config
 
 
 def run_node(config: Config, role: str) -> None:
     """Run this process as `role` until SIGINT/SIGTERM; raises MooncakeError on bad config."""
     lower_priority(config.node.nice)
     if role == "master":
-        from mooncake.roles.master import run_master
+        from mooncake.roles.master.role import run_master
 
         run_master(config)
         return
-    from mooncake.roles.common import create_context
+    from mooncake.roles.node.common import create_context
 
     ctx = create_context(config, role)
     if role == "prefill":
-        from mooncake.roles.prefill import run_prefill
+        from mooncake.roles.prefill.role import run_prefill
 
         run_prefill(ctx)
     elif role == "decode":
-        from mooncake.roles.decode import run_decode
+        from mooncake.roles.decode.role import run_decode
 
         run_decode(ctx)
     elif role == "store":
-        from mooncake.roles.store import run_store
+        from mooncake.roles.store.role import run_store
 
         run_store(ctx)
     else:

@@ -26,11 +26,11 @@ from mooncake.api.backend import BaseBackend, FinishReason, GenerateRequest, Out
 from mooncake.api.status import BackendStatus
 from mooncake.conductor.conductor import Conductor
 from mooncake.conductor.types import Decision, ScheduleRequest
-from mooncake.config import Config
-from mooncake.configrouter import RouterConfig
-from mooncake.engine.tokenizer import BaseTokenizer
+from mooncake.config.router import RouterConfig
+from mooncake.config.settings import Config
 from mooncake.errors import MooncakeError
-from mooncake.hashing import PrefixHasher
+from mooncake.kv.hashing import PrefixHasher
+from mooncake.model.tokenizer import BaseTokenizer
 from mooncake.router.blockmap import BlockMap
 from mooncake.router.feed import BackendFeed
 
@@ -215,7 +215,7 @@ def create_router(
     prompts as the pool does for `config.model`."""
     if not config.router.backends:
         return None
-    from mooncake.engine.modelinfo import kv_fingerprint, load_model_info, resolve_dtype
+    from mooncake.model.info import kv_fingerprint, load_model_info, resolve_dtype
 
     info = load_model_info(config.model.path)
     dtype = resolve_dtype(info, config.model.dtype, "cpu")

@@ -3,7 +3,7 @@
 vLLM names a block by a hash we cannot compute (sha256 over its parent's hash, the token
 ids and extra keys, seeded per deployment: docs/kv-events.md), but every `BlockStored`
 carries the blocks' token ids and its parent's vLLM hash. So the map re-hashes the tokens
-with our chained hash (`mooncake.hashing.PrefixHasher`, the one requests are matched by),
+with our chained hash (`mooncake.kv.hashing.PrefixHasher`, the one requests are matched by),
 from the parent's hash of ours, and remembers vLLM hash -> ours so that `BlockRemoved`
 (hashes only) can be applied. Blocks whose parent it never saw (a feed joined late, with
 no replay to fill the gap), of another block size, or with extra keys (LoRA, multimodal
@@ -17,7 +17,7 @@ import logging
 from collections.abc import Hashable
 
 from mooncake.conductor.index import PrefixIndex
-from mooncake.hashing import PrefixHasher
+from mooncake.kv.hashing import PrefixHasher
 from mooncake.kvevents.wire import (
     MEDIUM_TO_TIER,
     AllBlocksCleared,

@@ -20,7 +20,7 @@ import threading
 
 import zmq
 
-from mooncake.configrouter import VllmBackend
+from mooncake.config.router import VllmBackend
 from mooncake.kvevents.wire import KVEventBatch, WireError, decode_batch, parse_seq, seq_bytes
 from mooncake.router.blockmap import BlockMap
 

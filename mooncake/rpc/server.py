@@ -11,8 +11,8 @@ from typing import Any, NamedTuple
 import msgspec
 import zmq
 
+from mooncake.config.portrange import PortRange, bind_zmq
 from mooncake.errors import MooncakeError, ProtocolError, RpcError
-from mooncake.portrange import PortRange, bind_zmq
 from mooncake.rpc import wire
 from mooncake.rpc.auth import ZapHandler, check_secret, secure_server
 from mooncake.rpc.wire import M, Msg, MsgType

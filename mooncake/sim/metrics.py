@@ -23,11 +23,30 @@ class SimRequest:
     """One trace request's life in the simulator (times in seconds of simulated time)."""
 
     __slots__ = (
-        "rid", "arrival", "input_len", "output_len", "hashes", "status", "decision",
-        "fetch_ready", "reused_blocks", "prefill_start", "prefill_end", "stream_end",
-        "ctx_key", "join_seg", "done_at", "tbt", "prefill_s", "first_token",
-        "reserve_deadline", "reserved", "misses", "ssd_blocks", "waited",
-    )  # fmt: skip
+        "rid",
+        "arrival",
+        "input_len",
+        "output_len",
+        "hashes",
+        "status",
+        "decision",
+        "fetch_ready",
+        "reused_blocks",
+        "prefill_start",
+        "prefill_end",
+        "stream_end",
+        "ctx_key",
+        "join_seg",
+        "done_at",
+        "tbt",
+        "prefill_s",
+        "first_token",
+        "reserve_deadline",
+        "reserved",
+        "misses",
+        "ssd_blocks",
+        "waited",
+    )
 
     def __init__(self, rid: int, arrival: float, input_len: int, output_len: int, hashes: list):
         self.rid = rid

@@ -41,7 +41,7 @@ from collections.abc import Iterable, Sequence
 from mooncake.conductor.index import PrefixIndex
 from mooncake.conductor.misses import MissLedger
 from mooncake.sim.lru import LruTier
-from mooncake.store.poolorder import PoolOrder
+from mooncake.store.metadata.poolorder import PoolOrder
 
 DEFAULT_REPLICA_BUDGET = 0.1  # share of the pool's memory duplicates may take ([store])
 

@@ -28,7 +28,7 @@ from mooncake.conductor.misses import MissLedger
 from mooncake.conductor.types import Decision
 from mooncake.conductor.waiting import MIN_OFFER_GAP_S
 from mooncake.errors import ConfigError
-from mooncake.modelspec import get_model_spec
+from mooncake.model.spec import get_model_spec
 from mooncake.sim.cluster import SimConfig
 from mooncake.sim.coupled import CoupledInstance
 from mooncake.sim.decode import DecodeInstance

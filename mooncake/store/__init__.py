@@ -15,8 +15,7 @@ Modules
 - `messages`: the `*Msg` wire structs and `handle()` that serves them from the service.
 """
 
-from mooncake.store.metadata import MetadataService
-from mooncake.store.objects import (
+from mooncake.store.metadata.objects import (
     GetResult,
     Instruction,
     KeyResult,
@@ -25,7 +24,8 @@ from mooncake.store.objects import (
     StoreEvent,
     StoreStats,
 )
-from mooncake.store.settings import MetadataConfig
+from mooncake.store.metadata.service import MetadataService
+from mooncake.store.metadata.settings import MetadataConfig
 
 __all__ = [
     "GetResult",

@@ -37,7 +37,16 @@ from mooncake.transfer.types import (
 )
 
 __all__ = [
-    "BaseDirectory", "Batch", "EndpointDesc", "EngineOptions", "PeerDirectory", "RequestStatus",
-    "SegmentDesc", "StaticDirectory", "TransferEngine", "TransferOp", "TransferRequest",
+    "BaseDirectory",
+    "Batch",
+    "EndpointDesc",
+    "EngineOptions",
+    "PeerDirectory",
+    "RequestStatus",
+    "SegmentDesc",
+    "StaticDirectory",
+    "TransferEngine",
+    "TransferOp",
+    "TransferRequest",
     "TransferState",
-]  # fmt: skip
+]

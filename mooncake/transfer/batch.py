@@ -23,14 +23,30 @@ class Slice:
     """A piece of one request, moved by one transport over one path in one operation."""
 
     __slots__ = (
-        "attempt", "batch", "index", "length", "local", "local_offset", "op", "path",
-        "remote_offset", "target", "tried",
-    )  # fmt: skip
+        "attempt",
+        "batch",
+        "index",
+        "length",
+        "local",
+        "local_offset",
+        "op",
+        "path",
+        "remote_offset",
+        "target",
+        "tried",
+    )
 
     def __init__(
-        self, batch: Batch, index: int, op: TransferOp, local: Any, local_offset: int,
-        target: Any, remote_offset: int, length: int,
-    ):  # fmt: skip
+        self,
+        batch: Batch,
+        index: int,
+        op: TransferOp,
+        local: Any,
+        local_offset: int,
+        target: Any,
+        remote_offset: int,
+        length: int,
+    ):
         self.batch = batch
         self.index = index  # request index within the batch
         self.op = op
@@ -54,9 +70,13 @@ def contiguous_runs(slices: list[Slice]) -> list[list[Slice]]:
     for s in slices:
         if runs:
             last = runs[-1][-1]
-            if (s.op is last.op and s.local is last.local and s.target is last.target
-                    and s.local_offset == last.local_offset + last.length
-                    and s.remote_offset == last.remote_offset + last.length):  # fmt: skip
+            if (
+                s.op is last.op
+                and s.local is last.local
+                and s.target is last.target
+                and s.local_offset == last.local_offset + last.length
+                and s.remote_offset == last.remote_offset + last.length
+            ):
                 runs[-1].append(s)
                 continue
         runs.append([s])

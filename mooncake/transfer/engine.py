@@ -119,9 +119,10 @@ class TransferEngine:
         self.stager = Stager(staging, chunk, num)  # this node's requests of device memory
         self._stage_path = StagePath(self, self.stager, num)
         self._targets = TargetCache(
-            self._transports, self.options.protocol,
+            self._transports,
+            self.options.protocol,
             lambda name: self.describe(name) or self.directory.lookup(name),
-        )  # fmt: skip
+        )
         if self.options.protocol in ("rdma", "auto"):
             from mooncake.transfer.rdma import create_rdma_transport
 

@@ -42,8 +42,9 @@ def _done(wait: bool = True) -> bool:
     return True
 
 
-def _plan(engine: TransferEngine, r: TransferRequest, timeout: float | None
-          ) -> Callable[[], bool] | tuple[TcpPath, memoryview, int] | None:  # fmt: skip
+def _plan(
+    engine: TransferEngine, r: TransferRequest, timeout: float | None
+) -> Callable[[], bool] | tuple[TcpPath, memoryview, int] | None:
     """How `r` can move on this thread: a copy to make (a callable that makes it), a tcp
     path with the local memory and the remote token, or None (the general path)."""
     try:
@@ -85,8 +86,7 @@ def move_now(engine: TransferEngine, r: TransferRequest, timeout: float | None) 
     return path.move_now(r.op, mem, token, r.remote_offset)
 
 
-def start_move(engine: TransferEngine, r: TransferRequest, timeout: float | None
-               ) -> Finish | None:  # fmt: skip
+def start_move(engine: TransferEngine, r: TransferRequest, timeout: float | None) -> Finish | None:
     """Begin moving one small request on this thread and return what finishes it: with
     wait=True (the default) True once moved, False if it failed; with wait=False it is
     abandoned (a tcp request's connection is closed unread, with no wait for a node that

@@ -25,8 +25,9 @@ class Path:
     """One way to move slices to one peer: a local NIC, a remote NIC and the connections or
     queue pairs between them. Transports subclass it and implement dispatch()."""
 
-    def __init__(self, key: str, local_nic: str, remote_nic: str, pause_after: int = 3,
-                 pause_s: float = 1.0):  # fmt: skip
+    def __init__(
+        self, key: str, local_nic: str, remote_nic: str, pause_after: int = 3, pause_s: float = 1.0
+    ):
         self.key = key  # e.g. "tcp 10.0.0.2:7000 via eth1"
         self.local_nic = local_nic  # "" when the OS routes
         self.remote_nic = remote_nic

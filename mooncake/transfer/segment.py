@@ -48,14 +48,22 @@ class Region:
     def location(self) -> str:
         return self.view.location
 
-    def describe(self, node: str, host_id: str, endpoints: list[EndpointDesc],
-                 preferred_nics: list[str]) -> SegmentDesc:  # fmt: skip
+    def describe(
+        self, node: str, host_id: str, endpoints: list[EndpointDesc], preferred_nics: list[str]
+    ) -> SegmentDesc:
         """The descriptor peers need to reach this segment on `node`."""
         return SegmentDesc(
-            name=self.name, token=self.token, num_bytes=self.num_bytes, location=self.location,
-            node=node, host_id=host_id, endpoints=list(endpoints), preferred_nics=preferred_nics,
-            shm_name=self.arena.name if self.arena is not None else "", rdma=list(self.rdma_keys),
-        )  # fmt: skip
+            name=self.name,
+            token=self.token,
+            num_bytes=self.num_bytes,
+            location=self.location,
+            node=node,
+            host_id=host_id,
+            endpoints=list(endpoints),
+            preferred_nics=preferred_nics,
+            shm_name=self.arena.name if self.arena is not None else "",
+            rdma=list(self.rdma_keys),
+        )
 
     def bounds_error(self, offset: int, length: int) -> str:
         """Why [offset, offset+length) is not a valid range of this segment ("" if it is)."""
@@ -143,8 +151,11 @@ class SegmentTable:
         return region
 
     def _stuck(self, name: str) -> None:
-        log.warning("segment %r: a transfer is stuck on a stalled peer; dropping connections "
-                    "to change the served segments", name)  # fmt: skip
+        log.warning(
+            "segment %r: a transfer is stuck on a stalled peer; dropping connections "
+            "to change the served segments",
+            name,
+        )
         self.on_stuck()
 
     def unregister(self, name: str) -> Region:

@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from mooncake.config.portrange import PortRange, listen
 from mooncake.errors import MooncakeError
-from mooncake.portrange import PortRange, listen
 from mooncake.transfer import admission, wire
 from mooncake.transfer.segment import Region, SegmentTable
 from mooncake.transfer.staging import Stager
@@ -168,8 +168,13 @@ class TcpServer:
             self._request(sock, peer, hdr, pending)
             wire.send_all(sock, pending)
 
-    def _request(self, sock: socket.socket, peer: str, hdr: bytes | bytearray,
-                 pending: list[bytes | memoryview]) -> tuple[int, int]:  # fmt: skip
+    def _request(
+        self,
+        sock: socket.socket,
+        peer: str,
+        hdr: bytes | bytearray,
+        pending: list[bytes | memoryview],
+    ) -> tuple[int, int]:
         """Serve the request whose header is `hdr` (reading its payload), queueing its
         reply on `pending`; returns (its flags, bytes of READ data queued). Raises
         _Closing after a refusal or a malformed request (the reason logged)."""
@@ -180,8 +185,13 @@ class TcpServer:
                 self._malformed(peer, f"slice length {length} > {wire.MAX_DATA_BYTES}")
             status, region = self._access(token, offset, length)
             if region is None:
-                log.warning("transfer server: %s request %d from %s refused: %s",
-                            Op(op).name, req_id, peer, status.name)  # fmt: skip
+                log.warning(
+                    "transfer server: %s request %d from %s refused: %s",
+                    Op(op).name,
+                    req_id,
+                    peer,
+                    status.name,
+                )
                 # NOTE: close after any error reply: a WRITE's payload is on the wire and
                 # is never read into memory, and clients rely on nothing following it
                 wire.send_all(sock, [*pending, RESP.pack(status, req_id, 0)])

@@ -44,12 +44,24 @@ _Started = tuple[_Conn, int]  # a connection with one request in flight, and its
 class TcpPath(Path):
     """Connections to one endpoint of a peer, fed from one queue."""
 
-    def __init__(self, transport: TcpTransport, host: str, port: int, remote_nic: str,
-                 local_nic: str = "", source_ip: str = ""):  # fmt: skip
+    def __init__(
+        self,
+        transport: TcpTransport,
+        host: str,
+        port: int,
+        remote_nic: str,
+        local_nic: str = "",
+        source_ip: str = "",
+    ):
         via = f" via {local_nic}" if local_nic else ""
         opts = transport.options
-        super().__init__(f"tcp {host}:{port}{via}", local_nic, remote_nic,
-                         opts.pause_after_failures, opts.pause_s)  # fmt: skip
+        super().__init__(
+            f"tcp {host}:{port}{via}",
+            local_nic,
+            remote_nic,
+            opts.pause_after_failures,
+            opts.pause_s,
+        )
         self.host, self.port = host, port
         self._transport = transport
         self._source = (source_ip, 0) if source_ip else None
@@ -146,8 +158,7 @@ class TcpPath(Path):
         if conn is not None:
             self._drop(conn[0])
 
-    def _move(self, conn: _Conn | None, group: list[Slice], spin_s: float = 0.0
-              ) -> _Conn | None:  # fmt: skip
+    def _move(self, conn: _Conn | None, group: list[Slice], spin_s: float = 0.0) -> _Conn | None:
         """Run `group` over `conn` (connecting if None) and report every slice; returns the
         connection, or None if it broke (its slices are reported as retryable). `spin_s`:
         polling for the replies before sleeping, on a caller's thread only (a worker that
@@ -186,8 +197,9 @@ class TcpPath(Path):
         started = self.start_now(op, mem, token, remote_offset, connect=True)
         return started is not None and self.finish_now(started, op, mem)
 
-    def start_now(self, op: TransferOp, mem: memoryview, token: int, remote_offset: int,
-                  connect: bool = False) -> _Started | None:  # fmt: skip
+    def start_now(
+        self, op: TransferOp, mem: memoryview, token: int, remote_offset: int, connect: bool = False
+    ) -> _Started | None:
         """The first half of move_now(): send the request, and hold its connection until
         finish_now() takes the reply (other work may happen between the two). None if
         nothing was sent: the path is paused, the send failed, or no connection is idle and
@@ -242,8 +254,9 @@ class TcpPath(Path):
             self._transport.report_done([s])
         return 1
 
-    def _run_group(self, sock: socket.socket, group: list[Slice], req_ids: Iterator[int],
-                   spin_s: float) -> int:  # fmt: skip
+    def _run_group(
+        self, sock: socket.socket, group: list[Slice], req_ids: Iterator[int], spin_s: float
+    ) -> int:
         """Send every slice of `group` (one sendmsg), then scatter every reply (status
         headers, READ data straight into the registered memory) with as few recvmsg_into
         calls as the kernel allows; returns how many slices were reported. Raises
@@ -319,9 +332,14 @@ class TcpTransport(BaseTransport):
     name = "tcp"
     coalesces = True
 
-    def __init__(self, report: Report, report_done: Callable[[list[Slice]], None],
-                 secret: bytes, options: EngineOptions,
-                 nic_addresses: Mapping[str, str] | None = None):  # fmt: skip
+    def __init__(
+        self,
+        report: Report,
+        report_done: Callable[[list[Slice]], None],
+        secret: bytes,
+        options: EngineOptions,
+        nic_addresses: Mapping[str, str] | None = None,
+    ):
         super().__init__(report)
         self.report_done = report_done
         self.secret = secret
@@ -357,8 +375,9 @@ class TcpTransport(BaseTransport):
             p.close()
 
 
-def control_call(host: str, port: int, secret: bytes, op: Op, payload: bytes,
-                 timeout_s: float) -> tuple[Status, bytes]:  # fmt: skip
+def control_call(
+    host: str, port: int, secret: bytes, op: Op, payload: bytes, timeout_s: float
+) -> tuple[Status, bytes]:
     """One control request (DESCRIBE, RDMA_CONNECT) on a fresh authenticated connection."""
     sock = wire.connect(host, port, secret, timeout_s)
     try:

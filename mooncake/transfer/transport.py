@@ -102,8 +102,12 @@ class TargetCache:
     """Remote segments resolved to the best transport both ends support, cached by the name
     the caller used ("pool" or "pool@host:port")."""
 
-    def __init__(self, transports: dict[str, BaseTransport], protocol: str,
-                 lookup: Callable[[str], SegmentDesc | None]):  # fmt: skip
+    def __init__(
+        self,
+        transports: dict[str, BaseTransport],
+        protocol: str,
+        lookup: Callable[[str], SegmentDesc | None],
+    ):
         self._transports = transports  # "local", "shm", "tcp", maybe "rdma" (shared, live)
         self._protocol = protocol  # "auto" or the one to force
         self._lookup = lookup  # name -> descriptor (own segments, then the directory)
@@ -214,8 +218,14 @@ class TargetCache:
             target.transport.release(target)
 
 
-def copy(op: TransferOp, local: np.ndarray, local_offset: int, remote: np.ndarray,
-         remote_offset: int, length: int) -> None:  # fmt: skip
+def copy(
+    op: TransferOp,
+    local: np.ndarray,
+    local_offset: int,
+    remote: np.ndarray,
+    remote_offset: int,
+    length: int,
+) -> None:
     """One copy transport move: READ copies remote -> local, WRITE local -> remote."""
     mine = local[local_offset : local_offset + length]
     theirs = remote[remote_offset : remote_offset + length]
@@ -226,8 +236,13 @@ class CopyPool:
     """Threads that copy chunks of slices between host arrays; adjacent slices are copied
     as one run, and numpy releases the GIL during each copy."""
 
-    def __init__(self, report: Report, report_done: Callable[[list[Slice]], None],
-                 num_threads: int, chunk_bytes: int):  # fmt: skip
+    def __init__(
+        self,
+        report: Report,
+        report_done: Callable[[list[Slice]], None],
+        num_threads: int,
+        chunk_bytes: int,
+    ):
         self.report = report
         self.report_done = report_done
         self.chunk_bytes = chunk_bytes  # bytes one thread takes at a time
@@ -250,8 +265,14 @@ class CopyPool:
                 first = run[0]
                 length = sum(s.length for s in run)
                 try:
-                    copy(first.op, first.local.array, first.local_offset,
-                         first.target.remote_array, first.remote_offset, length)  # fmt: skip
+                    copy(
+                        first.op,
+                        first.local.array,
+                        first.local_offset,
+                        first.target.remote_array,
+                        first.remote_offset,
+                        length,
+                    )
                 except Exception as e:  # a bug or an unmapped segment: fail the run, not the pool
                     log.exception("copy of %r failed", first)
                     for s in run:

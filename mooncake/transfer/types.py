@@ -9,11 +9,11 @@ from typing import TYPE_CHECKING, Literal
 
 import msgspec
 
-from mooncake.portrange import PortRange
-from mooncake.rdmaconfig import RdmaConfig
+from mooncake.config.portrange import PortRange
+from mooncake.config.rdma import RdmaConfig
 
 if TYPE_CHECKING:
-    from mooncake.config import TransferConfig
+    from mooncake.config.settings import TransferConfig
 
 Protocol = Literal["auto", "rdma", "tcp", "shm"]
 

@@ -176,8 +176,9 @@ def send_all(sock: socket.socket, bufs: Sequence[bytes | memoryview]) -> None:
         pending = _advance(pending, n)
 
 
-def send_request(sock: socket.socket, op: int, mem: memoryview, token: int, remote_offset: int,
-                 rid: int) -> None:  # fmt: skip
+def send_request(
+    sock: socket.socket, op: int, mem: memoryview, token: int, remote_offset: int, rid: int
+) -> None:
     """One READ or WRITE request `rid` of len(mem) bytes (a WRITE carries `mem`), flagged
     for a reply at once."""
     hdr = REQ.pack(op, FLAG_FLUSH, 0, rid, token, remote_offset, len(mem))

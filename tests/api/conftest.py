@@ -17,7 +17,7 @@ from mooncake.api.engine_backend import EngineBackend  # noqa: E402
 from mooncake.api.server import ApiServer  # noqa: E402
 from mooncake.api.stats import RequestStats  # noqa: E402
 from mooncake.api.status import Status  # noqa: E402
-from mooncake.config import ModelConfig  # noqa: E402
+from mooncake.config.settings import ModelConfig  # noqa: E402
 
 torch.set_num_threads(1)
 KEY = "sk-test-key"
@@ -35,8 +35,9 @@ class Served:
 
 
 def make_engine() -> EngineBackend:
-    return EngineBackend(ModelConfig(path=MODEL, block_tokens=BLOCK), max_batch=8,
-                         kv_cache_bytes=KV_BYTES)  # fmt: skip
+    return EngineBackend(
+        ModelConfig(path=MODEL, block_tokens=BLOCK), max_batch=8, kv_cache_bytes=KV_BYTES
+    )
 
 
 @pytest.fixture(scope="session")
@@ -47,8 +48,9 @@ def served() -> Iterator[Served]:
     async def status() -> Status:
         return engine.status(stats, uptime_s=1.0, ttft_slo_s=1.0, tbt_slo_s=0.1)
 
-    app = create_app(engine, api_keys=[KEY], status_fn=status, metrics_registry=registry,
-                     stats=stats)  # fmt: skip
+    app = create_app(
+        engine, api_keys=[KEY], status_fn=status, metrics_registry=registry, stats=stats
+    )
     server = ApiServer(app, "127.0.0.1", 0)
     server.start_in_thread()
     try:

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from functools import cache
 
-from mooncake.engine.decode import DecodeRunner
-from mooncake.engine.kvcache import PagedKVCache
-from mooncake.engine.model import Model
-from mooncake.engine.modelinfo import load_model_info
-from mooncake.engine.params import SamplingParams
-from mooncake.engine.sequence import Sequence
-from mooncake.engine.tokenizer import ByteTokenizer
-from mooncake.engine.weights import create_model
+from mooncake.model.decode import DecodeRunner
+from mooncake.model.info import load_model_info
+from mooncake.model.kvcache import PagedKVCache
+from mooncake.model.llama import Model
+from mooncake.model.params import SamplingParams
+from mooncake.model.sequence import Sequence
+from mooncake.model.tokenizer import ByteTokenizer
+from mooncake.model.weights import create_model
 from tests.api.conftest import BLOCK, KV_BYTES, MODEL
 
 
@@ -26,7 +26,15 @@ def engine_alone(prompt_ids: list[int], params: SamplingParams) -> tuple[list[in
     cache = PagedKVCache.for_model(model, KV_BYTES // (BLOCK * 4096), BLOCK)
     runner = DecodeRunner(model, cache)
     tok = ByteTokenizer()
-    runner.add(Sequence(0, prompt_ids, params, eos_token_ids=tok.eos_token_ids, tokenizer=tok,
-                        max_model_len=cache.num_blocks * BLOCK))  # fmt: skip
+    runner.add(
+        Sequence(
+            0,
+            prompt_ids,
+            params,
+            eos_token_ids=tok.eos_token_ids,
+            tokenizer=tok,
+            max_model_len=cache.num_blocks * BLOCK,
+        )
+    )
     events = runner.run_until_done()[0]
     return [e.token_id for e in events if e.token_id is not None], "".join(e.text for e in events)

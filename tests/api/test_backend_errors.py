@@ -15,8 +15,8 @@ from mooncake.api.app import create_app
 from mooncake.api.backend import BaseBackend, GenerateRequest, Output, Rejected
 from mooncake.api.server import ApiServer
 from mooncake.api.stats import RequestStats
-from mooncake.engine.tokenizer import ByteTokenizer
 from mooncake.errors import ApiError, MooncakeError
+from mooncake.model.tokenizer import ByteTokenizer
 
 pytestmark = pytest.mark.timeout(60)
 TOKENS = [Output(token_id=104, text="h"), Output(token_id=105, text="i")]
@@ -70,8 +70,12 @@ def test_rejected_is_a_429_with_whole_retry_after_seconds(setup, retry_after_s, 
     resp = _post(http, stream=True)
     assert resp.status_code == 429
     assert resp.headers["retry-after"] == header
-    assert resp.json()["error"] == {"message": "TTFT SLO would be broken", "type": "requests",
-                                    "param": None, "code": "rate_limit_exceeded"}  # fmt: skip
+    assert resp.json()["error"] == {
+        "message": "TTFT SLO would be broken",
+        "type": "requests",
+        "param": None,
+        "code": "rate_limit_exceeded",
+    }
     assert stats.snapshot().num_rejected == before + 1
 
 
@@ -99,16 +103,20 @@ def test_backend_errors_map_to_status_codes_and_the_server_goes_on(setup, error,
     assert resp.status_code == status
     assert resp.json()["error"]["type"] == type_
     assert str(error) in resp.json()["error"]["message"]
-    backend.error, backend.outputs = None, [*TOKENS[:1], Output(token_id=None, text="",
-                                                                finish_reason="stop")]  # fmt: skip
+    backend.error, backend.outputs = (
+        None,
+        [*TOKENS[:1], Output(token_id=None, text="", finish_reason="stop")],
+    )
     assert _post(http).json()["choices"][0]["text"] == "h"
 
 
 def test_an_abort_mid_stream_ends_with_an_sse_error_and_done(setup):
     backend, stats, http, url = setup
     backend.error = None
-    backend.outputs = [*TOKENS, Output(token_id=None, text="", finish_reason="abort",
-                                       error="decode node lost")]  # fmt: skip
+    backend.outputs = [
+        *TOKENS,
+        Output(token_id=None, text="", finish_reason="abort", error="decode node lost"),
+    ]
     before = stats.snapshot().num_failed
     body = {"model": "scripted", "prompt": "x", "stream": True}
     with http.stream("POST", "/v1/completions", json=body) as resp:
@@ -135,8 +143,18 @@ def test_a_backend_that_ends_without_output_is_a_503(setup):
 def test_the_request_reaches_the_backend_tokenized_with_its_params(setup):
     backend, _, http, _ = setup
     backend.error, backend.outputs = None, [Output(token_id=1, text="", finish_reason="stop")]
-    _post(http, prompt="ab", max_tokens=5, temperature=0.5, top_k=-1, stop="zz", seed=3,
-          stop_token_ids=[9], ignore_eos=True, user="u1")  # fmt: skip
+    _post(
+        http,
+        prompt="ab",
+        max_tokens=5,
+        temperature=0.5,
+        top_k=-1,
+        stop="zz",
+        seed=3,
+        stop_token_ids=[9],
+        ignore_eos=True,
+        user="u1",
+    )
     req = backend.requests[-1]
     assert req.req_id.startswith("cmpl-") and req.arrival_s > 0
     assert req.prompt_ids == [256, 97, 98]  # BOS, "a", "b"

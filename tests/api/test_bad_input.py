@@ -10,7 +10,7 @@ import threading
 import httpx
 import pytest
 
-from mooncake.engine.params import MAX_STOP_BYTES, MAX_STOP_CHARS, MAX_STOPS
+from mooncake.model.params import MAX_STOP_BYTES, MAX_STOP_CHARS, MAX_STOPS
 from tests.api.conftest import KEY, MODEL
 
 pytestmark = pytest.mark.timeout(60)

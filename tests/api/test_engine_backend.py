@@ -10,8 +10,8 @@ import pytest
 
 from mooncake.api.backend import GenerateRequest, Output
 from mooncake.api.engine_backend import EngineBackend
-from mooncake.engine.params import SamplingParams
 from mooncake.errors import ApiError
+from mooncake.model.params import SamplingParams
 from tests.api.conftest import make_engine
 from tests.api.reference import engine_alone
 

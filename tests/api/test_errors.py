@@ -37,8 +37,12 @@ def _error(resp: httpx.Response, status: int) -> dict:
 @pytest.mark.parametrize(
     ("path", "body", "param", "message"),
     [
-        ("completions", {"prompt": "x", "max_tokens": "ten"}, "max_tokens",
-         "Invalid value for 'max_tokens': expected `int | null`, got `str`"),
+        (
+            "completions",
+            {"prompt": "x", "max_tokens": "ten"},
+            "max_tokens",
+            "Invalid value for 'max_tokens': expected `int | null`, got `str`",
+        ),
         ("completions", {"prompt": "x", "max_tokens": 0}, "max_tokens", "expected `int` >= 1"),
         ("completions", {"prompt": "x", "temperature": -1}, "temperature", ">= 0.0"),
         ("completions", {"prompt": "x", "top_p": 0}, "top_p", ">= 1e-05"),
@@ -50,27 +54,54 @@ def _error(resp: httpx.Response, status: int) -> dict:
         ("completions", {"prompt": "x", "n": 2}, "n", "only n=1 is supported, got 2"),
         ("completions", {"prompt": "x", "echo": True}, "echo", "not supported"),
         ("completions", {"prompt": "x", "logprobs": 21}, "logprobs", "<= 20"),
-        ("completions", {"prompt": "x", "max_tokenz": 3}, "max_tokenz",
-         "Unrecognized request argument supplied: max_tokenz"),
+        (
+            "completions",
+            {"prompt": "x", "max_tokenz": 3},
+            "max_tokenz",
+            "Unrecognized request argument supplied: max_tokenz",
+        ),
         ("completions", {"max_tokens": 3}, "prompt", "'prompt' is a required property"),
-        ("completions", {"prompt": "x", "stream_options": {"include_usage": True}},
-         "stream_options", "only allowed when stream is true"),
-        ("completions", {"prompt": [1, 2, 700]}, "prompt", "token id 700 is outside the "
-         "model's vocabulary of 512"),
-        ("completions", {"prompt": [1] * 2000, "max_tokens": 100}, "max_tokens",
-         "maximum context length is 2048 tokens. However, you requested 2100 tokens "
-         "(2000 in the prompt, 100 in the completion)"),
+        (
+            "completions",
+            {"prompt": "x", "stream_options": {"include_usage": True}},
+            "stream_options",
+            "only allowed when stream is true",
+        ),
+        (
+            "completions",
+            {"prompt": [1, 2, 700]},
+            "prompt",
+            "token id 700 is outside the model's vocabulary of 512",
+        ),
+        (
+            "completions",
+            {"prompt": [1] * 2000, "max_tokens": 100},
+            "max_tokens",
+            "maximum context length is 2048 tokens. However, you requested 2100 tokens "
+            "(2000 in the prompt, 100 in the completion)",
+        ),
         ("completions", {"prompt": [1] * 2048}, "prompt", "the prompt has 2048 tokens"),
-        ("chat/completions", {"messages": [{"role": "bot", "content": "x"}]},
-         "messages[0].role", "invalid enum value 'bot'"),
+        (
+            "chat/completions",
+            {"messages": [{"role": "bot", "content": "x"}]},
+            "messages[0].role",
+            "invalid enum value 'bot'",
+        ),
         ("chat/completions", {"messages": []}, "messages", "at least one message"),
-        ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
-         "top_logprobs", "requires logprobs=true"),
-        ("chat/completions", {"messages": [{"role": "user", "content": "x"}],
-                              "max_completion_tokens": 5000}, "max_completion_tokens",
-         "Please reduce the messages or max_completion_tokens"),
+        (
+            "chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+            "top_logprobs",
+            "requires logprobs=true",
+        ),
+        (
+            "chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 5000},
+            "max_completion_tokens",
+            "Please reduce the messages or max_completion_tokens",
+        ),
     ],
-)  # fmt: skip
+)
 def test_a_bad_field_is_named_in_a_400(http, path, body, param, message):
     error = _error(http.post(f"/v1/{path}", json={"model": MODEL, **body}), 400)
     assert error["type"] == "invalid_request_error"
@@ -109,8 +140,7 @@ def test_unknown_route_is_a_404_openai_body(http):
 @pytest.mark.parametrize("header", [None, "Bearer wrong-key", "Basic " + KEY, "Bearer"])
 def test_a_missing_or_wrong_key_is_a_401(anon, header):
     headers = {} if header is None else {"Authorization": header}
-    for method, path in (("POST", "/v1/completions"), ("GET", "/v1/models"),
-                         ("GET", "/v1/status")):  # fmt: skip
+    for method, path in (("POST", "/v1/completions"), ("GET", "/v1/models"), ("GET", "/v1/status")):
         resp = anon.request(method, path, headers=headers, json={"model": MODEL, "prompt": "x"})
         error = _error(resp, 401)
         assert error["code"] == "invalid_api_key"

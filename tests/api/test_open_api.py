@@ -18,9 +18,9 @@ from typer.testing import CliRunner
 
 from mooncake.api.server import check_open_api, is_loopback
 from mooncake.cli.app import app, load_verbs
-from mooncake.configapi import ApiConfig
+from mooncake.config.api import ApiConfig
 from mooncake.errors import ConfigError
-from mooncake.roles.local import free_port
+from mooncake.local.launcher import free_port
 
 pytestmark = pytest.mark.timeout(90)
 REFUSAL = "lets other hosts reach the API, and no API key is set"

@@ -6,8 +6,8 @@ from __future__ import annotations
 import openai
 import pytest
 
-from mooncake.engine.params import SamplingParams
-from mooncake.engine.tokenizer import ByteTokenizer
+from mooncake.model.params import SamplingParams
+from mooncake.model.tokenizer import ByteTokenizer
 from tests.api.conftest import KEY, MODEL
 from tests.api.reference import engine_alone
 
@@ -22,11 +22,15 @@ def client(served) -> openai.OpenAI:
 
 def test_completion_of_token_ids_equals_the_engine_alone_with_usage(client):
     resp = client.completions.create(
-        model=MODEL, prompt=PROMPT_IDS, max_tokens=10, temperature=0,
+        model=MODEL,
+        prompt=PROMPT_IDS,
+        max_tokens=10,
+        temperature=0,
         extra_body={"ignore_eos": True},
-    )  # fmt: skip
-    _, text = engine_alone(PROMPT_IDS, SamplingParams(max_tokens=10, temperature=0,
-                                                      ignore_eos=True))  # fmt: skip
+    )
+    _, text = engine_alone(
+        PROMPT_IDS, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    )
     choice = resp.choices[0]
     assert resp.object == "text_completion" and resp.id.startswith("cmpl-")
     assert choice.text == text and choice.finish_reason == "length"
@@ -50,9 +54,14 @@ def test_a_repeated_prompt_reports_its_cached_tokens_and_the_same_text(client):
 
 def test_streamed_completion_sends_one_chunk_per_token_then_the_usage(client):
     stream = client.completions.create(
-        model=MODEL, prompt="Hello, world", max_tokens=8, temperature=0, stream=True,
-        stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
-    )  # fmt: skip
+        model=MODEL,
+        prompt="Hello, world",
+        max_tokens=8,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
     chunks = list(stream)
     ids = ByteTokenizer().encode("Hello, world")
     _, text = engine_alone(ids, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
@@ -68,8 +77,13 @@ def test_streamed_completion_sends_one_chunk_per_token_then_the_usage(client):
 
 def test_chat_streamed_and_not_give_the_same_greedy_text(client):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
-    kw = {"model": MODEL, "messages": messages, "max_completion_tokens": 9, "temperature": 0,
-          "extra_body": {"ignore_eos": True}}  # fmt: skip
+    kw = {
+        "model": MODEL,
+        "messages": messages,
+        "max_completion_tokens": 9,
+        "temperature": 0,
+        "extra_body": {"ignore_eos": True},
+    }
     whole = client.chat.completions.create(**kw)
     stream = client.chat.completions.create(
         **kw, stream=True, stream_options={"include_usage": True}
@@ -89,35 +103,51 @@ def test_chat_streamed_and_not_give_the_same_greedy_text(client):
 
 
 def test_logprobs_come_back_in_openai_shape(client):
-    resp = client.completions.create(model=MODEL, prompt="ab", max_tokens=3, temperature=0,
-                                     logprobs=2)  # fmt: skip
+    resp = client.completions.create(
+        model=MODEL, prompt="ab", max_tokens=3, temperature=0, logprobs=2
+    )
     lp = resp.choices[0].logprobs
     assert lp is not None and lp.token_logprobs is not None and lp.top_logprobs is not None
     assert len(lp.token_logprobs) == len(lp.top_logprobs) == resp.usage.completion_tokens
     # greedy: the chosen token is the most likely one
     assert lp.token_logprobs[0] == pytest.approx(max(lp.top_logprobs[0].values()))
     chat = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2, temperature=0,
-        logprobs=True, top_logprobs=3,
-    )  # fmt: skip
+        model=MODEL,
+        messages=[{"role": "user", "content": "x"}],
+        max_tokens=2,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+    )
     content = chat.choices[0].logprobs.content
     assert content is not None and len(content) == 2
     assert all(len(c.top_logprobs) == 3 for c in content)
 
 
 def test_a_seeded_sample_repeats_and_stop_strings_cut_the_text(client):
-    kw = {"model": MODEL, "prompt": "seed", "max_tokens": 12, "temperature": 1.0, "seed": 7,
-          "extra_body": {"ignore_eos": True, "top_k": 50}}  # fmt: skip
+    kw = {
+        "model": MODEL,
+        "prompt": "seed",
+        "max_tokens": 12,
+        "temperature": 1.0,
+        "seed": 7,
+        "extra_body": {"ignore_eos": True, "top_k": 50},
+    }
     a = client.completions.create(**kw).choices[0].text
     b = client.completions.create(**kw).choices[0].text
     assert a == b
-    greedy = client.completions.create(model=MODEL, prompt="stop", max_tokens=12, temperature=0,
-                                       extra_body={"ignore_eos": True}).choices[0]  # fmt: skip
+    greedy = client.completions.create(
+        model=MODEL, prompt="stop", max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+    ).choices[0]
     stop = greedy.text[3:5]
     cut = client.completions.create(
-        model=MODEL, prompt="stop", max_tokens=12, temperature=0, stop=[stop],
+        model=MODEL,
+        prompt="stop",
+        max_tokens=12,
+        temperature=0,
+        stop=[stop],
         extra_body={"ignore_eos": True},
-    ).choices[0]  # fmt: skip
+    ).choices[0]
     assert cut.finish_reason == "stop"
     assert cut.text == greedy.text[: greedy.text.index(stop)]
 

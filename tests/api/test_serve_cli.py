@@ -23,15 +23,33 @@ pytestmark = pytest.mark.timeout(90)
 
 def test_serve_prints_its_url_serves_chat_and_stops_on_sigterm(tmp_path: Path):
     config = tmp_path / "serve.toml"
-    config.write_text('[model]\npath = "dummy:tiny"\nblock_tokens = 16\n'
-                      '[decode]\nmax_batch = 4\nmax_tokens_default = 3\n'
-                      '[metrics]\nport = 0\n[api]\nport = 1\n')  # fmt: skip
+    config.write_text(
+        '[model]\npath = "dummy:tiny"\nblock_tokens = 16\n'
+        "[decode]\nmax_batch = 4\nmax_tokens_default = 3\n"
+        "[metrics]\nport = 0\n[api]\nport = 1\n"
+    )
     env = {**os.environ, "MOONCAKE_LOG_LEVEL": "warning"}
-    cmd = [sys.executable, "-m", "mooncake", "serve", "--config", str(config),
-           "--host", "127.0.0.1", "--port", "0", "--api-key", "k1", "--kv-cache", "4MiB",
-           "--served-model-name", "tiny", "--threads", "1"]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env)  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "mooncake",
+        "serve",
+        "--config",
+        str(config),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--api-key",
+        "k1",
+        "--kv-cache",
+        "4MiB",
+        "--served-model-name",
+        "tiny",
+        "--threads",
+        "1",
+    ]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         assert proc.stdout is not None and proc.stderr is not None
         line = proc.stdout.readline()  # printed once the server accepts connections
@@ -43,8 +61,11 @@ def test_serve_prints_its_url_serves_chat_and_stops_on_sigterm(tmp_path: Path):
         with httpx.Client(base_url=url, headers=headers, timeout=30) as http:
             models = http.get("/v1/models").json()["data"]
             assert [(m["id"], m["max_model_len"]) for m in models] == [("tiny", 1024)]
-            body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
-                    "ignore_eos": True}  # fmt: skip
+            body = {
+                "model": "tiny",
+                "messages": [{"role": "user", "content": "hi"}],
+                "ignore_eos": True,
+            }
             resp = http.post("/v1/chat/completions", json=body).json()
             assert resp["usage"]["completion_tokens"] == 3  # decode.max_tokens_default
             assert http.get("/v1/status").json()["num_completed"] == 1

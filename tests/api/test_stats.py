@@ -36,8 +36,10 @@ def test_ttft_and_tbt_come_from_the_token_times():
     assert snap.tbt_p50_s == pytest.approx(0.15)  # gaps 0.1 and 0.2
     assert (snap.num_completed, snap.num_failed, snap.num_streaming) == (1, 0, 0)
     assert (snap.num_prompt_tokens, snap.num_cached_tokens, snap.num_generated_tokens) == (
-        100, 64, 3,
-    )  # fmt: skip
+        100,
+        64,
+        3,
+    )
 
 
 def test_outcomes_are_counted_apart_and_the_window_keeps_the_newest():
@@ -56,8 +58,11 @@ def test_outcomes_are_counted_apart_and_the_window_keeps_the_newest():
     assert snap.num_requests == 7, "a refused request is not counted as received"
     assert snap.num_waiting == 0
     assert (snap.num_completed, snap.num_rejected, snap.num_refused, snap.num_cancelled) == (
-        5, 1, 1, 1,
-    )  # fmt: skip
+        5,
+        1,
+        1,
+        1,
+    )
     assert (snap.window_requests, snap.window_gaps) == (3, 2)
     assert snap.ttft_p50_s == 3.0  # TTFTs 2, 3, 4 remain of 0..4
     assert snap.tbt_p50_s == pytest.approx(0.035)  # gaps 0.03 and 0.04 remain

@@ -14,8 +14,14 @@ from tests.api.conftest import KEY, MODEL
 
 pytestmark = pytest.mark.timeout(60)
 AUTH = {"Authorization": f"Bearer {KEY}"}
-LONG = {"model": MODEL, "prompt": [5] * 20, "max_tokens": 1500, "temperature": 0,
-        "ignore_eos": True, "stream": True}  # fmt: skip
+LONG = {
+    "model": MODEL,
+    "prompt": [5] * 20,
+    "max_tokens": 1500,
+    "temperature": 0,
+    "ignore_eos": True,
+    "stream": True,
+}
 
 
 def _wait_until(predicate, timeout_s: float = 15.0) -> None:

@@ -13,8 +13,8 @@ import msgspec
 import pytest
 
 from mooncake.api import openapi
-from mooncake.engine.params import SamplingParams
-from mooncake.engine.tokenizer import ByteTokenizer
+from mooncake.model.params import SamplingParams
+from mooncake.model.tokenizer import ByteTokenizer
 from tests.api.conftest import KEY, MODEL
 from tests.api.reference import engine_alone
 

@@ -21,7 +21,7 @@ from mooncake.api.status import encode_status
 from mooncake.cli.app import app, load_verbs
 from mooncake.cli.status import Master, fetch_status, find_master, run_live
 from mooncake.errors import ConfigError
-from mooncake.roles.runfile import LocalCluster, write_runfile
+from mooncake.local.runfile import LocalCluster, write_runfile
 from tests.cli.test_statusview import flat, make_status, to_text
 
 # --- a real master stand-in: HTTP on 127.0.0.1:0 -----------------------------------------------
@@ -167,9 +167,12 @@ def test_discovery_order_is_url_then_config_then_runfile(tmp_path: Path) -> None
     assert str(tmp_path) in str(e.value)  # names the runfile it looked for
 
     cluster = LocalCluster(
-        url="http://127.0.0.1:9101/", master="127.0.0.1:9100", config_path="/x.toml",
-        pids={"master": os.getpid()}, api_key="sk-local",
-    )  # fmt: skip
+        url="http://127.0.0.1:9101/",
+        master="127.0.0.1:9100",
+        config_path="/x.toml",
+        pids={"master": os.getpid()},
+        api_key="sk-local",
+    )
     runfile = write_runfile(cluster)
     assert runfile.is_relative_to(tmp_path)
     found = find_master("", None, None)
@@ -190,9 +193,11 @@ def test_discovery_order_is_url_then_config_then_runfile(tmp_path: Path) -> None
 
 def test_a_runfile_of_a_dead_cluster_is_not_used() -> None:
     dead = LocalCluster(
-        url="http://127.0.0.1:9101", master="127.0.0.1:9100", config_path="/x.toml",
+        url="http://127.0.0.1:9101",
+        master="127.0.0.1:9100",
+        config_path="/x.toml",
         pids={"master": 2**22 + 12345},  # above pid_max's default: no such process
-    )  # fmt: skip
+    )
     write_runfile(dead)
     with pytest.raises(ConfigError, match="no master to read"):
         find_master("", None, None)
@@ -208,9 +213,12 @@ def test_no_arguments_finds_the_local_cluster_and_sends_its_key(runner: CliRunne
     server = FakeMaster(encode_status(make_status()), api_key="sk-local")
     try:
         cluster = LocalCluster(
-            url=server.url, master="127.0.0.1:1", config_path="/x.toml",
-            pids={"master": os.getpid()}, api_key="sk-local",
-        )  # fmt: skip
+            url=server.url,
+            master="127.0.0.1:1",
+            config_path="/x.toml",
+            pids={"master": os.getpid()},
+            api_key="sk-local",
+        )
         write_runfile(cluster)
         result = runner.invoke(app, ["status", "--json"])
     finally:
@@ -225,9 +233,11 @@ def test_config_wins_over_the_runfile_end_to_end(runner: CliRunner, tmp_path: Pa
     by_runfile = FakeMaster(encode_status(make_status(cluster="from-runfile")))
     try:
         cluster = LocalCluster(
-            url=by_runfile.url, master="127.0.0.1:1", config_path="/x.toml",
+            url=by_runfile.url,
+            master="127.0.0.1:1",
+            config_path="/x.toml",
             pids={"master": os.getpid()},
-        )  # fmt: skip
+        )
         write_runfile(cluster)
         port = int(by_config.url.rsplit(":", 1)[1])
         config = write_config(tmp_path / "m.toml", "127.0.0.1", port, ["sk-cfg"])

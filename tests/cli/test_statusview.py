@@ -23,44 +23,95 @@ def make_status(**changes: object) -> Status:
     nodes = [
         NodeStatus(node_id="master-0", role="master", address="10.0.0.1:7100", state="ready"),
         NodeStatus(
-            node_id="prefill-0", role="prefill", address="10.0.0.11:7001", state="ready",
-            gpus=H800, nics=["mlx5_0", "mlx5_1", "mlx5_2", "mlx5_3"], num_queued=3,
-            num_running=1, load=0.62, last_seen_s=0.4, pipeline_group="pp0",
+            node_id="prefill-0",
+            role="prefill",
+            address="10.0.0.11:7001",
+            state="ready",
+            gpus=H800,
+            nics=["mlx5_0", "mlx5_1", "mlx5_2", "mlx5_3"],
+            num_queued=3,
+            num_running=1,
+            load=0.62,
+            last_seen_s=0.4,
+            pipeline_group="pp0",
             pool_bytes={"dram": 256 << 20},
         ),
         NodeStatus(
-            node_id="prefill-1", role="prefill", address="10.0.0.12:7001", state="draining",
-            gpus=H800, nics=["mlx5_0", "mlx5_1"], num_running=1, load=0.95, last_seen_s=1.2,
+            node_id="prefill-1",
+            role="prefill",
+            address="10.0.0.12:7001",
+            state="draining",
+            gpus=H800,
+            nics=["mlx5_0", "mlx5_1"],
+            num_running=1,
+            load=0.95,
+            last_seen_s=1.2,
             pipeline_group="pp0",
         ),
         NodeStatus(
-            node_id="decode-0", role="decode", address="10.0.0.21:7001", state="ready",
-            gpus=H800, nics=["mlx5_0"], num_queued=2, num_running=48, load=0.75,
+            node_id="decode-0",
+            role="decode",
+            address="10.0.0.21:7001",
+            state="ready",
+            gpus=H800,
+            nics=["mlx5_0"],
+            num_queued=2,
+            num_running=48,
+            load=0.75,
         ),
         NodeStatus(
-            node_id="store-0", role="store", address="10.0.0.31:7001", state="down",
-            last_seen_s=75.0, pool_bytes={"dram": 1 << 30, "ssd": 1 << 39},
+            node_id="store-0",
+            role="store",
+            address="10.0.0.31:7001",
+            state="down",
+            last_seen_s=75.0,
+            pool_bytes={"dram": 1 << 30, "ssd": 1 << 39},
         ),
-    ]  # fmt: skip
+    ]
     pool = [
         TierStatus(
-            tier="dram", used_bytes=300 << 30, capacity_bytes=512 << 30, num_objects=123456,
+            tier="dram",
+            used_bytes=300 << 30,
+            capacity_bytes=512 << 30,
+            num_objects=123456,
             num_hits=60000,
         ),
         TierStatus(tier="vram", used_bytes=10 << 30, capacity_bytes=80 << 30, num_objects=2000),
         TierStatus(
-            tier="ssd", used_bytes=1900 << 30, capacity_bytes=2 << 40, num_objects=999999,
+            tier="ssd",
+            used_bytes=1900 << 30,
+            capacity_bytes=2 << 40,
+            num_objects=999999,
             num_hits=20000,
         ),
-    ]  # fmt: skip
+    ]
     fields: dict[str, object] = dict(
-        cluster="prod-a", model="llama2-70b", uptime_s=7384.0, nodes=nodes, pool=pool,
-        hit_rate=0.62, local_hit_rate=0.41, num_queued=5, num_running=50, num_requests=12000,
-        num_completed=11800, rejected=150, num_failed=3, ttft_p50_s=1.2, ttft_p90_s=35.0,
-        tbt_p50_s=0.05, tbt_p90_s=0.09, ttft_slo_s=30.0, tbt_slo_s=0.1,
-        transfer_bytes_per_s=3.2e9, pool_hits=80000, pool_lookups=129000,
-        num_prompt_tokens=2110, num_cached_tokens=2080, cached_token_share=2080 / 2110,
-    )  # fmt: skip
+        cluster="prod-a",
+        model="llama2-70b",
+        uptime_s=7384.0,
+        nodes=nodes,
+        pool=pool,
+        hit_rate=0.62,
+        local_hit_rate=0.41,
+        num_queued=5,
+        num_running=50,
+        num_requests=12000,
+        num_completed=11800,
+        rejected=150,
+        num_failed=3,
+        ttft_p50_s=1.2,
+        ttft_p90_s=35.0,
+        tbt_p50_s=0.05,
+        tbt_p90_s=0.09,
+        ttft_slo_s=30.0,
+        tbt_slo_s=0.1,
+        transfer_bytes_per_s=3.2e9,
+        pool_hits=80000,
+        pool_lookups=129000,
+        num_prompt_tokens=2110,
+        num_cached_tokens=2080,
+        cached_token_share=2080 / 2110,
+    )
     fields.update(changes)
     return Status(**fields)  # type: ignore[arg-type]
 
@@ -91,9 +142,17 @@ def test_view_at_80_columns_fits_and_keeps_every_cell_whole() -> None:
     rows = {line.split()[0]: line.split() for line in lines if line[:1].isalpha()}
     rows |= {line.split()[0]: line.split() for line in _node_rows(text)}
     assert rows["prefill-0"] == [
-        "prefill-0", "prefill", "10.0.0.11:7001", "ready", "8/4", "3/1", "██░░", "62%", "0.4s",
+        "prefill-0",
+        "prefill",
+        "10.0.0.11:7001",
+        "ready",
+        "8/4",
+        "3/1",
+        "██░░",
+        "62%",
+        "0.4s",
         "pp0",
-    ]  # fmt: skip
+    ]
     assert rows["prefill-1"][3] == "draining" and rows["prefill-1"][4] == "8/2"
     assert rows["decode-0"][4:6] == ["8/1", "2/48"]
     assert rows["store-0"][3:6] == ["down", "-", "0/0"] and "1m15s" in rows["store-0"]
@@ -104,8 +163,10 @@ def test_view_at_80_columns_fits_and_keeps_every_cell_whole() -> None:
     assert rows["ssd"][1:6] == ["1.9", "TiB", "/", "2.0", "TiB"] and "93%" in rows["ssd"]
     assert rows["ssd"][-2:] == ["20,000", "(25%)"]  # hits served from SSD, their share
     assert [ln.split()[0] for ln in lines if ln.split()[:1] in (["vram"], ["dram"], ["ssd"])] == [
-        "vram", "dram", "ssd",
-    ]  # fmt: skip
+        "vram",
+        "dram",
+        "ssd",
+    ]
     body = flat(text)
     assert "pool hits 62.0% of blocks in the pool at placement (80,000 of 129,000)" in body
     assert "local hits 41.0% of blocks on the chosen node" in body
@@ -126,9 +187,16 @@ def test_view_at_120_columns_names_gpus_and_nics() -> None:
     assert max(len(line) for line in text.splitlines()) <= 120
     row = next(line for line in _node_rows(text) if line.startswith("prefill-1"))
     assert row.split()[:9] == [
-        "prefill-1", "prefill", "10.0.0.12:7001", "draining", "8×", "H800", "80GiB",
-        "mlx5_0,mlx5_1", "0/1",
-    ]  # fmt: skip
+        "prefill-1",
+        "prefill",
+        "10.0.0.12:7001",
+        "draining",
+        "8×",
+        "H800",
+        "80GiB",
+        "mlx5_0,mlx5_1",
+        "0/1",
+    ]
     prefill_0 = next(line for line in _node_rows(text) if line.startswith("prefill-0"))
     assert "4 NICs" in prefill_0  # four names do not fit their column: a count instead
     assert "P90 35.00 s SLO 30.00 s" in flat(text)
@@ -168,12 +236,19 @@ def test_slo_verdict_is_within_at_or_below_the_slo_and_over_above_it() -> None:
 
 def test_human_units() -> None:
     assert [human_bytes(n) for n in (512, 1536, 3 << 30, 5 << 40)] == [
-        "512 B", "1.5 KiB", "3.0 GiB", "5.0 TiB",
-    ]  # fmt: skip
+        "512 B",
+        "1.5 KiB",
+        "3.0 GiB",
+        "5.0 TiB",
+    ]
     assert [human_rate(r) for r in (999, 1.25e6, 3.2e9)] == ["999 B/s", "1.25 MB/s", "3.20 GB/s"]
     assert [human_duration(s) for s in (0.42, 42, 75, 7384, 200000)] == [
-        "0.4s", "42s", "1m15s", "2h03m", "2d07h",
-    ]  # fmt: skip
+        "0.4s",
+        "42s",
+        "1m15s",
+        "2h03m",
+        "2d07h",
+    ]
 
 
 def test_addresses_show_as_host_port_and_kv_moved_per_transport_fits_80() -> None:

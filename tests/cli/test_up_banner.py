@@ -13,9 +13,9 @@ import pytest
 from rich.console import Console
 
 from mooncake.cli.up import command_name, print_ready
-from mooncake.roles.local import LocalPlan
-from mooncake.roles.runfile import LocalCluster
-from mooncake.roles.supervisor import RestartPolicy
+from mooncake.local.launcher import LocalPlan
+from mooncake.local.runfile import LocalCluster
+from mooncake.local.supervisor import RestartPolicy
 
 
 def _banner(tmp_path: Path, width: int, api_key: str = "") -> list[str]:

@@ -79,7 +79,7 @@ def test_coupled_instances_fetch_from_the_pool_but_not_from_each_other():
 
 
 def test_from_config_uses_the_scheduler_section():
-    from mooncake.config import SchedulerConfig
+    from mooncake.config.settings import SchedulerConfig
 
     cfg = SchedulerConfig(
         policy="cache_aware", rejection="basic", ttft_slo_s=12.0, forecast_sigmas=1.5

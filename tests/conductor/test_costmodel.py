@@ -10,10 +10,10 @@ from mooncake.conductor import CostModel, CostModelError, roofline_cost_model
 from mooncake.conductor.costmodel import DEFAULT_SSD_READ_BYTES_PER_S
 from mooncake.conductor.network import NetworkState
 from mooncake.conductor.roofline import GPUS, PREFILL_MFU, PrefillHardware, master_cost_model
-from mooncake.config import Config
-from mooncake.engine.modelinfo import load_model_info
+from mooncake.config.settings import Config
 from mooncake.errors import ConfigError
-from mooncake.modelspec import get_model_spec, list_model_specs
+from mooncake.model.info import load_model_info
+from mooncake.model.spec import get_model_spec, list_model_specs
 
 
 def test_model_specs_have_the_published_shapes():

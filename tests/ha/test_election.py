@@ -8,15 +8,15 @@ import time
 
 import pytest
 
-from mooncake.config import ClusterConfig, Config
+from mooncake.config.settings import ClusterConfig, Config
 from mooncake.ha.election import Election, MasterInfo, find_masters, leader_key
 from mooncake.ha.etcd import Etcd
 from mooncake.ha.journal import EtcdJournal
 from mooncake.ha.localetcd import LocalEtcd, etcd_binary
 from mooncake.ha.sealed import Sealer
-from mooncake.roles.common import masters_to_dial
-from mooncake.store.journal import JournalError
-from mooncake.store.metadata import MetadataService
+from mooncake.roles.node.common import masters_to_dial
+from mooncake.store.metadata.journal import JournalError
+from mooncake.store.metadata.service import MetadataService
 from tests.ha.conftest import SECRET
 from tests.store.helpers import make_service, put
 

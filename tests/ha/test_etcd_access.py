@@ -16,8 +16,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from mooncake.config import ClusterConfig
-from mooncake.configload import load_config
+from mooncake.config.load import load_config
+from mooncake.config.settings import ClusterConfig
 from mooncake.errors import ConfigError
 from mooncake.ha.etcd import Etcd, EtcdAccess, EtcdError
 from mooncake.ha.etcdaccess import create_etcd

@@ -16,7 +16,7 @@ from mooncake.ha.election import Election, MasterInfo, leader_key
 from mooncake.ha.etcd import Etcd, KeyValue
 from mooncake.ha.journal import EtcdJournal
 from mooncake.ha.sealed import ForgedRecord, Sealer
-from mooncake.store.metadata import MetadataService
+from mooncake.store.metadata.service import MetadataService
 from tests.ha.conftest import SECRET
 from tests.store.helpers import make_service, put
 

@@ -1,6 +1,6 @@
 """PoolConnector in real vLLM (CPU): two instances on one pool (a master and a store node,
 real processes). Runs only when MOONCAKE_VLLM_PYTHON names the python of a vLLM for CPU
-venv (`scripts/vllm-venv` prints it), as tests/replay/test_bench_vllm.py; about 7 minutes
+venv (`scripts/vllm-venv` prints it), as tests/bench/test_vllm.py; about 7 minutes
 on 2 cores (three vLLM start-ups).
 
 The second instance loads a prompt the first computed (vLLM counts external hit tokens)
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from mooncake.bench.checkpoint import CheckpointShape
 from mooncake.integrations.vllm.trial import TrialPlan, run_trial
-from mooncake.replay.checkpoint import CheckpointShape
 
 
 def vllm_python() -> str:

@@ -9,13 +9,13 @@ from collections.abc import Sequence
 import pytest
 
 from mooncake.errors import ConfigError
-from mooncake.hashing import PrefixHasher
 from mooncake.integrations.vllm.plan import (
     SUPPORTED_VLLM,
     PoolPlanner,
     Scheduled,
     check_vllm_version,
 )
+from mooncake.kv.hashing import PrefixHasher
 
 BT = 4  # tokens per block
 

@@ -10,14 +10,15 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from mooncake.engine.kvstore import StoreKVPool, kv_key
-from mooncake.hashing import PrefixHasher
+from mooncake.bench.storeprocs import LocalCluster
 from mooncake.integrations.vllm.plan import PoolPlanner, Scheduled, StepPlan
 from mooncake.integrations.vllm.settings import kv_layout, vllm_fingerprint
 from mooncake.integrations.vllm.worker import PoolWorker
-from mooncake.store.client import Store
-from mooncake.store.localproc import LocalCluster
-from mooncake.store.node import remote_name
+from mooncake.kv.hashing import PrefixHasher
+from mooncake.kv.keys import kv_key
+from mooncake.kv.pool import StoreKVPool
+from mooncake.store.client.client import Store
+from mooncake.store.node.node import remote_name
 from mooncake.transfer import TransferRequest
 from mooncake.transfer.types import TransferOp
 

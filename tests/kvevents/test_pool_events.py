@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from mooncake.engine.kvstore import kv_key
+from mooncake.kv.keys import kv_key
 from mooncake.kvevents.pool import PoolEvents
 from mooncake.kvevents.wire import AllBlocksCleared, BlockRemoved, BlockStored
-from mooncake.store.objects import StoreEvent
+from mooncake.store.metadata.objects import StoreEvent
 
 H = 0x1234
 HB = H.to_bytes(16, "big")

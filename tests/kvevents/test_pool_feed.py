@@ -12,9 +12,9 @@ from typing import Any
 import httpx
 import pytest
 
-from mooncake.configload import load_config
-from mooncake.roles.local import LocalLauncher, LocalPlan
-from mooncake.store.client import Store
+from mooncake.config.load import load_config
+from mooncake.local.launcher import LocalLauncher, LocalPlan
+from mooncake.store.client.client import Store
 from tests.kvevents.subscriber import Subscriber
 
 pytestmark = pytest.mark.timeout(180)

@@ -17,8 +17,9 @@ from mooncake.api.backend import BaseBackend, GenerateRequest, Output, Rejected
 from mooncake.api.engine_backend import EngineBackend
 from mooncake.api.server import ApiServer
 from mooncake.cli.app import app, load_verbs
-from mooncake.config import ModelConfig
+from mooncake.config.settings import ModelConfig
 from mooncake.errors import ConfigError
+from mooncake.local.runfile import LocalCluster, write_runfile
 from mooncake.replay import (
     PromptConfig,
     ReplayConfig,
@@ -27,7 +28,6 @@ from mooncake.replay import (
     RequestRecord,
     replay,
 )
-from mooncake.roles.runfile import LocalCluster, write_runfile
 from mooncake.sim.trace import load_trace
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "traces" / "conversation_head300.jsonl"
@@ -42,8 +42,9 @@ load_verbs()
 
 @pytest.fixture(scope="module")
 def engine() -> Iterator[EngineBackend]:
-    backend = EngineBackend(ModelConfig(path="dummy:tiny", block_tokens=16), max_batch=8,
-                            kv_cache_bytes=8 * 1024 * 1024)  # fmt: skip
+    backend = EngineBackend(
+        ModelConfig(path="dummy:tiny", block_tokens=16), max_batch=8, kv_cache_bytes=8 * 1024 * 1024
+    )
     yield backend
     backend.close()
 
@@ -144,16 +145,45 @@ def test_an_unknown_model_lists_what_the_server_serves(url):
 
 def test_cli_finds_the_local_cluster_and_prints_json(url, tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
-    write_runfile(LocalCluster(url=url, master="127.0.0.1:1", config_path="",
-                               pids={"master": os.getpid()}, api_key=KEY))  # fmt: skip
-    args = ["replay", str(FIXTURE), "--limit", "4", "--scale", str(SCALE), "--max-tokens",
-            "3", "--vocab-size", str(VOCAB), "--speed", "1000", "--json"]  # fmt: skip
+    write_runfile(
+        LocalCluster(
+            url=url, master="127.0.0.1:1", config_path="", pids={"master": os.getpid()}, api_key=KEY
+        )
+    )
+    args = [
+        "replay",
+        str(FIXTURE),
+        "--limit",
+        "4",
+        "--scale",
+        str(SCALE),
+        "--max-tokens",
+        "3",
+        "--vocab-size",
+        str(VOCAB),
+        "--speed",
+        "1000",
+        "--json",
+    ]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, (result.output, result.exception)
     out = json.loads(result.stdout)
-    for key in ("sent", "completed", "rejected", "failed", "ttft_p50_s", "ttft_p90_s",
-                "ttft_p99_s", "tbt_p50_s", "tbt_p90_s", "tbt_p99_s", "slo_attainment",
-                "output_tokens_per_s", "cached_token_share", "block_tokens"):  # fmt: skip
+    for key in (
+        "sent",
+        "completed",
+        "rejected",
+        "failed",
+        "ttft_p50_s",
+        "ttft_p90_s",
+        "ttft_p99_s",
+        "tbt_p50_s",
+        "tbt_p90_s",
+        "tbt_p99_s",
+        "slo_attainment",
+        "output_tokens_per_s",
+        "cached_token_share",
+        "block_tokens",
+    ):
         assert key in out, key
     assert out["url"] == url and out["sent"] == out["completed"] == 4
     assert out["block_tokens"] == 15 and out["output_tokens"] == 4 * 3

@@ -7,9 +7,17 @@ import pytest
 from mooncake.replay.report import RequestRecord, RunInfo, meets_slo, summarize
 
 INFO = RunInfo(
-    url="http://h:1", model="m", ttft_slo_s=1.0, tbt_slo_s=0.1, block_tokens=32,
-    scale=0.0625, output_scale=0.0625, speed=1.0, vocab_size=512, prompt_format="tokens",
-)  # fmt: skip
+    url="http://h:1",
+    model="m",
+    ttft_slo_s=1.0,
+    tbt_slo_s=0.1,
+    block_tokens=32,
+    scale=0.0625,
+    output_scale=0.0625,
+    speed=1.0,
+    vocab_size=512,
+    prompt_format="tokens",
+)
 
 
 def _ok(i: int, ttft: float, gaps: list[float], **kw: Any) -> RequestRecord:

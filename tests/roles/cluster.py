@@ -14,8 +14,8 @@ from typing import Any
 
 import httpx
 
-from mooncake.roles.local import LocalLauncher, LocalPlan
-from mooncake.roles.localcost import ensure_cost_model
+from mooncake.local.cost import ensure_cost_model
+from mooncake.local.launcher import LocalLauncher, LocalPlan
 
 
 @contextmanager

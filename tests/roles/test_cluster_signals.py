@@ -16,13 +16,13 @@ import pytest
 from mooncake.api.backend import GenerateRequest, Output, Rejected
 from mooncake.conductor.conductor import Conductor
 from mooncake.conductor.types import Decision, PrefillAdmission
-from mooncake.engine.params import SamplingParams
-from mooncake.engine.tokenizer import ByteTokenizer
-from mooncake.hashing import PrefixHasher
-from mooncake.roles.cluster import ClusterBackend
-from mooncake.roles.flight import Flight
-from mooncake.roles.messages import TokenMsg, TokensMsg
-from mooncake.roles.registry import Registry
+from mooncake.kv.hashing import PrefixHasher
+from mooncake.model.params import SamplingParams
+from mooncake.model.tokenizer import ByteTokenizer
+from mooncake.roles.master.cluster import ClusterBackend
+from mooncake.roles.master.flight import Flight
+from mooncake.roles.master.registry import Registry
+from mooncake.roles.node.messages import TokenMsg, TokensMsg
 
 pytestmark = pytest.mark.timeout(30)
 PARAMS = SamplingParams(max_tokens=2, temperature=0)

@@ -18,10 +18,10 @@ import pytest
 
 from mooncake.api.backend import Rejected
 from mooncake.conductor.types import Decision
-from mooncake.config import Config
-from mooncake.engine.tokenizer import ByteTokenizer
-from mooncake.roles.cluster import ClusterBackend
-from mooncake.roles.registry import Registry
+from mooncake.config.settings import Config
+from mooncake.model.tokenizer import ByteTokenizer
+from mooncake.roles.master.cluster import ClusterBackend
+from mooncake.roles.master.registry import Registry
 from tests.conductor.toy import toy_conductor
 
 pytestmark = pytest.mark.timeout(30)

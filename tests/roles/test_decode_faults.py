@@ -16,14 +16,14 @@ from pathlib import Path
 import httpx
 import pytest
 
-from mooncake.roles.local import LocalLauncher
+from mooncake.local.launcher import LocalLauncher
 from tests.roles.cluster import local_cluster, node_row
 
 pytestmark = pytest.mark.timeout(300)
 
 # the real `mooncake up`, with a sampler that fails for requests marked top_k=7
 FAULTY_DECODE = """
-import mooncake.engine.decode as decode
+import mooncake.model.decode as decode
 real = decode.sample
 def sample(logits, params, generators):
     if any(p.top_k == 7 for p in params):

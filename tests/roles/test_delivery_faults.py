@@ -18,9 +18,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from mooncake.configload import load_config
-from mooncake.roles.local import LocalLauncher
-from mooncake.roles.messages import (
+from mooncake.config.load import load_config
+from mooncake.local.launcher import LocalLauncher
+from mooncake.roles.node.messages import (
     AckMsg,
     DecodeReleaseMsg,
     DecodeReserveMsg,
@@ -33,7 +33,7 @@ pytestmark = pytest.mark.timeout(300)
 
 DROPPING_MASTER = """
 import msgspec
-from mooncake.roles.cluster import ClusterBackend
+from mooncake.roles.master.cluster import ClusterBackend
 real = ClusterBackend.receive_tokens
 once = set()
 def receive_tokens(self, msg):
@@ -55,7 +55,7 @@ main()
 
 HOLDING_DECODE = """
 import os, time
-import mooncake.engine.decode as decode
+import mooncake.model.decode as decode
 real = decode.DecodeRunner.step
 hold = os.environ["MOONCAKE_TEST_HOLD"]
 def step(self):

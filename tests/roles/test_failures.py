@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from mooncake.roles.local import LocalLauncher
+from mooncake.local.launcher import LocalLauncher
 from tests.roles.cluster import kill, local_cluster, node_row
 
 pytestmark = pytest.mark.timeout(300)
@@ -20,9 +20,14 @@ pytestmark = pytest.mark.timeout(300)
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory, cost_cache: Path) -> Iterator[LocalLauncher]:
     # NOTE: admission off: these tests are about failures, not overload
-    with local_cluster(tmp_path_factory.mktemp("failures"), cost_cache, num_prefill=2,
-                       group_size=1, num_decode=2,
-                       extra={"scheduler.rejection": "none"}) as launcher:  # fmt: skip
+    with local_cluster(
+        tmp_path_factory.mktemp("failures"),
+        cost_cache,
+        num_prefill=2,
+        group_size=1,
+        num_decode=2,
+        extra={"scheduler.rejection": "none"},
+    ) as launcher:
         yield launcher
 
 

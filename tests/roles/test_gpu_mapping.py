@@ -11,12 +11,12 @@ from typing import Any
 
 import pytest
 
-from mooncake.configload import load_config
-from mooncake.engine.modelinfo import load_model_info
-from mooncake.roles.common import NodeContext
-from mooncake.roles.worker import cache_blocks, connect_pool, mount_local_tiers
-from mooncake.sizes import Size
-from mooncake.topology import Topology, detect_topology
+from mooncake.config.load import load_config
+from mooncake.config.sizes import Size
+from mooncake.hw.topology import Topology, detect_topology
+from mooncake.model.info import load_model_info
+from mooncake.roles.node.common import NodeContext
+from mooncake.roles.node.worker import cache_blocks, connect_pool, mount_local_tiers
 from tests.fakes.nvml import FakeNvml
 from tests.fakes.sysfs import build_sysfs, load_machine
 from tests.store.cluster import SECRET, start_master

@@ -15,11 +15,11 @@ import httpx
 import msgspec
 import pytest
 
-from mooncake.configload import load_config
+from mooncake.config.load import load_config
 from mooncake.ha.election import MasterInfo
 from mooncake.ha.etcd import Etcd
 from mooncake.ha.localetcd import etcd_binary
-from mooncake.roles.local import LocalLauncher
+from mooncake.local.launcher import LocalLauncher
 from tests.roles.cluster import kill, local_cluster
 from tests.roles.failover import PROMPT, Stream, complete, nodes_ready, status, wait_for
 

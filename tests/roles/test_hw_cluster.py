@@ -17,13 +17,13 @@ pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
 
 def _engine_alone(prompt: list[int], max_tokens: int) -> str:
     """Greedy text of the same model and dtype in one process on cuda:0."""
-    from mooncake.engine.decode import DecodeRunner
-    from mooncake.engine.kvcache import PagedKVCache
-    from mooncake.engine.modelinfo import load_model_info
-    from mooncake.engine.params import SamplingParams
-    from mooncake.engine.sequence import Sequence
-    from mooncake.engine.tokenizer import ByteTokenizer
-    from mooncake.engine.weights import create_model
+    from mooncake.model.decode import DecodeRunner
+    from mooncake.model.info import load_model_info
+    from mooncake.model.kvcache import PagedKVCache
+    from mooncake.model.params import SamplingParams
+    from mooncake.model.sequence import Sequence
+    from mooncake.model.tokenizer import ByteTokenizer
+    from mooncake.model.weights import create_model
 
     model = create_model(load_model_info("dummy:tiny"), "float32", "cuda:0")
     runner = DecodeRunner(model, PagedKVCache.for_model(model, 64, 32), chunk_tokens=256)

@@ -11,7 +11,7 @@ import httpx
 import pytest
 import torch
 
-from mooncake.roles.local import LocalLauncher
+from mooncake.local.launcher import LocalLauncher
 from tests.roles.cluster import local_cluster
 
 pytestmark = pytest.mark.timeout(240)
@@ -26,8 +26,13 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, cost_cache: Path) -> Itera
 
 
 def _complete(url: str, prompt: list[int] | str, max_tokens: int = 8) -> dict:
-    body = {"model": "dummy:tiny", "prompt": prompt, "max_tokens": max_tokens,
-            "temperature": 0, "ignore_eos": True}  # fmt: skip
+    body = {
+        "model": "dummy:tiny",
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     r = httpx.post(url + "/v1/completions", json=body, timeout=60)
     assert r.status_code == 200, r.text
     return r.json()
@@ -40,13 +45,13 @@ def _engine_alone(prompt: list[int], max_tokens: int) -> str:
 
 def _engine_events(prompt: list[int], max_tokens: int) -> list:
     """Greedy token events of the same model run by one in-process DecodeRunner."""
-    from mooncake.engine.decode import DecodeRunner
-    from mooncake.engine.kvcache import PagedKVCache
-    from mooncake.engine.modelinfo import load_model_info
-    from mooncake.engine.params import SamplingParams
-    from mooncake.engine.sequence import Sequence
-    from mooncake.engine.tokenizer import ByteTokenizer
-    from mooncake.engine.weights import create_model
+    from mooncake.model.decode import DecodeRunner
+    from mooncake.model.info import load_model_info
+    from mooncake.model.kvcache import PagedKVCache
+    from mooncake.model.params import SamplingParams
+    from mooncake.model.sequence import Sequence
+    from mooncake.model.tokenizer import ByteTokenizer
+    from mooncake.model.weights import create_model
 
     torch.set_num_threads(1)
     info = load_model_info("dummy:tiny")
@@ -138,18 +143,27 @@ def test_the_openai_client_streams_a_chat(cluster: LocalLauncher) -> None:
     import openai
 
     client = openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused")
-    chunks = list(client.chat.completions.create(
-        model="dummy:tiny", messages=[{"role": "user", "content": "hello there"}],
-        max_tokens=6, temperature=0, stream=True, extra_body={"ignore_eos": True},
-    ))  # fmt: skip
+    chunks = list(
+        client.chat.completions.create(
+            model="dummy:tiny",
+            messages=[{"role": "user", "content": "hello there"}],
+            max_tokens=6,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+    )
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     finish = [
         c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
     ]
     whole = client.chat.completions.create(
-        model="dummy:tiny", messages=[{"role": "user", "content": "hello there"}],
-        max_tokens=6, temperature=0, extra_body={"ignore_eos": True},
-    )  # fmt: skip
+        model="dummy:tiny",
+        messages=[{"role": "user", "content": "hello there"}],
+        max_tokens=6,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
     assert finish == ["length"] and whole.usage is not None
     assert whole.usage.completion_tokens == 6
     assert text == whole.choices[0].message.content  # greedy: streamed == not streamed
@@ -165,9 +179,13 @@ def test_decode_steps_keep_their_pace(cluster: LocalLauncher) -> None:
     client = openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused")
     seen: list[float] = []
     for c in client.completions.create(
-        model="dummy:tiny", prompt=[7] * 40, max_tokens=12, temperature=0, stream=True,
+        model="dummy:tiny",
+        prompt=[7] * 40,
+        max_tokens=12,
+        temperature=0,
+        stream=True,
         extra_body={"ignore_eos": True},
-    ):  # fmt: skip
+    ):
         if c.choices and c.choices[0].text:
             seen.append(time.monotonic())
     assert seen and seen[-1] - seen[0] >= 10 * PACE_S

@@ -18,9 +18,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from mooncake.config import ClusterConfig, Config
-from mooncake.roles.common import create_context
-from mooncake.roles.local import free_port
+from mooncake.config.settings import ClusterConfig, Config
+from mooncake.local.launcher import free_port
+from mooncake.roles.node.common import create_context
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -109,8 +109,8 @@ def test_bench_store_master_takes_the_cluster_master_form() -> None:
     from typer.testing import CliRunner
 
     import mooncake.cli.bench_store  # noqa: F401  (registers the verb)
+    from mooncake.bench.storeprocs import LocalCluster
     from mooncake.cli.app import app
-    from mooncake.store.localproc import LocalCluster
 
     secret = "b" * 32
     with LocalCluster(secret.encode(), 64 << 20) as cluster:
@@ -219,7 +219,7 @@ def test_the_masters_roofline_follows_the_gpus_its_prefill_nodes_report(tmp_path
     """No profile and no GPU on the master: it starts on the H800 x8 roofline; a prefill
     node without GPUs leaves it so (said once, with the hardware assumed); the first one
     registering with GPUs of a known type sets it to theirs; later ones change nothing."""
-    from mooncake.roles.messages import NodeInfoMsg, RegisterMsg, RegisterReplyMsg
+    from mooncake.roles.node.messages import NodeInfoMsg, RegisterMsg, RegisterReplyMsg
     from mooncake.rpc import RpcClient
 
     secret, master = "s" * 32, f"127.0.0.1:{free_port()}"

@@ -28,10 +28,10 @@ from typing import Any, TypeVar
 import httpx
 import pytest
 
-from mooncake.engine.kvobject import DTYPE_BYTES
-from mooncake.engine.modelinfo import load_model_info, resolve_dtype
 from mooncake.errors import MooncakeError
-from mooncake.roles.supervisor import Child, wait_ready
+from mooncake.kv.object import DTYPE_BYTES
+from mooncake.local.supervisor import Child, wait_ready
+from mooncake.model.info import load_model_info, resolve_dtype
 
 pytestmark = [pytest.mark.netns, pytest.mark.timeout(180)]
 

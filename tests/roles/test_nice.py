@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from mooncake.roles import local
-from mooncake.roles.local import PREFILL_NICE, LocalLauncher, LocalPlan
+from mooncake.local import launcher as local
+from mooncake.local.launcher import PREFILL_NICE, LocalLauncher, LocalPlan
 
 
 def test_a_node_lowers_its_priority_and_never_raises_it():

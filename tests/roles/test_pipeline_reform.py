@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from mooncake.roles.local import LocalLauncher
+from mooncake.local.launcher import LocalLauncher
 from tests.roles.cluster import kill, local_cluster, node_row
 
 pytestmark = pytest.mark.timeout(300)

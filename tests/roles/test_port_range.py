@@ -10,9 +10,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from mooncake.engine.stagelisten import StageListener
+from mooncake.config.portrange import PortRange
 from mooncake.errors import MooncakeError
-from mooncake.portrange import PortRange
+from mooncake.roles.prefill.group.listener import StageListener
 from mooncake.rpc import Msg, RpcClient, RpcServer
 from tests.roles.cluster import local_cluster
 

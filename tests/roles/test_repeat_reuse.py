@@ -23,14 +23,14 @@ import msgspec
 import pytest
 
 from mooncake.api import openapi
-from mooncake.roles.local import LocalLauncher
+from mooncake.local.launcher import LocalLauncher
 from tests.roles.cluster import kill, local_cluster, start_node
 
 pytestmark = pytest.mark.timeout(300)
 
 SLOW_SEAL = """
 import os, time
-from mooncake.engine.kvstore import StoreKVPool
+from mooncake.kv.pool import StoreKVPool
 real = StoreKVPool.seal_objects
 def seal_objects(self, *args, **kw):
     time.sleep(float(os.environ["MOONCAKE_TEST_SEAL_DELAY_S"]))

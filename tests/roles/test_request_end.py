@@ -16,16 +16,16 @@ import pytest
 
 from mooncake.api.backend import GenerateRequest, Output
 from mooncake.conductor.roofline import create_conductor
-from mooncake.config import Config
-from mooncake.configroles import SchedulerConfig
-from mooncake.engine.modelinfo import load_model_info
-from mooncake.engine.params import SamplingParams
-from mooncake.engine.tokenizer import create_tokenizer
-from mooncake.hashing import PrefixHasher
-from mooncake.roles.cluster import ClusterBackend
-from mooncake.roles.flight import Flight, request_deadline_s
-from mooncake.roles.messages import NodeInfoMsg, NodeLoadMsg, TokenMsg, TokensMsg
-from mooncake.roles.registry import Registry
+from mooncake.config.roles import SchedulerConfig
+from mooncake.config.settings import Config
+from mooncake.kv.hashing import PrefixHasher
+from mooncake.model.info import load_model_info
+from mooncake.model.params import SamplingParams
+from mooncake.model.tokenizer import create_tokenizer
+from mooncake.roles.master.cluster import ClusterBackend
+from mooncake.roles.master.flight import Flight, request_deadline_s
+from mooncake.roles.master.registry import Registry
+from mooncake.roles.node.messages import NodeInfoMsg, NodeLoadMsg, TokenMsg, TokensMsg
 
 pytestmark = pytest.mark.timeout(60)
 PARAMS = SamplingParams(max_tokens=3, temperature=0)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from mooncake.roles.local import LocalLauncher
+from mooncake.local.launcher import LocalLauncher
 from tests.roles.cluster import kill, local_cluster
 from tests.roles.failover import complete, nodes_ready, status, wait_for
 

@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from mooncake.roles.local import free_port
+from mooncake.local.launcher import free_port
 from tests.roles.cluster import local_cluster
 
 pytestmark = pytest.mark.timeout(300)

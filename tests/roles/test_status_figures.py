@@ -16,7 +16,7 @@ from rich.console import Console
 
 from mooncake.api.status import decode_status
 from mooncake.cli.statusview import render_status
-from mooncake.roles.local import LocalLauncher
+from mooncake.local.launcher import LocalLauncher
 from tests.roles.cluster import local_cluster
 
 pytestmark = pytest.mark.timeout(240)

@@ -9,8 +9,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from mooncake.roles.localconfig import LOCAL_SSD_BYTES
-from mooncake.sizes import parse_size
+from mooncake.config.sizes import parse_size
+from mooncake.local.config import LOCAL_SSD_BYTES
 from tests.roles.cluster import local_cluster
 
 pytestmark = pytest.mark.timeout(120)
@@ -26,8 +26,14 @@ def _pool_capacity(url: str) -> int:
 def test_store_node_mounts_its_tiers_and_unmounts_on_sigterm(
     tmp_path: Path, cost_cache: Path
 ) -> None:
-    with local_cluster(tmp_path, cost_cache, num_prefill=0, num_decode=0, num_store=1,
-                       extra={"store.dram_bytes": "48MiB"}) as cluster:  # fmt: skip
+    with local_cluster(
+        tmp_path,
+        cost_cache,
+        num_prefill=0,
+        num_decode=0,
+        num_store=1,
+        extra={"store.dram_bytes": "48MiB"},
+    ) as cluster:
         assert _pool_capacity(cluster.url) == (48 << 20) + LOCAL_SSD  # DRAM and up --local's SSD
         store = next(c for c in cluster.children if c.role == "store")
         store.proc.send_signal(signal.SIGTERM)
@@ -76,11 +82,11 @@ def test_a_store_node_whose_master_never_answers_names_the_key_and_address(
     """An explicit `cluster.master` where nothing answers: the node says at INFO on its
     first miss that it waits for the master there, and after its wait fails with an error
     naming the key and its value (not only the RPC client's words)."""
-    from mooncake.configload import load_config
+    from mooncake.config.load import load_config
     from mooncake.errors import MooncakeError
-    from mooncake.roles.common import create_context
-    from mooncake.roles.local import free_port
-    from mooncake.roles.store import run_store
+    from mooncake.local.launcher import free_port
+    from mooncake.roles.node.common import create_context
+    from mooncake.roles.store.role import run_store
 
     master = f"127.0.0.1:{free_port()}"  # nothing listens there
     overrides = {

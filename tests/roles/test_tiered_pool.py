@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from mooncake.rpc.client import RpcClient
-from mooncake.store import messages as m
-from mooncake.store.client import Store
-from mooncake.store.objects import StoreStats
+from mooncake.store.client.client import Store
+from mooncake.store.metadata.objects import StoreStats
+from mooncake.store.server import messages as m
 from tests.store.cluster import SECRET, Child, start_master, start_node
 
 pytestmark = pytest.mark.timeout(60)

@@ -15,12 +15,12 @@ import pytest
 
 from mooncake.api.status import decode_status
 from mooncake.conductor.roofline import create_conductor
-from mooncake.config import Config
-from mooncake.engine.modelinfo import load_model_info
-from mooncake.engine.tokenizer import create_tokenizer
-from mooncake.roles.cluster import ClusterBackend, NoInstance
-from mooncake.roles.messages import NodeInfoMsg, NodeLoadMsg
-from mooncake.roles.registry import Registry
+from mooncake.config.settings import Config
+from mooncake.model.info import load_model_info
+from mooncake.model.tokenizer import create_tokenizer
+from mooncake.roles.master.cluster import ClusterBackend, NoInstance
+from mooncake.roles.master.registry import Registry
+from mooncake.roles.node.messages import NodeInfoMsg, NodeLoadMsg
 from mooncake.transfer import EngineOptions, TransferEngine, TransferOp, TransferRequest
 from tests.roles.cluster import local_cluster
 

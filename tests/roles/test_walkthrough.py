@@ -16,8 +16,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from mooncake.roles.local import free_port
-from mooncake.roles.supervisor import Child, wait_ready
+from mooncake.local.launcher import free_port
+from mooncake.local.supervisor import Child, wait_ready
 
 pytestmark = pytest.mark.timeout(240)
 

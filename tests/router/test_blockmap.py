@@ -4,7 +4,7 @@ chained hashes of the same tokens, so a request's prefix matches what it holds."
 from __future__ import annotations
 
 from mooncake.conductor.index import PrefixIndex
-from mooncake.hashing import PrefixHasher
+from mooncake.kv.hashing import PrefixHasher
 from mooncake.kvevents.wire import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from mooncake.router.blockmap import BlockMap
 

@@ -15,12 +15,12 @@ from typing import Any
 import httpx
 import pytest
 
-from mooncake.replay.checkpoint import CheckpointShape, make_checkpoint
+from mooncake.bench.checkpoint import CheckpointShape, make_checkpoint
+from mooncake.bench.routing import RoutingPlan, cache_counters, router_spec, run_routing
+from mooncake.bench.servers import LaunchedServer, ServerSpec
+from mooncake.bench.versus import VersusPlan
+from mooncake.local.launcher import free_port
 from mooncake.replay.prompts import PromptConfig
-from mooncake.replay.routing import RoutingPlan, cache_counters, router_spec, run_routing
-from mooncake.replay.servers import LaunchedServer, ServerSpec
-from mooncake.replay.versus import VersusPlan
-from mooncake.roles.local import free_port
 from mooncake.sim.trace import TraceRecord
 
 BT = 32

@@ -14,10 +14,10 @@ from typing import Any
 import httpx
 import pytest
 
-from mooncake.replay.checkpoint import CheckpointShape, make_checkpoint
-from mooncake.replay.routing import RoutingPlan, cache_counters, router_spec, vllm_instance
-from mooncake.replay.servers import LaunchedServer
-from mooncake.replay.versus import VersusPlan
+from mooncake.bench.checkpoint import CheckpointShape, make_checkpoint
+from mooncake.bench.routing import RoutingPlan, cache_counters, router_spec, vllm_instance
+from mooncake.bench.servers import LaunchedServer
+from mooncake.bench.versus import VersusPlan
 
 VLLM_PYTHON = Path(os.environ.get("MOONCAKE_VLLM_PYTHON", "/tmp/vllm-venv/bin/python"))
 BT = 32  # vLLM for CPU's block sizes are multiples of 32

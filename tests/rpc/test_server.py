@@ -203,8 +203,10 @@ def test_answer_runs_the_handler_on_the_callers_thread_and_returns_the_frame(
     out = served.server.answer(request_frame(EchoMsg("hi", 1), req_id=9), peer, enc)
     assert out is not None
     assert wire.decode_frame(out, {b"test.echo": wire.msg_type(EchoMsg)}) == (
-        wire.KIND_REPLY, 9, EchoMsg("hi", 1),
-    )  # fmt: skip
+        wire.KIND_REPLY,
+        9,
+        EchoMsg("hi", 1),
+    )
     failed = served.server.answer(request_frame(FailMsg(crash=False)), peer, enc)
     assert failed is not None and decode_error(failed)[1].remote_type == "StoreError"
     unknown = served.server.answer(request_frame(UnservedMsg()), peer, enc)

@@ -124,19 +124,56 @@ def test_bench_conductor_json():
 def test_sim_compare_runs_one_row_per_speed_and_value():
     """`sim compare` replays the trace once per (speed, value of --vary): the rows differ
     only in that setting, and each row's rejections add up from where they happened."""
-    rows = _json(["sim", "compare", str(FIXTURE), "--limit", "120", "--prefill", "2",
-                  "--decode", "1", "--speeds", "2,4", "--vary", "rejection=none,predictive",
-                  "--json"])  # fmt: skip
+    rows = _json(
+        [
+            "sim",
+            "compare",
+            str(FIXTURE),
+            "--limit",
+            "120",
+            "--prefill",
+            "2",
+            "--decode",
+            "1",
+            "--speeds",
+            "2,4",
+            "--vary",
+            "rejection=none,predictive",
+            "--json",
+        ]
+    )
     assert [(r["speed"], r["rejection"]) for r in rows] == [
-        (2.0, "none"), (2.0, "predictive"), (4.0, "none"), (4.0, "predictive"),
-    ]  # fmt: skip
+        (2.0, "none"),
+        (2.0, "predictive"),
+        (4.0, "none"),
+        (4.0, "predictive"),
+    ]
     for r in rows:
-        parts = ("rejected_ttft_slo", "rejected_decode_load", "rejected_at_prefill_start",
-                 "rejected_after_prefill")  # fmt: skip
+        parts = (
+            "rejected_ttft_slo",
+            "rejected_decode_load",
+            "rejected_at_prefill_start",
+            "rejected_after_prefill",
+        )
         assert r["rejected"] == sum(r[k] for k in parts)
         assert r["completed"] + r["rejected"] == r["requests"] == 120
-    single = _json(["sim", str(FIXTURE), "--limit", "120", "--prefill", "2", "--decode", "1",
-                    "--speed", "4", "--rejection", "predictive", "--json"])  # fmt: skip
+    single = _json(
+        [
+            "sim",
+            str(FIXTURE),
+            "--limit",
+            "120",
+            "--prefill",
+            "2",
+            "--decode",
+            "1",
+            "--speed",
+            "4",
+            "--rejection",
+            "predictive",
+            "--json",
+        ]
+    )
     assert single["rejected"] == rows[3]["rejected"]
     assert single["ttft_p90_s"] == rows[3]["ttft_p90_s"]
 

@@ -115,7 +115,7 @@ def test_a_node_that_wants_more_than_a_core_is_slowed_by_what_it_wants_over_what
 
 
 def test_cpu_per_work_is_the_processes_cpu_over_the_twins_compute(tmp_path):
-    from mooncake.replay.hostprobe import HostFigures, cpu_per_work
+    from mooncake.bench.hostprobe import HostFigures, cpu_per_work
 
     cost = write_toy_cost(tmp_path / "cost.json", step_per_request_s=0, step_per_token_s=0)
     trace = load_trace(write_trace(tmp_path / "t.jsonl", [(0, 1000, 11, [1, 2])]))

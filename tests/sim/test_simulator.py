@@ -190,9 +190,14 @@ def test_a_prefix_demoted_to_ssd_is_reused_at_the_ssd_read_cost(tmp_path):
     CostModel(toy_cost_file(1_000_000, 1e9, ssd_read_bytes_per_s=5120.0)).save(cost)
     rows = [(0, 1024, 2, [1, 2]), (5000, 512, 2, [3]), (10000, 1536, 2, [1, 2, 4])]
     cfg = SimConfig(
-        num_prefill=1, num_decode=1, cost_model_path=str(cost), block_tokens=512,
-        dram_bytes=512, ssd_bytes=4 * 512, reserve_at_start=False,
-    )  # fmt: skip
+        num_prefill=1,
+        num_decode=1,
+        cost_model_path=str(cost),
+        block_tokens=512,
+        dram_bytes=512,
+        ssd_bytes=4 * 512,
+        reserve_at_start=False,
+    )
     sim = Simulator(cfg, load_trace(write_trace(tmp_path / "t.jsonl", rows)))
     result = sim.run().result
     third = sim.requests[2]

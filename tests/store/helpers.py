@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from mooncake.store.metadata import MetadataService
-from mooncake.store.objects import Instruction, ReplicaDesc
-from mooncake.store.settings import MetadataConfig
+from mooncake.store.metadata.objects import Instruction, ReplicaDesc
+from mooncake.store.metadata.service import MetadataService
+from mooncake.store.metadata.settings import MetadataConfig
 
 
 def make_service(segments: dict[str, dict[str, int]], **config: object) -> MetadataService:

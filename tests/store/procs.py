@@ -13,8 +13,8 @@ import sys
 
 def main(argv: list[str]) -> None:
     if argv[0] == "master":
-        from mooncake.store.service import StoreService
-        from mooncake.store.settings import MetadataConfig
+        from mooncake.store.metadata.settings import MetadataConfig
+        from mooncake.store.server.service import StoreService
 
         lease_ttl_s = float(argv[2]) if len(argv) > 2 else 0.2
         more = {k: float(v) for k, _, v in (a.partition("=") for a in argv[3:])}  # watermarks
@@ -23,7 +23,7 @@ def main(argv: list[str]) -> None:
             print("READY", service.address, flush=True)
             sys.stdin.read()
         return
-    from mooncake.store.node import StoreNode, TierSizes
+    from mooncake.store.node.node import StoreNode, TierSizes
 
     node_id, master, secret, dram = argv[1], argv[2], argv[3], int(argv[4])
     ssd_path, ssd_bytes = (argv[5], int(argv[6])) if len(argv) > 6 else ("", 0)

@@ -15,8 +15,13 @@ SECRET = b"transfer-test-secret-0123456789"
 def make_engine(name: str, **options: object) -> TransferEngine:
     """An engine on 127.0.0.1 with small, fast-failing settings for tests: 4 KiB slices and
     8 KiB groups, so tcp and shm cut even small requests into several slices."""
-    defaults: dict[str, object] = {"slice_bytes": 4096, "group_bytes": 8192, "timeout_s": 5.0,
-                                   "connections_per_peer": 2, "copy_threads": 2}  # fmt: skip
+    defaults: dict[str, object] = {
+        "slice_bytes": 4096,
+        "group_bytes": 8192,
+        "timeout_s": 5.0,
+        "connections_per_peer": 2,
+        "copy_threads": 2,
+    }
     defaults.update(options)
     return TransferEngine(name, SECRET, EngineOptions(**defaults))  # type: ignore[arg-type]
 

@@ -42,8 +42,14 @@ def target(endpoints: str, size: int) -> None:
 
 
 def initiator(host: str, port: int, size: int) -> None:
-    opts = EngineOptions(protocol="tcp", slice_bytes=64 << 10, connections_per_peer=2,
-                         retry_budget=3, timeout_s=15.0, io_timeout_s=1.0)  # fmt: skip
+    opts = EngineOptions(
+        protocol="tcp",
+        slice_bytes=64 << 10,
+        connections_per_peer=2,
+        retry_budget=3,
+        timeout_s=15.0,
+        io_timeout_s=1.0,
+    )
     engine = TransferEngine("netns-initiator", SECRET, opts, host="0.0.0.0")
     src = np.zeros(size, np.uint8)
     engine.register("src", src)

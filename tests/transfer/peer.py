@@ -56,8 +56,9 @@ class PeerProcess:
     shm_name: str  # unlinked by kill(): a SIGKILLed owner cannot unlink its arena
 
     @classmethod
-    def start(cls, secret: bytes, num_bytes: int, host: str = "127.0.0.1",
-              fake_rdma: bool = False) -> PeerProcess:  # fmt: skip
+    def start(
+        cls, secret: bytes, num_bytes: int, host: str = "127.0.0.1", fake_rdma: bool = False
+    ) -> PeerProcess:
         ctx = mp.get_context("spawn")
         parent, child = ctx.Pipe()
         proc = ctx.Process(

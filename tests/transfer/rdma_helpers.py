@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from mooncake.rdmaconfig import RdmaConfig
+from mooncake.config.rdma import RdmaConfig
 from mooncake.transfer import EngineOptions, TransferEngine
 from tests.transfer import fake_verbs
 from tests.transfer.conftest import SECRET

@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 import time
 
-from mooncake.config import TransferConfig
+from mooncake.config.settings import TransferConfig
 from mooncake.transfer import EngineOptions, TransferOp, TransferRequest, TransferState
 from mooncake.transfer.batch import Batch, Slice, chunked, contiguous_runs
 
@@ -69,9 +69,15 @@ def test_chunks_hold_at_most_max_bytes_unless_one_slice_is_bigger() -> None:
 
 
 def test_options_follow_the_transfer_section() -> None:
-    cfg = TransferConfig(protocol="tcp", slice_bytes=1 << 20, retry_budget=5, timeout_s=6.0,
-                         spin_us=0.0)  # fmt: skip
+    cfg = TransferConfig(
+        protocol="tcp", slice_bytes=1 << 20, retry_budget=5, timeout_s=6.0, spin_us=0.0
+    )
     opts = EngineOptions.from_config(cfg, copy_threads=1)
-    assert (opts.protocol, opts.slice_bytes, opts.retry_budget, opts.copy_threads,
-            opts.spin_us) == ("tcp", 1 << 20, 5, 1, 0.0)  # fmt: skip
+    assert (
+        opts.protocol,
+        opts.slice_bytes,
+        opts.retry_budget,
+        opts.copy_threads,
+        opts.spin_us,
+    ) == ("tcp", 1 << 20, 5, 1, 0.0)
     assert opts.slice_io_timeout_s == 1.0  # timeout_s / (retry_budget + 1)

@@ -16,11 +16,32 @@ import pytest
 )
 def test_local_bench_prints_the_documented_json(protocol: str, op: str, baseline: str) -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "mooncake", "bench", "transfer", "--local", "--protocol", protocol,
-         "--op", op, "--block-size", "64KiB", "--batch-size", "4", "--threads", "1",
-         "--duration", "0.2", "--json"],
-        capture_output=True, text=True, timeout=60, check=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "mooncake",
+            "bench",
+            "transfer",
+            "--local",
+            "--protocol",
+            protocol,
+            "--op",
+            op,
+            "--block-size",
+            "64KiB",
+            "--batch-size",
+            "4",
+            "--threads",
+            "1",
+            "--duration",
+            "0.2",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
     result = json.loads(out.stdout)
     for key in ("protocol", "op", "block_bytes", "gbps", "baseline_gbps", "p50_us", "p99_us"):
         assert key in result, key
@@ -76,26 +97,59 @@ def test_the_table_off_a_terminal_keeps_every_header_and_figure() -> None:
 def test_bad_option_is_a_clear_error() -> None:
     out = subprocess.run(
         [sys.executable, "-m", "mooncake", "bench", "transfer", "--local", "--protocol", "udp"],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 2 and "--protocol" in out.stderr
 
 
 def test_busy_target_reports_the_share_its_python_thread_kept() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "mooncake", "bench", "transfer", "--local", "--op", "read",
-         "--block-size", "4KiB", "--batch-size", "1", "--duration", "0.2", "--no-baseline",
-         "--busy-target", "--json"],
-        capture_output=True, text=True, timeout=60, check=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "mooncake",
+            "bench",
+            "transfer",
+            "--local",
+            "--op",
+            "read",
+            "--block-size",
+            "4KiB",
+            "--batch-size",
+            "1",
+            "--duration",
+            "0.2",
+            "--no-baseline",
+            "--busy-target",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
     result = json.loads(out.stdout)
     assert result["num_batches"] > 0 and 0 < result["target_busy_share"] <= 2.0
 
 
 def test_busy_target_needs_local() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "mooncake", "bench", "transfer", "--target", "127.0.0.1:1",
-         "--secret", "x" * 32, "--busy-target"],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "mooncake",
+            "bench",
+            "transfer",
+            "--target",
+            "127.0.0.1:1",
+            "--secret",
+            "x" * 32,
+            "--busy-target",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode != 0 and "--busy-target needs --local" in out.stderr

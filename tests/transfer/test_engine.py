@@ -25,8 +25,10 @@ def test_write_then_read_back_moves_exact_bytes(protocol: str) -> None:
         dst = np.zeros(50_000, np.uint8)
         a.register("dst", dst)
         # odd sizes and offsets: 8 KiB slices with a short tail, several requests
-        reqs = [TransferRequest(WRITE, "src", off, "pool", 777 + off, n)
-                for off, n in [(0, 10_001), (10_001, 1), (10_002, 39_998)]]  # fmt: skip
+        reqs = [
+            TransferRequest(WRITE, "src", off, "pool", 777 + off, n)
+            for off, n in [(0, 10_001), (10_001, 1), (10_002, 39_998)]
+        ]
         batch = a.submit(reqs)
         assert batch.check(5.0) == 50_000
         assert [s.bytes_done for s in batch.poll()] == [10_001, 1, 39_998]

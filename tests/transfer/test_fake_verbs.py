@@ -10,9 +10,9 @@ import errno
 import numpy as np
 import pytest
 
+from mooncake.config.rdma import RdmaConfig
 from mooncake.errors import TransferError
 from mooncake.native.rdma import RdmaNic, build_send_wr
-from mooncake.rdmaconfig import RdmaConfig
 from tests.transfer.rdma_helpers import flat_fabric, wait_for
 
 _opened: list[RdmaNic] = []

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from mooncake.config import TransferConfig
+from mooncake.config.settings import TransferConfig
 from mooncake.transfer import EngineOptions, TransferOp, TransferRequest, admission, wire
 from mooncake.transfer.segment import SegmentTable
 from mooncake.transfer.server import TcpServer

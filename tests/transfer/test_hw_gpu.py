@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from mooncake.native import cudamap, nvml
-from mooncake.store.client import Store
+from mooncake.store.client.client import Store
 from mooncake.transfer import EngineOptions, TransferEngine, TransferRequest
 from mooncake.transfer.types import TransferOp
 from tests.store.cluster import SECRET as STORE_SECRET

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from mooncake.topology import NicPreference as NicPref
+from mooncake.hw.topology import NicPreference as NicPref
 from mooncake.transfer import paths as paths_mod
 from mooncake.transfer.paths import Path, PathSet
 
@@ -25,8 +25,11 @@ def _paths() -> list[Path]:
 def test_preferred_pair_comes_first_then_available() -> None:
     ps = PathSet(_paths(), NicPref(["mlx5_0"], ["mlx5_1"]), ["mlx5_2"])
     assert [p.key for p in ps.paths] == [
-        "mlx5_0->mlx5_2", "mlx5_0->mlx5_3", "mlx5_1->mlx5_2", "mlx5_1->mlx5_3"
-    ]  # fmt: skip
+        "mlx5_0->mlx5_2",
+        "mlx5_0->mlx5_3",
+        "mlx5_1->mlx5_2",
+        "mlx5_1->mlx5_3",
+    ]
     assert ps.num_preferred == 1
     assert {ps.first().key for _ in range(4)} == {"mlx5_0->mlx5_2"}  # type: ignore[union-attr]
 

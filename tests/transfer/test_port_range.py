@@ -6,8 +6,8 @@ import socket
 
 import pytest
 
+from mooncake.config.portrange import PortRange
 from mooncake.errors import MooncakeError
-from mooncake.portrange import PortRange
 from mooncake.transfer import EngineOptions, TransferEngine
 from tests.roles.test_port_range import free_block
 from tests.transfer.conftest import SECRET, make_engine

@@ -10,8 +10,8 @@ import logging
 
 import pytest
 
+from mooncake.config.rdma import RdmaConfig
 from mooncake.errors import TransferError
-from mooncake.rdmaconfig import RdmaConfig
 from mooncake.transfer import TransferOp, TransferRequest
 from tests.transfer.peer import pattern
 from tests.transfer.rdma_helpers import flat_fabric, rdma_engine, rdma_pair, transport

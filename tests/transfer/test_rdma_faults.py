@@ -13,8 +13,8 @@ import threading
 import numpy as np
 import pytest
 
+from mooncake.config.rdma import RdmaConfig
 from mooncake.errors import TransferError
-from mooncake.rdmaconfig import RdmaConfig
 from mooncake.transfer import TransferOp, TransferRequest
 from mooncake.transfer import rdma as rdma_transport
 from mooncake.transfer.rdmaqp import GEN_SHIFT

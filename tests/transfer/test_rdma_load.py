@@ -9,7 +9,7 @@ import time
 
 import numpy as np
 
-from mooncake.rdmaconfig import RdmaConfig
+from mooncake.config.rdma import RdmaConfig
 from mooncake.transfer import TransferOp, TransferRequest
 from tests.transfer.peer import pattern
 from tests.transfer.rdma_helpers import flat_fabric, rdma_pair, transport, wait_for

@@ -84,10 +84,13 @@ def test_client_skipping_the_handshake_cannot_write(served) -> None:
 
 @pytest.mark.parametrize(
     "header",
-    [REQ.pack(99, 0, 0, 1, 0, 0, 0), REQ.pack(Op.WRITE, 0, 0, 1, 0, 0, wire.MAX_DATA_BYTES + 1),
-     REQ.pack(Op.DESCRIBE, 0, 0, 1, 0, 0, wire.MAX_CONTROL_BYTES + 1)],
+    [
+        REQ.pack(99, 0, 0, 1, 0, 0, 0),
+        REQ.pack(Op.WRITE, 0, 0, 1, 0, 0, wire.MAX_DATA_BYTES + 1),
+        REQ.pack(Op.DESCRIBE, 0, 0, 1, 0, 0, wire.MAX_CONTROL_BYTES + 1),
+    ],
     ids=["unknown-op", "oversized-slice", "oversized-control"],
-)  # fmt: skip
+)
 def test_malformed_header_closes_only_that_connection(served, header: bytes, caplog) -> None:
     server, mem, token = served
     bad = wire.connect("127.0.0.1", server.port, SECRET, 5.0)
@@ -126,8 +129,10 @@ def test_pipelined_requests_are_answered_in_order_when_the_last_asks_to_flush(se
     server, mem, token = served
     mem[:6] = np.frombuffer(b"abcdef", np.uint8)
     sock = wire.connect("127.0.0.1", server.port, SECRET, 5.0)
-    reqs = [REQ.pack(Op.READ, wire.FLAG_FLUSH if i == 2 else 0, 0, 20 + i, token, 2 * i, 2)
-            for i in range(3)]  # fmt: skip
+    reqs = [
+        REQ.pack(Op.READ, wire.FLAG_FLUSH if i == 2 else 0, 0, 20 + i, token, 2 * i, 2)
+        for i in range(3)
+    ]
     wire.send_all(sock, reqs)
     reply = bytearray(3 * (RESP.size + 2))
     wire.recv_exact(sock, reply)

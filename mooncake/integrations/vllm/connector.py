@@ -23,13 +23,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.platforms import current_platform
 
-from mooncake.engine.kvobject import KVLayout
-from mooncake.engine.kvstore import StoreKVPool
 from mooncake.errors import ConfigError
-from mooncake.hashing import PrefixHasher
 from mooncake.integrations.vllm.plan import PoolPlanner, Scheduled, StepPlan, check_vllm_version
 from mooncake.integrations.vllm.settings import connect, kv_layout, load_settings, vllm_fingerprint
 from mooncake.integrations.vllm.worker import PoolWorker
+from mooncake.kv.hashing import PrefixHasher
+from mooncake.kv.object import KVLayout
+from mooncake.kv.pool import StoreKVPool
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

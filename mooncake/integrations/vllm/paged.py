@@ -22,11 +22,11 @@ from dataclasses import dataclass
 import torch
 import xxhash
 
-from mooncake.engine.kvobject import KVLayout
 from mooncake.errors import ConfigError
-from mooncake.store.client import Store
-from mooncake.store.node import remote_name
-from mooncake.store.objects import ReplicaDesc
+from mooncake.kv.object import KVLayout
+from mooncake.store.client.client import Store
+from mooncake.store.metadata.objects import ReplicaDesc
+from mooncake.store.node.node import remote_name
 from mooncake.transfer import TransferRequest
 from mooncake.transfer.types import TransferOp
 

@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from mooncake.errors import ConfigError
-from mooncake.hashing import PrefixHasher
+from mooncake.kv.hashing import PrefixHasher
 
 log = logging.getLogger(__name__)
 

@@ -15,13 +15,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from mooncake.configload import load_config
-from mooncake.engine.kvobject import DTYPE_BYTES, KVLayout
+from mooncake.config.load import load_config
+from mooncake.config.portrange import node_ports
 from mooncake.errors import ConfigError
-from mooncake.hashing import model_fingerprint
-from mooncake.portrange import node_ports
-from mooncake.roles.common import default_host, masters_to_dial
-from mooncake.store.client import Store
+from mooncake.kv.hashing import model_fingerprint
+from mooncake.kv.object import DTYPE_BYTES, KVLayout
+from mooncake.roles.node.common import default_host, masters_to_dial
+from mooncake.store.client.client import Store
 from mooncake.transfer.types import EngineOptions
 
 EXTRA_KEYS = ("config",)

@@ -18,13 +18,14 @@ from collections.abc import Collection, Sequence
 
 import numpy as np
 
-from mooncake.engine.kvobject import KVObjectError, decode_kv_head
-from mooncake.engine.kvstore import StoreKVPool, kv_key
 from mooncake.errors import MooncakeError
 from mooncake.integrations.vllm.paged import PagedCache
 from mooncake.integrations.vllm.plan import BlockRun
-from mooncake.store.datapath import ReadPlan
-from mooncake.store.objects import ReplicaDesc
+from mooncake.kv.object import KVObjectError, decode_kv_head
+from mooncake.kv.keys import kv_key
+from mooncake.kv.pool import StoreKVPool
+from mooncake.store.client.datapath import ReadPlan
+from mooncake.store.metadata.objects import ReplicaDesc
 from mooncake.transfer import Batch, TransferRequest
 from mooncake.transfer.types import TransferOp, TransferState
 

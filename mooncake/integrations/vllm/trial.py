@@ -31,11 +31,11 @@ from pathlib import Path
 
 import httpx
 
+from mooncake.bench.checkpoint import CheckpointShape, make_checkpoint
+from mooncake.bench.servers import LaunchedServer
+from mooncake.bench.versus import VersusPlan, server_spec
 from mooncake.errors import MooncakeError
-from mooncake.replay.checkpoint import CheckpointShape, make_checkpoint
-from mooncake.replay.servers import LaunchedServer
-from mooncake.replay.versus import VersusPlan, server_spec
-from mooncake.roles.local import free_port
+from mooncake.local.launcher import free_port
 
 SECRET = "vllm-pool-trial-secret-0123456789"
 REPO = Path(__file__).resolve().parents[3]  # on vLLM's PYTHONPATH: the connector's package

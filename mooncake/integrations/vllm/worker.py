@@ -13,12 +13,12 @@ from collections.abc import Mapping
 
 import torch
 
-from mooncake.engine.kvobject import KVLayout
-from mooncake.engine.kvstore import StoreKVPool
 from mooncake.integrations.vllm.paged import PagedCache
 from mooncake.integrations.vllm.plan import StepPlan
 from mooncake.integrations.vllm.transfers import HeadBuffer, Loads, Saves
-from mooncake.store.client import Store
+from mooncake.kv.object import KVLayout
+from mooncake.kv.pool import StoreKVPool
+from mooncake.store.client.client import Store
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,81 @@
+"""The etcd keys of the [cluster] section (`cluster.etcd*`, the election's timing): where the
+masters elect a leader and keep the pool's state, and how they log in there (docs/ha.md).
+`ClusterConfig` inherits them.
+
+No `from __future__ import annotations` here: configdoc reads these annotations as objects.
+"""
+
+from typing import Annotated
+
+import msgspec
+
+from mooncake.config.knob import knob
+
+
+# NOTE: the struct options spelled out (not configknob.STRUCT): ClusterConfig inherits
+# this struct, and mypy must see that it is frozen
+class EtcdConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Masters on etcd: where, as whom, and the election's timing."""
+
+    etcd: Annotated[
+        tuple[str, ...],
+        knob(
+            'etcd client URLs ("http://host:2379"); set: masters elect a leader there and '
+            "keep the pool's state there (docs/ha.md); empty = one master, no etcd."
+        ),
+    ] = ()
+    etcd_user: Annotated[
+        str,
+        knob(
+            'etcd v3 auth user the masters and nodes log in as; "" = etcd runs without auth '
+            "(then whoever reaches it can rewrite the cluster's keys; docs/ha.md)."
+        ),
+    ] = ""
+    etcd_password: Annotated[
+        str,
+        knob(
+            "Password of etcd_user: set it in MOONCAKE_CLUSTER_ETCD_PASSWORD or the config "
+            "file, never as a flag (every local user sees a command line); or etcd_password_file.",
+            "secret",
+        ),
+    ] = ""
+    etcd_password_file: Annotated[
+        str, knob("Path of a file holding etcd_user's password; use instead of etcd_password.")
+    ] = ""
+    etcd_ca_file: Annotated[
+        str,
+        knob(
+            "PEM file of the CA that signed etcd's server certificate (https:// endpoints); "
+            '"" = the system\'s CAs.'
+        ),
+    ] = ""
+    etcd_cert_file: Annotated[
+        str,
+        knob(
+            "PEM client certificate presented to etcd over https (etcd --client-cert-auth), "
+            'with etcd_key_file; "" = none.'
+        ),
+    ] = ""
+    etcd_key_file: Annotated[
+        str, knob("PEM private key of etcd_cert_file (keep it mode 0600).")
+    ] = ""
+    etcd_prefix: Annotated[
+        str,
+        knob(
+            "etcd key prefix; this cluster's keys live under <etcd_prefix>/<name>, so several "
+            "clusters share one etcd.",
+            pattern="^/[A-Za-z0-9/_.-]*$",
+        ),
+    ] = "/mooncake"
+    etcd_timeout_s: Annotated[float, knob("Seconds an etcd call may take.", gt=0)] = 2.0
+    leader_ttl_s: Annotated[
+        float,
+        knob(
+            "Seconds of a master's etcd lease: a dead leader is replaced within about this "
+            "long (a leader that cannot renew it for half of it steps down).",
+            ge=1,
+        ),
+    ] = 3.0
+    election_poll_s: Annotated[
+        float, knob("Seconds between a standby master's reads of who leads.", gt=0)
+    ] = 0.25

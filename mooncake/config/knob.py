@@ -1,0 +1,18 @@
+"""`knob()`: the field metadata of every settings struct (`mooncake.config.settings`,
+`mooncake.config.roles`): a key's meaning, unit, kind and constraints, in one place."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from msgspec import Meta
+
+
+def knob(doc: str, kind: str = "", **constraints: Any) -> Meta:
+    """Field metadata: `doc` (meaning, unit) plus msgspec constraints (ge, le, gt, pattern...).
+    `kind` marks types TOML cannot say: "size" (Size), "bytes" (int from a size string),
+    "hostport", "secret" (never printed)."""
+    return Meta(description=doc, extra={"kind": kind} if kind else None, **constraints)
+
+
+STRUCT = {"frozen": True, "forbid_unknown_fields": True, "kw_only": True}

@@ -1,0 +1,215 @@
+"""Continuous-batching decode over paged KV: requests join and leave at every step.
+
+    step = schedule -> run -> postprocess
+
+- schedule: give every running request a cache slot for its next token, preempting the
+  newest requests when the cache is full (their KV is dropped and recomputed when they are
+  admitted again); then admit waiting requests, oldest first, while the batch is under
+  `max_batch`, the predicted step time (`step_time_fn(batch_size, total_context_len)`)
+  stays under `max_step_time_s` (the TBT SLO), and their blocks fit. A request admitted
+  without its KV (new here, or preempted) is prefilled locally first; with a
+  `PrefixCache`, the blocks of its longest cached prefix are reused, not computed.
+- run: one forward pass over the batch, one new token per request.
+- postprocess: sample, stream the tokens (`TokenEvent`s), retire finished requests.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable
+
+import torch
+
+from mooncake.model.kvcache import PagedKVCache
+from mooncake.model.llama import Model, decode_batch
+from mooncake.model.prefill import PrefillRunner, check_token_ids
+from mooncake.model.prefixcache import PrefixCache
+from mooncake.model.sampler import sample
+from mooncake.model.sequence import Sequence, TokenEvent
+
+log = logging.getLogger(__name__)
+
+
+class DecodeRunner:
+    """Owns the running batch and the waiting queue of one decode instance."""
+
+    def __init__(
+        self,
+        model: Model,
+        cache: PagedKVCache,
+        *,
+        max_batch: int = 128,
+        max_step_time_s: float | None = None,
+        step_time_fn: Callable[[int, int], float] | None = None,
+        chunk_tokens: int = 1024,
+        prefix_cache: PrefixCache | None = None,
+    ):
+        assert model.is_first and model.is_last, "decode runs the whole model"
+        self.model, self.cache, self.max_batch = model, cache, max_batch
+        self.max_step_time_s, self.step_time_fn = max_step_time_s, step_time_fn
+        self.prefiller = PrefillRunner(model, cache, chunk_tokens=chunk_tokens)
+        assert prefix_cache is None or prefix_cache.cache is cache, "a prefix cache of another"
+        self.prefix_cache = prefix_cache
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order; preemption takes the last
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a request (with its KV in `seq.block_ids` already, or not); raises ApiError
+        for token ids outside the vocabulary."""
+        check_token_ids(seq.token_ids, self.model.spec.vocab_size)
+        self.waiting.append(seq)
+
+    def abort(self, seq_id: int) -> TokenEvent | None:
+        """Drop a request wherever it is; returns its final event, or None if unknown."""
+        for seq in [*self.running, *self.waiting]:
+            if seq.seq_id == seq_id:
+                self._retire(seq)
+                return seq.finish("abort")
+        return None
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def step(self) -> list[TokenEvent]:
+        """One iteration; returns the tokens produced (and requests ended) in it."""
+        events = self._schedule()
+        if self.running:
+            events += self._postprocess(self._run())
+        return events
+
+    def _schedule(self) -> list[TokenEvent]:
+        bt = self.cache.block_tokens
+        for seq in list(self.running):
+            while seq in self.running and (len(seq.token_ids) - 1) // bt >= len(seq.block_ids):
+                ids = self._allocate(1)
+                if ids is not None:
+                    seq.block_ids += ids
+                else:
+                    self._preempt(self.running[-1])
+        events: list[TokenEvent] = []
+        context = sum(len(s.token_ids) for s in self.running)
+        while self.waiting and len(self.running) < self.max_batch:
+            seq = self.waiting[0]
+            if self.running and self._too_slow(len(self.running) + 1, context + len(seq.token_ids)):
+                break
+            self._match_prefix(seq)
+            need = self.cache.blocks_for(len(seq.token_ids)) - len(seq.block_ids)
+            ids = self._allocate(need) if need > 0 else []
+            if ids is None:
+                self._unmatch_prefix(seq)
+                if not self.running:  # it would not fit even alone
+                    self.waiting.popleft()
+                    self._retire(seq)
+                    log.warning(
+                        "req %d: %d tokens exceed the KV cache", seq.seq_id, len(seq.token_ids)
+                    )
+                    events.append(seq.finish("abort"))
+                    continue
+                break
+            self.waiting.popleft()
+            seq.block_ids += ids
+            self.running.append(seq)  # NOTE: before the fill, so a failed fill frees its blocks
+            self._fill_kv(seq)
+            context += len(seq.token_ids)
+        return events
+
+    def _allocate(self, n: int) -> list[int] | None:
+        if self.prefix_cache is not None:
+            return self.prefix_cache.allocate(n)
+        return self.cache.allocator.allocate(n)
+
+    def _free(self, seq: Sequence) -> None:
+        if self.prefix_cache is not None:
+            self.prefix_cache.release(seq.token_ids, seq.block_ids, seq.num_cached_tokens)
+        else:
+            self.cache.free(seq.block_ids)
+        seq.block_ids, seq.num_cached_tokens = [], 0
+
+    def _match_prefix(self, seq: Sequence) -> None:
+        """Start a request holding no KV at its longest cached prefix."""
+        if self.prefix_cache is None or seq.block_ids:
+            return
+        seq.block_ids = self.prefix_cache.match(seq.token_ids)
+        seq.num_cached_tokens = len(seq.block_ids) * self.cache.block_tokens
+        if not seq.output_ids and not seq.num_preemptions:
+            seq.num_reused_tokens = seq.num_cached_tokens
+
+    def _unmatch_prefix(self, seq: Sequence) -> None:
+        """Give back the prefix `_match_prefix` took for a request that must wait."""
+        if self.prefix_cache is not None and seq.block_ids:
+            self._free(seq)
+
+    def _too_slow(self, batch_size: int, context_len: int) -> bool:
+        if self.step_time_fn is None or self.max_step_time_s is None:
+            return False
+        return self.step_time_fn(batch_size, context_len) > self.max_step_time_s
+
+    def _fill_kv(self, seq: Sequence) -> None:
+        # Prefill locally whatever of token_ids[:-1] is not in the cache yet.
+        n = len(seq.token_ids) - 1
+        if seq.num_cached_tokens < n:
+            self.prefiller.prefill(
+                seq.token_ids[:n], block_ids=seq.block_ids, num_cached_tokens=seq.num_cached_tokens
+            )
+            seq.num_cached_tokens = n
+        if self.prefix_cache is not None:  # later requests may share its prompt from now on
+            self.prefix_cache.register(seq.token_ids, seq.block_ids, n)
+
+    def _preempt(self, seq: Sequence) -> None:
+        log.info("req %d preempted: KV cache full", seq.seq_id)
+        self.running.remove(seq)
+        self._free(seq)
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    @torch.inference_mode()
+    def _run(self) -> torch.Tensor:
+        model, seqs = self.model, self.running
+        lens = [len(s.token_ids) for s in seqs]
+        fb = decode_batch(
+            model.inv_freq,
+            [s.block_ids for s in seqs],
+            lens,
+            self.cache.block_tokens,
+            self.prefiller.dtype,
+        )
+        tokens = torch.tensor([s.token_ids[-1] for s in seqs], device=model.inv_freq.device)
+        h = model.embed(tokens)
+        for layer in model.layer_ids:
+            h = model.layer(layer)(h, fb, *self.cache.layer(layer))
+        for s, n in zip(seqs, lens, strict=True):
+            s.num_cached_tokens = n
+        return model.compute_logits(h)  # (batch, vocab) float32
+
+    def _postprocess(self, logits: torch.Tensor) -> list[TokenEvent]:
+        seqs = self.running
+        out = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        events = [
+            s.append(t, lp, top)
+            for s, t, lp, top in zip(
+                seqs, out.token_ids, out.logprobs, out.top_logprobs, strict=True
+            )
+        ]
+        for s in [s for s in seqs if s.is_finished]:
+            self._retire(s)
+        return events
+
+    def _retire(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        if seq.block_ids:
+            self._free(seq)
+
+    def run_until_done(self) -> dict[int, list[TokenEvent]]:
+        """Step until every request has finished; events per request id (tests, benches)."""
+        by_seq: dict[int, list[TokenEvent]] = {}
+        while self.has_work:
+            for e in self.step():
+                by_seq.setdefault(e.seq_id, []).append(e)
+        return by_seq

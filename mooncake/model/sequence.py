@@ -1,0 +1,152 @@
+"""One request's decode state: its tokens, KV blocks, stop conditions and streamed text.
+
+Invariant of a running sequence: the KV of token_ids[:-1] is in the cache
+(`num_cached_tokens == len(token_ids) - 1`); the next step feeds token_ids[-1].
+
+Text is decoded incrementally: a token's text is streamed once it is certain, i.e. it
+does not end in an incomplete UTF-8 character and cannot be the start of a stop string.
+A stop string ends the output before it (OpenAI semantics; the earliest one to start, of
+those found); a stop token adds no text. Per token, only the tokens since the last text
+streamed are decoded and only the new text is searched for stop strings
+(`stopmatch.StopMatcher`), so the work does not grow with the output.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from mooncake.model.params import SamplingParams
+from mooncake.model.sampler import make_generator
+from mooncake.model.stopmatch import StopMatcher
+from mooncake.model.tokenizer import BaseTokenizer
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclass
+class TokenEvent:
+    """What a decode step produced for one request (streamed to the client as it comes)."""
+
+    seq_id: int
+    token_id: int | None  # None for an event that only ends the request
+    text: str  # new output text made certain by this token (may be "")
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+    finish_reason: FinishReason | None = None
+
+
+class Sequence:
+    """A request inside the engine. Mutated only by the runner that owns it."""
+
+    def __init__(
+        self,
+        seq_id: int,
+        prompt_ids: Seq[int],
+        params: SamplingParams,
+        *,
+        eos_token_ids: Seq[int] = (),
+        max_model_len: int = 0,
+        tokenizer: BaseTokenizer | None = None,
+        generator: Any = None,
+        output_ids: Seq[int] = (),
+        block_ids: list[int] | None = None,
+        num_cached_tokens: int = 0,
+    ):
+        assert prompt_ids, "a prompt needs at least one token"
+        self.seq_id = seq_id
+        self.params = params
+        self.prompt_len = len(prompt_ids)
+        self.token_ids = [*prompt_ids, *output_ids]
+        self.block_ids = block_ids or []
+        self.num_cached_tokens = num_cached_tokens  # tokens whose KV is in block_ids
+        self.num_reused_tokens = 0  # prompt tokens whose KV a prefix cache gave at admission
+        if generator is None and not params.is_greedy:
+            generator = make_generator(params.seed)
+        self.generator = generator  # torch.Generator of a sampled request; None when greedy
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len  # 0 = no limit
+        stops = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stops.update(eos_token_ids)
+        self.stop_token_ids = frozenset(stops)
+        self.finish_reason: FinishReason | None = None
+        # incremental decoding: output ids [prefix_offset, read_offset) gave the text
+        # before the last one streamed; those from read_offset on are not decoded yet
+        self.prefix_offset = self.read_offset = 0
+        self.held_text = ""  # decoded, not streamed: it may begin a stop string
+        self.stop_matcher = StopMatcher(params.stop) if params.stop else None
+        self.num_preemptions = 0
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def append(
+        self,
+        token_id: int,
+        logprob: float | None = None,
+        top_logprobs: list[tuple[int, float]] | None = None,
+    ) -> TokenEvent:
+        """Add a sampled token; decide whether the request ends; return what to stream."""
+        self.token_ids.append(token_id)
+        num_out = len(self.token_ids) - self.prompt_len
+        if token_id in self.stop_token_ids:
+            self.finish_reason = "stop"
+        elif num_out >= self.params.max_tokens or (
+            self.max_model_len and len(self.token_ids) >= self.max_model_len
+        ):
+            self.finish_reason = "length"
+        text = self._new_text(token_id)
+        return TokenEvent(self.seq_id, token_id, text, logprob, top_logprobs, self.finish_reason)
+
+    def _new_text(self, token_id: int) -> str:
+        if self.tokenizer is None:
+            return ""
+        is_done = self.finish_reason is not None
+        # NOTE: a stop token adds no text
+        num_ids = len(self.token_ids) - self.prompt_len - (token_id in self.stop_token_ids)
+        chunk = self._decode(num_ids, is_done)
+        text = self.held_text + chunk  # not streamed yet, in the order decoded
+        self.held_text = ""
+        if self.stop_matcher is None:
+            return text
+        start = self.stop_matcher.feed(chunk)
+        if start is not None:  # cut before the stop string
+            self.finish_reason = "stop"
+            cut = start - (self.stop_matcher.num_chars - len(text))
+            assert 0 <= cut <= len(text), (start, self.stop_matcher.num_chars, len(text))
+            return text[:cut]
+        if is_done:
+            return text
+        num_held = self.stop_matcher.num_held  # hold back what may grow into a stop string
+        assert num_held <= len(text), (num_held, len(text))
+        if num_held:
+            text, self.held_text = text[:-num_held], text[-num_held:]
+        return text
+
+    def _decode(self, num_ids: int, is_done: bool) -> str:
+        """The text the first `num_ids` output tokens add to what was decoded before
+        (as vLLM decodes incrementally): "" while the last token ends in an incomplete
+        UTF-8 character, unless the request `is_done`. Decodes only the tokens since the
+        text before the last one returned, which give the new ones their context (a
+        leading space)."""
+        assert self.tokenizer is not None
+        ids, base = self.token_ids, self.prompt_len
+        window = ids[base + self.prefix_offset : base + num_ids]
+        prefix = self.tokenizer.decode(window[: self.read_offset - self.prefix_offset])
+        full = self.tokenizer.decode(window)
+        if not is_done and (len(full) <= len(prefix) or full.endswith("\ufffd")):
+            return ""
+        self.prefix_offset, self.read_offset = self.read_offset, num_ids
+        return full[len(prefix) :]
+
+    def finish(self, reason: FinishReason) -> TokenEvent:
+        """End the request from outside (abort, cache too small)."""
+        self.finish_reason = reason
+        return TokenEvent(self.seq_id, None, "", finish_reason=reason)

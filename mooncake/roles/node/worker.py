@@ -1,0 +1,198 @@
+"""What prefill and decode nodes share: loading the model (or this stage's layers), sizing
+the paged KV cache, the tokenizer, the prefix hasher and the pool (Store) connection."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import psutil
+import torch
+
+from mooncake.config.portrange import node_ports
+from mooncake.config.settings import Config
+from mooncake.config.sizes import Size
+from mooncake.errors import ConfigError, RpcTimeout
+from mooncake.hw.ssdplace import place_ssd
+from mooncake.kv.hashing import PrefixHasher
+from mooncake.kv.object import DTYPE_BYTES, KVLayout
+from mooncake.kv.pool import StoreKVPool
+from mooncake.model.info import ModelInfo, kv_fingerprint, load_model_info, resolve_dtype
+from mooncake.model.kvcache import PagedKVCache
+from mooncake.model.llama import Model
+from mooncake.model.tokenizer import BaseTokenizer, create_tokenizer
+from mooncake.model.weights import create_model
+from mooncake.roles.node.common import NodeContext
+from mooncake.rpc import RpcClient
+from mooncake.store.client.client import Store
+from mooncake.store.node.node import StoreNode, TierSizes
+from mooncake.transfer import EngineOptions
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Worker:
+    """A model (or one pipeline stage of it) with its cache, on this node's device."""
+
+    info: ModelInfo
+    dtype: str
+    model: Model
+    cache: PagedKVCache
+    tokenizer: BaseTokenizer
+    hasher: PrefixHasher
+    fingerprint: bytes
+
+    @property
+    def layout(self) -> KVLayout:
+        s = self.info.spec
+        return KVLayout(
+            s.num_layers, self.cache.block_tokens, s.num_kv_heads, s.head_dim, self.dtype
+        )
+
+    @property
+    def max_model_len(self) -> int:
+        return self.info.spec.max_position_embeddings
+
+
+def device_for(ctx: NodeContext) -> str:
+    return "cuda:0" if ctx.visible_gpus and torch.cuda.is_available() else "cpu"
+
+
+def cache_blocks(
+    size: Size,
+    ctx: NodeContext,
+    info: ModelInfo,
+    dtype: str,
+    num_layers: int,
+    block_tokens: int,
+    device: str,
+) -> int:
+    """How many KV blocks `size` buys for `num_layers` layers on `device`."""
+    gpu = ctx.gpu(device)  # NOTE: torch's cuda:0 is not NVML's GPU 0 under CUDA_VISIBLE_DEVICES
+    free = gpu.memory_free_bytes if gpu is not None else psutil.virtual_memory().available
+    num_bytes = size.resolve(free)
+    s = info.spec
+    per_block = 2 * num_layers * block_tokens * s.num_kv_heads * s.head_dim * DTYPE_BYTES[dtype]
+    blocks = num_bytes // per_block
+    if blocks < 2:
+        raise ConfigError(
+            f"KV cache of {num_bytes} bytes holds {blocks} blocks of {block_tokens} tokens; "
+            f"give at least {2 * per_block} bytes (prefill/decode.kv_cache_bytes)"
+        )
+    return int(blocks)
+
+
+def load_worker(
+    ctx: NodeContext, cache_size: Size, layers: tuple[int, int] | None = None
+) -> Worker:
+    """Build the model's layers [a, b) (all by default) and a KV cache of `cache_size`."""
+    cfg = ctx.config
+    device = device_for(ctx)
+    info = load_model_info(cfg.model.path)
+    dtype = resolve_dtype(info, cfg.model.dtype, device)
+    first, end = layers or (0, info.spec.num_layers)
+    model = create_model(info, dtype, device, (first, end), cpu_gemm=cfg.model.cpu_gemm)
+    bt = cfg.model.block_tokens
+    num_blocks = cache_blocks(cache_size, ctx, info, dtype, end - first, bt, device)
+    cache = PagedKVCache.for_model(model, num_blocks, bt)
+    fingerprint = kv_fingerprint(info, dtype)
+    hasher = PrefixHasher(bt, ctx.secret, fingerprint)
+    tokenizer = create_tokenizer(cfg.model.path, info.eos_token_ids)
+    log.info(
+        "model %s layers [%d, %d) on %s, %s, KV cache %d blocks of %d tokens",
+        info.spec.name,
+        first,
+        end,
+        device,
+        dtype,
+        num_blocks,
+        bt,
+    )
+    return Worker(info, dtype, model, cache, tokenizer, hasher, fingerprint)
+
+
+def engine_options(cfg: Config) -> EngineOptions:
+    return EngineOptions.from_config(cfg.transfer, ports=node_ports(cfg))
+
+
+def mount_local_tiers(ctx: NodeContext) -> StoreNode | None:
+    """This node's own share of the pool (DRAM, SSD) as a store node, or None if it gives
+    nothing; mounted with the master before the node reports ready."""
+    cfg = ctx.config.store
+    vm = psutil.virtual_memory()
+    ssd = place_ssd(cfg, ctx.topology.filesystems)
+    sizes = TierSizes(
+        vram_bytes=0,  # NOTE: prefill/decode VRAM holds their own KV caches
+        dram_bytes=cfg.dram_bytes.resolve(vm.available),
+        ssd_bytes=ssd.num_bytes if ssd else 0,
+        ssd_path=ssd.path if ssd else "",
+        dram_location=ctx.arena_location,
+    )
+    if not (sizes.dram_bytes or sizes.ssd_bytes):
+        return None
+    node = new_store_node(ctx, sizes)
+    start_store_node(ctx, node)
+    return node
+
+
+def new_store_node(ctx: NodeContext, sizes: TierSizes) -> StoreNode:
+    """This node's Store node (not mounted yet): its tiers, data plane and NICs."""
+    return StoreNode(
+        ctx.node_id,
+        ctx.master_rpc,
+        ctx.secret,
+        sizes,
+        host=ctx.host,
+        engine_options=engine_options(ctx.config),
+        nic_preference=ctx.nic_preference,
+    )
+
+
+def start_store_node(ctx: NodeContext, node: StoreNode) -> None:
+    """Mount `node`'s tiers with the master, waiting up to `ctx.master_wait_s` for it to
+    answer; raises RpcTimeout naming `cluster.master` and its value when it never does."""
+    try:
+        node.start(wait_s=ctx.master_wait_s)
+    except RpcTimeout as e:
+        raise RpcTimeout(f"cluster.master = {ctx.config.cluster.master}: {e}") from e
+
+
+def connect_pool(
+    ctx: NodeContext, worker: Worker, store_node: StoreNode | None
+) -> tuple[Store, StoreKVPool]:
+    """A Store client and the KV source/sink over it. With local tiers the client shares the
+    store node's Transfer Engine (one engine per process and node id), so this node's own
+    replicas are read in place and new objects are placed here first."""
+    timeout_s = ctx.config.cluster.store_call_timeout_s
+    wait_s, retry_s = ctx.config.store.put_wait_s, ctx.config.store.put_retry_s
+    if store_node is None:
+        store = Store.connect(
+            ctx.master_rpc,
+            ctx.secret,
+            node_id=ctx.node_id,
+            host=ctx.host,
+            engine_options=engine_options(ctx.config),
+            timeout_s=timeout_s,
+            nic_preference=ctx.nic_preference,
+            put_wait_s=wait_s,
+            put_retry_s=retry_s,
+        )
+    else:
+        master = RpcClient(
+            ctx.master_rpc, ctx.secret, timeout_s=timeout_s, max_frame_bytes=64 << 20
+        )
+        store = Store(
+            master, store_node.engine, timeout_s, 16 << 20, put_wait_s=wait_s, put_retry_s=retry_s
+        )
+    return store, StoreKVPool(store, worker.layout, worker.fingerprint)
+
+
+def close_pool(store: Store, pool: StoreKVPool, store_node: StoreNode | None) -> None:
+    """Stop the KV writer, then the client, then (if any) this node's tiers and engine."""
+    pool.close()
+    if store_node is None:
+        store.close()
+        return
+    store.master.close()
+    store_node.stop()
