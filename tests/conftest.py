@@ -2,15 +2,22 @@
 (an RDMA device with an ACTIVE port, and pyverbs). Without it they are skipped with the
 reason; `scripts/hwtest` runs them on a GPU+RDMA node.
 
+A test that starts a process (a cluster, a node, a child interpreter), itself or through a
+fixture, carries the `cluster` marker, so `pytest -m "not cluster"` is the fast inner loop;
+a test that starts one without the marker fails here, naming it.
+
 Every test runs with its own run directory (`private_run_dir`), never the user's."""
 
 from __future__ import annotations
 
 import functools
+import multiprocessing.process
 import shutil
+import subprocess
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -65,3 +72,70 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for marker, why in (("gpu", missing_gpu), ("rdma", missing_rdma)):
             if item.get_closest_marker(marker) is not None and (reason := why()):
                 item.add_marker(pytest.mark.skip(reason=reason))
+
+
+# What is running now (the test, the fixture being set up), the fixtures seen starting a
+# process, and the unmarked tests that started one.
+_running: dict[str, Any] = {"item": None, "fixture": None}
+_spawning_fixtures: set[str] = set()
+_unmarked_spawners: set[str] = set()
+
+
+def _note_process_start() -> None:
+    if (fixture := _running["fixture"]) is not None:
+        _spawning_fixtures.add(fixture)
+    item = _running["item"]
+    if item is not None and item.get_closest_marker("cluster") is None:
+        _unmarked_spawners.add(item.nodeid)
+
+
+def _noting(start: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(start)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        _note_process_start()
+        return start(*args, **kwargs)
+
+    return wrapper
+
+
+# NOTE: asyncio's subprocesses and subprocess.run go through Popen
+subprocess.Popen.__init__ = _noting(subprocess.Popen.__init__)  # type: ignore[method-assign]
+multiprocessing.process.BaseProcess.start = _noting(  # type: ignore[method-assign]
+    multiprocessing.process.BaseProcess.start
+)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_fixture_setup(fixturedef: pytest.FixtureDef, request: pytest.FixtureRequest):
+    outer, _running["fixture"] = _running["fixture"], fixturedef.argname
+    try:
+        yield
+    finally:
+        _running["fixture"] = outer
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    _running["item"] = item
+    try:
+        yield
+    finally:
+        _running["item"] = None
+
+
+@pytest.fixture(autouse=True)
+def _cluster_marker_checked(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Fails a test without the `cluster` marker that started a process, or used a fixture
+    that did."""
+    yield
+    item = request.node
+    if item.get_closest_marker("cluster") is not None:
+        return
+    through = sorted(set(request.fixturenames) & _spawning_fixtures)
+    if item.nodeid in _unmarked_spawners or through:
+        how = f" through fixture {', '.join(through)}" if through else ""
+        pytest.fail(
+            f"{item.nodeid} starts a process{how}: mark it `@pytest.mark.cluster` "
+            "(or `pytestmark = pytest.mark.cluster` for the whole file)",
+            pytrace=False,
+        )

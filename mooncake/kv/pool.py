@@ -20,8 +20,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from mooncake.errors import MooncakeError, StoreError, TransferError
-from mooncake.kv.layerio import Buffer, DramKVPool
 from mooncake.kv.keys import kv_key
+from mooncake.kv.layerio import Buffer, DramKVPool
 from mooncake.kv.object import KVLayout, object_head
 from mooncake.kv.stream import PoolTarget
 from mooncake.store.client.client import Store

@@ -1,0 +1,12 @@
+"""The model a prefill or decode node runs, and the runners around it (torch, except
+`spec`, `info`, `params`, `tokenizer` and `stopmatch`, which the master uses too).
+
+- `spec`, `info`       model shapes by name; what `model.path` names (HF config, fingerprint)
+- `llama`, `weights`   the LLaMA-family decoder over paged KV; dummy and safetensors weights
+- `cpugemm`            CPU linears through oneDNN with weights packed once
+- `attention/`         batched paged attention kernels (Triton) and their torch reference
+- `kvcache`, `prefixcache`   the paged KV cache and the instance-local prefix cache
+- `tokenizer`, `params`, `sampler`, `sequence`, `stopmatch`   text in, tokens out
+- `prefill`, `decode`  the chunked prefill runner and the continuous-batching decode runner
+- `profiling`, `corun` the cost model measured on this node, and co-run slowdowns
+"""

@@ -1,13 +1,13 @@
-"""Roles: a node process = config + components + a serving loop.
+"""Roles: a node process = config + components + a serving loop, one subpackage per role.
 
-- `master`   Store metadata + Conductor + registry + HTTP API (`master.py`, `cluster.py`,
-             `registry.py`)
-- `prefill`  prefill with pool reuse, KV handoff to decode, pipeline groups (`prefill.py`)
-- `decode`   continuous-batching decode, tokens to the master (`decode.py`)
-- `store`    pool memory only (`store.py`)
-- `local`    a whole cluster on this machine as child processes (`local.py`)
+- `master/`   Store metadata + Conductor + registry + HTTP API
+- `prefill/`  prefill with pool reuse, KV hand-off to decode, pipeline groups (`group/`)
+- `decode/`   continuous-batching decode, tokens to the master
+- `store/`    pool memory only
+- `node/`     what every node process shares (identity, master link, worker, watchdog)
 
-`run_node(config, role)` starts one of the four; `cli/up.py` calls it.
+`run_node(config, role)` starts one of the four; `cli/up.py` calls it. A whole cluster on
+one machine is `mooncake.local`.
 """
 
 from __future__ import annotations

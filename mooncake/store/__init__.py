@@ -1,18 +1,11 @@
-"""Mooncake Store: the KVCache pool over every node's VRAM, DRAM and SSD.
+"""Mooncake Store: the KVCache pool over every node's VRAM, DRAM and SSD, by side.
 
-Modules
--------
-- `allocator`: offset allocator of one segment (aligned, best or first fit, coalescing).
-- `objects`: records (segments, objects, replicas) and the structs that cross boundaries.
-- `settings`: `MetadataConfig` and the object key rule.
-- `segments`: nodes, mounted segments, per-tier byte totals, replica allocation.
-- `placement`: replica placement strategies (local_first, free_ratio, random).
-- `metadata`: `MetadataService`, the master's pure-logic metadata (put/get/remove/pin...).
-- `eviction`: watermark eviction, copies ahead to SSD, room made at once for a put.
-- `moves`: tier moves in flight (demote, copy ahead, promote on a hit, replicate).
-- `membership`: node expiry and segment loss.
-- `audit`: stats snapshot and integrity check.
-- `messages`: the `*Msg` wire structs and `handle()` that serves them from the service.
+- `metadata/`  the master's pure-logic metadata (`MetadataService` and its protocols)
+- `server/`    the master side as a server (`StoreService`, wire messages, metrics)
+- `client/`    the client (`Store`) and its data path
+- `node/`      a node's tiers and the instructions it carries out
+
+This package exports the metadata API and its result and event structs.
 """
 
 from mooncake.store.metadata.objects import (

@@ -1,0 +1,1 @@
+"""A store node: pool memory only (`role`: its tiers mounted with the master)."""
