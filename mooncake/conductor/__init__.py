@@ -16,7 +16,7 @@ requests, decisions).
 
 from mooncake.conductor.conductor import Conductor
 from mooncake.conductor.costmodel import CostModel, CostModelError
-from mooncake.conductor.index import PrefixIndex, StoreEvent
+from mooncake.conductor.index import IndexUpdate, PrefixIndex
 from mooncake.conductor.roofline import roofline_cost_model
 from mooncake.conductor.types import (
     POLICIES,
@@ -35,9 +35,9 @@ __all__ = [
     "CostModel",
     "CostModelError",
     "Decision",
+    "IndexUpdate",
     "PrefixIndex",
     "ReplicationOrder",
     "ScheduleRequest",
-    "StoreEvent",
     "roofline_cost_model",
 ]

@@ -1,8 +1,9 @@
 """Global prefix index: which nodes (and which tier) hold each KV block.
 
 Keys are block hashes, opaque and hashable (the real cluster's 128-bit prefix-chained
-ints, the trace's `hash_ids`). The Store reports every change as a `StoreEvent` (added,
-evicted, demoted, node gone); the Conductor asks `prefix_lens`: for each candidate node,
+ints, the trace's `hash_ids`). Every change the Store reports arrives as an `IndexUpdate`
+(added, evicted, demoted, node gone: the master's feed, roles/master/storefeed.py, turns
+the Store's events into these); the Conductor asks `prefix_lens`: for each candidate node,
 how many leading blocks of a request it holds, and `pool_prefix_len`: how many the pool
 holds, wherever each block is.
 
@@ -23,8 +24,9 @@ import msgspec
 TIERS = ("vram", "dram", "ssd")  # fastest first
 
 
-class StoreEvent(msgspec.Struct, frozen=True, kw_only=True):
-    """A change of the pool's contents, as the Store reports it to the Conductor."""
+class IndexUpdate(msgspec.Struct, frozen=True, kw_only=True):
+    """A change of the pool's contents for this index: blocks of a node added, evicted or
+    demoted, or the node gone (from the Store's events, mooncake.store's `StoreEvent`)."""
 
     kind: Literal["added", "evicted", "demoted", "node_gone"]
     node: str
@@ -58,16 +60,16 @@ class PrefixIndex:
             self.node_blocks[node] = 0
         return bit
 
-    def apply(self, event: StoreEvent) -> None:
-        """Apply one store event."""
-        if event.kind == "added":
-            self.add(event.node, event.block_hashes, event.tier)
-        elif event.kind == "evicted":
-            self.evict(event.node, event.block_hashes)
-        elif event.kind == "demoted":
-            self.demote(event.node, event.block_hashes, event.tier)
+    def apply(self, update: IndexUpdate) -> None:
+        """Apply one update."""
+        if update.kind == "added":
+            self.add(update.node, update.block_hashes, update.tier)
+        elif update.kind == "evicted":
+            self.evict(update.node, update.block_hashes)
+        elif update.kind == "demoted":
+            self.demote(update.node, update.block_hashes, update.tier)
         else:
-            self.remove_node(event.node)
+            self.remove_node(update.node)
 
     def add(self, node: str, hashes: Iterable[Hashable], tier: str = "dram") -> None:
         """`node` now holds these blocks in `tier` (moved there if it held them elsewhere)."""

@@ -1,14 +1,14 @@
 """The global prefix index follows store events exactly and answers prefix matches."""
 
-from mooncake.conductor import PrefixIndex, StoreEvent
+from mooncake.conductor import IndexUpdate, PrefixIndex
 
 BIG = (1 << 127) + 12345  # the real cluster's hashes are 128-bit ints
 
 
 def _index() -> PrefixIndex:
     idx = PrefixIndex()
-    idx.apply(StoreEvent(kind="added", node="a", block_hashes=(1, 2, 3, BIG), tier="dram"))
-    idx.apply(StoreEvent(kind="added", node="b", block_hashes=(1, 2), tier="vram"))
+    idx.apply(IndexUpdate(kind="added", node="a", block_hashes=(1, 2, 3, BIG), tier="dram"))
+    idx.apply(IndexUpdate(kind="added", node="b", block_hashes=(1, 2), tier="vram"))
     idx.check_integrity()
     return idx
 
@@ -25,7 +25,7 @@ def test_added_blocks_are_matched_per_node():
 
 def test_evicted_blocks_break_the_prefix_there():
     idx = _index()
-    idx.apply(StoreEvent(kind="evicted", node="a", block_hashes=(2, 77)))  # 77 unknown: ignored
+    idx.apply(IndexUpdate(kind="evicted", node="a", block_hashes=(2, 77)))  # 77 unknown: ignored
     idx.check_integrity()
     assert idx.prefix_lens([1, 2, 3], [idx.bit("a"), idx.bit("b")]) == [1, 2]
     assert idx.holders(2) == {"b": "vram"}
@@ -36,7 +36,7 @@ def test_evicted_blocks_break_the_prefix_there():
 
 def test_demoted_blocks_keep_matching_in_their_new_tier():
     idx = _index()
-    idx.apply(StoreEvent(kind="demoted", node="a", block_hashes=(3,), tier="ssd"))
+    idx.apply(IndexUpdate(kind="demoted", node="a", block_hashes=(3,), tier="ssd"))
     idx.check_integrity()
     assert idx.holders(3) == {"a": "ssd"}
     assert idx.prefix_lens([1, 2, 3], [idx.bit("a")]) == [3]
@@ -49,7 +49,7 @@ def test_demoted_blocks_keep_matching_in_their_new_tier():
 def test_node_gone_forgets_everything_it_held_and_frees_its_bit():
     idx = _index()
     bit_b = idx.bit("b")
-    idx.apply(StoreEvent(kind="node_gone", node="a"))
+    idx.apply(IndexUpdate(kind="node_gone", node="a"))
     idx.check_integrity()
     assert idx.holders(3) == {} and idx.holders(1) == {"b": "vram"}
     assert len(idx) == 2 and "a" not in idx.node_blocks
@@ -67,7 +67,7 @@ def test_adding_twice_is_idempotent():
 
 def test_the_pool_prefix_may_be_split_across_nodes():
     idx = _index()
-    idx.apply(StoreEvent(kind="added", node="c", block_hashes=(7, 8), tier="dram"))
+    idx.apply(IndexUpdate(kind="added", node="c", block_hashes=(7, 8), tier="dram"))
     full = idx.bit("a") | idx.bit("b") | idx.bit("c")
     assert idx.pool_prefix_len([1, 2, 3, BIG, 7, 8, 9], full) == 6
     assert idx.pool_prefix_len([1, 2, 3, BIG, 7], idx.bit("b") | idx.bit("c")) == 2

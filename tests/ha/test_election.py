@@ -75,14 +75,14 @@ def test_the_journal_refuses_writes_from_a_master_that_no_longer_leads(etcd: Etc
     svc = make_service({"n": {"dram": 4096}})
     for i in range(3):
         assert put(svc, f"k{i}", 100) == "ok"
-    journal.write(svc.drain_changes())
+    journal.write(svc.pool.drain_changes())
     b = _election(etcd, "b", won_b, lost)
     b.start()
     _crash(a)
     assert won_b.wait(10)
     assert put(svc, "late", 100) == "ok"
     with pytest.raises(JournalError, match="no longer leads"):
-        journal.write(svc.drain_changes())
+        journal.write(svc.pool.drain_changes())
     # the new leader rebuilds what the old one journaled while it led, nothing after
     state = _journal(etcd, b).load()
     fresh = MetadataService()

@@ -78,7 +78,7 @@ def test_a_journal_write_fenced_out_by_a_forged_leader_record_reclaims_it(etcd: 
     svc = make_service({"n": {"dram": 4096}})
     assert put(svc, "k0", 100) == "ok"
     etcd.put(leader_key(PREFIX), msgspec.json.encode(EVIL))
-    journal.write(svc.drain_changes())
+    journal.write(svc.pool.drain_changes())
     assert etcd.get(leader_key(PREFIX)).value == a.value  # type: ignore[union-attr]
     assert [o.key for o in journal.load().objects] == ["k0"]
     etcd.revoke(a.lease)
@@ -106,7 +106,7 @@ def test_forged_pool_entries_are_left_out_and_reported(
     svc = make_service({"n": {"dram": 4096}})
     for i in range(3):
         assert put(svc, f"k{i}", 100) == "ok"
-    journal.write(svc.drain_changes())
+    journal.write(svc.pool.drain_changes())
     genuine = etcd.get(f"{PREFIX}/pool/o/k0")
     assert genuine is not None
     etcd.put(f"{PREFIX}/pool/o/garbage", b"\xff not msgpack")

@@ -19,9 +19,9 @@ def make_service(segments: dict[str, dict[str, int]], **config: object) -> Metad
 
 def put(svc: MetadataService, key: str, size: int, now: float = 0.0, **kw: object) -> str:
     """put_start + put_end; returns the put_start status."""
-    r = svc.put_start(key, size, now, **kw)  # type: ignore[arg-type]
+    r = svc.writes.put_start(key, size, now, **kw)  # type: ignore[arg-type]
     if r.status == "ok":
-        assert svc.put_end(key, now).status == "ok"
+        assert svc.writes.put_end(key, now).status == "ok"
     svc.check_integrity()
     return r.status
 

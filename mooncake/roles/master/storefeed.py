@@ -9,8 +9,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Literal
 
-from mooncake.conductor.index import PrefixIndex
-from mooncake.conductor.index import StoreEvent as IndexEvent
+from mooncake.conductor.index import IndexUpdate, PrefixIndex
 from mooncake.kv.keys import parse_kv_key
 from mooncake.kvevents.feed import PoolFeed
 from mooncake.store.metadata.objects import StoreEvent
@@ -54,14 +53,14 @@ class StoreListeners:
                     continue
                 h = None
                 if kind == "node_gone":
-                    self.index.apply(IndexEvent(kind="node_gone", node=e.node_id))
+                    self.index.apply(IndexUpdate(kind="node_gone", node=e.node_id))
                 else:
                     h = parse_kv_key(e.key)
                     if h is None:
                         continue
                     tier = e.tier or "dram"
                     self.index.apply(
-                        IndexEvent(kind=kind, node=e.node_id, block_hashes=(h,), tier=tier)
+                        IndexUpdate(kind=kind, node=e.node_id, block_hashes=(h,), tier=tier)
                     )
                 if self.misses is not None:
                     self.misses.event(kind, h, now)  # NOTE: after the index

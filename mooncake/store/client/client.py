@@ -15,11 +15,12 @@ through this client's Transfer Engine straight to or from the node owning each r
 
     put, put_from   2: write into a write slot (store/slots.py), commit it
     get, get_into   1 while the last read's lease lasts (store/grants.py), else 2
-    put_batch       2 when every value has the same size (a slot each, one commit)
+    put_batch       2 when every value has the same size (a slot each, one commit), else 3
     get_batch       1 lookup for the keys not read within their lease, then all reads at once
 
 Every failure raises StoreError with what happened and what to do; a miss raises
-NotFoundError. The batch calls live in store/batches.py (`BatchCalls`, this class's base).
+NotFoundError. One class, `Store`: single keys, batches (a result per key), values
+written in place by several writers (start_puts / end_puts), then the helpers.
 """
 
 from __future__ import annotations
@@ -28,19 +29,20 @@ import contextlib
 import threading
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from mooncake.errors import MooncakeError, StoreError, TransferError
 from mooncake.rpc.client import RpcClient
 from mooncake.rpc.wire import Msg
-from mooncake.store.client.batches import BatchCalls, NotFoundError, ValueResult
-from mooncake.store.client.datapath import DataPath
+from mooncake.store.client.datapath import DataPath, ReadPlan, WritePlan
 from mooncake.store.client.grants import MARGIN, LocationCache, PutShape, SlotPool
 from mooncake.store.client.relocator import Relocator
-from mooncake.store.metadata.objects import GetResult, ReplicaDesc
+from mooncake.store.metadata.objects import GetResult, KeyResult, PutStartResult, ReplicaDesc, Slot
+from mooncake.store.metadata.settings import key_error
 from mooncake.store.server import messages as m
 from mooncake.store.server.direct import MasterCalls
 from mooncake.transfer.engine import TransferEngine
@@ -51,7 +53,30 @@ from mooncake.transfer.types import EngineOptions
 __all__ = ["NotFoundError", "Store", "ValueResult"]
 
 
-class Store(BatchCalls):
+# (key, slot taken from the pool with its deadline, local segment, offset in it)
+SlotEntry = tuple[str, tuple[Slot, float], str, int]
+
+
+class NotFoundError(StoreError):
+    """The key has no committed object in the pool."""
+
+
+class ValueResult(msgspec.Struct, frozen=True, kw_only=True):
+    """One key of get_batch: status "ok" with `value`, or why not."""
+
+    key: str
+    status: str  # "ok", "not_found" or "error"
+    message: str = ""
+    value: bytes | None = None  # the object's bytes when ok
+
+    def unwrap(self) -> bytes:
+        """The value; raises NotFoundError or StoreError when the key had none."""
+        if self.value is not None:
+            return self.value
+        raise (NotFoundError if self.status == "not_found" else StoreError)(self.message)
+
+
+class Store:
     """A connection to the pool: a control channel to the master and a Transfer Engine."""
 
     def __init__(
@@ -271,6 +296,256 @@ class Store(BatchCalls):
                 return self._raise(r)
             time.sleep(0.02)
 
+    # -- batches: one result per key, in order -----------------------------------------------
+
+    def put_batch(
+        self, keys: Sequence[str], values: Sequence[bytes | memoryview], **opts: Any
+    ) -> list[KeyResult]:
+        """Put every key; returns one KeyResult per key (status ok or why not)."""
+        if len(keys) != len(values):
+            raise StoreError(f"put_batch: {len(keys)} keys but {len(values)} values")
+        keys = [self._key(k) for k in keys]
+        self._forget_locations(keys)
+        sizes = tuple(len(v) for v in values)
+        for k, size in zip(keys, sizes, strict=True):
+            self._check_size(k, size)
+        shape = None  # every value the same size: write slots apply
+        if self.slots is not None and keys and len(set(sizes)) == 1:
+            shape = PutShape.of(sizes[0], opts)
+            taken = self.slots.take_many(shape, len(keys), time.monotonic())
+            if taken:
+                with self._lock:
+                    self._stage(shape.size * len(keys))
+                    entries: list[SlotEntry] = []
+                    for i, (key, value, t) in enumerate(zip(keys, values, taken, strict=True)):
+                        off = i * shape.size
+                        self._staging[off : off + shape.size] = np.frombuffer(value, np.uint8)
+                        entries.append((key, t, self._staging_name, off))
+                    return self._put_into_slots(shape, entries, opts)
+        with self._lock:
+            self._stage(sum(sizes))
+            reserve = self.slots.want(sizes[0], len(keys)) if self.slots and shape else 0
+            msg = m.BatchPutStartMsg(tuple(keys), sizes, self.node_id, **opts, reserve=reserve)
+            sent_at = time.monotonic()
+            reply = self._call(msg, m.BatchPutStartReplyMsg)
+            if self.slots is not None and shape is not None and reply.slots:
+                self.slots.add(shape, reply.slots, sent_at)
+            starts = self._wait_for_room(reply.results, sizes, opts)
+            unmoved = self.relocator.copy(starts)
+            plan: WritePlan = []
+            off = 0
+            for r, v in zip(starts, values, strict=True):
+                if r.status == "ok" and r.key not in unmoved:
+                    self._staging[off : off + len(v)] = np.frombuffer(v, dtype=np.uint8)
+                    plan.append((r.key, r.replicas, self._staging_name, off))
+                off += len(v)
+            failed = {**unmoved, **self.data.write(plan)}
+        if failed:
+            self._revoke(list(failed))
+        ok = tuple(r.key for r in starts if r.status == "ok" and r.key not in failed)
+        ends = {r.key: r for r in self._call(m.BatchPutEndMsg(ok), m.BatchKeyReplyMsg).results}
+        out = []
+        for r in starts:
+            if r.key in failed:
+                out.append(KeyResult(key=r.key, status="error", message=failed[r.key]))
+                continue
+            end = ends.get(r.key)
+            if end is not None and end.status == "ok":
+                self._learn(r.key, r.replicas)
+            out.append(end or KeyResult(key=r.key, status=r.status, message=r.message))
+        return out
+
+    def _put_into_slots(
+        self, shape: PutShape, entries: list[SlotEntry], opts: dict[str, Any]
+    ) -> list[KeyResult]:
+        """Write each (key, taken slot, local segment, offset) into its slot, commit those
+        written in one call (which refills the pool), keep the slots of refused keys; one
+        KeyResult per entry."""
+        assert self.slots is not None
+        failed = self.data.write([(k, t[0].replicas, seg, off) for k, t, seg, off in entries])
+        if failed:
+            bad = tuple(t[0].slot_id for k, t, _, _ in entries if k in failed)
+            with contextlib.suppress(StoreError):
+                self._call(m.ReleaseSlotsMsg(bad, self.node_id), m.AckMsg)
+        todo = [(k, t) for k, t, _, _ in entries if k not in failed]
+        answers: Iterator[KeyResult] = iter(())
+        if todo:
+            sent_at = time.monotonic()
+            msg = m.BatchPutSlotMsg(
+                tuple(k for k, _ in todo),
+                tuple(t[0].slot_id for _, t in todo),
+                self.node_id,
+                opts.get("pin_ttl_s", 0.0),
+                opts.get("overwrite", False),
+                self.slots.refill(shape, len(entries)),
+            )
+            reply = self._call(msg, m.BatchPutSlotReplyMsg)
+            if reply.slots:
+                self.slots.add(shape, reply.slots, sent_at)
+            answers = iter(reply.results)  # NOTE: one per entry not failed, in order
+        out = []
+        for key, taken, _, _ in entries:
+            if key in failed:  # NOTE: todo left out every key in failed
+                why = f"put of {key!r} failed, nothing was committed: {failed[key]}"
+                out.append(KeyResult(key=key, status="error", message=why))
+                continue
+            r = next(answers)
+            if r.status in ("exists", "busy", "leased"):  # the slot is still ours
+                self.slots.give_back(shape, taken)
+            elif r.status == "ok":
+                self._learn(key, taken[0].replicas)
+            out.append(r)
+        return out
+
+    def get_batch(self, keys: Sequence[str]) -> list[ValueResult]:
+        """Get every key; one ValueResult per key, in order. One lookup for the keys not
+        read within their lease, then every value in one overlapping batch of reads."""
+        wanted = list(dict.fromkeys(self._key(k) for k in keys))
+        found: dict[str, tuple[list[ReplicaDesc], int]] = {}  # key -> (replicas, size)
+        now, cache = time.monotonic(), self.locations
+        for key in wanted:
+            if cache is not None and (hit := cache.get(key, now)):
+                found[key] = [hit[0]], hit[1]
+        out: dict[str, ValueResult] = {}
+        cold = tuple(k for k in wanted if k not in found)
+        sent_at, ttl = time.monotonic(), 0.0
+        for r in self.locate_batch(cold):
+            if r.replicas:
+                found[r.key], ttl = (list(r.replicas), r.size), r.lease_ttl_s
+            else:
+                out[r.key] = _miss(r)
+        with self._lock:
+            self._stage(sum(size for _, size in found.values()))
+            plan: ReadPlan = []
+            off = 0
+            for key, (replicas, size) in found.items():
+                plan.append((key, replicas, self._staging_name, off, size))
+                off += size
+            failed, moved = self.data.read_many(plan)
+            for key, tried, _, off, size in plan:
+                if key in failed and key not in cold:  # a stale location: ask the master
+                    self._forget_locations([key])
+                    try:  # NOTE: a value grown since does not fit its place: an error
+                        size = self._get(key, self._staging_name, off, size)
+                        del failed[key]
+                    except StoreError as e:
+                        out[key] = ValueResult(key=key, status=_status(e), message=str(e))
+                        continue
+                if key in failed:
+                    out[key] = ValueResult(key=key, status="error", message=failed[key])
+                    continue
+                out[key] = ValueResult(
+                    key=key, status="ok", value=self._staging[off : off + size].tobytes()
+                )
+                if cache is not None and (key in cold or key in moved):
+                    cache.put(key, moved.get(key, tried[0]), size, sent_at, ttl)
+        return [out[k] for k in map(self._key, keys)]
+
+    def locate_batch(self, keys: Sequence[str]) -> list[GetResult]:
+        """Where each key's committed value is: one GetResult per key, in order, its
+        replicas ranked cheapest first (none readable: an empty list). An "ok" one grants a
+        read lease: read the replicas within `lease_ttl_s` of asking (the caller moves the
+        bytes itself, e.g. a layer at a time straight into its own registered memory)."""
+        out: list[GetResult] = []
+        keys = [self._key(k) for k in keys]
+        for start in range(0, len(keys), m.MAX_BATCH):
+            msg = m.BatchGetReplicasMsg(tuple(keys[start : start + m.MAX_BATCH]), self.node_id)
+            for r in self._call(msg, m.BatchGetReplicasReplyMsg).results:
+                ranked = self.data.rank(r.replicas) if r.status == "ok" else []
+                out.append(msgspec.structs.replace(r, replicas=tuple(ranked)))
+        return out
+
+    def exists_batch(self, keys: Sequence[str]) -> list[bool]:
+        """Whether each key has a committed object (any number of keys, asked in chunks)."""
+        out = []
+        for start in range(0, len(keys), m.MAX_BATCH):
+            msg = m.BatchExistsMsg(tuple(map(self._key, keys[start : start + m.MAX_BATCH])))
+            out += [r.status == "ok" for r in self._call(msg, m.BatchKeyReplyMsg).results]
+        return out
+
+    def remove_batch(self, keys: Sequence[str]) -> list[KeyResult]:
+        """Remove every key, waiting up to timeout_s for leases; one KeyResult per key."""
+        out = {k: KeyResult(key=k, status="leased") for k in map(self._key, keys)}
+        self._forget_locations(out)
+        deadline = time.monotonic() + self.timeout_s
+        while pending := tuple(k for k, r in out.items() if r.status == "leased"):
+            for start in range(0, len(pending), m.MAX_BATCH):  # the master's limit per call
+                msg = m.BatchRemoveMsg(pending[start : start + m.MAX_BATCH])
+                for r in self._call(msg, m.BatchKeyReplyMsg).results:
+                    out[r.key] = r
+            if time.monotonic() > deadline or all(r.status != "leased" for r in out.values()):
+                break
+            time.sleep(0.02)
+        return [out[k] for k in keys]
+
+    # -- values written in place by several writers ------------------------------------------
+
+    def start_puts(self, keys: Sequence[str], size: int, **opts: Any) -> list[PutStartResult]:
+        """Allocate `keys`, `size` bytes each, and write nothing: each "ok" result carries
+        the replicas that the caller, and whoever it hands them to, write with their own
+        Transfer Engine (the value's parts in place: a pipeline stage's layers of a KV
+        object). Readers never see a key before `end_puts`; `revoke_puts` drops them, and
+        the master reclaims a put left unfinished past its put timeout."""
+        keys = [self._key(k) for k in keys]
+        for k in keys:
+            self._check_size(k, size)
+        self._forget_locations(keys)
+        out: list[PutStartResult] = []
+        for i in range(0, len(keys), m.MAX_BATCH):  # the master's limit per call
+            part = tuple(keys[i : i + m.MAX_BATCH])
+            msg = m.BatchPutStartMsg(part, (size,) * len(part), self.node_id, **opts)
+            results = self._call(msg, m.BatchPutStartReplyMsg).results
+            out += self._wait_for_room(results, [size] * len(part), opts)
+        if failed := self.relocator.copy(out):
+            self._revoke(list(failed))
+            out = [
+                PutStartResult(key=r.key, status="error", message=failed[r.key])
+                if r.key in failed
+                else r
+                for r in out
+            ]
+        return out
+
+    def _wait_for_room(
+        self, starts: Sequence[PutStartResult], sizes: Sequence[int], opts: dict[str, Any]
+    ) -> list[PutStartResult]:
+        """`starts` (put_start answers for values of `sizes`), each that found no room
+        while the master said room is on its way (`room_pending`: demotions to SSD in
+        flight) asked again every put_retry_s until it gets an answer or put_wait_s ran
+        out (then its last answer stands)."""
+        out = list(starts)
+        deadline = time.monotonic() + self.put_wait_s
+        while waiting := [
+            i for i, r in enumerate(out) if r.status == "no_space" and r.room_pending
+        ]:
+            if time.monotonic() + self.put_retry_s > deadline:
+                break
+            time.sleep(self.put_retry_s)
+            keys = tuple(out[i].key for i in waiting)
+            msg = m.BatchPutStartMsg(keys, tuple(sizes[i] for i in waiting), self.node_id, **opts)
+            for i, r in zip(waiting, self._call(msg, m.BatchPutStartReplyMsg).results, strict=True):
+                out[i] = r
+        return out
+
+    def end_puts(
+        self, keys: Sequence[str], replicas: Sequence[Sequence[ReplicaDesc]] = ()
+    ) -> list[KeyResult]:
+        """Commit keys started with `start_puts` once every part is written (`replicas`:
+        where each was written, remembered as hints for this client's next gets)."""
+        out: list[KeyResult] = []
+        for i in range(0, len(keys), m.MAX_BATCH):
+            part = tuple(keys[i : i + m.MAX_BATCH])
+            out += self._call(m.BatchPutEndMsg(part), m.BatchKeyReplyMsg).results
+        for key, r, reps in zip(keys, out, replicas, strict=False):
+            if r.status == "ok":
+                self._learn(key, reps)
+        return out
+
+    def revoke_puts(self, keys: Sequence[str]) -> None:
+        """Drop keys started with `start_puts` and not committed (best effort)."""
+        for i in range(0, len(keys), m.MAX_BATCH):
+            self._revoke(list(keys[i : i + m.MAX_BATCH]))
+
     # -- helpers -----------------------------------------------------------------------------
 
     @staticmethod
@@ -311,3 +586,59 @@ class Store(BatchCalls):
             raise
         except MooncakeError as e:
             raise StoreError(f"store master {self.master.address}: {e}") from e
+
+    def _forget_locations(self, keys: Iterable[str]) -> None:
+        if self.locations is not None:
+            for key in keys:
+                self.locations.drop(key)
+
+    def _learn(self, key: str, replicas: Sequence[ReplicaDesc]) -> None:
+        """Remember where this client just wrote `key` (the replica it would read first),
+        as a hint for its next get (store/grants.py)."""
+        if self.locations is not None and (ranked := self.data.rank(replicas)):
+            self.locations.learn(key, ranked[0], ranked[0].size)
+
+    def _stage(self, size: int) -> None:
+        if size > len(self._staging):
+            self.engine.unregister(self._staging_name)
+            self._staging = self.engine.allocate(self._staging_name, 1 << (size - 1).bit_length())
+
+    def _revoke(self, keys: list[str]) -> None:
+        # NOTE: if this fails the master reclaims the unfinished put after put_timeout_s
+        with contextlib.suppress(StoreError):
+            self._call(m.BatchPutRevokeMsg(tuple(keys)), m.BatchKeyReplyMsg)
+
+    @staticmethod
+    def _key(key: str) -> str:
+        if why := key_error(key):
+            raise StoreError(why)
+        return key
+
+    @staticmethod
+    def _check_size(key: str, size: int) -> None:
+        if not 0 < size <= m.MAX_VALUE_BYTES:
+            raise StoreError(
+                f"value of {key!r} is {size} bytes; it must be 1 byte to {m.MAX_VALUE_BYTES} bytes"
+            )
+
+    @staticmethod
+    def _raise(r: PutStartResult | KeyResult) -> None:
+        if r.status == "ok":
+            return
+        if r.status == "not_found":
+            raise NotFoundError(r.message or f"{r.key!r} is not in the store")
+        raise StoreError(r.message or f"{r.key!r}: {r.status}")
+
+
+def _miss(r: GetResult) -> ValueResult:
+    """The ValueResult of a lookup that found no readable replica."""
+    if r.status == "not_found":
+        return ValueResult(key=r.key, status="not_found", message=f"{r.key!r} is not in the store")
+    if r.status == "ok":  # NOTE: a committed object always has a replica; not on the wire
+        why = f"{r.key!r}: the master listed no replica to read; retry"
+        return ValueResult(key=r.key, status="error", message=why)
+    return ValueResult(key=r.key, status="error", message=r.message or f"{r.key!r}: {r.status}")
+
+
+def _status(e: StoreError) -> str:
+    return "not_found" if isinstance(e, NotFoundError) else "error"

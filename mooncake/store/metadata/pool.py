@@ -4,16 +4,17 @@
 (`SegmentManager`), the objects with their replicas, the puts in flight, the eviction
 order (`poolorder.py`), the counters, and what changed since it was last asked: events for
 the Conductor's index, instructions for the data plane, keys and segments for the journal
-(`poolstate.py`, whose entries are this state's committed part: `snapshot` and `restore`
-go through here). The protocols (writes, slots, eviction, moves, membership) each take the
-pool and the few other collaborators they use, never the service: they change the pool
-only through its fields and these edits.
+(`poolstate.py`, whose entries are this state's committed part; `snapshot` and `restore`
+are here, so poolstate.py knows nothing of `Pool`). The protocols (writes, slots,
+eviction, moves, membership) each take the pool and the few other collaborators they use,
+never the service: they change the pool only through its fields and these edits.
 
 Pure logic: no I/O, no threads, no clock.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 from mooncake.store.metadata.objects import (
@@ -28,8 +29,10 @@ from mooncake.store.metadata.objects import (
     StoreEvent,
 )
 from mooncake.store.metadata.poolorder import PoolOrder
-from mooncake.store.metadata.poolstate import PoolChanges, object_entry, segment_entry
+from mooncake.store.metadata.poolstate import PoolChanges, PoolState, object_entry, segment_entry
 from mooncake.store.metadata.segments import SegmentManager
+
+log = logging.getLogger(__name__)
 
 
 def _nothing(_obj: ObjectRecord) -> None:
@@ -171,3 +174,80 @@ class Pool:
         out = [i for batch in self.instructions.values() for i in batch]
         self.instructions.clear()
         return out
+
+    # -- the committed state as plain entries (poolstate.py) -----------------------------
+
+    def snapshot(self) -> PoolState:
+        """The pool's committed state, segments by name and objects by key (two pools with the
+        same contents compare equal); changes nothing."""
+        segs = sorted(
+            (segment_entry(s) for s in self.space.segments.values()), key=lambda e: e.name
+        )
+        objs = [e for o in self.objects.values() if (e := object_entry(o)) is not None]
+        objs.sort(key=lambda e: e.key)
+        return PoolState(segments=tuple(segs), objects=tuple(objs))
+
+    def restore(self, state: PoolState, now: float, lease_ttl_s: float, wanted: int = 1) -> int:
+        """Rebuild this pool (which must be empty) from `state`; returns the objects restored.
+        Restored objects are leased for `lease_ttl_s`, and count `wanted` copies as asked for.
+        Every restored replica is announced (added events: the Conductor's prefix index).
+        A replica whose range is not free (a journal out of step with itself) is skipped
+        with a warning; an object left without one is not restored."""
+        assert not self.objects and not self.space.segments, "restore into a pool in use"
+        space = self.space
+        # NOTE: the old master's readers may read ranges it freed, and its writers write the
+        # ranges of its write slots, for as long as a lease (docs/ha.md: the consistency argument)
+        usable_from = leased_until = now + lease_ttl_s
+        for e in state.segments:
+            # NOTE: a lease more than a heartbeat TTL: owners' calls to the dead master must
+            # time out before their heartbeats reach this one
+            space.heartbeat(e.node_id, usable_from)
+            space.mount(
+                e.node_id,
+                e.name,
+                e.tier,
+                e.capacity,
+                e.endpoint,
+                e.alignment,
+                e.token,
+                usable_from=usable_from,
+            )
+        num = 0
+        for o in state.objects:
+            obj = ObjectRecord(
+                key=o.key,
+                size=o.size,
+                writer="",
+                started_at=now,
+                is_committed=True,
+                wanted=wanted,
+                lease_until=leased_until,
+                pin_ttl_s=o.pin_ttl_s,
+            )
+            for r in o.replicas:
+                seg = space.segments.get(r.segment)
+                if seg is None or not seg.allocator.allocate_at(r.offset, r.size):
+                    log.warning(
+                        "pool rebuild: replica %d of %r at %s+%d does not fit; skipped",
+                        r.replica_id,
+                        o.key,
+                        r.segment,
+                        r.offset,
+                    )
+                    continue
+                space.tier_used[seg.tier] += seg.allocator.size_of(r.offset) or 0
+                seg.keys.add(o.key)
+                replica = Replica(seg, r.offset, r.size, COMPLETE, r.replica_id)
+                obj.replicas.append(replica)
+                self.order.add(o.key, seg.tier, o.size, obj.wanted)
+            if not obj.replicas:
+                continue
+            self.objects[o.key] = obj
+            fastest: dict[str, Replica] = {}  # node id -> its fastest replica
+            for replica in sorted(obj.replicas, key=lambda r: -TIERS.index(r.tier)):
+                fastest[replica.node_id] = replica
+            for node_id, replica in fastest.items():
+                self.emit("added", o.key, node_id, replica.tier)
+            num += 1
+        self.drain_changes()  # NOTE: what was restored is what the journal holds
+        return num

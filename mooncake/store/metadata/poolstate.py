@@ -5,7 +5,7 @@ and committed replicas, each with its offset and its replica id). The metadata s
 marks every segment mounted or gone and every key whose committed replicas changed (a
 commit, a move, an eviction, a removal, a loss); `PoolChanges` carries them, each with its
 new entry or None (gone), to a journal that makes them durable before the change is
-answered (`store/journal.py`). A new master loads the entries and `restore`s them: the
+answered (`store/journal.py`). A new master loads the entries and `Pool.restore`s them: the
 segments as mounted (their nodes keep heartbeating them; a node that does not within
 `lease_ttl_s + heartbeat_ttl_s` is expired as usual, its objects lost), the objects with
 their old ranges taken again and their old replica ids, leased for `lease_ttl_s` (readers
@@ -17,18 +17,11 @@ Pure logic: no I/O, no threads, no clock.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import msgspec
 
-from mooncake.store.metadata.objects import COMPLETE, TIERS, ObjectRecord, Replica, Segment, Tier
-
-if TYPE_CHECKING:
-    from mooncake.store.metadata.pool import Pool
-
-log = logging.getLogger(__name__)
+from mooncake.store.metadata.objects import COMPLETE, ObjectRecord, Segment, Tier
 
 
 class SegmentEntry(msgspec.Struct, frozen=True, kw_only=True):
@@ -103,78 +96,3 @@ def object_entry(obj: ObjectRecord | None) -> ObjectEntry | None:
     if not replicas:
         return None
     return ObjectEntry(key=obj.key, size=obj.size, replicas=replicas, pin_ttl_s=obj.pin_ttl_s)
-
-
-def snapshot(pool: Pool) -> PoolState:
-    """The pool's committed state, segments by name and objects by key (two pools with the
-    same contents compare equal); changes nothing."""
-    segs = sorted((segment_entry(s) for s in pool.space.segments.values()), key=lambda e: e.name)
-    objs = [e for o in pool.objects.values() if (e := object_entry(o)) is not None]
-    objs.sort(key=lambda e: e.key)
-    return PoolState(segments=tuple(segs), objects=tuple(objs))
-
-
-def restore(pool: Pool, state: PoolState, now: float, lease_ttl_s: float, wanted: int = 1) -> int:
-    """Rebuild `pool` (which must be empty) from `state`; returns the objects restored.
-    Restored objects are leased for `lease_ttl_s`, and count `wanted` copies as asked for.
-    Every restored replica is announced (added events: the Conductor's prefix index).
-    A replica whose range is not free (a journal out of step with itself) is skipped
-    with a warning; an object left without one is not restored."""
-    assert not pool.objects and not pool.space.segments, "restore into a pool in use"
-    space = pool.space
-    # NOTE: the old master's readers may read ranges it freed, and its writers write the
-    # ranges of its write slots, for as long as a lease (docs/ha.md: the consistency argument)
-    usable_from = leased_until = now + lease_ttl_s
-    for e in state.segments:
-        # NOTE: a lease more than a heartbeat TTL: owners' calls to the dead master must
-        # time out before their heartbeats reach this one
-        space.heartbeat(e.node_id, usable_from)
-        space.mount(
-            e.node_id,
-            e.name,
-            e.tier,
-            e.capacity,
-            e.endpoint,
-            e.alignment,
-            e.token,
-            usable_from=usable_from,
-        )
-    num = 0
-    for o in state.objects:
-        obj = ObjectRecord(
-            key=o.key,
-            size=o.size,
-            writer="",
-            started_at=now,
-            is_committed=True,
-            wanted=wanted,
-            lease_until=leased_until,
-            pin_ttl_s=o.pin_ttl_s,
-        )
-        for r in o.replicas:
-            seg = space.segments.get(r.segment)
-            if seg is None or not seg.allocator.allocate_at(r.offset, r.size):
-                log.warning(
-                    "pool rebuild: replica %d of %r at %s+%d does not fit; skipped",
-                    r.replica_id,
-                    o.key,
-                    r.segment,
-                    r.offset,
-                )
-                continue
-            space.tier_used[seg.tier] += seg.allocator.size_of(r.offset) or 0
-            seg.keys.add(o.key)
-            replica = Replica(seg, r.offset, r.size, COMPLETE, r.replica_id)
-            obj.replicas.append(replica)
-            pool.order.add(o.key, seg.tier, o.size, obj.wanted)
-        if not obj.replicas:
-            continue
-        pool.objects[o.key] = obj
-        fastest: dict[str, Replica] = {}  # node id -> its fastest replica
-        for replica in sorted(obj.replicas, key=lambda r: -TIERS.index(r.tier)):
-            fastest[replica.node_id] = replica
-        for node_id, replica in fastest.items():
-            pool.emit("added", o.key, node_id, replica.tier)
-        num += 1
-    pool.drain_changes()  # NOTE: what was restored is what the journal holds
-    return num

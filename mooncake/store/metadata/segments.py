@@ -39,7 +39,8 @@ class SegmentManager:
     # -- nodes and segments --------------------------------------------------------------
 
     def heartbeat(self, node_id: str, now: float) -> bool:
-        """Mark `node_id` alive at `now`; returns whether it was already known."""
+        """Mark `node_id` alive at `now`; returns whether it was already known (False: the
+        master did not know it, it must re-mount)."""
         known = node_id in self.node_last_seen
         self.node_last_seen[node_id] = now
         self.node_segments.setdefault(node_id, [])

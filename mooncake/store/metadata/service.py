@@ -19,6 +19,11 @@ The state is one `Pool` (`pool.py`: segments, objects, puts in flight, the evict
 counters, pending events, instructions and journal changes); each protocol takes the pool
 and the few collaborators it uses: writes (`writes.py`), write slots (`slots.py`),
 eviction (`eviction.py`), tier moves (`moves.py`), node liveness (`membership.py`).
+Callers use those directly (`svc.writes.put_start`, `svc.slots.commit`,
+`svc.evictor.run`, `svc.mover.confirm`, `svc.space.heartbeat`, `svc.pool.drain_events`,
+`svc.pool.snapshot()`, `audit.stats(svc.pool)`); this class builds and wires
+them and keeps what composes several: mounts, expiry, reads, remove, pin, replicate,
+restore and the integrity check.
 Per-key operations answer with a result whose status says what happened (batch forms
 answer per key); only segment and node misuse raises StoreError.
 """
@@ -29,23 +34,19 @@ import logging
 from collections.abc import Sequence
 
 from mooncake.errors import StoreError
-from mooncake.store.metadata import audit, membership, poolstate
+from mooncake.store.metadata import audit, membership
 from mooncake.store.metadata.eviction import Evictor
 from mooncake.store.metadata.moves import Mover
 from mooncake.store.metadata.objects import (
     TIERS,
     GetResult,
-    Instruction,
     KeyResult,
     ObjectRecord,
-    PutStartResult,
     Replica,
-    StoreEvent,
-    StoreStats,
 )
 from mooncake.store.metadata.placement import create_placement
 from mooncake.store.metadata.pool import Pool
-from mooncake.store.metadata.poolstate import PoolChanges, PoolState
+from mooncake.store.metadata.poolstate import PoolState
 from mooncake.store.metadata.segments import SegmentManager
 from mooncake.store.metadata.settings import MetadataConfig, key_error
 from mooncake.store.metadata.slots import SlotBook
@@ -77,10 +78,6 @@ class MetadataService:
         pool.on_drop = self._forget
 
     # -- nodes and segments (misuse raises StoreError) -----------------------------------
-
-    def heartbeat(self, node_id: str, now: float) -> bool:
-        """Mark a node alive; False if the master did not know it (it must re-mount)."""
-        return self.space.heartbeat(node_id, now)
 
     def mount_segment(
         self,
@@ -132,62 +129,6 @@ class MetadataService:
         no replica), reclaim abandoned puts and moves, free deferred ranges whose leases
         ended. Returns the ids of the dropped nodes."""
         return membership.expire_nodes(self.pool, self.mover, self.config, now)
-
-    # -- write protocol (the logic: writes.py) ------------------------------------------
-
-    def put_start(
-        self,
-        key: str,
-        size: int,
-        now: float,
-        writer: str = "",
-        replicas: int = 0,
-        tiers: Sequence[str] = ("dram",),
-        pin_ttl_s: float = 0.0,
-        overwrite: bool = False,
-    ) -> PutStartResult:
-        """Allocate up to `replicas` (0 = config) PROCESSING replicas of `size` bytes on
-        distinct nodes, trying `tiers` in order. Status ok (at least one replica), exists,
-        busy (another put in flight), leased (overwrite of a leased object), no_space
-        (retry after eviction ran), or error."""
-        return self.writes.put_start(key, size, now, writer, replicas, tiers, pin_ttl_s, overwrite)
-
-    def clear_for_put(self, key: str, overwrite: bool, now: float) -> KeyResult | None:
-        """None if a put of `key` may go ahead (an old value it overwrites is removed),
-        else why not: busy (a put or a tier move in flight), exists, or leased (a pin does
-        not refuse it: it only shields from eviction)."""
-        return self.writes.clear_for_put(key, overwrite, now)
-
-    def allocate_replicas(
-        self,
-        key: str,
-        size: int,
-        writer: str,
-        replicas: int,
-        tiers: Sequence[str],
-        now: float,
-        spare_only: bool = False,
-    ) -> list[Replica]:
-        """Up to `replicas` (0 = config) PROCESSING replicas of `key` on distinct nodes, in
-        the first of `tiers` with room, else in the first where eviction makes room at once
-        (eviction.py: copies dropped first); [] (and eviction told of the pressure) if none.
-        `spare_only`: only in the first of `tiers`, and only while it stays under its high
-        watermark, so that nothing is evicted for it (write slots: space held ahead must
-        not push data out)."""
-        return self.writes.allocate_replicas(key, size, writer, replicas, tiers, now, spare_only)
-
-    def put_end(self, key: str, now: float) -> KeyResult:
-        """Commit `key`: its replicas become readable. Repeating it is harmless."""
-        return self.writes.put_end(key, now)
-
-    def put_revoke(self, key: str, now: float) -> KeyResult:
-        """Abandon an uncommitted put and free its space."""
-        return self.writes.put_revoke(key, now)
-
-    def write_error(self, key: str, segment: str, offset: int, length: int) -> str:
-        """Why writing [offset, offset+length) of `segment` for `key` is not allowed ("" if
-        it lies inside one of the key's PROCESSING replicas); changes nothing."""
-        return audit.write_error(self.pool, key, segment, offset, length)
 
     # -- reads and management ------------------------------------------------------------
 
@@ -254,17 +195,6 @@ class MetadataService:
 
     # -- batches: one result per key, in order -------------------------------------------
 
-    def batch_put_start(
-        self, keys: Sequence[str], sizes: Sequence[int], now: float, **kw: object
-    ) -> list[PutStartResult]:
-        return self.writes.batch_put_start(keys, sizes, now, **kw)
-
-    def batch_put_end(self, keys: Sequence[str], now: float) -> list[KeyResult]:
-        return self.writes.batch_put_end(keys, now)
-
-    def batch_put_revoke(self, keys: Sequence[str], now: float) -> list[KeyResult]:
-        return self.writes.batch_put_revoke(keys, now)
-
     def batch_get_replicas(
         self, keys: Sequence[str], now: float, reader: str = ""
     ) -> list[GetResult]:
@@ -276,11 +206,7 @@ class MetadataService:
     def batch_remove(self, keys: Sequence[str], now: float) -> list[KeyResult]:
         return [self.remove(k, now) for k in keys]
 
-    # -- eviction, moves, queues ---------------------------------------------------------
-
-    def evict(self, now: float) -> int:
-        """Run one eviction pass (see eviction.py); returns the number of victims."""
-        return self.evictor.run(now)
+    # -- moves, restore, integrity -------------------------------------------------------
 
     def replicate(self, keys: Sequence[str], dst_node: str, now: float) -> int:
         """Start copying each committed key to `dst_node`'s DRAM (hot-spot replication:
@@ -294,36 +220,11 @@ class MetadataService:
                 started += 1
         return started
 
-    def confirm_move(self, move_id: int, ok: bool, now: float) -> KeyResult:
-        """The data plane finished (ok) or failed a move instruction (moves.py)."""
-        return self.mover.confirm(move_id, ok, now)
-
-    def drain_events(self) -> list[StoreEvent]:
-        """The events since the last drain, oldest first (for the Conductor's index)."""
-        return self.pool.drain_events()
-
-    def drain_changes(self) -> PoolChanges:
-        """The segments and committed objects changed since the last drain, each with its
-        entry now (None: gone), for a journal (poolstate.py)."""
-        return self.pool.drain_changes()
-
-    def drain_instructions(self, node_id: str | None = None) -> list[Instruction]:
-        """Pending instructions for `node_id` (None: for every node), oldest first."""
-        return self.pool.drain_instructions(node_id)
-
-    def snapshot(self) -> PoolState:
-        """The pool's committed state as plain entries (poolstate.py); changes nothing."""
-        return poolstate.snapshot(self.pool)
-
     def restore(self, state: PoolState, now: float) -> int:
-        """Rebuild this service (which must be empty) from `state` (poolstate.restore);
+        """Rebuild this service (which must be empty) from `state` (Pool.restore);
         returns the objects restored."""
         cfg = self.config
-        return poolstate.restore(self.pool, state, now, cfg.lease_ttl_s, cfg.replicas)
-
-    def stats(self) -> StoreStats:
-        """A snapshot of the counters and per-tier totals; changes nothing."""
-        return audit.stats(self.pool)
+        return self.pool.restore(state, now, cfg.lease_ttl_s, cfg.replicas)
 
     def check_integrity(self) -> None:
         """Assert the objects, replicas, order, segments, slots and moves all agree."""

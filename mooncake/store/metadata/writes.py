@@ -64,7 +64,10 @@ class WriteProtocol:
         pin_ttl_s: float = 0.0,
         overwrite: bool = False,
     ) -> PutStartResult:
-        """Check the request, make way for the key, allocate, record it as PROCESSING."""
+        """Check the request, make way for the key, allocate up to `replicas` (0 = config)
+        PROCESSING replicas of `size` bytes on distinct nodes, trying `tiers` in order.
+        Status ok (at least one replica), exists, busy (another put in flight), leased
+        (overwrite of a leased object), no_space (retry after eviction ran), or error."""
         err = key_error(key) or (
             f"size of {key!r} must be > 0 bytes, got {size}" if size <= 0 else ""
         )
@@ -103,7 +106,9 @@ class WriteProtocol:
         )
 
     def clear_for_put(self, key: str, overwrite: bool, now: float) -> KeyResult | None:
-        """None if the put may go ahead (an old value it overwrites is dropped), else why not."""
+        """None if the put may go ahead (an old value it overwrites is dropped), else why not:
+        busy (a put or a tier move in flight), exists, or leased (a pin does not refuse it:
+        it only shields from eviction)."""
         obj = self.pool.objects.get(key)
         if obj is None:
             return None
@@ -216,7 +221,8 @@ class WriteProtocol:
         )
 
     def put_end(self, key: str, now: float) -> KeyResult:
-        """Mark the replicas COMPLETE, put them in their tiers' LRU, emit added events."""
+        """Commit: mark the replicas COMPLETE (readable), put them in their tiers' LRU, emit
+        added events. Repeating it is harmless."""
         pool = self.pool
         obj = pool.objects.get(key)
         if obj is None:
@@ -232,7 +238,7 @@ class WriteProtocol:
         return KeyResult(key=key, status="ok")
 
     def put_revoke(self, key: str, now: float) -> KeyResult:
-        """Drop an uncommitted object (no events: readers never saw it)."""
+        """Abandon an uncommitted put and free its space (no events: readers never saw it)."""
         obj = self.pool.objects.get(key)
         if obj is None:
             return KeyResult(key=key, status="not_found", message=_unknown_put(key))

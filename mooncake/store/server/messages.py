@@ -21,6 +21,7 @@ from typing import Annotated, Any, Final, Literal
 from msgspec import Meta
 
 from mooncake.rpc.wire import Msg
+from mooncake.store.metadata import audit
 from mooncake.store.metadata.objects import (
     MAX_KEY_BYTES,
     GetResult,
@@ -239,7 +240,7 @@ class BatchKeyReplyMsg(Msg, frozen=True, tag="store.batch_key_reply"):
 
 
 def _put_start(s: MetadataService, m: PutStartMsg, now: float) -> Msg:
-    r = s.put_start(
+    r = s.writes.put_start(
         m.key, m.size_bytes, now, m.node_id, m.replicas, m.tiers, m.pin_ttl_s, m.overwrite
     )
     if not m.reserve or r.status != "ok":
@@ -251,7 +252,7 @@ def _put_start(s: MetadataService, m: PutStartMsg, now: float) -> Msg:
 def _batch_put_start(s: MetadataService, m: BatchPutStartMsg, now: float) -> Msg:
     opts = {"writer": m.node_id, "replicas": m.replicas, "tiers": m.tiers}
     opts |= {"pin_ttl_s": m.pin_ttl_s, "overwrite": m.overwrite}
-    results = tuple(s.batch_put_start(m.keys, m.sizes_bytes, now, **opts))
+    results = tuple(s.writes.batch_put_start(m.keys, m.sizes_bytes, now, **opts))
     sizes = set(m.sizes_bytes)
     if not m.reserve or len(sizes) != 1 or not any(r.status == "ok" for r in results):
         return BatchPutStartReplyMsg(results)
@@ -267,9 +268,9 @@ def _batch_put_slot(s: MetadataService, m: BatchPutSlotMsg, now: float) -> Msg:
 
 
 def _heartbeat(s: MetadataService, m: HeartbeatMsg, now: float) -> Msg:
-    is_known = s.heartbeat(m.node_id, now)
+    is_known = s.space.heartbeat(m.node_id, now)
     mounted = tuple(seg.name for seg in s.space.node_segments.get(m.node_id, ()))
-    return HeartbeatReplyMsg(is_known, tuple(s.drain_instructions(m.node_id)), mounted)
+    return HeartbeatReplyMsg(is_known, tuple(s.pool.drain_instructions(m.node_id)), mounted)
 
 
 def _mount(s: MetadataService, m: MountSegmentMsg, now: float) -> Msg:
@@ -291,16 +292,18 @@ _HANDLERS: dict[type, Callable[[MetadataService, Any, float], Msg]] = {
     MountSegmentMsg: _mount,
     UnmountSegmentMsg: lambda s, m, now: AckMsg(s.unmount_segment(m.node_id, m.segment, now)),
     HeartbeatMsg: _heartbeat,
-    ConfirmMoveMsg: lambda s, m, now: KeyReplyMsg(s.confirm_move(m.move_id, m.ok, now)),
-    StatsMsg: lambda s, m, now: StatsReplyMsg(s.stats()),
+    ConfirmMoveMsg: lambda s, m, now: KeyReplyMsg(s.mover.confirm(m.move_id, m.ok, now)),
+    StatsMsg: lambda s, m, now: StatsReplyMsg(audit.stats(s.pool)),
     PutStartMsg: _put_start,
     BatchPutStartMsg: _batch_put_start,
-    PutEndMsg: lambda s, m, now: KeyReplyMsg(s.put_end(m.key, now)),
+    PutEndMsg: lambda s, m, now: KeyReplyMsg(s.writes.put_end(m.key, now)),
     BatchPutSlotMsg: _batch_put_slot,
     ReleaseSlotsMsg: lambda s, m, now: AckMsg(s.slots.release(m.slot_ids, m.node_id, now)),
-    BatchPutEndMsg: lambda s, m, now: BatchKeyReplyMsg(tuple(s.batch_put_end(m.keys, now))),
-    PutRevokeMsg: lambda s, m, now: KeyReplyMsg(s.put_revoke(m.key, now)),
-    BatchPutRevokeMsg: lambda s, m, now: BatchKeyReplyMsg(tuple(s.batch_put_revoke(m.keys, now))),
+    BatchPutEndMsg: lambda s, m, now: BatchKeyReplyMsg(tuple(s.writes.batch_put_end(m.keys, now))),
+    PutRevokeMsg: lambda s, m, now: KeyReplyMsg(s.writes.put_revoke(m.key, now)),
+    BatchPutRevokeMsg: lambda s, m, now: BatchKeyReplyMsg(
+        tuple(s.writes.batch_put_revoke(m.keys, now))
+    ),
     GetReplicasMsg: lambda s, m, now: GetReplicasReplyMsg(s.get_replicas(m.key, now, m.node_id)),
     BatchGetReplicasMsg: lambda s, m, now: BatchGetReplicasReplyMsg(
         tuple(s.batch_get_replicas(m.keys, now, m.node_id))

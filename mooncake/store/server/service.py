@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from mooncake.rpc.server import RpcServer
+from mooncake.store.metadata import audit
 from mooncake.store.metadata.journal import BaseJournal, JournalError
 from mooncake.store.metadata.objects import StoreEvent, StoreStats
 from mooncake.store.metadata.service import MetadataService
@@ -130,7 +131,7 @@ class StoreService:
         if self.journal is None:
             md.pool.changed_keys.clear()
             md.pool.changed_segments.clear()
-        elif changes := md.drain_changes():
+        elif changes := md.pool.drain_changes():
             try:
                 self.journal.write(changes)
             except JournalError as e:
@@ -143,7 +144,7 @@ class StoreService:
     def stats(self) -> StoreStats:
         """A snapshot of the metadata service's counters (taken under the lock)."""
         with self.lock:
-            return self.metadata.stats()
+            return audit.stats(self.metadata.pool)
 
     def replicate(self, keys: list[str], dst_node: str) -> int:
         """Start hot-spot copies of `keys` to `dst_node` (see MetadataService.replicate)."""
@@ -157,7 +158,7 @@ class StoreService:
         with self.lock:
             now = time.monotonic()
             gone = self.metadata.expire(now)
-            num_evicted = self.metadata.evict(now)
+            num_evicted = self.metadata.evictor.run(now)
             self.flush()
         if gone:
             log.warning("store nodes expired (no heartbeat): %s", ", ".join(gone))
@@ -165,7 +166,7 @@ class StoreService:
             log.info("evicted %d replicas above the high watermark", num_evicted)
 
     def _deliver_events(self) -> None:
-        events = self.metadata.drain_events()  # NOTE: drained even unheard: memory flat
+        events = self.metadata.pool.drain_events()  # NOTE: drained even unheard: memory flat
         if self.on_events is not None and events:
             self.on_events(events)
 

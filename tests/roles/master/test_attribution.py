@@ -8,7 +8,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mooncake.conductor.index import PrefixIndex, StoreEvent
+from mooncake.conductor.index import IndexUpdate, PrefixIndex
 from mooncake.conductor.misses import CAUSES, ELSEWHERE_PARTS
 from mooncake.conductor.types import Decision
 from mooncake.roles.master.attribution import Attribution
@@ -35,7 +35,7 @@ _op = st.one_of(
 
 
 def _store(index: PrefixIndex, attr: Attribution, kind: str, node: str, hs: list, t: float):
-    index.apply(StoreEvent(kind=kind, node=node, block_hashes=tuple(hs)))  # type: ignore[arg-type]
+    index.apply(IndexUpdate(kind=kind, node=node, block_hashes=tuple(hs)))  # type: ignore[arg-type]
     if kind == "node_gone":
         attr.event(kind, None, t)
     for h in hs:

@@ -18,7 +18,7 @@ from tests.store.helpers import make_service, put
 
 
 def _journaled(svc: MetadataService, journal: FileJournal) -> None:
-    changes = svc.drain_changes()
+    changes = svc.pool.drain_changes()
     if changes:
         journal.write(changes)
 
@@ -46,16 +46,16 @@ def test_allocate_at_takes_exactly_a_free_range_and_nothing_else():
 
 def test_changes_name_every_commit_removal_and_segment(tmp_path: Path):
     svc = make_service({"a": {"dram": 1024}})
-    changes = svc.drain_changes()
+    changes = svc.pool.drain_changes()
     assert list(changes.segments) == ["a-dram"] and not changes.objects
-    svc.put_start("k", 100, 0.0, writer="a")
-    assert not svc.drain_changes()  # NOTE: an uncommitted put is never journaled
-    svc.put_end("k", 0.0)
-    changes = svc.drain_changes()
+    svc.writes.put_start("k", 100, 0.0, writer="a")
+    assert not svc.pool.drain_changes()  # NOTE: an uncommitted put is never journaled
+    svc.writes.put_end("k", 0.0)
+    changes = svc.pool.drain_changes()
     entry = changes.objects["k"]
     assert entry is not None and entry.replicas[0].offset == 0 and entry.size == 100
     assert svc.remove("k", 1.0).status == "ok"
-    assert svc.drain_changes().objects == {"k": None}
+    assert svc.pool.drain_changes().objects == {"k": None}
 
 
 def test_restore_from_the_file_journal_gives_the_same_objects_ranges_and_ids(tmp_path: Path):
@@ -66,7 +66,7 @@ def test_restore_from_the_file_journal_gives_the_same_objects_ranges_and_ids(tmp
     for i in range(6):
         assert put(svc, f"k{i}", 100 + i) == "ok"
         _journaled(svc, journal)
-    svc.put_start("open", 64, 0.0, writer="a")  # never committed: lost in the rebuild
+    svc.writes.put_start("open", 64, 0.0, writer="a")  # never committed: lost in the rebuild
     assert svc.remove("k2", 1.0).status == "ok"
     _journaled(svc, journal)
     journal.close()
@@ -77,17 +77,17 @@ def test_restore_from_the_file_journal_gives_the_same_objects_ranges_and_ids(tmp
     assert fresh.restore(again.load(), now=100.0) == 5
     fresh.check_integrity()
     assert _view(fresh) == before and "open" not in fresh.objects
-    assert fresh.snapshot() == svc.snapshot()
+    assert fresh.pool.snapshot() == svc.pool.snapshot()
     got = fresh.get_replicas("k0", 100.0)
     assert got.status == "ok" and {d.replica_id for d in got.replicas} == {
         r[3] for r in before["k0"]
     }
-    events = {(e.kind, e.key, e.node_id) for e in fresh.drain_events()}
+    events = {(e.kind, e.key, e.node_id) for e in fresh.pool.drain_events()}
     assert ("added", "k3", "a") in events and ("added", "k3", "b") in events
     # the old master's writers may still write ranges it never journaled, for a lease
     # (5 s): no new allocation there before then
-    assert fresh.put_start("new", 64, 104.0, writer="a").status == "no_space"
-    assert fresh.put_start("new", 64, 106.0, writer="a").status == "ok"
+    assert fresh.writes.put_start("new", 64, 104.0, writer="a").status == "no_space"
+    assert fresh.writes.put_start("new", 64, 106.0, writer="a").status == "ok"
     fresh.check_integrity()
     # and the rebuilt objects are leased as long: not removable at once
     assert fresh.remove("k0", 101.0).status == "leased"

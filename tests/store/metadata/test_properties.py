@@ -48,10 +48,10 @@ class StoreMachine(RuleBasedStateMachine):
         self.svc.mount_segment(node, f"{node}-ssd", "ssd", self.ssd_bytes, self.now, alignment=64)
 
     def _drain(self) -> None:
-        for e in self.svc.drain_events():
+        for e in self.svc.pool.drain_events():
             if e.kind in ("lost", "removed") or (e.kind == "evicted" and self.may_drop):
                 self.explained.add(e.key)
-        self.pending += [i for i in self.svc.drain_instructions() if i.kind != "evict"]
+        self.pending += [i for i in self.svc.pool.drain_instructions() if i.kind != "evict"]
 
     may_drop = True  # eviction may drop objects (no room below)
 
@@ -65,7 +65,9 @@ class StoreMachine(RuleBasedStateMachine):
         pin=st.sampled_from([0.0, 4.0]),
     )
     def put(self, key, size, replicas, writer, end, overwrite, pin):
-        r = self.svc.put_start(key, size, self.now, writer, replicas, ("dram",), pin, overwrite)
+        r = self.svc.writes.put_start(
+            key, size, self.now, writer, replicas, ("dram",), pin, overwrite
+        )
         if r.status == "ok":
             assert {d.node_id for d in r.replicas}.__len__() == len(r.replicas)
             self.committed.discard(key)
@@ -88,7 +90,7 @@ class StoreMachine(RuleBasedStateMachine):
     def end(self, key):
         obj = self.svc.objects.get(key)
         was_writing = obj is not None and not obj.is_committed
-        status = self.svc.put_end(key, self.now).status
+        status = self.svc.writes.put_end(key, self.now).status
         assert (status == "ok") == (obj is not None)
         if was_writing:
             self.committed.add(key)
@@ -101,7 +103,7 @@ class StoreMachine(RuleBasedStateMachine):
 
     @rule(key=KEYS)
     def revoke(self, key):
-        if self.svc.put_revoke(key, self.now).status == "ok":
+        if self.svc.writes.put_revoke(key, self.now).status == "ok":
             assert key not in self.committed
 
     @rule(key=KEYS, reader=NODE)
@@ -125,7 +127,7 @@ class StoreMachine(RuleBasedStateMachine):
             for k, o in self.svc.objects.items()
             if o.is_protected(self.now)
         }
-        self.svc.evict(self.now)
+        self.svc.evictor.run(self.now)
         for k, where in protected.items():
             obj = self.svc.objects[k]
             assert [(r.segment.name, r.offset) for r in obj.replicas] == where, k
@@ -135,14 +137,14 @@ class StoreMachine(RuleBasedStateMachine):
     @rule(i=st.integers(0, 99), ok=st.booleans())
     def confirm(self, i, ok):
         ins = self.pending.pop(i % len(self.pending))
-        self.svc.confirm_move(ins.move_id, ok, self.now)
+        self.svc.mover.confirm(ins.move_id, ok, self.now)
 
     @precondition(lambda self: self.pending)
     @rule(keys=st.lists(KEYS, max_size=4))
     def settle(self, keys):
         """Confirm every pending move, then read some keys (SSD hits start promotions)."""
         for ins in self.pending:
-            self.svc.confirm_move(ins.move_id, True, self.now)
+            self.svc.mover.confirm(ins.move_id, True, self.now)
         self.pending = []
         for key in keys:
             self.get(key, "a")
@@ -151,7 +153,7 @@ class StoreMachine(RuleBasedStateMachine):
     def advance(self, dt):
         self.now += dt
         for node in self.alive:
-            if not self.svc.heartbeat(node, self.now):
+            if not self.svc.space.heartbeat(node, self.now):
                 self._mount(node)
         before = {k: {r.node_id for r in o.complete()} for k, o in self.svc.objects.items()}
         dead = set(self.svc.expire(self.now))
@@ -190,11 +192,11 @@ class StoreMachine(RuleBasedStateMachine):
         assert self.committed == readable, (self.committed, readable)
         self.explained = set()
         # the committed pool, as plain entries, rebuilds a service that compares equal
-        state = self.svc.snapshot()
+        state = self.svc.pool.snapshot()
         fresh = MetadataService(self.svc.config)
         assert fresh.restore(state, self.now) == len(state.objects)
         fresh.check_integrity()
-        assert fresh.snapshot() == state
+        assert fresh.pool.snapshot() == state
 
 
 class BigSsdMachine(StoreMachine):

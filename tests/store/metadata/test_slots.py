@@ -26,7 +26,7 @@ def test_reserved_slot_commits_under_the_real_key_at_its_offsets() -> None:
     assert got.status == "ok" and got.size == 256
     assert got.replicas[0].offset == slots[0].replicas[0].offset
     assert svc.space.tier_used["dram"] == used + 256  # the refill; the commit freed nothing
-    assert [e.kind for e in svc.drain_events()] == ["added"]
+    assert [e.kind for e in svc.pool.drain_events()] == ["added"]
 
 
 def test_refused_commit_keeps_the_slot_for_another_key() -> None:
@@ -66,7 +66,7 @@ def test_unused_slots_are_reclaimed_and_released_slots_freed(caplog) -> None:
     second = svc.slots.reserve(256, 2, SPEC, now=4.0)
     assert svc.slots.release([second[0].slot_id], "intruder", 4.0) == 0
     assert svc.slots.release([second[0].slot_id], "w", 4.0) == 1
-    assert svc.put_start("stuck", 256, 0.0, writer="w").status == "ok"
+    assert svc.writes.put_start("stuck", 256, 0.0, writer="w").status == "ok"
     svc.expire(6.0)  # the first two slots and the unended put are past put_timeout_s
     svc.check_integrity()
     assert set(svc.slots.specs) == {second[1].slot_id}
@@ -90,7 +90,7 @@ def test_slots_on_a_dead_node_go_with_it() -> None:
     svc = make_service({"a": {"dram": 4096}, "b": {"dram": 4096}}, heartbeat_ttl_s=1.0)
     slots = svc.slots.reserve(256, 2, SlotSpec("w", 2, ("dram",)), now=0.0)
     assert all(len(s.replicas) == 2 for s in slots)
-    svc.heartbeat("a", 5.0)
+    svc.space.heartbeat("a", 5.0)
     assert svc.expire(5.0) == ["b"]
     svc.check_integrity()
     result, _ = svc.slots.commit("k", slots[0].slot_id, "w", 5.0)
@@ -100,7 +100,7 @@ def test_slots_on_a_dead_node_go_with_it() -> None:
 
 def test_user_keys_cannot_take_the_slot_prefix() -> None:
     svc = make_service({"a": {"dram": 4096}})
-    r = svc.put_start(slot_key(1), 64, 0.0)
+    r = svc.writes.put_start(slot_key(1), 64, 0.0)
     assert r.status == "error" and "NUL" in r.message
 
 
@@ -112,12 +112,12 @@ def test_segment_registered_again_loses_its_objects() -> None:
     assert put(svc, "k", 256) == "ok"
     svc.mount_segment("a", "a-dram", "dram", 4096, 1.0, alignment=64, token=7)
     assert svc.get_replicas("k", 1.0).status == "ok"
-    svc.drain_events()
+    svc.pool.drain_events()
     svc.mount_segment("a", "a-dram", "dram", 4096, 2.0, alignment=64, token=8)
     svc.check_integrity()
     assert svc.get_replicas("k", 2.0).status == "not_found"
     assert svc.space.tier_used["dram"] == 0
-    assert [e.kind for e in svc.drain_events()] == ["evicted", "lost"]
+    assert [e.kind for e in svc.pool.drain_events()] == ["evicted", "lost"]
     assert svc.get_replicas("k", 2.0, "").replicas == ()
 
 
@@ -126,7 +126,7 @@ def test_remounted_segment_takes_no_object_while_old_grants_may_be_used() -> Non
     lease_ttl_s: readers and writers may still hold the previous master's grants on it."""
     svc = make_service({}, lease_ttl_s=2.0)
     svc.mount_segment("a", "a-dram", "dram", 4096, 10.0, alignment=64, is_remount=True)
-    assert svc.put_start("k", 64, 11.0).status == "no_space"
+    assert svc.writes.put_start("k", 64, 11.0).status == "no_space"
     assert svc.slots.reserve(64, 1, SPEC, now=11.0) == []
     assert put(svc, "k", 64, now=12.5) == "ok"
 
@@ -137,7 +137,7 @@ def test_slots_take_only_spare_space_and_never_cause_eviction() -> None:
     svc = make_service({"a": {"dram": 1024}}, high_watermark=0.5, low_watermark=0.25)
     assert put(svc, "data", 256) == "ok"
     assert len(svc.slots.reserve(128, 8, SPEC, now=0.0)) == 2  # 256 + 2 * 128 = the mark
-    assert svc.evict(1.0) == 0 and svc.get_replicas("data", 1.0).status == "ok"
+    assert svc.evictor.run(1.0) == 0 and svc.get_replicas("data", 1.0).status == "ok"
     svc.check_integrity()
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from mooncake.store.client.client import Store
+from mooncake.store.metadata import audit
 from mooncake.store.metadata.settings import MetadataConfig
 from mooncake.store.node.node import StoreNode, TierSizes
 from mooncake.store.server.service import StoreService
@@ -51,7 +52,7 @@ def test_demoted_object_is_promoted_and_read_back(tmp_path: Path) -> None:
         finally:
             node.stop()
         with service.lock:
-            assert service.metadata.stats().num_segments == 0
+            assert audit.stats(service.metadata.pool).num_segments == 0
 
 
 def test_populate_leaves_the_bytes_and_the_node_says_when_it_is_done() -> None:

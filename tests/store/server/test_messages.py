@@ -55,7 +55,7 @@ def test_heartbeat_reply_carries_the_nodes_instructions_and_confirm_commits():
     for i in range(7):
         m.handle(svc, m.PutStartMsg(f"k{i}", 64), 0.0)
         m.handle(svc, m.PutEndMsg(f"k{i}"), 0.0)
-    svc.evict(1.0)
+    svc.evictor.run(1.0)
     reply = call(svc, m.HeartbeatMsg("a"), 1.0)
     assert reply.is_known and [i.kind for i in reply.instructions] == ["demote"] * 3
     ok = call(svc, m.ConfirmMoveMsg(reply.instructions[0].move_id, True), 2.0)
