@@ -8,10 +8,10 @@ prefill / decode-step times, transfer times; the `mooncake profile` file format)
 when no profile is configured; the one reader of hardware, through NVML), `network` (bytes
 queued per link), `policy` (random, round_robin, load_balance, cache_aware,
 kvcache_centric = Algorithm 1), `load` (prefill queue times, decode batches and
-reservations), `forecast` (decode times and the §7.4 pool forecast), `books` (tickets
-kept by progress reports), `placement` (which decode instance, at arrival and at prefill
-start), `admission` (early rejection none / basic / predictive), `types` (settings,
-requests, decisions).
+reservations), `forecast` (decode times and the §7.4 pool forecast), `tickets` (each
+accepted request's load, moved along by progress reports), `placement` (which decode
+instance, at arrival and at prefill start), `admission` (early rejection none / basic /
+predictive), `types` (settings, requests, decisions).
 """
 
 from mooncake.conductor.conductor import Conductor

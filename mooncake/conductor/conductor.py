@@ -13,18 +13,20 @@
 `admit_prefill` is the second look, when the prefill is about to start: it re-chooses the
 decode instance the KV streams to from the §7.4 forecast (late binding, in every mode
 unless `late_binding` is off), and in predictive mode may still reject (before any prefill
-is spent). Everything else is bookkeeping from progress reports (`on_prefill_started`,
-..., in `mooncake.conductor.books`) and store events (`index`). Pure logic: no sockets,
-threads or clock; `now` is passed in.
+is spent). Everything else is bookkeeping: progress reports (`on_prefill_started`, ...)
+move each accepted request's ticket (`mooncake.conductor.tickets`), and store events
+feed the prefix index (`index`). Pure logic: no sockets, threads or clock; `now` is
+passed in. `create_conductor` builds the master's, over `roofline.master_cost_model`.
 """
 
 from __future__ import annotations
 
+import logging
 import math
+from collections.abc import Hashable
 from typing import TYPE_CHECKING
 
 from mooncake.conductor.admission import decide
-from mooncake.conductor.books import Books
 from mooncake.conductor.costmodel import CostModel
 from mooncake.conductor.forecast import DecodeForecast, ForecastError
 from mooncake.conductor.index import PrefixIndex
@@ -33,6 +35,8 @@ from mooncake.conductor.network import NetworkState
 from mooncake.conductor.pipelining import num_chunks, pipeline_times
 from mooncake.conductor.placement import place_at_start, place_decode
 from mooncake.conductor.policy import PrefillView, create_policy
+from mooncake.conductor.roofline import master_cost_model, roofline_cost_model
+from mooncake.conductor.tickets import OpenTickets
 from mooncake.conductor.types import (
     ConductorParams,
     Decision,
@@ -44,14 +48,21 @@ from mooncake.conductor.waiting import WaitingRoom, next_idle_s
 from mooncake.errors import SchedulingError
 
 if TYPE_CHECKING:
-    from mooncake.config.settings import SchedulerConfig
+    from mooncake.config.settings import Config, SchedulerConfig
+    from mooncake.model.info import ModelInfo
+
+log = logging.getLogger(__name__)
 
 
-class Conductor(Books):
+class Conductor:
     """Global scheduler over prefill and decode (or coupled) instances."""
 
     def __init__(self, params: ConductorParams, cost: CostModel):
-        super().__init__(DecodeForecast(params.decode_time_s, params.decode_time_ewma))
+        self.forecast = DecodeForecast(params.decode_time_s, params.decode_time_ewma)
+        self.tickets = OpenTickets(self.forecast)  # the accepted requests' load
+        self.prefill: list[PrefillQueue] = []
+        self.decode: list[DecodeSlots] = []
+        self._decode_by_name: dict[str, DecodeSlots] = {}
         self.params = params
         self.cost = cost
         self.index = PrefixIndex()
@@ -87,8 +98,6 @@ class Conductor(Books):
         (the master passes `roofline.master_cost_model`'s), else the profile file at
         `cfg.cost_model_path`, else the roofline of `model` on `tp` x `gpu`. `stages` and
         `chunk_tokens`: the prefill groups' pipeline stages and chunk size."""
-        from mooncake.conductor.roofline import roofline_cost_model
-
         path = cfg.cost_model_path
         if cost is None:
             cost = CostModel.load(path) if path else roofline_cost_model(model, gpu, tp)
@@ -107,6 +116,16 @@ class Conductor(Books):
             seed=seed,
         )
         return cls(params, cost)
+
+    def use_cost_model(self, cost: CostModel) -> None:
+        """Schedule with `cost` from now on; links that had the old default NIC bandwidth
+        take the new one (nodes added before it came)."""
+        net, old = self.network, self.cost.link_bytes_per_s
+        for name, bw in list(net._bw.items()):  # NOTE: its own package's link table
+            if bw == old:
+                net.add_node(name, cost.link_bytes_per_s)
+        net.default_bytes_per_s = cost.link_bytes_per_s
+        self.cost = cost
 
     # -- instances ---------------------------------------------------------------------
     def add_prefill_instance(self, name: str, link_bytes_per_s: float | None = None) -> None:
@@ -289,7 +308,7 @@ class Conductor(Books):
             wait_s=wait_s,
         )
         if not reason:
-            self._book(
+            self.tickets.open(
                 req.req_id,
                 queue,
                 prefill_s,
@@ -356,7 +375,7 @@ class Conductor(Books):
         predictive mode, when even that load is over 1, the request is rejected and
         dropped, before any prefill is spent. A request the Conductor does not track is
         not accepted."""
-        ticket = self._tickets.get(req_id)
+        ticket = self.tickets.get(req_id)
         if ticket is None:
             return PrefillAdmission(req_id=req_id, is_accepted=False, reason="unknown_request")
         queue, slots, tokens = ticket
@@ -386,14 +405,68 @@ class Conductor(Books):
                     reason="decode_load",
                     decode_load=load,
                 )
-            self._rebind(req_id, best)
+            self.tickets.rebind(req_id, best)
             slots = best
-        self._start_prefill(req_id, now, prefill_s)
+        self.tickets.start_prefill(req_id, now, prefill_s)
         return PrefillAdmission(
             req_id=req_id, is_accepted=True, decode=slots.name, decode_load=load
         )
 
+    # -- progress reports: each moves the request's ticket ----------------------------
+    def on_prefill_started(self, req_id: Hashable, now: float) -> None:
+        """The request's prefill started (its predicted end refreshes the forecast)."""
+        self.tickets.prefill_started(req_id, now)
+
+    def on_prefill_finished(self, req_id: Hashable, now: float) -> None:
+        self.tickets.prefill_finished(req_id, now)
+
+    def on_decode_started(self, req_id: Hashable, now: float) -> None:
+        self.tickets.decode_started(req_id, now)
+
+    def on_decode_finished(self, req_id: Hashable, now: float) -> None:
+        self.tickets.decode_finished(req_id, now)
+
+    def on_request_dropped(self, req_id: Hashable, now: float) -> None:
+        """The request ended early (rejected by its decode instance, failed, cancelled)."""
+        self.tickets.drop(req_id)
+
+    def on_decode_report(
+        self, name: str, kv_tokens: int, batch_size: int, step_s: float, now: float
+    ) -> None:
+        """Decode (or coupled) instance `name` reports its batch: `batch_size` requests
+        holding `kv_tokens` of KV at `now`, one step every `step_s` seconds."""
+        slots = self._decode_by_name.get(name)
+        if slots is None:
+            return
+        slots.report(kv_tokens, batch_size, step_s, now)
+        running = sum(len(s.active) for s in self.decode)
+        if running:  # NOTE: tokens/s per decoding request, batch-weighted over the pool
+            self.forecast.gen_per_s = sum(s.gen_per_s for s in self.decode) / running
+
+    @property
+    def num_tickets(self) -> int:
+        """Accepted requests whose ticket is still open (not finished, not dropped)."""
+        return len(self.tickets)
+
+    @property
+    def num_inflight(self) -> int:
+        return len(self.tickets)
+
     def check_integrity(self) -> None:
         """Assert the index is consistent and every load entry belongs to a live ticket."""
         self.index.check_integrity()
-        self.check_books()
+        self.tickets.check(self.prefill, self.decode)
+
+
+def create_conductor(cfg: Config, info: ModelInfo) -> Conductor:
+    """The master's Conductor over `master_cost_model` (a profile, or the model's roofline
+    on the detected or default GPUs); `mooncake config check` builds the same cost model."""
+    cost, source = master_cost_model(cfg, info)
+    log.info("cost model: %s", source)
+    return Conductor.from_config(
+        cfg.scheduler,
+        cost=cost,
+        block_tokens=cfg.model.block_tokens,
+        stages=max(1, cfg.prefill.pipeline_group_size),
+        chunk_tokens=cfg.prefill.chunk_tokens,
+    )

@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import msgspec
 
@@ -62,7 +62,6 @@ from mooncake.errors import ConfigError
 from mooncake.model.spec import ModelSpec, get_model_spec
 
 if TYPE_CHECKING:
-    from mooncake.conductor.conductor import Conductor
     from mooncake.config.settings import Config
     from mooncake.model.info import ModelInfo
 
@@ -266,6 +265,12 @@ def gpu_dtype_bytes(cfg: Config, info: ModelInfo) -> int:
     return 4 if resolve_dtype(info, cfg.model.dtype, "cuda") == "float32" else 2
 
 
+class CostModelUser(Protocol):
+    """What `PrefillHardware` changes: the Conductor, as whatever schedules by a cost model."""
+
+    def use_cost_model(self, cost: CostModel) -> None: ...
+
+
 class PrefillHardware:
     """Keeps the master's roofline on the hardware its prefill nodes report when they
     register (`NodeInfoMsg.gpus`), unless a profile file is configured: the first one with
@@ -278,7 +283,7 @@ class PrefillHardware:
         self.is_settled = bool(cfg.scheduler.cost_model_path)  # a profile is never replaced
         self.is_cpu_said = False
 
-    def follow(self, node_id: str, gpus: Sequence[str], conductor: Conductor) -> None:
+    def follow(self, node_id: str, gpus: Sequence[str], conductor: CostModelUser) -> None:
         """A prefill node registered with `gpus`: schedule on its roofline if it is the
         first with GPUs of a known type (call with the Conductor's lock held)."""
         if self.is_settled:
@@ -305,31 +310,4 @@ class PrefillHardware:
             "cost model: roofline of %s on %s (instead of %s)", self.spec.name, why, self.device
         )
         self.device = cost.spec.device
-        use_cost_model(conductor, cost)
-
-
-def use_cost_model(conductor: Conductor, cost: CostModel) -> None:
-    """Schedule with `cost` from now on; links that had the old default NIC bandwidth take
-    the new one (nodes added before it came)."""
-    net, old = conductor.network, conductor.cost.link_bytes_per_s
-    for name, bw in list(net._bw.items()):  # NOTE: its own package's link table
-        if bw == old:
-            net.add_node(name, cost.link_bytes_per_s)
-    net.default_bytes_per_s = cost.link_bytes_per_s
-    conductor.cost = cost
-
-
-def create_conductor(cfg: Config, info: ModelInfo) -> Conductor:
-    """The Conductor over `master_cost_model` (a profile, or the model's roofline on the
-    detected or default GPUs); `mooncake config check` builds the same cost model."""
-    cost, source = master_cost_model(cfg, info)
-    log.info("cost model: %s", source)
-    from mooncake.conductor.conductor import Conductor
-
-    return Conductor.from_config(
-        cfg.scheduler,
-        cost=cost,
-        block_tokens=cfg.model.block_tokens,
-        stages=max(1, cfg.prefill.pipeline_group_size),
-        chunk_tokens=cfg.prefill.chunk_tokens,
-    )
+        conductor.use_cost_model(cost)

@@ -12,21 +12,18 @@ decodes in lazy segments exactly like a decode instance.
 from __future__ import annotations
 
 from collections import deque
-from typing import TYPE_CHECKING
 
+from mooncake.sim.context import SimContext
 from mooncake.sim.decode import DecodeInstance
 from mooncake.sim.metrics import SimRequest
 from mooncake.sim.pool import NodePool
-
-if TYPE_CHECKING:
-    from mooncake.sim.simulator import Simulator
 
 
 class CoupledInstance(DecodeInstance):
     """Continuous batching with chunked prefill and an instance-local prefix cache."""
 
     def __init__(
-        self, name: str, sim: Simulator, capacity_tokens: int, chunk_tokens: int, pool: NodePool
+        self, name: str, sim: SimContext, capacity_tokens: int, chunk_tokens: int, pool: NodePool
     ):
         super().__init__(name, sim, capacity_tokens)
         self.pool = pool

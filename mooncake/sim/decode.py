@@ -26,20 +26,16 @@ from __future__ import annotations
 
 import heapq
 import math
-from typing import TYPE_CHECKING
 
 from mooncake.conductor.admission import decode_can_admit
+from mooncake.sim.context import SimContext, Waiter
 from mooncake.sim.metrics import SimRequest, slowest_share_mean
-
-if TYPE_CHECKING:
-    from mooncake.sim.prefill import PrefillInstance
-    from mooncake.sim.simulator import Simulator
 
 
 class DecodeInstance:
     """Decode batch of one instance, advanced lazily segment by segment."""
 
-    def __init__(self, name: str, sim: Simulator, capacity_tokens: int):
+    def __init__(self, name: str, sim: SimContext, capacity_tokens: int):
         self.name = name
         self.sim = sim
         self.cost = sim.cost
@@ -64,7 +60,7 @@ class DecodeInstance:
         self.reserve = sim.cfg.reserve_at_start
         self.reserved_tokens = 0  # KV room reserved by prefills streaming here
         self.slack_tokens = sim.block_tokens  # room kept per running request to grow
-        self.waiters: set[PrefillInstance] = set()  # groups waiting for room
+        self.waiters: set[Waiter] = set()  # groups waiting for room
 
     @property
     def context_tokens(self) -> int:

@@ -31,22 +31,19 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from typing import TYPE_CHECKING
 
 import msgspec
 
 from mooncake.conductor.pipelining import num_chunks, stream_tail_s
+from mooncake.sim.context import SimContext
 from mooncake.sim.metrics import SimRequest
 from mooncake.sim.pool import NodePool
-
-if TYPE_CHECKING:
-    from mooncake.sim.simulator import Simulator
 
 
 class PrefillInstance:
     """FIFO queue and pipeline stages of one prefill group."""
 
-    def __init__(self, name: str, sim: Simulator, pool: NodePool, stages: int = 1):
+    def __init__(self, name: str, sim: SimContext, pool: NodePool, stages: int = 1):
         cfg = sim.cfg
         self.name = name
         self.sim = sim

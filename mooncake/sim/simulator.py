@@ -244,7 +244,7 @@ class Simulator:
 
     def rejected_at_start(self, req: SimRequest, t: float) -> None:
         """The Conductor rejected the request as its prefill was about to start (it has
-        already dropped it from its books)."""
+        already closed its ticket)."""
         req.status, req.done_at = "rejected_start", t
 
     def rejected_late(self, req: SimRequest, t: float) -> None:

@@ -15,7 +15,7 @@ import msgspec
 import pytest
 
 from mooncake.api.backend import GenerateRequest, Output
-from mooncake.conductor.roofline import create_conductor
+from mooncake.conductor.conductor import create_conductor
 from mooncake.config.roles import SchedulerConfig
 from mooncake.config.settings import Config
 from mooncake.kv.hashing import PrefixHasher

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from mooncake.api.status import decode_status
-from mooncake.conductor.roofline import create_conductor
+from mooncake.conductor.conductor import create_conductor
 from mooncake.config.settings import Config
 from mooncake.model.info import load_model_info
 from mooncake.model.tokenizer import create_tokenizer

@@ -24,7 +24,8 @@ from mooncake.api.server import ApiServer, check_open_api
 from mooncake.api.stats import RequestStats
 from mooncake.api.status import MasterStatus, NodeStatus, Status, host_port, pool_status
 from mooncake.conductor import ReplicationOrder
-from mooncake.conductor.roofline import PrefillHardware, create_conductor
+from mooncake.conductor.conductor import create_conductor
+from mooncake.conductor.roofline import PrefillHardware
 from mooncake.config.portrange import node_ports
 from mooncake.config.settings import Config
 from mooncake.errors import ConfigError

@@ -1,31 +1,37 @@
-"""The Conductor's books: each accepted request's ticket, moved along by progress reports.
+"""The Conductor's open tickets: one per accepted request, moved along by progress reports.
 
-A ticket is (prefill queue, decode slots, prompt KV tokens). The Conductor's decisions
-open it (`_book`); the reports of the instances move it through queue -> reservation ->
-batch and close it (decode finished, or the request dropped), keeping the prefill queues,
-the decode reservations and batches, and the §7.4 forecast in step. Pure logic: `now` is
-passed in.
+A ticket is the load one accepted request puts on the cluster: (the prefill queue it
+waits in, the decode slots holding its KV reservation, its prompt's KV tokens). The
+Conductor's decision opens it (`open`); the instances' progress reports move it through
+queue -> reservation -> batch and close it (decode finished, or the request dropped),
+keeping the prefill queues, the decode reservations and batches, and the §7.4 forecast
+in step. Pure logic: `now` is passed in.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterable
 
 from mooncake.conductor.forecast import DecodeForecast
 from mooncake.conductor.load import DecodeSlots, PrefillQueue
 
+Ticket = tuple[PrefillQueue, DecodeSlots, int]  # (prefill queue, decode slots, KV tokens)
 
-class Books:
-    """Load bookkeeping shared by the Conductor's decisions and its progress reports."""
+
+class OpenTickets:
+    """The accepted requests not yet finished or dropped, and the load each one holds."""
 
     def __init__(self, forecast: DecodeForecast):
         self.forecast = forecast
-        self.prefill: list[PrefillQueue] = []
-        self.decode: list[DecodeSlots] = []
-        self._tickets: dict[Hashable, tuple[PrefillQueue, DecodeSlots, int]] = {}
-        self._decode_by_name: dict[str, DecodeSlots] = {}
+        self._tickets: dict[Hashable, Ticket] = {}
 
-    def _book(
+    def __len__(self) -> int:
+        return len(self._tickets)
+
+    def get(self, req_id: Hashable) -> Ticket | None:
+        return self._tickets.get(req_id)
+
+    def open(
         self,
         req_id: Hashable,
         queue: PrefillQueue,
@@ -43,7 +49,7 @@ class Books:
         self.forecast.add_prefilling(req_id, ready_at, tokens)
         self._tickets[req_id] = (queue, slots, tokens)
 
-    def _rebind(self, req_id: Hashable, slots: DecodeSlots) -> None:
+    def rebind(self, req_id: Hashable, slots: DecodeSlots) -> None:
         """The request's KV goes to `slots` instead (its reservation moves there)."""
         queue, old, tokens = self._tickets[req_id]
         if old is not slots:
@@ -51,7 +57,8 @@ class Books:
             slots.reserve(req_id, tokens)
             self._tickets[req_id] = (queue, slots, tokens)
 
-    def _start_prefill(self, req_id: Hashable, now: float, prefill_s: float | None) -> None:
+    def start_prefill(self, req_id: Hashable, now: float, prefill_s: float | None) -> None:
+        """The request's prefill starts at `now`, taking `prefill_s` (None: as predicted)."""
         queue, slots, _ = self._tickets[req_id]
         queue.start(req_id, now, prefill_s)
         ready = now + queue.latency(req_id)
@@ -59,18 +66,12 @@ class Books:
             slots.incoming[req_id] = ready
         self.forecast.prefill_ends_at(req_id, ready)
 
-    @property
-    def num_tickets(self) -> int:
-        """Accepted requests whose ticket is still open (not finished, not dropped)."""
-        return len(self._tickets)
-
     # -- progress reports --------------------------------------------------------------
-    def on_prefill_started(self, req_id: Hashable, now: float) -> None:
-        """The request's prefill started (its predicted end refreshes the forecast)."""
+    def prefill_started(self, req_id: Hashable, now: float) -> None:
         if req_id in self._tickets:
-            self._start_prefill(req_id, now, None)
+            self.start_prefill(req_id, now, None)
 
-    def on_prefill_finished(self, req_id: Hashable, now: float) -> None:
+    def prefill_finished(self, req_id: Hashable, now: float) -> None:
         ticket = self._tickets.get(req_id)
         if ticket:
             ticket[0].finish(req_id, now)
@@ -78,49 +79,33 @@ class Books:
                 ticket[1].incoming[req_id] = now
             self.forecast.prefill_ends_at(req_id, now)
 
-    def on_decode_started(self, req_id: Hashable, now: float) -> None:
+    def decode_started(self, req_id: Hashable, now: float) -> None:
         ticket = self._tickets.get(req_id)
         if ticket:
             ticket[1].activate(req_id, now)
             self.forecast.start_decode(req_id, now)
 
-    def on_decode_finished(self, req_id: Hashable, now: float) -> None:
+    def decode_finished(self, req_id: Hashable, now: float) -> None:
         ticket = self._tickets.pop(req_id, None)
         if ticket:
             ticket[1].release(req_id)
             self.forecast.finish_decode(req_id, now)
 
-    def on_decode_report(
-        self, name: str, kv_tokens: int, batch_size: int, step_s: float, now: float
-    ) -> None:
-        """Decode (or coupled) instance `name` reports its batch: `batch_size` requests
-        holding `kv_tokens` of KV at `now`, one step every `step_s` seconds."""
-        slots = self._decode_by_name.get(name)
-        if slots is None:
-            return
-        slots.report(kv_tokens, batch_size, step_s, now)
-        running = sum(len(s.active) for s in self.decode)
-        if running:  # NOTE: tokens/s per decoding request, batch-weighted over the pool
-            self.forecast.gen_per_s = sum(s.gen_per_s for s in self.decode) / running
-
-    def on_request_dropped(self, req_id: Hashable, now: float) -> None:
-        """The request ended early (rejected by its decode instance, failed, cancelled)."""
+    def drop(self, req_id: Hashable) -> None:
+        """The request ended early: its queue entry, reservation and forecast go."""
         ticket = self._tickets.pop(req_id, None)
         if ticket:
             ticket[0].finish(req_id)
             ticket[1].release(req_id)
             self.forecast.drop(req_id)
 
-    @property
-    def num_inflight(self) -> int:
-        return len(self._tickets)
-
-    def check_books(self) -> None:
-        """Assert every load entry belongs to a live ticket and the totals add up."""
-        for q in self.prefill:
+    def check(self, prefill: Iterable[PrefillQueue], decode: Iterable[DecodeSlots]) -> None:
+        """Assert every load entry of `prefill` and `decode` belongs to an open ticket and
+        the totals add up."""
+        for q in prefill:
             assert set(q.req_s) <= set(self._tickets), (q.name, set(q.req_s) - set(self._tickets))
             assert abs(q.pending_s - sum(q.req_s.values())) < 1e-6, (q.name, q.pending_s)
-        for s in self.decode:
+        for s in decode:
             assert s.active_tokens == sum(s.active.values()), s.name
             assert list(s.since) == list(s.active), s.name
             assert s.reserved_tokens == sum(s.reserved.values()), s.name
