@@ -14,7 +14,7 @@ from mooncake.config.settings import Config, StoreConfig, TransferConfig
 from mooncake.config.sizes import Size, parse_size
 from mooncake.errors import ConfigError
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "mooncake.toml.example"
+EXAMPLE = Path(__file__).resolve().parents[2] / "mooncake.toml.example"
 
 
 def write(tmp_path: Path, text: str) -> Path:

@@ -12,7 +12,7 @@ from mooncake.cli.app import app, load_verbs
 from mooncake.conductor.roofline import roofline_cost_model
 from mooncake.config.doc import ALL_FIELDS, FIELDS
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "mooncake.toml.example"
+EXAMPLE = Path(__file__).resolve().parents[2] / "mooncake.toml.example"
 
 
 @pytest.fixture(scope="module")

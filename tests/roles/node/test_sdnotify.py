@@ -28,7 +28,7 @@ from mooncake.local.launcher import free_port
 from mooncake.roles.node.common import install_signal_handlers, report_ready
 
 pytestmark = pytest.mark.timeout(60)
-DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+DEPLOY = Path(__file__).resolve().parents[3] / "deploy"
 ROLES = ("master", "prefill", "decode", "store")
 
 
