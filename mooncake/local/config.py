@@ -14,7 +14,7 @@ from mooncake.hw.ssdplace import MEMORY_FILESYSTEMS, fstype_of
 from mooncake.local.runfile import write_private
 
 if TYPE_CHECKING:
-    from mooncake.local.launcher import LocalPlan
+    from mooncake.local.plan import LocalPlan
 
 DECODE_KV_BYTES = 128 << 20  # the decode node's KV cache (and the cost model's capacity)
 LOCAL_SSD_BYTES = "256MiB"  # each node's SSD tier: small, so a newcomer sees DRAM -> SSD moves

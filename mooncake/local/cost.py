@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from mooncake.local.config import DECODE_KV_BYTES
-from mooncake.local.launcher import LocalPlan
+from mooncake.local.plan import LocalPlan
 from mooncake.local.runfile import private_dir, write_private
 
 

@@ -16,8 +16,8 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+import mooncake.rpc.wire as wire
 from mooncake.errors import ProtocolError, RpcError
-from mooncake.rpc import wire
 from mooncake.rpc.auth import HandshakeWatch, check_secret
 from mooncake.rpc.client import auth_refused, dealer_socket, timeout_error
 from mooncake.rpc.wire import M, Msg

@@ -10,8 +10,8 @@ from typing import Any
 import msgspec
 import zmq
 
+import mooncake.rpc.wire as wire
 from mooncake.errors import AuthError, RpcError, RpcTimeout
-from mooncake.rpc import wire
 from mooncake.rpc.auth import HandshakeWatch, check_secret, secure_client
 from mooncake.rpc.wire import M, Msg
 

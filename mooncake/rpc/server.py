@@ -11,9 +11,9 @@ from typing import Any, NamedTuple
 import msgspec
 import zmq
 
+import mooncake.rpc.wire as wire
 from mooncake.config.portrange import PortRange, bind_zmq
 from mooncake.errors import MooncakeError, ProtocolError, RpcError
-from mooncake.rpc import wire
 from mooncake.rpc.auth import ZapHandler, check_secret, secure_server
 from mooncake.rpc.wire import M, Msg, MsgType
 

@@ -28,9 +28,9 @@ import msgspec
 
 from mooncake.errors import TransferError
 from mooncake.native.shm import sweep_stale
-from mooncake.transfer import inline
 from mooncake.transfer.batch import Batch, Slice
 from mooncake.transfer.directory import BaseDirectory, PeerDirectory
+from mooncake.transfer.inline import Finish, InlineMover
 from mooncake.transfer.paths import PathSet, cut, nic_preference_for
 from mooncake.transfer.segment import Region, SegmentTable, range_error
 from mooncake.transfer.server import TcpServer
@@ -117,21 +117,30 @@ class TransferEngine:
             ),
         }
         self.stager = Stager(staging, chunk, num)  # this node's requests of device memory
-        self._stage_path = StagePath(self, self.stager, num)
+        self._stage_path = StagePath(self.forget, self._pathset, self.options, self.stager, num)
         self._targets = TargetCache(
             self._transports,
             self.options.protocol,
             lambda name: self.describe(name) or self.directory.lookup(name),
         )
+        self._inline = InlineMover(self._check, self._pathset, self._targets.peek, self.options)
         if self.options.protocol in ("rdma", "auto"):
             from mooncake.transfer.rdma import create_rdma_transport
 
             try:
-                rdma = create_rdma_transport(self, verbs, required=self.options.protocol == "rdma")
+                rdma = create_rdma_transport(
+                    self._report,
+                    self.name,
+                    self._secret,
+                    self.options,
+                    verbs,
+                    required=self.options.protocol == "rdma",
+                )
             except BaseException:
                 self.close()
                 raise
             if rdma is not None:
+                self.server.handlers[Op.RDMA_CONNECT] = rdma.on_connect
                 self._transports["rdma"] = rdma
 
     def bytes_by_transport(self) -> dict[str, int]:
@@ -227,7 +236,7 @@ class TransferEngine:
         allows it (tcp), so a small transfer costs no thread hand-off; the rest go to the
         transport's threads as with submit(). Raises TransferError as submit() does."""
         reqs = list(requests)
-        if len(reqs) == 1 and inline.move_now(self, reqs[0], timeout):
+        if len(reqs) == 1 and self._inline.move_now(reqs[0], timeout):
             self._count(self._targets.peek(reqs[0].remote_segment), reqs[0].length)
             return Batch.done(reqs)
         batch, by_path = self._plan(reqs, timeout)
@@ -249,17 +258,17 @@ class TransferEngine:
     def move(self, r: TransferRequest, timeout: float | None = None) -> None:
         """Move one request and wait for it; raises TransferError if it did not end DONE.
         transfer([r]).check() without building a Batch when the caller's thread moves it."""
-        if inline.move_now(self, r, timeout):
+        if self._inline.move_now(r, timeout):
             self._count(self._targets.peek(r.remote_segment), r.length)
         else:
             self.transfer([r], timeout).check()
 
-    def start(self, r: TransferRequest, timeout: float | None = None) -> inline.Finish | None:
+    def start(self, r: TransferRequest, timeout: float | None = None) -> Finish | None:
         """Begin one small request on this thread; returns the call that ends it:
         finish() waits (True once moved, False if it failed: move() it then),
         finish(False) abandons it. None if it cannot begin that way (nothing sent).
         See transfer/inline.py."""
-        finish = inline.start_move(self, r, timeout)
+        finish = self._inline.start_move(r, timeout)
         if finish is None:
             return None
 

@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 
@@ -35,12 +35,9 @@ from mooncake.transfer.rdmapath import RdmaPath
 from mooncake.transfer.rdmaqp import Credits, Outcome, QueuePair, classify, generation_of
 from mooncake.transfer.segment import Region
 from mooncake.transfer.tcp import control_call
-from mooncake.transfer.transport import BaseTransport, Target
+from mooncake.transfer.transport import BaseTransport, Report, Target
 from mooncake.transfer.types import EngineOptions, RdmaKeyDesc, SegmentDesc, TransferOp
 from mooncake.transfer.wire import Op, Status, status_text
-
-if TYPE_CHECKING:
-    from mooncake.transfer.engine import TransferEngine
 
 log = logging.getLogger(__name__)
 MAX_QPS_PER_CONNECT = 64
@@ -80,19 +77,16 @@ def _endpoint(info: QpInfo) -> QpEndpoint:
 
 
 def create_rdma_transport(
-    engine: TransferEngine, verbs: Any, required: bool
+    report: Report, node: str, secret: bytes, options: EngineOptions, verbs: Any, required: bool
 ) -> RdmaTransport | None:
-    """The rdma transport of `engine`, or None when RDMA is unusable and not `required`
-    (then TransferError says why)."""
+    """The rdma transport of engine `node` (its completion entry point, cluster secret and
+    options), or None when RDMA is unusable and not `required` (then TransferError says
+    why). The engine routes its server's RDMA_CONNECT requests to `on_connect`."""
     why, nics = "", {}
     try:
         verbs = verbs or verbs_api.load_pyverbs()
-        names = [
-            n
-            for n in verbs_api.list_devices(verbs)
-            if not engine.options.nics or n in engine.options.nics
-        ]
-        nics = verbs_api.open_nics(verbs, names, engine.options.rdma)
+        names = [n for n in verbs_api.list_devices(verbs) if not options.nics or n in options.nics]
+        nics = verbs_api.open_nics(verbs, names, options.rdma)
         why = "" if nics else "no RDMA device found (or none of transfer.nics opened)"
     except ImportError as e:
         why = f"pyverbs is not importable ({e}); install python3-pyverbs (Debian) or pyverbs"
@@ -101,20 +95,27 @@ def create_rdma_transport(
             raise TransferError(f"protocol rdma: {why}")
         log.info("rdma transport disabled: %s", why)
         return None
-    transport = RdmaTransport(engine, nics)
-    engine.server.handlers[Op.RDMA_CONNECT] = transport.on_connect
-    return transport
+    return RdmaTransport(report, node, secret, options, nics)
 
 
 class RdmaTransport(BaseTransport):
     name = "rdma"
 
-    def __init__(self, engine: TransferEngine, nics: dict[str, RdmaNic]):
-        super().__init__(engine._report)
-        self.engine = engine
+    def __init__(
+        self,
+        report: Report,
+        node: str,  # this engine's name: the peer keys our QPs by it
+        secret: bytes,  # the cluster secret of RDMA_CONNECT exchanges
+        options: EngineOptions,
+        nics: dict[str, RdmaNic],
+    ):
+        super().__init__(report)
+        self.node = node
+        self.options = options
+        self._secret = secret
         self.nics = nics
         self.verbs = next(iter(nics.values())).verbs
-        self.settings = engine.options.rdma
+        self.settings = options.rdma
         self.credits = {n: Credits(nic.cq_depth) for n, nic in nics.items()}
         self.num_stale = 0  # completions of QPs no longer known (ignored)
         self._by_gen: dict[int, tuple[RdmaPath, QueuePair]] = {}
@@ -201,7 +202,7 @@ class RdmaTransport(BaseTransport):
     def connect(self, path: RdmaPath, slots: list[int]) -> list[tuple[int, Any]]:
         """Create, exchange and connect one QP per slot of `path` (on a worker); every QP
         made is destroyed again if any step fails."""
-        nic, opts = path.nic, self.engine.options
+        nic, opts = path.nic, self.options
         qps: list[Any] = []
         try:
             psns = [secrets.randbits(24) for _ in slots]
@@ -209,12 +210,12 @@ class RdmaTransport(BaseTransport):
                 qps.append(nic.create_qp())
             mine = [_info(nic.endpoint(qp, p)) for qp, p in zip(qps, psns, strict=True)]
             msg = RdmaConnectMsg(
-                self.engine.name, path.local_nic, path.remote_nic, path.path_id, slots, mine
+                self.node, path.local_nic, path.remote_nic, path.path_id, slots, mine
             )
             status, body = control_call(
                 path.host,
                 path.port,
-                self.engine._secret,
+                self._secret,
                 Op.RDMA_CONNECT,
                 _encode(msg),
                 opts.slice_io_timeout_s,
@@ -246,7 +247,7 @@ class RdmaTransport(BaseTransport):
 
     def _poll_loop(self, name: str) -> None:
         nic, credits = self.nics[name], self.credits[name]
-        spin_s = max(self.engine.options.spin_us, 1.0) / 1e6
+        spin_s = max(self.options.spin_us, 1.0) / 1e6
         idle_at = 0.0
         while not self._closed:
             if credits.used == 0:
@@ -337,7 +338,7 @@ class RdmaTransport(BaseTransport):
             self._served.update({k: (nic, qp) for k, qp in zip(keys, qps, strict=True)})
         _close_all(old)  # NOTE: the initiator reconnects a slot only once it drained it
         reply = RdmaConnectMsg(
-            self.engine.name, msg.initiator_nic, msg.target_nic, msg.path_id, msg.slots, mine
+            self.node, msg.initiator_nic, msg.target_nic, msg.path_id, msg.slots, mine
         )
         return Status.OK, _encode(reply)
 

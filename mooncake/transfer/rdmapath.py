@@ -18,29 +18,49 @@ import logging
 import secrets
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import msgspec
 
 from mooncake.errors import MooncakeError, TransferError
+from mooncake.native.rdma import RdmaNic
 from mooncake.transfer.batch import Slice
 from mooncake.transfer.paths import Path
-from mooncake.transfer.rdmaqp import QpState, QueuePair
-
-if TYPE_CHECKING:
-    from mooncake.transfer.rdma import RdmaTransport
+from mooncake.transfer.rdmaqp import Credits, QpState, QueuePair
+from mooncake.transfer.transport import Report
+from mooncake.transfer.types import EngineOptions
 
 log = logging.getLogger(__name__)
 CONNECT_ERRORS = (OSError, MooncakeError, msgspec.DecodeError)
 
 
+class PathOwner(Protocol):
+    """What an RdmaPath needs of its transport (transfer/rdma.py's RdmaTransport): the
+    engine's options, the local NICs and their CQ credits, posting a slice, running work on
+    a worker thread, reporting a slice, and connecting, adopting and forgetting QPs."""
+
+    options: EngineOptions
+    nics: dict[str, RdmaNic]
+    credits: dict[str, Credits]
+    report: Report
+
+    def post(self, nic: RdmaNic, qp: Any, wr_id: int, s: Slice, remote_nic: str) -> None: ...
+
+    def later(self, fn: Callable[..., object], *args: Any) -> None: ...
+
+    def connect(self, path: RdmaPath, slots: list[int]) -> list[tuple[int, Any]]: ...
+
+    def adopt_qp(self, path: RdmaPath, qp: Any, slot: int) -> QueuePair: ...
+
+    def forget_qp(self, q: QueuePair) -> None: ...
+
+
 class RdmaPath(Path):
     """Queue pairs from one local NIC to one NIC of a peer; connected on first use."""
 
-    def __init__(
-        self, transport: RdmaTransport, host: str, port: int, local_nic: str, remote_nic: str
-    ):
-        opts = transport.engine.options
+    def __init__(self, transport: PathOwner, host: str, port: int, local_nic: str, remote_nic: str):
+        opts = transport.options
         key = f"rdma {local_nic}->{remote_nic}@{host}:{port}"
         super().__init__(key, local_nic, remote_nic, opts.pause_after_failures, opts.pause_s)
         self.transport = transport

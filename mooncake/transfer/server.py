@@ -24,9 +24,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+import mooncake.transfer.admission as admission
+import mooncake.transfer.wire as wire
 from mooncake.config.portrange import PortRange, listen
 from mooncake.errors import MooncakeError
-from mooncake.transfer import admission, wire
 from mooncake.transfer.segment import Region, SegmentTable
 from mooncake.transfer.staging import Stager
 from mooncake.transfer.wire import REQ, RESP, Op, Status

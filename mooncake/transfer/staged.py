@@ -8,30 +8,39 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from mooncake.errors import TransferError
 from mooncake.native.memory import buffer_view
 from mooncake.transfer.batch import Batch, Slice
-from mooncake.transfer.paths import Path, cut
+from mooncake.transfer.paths import Path, PathSet, cut
 from mooncake.transfer.segment import Region
 from mooncake.transfer.staging import Stager
-from mooncake.transfer.types import TransferOp, TransferRequest
-
-if TYPE_CHECKING:
-    from mooncake.transfer.engine import TransferEngine
+from mooncake.transfer.transport import Target
+from mooncake.transfer.types import EngineOptions, TransferOp, TransferRequest
 
 log = logging.getLogger(__name__)
 
 
 class StagePath(Path):
-    """Where the engine queues staged requests: a pool of staging threads."""
+    """Where the engine queues staged requests: a pool of staging threads. It takes from the
+    engine only what it uses: `forget` (drop a remote segment's cached resolution),
+    `pathset` (a target's paths from a local location) and the engine's options."""
 
-    def __init__(self, engine: TransferEngine, stager: Stager, num_threads: int):
+    def __init__(
+        self,
+        forget: Callable[[str], None],
+        pathset: Callable[[Target, str], PathSet],
+        options: EngineOptions,
+        stager: Stager,
+        num_threads: int,
+    ):
         super().__init__("staged via pinned host memory", "", "")
-        self._engine = engine
+        self._forget = forget
+        self._pathset = pathset
+        self._options = options
         self.stager = stager
         self._num_threads = max(1, num_threads)
         self._pool: ThreadPoolExecutor | None = None
@@ -68,7 +77,7 @@ class StagePath(Path):
                 self.stager.into(view, s.local_offset, s.length, self._mover(s))
         except TransferError as e:
             s.batch.fail(s.index, f"staged through host memory: {e}")
-            self._engine.forget(s.batch.requests[s.index].remote_segment)
+            self._forget(s.batch.requests[s.index].remote_segment)
         except Exception as e:  # a CUDA error: fail this request, keep the thread
             log.exception("staging %r failed", s)
             s.batch.fail(s.index, f"staging device memory failed: {e}")
@@ -78,7 +87,7 @@ class StagePath(Path):
 
     def _mover(self, s: Slice) -> Callable[[np.ndarray, int], Callable[[], None]]:
         """Moves one chunk (a bounce buffer at `pos` of the request) as a host sub-batch."""
-        engine, r = self._engine, s.batch.requests[s.index]
+        r = s.batch.requests[s.index]
 
         def move(chunk: np.ndarray, pos: int) -> Callable[[], None]:
             if not s.batch.is_live(s.index):
@@ -95,8 +104,8 @@ class StagePath(Path):
             sub = Batch([part], s.batch.deadline)
             by_path: dict[Any, list[Slice]] = {}
             local = bounce_region(chunk, s.local.location)
-            pathset = engine._pathset(s.target, local.location)
-            cut(sub, 0, local, 0, s.target, pathset, engine.options, by_path)
+            pathset = self._pathset(s.target, local.location)
+            cut(sub, 0, local, 0, s.target, pathset, self._options, by_path)
             for path, slices in by_path.items():
                 path.dispatch(slices)
 

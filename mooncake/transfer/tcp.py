@@ -25,8 +25,8 @@ import socket
 import threading
 from collections.abc import Callable, Iterator, Mapping
 
+import mooncake.transfer.wire as wire
 from mooncake.errors import MooncakeError, ProtocolError
-from mooncake.transfer import wire
 from mooncake.transfer.batch import Slice, chunked, contiguous_runs
 from mooncake.transfer.paths import Path
 from mooncake.transfer.transport import BaseTransport, Report, Target

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from mooncake.local import launcher as local
-from mooncake.local.launcher import PREFILL_NICE, LocalLauncher, LocalPlan
+from mooncake.local.launcher import LocalLauncher, LocalPlan
+from mooncake.local.plan import PREFILL_NICE
 
 
 def test_a_node_lowers_its_priority_and_never_raises_it():

@@ -22,7 +22,7 @@ import subprocess
 from dataclasses import dataclass
 
 from mooncake.errors import MooncakeError
-from mooncake.local.launcher import Placement
+from mooncake.local.plan import Placement
 
 log = logging.getLogger(__name__)
 PREFIX = "mcsk"  # every namespace, bridge and veth made here starts with it and a pid
