@@ -139,3 +139,9 @@ def _cluster_marker_checked(request: pytest.FixtureRequest) -> Iterator[None]:
             "(or `pytestmark = pytest.mark.cluster` for the whole file)",
             pytrace=False,
         )
+
+
+@pytest.fixture(scope="session")
+def cost_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One profiled cost model for every local cluster of the session (tests/roles, tests/local)."""
+    return tmp_path_factory.mktemp("costmodel")
