@@ -21,8 +21,8 @@ import numpy as np
 from mooncake.errors import MooncakeError
 from mooncake.integrations.vllm.paged import PagedCache
 from mooncake.integrations.vllm.plan import BlockRun
-from mooncake.kv.object import KVObjectError, decode_kv_head
 from mooncake.kv.keys import kv_key
+from mooncake.kv.object import KVObjectError, decode_kv_head
 from mooncake.kv.pool import StoreKVPool
 from mooncake.store.client.datapath import ReadPlan
 from mooncake.store.metadata.objects import ReplicaDesc
