@@ -7,8 +7,10 @@
 - `BaseKVSink`: put-start (`begin`) -> `BaseKVPut.write_layer` after each layer computes
   -> `commit` (put-end) -> `wait`. Every call but `wait` is asynchronous: the tensors passed
   to `write_layer` are cache views that must stay untouched until `wait` returns.
-- `DramKVPool`: both, in this process's memory; one writer thread; LRU by bytes; optionally
-  paced like a network link. It stands in for the Store in tests and `mooncake bench engine`.
+- `LayerWriter`: the writer thread and the objects being built of a sink, which a pool owns
+  (this one, and kv/pool.py's `StoreKVPool`).
+- `DramKVPool`: both, in this process's memory; LRU by bytes; optionally paced like a
+  network link. It stands in for the Store in tests and `mooncake bench engine`.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import time
 import warnings
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -98,8 +100,8 @@ class BaseKVSink(ABC):
 
 
 class _Put(BaseKVPut):
-    def __init__(self, pool: DramKVPool, builders: list[KVObjectBuilder | None]):
-        self.pool = pool
+    def __init__(self, writer: LayerWriter, builders: list[KVObjectBuilder | None]):
+        self.writer = writer
         self.builders = builders  # None: the pool holds this block already
         self.bufs = [
             None if b is None else torch.frombuffer(b.buf, dtype=torch.uint8) for b in builders
@@ -117,14 +119,14 @@ class _Put(BaseKVPut):
         event: Any = None,
     ) -> None:
         idx, ks, vs = list(block_indices), list(k), list(v)
-        self.pool.submit(self, lambda: self._write(layer, idx, ks, vs, event))
+        self.writer.submit(self, lambda: self._write(layer, idx, ks, vs, event))
 
     def _write(
         self, layer: int, indices: list[int], ks: list[Tensor], vs: list[Tensor], event: Any
     ) -> None:
         if event is not None:
             event.synchronize()  # NOTE: the layer's kernels may still be writing k and v
-        lay = self.pool.layout
+        lay = self.writer.layout
         k_off, v_off, n = lay.k_offset(layer), lay.v_offset(layer), lay.half_bytes
         for i, k, v in zip(indices, ks, vs, strict=True):
             buf, builder = self.bufs[i], self.builders[i]
@@ -133,16 +135,16 @@ class _Put(BaseKVPut):
             buf[k_off : k_off + n].copy_(k.reshape(-1).view(torch.uint8))
             buf[v_off : v_off + n].copy_(v.reshape(-1).view(torch.uint8))
             builder.mark_written(layer)
-            if self.pool.link_bytes_per_s > 0:
-                time.sleep(2 * n / self.pool.link_bytes_per_s)
+            if self.writer.link_bytes_per_s > 0:
+                time.sleep(2 * n / self.writer.link_bytes_per_s)
 
     def commit(self) -> None:
-        self.pool.submit(self, self._commit)
+        self.writer.submit(self, self._commit)
 
     def _commit(self) -> None:
         # Pipeline stages share builders: an object is sealed by whichever writer completes it.
         builders = [b for b in self.builders if b is not None]
-        self.pool.insert([(b.block_hash, b.commit()) for b in builders if b.is_complete])
+        self.writer.store([(b.block_hash, b.commit()) for b in builders if b.is_complete])
         self.num_committed = len(builders)
         self.done.set()
 
@@ -154,25 +156,33 @@ class _Put(BaseKVPut):
         return self.num_committed
 
 
-class DramKVPool(BaseKVSource, BaseKVSink):
-    """KV objects in this process's memory, with a writer thread and LRU eviction."""
+BuiltObjects = list[tuple[int, bytearray]]  # (block hash, object) pairs
+
+
+class LayerWriter:
+    """The write side a pool owns: objects built layer by layer on one writer thread.
+
+    `begin` shares one builder per block among the writers of a prompt (the stages of a
+    pipeline) and skips the blocks `is_stored` names; at commit, the writer thread hands
+    each completed object to `store` (the pool's: keep it, or put it into the Store),
+    which calls `built` for them. `lock` guards the builders; a pool guards its own index
+    with it too, so that a block goes from being built to stored at once."""
 
     def __init__(
         self,
         layout: KVLayout,
         fingerprint: bytes,
-        capacity_bytes: int | None = None,
+        store: Callable[[BuiltObjects], None],
         link_bytes_per_s: float = 0.0,
     ):
         self.layout = layout
         self.fingerprint = fingerprint
-        self.capacity_bytes = capacity_bytes
+        self.store = store
         # > 0: writes also wait as if the bytes crossed a link this fast (benchmarks use it
         # to stand in for a remote Store; the wait releases the GIL like a real transfer).
         self.link_bytes_per_s = link_bytes_per_s
-        self._objects: OrderedDict[int, bytearray] = OrderedDict()  # block hash -> object
+        self.lock = threading.RLock()  # NOTE: reentrant: a pool's `store` holds it to call `built`
         self._pending: dict[int, KVObjectBuilder] = {}  # block hash -> object being written
-        self._lock = threading.Lock()
         self._tasks: queue.SimpleQueue[tuple[_Put, Callable[[], None]] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="kv-writer", daemon=True)
         self._thread.start()
@@ -196,14 +206,17 @@ class DramKVPool(BaseKVSource, BaseKVSink):
         self._tasks.put(None)
         self._thread.join()
 
-    # -- sink --
     def begin(
-        self, block_hashes: Sequence[int], token_blocks: Sequence[Sequence[int]]
+        self,
+        block_hashes: Sequence[int],
+        token_blocks: Sequence[Sequence[int]],
+        is_stored: Callable[[int], bool] | None = None,
     ) -> BaseKVPut:
+        """Put-start (`BaseKVSink.begin`); `is_stored` is called under `lock`."""
         builders: list[KVObjectBuilder | None] = []
-        with self._lock:
+        with self.lock:
             for h, tokens in zip(block_hashes, token_blocks, strict=True):
-                if h in self._objects:
+                if is_stored is not None and is_stored(h):
                     builders.append(None)
                     continue
                 if h not in self._pending:
@@ -211,10 +224,43 @@ class DramKVPool(BaseKVSource, BaseKVSink):
                 builders.append(self._pending[h])
         return _Put(self, builders)
 
-    def insert(self, objects: list[tuple[int, bytearray]]) -> None:
+    def built(self, block_hashes: Iterable[int]) -> None:
+        """These blocks' objects are complete: a later `begin` builds them anew."""
+        with self.lock:
+            for h in block_hashes:
+                self._pending.pop(h, None)
+
+
+class DramKVPool(BaseKVSource, BaseKVSink):
+    """KV objects in this process's memory, with a writer thread and LRU eviction."""
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        fingerprint: bytes,
+        capacity_bytes: int | None = None,
+        link_bytes_per_s: float = 0.0,
+    ):
+        self.layout = layout
+        self.fingerprint = fingerprint
+        self.capacity_bytes = capacity_bytes
+        self._writer = LayerWriter(layout, fingerprint, self.insert, link_bytes_per_s)
+        self._objects: OrderedDict[int, bytearray] = OrderedDict()  # block hash -> object
+        self._lock = self._writer.lock  # NOTE: one lock for the objects and the builders
+
+    def close(self) -> None:
+        self._writer.close()
+
+    # -- sink --
+    def begin(
+        self, block_hashes: Sequence[int], token_blocks: Sequence[Sequence[int]]
+    ) -> BaseKVPut:
+        return self._writer.begin(block_hashes, token_blocks, self._objects.__contains__)
+
+    def insert(self, objects: BuiltObjects) -> None:
         with self._lock:
+            self._writer.built(h for h, _ in objects)
             for block_hash, data in objects:
-                self._pending.pop(block_hash, None)
                 self._objects[block_hash] = data
                 self._objects.move_to_end(block_hash)
             while self.capacity_bytes is not None and self.num_bytes > self.capacity_bytes:

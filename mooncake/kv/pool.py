@@ -2,12 +2,12 @@
 
 One pool object per block, under `kv_key(block_hash)`; the hash already covers the
 model fingerprint, the cluster seed and the tenant salt, so keys never collide across
-models. Writing reuses `DramKVPool`'s layer-wise builders (a writer thread copies each
-finished layer into the object while the next one computes); a completed object is put
-into the Store in one batch at commit, into DRAM, or SSD when DRAM cannot make room at
-once (`PUT_TIERS`). Reading asks the master which leading blocks exist (one call) and
-fetches them in one batch, from whichever tier holds each (SSD replicas are read where
-they are); the prefill runner validates every object.
+models. Writing builds objects layer by layer with a `LayerWriter` (kv/layerio.py: its
+thread copies each finished layer into the object while the next one computes); a
+completed object is put into the Store in one batch at commit, into DRAM, or SSD when
+DRAM cannot make room at once (`PUT_TIERS`). Reading asks the master which leading
+blocks exist (one call) and fetches them in one batch, from whichever tier holds each
+(SSD replicas are read where they are); the prefill runner validates every object.
 """
 
 from __future__ import annotations
@@ -21,7 +21,14 @@ import numpy as np
 
 from mooncake.errors import MooncakeError, StoreError, TransferError
 from mooncake.kv.keys import kv_key
-from mooncake.kv.layerio import Buffer, DramKVPool
+from mooncake.kv.layerio import (
+    BaseKVPut,
+    BaseKVSink,
+    BaseKVSource,
+    Buffer,
+    BuiltObjects,
+    LayerWriter,
+)
 from mooncake.kv.object import KVLayout, object_head
 from mooncake.kv.stream import PoolTarget
 from mooncake.store.client.client import Store
@@ -36,11 +43,13 @@ log = logging.getLogger(__name__)
 PUT_TIERS = ("dram", "ssd")
 
 
-class StoreKVPool(DramKVPool):
+class StoreKVPool(BaseKVSource, BaseKVSink):
     """`BaseKVSource` + `BaseKVSink` backed by the distributed Store."""
 
     def __init__(self, store: Store, layout: KVLayout, fingerprint: bytes, replicas: int = 0):
-        super().__init__(layout, fingerprint)
+        self.layout = layout
+        self.fingerprint = fingerprint
+        self._writer = LayerWriter(layout, fingerprint, self.insert)
         self.store = store
         self.replicas = replicas  # copies per object; 0 = the master's default
         self.num_put_failures = 0  # objects the Store refused or failed to write
@@ -48,11 +57,17 @@ class StoreKVPool(DramKVPool):
         self._heads: np.ndarray | None = None  # registered staging of object heads
         self._heads_lock = threading.Lock()
 
-    def insert(self, objects: list[tuple[int, bytearray]]) -> None:
+    def close(self) -> None:
+        self._writer.close()
+
+    def begin(
+        self, block_hashes: Sequence[int], token_blocks: Sequence[Sequence[int]]
+    ) -> BaseKVPut:
+        return self._writer.begin(block_hashes, token_blocks)
+
+    def insert(self, objects: BuiltObjects) -> None:
         """Put completed objects (called on the writer thread at commit)."""
-        with self._lock:
-            for h, _ in objects:
-                self._pending.pop(h, None)
+        self._writer.built(h for h, _ in objects)
         if not objects:
             return
         keys = [kv_key(h) for h, _ in objects]

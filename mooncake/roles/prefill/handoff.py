@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import dataclass
 from typing import TypeVar
 
 from mooncake.config.roles import PrefillConfig
@@ -38,6 +39,19 @@ log = logging.getLogger(__name__)
 R = TypeVar("R", bound=Msg)
 
 
+@dataclass(frozen=True)
+class DecodeTarget:
+    """The decode node a request's KV goes to, at the RPC address it answers at."""
+
+    node: str
+    address: str
+
+    @classmethod
+    def placed(cls, task: PrefillTaskMsg) -> DecodeTarget:
+        """Where the master placed `task` (its admission may move it: roles/prefill/role.py)."""
+        return cls(task.decode_node, task.decode_address)
+
+
 class DecodeUnreachable(TransferError):
     """The decode node a task was placed on did not answer a call."""
 
@@ -50,7 +64,8 @@ class DecodeHandoff:
     """Reserves blocks on decode nodes and submits requests to them; one RPC client per
     decode node, of the address its latest task named. The KV itself streams into the
     blocks during the prefill (engine/kvstream.py). Any thread may call it (the worker
-    reserves, the completer submits).
+    reserves, the completer submits). Each call names its `DecodeTarget`, the one the
+    task holds (roles/prefill/flow.py `TaskInFlight.decode`).
 
     A decode node restarted under its id answers at a new address: its client of the old
     one is closed once no call is in flight on it, so that a node restarted again and
@@ -63,15 +78,15 @@ class DecodeHandoff:
         self._calls: dict[RpcClient, int] = {}  # client -> calls in flight on it
         self._lock = threading.Lock()  # guards both
 
-    def reserve(self, task: PrefillTaskMsg, n: int) -> KVDest:
-        """Blocks for `n` tokens of KV on the task's decode node, waiting while it has no
-        room. Raises DecodeUnreachable, or TransferError when no room came in time."""
+    def reserve(self, req_id: int, to: DecodeTarget, n: int) -> KVDest:
+        """Blocks for `n` tokens of request `req_id`'s KV on decode node `to`, waiting while
+        it has no room. Raises DecodeUnreachable, or TransferError when no room came in time."""
         deadline = time.monotonic() + self.settings.reserve_timeout_s
-        msg = DecodeReserveMsg(task.req_id, n)
-        while not (reply := self._call(task, msg, DecodeReserveReplyMsg)).block_ids:
+        msg = DecodeReserveMsg(req_id, n)
+        while not (reply := self._call(to, msg, DecodeReserveReplyMsg)).block_ids:
             if time.monotonic() > deadline:
                 raise TransferError(
-                    f"decode node {task.decode_node} had no room for {n} tokens of KV within "
+                    f"decode node {to.node} had no room for {n} tokens of KV within "
                     f"{self.settings.reserve_timeout_s:g} s ([prefill] reserve_timeout_s)"
                 )
             time.sleep(self.settings.reserve_poll_s)
@@ -82,46 +97,43 @@ class DecodeHandoff:
             num_tokens=n,
         )
 
-    def submit(self, task: PrefillTaskMsg, dest: KVDest | None, layer_tokens: list[int]) -> None:
-        """The KV is in place (`layer_tokens` per layer): the request joins the decode
-        node's queue. None: a one-token prompt, computed by the decode node itself."""
+    def submit(
+        self, task: PrefillTaskMsg, to: DecodeTarget, dest: KVDest | None, layer_tokens: list[int]
+    ) -> None:
+        """The KV is in place (`layer_tokens` per layer): the request joins the queue of
+        decode node `to`. None: a one-token prompt, computed by the decode node itself."""
         blocks = list(dest.block_ids) if dest is not None else []
         n = dest.num_tokens if dest is not None else 0
         msg = DecodeSubmitMsg(task.req_id, task.prompt_ids, task.params, blocks, n, layer_tokens)
-        self._call(task, msg, AckMsg)
+        self._call(to, msg, AckMsg)
 
-    def release(self, task: PrefillTaskMsg) -> None:
+    def release(self, req_id: int, to: DecodeTarget) -> None:
         """Give back a reservation that will not be submitted (best effort: the decode
         node frees it after decode.reserve_ttl_s anyway)."""
         try:
-            self._call(task, DecodeReleaseMsg(task.req_id), AckMsg)
+            self._call(to, DecodeReleaseMsg(req_id), AckMsg)
         except MooncakeError as e:
-            log.warning(
-                "req %d: could not release its KV blocks on %s: %s",
-                task.req_id,
-                task.decode_node,
-                e,
-            )
+            log.warning("req %d: could not release its KV blocks on %s: %s", req_id, to.node, e)
 
-    def _call(self, task: PrefillTaskMsg, msg: Msg, reply_type: type[R]) -> R:
-        client = self._take(task)
+    def _call(self, to: DecodeTarget, msg: Msg, reply_type: type[R]) -> R:
+        client = self._take(to)
         try:
             return client.call(msg, reply_type)
         except RpcTimeout as e:
-            raise DecodeUnreachable(task.decode_node, task.decode_address, e) from e
+            raise DecodeUnreachable(to.node, to.address, e) from e
         finally:
             self._give_back(client)
 
-    def _take(self, task: PrefillTaskMsg) -> RpcClient:
-        """The client of the task's decode node at the task's address, with a call counted."""
+    def _take(self, to: DecodeTarget) -> RpcClient:
+        """The client of decode node `to` at its address, with a call counted."""
         with self._lock:
-            client = self._clients.get(task.decode_node)
-            if client is None or client.address != task.decode_address:
+            client = self._clients.get(to.node)
+            if client is None or client.address != to.address:
                 if client is not None:
                     self._retire(client)
                 timeout_s = self.settings.decode_call_timeout_s
-                client = RpcClient(task.decode_address, self.secret, timeout_s=timeout_s)
-                self._clients[task.decode_node] = client
+                client = RpcClient(to.address, self.secret, timeout_s=timeout_s)
+                self._clients[to.node] = client
             self._calls[client] = self._calls.get(client, 0) + 1
             return client
 

@@ -3,7 +3,7 @@ pool layer by layer, and hand each request's KV to its decode node.
 
 A node is one stage of a pipeline group; the master assigns groups on registration.
 Stage 0 (the leader) receives tasks, in the Conductor's order, and drives the group;
-later stages serve their upstream link. Per task on the leader (roles/prefillflow.py):
+later stages serve their upstream link. Per task on the leader (roles/prefill/flow.py):
 
     admit       ask the master whether the task still runs and where its KV goes
     begin       reserve the prompt's blocks on the decode node; compute this stage's
@@ -64,12 +64,12 @@ from mooncake.roles.node.worker import (
     load_worker,
     mount_local_tiers,
 )
-from mooncake.roles.prefill.flow import Flight, PrefillFlow
+from mooncake.roles.prefill.flow import PrefillFlow, TaskInFlight
 from mooncake.roles.prefill.group.leaderlink import NextStage
 from mooncake.roles.prefill.group.link import StageTimeoutError, TcpStageLink
 from mooncake.roles.prefill.group.listener import StageListener
 from mooncake.roles.prefill.group.stage import StageServer
-from mooncake.roles.prefill.handoff import DecodeHandoff, DecodeUnreachable
+from mooncake.roles.prefill.handoff import DecodeHandoff, DecodeTarget, DecodeUnreachable
 from mooncake.roles.prefill.taskqueue import TaskQueue
 from mooncake.rpc import RpcServer
 
@@ -86,7 +86,7 @@ class PrefillNode:
         cfg = ctx.config
         self.tasks = TaskQueue()  # waiting to begin, in the Conductor's order
         self.num_inflight = 0  # tasks between begin and finish
-        self.done: queue.Queue[Flight | None] = queue.Queue()  # begun, for the completer
+        self.done: queue.Queue[TaskInFlight | None] = queue.Queue()  # begun, for the completer
         self._slots = threading.BoundedSemaphore(cfg.prefill.max_inflight)
         self._flight_ended = threading.Condition()
         self.server = RpcServer(f"tcp://{ctx.host}:0", ctx.secret, name="prefill", ports=ctx.ports)
@@ -247,23 +247,23 @@ class PrefillNode:
             self._slots.acquire()
             with self._flight_ended:
                 self.num_inflight += 1
-            flight = None
+            begun = None
             try:
-                flight = self._begin(task)
+                begun = self._begin(task)
             except Exception as e:  # a failed request never stops the node
                 self._failed(task, e)
-            if flight is not None:
-                self.done.put(flight)
+            if begun is not None:
+                self.done.put(begun)
             else:
                 self._end_flight()
 
     def _complete(self) -> None:
         """Finish begun tasks in the order they began."""
-        while (flight := self.done.get()) is not None:
+        while (begun := self.done.get()) is not None:
             try:
-                stats, kv_bytes = self.flow.finish(flight)
+                stats, kv_bytes = self.flow.finish(begun)
                 self._event(
-                    flight.task.req_id,
+                    begun.task.req_id,
                     "finished",
                     num_reused_tokens=stats.num_reused_tokens if stats else 0,
                     num_stored_blocks=stats.num_stored_blocks if stats else 0,
@@ -272,11 +272,17 @@ class PrefillNode:
                     kv_bytes=kv_bytes,
                 )
             except ReuseMismatchError as e:  # a later stage could not load every reused block
-                log.warning("req %d: %s; prefilling again with less reuse", flight.task.req_id, e)
-                task = msgspec.structs.replace(flight.task, max_reuse_blocks=e.num_good_blocks)
+                log.warning("req %d: %s; prefilling again with less reuse", begun.task.req_id, e)
+                # NOTE: it goes again to where its KV went (its admission may move it again)
+                task = msgspec.structs.replace(
+                    begun.task,
+                    decode_node=begun.decode.node,
+                    decode_address=begun.decode.address,
+                    max_reuse_blocks=e.num_good_blocks,
+                )
                 self.tasks.put(task)
             except TransferError as e:
-                link = flight.answers.link if flight.answers is not None else None
+                link = begun.answers.link if begun.answers is not None else None
                 # NOTE: a stage that went silent (stopped, its network dark) never closes
                 # the link: past its deadline it counts as broken, as a closed one does
                 if isinstance(link, TcpStageLink) and (
@@ -284,9 +290,9 @@ class PrefillNode:
                 ):
                     self.next.lose(link)
                     e = GroupBroken(f"the link to stage 1 broke: {e}")
-                self._failed(flight.task, e)
+                self._failed(begun.task, e)
             except Exception as e:
-                self._failed(flight.task, e)
+                self._failed(begun.task, e)
             finally:
                 self._end_flight()
 
@@ -310,16 +316,15 @@ class PrefillNode:
             log.error("req %d failed: %s", task.req_id, e, exc_info=e)
             self._event(task.req_id, "failed", error=f"prefill failed on {node}: {e}")
 
-    def _begin(self, task: PrefillTaskMsg) -> Flight | None:
+    def _begin(self, task: PrefillTaskMsg) -> TaskInFlight | None:
         link, answers = self.next.link, self.next.answers
         is_piped = self.group.group_size > 1 and len(task.prompt_ids) > 1
         if is_piped and (link is None or answers is None or link.ended.is_set()):
             self.next.lose(link)
             raise GroupBroken(f"pipeline group {self.group.group_id} has lost its stage 1")
-        admitted = self._admit(task)
-        if admitted is None:
+        decode = self._admit(task)
+        if decode is None:
             return None
-        task = admitted
         log.debug("req %d: prefill of %d tokens", task.req_id, len(task.prompt_ids))
         kw: dict[str, Any] = {}
         if task.max_reuse_blocks is not None:
@@ -327,7 +332,7 @@ class PrefillNode:
         try:
             while True:
                 try:
-                    return self.flow.begin(task, answers if is_piped else None, **kw)
+                    return self.flow.begin(task, decode, answers if is_piped else None, **kw)
                 except CacheFullError:
                     # NOTE: prompts in flight hold the cache: wait for one to end, retry
                     with self._flight_ended:
@@ -340,26 +345,24 @@ class PrefillNode:
                 raise GroupBroken(f"the link to stage 1 broke: {e}") from e
             raise
 
-    def _admit(self, task: PrefillTaskMsg) -> PrefillTaskMsg | None:
-        """Ask the master whether the task still runs and where its KV goes now; None =
-        skip it. An unreachable master keeps the task as it was placed."""
+    def _admit(self, task: PrefillTaskMsg) -> DecodeTarget | None:
+        """Ask the master whether the task still runs and where its KV goes now (the
+        Conductor's second, later decision); None = skip it. An unreachable master, or a
+        reply naming no decode node, keeps it where it was placed."""
         try:
             reply = self.link.client.call(
                 PrefillStartMsg(task.req_id, self.ctx.node_id), PrefillStartReplyMsg
             )
         except MooncakeError as e:
             log.warning("req %d: admission check failed, running it as placed: %s", task.req_id, e)
-            return task
+            return DecodeTarget.placed(task)
         if not reply.is_accepted:
             log.info("req %d: not prefilled (%s)", task.req_id, reply.reason)
             return None
         # NOTE: a decode node restarted under its id answers at a new address
-        moved = (reply.decode_node, reply.decode_address) != (task.decode_node, task.decode_address)
-        if reply.decode_node and moved:
-            return msgspec.structs.replace(
-                task, decode_node=reply.decode_node, decode_address=reply.decode_address
-            )
-        return task
+        if reply.decode_node:
+            return DecodeTarget(reply.decode_node, reply.decode_address)
+        return DecodeTarget.placed(task)
 
     def _event(self, req_id: int, phase: str, **kw: object) -> None:
         """Report a task's end to the master, a call it answers (one not answered within

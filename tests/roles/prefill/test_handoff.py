@@ -11,9 +11,8 @@ import pytest
 
 from mooncake.config.roles import PrefillConfig
 from mooncake.errors import TransferError
-from mooncake.model.params import SamplingParams
-from mooncake.roles.node.messages import DecodeReserveMsg, DecodeReserveReplyMsg, PrefillTaskMsg
-from mooncake.roles.prefill.handoff import DecodeHandoff
+from mooncake.roles.node.messages import DecodeReserveMsg, DecodeReserveReplyMsg
+from mooncake.roles.prefill.handoff import DecodeHandoff, DecodeTarget
 from mooncake.rpc import RpcServer
 
 SECRET = b"handoff-test-secret-0123456789ab"
@@ -42,15 +41,15 @@ def node(request: pytest.FixtureRequest) -> Iterator[FullDecodeNode]:
     n.server.stop()
 
 
-def _task(address: str) -> PrefillTaskMsg:
-    return PrefillTaskMsg(7, list(range(20)), SamplingParams(), "decode-0", address)
+def _target(address: str) -> DecodeTarget:
+    return DecodeTarget("decode-0", address)
 
 
 @pytest.mark.parametrize("node", [5], indirect=True)
 def test_the_prefill_waits_while_the_decode_node_is_full(node: FullDecodeNode) -> None:
     handoff = DecodeHandoff(SECRET, PrefillConfig(reserve_timeout_s=30))
     try:
-        dest = handoff.reserve(_task(node.server.address), 19)
+        dest = handoff.reserve(7, _target(node.server.address), 19)
     finally:
         handoff.close()
     assert node.asks == 6
@@ -69,7 +68,7 @@ def test_no_room_within_the_deadline_fails_naming_the_node_and_the_key(
             match=r"decode-0 had no room for 19 tokens .*"
             r"reserve_timeout_s",
         ):
-            handoff.reserve(_task(node.server.address), 19)
+            handoff.reserve(7, _target(node.server.address), 19)
     finally:
         handoff.close()
     assert node.asks > 1  # it asked again, it did not give up at once
@@ -90,7 +89,7 @@ def test_a_decode_node_restarted_again_and_again_leaves_no_connections_behind() 
         for i in range(21):
             node = FullDecodeNode(0)
             try:
-                dest = handoff.reserve(_task(node.server.address), 19)
+                dest = handoff.reserve(7, _target(node.server.address), 19)
             finally:
                 node.server.stop()
             assert dest.block_ids == [3, 4]
