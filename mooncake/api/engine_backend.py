@@ -6,7 +6,7 @@ batching) and loops `apply commands -> step -> deliver`. Requests come from asyn
 requests' asyncio queues with one `loop.call_soon_threadsafe` per event loop and step.
 Closing a request's iterator early queues an "abort", which frees its KV blocks.
 With `prefix_caching` (the default, as in vLLM) a request reuses the KV blocks an earlier
-one computed for the same prefix (`engine/prefixcache.py`) and its first output says how
+one computed for the same prefix (`model/prefixcache.py`) and its first output says how
 many prompt tokens that saved (`usage.prompt_tokens_details.cached_tokens`).
 
     backend = EngineBackend(ModelConfig(path="dummy:tiny", block_tokens=16), max_batch=8)

@@ -55,7 +55,7 @@ class TtftPhases(msgspec.Struct, kw_only=True):
 
 
 class KVBlockShares(msgspec.Struct, frozen=True, kw_only=True):
-    """The prompt blocks prefills could have reused, by cause (roles/attribution.py):
+    """The prompt blocks prefills could have reused, by cause (roles/master/attribution.py):
     hit, cold, evicted, elsewhere, unverified, and the elsewhere parts (priced_out,
     plan_lost, after_placement); shares are of `blocks`."""
 

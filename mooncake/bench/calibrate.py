@@ -108,7 +108,7 @@ class Calibration(msgspec.Struct, kw_only=True):
     sim_wall_s: float
     host: HostFigures | None = None  # what the real runs measured of this host (medians)
     real_runs: list[Figures] = []  # each real run's figures (`real` is their median)
-    # TTFT phases of the first real run (the master's) and of the twin (replay/phases.py)
+    # TTFT phases of the first real run (the master's) and of the twin (bench/phases.py)
     real_phases: TtftPhases | None = None
     sim_phases: TtftPhases | None = None
     per_request: list[RequestPair] = []  # the first real run's requests

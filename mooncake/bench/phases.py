@@ -1,7 +1,7 @@
 """Where TTFT went, on the real cluster and on its simulated twin, phase by phase.
 
 The master splits each request's TTFT into queue, prefill (start until every layer's KV
-landed on the decode node) and first step (`roles/timeline.py`, `ttft_phases` in its
+landed on the decode node) and first step (`roles/master/timeline.py`, `ttft_phases` in its
 status). The twin's requests are split the same way: queue from placement (after the
 control plane's fixed latency) to prefill start, prefill until the KV landed, first step
 until the first token. Side by side they say which phase the twin gets wrong, which a

@@ -9,7 +9,7 @@ batch for the batch API). Before the first cell, `warm_up` runs untimed. The cli
 segment of its own beyond its registered buffers (the staging buffer of put/get and the
 zero-copy buffers). It reads back what it wrote, as a prefill node reads the KV blocks it
 stored: a get's lookup at the master then overlaps the read at the place its own put
-left (a hint, store/grants.py), kept when the master still lists that replica. The
+left (a hint, store/client/grants.py), kept when the master still lists that replica. The
 share of gets served so is in `gets_on_hint`, and of those within a read lease (one
 round trip, no lookup) in `gets_on_lease`.
 

@@ -324,7 +324,7 @@ def metrics_table(status: Status) -> Table:
 
 
 def misses_line(kv: KVBlockShares) -> str:
-    """The prefills' blocks by cause as shares (roles/attribution.py)."""
+    """The prefills' blocks by cause as shares (roles/master/attribution.py)."""
     from mooncake.conductor.misses import CAUSES
 
     sh = kv.shares

@@ -1,7 +1,7 @@
 """`EtcdJournal`: the pool's committed state in etcd, written only while this master leads.
 
 Keys: `<prefix>/pool/s/<segment name>` and `<prefix>/pool/o/<object key>`, each holding its
-entry as msgpack (store/poolstate.py). A write is one transaction per at most 128 changes
+entry as msgpack (store/metadata/poolstate.py). A write is one transaction per at most 128 changes
 (etcd's limit), each guarded by "the leader key still holds this master": a master that
 lost its leadership cannot change the pool any more (its write fails, and it stops). A put
 answered ok is therefore in etcd (a quorum of it), and a new leader reads it back.

@@ -5,7 +5,7 @@ per layer and half (`{prefix}k{layer}`, `{prefix}v{layer}`); on a CPU node the b
 tensors live in shared memory, so a process on the same host copies straight into them
 (the `shm` transport), and over `tcp`/`rdma` otherwise. A block of layer l starts at
 `block * block_bytes` in its segment, so a stage writes one-sided from its cache into the
-blocks a decode node reserved (engine/kvstream.py):
+blocks a decode node reserved (kv/stream.py):
 
     cache.k[l][src_block]  ---->   {decode prefix}k{l} at dst_block * block_bytes
 """

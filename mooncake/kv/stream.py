@@ -2,7 +2,7 @@
 
 As each layer of each chunk finishes on a stage, `KVStreamer.layer_done` queues one-sided
 writes of that layer's new KV, straight from the stage's paged cache (registered with its
-Transfer Engine: engine/kvhandoff.py), to where the request's plan says:
+Transfer Engine: kv/handoff.py), to where the request's plan says:
 
     decode   the blocks its decode node reserved (`KVDest`): every token of the prompt
              written so far (the first chunk also carries the reused prefix, loaded

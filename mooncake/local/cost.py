@@ -1,6 +1,6 @@
 """The Conductor's cost model of a local cluster: profiled once on this machine for the
 model and its block and chunk sizes, scaled by the co-run slowdown of its nodes on this host
-(`engine/corun.py`), and cached by that shape in a private directory."""
+(`model/corun.py`), and cached by that shape in a private directory."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def ensure_cost_model(
     from mooncake.model.profiling import profile_cost_model
 
     name = plan.model.replace(":", "-").replace("/", "_")
-    # the nodes that compute at once on this host, a core each (engine/corun.py)
+    # the nodes that compute at once on this host, a core each (model/corun.py)
     busy = min(plan.num_prefill + plan.num_decode, len(os.sched_getaffinity(0)))
     # NOTE: "p2": prompts up to 4096 tokens sampled (1024 before: a quadratic fitted there
     # overestimated a 5,000-token prefill by 60%); "k": scaled by the co-run slowdown of

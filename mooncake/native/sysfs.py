@@ -5,7 +5,7 @@ the facts as found and decide nothing: which NIC is usable or preferred is
 mooncake/hw/topology.py's business.
 
 NUMA: sysfs reports -1 when the firmware gave no affinity (usual on one-socket machines).
-Readers return None for it ("unknown"); topology.py turns None into the only node of a
+Readers return None for it ("unknown"); hw/topology.py turns None into the only node of a
 one-node host and otherwise leaves it unknown.
 """
 

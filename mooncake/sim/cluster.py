@@ -75,7 +75,7 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
     prefill_nice: int = 0
     # the real path's cost over the cost model's compute (prefill groups and decode nodes
     # compute this much slower; the Conductor keeps the cost model): `bench cluster`'s
-    # lone-request probes (replay/hostprobe.py); 1 = the profile is the whole cost
+    # lone-request probes (bench/hostprobe.py); 1 = the profile is the whole cost
     prefill_scale: float = 1.0
     decode_scale: float = 1.0
     # cores a busy prefill stage / decode node wants per second of its compute (its

@@ -2,7 +2,7 @@
 
 A `SimPool` is the simulated Store: every pool node's DRAM (VRAM for a coupled instance)
 and optional SSD, counted in blocks, with one pool-wide recency order per tier
-(`store/poolorder.py`, the code the Store's eviction runs), so the pool keeps its
+(`store/metadata/poolorder.py`, the code the Store's eviction runs), so the pool keeps its
 capacity for distinct blocks:
 
 - a block is written once: a write of a block the pool holds anywhere only refreshes it
@@ -13,7 +13,7 @@ capacity for distinct blocks:
   the writer itself is evicted as usual. So the pool holds what it held before (its
   order decides what leaves), and a node keeps what it wrote most recently: the next turn
   of a conversation finds its prefix there, not scattered over the pool (the Store does
-  the same, `store/eviction.py`'s `room_on_writer`);
+  the same, `store/metadata/eviction.py`'s `room_on_writer`);
 - victims in the policy's order: spare copies (duplicates, SSD copies of blocks also in
   memory) before last copies, each least recently used first, pool-wide; a last copy in
   memory is demoted to SSD (its node's, else where the SSD's own victim frees room) when

@@ -12,7 +12,7 @@ both ends support, and a failed slice is retried on another path within the retr
 submit() returns at once (the bytes move while the caller computes: a prefill's KV stream);
 transfer() waits, moving what the calling thread can itself (tcp: one small request, or the
 first group: no thread hand-offs for a Store put or get); move() waits for one request;
-start() begins one small request to finish later (a read on a hint: store/grants.py).
+start() begins one small request to finish later (a read on a hint: store/client/grants.py).
 """
 
 from __future__ import annotations

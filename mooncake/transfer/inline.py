@@ -5,7 +5,7 @@ would cost more than the move itself. `move_now` does it at once: a copy when th
 segment is mapped here (shm, local), else one exchange over an idle tcp connection.
 `start_move` splits the tcp exchange in two: the request goes out now and the reply is
 taken later, so the caller can do something else meanwhile (the Store asks its master
-where a value is while it already reads it from where it was: store/client.py).
+where a value is while it already reads it from where it was: store/client/client.py).
 
     mover = InlineMover(check, pathset, peek, options)  # the engine's own (see the class)
     if not mover.move_now(request, timeout): ...   # the general path: engine.transfer()

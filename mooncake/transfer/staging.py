@@ -18,7 +18,7 @@ asynchronous copies with an event each, and the event of the work a caller queue
 interface, and tests run them with CPU tensors standing in for device memory
 (tests/transfer/fake_cuda.py). The NIC must not read what a kernel is still writing:
 callers that stage or post memory a kernel produced wait for that kernel's event first
-(`BaseStaging.record`; engine/kvstream.py, store/client.py put_from).
+(`BaseStaging.record`; kv/stream.py, store/client/client.py put_from).
 """
 
 from __future__ import annotations

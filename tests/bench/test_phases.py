@@ -1,4 +1,4 @@
-"""The twin's TTFT phases (`replay/phases.py`) add up to its TTFT, as the master's do."""
+"""The twin's TTFT phases (`bench/phases.py`) add up to its TTFT, as the master's do."""
 
 import pytest
 

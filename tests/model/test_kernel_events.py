@@ -1,5 +1,5 @@
 """The KV a kernel produced is read only after that kernel's event: pool stores (kvio's
-layer writes) wait for it, as the streamed hand-off does (engine/kvstream.py)."""
+layer writes) wait for it, as the streamed hand-off does (kv/stream.py)."""
 
 from __future__ import annotations
 

@@ -1,14 +1,14 @@
 """`mooncake soak`'s run: a trace replayed for a set time against `up --local --masters N`
 while faults strike, and what it shows.
 
-    network   the nodes named in `netns_nodes` each behind a veth link (soak/netns.py)
+    network   the nodes named in `netns_nodes` each behind a veth link (bench/soak/netns.py)
     start     the local cluster (etcd, masters, nodes), a supervisor restarting what dies
     replay    the trace's requests at their timestamps / speed, the trace looped to fill
               `duration_s`, each sent to the masters' APIs in turn; a request unanswered
               past its deadline (the cluster's `request_deadline_s` for its max_tokens,
               plus `hang_grace_s`) is hung
-    faults    one every `fault_interval_s` (soak/faults.py), none in the last stretch
-    memory    every process's RSS every `rss_every_s` (soak/rss.py)
+    faults    one every `fault_interval_s` (bench/soak/faults.py), none in the last stretch
+    memory    every process's RSS every `rss_every_s` (bench/soak/rss.py)
     end       every master's API must answer a one-token request (within settle_s)
 
 A failed request's kind comes from its shape (`RequestRecord.error_kind`); it is clear when

@@ -7,7 +7,7 @@ are one or two contiguous pieces of it, by the attention backend's layout:
                                                            interleaved per head
     (2, num_blocks, block_tokens, kv_heads, head_dim)      K piece, then V piece
 
-A pool object (engine/kvobject.py) holds layer l's pieces one after the other at
+A pool object (kv/object.py) holds layer l's pieces one after the other at
 `k_offset(l)`; the model fingerprint names vLLM and its device, so these objects never
 meet our engine's (whose layer bytes are laid out otherwise). Each layer tensor is
 registered with the Transfer Engine, so bytes move between a replica and vLLM's blocks

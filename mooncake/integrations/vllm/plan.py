@@ -1,7 +1,7 @@
 """The scheduler's side of the vLLM connector, as pure logic (no vLLM, no I/O of its own).
 
 A request's prompt is cut into vLLM's blocks (`--block-size` tokens each, the pool's
-`block_tokens` here); each full block is named by our chained block hash (hashing.py), so
+`block_tokens` here); each full block is named by our chained block hash (kv/hashing.py), so
 a pool object names its whole prefix. Per request the planner knows:
 
     blocks   0 .. local        in vLLM's own prefix cache (vLLM told us: num_computed_tokens)

@@ -11,7 +11,7 @@ into this node's cache; tokens stream back to the master after every step.
 A step that raises ends the requests of its batch with an error and the loop goes on;
 `decode.max_step_failures` failed steps in a row, a dead loop or a step stuck for
 `decode.stall_timeout_s` make the node report "failed", end every request it holds with an
-error and exit, for its supervisor to restart it (roles/watchdog.py). A node the master
+error and exit, for its supervisor to restart it (roles/node/watchdog.py). A node the master
 marked down (it was unreachable: stopped, partitioned) drops what it held when it registers
 again: the master has re-placed or failed those requests meanwhile.
 
@@ -19,7 +19,7 @@ Threads: the step loop owns the runner (its queues); RPC handlers never wait for
 They hand what changes the runner (a request to add, one to abort) to the loop as commands,
 applied in order before its next step, and keep the reservations under `held`, a lock
 held only for dictionary work (the KV cache's allocator has its own, as short). Tokens go
-out through an `Outbox` (roles/delivery.py) on a sender thread: numbered per request, sent
+out through an `Outbox` (roles/node/delivery.py) on a sender thread: numbered per request, sent
 again until the master acknowledges them.
 """
 

@@ -10,10 +10,10 @@
                   ticket is closed and the nodes drop what they still hold of it
 
 Token streams: each decode node numbers a request's token events; the master hands them
-on in order, each once, and acknowledges them (roles/delivery.py). Every request has a
+on in order, each once, and acknowledges them (roles/node/delivery.py). Every request has a
 deadline from its arrival (`request_deadline_s`): past it the HTTP request ends with an
 error naming where it was, never a hang. The Conductor is reached through `Tickets`
-(roles/tickets.py), so the event loop never waits on the master's lock.
+(roles/master/tickets.py), so the event loop never waits on the master's lock.
 
 Node failures: a request whose prefill or decode node went down is placed again under a
 new request id (so late outputs of the dead placement are dropped): before its first token
@@ -213,7 +213,7 @@ class ClusterBackend(BaseBackend):
     # -- events from nodes (RPC server thread) --
     def receive_tokens(self, msg: TokensMsg) -> TokensAckMsg:
         """A decode node's token events: each request's go to its queue in seq order, each
-        once; the answer acknowledges them (roles/flight.py `Flights.receive`)."""
+        once; the answer acknowledges them (roles/master/flight.py `Flights.receive`)."""
         ready, acks = self.flights.receive(msg.node_id, msg.tokens)
         loop = self.loop
         if ready and loop is not None:
@@ -259,7 +259,7 @@ class ClusterBackend(BaseBackend):
     def on_prefill_finished(self, msg: PrefillEventMsg) -> None:
         """A prefill node computed the request, handed its KV to decode and committed its
         new blocks to the pool (RPC thread); the start was recorded by
-        `on_prefill_admission`. Its blocks get their causes (roles/attribution.py)."""
+        `on_prefill_admission`. Its blocks get their causes (roles/master/attribution.py)."""
         now, req_id = time.monotonic(), msg.req_id
         with self.lock:
             self.conductor.on_prefill_finished(req_id, now)

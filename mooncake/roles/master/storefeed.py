@@ -1,5 +1,5 @@
 """`StoreListeners`: where the master's Store events go: the Conductor's prefix index
-(under the master's lock), then the miss attribution's ledger (`roles/attribution.py`),
+(under the master's lock), then the miss attribution's ledger (`roles/master/attribution.py`),
 and, when `[kv_events]` is on, the pool's vLLM-format feed."""
 
 from __future__ import annotations

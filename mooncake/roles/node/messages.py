@@ -3,7 +3,7 @@
 Nodes register with the master and heartbeat; the master sends prefill tasks to prefill
 group leaders; a prefill node reserves blocks on a decode node, writes the request's KV
 into them (Transfer Engine) and submits the request; decode nodes send tokens back to the
-master, numbered and acknowledged (roles/delivery.py). The Store's own messages
+master, numbered and acknowledged (roles/node/delivery.py). The Store's own messages
 (`store.*`) share the master's endpoint.
 """
 
@@ -210,7 +210,7 @@ class TokenMsg(Msg, frozen=True, tag="master.token"):
 
 class TokensMsg(Msg, frozen=True, tag="master.tokens"):
     """Decode -> master: token events (of one step, or sent again), each numbered by
-    `seq` within its request; answered by TokensAckMsg (see roles/delivery.py)."""
+    `seq` within its request; answered by TokensAckMsg (see roles/node/delivery.py)."""
 
     node_id: Name
     tokens: list[TokenMsg]

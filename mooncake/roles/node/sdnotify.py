@@ -10,7 +10,7 @@ on `READY=1` (here with a `STATUS=` line naming the role and node id) and as sto
 `notify_ready` is called by `report_ready` (every role, the master included) and
 `notify_stopping` where a stop begins (the node's signal handler, the master's shutdown).
 `WATCHDOG=1` is not sent: a thread pinging systemd would prove only that the thread runs;
-a node's serving loop is watched by `roles/watchdog.py`, which ends the process instead.
+a node's serving loop is watched by `roles/node/watchdog.py`, which ends the process instead.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
              allocated); reserve the prompt's blocks on the decode node, waiting for
              room; start the pool puts of its new full blocks; compute this stage's
              layers chunk by chunk (through the group: `pipeline.send_prompt`), each
-             finished layer's KV streaming out meanwhile (engine/kvstream.py)
+             finished layer's KV streaming out meanwhile (kv/stream.py)
     finish   (completer thread) wait for the later stages' reports; submit the request
              to the decode node with the tokens landed per layer; then seal the pool
              objects (off the path of the first token)

@@ -3,7 +3,7 @@
     reserve   before the prefill starts, ask the decode node for blocks (retrying while
               it has no room, up to [prefill] reserve_timeout_s)
     stream    every stage writes its layers' KV into those blocks as they finish
-              (engine/kvstream.py)
+              (kv/stream.py)
     submit    with the tokens written per layer: the request joins the decode node's
               queue (the node checks every layer landed)
     release   on any failure, the blocks go back
@@ -63,7 +63,7 @@ class DecodeUnreachable(TransferError):
 class DecodeHandoff:
     """Reserves blocks on decode nodes and submits requests to them; one RPC client per
     decode node, of the address its latest task named. The KV itself streams into the
-    blocks during the prefill (engine/kvstream.py). Any thread may call it (the worker
+    blocks during the prefill (kv/stream.py). Any thread may call it (the worker
     reserves, the completer submits). Each call names its `DecodeTarget`, the one the
     task holds (roles/prefill/flow.py `TaskInFlight.decode`).
 

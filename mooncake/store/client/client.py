@@ -9,12 +9,12 @@
     store.close()
 
 Metadata goes to the master (put_start / put_end / get_replicas), on its direct channel
-when it offers one (store/direct.py: no ZeroMQ thread hops), else over the RPC; bytes go
+when it offers one (store/server/direct.py: no ZeroMQ thread hops), else over the RPC; bytes go
 through this client's Transfer Engine straight to or from the node owning each replica
-(store/datapath.py), never through the master. Round trips per call, once warm:
+(store/client/datapath.py), never through the master. Round trips per call, once warm:
 
-    put, put_from   2: write into a write slot (store/slots.py), commit it
-    get, get_into   1 while the last read's lease lasts (store/grants.py), else 2
+    put, put_from   2: write into a write slot (store/metadata/slots.py), commit it
+    get, get_into   1 while the last read's lease lasts (store/client/grants.py), else 2
     put_batch       2 when every value has the same size (a slot each, one commit), else 3
     get_batch       1 lookup for the keys not read within their lease, then all reads at once
 
@@ -92,8 +92,8 @@ class Store:
         put_retry_s: float = 0.01,
     ):
         """`direct`: make the calls on the master's direct channel when it offers one
-        (store/direct.py); False keeps every call on the CURVE-encrypted RPC.
-        `reuse_grants`: reuse read leases and write slots (store/grants.py); False asks
+        (store/server/direct.py); False keeps every call on the CURVE-encrypted RPC.
+        `reuse_grants`: reuse read leases and write slots (store/client/grants.py); False asks
         the master on every call, as a client of upstream Mooncake does. `put_wait_s`,
         `put_retry_s`: [store]'s, how long a put waits for room on its way."""
         self.master, self.engine, self.timeout_s = master, engine, timeout_s
@@ -120,7 +120,7 @@ class Store:
         staging_bytes: int = 16 << 20,  # bytes of the buffer behind put()/get(); grows
         engine_options: EngineOptions | None = None,
         direct: bool = True,  # use the master's direct channel if it offers one
-        reuse_grants: bool = True,  # reuse read leases and write slots (store/grants.py)
+        reuse_grants: bool = True,  # reuse read leases and write slots (store/client/grants.py)
         nic_preference: Mapping[str, Any] | None = None,  # Topology.nic_preference
         staging: BaseStaging | None = None,  # device memory over tcp/shm; None = CUDA's
         put_wait_s: float = 5.0,  # s a put waits for room on its way ([store] put_wait_s)
@@ -594,7 +594,7 @@ class Store:
 
     def _learn(self, key: str, replicas: Sequence[ReplicaDesc]) -> None:
         """Remember where this client just wrote `key` (the replica it would read first),
-        as a hint for its next get (store/grants.py)."""
+        as a hint for its next get (store/client/grants.py)."""
         if self.locations is not None and (ranked := self.data.rank(replicas)):
             self.locations.learn(key, ranked[0], ranked[0].size)
 

@@ -7,8 +7,8 @@
   the client *sent* its request (the master's lease started later). After that the entry
   stays as a hint (`guess`), as do the replicas of the client's own puts: where the value
   was. A get then reads there while it asks the master, and keeps what it read only if
-  the master's answer still lists that very replica (its `replica_id`: store/client.py).
-- `SlotPool`: write slots (store/slots.py) by put shape, each usable until its grant runs
+  the master's answer still lists that very replica (its `replica_id`: store/client/client.py).
+- `SlotPool`: write slots (store/metadata/slots.py) by put shape, each usable until its grant runs
   out, counted the same way.
 
 Both are per client and thread-safe; neither talks to anyone.

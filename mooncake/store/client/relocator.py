@@ -1,5 +1,5 @@
 """What a writer does for the objects the master relocated to make its put room on its own
-node (store/eviction.py, `room_on_writer`): each `Relocation` in a put_start answer is
+node (store/metadata/eviction.py, `room_on_writer`): each `Relocation` in a put_start answer is
 copied from where the object was to where it goes, before the put's value is written
 (the value may take the object's old range); the put's end makes it readable there.
 

@@ -44,13 +44,14 @@ class ReplicaDesc(msgspec.Struct, frozen=True, kw_only=True):
     state: ReplicaState
     token: int = 0  # the segment's Transfer Engine token when mounted; 0 = not given
     # unique per allocation, never reused (a master restart starts from a random base):
-    # a client that knew this replica id can tell it is still the same bytes (store/grants.py)
+    # a client that knew this replica id can tell it is still the same bytes
+    # (store/client/grants.py)
     replica_id: int = 0
 
 
 class Relocation(msgspec.Struct, frozen=True, kw_only=True):
     """An object the master moved off the writer's full segment to make the put room
-    there (store/eviction.py, `room_on_writer`): the writer copies `src` to `dst` before
+    there (store/metadata/eviction.py, `room_on_writer`): the writer copies `src` to `dst` before
     it writes its own value (which may take `src`'s range); the put's end commits `dst`."""
 
     key: str  # the object moved
@@ -73,7 +74,7 @@ class PutStartResult(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class Slot(msgspec.Struct, frozen=True, kw_only=True):
-    """Space reserved for the writer's next put of the same size (store/slots.py)."""
+    """Space reserved for the writer's next put of the same size (store/metadata/slots.py)."""
 
     slot_id: int
     replicas: tuple[ReplicaDesc, ...]  # write the value to every one, then commit

@@ -17,7 +17,7 @@ Duplicates beyond what their puts asked for (`wanted` copies in a tier: hot-spot
 replicas) are bounded by a budget (`replica_budget`, a share of the tier's capacity):
 `may_duplicate` says whether one more fits it. Units are the caller's (bytes for the
 Store, blocks for the simulator). Pure logic, shared by the Store's eviction
-(`store/eviction.py`) and the simulated pool (`sim/pool.py`), so the simulator models the
+(`store/metadata/eviction.py`) and the simulated pool (`sim/pool.py`), so the simulator models the
 Store's policy.
 """
 

@@ -5,7 +5,7 @@ and committed replicas, each with its offset and its replica id). The metadata s
 marks every segment mounted or gone and every key whose committed replicas changed (a
 commit, a move, an eviction, a removal, a loss); `PoolChanges` carries them, each with its
 new entry or None (gone), to a journal that makes them durable before the change is
-answered (`store/journal.py`). A new master loads the entries and `Pool.restore`s them: the
+answered (`store/metadata/journal.py`). A new master loads the entries and `Pool.restore`s them: the
 segments as mounted (their nodes keep heartbeating them; a node that does not within
 `lease_ttl_s + heartbeat_ttl_s` is expired as usual, its objects lost), the objects with
 their old ranges taken again and their old replica ids, leased for `lease_ttl_s` (readers

@@ -101,7 +101,7 @@ class StatsMsg(Msg, frozen=True, tag="store.stats"):
 
 
 class DirectPortMsg(Msg, frozen=True, tag="store.direct_port"):
-    """Which port of the master's host serves the direct channel (see store/direct.py)."""
+    """Which port of the master's host serves the direct channel (see store/server/direct.py)."""
 
 
 class DirectPortReplyMsg(Msg, frozen=True, tag="store.direct_port_reply"):
@@ -146,7 +146,7 @@ class PutStartReplyMsg(Msg, frozen=True, tag="store.put_start_reply"):
 
 class BatchPutSlotMsg(Msg, frozen=True, tag="store.batch_put_slot"):
     """Commit each key's value written into its write slot (slot_ids[i] for keys[i]):
-    the second round trip of a put or put_batch that used slots (store/slots.py)."""
+    the second round trip of a put or put_batch that used slots (store/metadata/slots.py)."""
 
     keys: Keys
     slot_ids: Annotated[tuple[Annotated[int, Meta(ge=1)], ...], Meta(max_length=MAX_BATCH)]
@@ -335,7 +335,7 @@ def register(
     """Register a handler for every request type on an `RpcServer`; each call reads
     `clock()` for `now` and runs under `lock` (shared with the master's eviction and
     expiry loop; the RPC server itself calls handlers one at a time), then `after` under
-    the same lock before the reply goes (the journal: store/journal.py)."""
+    the same lock before the reply goes (the journal: store/metadata/journal.py)."""
     guard = lock if lock is not None else nullcontext()
 
     def serve(msg: Msg, peer: Any) -> Msg:

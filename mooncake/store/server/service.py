@@ -5,7 +5,7 @@
     ...
     service.stop()
 
-The same handlers also answer on the direct channel (store/direct.py: a TCP port beside
+The same handlers also answer on the direct channel (store/server/direct.py: a TCP port beside
 the RPC address, for the clients' hot calls), on that server's connection threads. Every
 handler and the housekeeping thread (node expiry, stale puts, watermark eviction) take the
 same lock, so the service never sees two callers.
@@ -47,9 +47,11 @@ class StoreService:
         tick_s: float = 0.0,  # s between housekeeping passes; 0 = a quarter of the lease
         metrics_port: int | None = None,  # serve /metrics on 127.0.0.1:port (0 = any free)
         on_events: Callable[[list[StoreEvent]], None] | None = None,  # the Conductor's index
-        direct: bool = True,  # also answer store.* calls on a direct port (store/direct.py)
+        # also answer store.* calls on a direct port (store/server/direct.py)
+        direct: bool = True,
         direct_port: int | PortRange = 0,  # its TCP port on the RPC host; 0 = any, or a range
-        journal: BaseJournal | None = None,  # where committed state is kept (store/journal.py)
+        journal: BaseJournal
+        | None = None,  # where committed state is kept (store/metadata/journal.py)
     ):
         self.metadata = MetadataService(config)
         self.journal = journal

@@ -1,4 +1,4 @@
-"""The master's miss attribution (roles/attribution.py) on a real prefix index fed by store
+"""The master's miss attribution (roles/master/attribution.py) on a real prefix index fed by store
 events: every request's blocks add up (cold + evicted + elsewhere + unverified + hit =
 blocks requested), whatever the pool did between its placement, its start and its
 report; the totals are the sum of the requests'; the ledger stays within its bounds."""

@@ -1,4 +1,4 @@
-"""The token stream's delivery protocol (roles/delivery.py): a decode node's `Outbox` on
+"""The token stream's delivery protocol (roles/node/delivery.py): a decode node's `Outbox` on
 its sender thread against a master's `Inbox` per request, with events lost on the way.
 The "master" here is the Inbox logic the real one runs (`Flights.receive`), called in
 process; tests/roles/test_delivery_faults.py runs the same over real processes."""

@@ -1,4 +1,4 @@
-"""A get on a hint (store/grants.py, Store._get): the client reads where it last knew the
+"""A get on a hint (store/client/grants.py, Store._get): the client reads where it last knew the
 value to be while it asks the master, and keeps the bytes only if the master still lists
 that very replica. Real processes; the point is that a moved, replaced or removed value
 is never returned from its old place."""

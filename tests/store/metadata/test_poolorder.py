@@ -1,4 +1,4 @@
-"""The pool's eviction order (`store/poolorder.py`) on its own and in the metadata service:
+"""The pool's eviction order (`store/metadata/poolorder.py`) on its own and in the metadata service:
 one recency across every segment, duplicates before last copies, the duplicates' budget,
 demotion to SSD before anything leaves the pool."""
 

@@ -1,5 +1,6 @@
 """The pool's committed state: what changes are journaled, and a rebuild from the journal
-that gives back the same objects, ranges and replica ids (store/poolstate.py, journal.py)."""
+that gives back the same objects, ranges and replica ids (store/metadata/poolstate.py,
+journal.py)."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ an explanation (remove, lost with its nodes, or dropped by eviction); expiry nev
 object that had a COMPLETE replica on a surviving node; eviction never touches a leased,
 pinned or uncommitted object. With SSD room for everything (`BigSsd`), eviction never
 loses an object at all. The committed pool's plain entries (`snapshot`) rebuild a service
-whose own entries compare equal. An object relocated off a full writer (store/eviction.py,
+whose own entries compare equal. An object relocated off a full writer (store/metadata/eviction.py,
 `room_on_writer`) reads as a miss until the put carrying its bytes ends, and goes if that
 put never does.
 """

@@ -148,7 +148,7 @@ def test_a_put_with_no_copy_to_drop_goes_to_ssd_or_is_refused_dropping_nothing()
 
 def test_a_refused_put_says_whether_room_is_on_its_way():
     """no_space with `room_pending` while demotions are in flight or a pass can start
-    some (the client asks again, store/batches.py); without, when nothing can move down."""
+    some (the client asks again, store/client/batches.py); without, when nothing can move down."""
     svc = make_service({"a": {"dram": 512, "ssd": 4096}}, copy_ahead_watermark=1.0)
     for i in range(8):
         assert put(svc, f"k{i}", 64, now=float(i)) == "ok"

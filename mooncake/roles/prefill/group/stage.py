@@ -3,7 +3,7 @@ answers relayed back up (the other side of `pipeline`).
 
 Per prompt: BEGIN starts it (the stage's own prefix reuse, as the first stage decided),
 DEST gives it a stream plan (this stage writes its layers' KV where the plan says:
-engine/kvstream.py), CHUNKs run through this stage's layers, END finishes it: the stage
+kv/stream.py), CHUNKs run through this stage's layers, END finishes it: the stage
 waits for its writes and answers WROTE (its stream report), the last stage also RESULT
 (logits, and how many stages the prompt went through). A failure answers ERROR, and the
 prompt's later frames are dropped.
