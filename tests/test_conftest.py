@@ -8,8 +8,12 @@ import sys
 import tempfile
 from pathlib import Path
 
+import pytest
+
 from mooncake.local.config import local_ssd_dir
 from mooncake.local.runfile import default_run_dir
+
+pytestmark = pytest.mark.cluster
 
 
 def test_the_run_directory_is_this_sessions_never_the_users(private_run_dir: Path) -> None:

@@ -9,6 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.cluster
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(90)]
 KEY = "k-metrics"
 
 

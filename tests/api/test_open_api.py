@@ -52,6 +52,7 @@ def _stop(proc: subprocess.Popen) -> str:
         return proc.communicate()[1]
 
 
+@pytest.mark.cluster
 def test_a_master_others_could_reach_without_a_key_refuses_to_start(tmp_path: Path):
     """(The documented defaults, api.host = 0.0.0.0 and no key, once served /v1/status to
     the network without a word.) It fails at once, naming what to set."""
@@ -63,6 +64,7 @@ def test_a_master_others_could_reach_without_a_key_refuses_to_start(tmp_path: Pa
     assert "api.api_keys_file" in flat and "MOONCAKE_API_API_KEYS" in flat, stderr
 
 
+@pytest.mark.cluster
 def test_keys_from_a_private_file_and_the_environment_guard_the_api(tmp_path: Path):
     keys_file = tmp_path / "api-keys"
     keys_file.write_text("# one key a line\nsk-from-file\n\n")

@@ -21,6 +21,7 @@ import pytest
 pytestmark = pytest.mark.timeout(90)
 
 
+@pytest.mark.cluster
 def test_serve_prints_its_url_serves_chat_and_stops_on_sigterm(tmp_path: Path):
     config = tmp_path / "serve.toml"
     config.write_text(
@@ -97,6 +98,7 @@ def test_serve_with_an_unknown_model_names_it():
     assert "dummy:nope" in str(result.exception)
 
 
+@pytest.mark.cluster
 def test_serve_listens_where_it_says_on_this_machine_only_by_default():
     """No --host, no api.host: the API and its own metrics port bind 127.0.0.1, and the
     line printed names the address bound (not a wildcard shown as 127.0.0.1)."""
@@ -137,6 +139,7 @@ def test_serve_listens_where_it_says_on_this_machine_only_by_default():
             proc.wait()
 
 
+@pytest.mark.cluster
 def test_requests_still_running_after_the_drain_end_with_an_error(tmp_path: Path):
     """SIGTERM: once api.drain_s is over, a request still running ends with an error: a
     stream with an SSE error event and [DONE] (not a cut chunked body), a whole response

@@ -39,6 +39,7 @@ def test_path_probes_spread_from_the_median_to_the_90th_percentile() -> None:
     assert probe_rank(1, 0, 1) == 0  # one request: itself
 
 
+@pytest.mark.cluster
 @pytest.mark.timeout(120)
 def test_bench_cluster_end_to_end_prints_real_sim_and_ratios(tmp_path: Path) -> None:
     args = ["bench", "cluster", str(TRACE), "--limit", "4", "--max-tokens", "6", "--json"]

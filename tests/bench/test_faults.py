@@ -24,6 +24,7 @@ def test_fault_names_are_checked() -> None:
         parse_faults(" , ")
 
 
+@pytest.mark.cluster
 @pytest.mark.timeout(240)
 def test_a_killed_decode_node_is_restarted_and_no_request_hangs(
     tmp_path: Path, tmp_path_factory: pytest.TempPathFactory

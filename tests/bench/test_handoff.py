@@ -11,6 +11,8 @@ from typer.testing import CliRunner
 
 from mooncake.cli.app import app, load_verbs
 
+pytestmark = pytest.mark.cluster
+
 
 def test_bench_engine_handoff_and_inflight_report_their_figures() -> None:
     args = [

@@ -15,6 +15,7 @@ from mooncake.errors import ConfigError
 pytestmark = pytest.mark.timeout(90)
 
 
+@pytest.mark.cluster
 def test_bench_store_local_json_has_a_row_per_api_with_the_documented_keys() -> None:
     args = [
         "bench",
@@ -53,6 +54,7 @@ def test_bench_store_local_json_has_a_row_per_api_with_the_documented_keys() -> 
         assert r["repeats"] == 1
 
 
+@pytest.mark.cluster
 def test_repeated_cells_report_the_median_of_each_figure() -> None:
     args = [
         "bench",

@@ -69,6 +69,7 @@ def test_an_error_reply_is_a_store_error_with_the_childs_message() -> None:
         parse_reply(line, "bytes", 4096, 1)
 
 
+@pytest.mark.cluster
 def test_an_interpreter_without_upstreams_store_is_refused_with_a_pointer_to_the_script() -> None:
     # our own interpreter imports OUR mooncake.store, which has no MooncakeDistributedStore
     with pytest.raises(StoreError, match=r"cannot import upstream.*scripts/upstream-venv"):
@@ -77,6 +78,7 @@ def test_an_interpreter_without_upstreams_store_is_refused_with_a_pointer_to_the
         UpstreamStore("/nonexistent/bin/python", 64 << 20)
 
 
+@pytest.mark.cluster
 def test_the_driver_without_upstream_fails_naming_the_missing_class_before_ready() -> None:
     """Under an interpreter with only our package, the driver fails on upstream's missing
     class and never reports READY."""
@@ -90,6 +92,7 @@ def test_the_driver_without_upstream_fails_naming_the_missing_class_before_ready
     assert b"READY" not in res.stdout
 
 
+@pytest.mark.cluster
 @pytest.mark.parametrize(
     ("script", "needle"),
     [

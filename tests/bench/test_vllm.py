@@ -179,6 +179,7 @@ FAKE_SERVER = textwrap.dedent(
 )
 
 
+@pytest.mark.cluster
 def test_a_server_is_ready_when_it_answers_and_stopping_ends_its_children(
     tmp_path: Path,
 ) -> None:
@@ -203,6 +204,7 @@ def test_a_server_is_ready_when_it_answers_and_stopping_ends_its_children(
     pytest.fail("the server's child outlived it")
 
 
+@pytest.mark.cluster
 def test_a_server_that_exits_at_start_is_reported_with_the_tail_of_its_log(
     tmp_path: Path,
 ) -> None:
@@ -223,6 +225,7 @@ def _bench(tmp_path: Path, *args: str, timeout: float = 150) -> subprocess.Compl
     )
 
 
+@pytest.mark.cluster
 def test_without_vllm_python_it_says_what_to_pass(tmp_path: Path) -> None:
     env_free = {k: v for k, v in os.environ.items() if k != "MOONCAKE_VLLM_PYTHON"}
     cmd = [sys.executable, "-m", "mooncake", "bench", "vllm", str(TRACE)]
@@ -231,6 +234,7 @@ def test_without_vllm_python_it_says_what_to_pass(tmp_path: Path) -> None:
     assert "--vllm-python is not given" in out.stderr and "scripts/vllm-venv" in out.stderr
 
 
+@pytest.mark.cluster
 def test_a_vllm_that_fails_to_start_shows_its_log(tmp_path: Path) -> None:
     fake = tmp_path / "python"
     fake.write_text("#!/bin/sh\necho 'ImportError: no module named vllm' >&2\nexit 1\n")
@@ -241,6 +245,7 @@ def test_a_vllm_that_fails_to_start_shows_its_log(tmp_path: Path) -> None:
     assert "ImportError: no module named vllm" in out.stderr
 
 
+@pytest.mark.cluster
 @pytest.mark.timeout(180)
 def test_serve_as_the_baseline_against_up_local_end_to_end(tmp_path: Path) -> None:
     args = [*TINY, "--baseline", "serve"]

@@ -4,6 +4,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from mooncake.cli.manpage import build_click_app, iter_commands, render
 
 MAN_PAGE = Path(__file__).resolve().parents[2] / "man" / "mooncake.1"
@@ -29,6 +31,7 @@ def test_every_command_and_option_is_in_the_man_page():
                     assert opt.replace("-", "\\-") in page, (path, opt)
 
 
+@pytest.mark.cluster
 def test_console_script_runs():
     out = subprocess.run(
         [sys.executable, "-m", "mooncake", "--version"], capture_output=True, text=True, check=True

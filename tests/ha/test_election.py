@@ -20,6 +20,8 @@ from mooncake.store.metadata.service import MetadataService
 from tests.ha.conftest import SECRET
 from tests.store.helpers import make_service, put
 
+pytestmark = pytest.mark.cluster
+
 PREFIX = "/test/cluster"
 
 

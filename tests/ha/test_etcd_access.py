@@ -35,6 +35,7 @@ def _b64(text: str) -> str:
     return base64.b64encode(text.encode()).decode()
 
 
+@pytest.mark.cluster
 def test_the_local_etcd_refuses_a_put_without_credentials(local_etcd: LocalEtcd, etcd: Etcd):
     body = {"key": _b64("/mooncake/local/leader"), "value": _b64("forged")}
     r = httpx.post(local_etcd.url + "/v3/kv/put", json=body, timeout=5)
@@ -50,6 +51,7 @@ def test_the_local_etcd_refuses_a_put_without_credentials(local_etcd: LocalEtcd,
         wrong.get("k")
 
 
+@pytest.mark.cluster
 def test_a_client_takes_a_new_token_when_etcd_lets_the_old_one_expire(tmp_path: Path):
     if etcd_binary() is None:
         pytest.skip("no etcd server on this host (Debian: apt-get install etcd-server)")
@@ -173,6 +175,7 @@ def tls_etcd(tmp_path: Path) -> Iterator[str]:
         proc.wait(10)
 
 
+@pytest.mark.cluster
 def test_a_client_reaches_an_etcd_on_tls_with_its_ca_and_client_certificate(
     tls_etcd: str, tmp_path: Path
 ):
@@ -248,6 +251,7 @@ def _shm_dirs() -> set[Path]:
     return set(TMPFS.glob(f"{TMPFS_PREFIX}{os.getpid()}-*"))
 
 
+@pytest.mark.cluster
 @pytest.mark.parametrize("binary", ["/nonexistent", "/bin/true"])
 def test_an_unusable_etcd_binary_is_named_and_leaves_no_directory_behind(
     binary: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path

@@ -45,6 +45,7 @@ FORGERIES = {
 }
 
 
+@pytest.mark.cluster
 @pytest.mark.parametrize("forgery", FORGERIES, ids=list(FORGERIES))
 def test_a_forged_leader_record_names_no_leader_and_the_leader_puts_its_own_back(
     etcd: Etcd, forgery: str, caplog: pytest.LogCaptureFixture
@@ -69,6 +70,7 @@ def test_a_forged_leader_record_names_no_leader_and_the_leader_puts_its_own_back
     a.stop()
 
 
+@pytest.mark.cluster
 def test_a_journal_write_fenced_out_by_a_forged_leader_record_reclaims_it(etcd: Etcd):
     a, won_a, lost = _election(etcd, "a", ttl_s=5.0)
     assert won_a.wait(5)
@@ -84,6 +86,7 @@ def test_a_journal_write_fenced_out_by_a_forged_leader_record_reclaims_it(etcd: 
     etcd.revoke(a.lease)
 
 
+@pytest.mark.cluster
 def test_a_forged_leader_record_nobody_reclaims_gives_way_to_a_standby(etcd: Etcd):
     a, won_a, _ = _election(etcd, "a")
     assert won_a.wait(5)
@@ -97,6 +100,7 @@ def test_a_forged_leader_record_nobody_reclaims_gives_way_to_a_standby(etcd: Etc
     b.stop()
 
 
+@pytest.mark.cluster
 def test_forged_pool_entries_are_left_out_and_reported(
     etcd: Etcd, caplog: pytest.LogCaptureFixture
 ):

@@ -11,6 +11,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
 from typer.testing import CliRunner
 
 from mooncake.cli.app import app, load_verbs
@@ -261,6 +262,7 @@ def test_config_ports_taken(tmp_path: Path) -> None:
     assert found["api port"].status == "warn" and f":{port} is in use" in found["api port"].detail
 
 
+@pytest.mark.cluster
 def test_config_master_reached_and_secret_checked(tmp_path: Path) -> None:
     nothing = _by_name(check_config(_config(tmp_path)))["master"]
     assert nothing.status == "fail" and "start the master" in nothing.fix

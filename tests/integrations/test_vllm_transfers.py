@@ -22,7 +22,7 @@ from mooncake.store.node.node import remote_name
 from mooncake.transfer import TransferRequest
 from mooncake.transfer.types import TransferOp
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(120)]
 SECRET = b"v" * 32
 LAYOUT = kv_layout(num_layers=2, block_tokens=4, num_kv_heads=2, head_dim=8, dtype="float32")
 FP = vllm_fingerprint("tiny", "cpu", LAYOUT)

@@ -98,6 +98,7 @@ def test_golden_value_pins_the_scheme():
 GOLDEN_FIRST_BLOCK = "db12cd26cf7076bbdb24ebccf5f9774a"
 
 
+@pytest.mark.cluster
 def test_hashes_identical_across_processes_with_different_hash_seeds():
     code = (
         "from mooncake.kv.hashing import PrefixHasher, model_fingerprint, block_key\n"

@@ -84,6 +84,7 @@ def test_committing_before_every_layer_is_written_is_refused():
         builder.commit()
 
 
+@pytest.mark.cluster
 def test_store_and_master_side_modules_import_without_torch():
     """The Store validates objects and the master tokenizes without torch installed."""
     code = (

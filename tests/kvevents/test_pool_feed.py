@@ -17,7 +17,7 @@ from mooncake.local.launcher import LocalLauncher, LocalPlan
 from mooncake.store.client.client import Store
 from tests.kvevents.subscriber import Subscriber
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(180)]
 KIB = 1024
 
 

@@ -101,6 +101,7 @@ def test_the_generated_config_is_never_written_through_a_symlink(tmp_path: Path)
     assert _mode(config) == 0o600
 
 
+@pytest.mark.cluster
 def test_a_runfile_whose_master_pid_now_belongs_to_another_process_is_stale(
     other_process: subprocess.Popen[bytes],
 ) -> None:

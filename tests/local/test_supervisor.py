@@ -27,7 +27,7 @@ from mooncake.local.launcher import LocalLauncher, LocalPlan
 from mooncake.local.runfile import read_runfile
 from mooncake.local.supervisor import Child, NodeEvent, RestartPolicy, Supervisor, wait_ready
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(240)]
 
 KEY = "sk-local-test-0123456789"
 NODE_IDS = {"master", "prefill-0", "decode-0"}

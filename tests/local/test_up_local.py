@@ -29,6 +29,7 @@ from mooncake.local.launcher import LocalLauncher, LocalPlan
 pytestmark = pytest.mark.timeout(180)
 
 
+@pytest.mark.cluster
 def test_ctrl_c_stops_every_process(tmp_path: Path, cost_cache: Path) -> None:
     """...also when a stale runfile names a master pid that another process now has."""
     cost = ensure_cost_model(LocalPlan(), cost_cache)
@@ -198,6 +199,7 @@ def _in_session(sid: int) -> list[str]:
     return left
 
 
+@pytest.mark.cluster
 def test_ctrl_c_in_a_terminal_lets_streams_finish_then_stops_every_process(
     tmp_path: Path, cost_cache: Path
 ) -> None:

@@ -10,6 +10,7 @@ from mooncake.model.corun import measure_corun, scale_cost_model
 from mooncake.model.profiling import profile_cost_model
 
 
+@pytest.mark.cluster
 def test_one_worker_is_no_slowdown_and_several_are_measured(tiny_info):
     assert measure_corun(tiny_info, "float32", 16, 64, 1) == CorunFactors(
         busy=1, prefill=1.0, decode=1.0

@@ -130,6 +130,7 @@ print(anon_bytes() - start)
 """
 
 
+@pytest.mark.cluster
 @needs_onednn
 def test_a_prefill_node_s_shape_caches_stay_bounded_over_many_row_counts():
     """260 new row counts (780 product shapes) add ~460 MiB to oneDNN's and ideep's caches

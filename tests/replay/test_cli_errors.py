@@ -37,6 +37,7 @@ def _closed_port() -> int:
         return int(s.getsockname()[1])
 
 
+@pytest.mark.cluster
 def test_connection_refused_is_one_clear_error(tmp_path):
     url = f"http://127.0.0.1:{_closed_port()}"
     out = _mooncake([str(FIXTURE), "--limit", "2", "--url", url], tmp_path)

@@ -19,7 +19,7 @@ import pytest
 from mooncake.local.launcher import LocalLauncher
 from tests.roles.cluster import local_cluster, node_row
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 
 # the real `mooncake up`, with a sampler that fails for requests marked top_k=7
 FAULTY_DECODE = """

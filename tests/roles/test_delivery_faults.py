@@ -29,7 +29,7 @@ from mooncake.roles.node.messages import (
 from mooncake.rpc import RpcClient
 from tests.roles.cluster import local_cluster, node_row, start_node
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 
 DROPPING_MASTER = """
 import msgspec

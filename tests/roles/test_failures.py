@@ -14,7 +14,7 @@ import pytest
 from mooncake.local.launcher import LocalLauncher
 from tests.roles.cluster import kill, local_cluster, node_row
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 
 
 @pytest.fixture(scope="module")

@@ -92,6 +92,7 @@ def test_kv_cache_sized_from_the_visible_gpu(h100: Topology, visible_5: None) ->
     assert ctx.gpu("cuda:0") == h100.gpus[5]
 
 
+@pytest.mark.cluster
 def test_store_engines_get_the_nic_preference(h100: Topology, visible_5: None) -> None:
     """The node's own tiers (StoreNode) and its Store client are built with the topology's
     NIC preference, keyed by torch's device index; the DRAM arena is on the GPU's node."""

@@ -24,6 +24,7 @@ from tests.roles.cluster import kill, local_cluster
 from tests.roles.failover import PROMPT, Stream, complete, nodes_ready, status, wait_for
 
 pytestmark = [
+    pytest.mark.cluster,
     pytest.mark.timeout(300),
     pytest.mark.skipif(
         etcd_binary() is None, reason="no etcd server (apt-get install etcd-server)"

@@ -12,7 +12,7 @@ import torch
 
 from tests.roles.cluster import local_cluster
 
-pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.cluster, pytest.mark.gpu, pytest.mark.timeout(600)]
 
 
 def _engine_alone(prompt: list[int], max_tokens: int) -> str:

@@ -14,7 +14,7 @@ import torch
 from mooncake.local.launcher import LocalLauncher
 from tests.roles.cluster import local_cluster
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(240)]
 PACE_S = 0.05
 
 

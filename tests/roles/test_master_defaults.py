@@ -25,6 +25,7 @@ from mooncake.roles.node.common import create_context
 pytestmark = pytest.mark.timeout(60)
 
 
+@pytest.mark.cluster
 def test_master_starts_on_dummy_tiny_without_a_cost_model(tmp_path: Path) -> None:
     """... and on `api.host = "0.0.0.0"` (the default; with no key only when
     `api.allow_unauthenticated`) its log says it listens on all interfaces with a URL other
@@ -64,6 +65,7 @@ def test_master_starts_on_dummy_tiny_without_a_cost_model(tmp_path: Path) -> Non
     assert not any(h in said[1] for h in ("127.0.0.1", "0.0.0.0", "localhost")), said[1]
 
 
+@pytest.mark.cluster
 @pytest.mark.parametrize("role", ["store", "prefill"])
 def test_a_node_without_a_master_fails_at_once_naming_the_key(tmp_path: Path, role: str) -> None:
     """`cluster.master` missing from a node's file (its default, 127.0.0.1:50051, where no
@@ -104,6 +106,7 @@ def test_default_node_ids_of_one_role_on_one_host_differ(tmp_path: Path) -> None
     assert a.node_id.startswith(f"{socket.gethostname()}-prefill-{os.getpid()}-")
 
 
+@pytest.mark.cluster
 def test_bench_store_master_takes_the_cluster_master_form() -> None:
     """`--master` takes what `cluster.master` holds (host:port), as its help says."""
     from typer.testing import CliRunner
@@ -173,6 +176,7 @@ def _hf_dir(root: Path) -> Path:
     return root
 
 
+@pytest.mark.cluster
 @pytest.mark.parametrize("served_name", ["", "my-model"])
 def test_the_master_serves_an_hf_directory_under_the_path_given(
     tmp_path: Path, served_name: str
@@ -215,6 +219,7 @@ def test_the_master_serves_an_hf_directory_under_the_path_given(
             proc.communicate()
 
 
+@pytest.mark.cluster
 def test_the_masters_roofline_follows_the_gpus_its_prefill_nodes_report(tmp_path: Path) -> None:
     """No profile and no GPU on the master: it starts on the H800 x8 roofline; a prefill
     node without GPUs leaves it so (said once, with the hardware assumed); the first one

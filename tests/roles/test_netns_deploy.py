@@ -33,7 +33,7 @@ from mooncake.kv.object import DTYPE_BYTES
 from mooncake.local.supervisor import Child, wait_ready
 from mooncake.model.info import load_model_info, resolve_dtype
 
-pytestmark = [pytest.mark.netns, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.cluster, pytest.mark.netns, pytest.mark.timeout(180)]
 
 ROOT = Path(__file__).resolve().parents[2]
 SUBNET = "10.77.0"  # the bridge's /24; only the namespaces below see it

@@ -12,6 +12,7 @@ from mooncake.local.launcher import LocalLauncher, LocalPlan
 from mooncake.local.plan import PREFILL_NICE
 
 
+@pytest.mark.cluster
 def test_a_node_lowers_its_priority_and_never_raises_it():
     code = (
         "import os; from mooncake.roles import lower_priority; "

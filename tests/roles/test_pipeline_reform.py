@@ -21,7 +21,7 @@ import pytest
 from mooncake.local.launcher import LocalLauncher
 from tests.roles.cluster import kill, local_cluster, node_row
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 SERVE_AGAIN_S = 90.0  # bound on the time to serve again (a restart loads a model)
 STAGE_TIMEOUT_S = 2.0  # prefill.stage_timeout_s; the prompts here are 2 chunks of 256
 # NOTE: a leader gives up on a stopped stage by the deadline of its request (2 chunks)

@@ -45,6 +45,7 @@ def _listening_ports(pid: int) -> set[int]:
     }
 
 
+@pytest.mark.cluster
 def test_every_listener_of_every_node_binds_in_the_range(tmp_path: Path, cost_cache: Path):
     """Two prefill nodes (one pipeline group: stage 1 has a stage listener), a decode node
     and a store node, each giving DRAM to the pool; the master's direct channel and its KV
@@ -83,6 +84,7 @@ def _held(rng: PortRange) -> Iterator[None]:
         yield
 
 
+@pytest.mark.cluster
 def test_a_cluster_whose_range_is_taken_fails_naming_the_key(
     tmp_path: Path, cost_cache: Path, capfd: pytest.CaptureFixture[str]
 ):

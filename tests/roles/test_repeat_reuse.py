@@ -26,7 +26,7 @@ from mooncake.api import openapi
 from mooncake.local.launcher import LocalLauncher
 from tests.roles.cluster import kill, local_cluster, start_node
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 
 SLOW_SEAL = """
 import os, time

@@ -13,7 +13,7 @@ from mooncake.local.launcher import LocalLauncher
 from tests.roles.cluster import kill, local_cluster
 from tests.roles.failover import complete, nodes_ready, status, wait_for
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 
 
 @pytest.fixture(scope="module")

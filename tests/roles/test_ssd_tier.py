@@ -18,7 +18,7 @@ import pytest
 from mooncake.local.launcher import free_port
 from tests.roles.cluster import local_cluster
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 
 
 @pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm on this host")

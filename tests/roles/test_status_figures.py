@@ -19,7 +19,7 @@ from mooncake.cli.statusview import render_status
 from mooncake.local.launcher import LocalLauncher
 from tests.roles.cluster import local_cluster
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(240)]
 
 
 @pytest.fixture(scope="module")

@@ -23,6 +23,7 @@ def _pool_capacity(url: str) -> int:
     )
 
 
+@pytest.mark.cluster
 def test_store_node_mounts_its_tiers_and_unmounts_on_sigterm(
     tmp_path: Path, cost_cache: Path
 ) -> None:
@@ -46,6 +47,7 @@ def test_store_node_mounts_its_tiers_and_unmounts_on_sigterm(
         assert [n["role"] for n in nodes] == ["master"]  # deregistered
 
 
+@pytest.mark.cluster
 def test_a_store_node_started_before_its_master_waits_for_it(
     tmp_path: Path, cost_cache: Path
 ) -> None:

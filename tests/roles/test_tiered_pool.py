@@ -17,7 +17,7 @@ from mooncake.store.metadata.objects import StoreStats
 from mooncake.store.server import messages as m
 from tests.store.cluster import SECRET, Child, start_master, start_node
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(60)]
 KIB = 1024
 
 

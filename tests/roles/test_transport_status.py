@@ -97,6 +97,7 @@ def test_no_instance_names_the_missing_role() -> None:
     assert str(e.value) == "no decode node is ready (0 registered); retry shortly"
 
 
+@pytest.mark.cluster
 @pytest.mark.timeout(120)
 def test_a_local_cluster_moves_kv_over_shm_and_status_says_so(
     tmp_path: Path,

@@ -19,7 +19,7 @@ import pytest
 from mooncake.local.launcher import free_port
 from mooncake.local.supervisor import Child, wait_ready
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(240)]
 
 SHARED = """
 [cluster]

@@ -25,7 +25,7 @@ from mooncake.sim.trace import TraceRecord
 
 BT = 32
 REPO = Path(__file__).resolve().parents[2]
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(600)]
 
 
 def _emulator(i: int, model: Path) -> ServerSpec:

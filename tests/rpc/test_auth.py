@@ -21,6 +21,7 @@ _PRINT_KEYS = (
 )
 
 
+@pytest.mark.cluster
 def test_keys_from_the_same_secret_are_identical_across_processes() -> None:
     out = subprocess.run(
         [sys.executable, "-c", _PRINT_KEYS, SECRET.decode()],

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from typer.testing import CliRunner
 
 import mooncake.cli.bench_rpc  # noqa: F401  (registers the verb)
 from mooncake.cli.app import app
+
+pytestmark = pytest.mark.cluster
 
 
 def test_bench_rpc_json_has_the_documented_keys() -> None:

@@ -10,6 +10,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.cluster
+
 
 @pytest.mark.parametrize(
     ("protocol", "op", "baseline"), [("tcp", "read", "socket-stream"), ("shm", "write", "memcpy")]

@@ -7,11 +7,14 @@ from __future__ import annotations
 import gc
 
 import numpy as np
+import pytest
 
 from mooncake.native.shm import ShmArena
 from mooncake.transfer import TransferOp, TransferRequest, TransferState
 from tests.transfer.conftest import SECRET, make_engine
 from tests.transfer.peer import PeerProcess, pattern
+
+pytestmark = pytest.mark.cluster
 
 READ, WRITE = TransferOp.READ, TransferOp.WRITE
 DONE = TransferState.DONE

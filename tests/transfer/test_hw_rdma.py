@@ -19,7 +19,7 @@ from mooncake.transfer.types import TransferOp, TransferState
 from tests.transfer.conftest import SECRET
 from tests.transfer.peer import PeerProcess, pattern
 
-pytestmark = [pytest.mark.rdma, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.cluster, pytest.mark.rdma, pytest.mark.timeout(300)]
 MAX_BYTES = 256 << 20
 SIZES = [64 << 10, 1 << 20, 4 << 20 | 4096 | 13, 64 << 20, MAX_BYTES]  # 64 KiB .. 256 MiB
 

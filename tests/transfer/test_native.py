@@ -60,6 +60,7 @@ def _attach_write_exit(name: str) -> None:
     arena.close()  # a reader closing (or dying) must not unlink the owner's memory
 
 
+@pytest.mark.cluster
 def test_peer_closing_an_arena_does_not_unlink_it() -> None:
     with ShmArena.create(64) as arena:
         p = mp.get_context("spawn").Process(target=_attach_write_exit, args=(arena.name,))
@@ -79,6 +80,7 @@ def test_attach_refuses_a_smaller_arena_than_expected() -> None:
         ShmArena.attach(arena.name, 64)
 
 
+@pytest.mark.cluster
 def test_sweep_removes_only_arenas_of_dead_creators() -> None:
     from mooncake.native.shm import NAME_PREFIX, sweep_stale
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.netns
+pytestmark = [pytest.mark.cluster, pytest.mark.netns]
 ROOT = Path(__file__).resolve().parents[2]
 SIZE = 4 << 20
 

@@ -72,6 +72,7 @@ def test_rdma_required_without_devices_is_a_clear_error(emulator) -> None:
         _engine("x")
 
 
+@pytest.mark.cluster
 def test_queue_pairs_across_processes_reach_the_peers_shared_memory(emulator) -> None:
     peer = PeerProcess.start(SECRET, 1 << 16, fake_rdma=True)
     try:

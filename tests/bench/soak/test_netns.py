@@ -18,6 +18,7 @@ import pytest
 from mooncake.bench.soak.netns import PREFIX, Degrade, Links, sweep_stale
 
 pytestmark = [
+    pytest.mark.cluster,
     pytest.mark.netns,
     pytest.mark.timeout(120),
     pytest.mark.skipif(

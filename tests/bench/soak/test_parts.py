@@ -8,6 +8,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from mooncake.bench.soak.faults import KINDS, Deck
 from mooncake.bench.soak.rss import RssSampler
 from mooncake.bench.soak.run import arrivals, is_clear
@@ -54,6 +56,7 @@ def test_the_deck_deals_every_kind_before_any_twice() -> None:
     assert sorted(first) == sorted(KINDS) == sorted(second)
 
 
+@pytest.mark.cluster
 def test_rss_growth_after_warm_up_flags_a_growing_process_not_a_steady_one() -> None:
     """A child that allocates 4 MiB more every 0.1 s grows; one that sleeps does not; a
     sample before the warm-up (the interpreter starting) is not judged."""

@@ -21,6 +21,7 @@ from mooncake.local.launcher import LocalPlan
 from mooncake.replay.prompts import PromptConfig
 
 pytestmark = [
+    pytest.mark.cluster,
     pytest.mark.timeout(300),
     pytest.mark.skipif(
         etcd_binary() is None, reason="no etcd server (apt-get install etcd-server)"

@@ -84,6 +84,7 @@ def test_without_notify_socket_nothing_is_sent(monkeypatch: pytest.MonkeyPatch, 
     assert json.loads(capsys.readouterr().out)["ready"] is True
 
 
+@pytest.mark.cluster
 def test_master_process_notifies_ready_and_stopping(tmp_path: Path):
     config = tmp_path / "master.toml"
     config.write_text(
@@ -193,6 +194,7 @@ def test_unit_files_have_the_expected_keys(role: str):
     assert unit["Install"]["WantedBy"] == "multi-user.target"
 
 
+@pytest.mark.cluster
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="no systemd-analyze here")
 def test_unit_files_pass_systemd_analyze_verify(tmp_path: Path):
     # verify checks that ExecStart's program exists: point it at this checkout's mooncake

@@ -16,7 +16,7 @@ from mooncake.store.metadata.objects import MAX_KEY_BYTES
 from mooncake.transfer.types import EngineOptions
 from tests.store.cluster import SECRET, Child, start_master, start_node
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(60)]
 MIB = 1 << 20
 
 

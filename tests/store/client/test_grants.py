@@ -73,6 +73,7 @@ def test_slot_pool_hands_out_fresh_slots_and_gives_back_expired_ones() -> None:
     assert sorted(pool.drain()) == [1, 2] and pool.held() == []
 
 
+@pytest.mark.cluster
 @pytest.mark.timeout(60)
 def test_warm_get_needs_no_master_and_puts_commit_into_slots() -> None:
     """Real processes. A second get (or get_batch) of a key within its lease reads the
@@ -122,6 +123,7 @@ def test_warm_get_needs_no_master_and_puts_commit_into_slots() -> None:
         master.stop()
 
 
+@pytest.mark.cluster
 @pytest.mark.timeout(60)
 def test_a_cached_location_on_a_dead_node_falls_back_to_the_master() -> None:
     """The node a warm location points at dies: get and get_batch drop the location, ask

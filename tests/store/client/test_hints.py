@@ -16,6 +16,8 @@ from mooncake.store.client.client import NotFoundError, Store
 from mooncake.transfer.types import EngineOptions
 from tests.store.cluster import SECRET, Child, start_master, start_node
 
+pytestmark = pytest.mark.cluster
+
 OPTS = EngineOptions(protocol="tcp", timeout_s=5.0)
 
 

@@ -15,7 +15,7 @@ from mooncake.transfer.types import EngineOptions
 from tests.store.cluster import SECRET, Child, start_master, start_node
 from tests.transfer.fake_cuda import CpuStaging
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(60)]
 CHUNK = 16 << 10
 
 

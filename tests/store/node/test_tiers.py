@@ -100,6 +100,7 @@ def _node_with_ssd(ssd_path: Path, segment: str) -> tuple[subprocess.Popen[str],
     return proc, path
 
 
+@pytest.mark.cluster
 def test_a_starting_node_sweeps_the_files_of_killed_nodes_and_never_a_live_ones(
     tmp_path: Path,
 ) -> None:

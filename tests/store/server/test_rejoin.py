@@ -21,7 +21,7 @@ from mooncake.store.metadata.objects import StoreStats
 from mooncake.store.server.messages import HeartbeatMsg, HeartbeatReplyMsg, StatsMsg, StatsReplyMsg
 from tests.store.cluster import SECRET, start_master, start_node
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(60)]
 MIB = 1 << 20
 TTL_S = 1.0  # the test master's heartbeat_ttl_s (tests/store/procs.py)
 

@@ -37,6 +37,8 @@ from mooncake.roles.prefill.group.pipeline import prefill_pipelined
 from mooncake.roles.prefill.group.stage import StageServer
 from tests.model.conftest import BLOCK, prompt
 
+pytestmark = pytest.mark.cluster
+
 SECRET = b"pipeline-test-secret-0123456789"
 
 
