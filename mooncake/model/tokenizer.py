@@ -1,9 +1,11 @@
-"""Tokenizers: bytes for dummy models, the `tokenizers` library for HF directories.
+"""Tokenizers: bytes for dummy models, the `tokenizers` library for HF directories and
+GGUF files.
 
 Torch-free (the master tokenizes and hashes prompts). Chat completions render the model's
-own chat template (`chat_template` in tokenizer_config.json, or chat_template.jinja/.json)
-in a sandboxed jinja2 environment, as `transformers` does, then encode the text without
-adding special tokens again (the template writes them).
+own chat template (`chat_template` in tokenizer_config.json, or chat_template.jinja/.json;
+`tokenizer.chat_template` in a GGUF file) in a sandboxed jinja2 environment, as
+`transformers` does, then encode the text without adding special tokens again (the template
+writes them).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from mooncake.errors import ApiError, ConfigError
+from mooncake.model.ggufvocab import build_tokenizer, find_gguf, read_vocab
 
 Message = dict[str, Any]  # {"role": "user", "content": "..."}
 
@@ -99,7 +102,19 @@ def _token_text(value: Any) -> str:
     return "" if value is None else str(value)
 
 
-class HFTokenizer(BaseTokenizer):
+class LibraryTokenizer(BaseTokenizer):
+    """Encode and decode through a `tokenizers.Tokenizer` (`_tok`) that subclasses load."""
+
+    _tok: Any
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return str(self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
+
+
+class HFTokenizer(LibraryTokenizer):
     """A Hugging Face `tokenizer.json` with the directory's special tokens and template."""
 
     def __init__(self, root: Path, eos_token_ids: tuple[int, ...] = ()):
@@ -116,18 +131,32 @@ class HFTokenizer(BaseTokenizer):
         self.eos_token = _token_text(config.get("eos_token"))
         self.bos_token_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None
         eos_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
-        ids = list(eos_token_ids)
-        if eos_id is not None and eos_id not in ids:
-            ids.append(eos_id)
-        self.eos_token_ids = tuple(ids)
+        self.eos_token_ids = _with_ids(eos_token_ids, [eos_id])
         self.chat_template = _find_template(root, config)
         self.max_token_chars = _max_token_chars(self._tok)
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
 
-    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return str(self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
+class GGUFTokenizer(LibraryTokenizer):
+    """A GGUF file's tokenizer (`ggufvocab` rebuilds it from the metadata, as transformers
+    does) with its special tokens and its `tokenizer.chat_template`."""
+
+    def __init__(self, path: Path, eos_token_ids: tuple[int, ...] = ()):
+        vocab = read_vocab(path)
+        self._tok = build_tokenizer(vocab)
+        self.bos_token, self.eos_token = vocab.special_text("bos"), vocab.special_text("eos")
+        self.bos_token_id = vocab.special_ids.get("bos")
+        # NOTE: a chat model ends its turn with the end-of-turn token (Llama 3's
+        # <|eot_id|>), which files name apart from EOS
+        ends = [vocab.special_ids.get(role) for role in ("eos", "eot", "eom")]
+        self.eos_token_ids = _with_ids(eos_token_ids, ends)
+        self.chat_template = vocab.chat_template
+        self.max_token_chars = _max_token_chars(self._tok)
+
+
+def _with_ids(ids: tuple[int, ...], more: list[int | None]) -> tuple[int, ...]:
+    out = list(ids)
+    out += [i for i in dict.fromkeys(more) if i is not None and i not in out]
+    return tuple(out)
 
 
 # NOTE: normalizers and pre-tokenizers that drop characters (whitespace, accents): a text
@@ -237,10 +266,17 @@ def render_template(template: str, **context: Any) -> str:
 
 
 def create_tokenizer(path: str, eos_token_ids: tuple[int, ...] = ()) -> BaseTokenizer:
-    """The tokenizer of `model.path`: bytes for `dummy:*`, tokenizer.json for a directory."""
+    """The tokenizer of `model.path`: bytes for `dummy:*`, tokenizer.json for a directory
+    holding one, else the GGUF file `path` names (itself, or a directory's only one)."""
     if path.startswith("dummy:"):
         return ByteTokenizer()
     root = Path(path)
-    if not (root / "tokenizer.json").exists():
-        raise ConfigError(f"model.path: {path} has no tokenizer.json")
-    return HFTokenizer(root, eos_token_ids)
+    if (root / "tokenizer.json").exists():
+        return HFTokenizer(root, eos_token_ids)
+    gguf_path = find_gguf(root)
+    if gguf_path is None:
+        raise ConfigError(
+            f"model.path: {path} is neither a directory with a tokenizer.json or one .gguf "
+            "file nor a .gguf file"
+        )
+    return GGUFTokenizer(gguf_path, eos_token_ids)
