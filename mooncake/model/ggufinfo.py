@@ -147,7 +147,7 @@ def _rope_scaling(
     freqs = g.raw(g.tensors["rope_freqs.weight"]).view(np.float32)
     scaling = RopeScaling(factor=float(freqs.max()))
     if freqs.shape != (head_dim // 2,) or not np.allclose(
-        freqs, _llama3_divisors(scaling, theta, head_dim), rtol=1e-4
+        freqs, llama3_rope_divisors(scaling, theta, head_dim), rtol=1e-4
     ):
         raise ConfigError(
             f"model.path: {file_name}: its rope_freqs are not Llama 3.1's scaling "
@@ -156,7 +156,8 @@ def _rope_scaling(
     return scaling
 
 
-def _llama3_divisors(sc: RopeScaling, theta: float, head_dim: int) -> np.ndarray:
+def llama3_rope_divisors(sc: RopeScaling, theta: float, head_dim: int) -> np.ndarray:
+    """(head_dim / 2,) what llama.cpp divides each RoPE frequency by for `sc` (rope_freqs)."""
     inv = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
     wavelen = 2 * math.pi / inv
     old = sc.original_max_position_embeddings

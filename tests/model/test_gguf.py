@@ -15,12 +15,13 @@ import torch
 from mooncake.errors import ConfigError
 from mooncake.model.decode import DecodeRunner
 from mooncake.model.dequant import BLOCKS, dequantize
-from mooncake.model.ggufinfo import SUPPORTED_TYPES
+from mooncake.model.ggufinfo import SUPPORTED_TYPES, llama3_rope_divisors
 from mooncake.model.info import ModelInfo, kv_fingerprint, load_model_info
 from mooncake.model.kvcache import PagedKVCache
 from mooncake.model.prefill import PrefillRunner
 from mooncake.model.sampler import SamplingParams
 from mooncake.model.sequence import Sequence
+from mooncake.model.spec import RopeScaling
 from mooncake.model.weights import create_model
 from tests.model.conftest import prompt
 
@@ -82,7 +83,12 @@ def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def _write_gguf(
-    path: Path, model: torch.nn.Module, arch: str, qtype: int = Q.F32, extra: bool = False
+    path: Path,
+    model: torch.nn.Module,
+    arch: str,
+    qtype: int = Q.F32,
+    extra: bool = False,
+    rope_freqs: np.ndarray | None = None,
 ) -> Path:
     """Convert a transformers Llama/Qwen2 model as llama.cpp's convert script does."""
     cfg = model.config
@@ -137,6 +143,8 @@ def _write_gguf(
             w.add_tensor(name, data)
     if extra:
         w.add_tensor("blk.0.attn_q_norm.weight", np.ones(16, np.float32))
+    if rope_freqs is not None:
+        w.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -181,6 +189,40 @@ def test_tiny_gguf_computes_transformers_logits(tmp_path: Path, kind: str) -> No
     with torch.no_grad():
         expected = reference(torch.tensor([ids])).logits[0, -1]
     torch.testing.assert_close(_prefill_logits(info, ids), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_llama31_rope_freqs_become_llama3_scaling(tmp_path: Path) -> None:
+    """Llama 3.1's scaling, baked by llama.cpp into a rope_freqs tensor, is recognised: the
+    logits equal transformers' with rope_type llama3. Other divisors are refused."""
+    rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0}
+    rope |= {"low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    rope |= {"original_max_position_embeddings": 8192}
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**SHAPES, rope_scaling=rope)
+    reference = transformers.LlamaForCausalLM(config).eval()
+    freqs = llama3_rope_divisors(RopeScaling(), 10000.0, 16)
+    assert freqs.min() == 1.0 and freqs.max() == 8.0 and len(set(freqs)) > 2  # all 3 bands
+    path = _write_gguf(tmp_path / "l31.gguf", reference, "llama", rope_freqs=freqs)
+    info = load_model_info(str(path))
+    assert info.spec.rope_scaling == RopeScaling()
+    ids = prompt(37, vocab=300)
+    with torch.no_grad():
+        expected = reference(torch.tensor([ids])).logits[0, -1]
+    torch.testing.assert_close(_prefill_logits(info, ids), expected, atol=1e-5, rtol=1e-5)
+    path = _write_gguf(tmp_path / "odd.gguf", reference, "llama", rope_freqs=freqs[::-1])
+    with pytest.raises(ConfigError, match="rope_freqs are not Llama 3.1's scaling"):
+        load_model_info(str(path))
+
+
+def test_serving_dtype_is_the_float32_load_cast(tmp_path: Path) -> None:
+    """Loading a GGUF in bfloat16 gives the float32 load's weights rounded to bfloat16
+    (the permuted q/k rows and fused tensors included)."""
+    path = _write_gguf(tmp_path / "tiny.gguf", _hf_model("llama"), "llama", Q.Q4_1)
+    info = load_model_info(str(path))
+    full = create_model(info, "float32", "cpu", cpu_gemm="torch")
+    half = create_model(info, "bfloat16", "cpu", cpu_gemm="torch")
+    for name, param in half.named_parameters():
+        assert torch.equal(param, full.get_parameter(name).to(torch.bfloat16)), name
 
 
 def test_stage_loads_only_its_layers(tmp_path: Path) -> None:
