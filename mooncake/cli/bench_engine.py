@@ -330,6 +330,7 @@ def _gguf_part(
     emit(
         f"GGUF greedy decode, {prompt_len}-token prompts, {new_tokens} new tokens (s per step)",
         rows,
+        about,
     )
     report["gguf"] = out
 
