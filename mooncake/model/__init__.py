@@ -1,8 +1,10 @@
 """The model a prefill or decode node runs, and the runners around it (torch, except
-`spec`, `info`, `params`, `tokenizer` and `stopmatch`, which the master uses too).
+`spec`, `info`, `ggufread`, `ggufinfo`, `params`, `tokenizer` and `stopmatch`, which the
+master uses too).
 
 - `spec`, `info`       model shapes by name; what `model.path` names (HF config, fingerprint)
 - `llama`, `weights`   the LLaMA-family decoder over paged KV; dummy and safetensors weights
+- `ggufread`, `ggufinfo`, `dequant`, `ggufweights`   GGUF files: header, ModelInfo, weights
 - `cpugemm`            CPU linears through oneDNN with weights packed once
 - `attention/`         batched paged attention kernels (Triton) and their torch reference
 - `kvcache`, `prefixcache`   the paged KV cache and the instance-local prefix cache

@@ -2,7 +2,7 @@
 
 A GGUF file (llama.cpp's format) has no tokenizer.json: its vocabulary, merges, token types
 and special token ids are metadata keys (`tokenizer.ggml.*`). `read_vocab` reads them with
-`gguf.GGUFReader` (memory-mapped, torch-free); `build_tokenizer` makes of them the tokenizer
+`ggufread.GGUFFile` (memory-mapped, torch-free); `build_tokenizer` makes of them the tokenizer
 that transformers' `AutoTokenizer.from_pretrained(dir, gguf_file=name)` makes, so that a
 prompt gets the same ids from either:
 
@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mooncake.errors import ConfigError
+from mooncake.model.ggufread import GGUFFile
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -103,36 +104,10 @@ class GGUFVocab:
         return "" if token_id is None else self.tokens[token_id]
 
 
-def find_gguf(path: Path) -> Path | None:
-    """The GGUF file `path` names: itself, or the only `*.gguf` in a directory; None if it
-    names none. Raises ConfigError for a directory holding several."""
-    if path.is_file():
-        return path if path.suffix == ".gguf" else None
-    found = sorted(path.glob("*.gguf")) if path.is_dir() else []
-    if len(found) > 1:
-        names = ", ".join(p.name for p in found)
-        raise ConfigError(
-            f"model.path: {path} holds several GGUF files ({names}); set model.path to one of them"
-        )
-    return found[0] if found else None
-
-
 def read_vocab(path: Path) -> GGUFVocab:
     """The tokenizer metadata of the GGUF file `path`; raises ConfigError if it cannot be
     read or lacks a vocabulary."""
-    try:
-        from gguf import GGUFReader
-    except ImportError as e:
-        raise ConfigError("GGUF models need `pip install gguf`") from e
-    try:
-        reader = GGUFReader(path)
-        values = {
-            key: reader.fields[key].contents()
-            for key in reader.fields
-            if key.startswith("tokenizer.") or key == "general.architecture"
-        }
-    except (OSError, ValueError, IndexError, UnicodeDecodeError) as e:
-        raise ConfigError(f"model.path: cannot read GGUF file {path}: {e}") from e
+    values = GGUFFile(path).metadata  # ConfigError for a file that is not GGUF
     tokens = values.get("tokenizer.ggml.tokens")
     if not isinstance(tokens, list) or not tokens:
         raise ConfigError(f"model.path: {path} has no tokenizer.ggml.tokens (no vocabulary)")

@@ -1,8 +1,9 @@
 """What a model path names: shapes, weight layout, special tokens and the KV dtype.
 
-`model.path` is either `dummy:NAME` (a `mooncake.model.spec` shape with deterministic random
-weights) or a local Hugging Face-format directory (`config.json` + `*.safetensors`, Llama,
-Mistral and Qwen2 layouts). Torch-free: the master and the Conductor read this too.
+`model.path` is `dummy:NAME` (a `mooncake.model.spec` shape with deterministic random
+weights), a local Hugging Face-format directory (`config.json` + `*.safetensors`, Llama,
+Mistral and Qwen2 layouts), or a GGUF file or a directory holding one (`ggufinfo`).
+Torch-free: the master and the Conductor read this too.
 
 Fields `ModelSpec` has no room for (Qwen2's q/k/v biases, EOS ids, the checkpoint's dtype)
 live in `ModelInfo`. HF directories get the name `hf:<dir name>:<digest>`, where the digest
@@ -41,6 +42,7 @@ class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()  # generation stops at any of these
     weight_files: tuple[str, ...] = ()  # *.safetensors, relative to path
+    gguf_file: str = ""  # the GGUF file (absolute) when path names one
 
 
 def normalize_dtype(dtype: str) -> str:
@@ -76,13 +78,21 @@ def load_model_info(path: str) -> ModelInfo:
         return ModelInfo(
             spec=spec, path=path, is_dummy=True, bos_token_id=256, eos_token_ids=(257,)
         )
+    from mooncake.model.ggufread import find_gguf_file
+
+    gguf_file = find_gguf_file(path)
+    if gguf_file is not None:
+        from mooncake.model.ggufinfo import gguf_model_info
+
+        return gguf_model_info(path, gguf_file)
     root = Path(path)
     config_path = root / "config.json"
     try:
         config = json.loads(config_path.read_text())
     except FileNotFoundError as e:
         raise ConfigError(
-            f"model.path: {path} is neither dummy:NAME nor a directory with config.json"
+            f"model.path: {path} is neither dummy:NAME, a .gguf file, nor a directory with "
+            "config.json or one .gguf file"
         ) from e
     except (OSError, ValueError) as e:
         raise ConfigError(f"model.path: cannot read {config_path}: {e}") from e

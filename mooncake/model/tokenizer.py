@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from mooncake.errors import ApiError, ConfigError
-from mooncake.model.ggufvocab import build_tokenizer, find_gguf, read_vocab
+from mooncake.model.ggufread import find_gguf_file
+from mooncake.model.ggufvocab import build_tokenizer, read_vocab
 
 Message = dict[str, Any]  # {"role": "user", "content": "..."}
 
@@ -273,7 +274,7 @@ def create_tokenizer(path: str, eos_token_ids: tuple[int, ...] = ()) -> BaseToke
     root = Path(path)
     if (root / "tokenizer.json").exists():
         return HFTokenizer(root, eos_token_ids)
-    gguf_path = find_gguf(root)
+    gguf_path = find_gguf_file(root)
     if gguf_path is None:
         raise ConfigError(
             f"model.path: {path} is neither a directory with a tokenizer.json or one .gguf "

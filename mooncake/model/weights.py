@@ -1,4 +1,5 @@
-"""Weights: deterministic random ones for `dummy:*`, safetensors for HF directories.
+"""Weights: deterministic random ones for `dummy:*`, safetensors for HF directories, GGUF
+files through `ggufweights`.
 
 Dummy weights are drawn per tensor from a generator seeded with (seed, global tensor name),
 so a pipeline stage that builds only layers 2-3 gets exactly the weights a whole model has
@@ -61,6 +62,10 @@ def create_model(
     model.inv_freq = rope_inv_freq(info.spec).to(device)
     if info.is_dummy:
         _fill_dummy(model, seed)
+    elif info.gguf_file:
+        from mooncake.model.ggufweights import load_gguf
+
+        load_gguf(model, info)
     else:
         _load_hf(model, info)
     if device == "cpu":

@@ -277,7 +277,7 @@ def test_a_model_path_must_name_one_gguf_file(tmp_path: Path):
         create_tokenizer(str(tmp_path))
     assert create_tokenizer(str(tmp_path / "b.gguf")).encode("hello", False) == [274]
     (tmp_path / "bad.gguf").write_bytes(b"not a gguf file")
-    with pytest.raises(ConfigError, match="cannot read GGUF file"):
+    with pytest.raises(ConfigError, match="is not a GGUF file"):
         create_tokenizer(str(tmp_path / "bad.gguf"))
 
 
