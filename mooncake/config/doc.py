@@ -65,7 +65,7 @@ class FieldSpec:
         if self.tag == "portrange":
             return '"LOW-HIGH" with 1 <= LOW <= HIGH <= 65535, or "" for any free port'
         if self.tag == "modelpath":
-            return 'a model directory or "dummy:NAME"'
+            return 'a model directory, a .gguf file, a built-in name or "dummy:NAME"'
         if self.pattern == "^[a-z0-9-]+$":
             return 'a non-empty name of lower-case letters, digits and "-"'
         if self.min_length:

