@@ -83,17 +83,25 @@ _unmarked_spawners: set[str] = set()
 
 
 # Frames of the machinery between a caller and the process it starts.
-_PLUMBING = ("subprocess.py", "/asyncio/", "/multiprocessing/", "/concurrent/futures/")
+_PLUMBING = (
+    "subprocess.py",
+    "threading.py",
+    "/asyncio/",
+    "/multiprocessing/",
+    "/concurrent/futures/",
+)
 _OURS = (str(Path(__file__).resolve().parents[1] / "mooncake"), str(Path(__file__).parent))
 
 
 def _started_by_us() -> bool:
-    """Whether the process being started was asked for by our code (a library's own helper
-    process, such as ctypes.util.find_library's ldconfig, is not a cluster)."""
+    """Whether the process being started was asked for by our code: the first frame past
+    the machinery is ours, or there is none (a worker thread running `Popen` itself, as
+    the local launcher's does). A library's own helper process, such as
+    ctypes.util.find_library's ldconfig, is not a cluster."""
     frame = sys._getframe(3)  # past this, _note_process_start and the wrapper
     while frame is not None and any(p in frame.f_code.co_filename for p in _PLUMBING):
         frame = frame.f_back
-    return frame is not None and frame.f_code.co_filename.startswith(_OURS)
+    return frame is None or frame.f_code.co_filename.startswith(_OURS)
 
 
 def _note_process_start() -> None:

@@ -79,7 +79,6 @@ def test_rejected_is_a_429_with_whole_retry_after_seconds(setup, retry_after_s, 
     assert stats.snapshot().num_rejected == before + 1
 
 
-@pytest.mark.cluster
 def test_the_openai_client_sees_rate_limit_error(setup):
     backend, _, _, url = setup
     backend.error = Rejected("busy", retry_after_s=1)
