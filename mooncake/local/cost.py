@@ -14,6 +14,7 @@ from pathlib import Path
 from mooncake.local.config import DECODE_KV_BYTES
 from mooncake.local.plan import LocalPlan
 from mooncake.local.runfile import private_dir, write_private
+from mooncake.model.spec import ModelSpec
 
 
 def ensure_cost_model(
@@ -36,9 +37,11 @@ def ensure_cost_model(
     busy = min(plan.num_prefill + plan.num_decode, len(os.sched_getaffinity(0)))
     # NOTE: "p2": prompts up to 4096 tokens sampled (1024 before: a quadratic fitted there
     # overestimated a 5,000-token prefill by 60%); "k": scaled by the co-run slowdown of
-    # that many nodes; "m3": medians of 3 runs. A cached file of an older kind is not reused,
-    # nor one of another CPU, torch or matmul backend (a profile prices this host only)
-    tag = f"{name}-b{plan.block_tokens}-c{plan.chunk_tokens}-p2-k{busy}-m3-{host_tag(plan)}"
+    # that many nodes; "m3a": medians of 3 runs, fewer for a prefill past 2 s (profiling.py),
+    # the co-run prefill sized by the model's work (corun_tokens). A cached file of an older
+    # kind is not reused, nor one of another CPU, torch or matmul backend (a profile prices
+    # this host only)
+    tag = f"{name}-b{plan.block_tokens}-c{plan.chunk_tokens}-p2-k{busy}-m3a-{host_tag(plan)}"
     path = private_dir(cache_dir) / f"costmodel-{tag}.json"
     if path.exists():
         return path
@@ -66,13 +69,29 @@ def ensure_cost_model(
             plan.cpu_gemm,
         )
         bt, chunk, gemm = plan.block_tokens, plan.chunk_tokens, plan.cpu_gemm
-        corun = measure_corun(info, dtype, bt, chunk, busy, progress=on_progress, cpu_gemm=gemm)
+        tokens = corun_tokens(info.spec)
+        corun = measure_corun(
+            info, dtype, bt, chunk, busy, tokens, progress=on_progress, cpu_gemm=gemm
+        )
         model = scale_cost_model(model, corun)
     finally:
         torch.set_num_threads(threads)
     with tempfile.TemporaryDirectory() as tmp:  # save() follows symlinks; write_private not
         model.save(Path(tmp) / path.name)
         return write_private(cache_dir, path.name, (Path(tmp) / path.name).read_bytes())
+
+
+CORUN_FLOPS = 32e9  # a co-run prefill's work: dummy:tiny's 1,024 tokens, ~1 s on one core
+
+
+def corun_tokens(spec: ModelSpec) -> int:
+    """The co-run measurement's prompt: 1,024 tokens, halved down to 256 while its prefill
+    takes more than CORUN_FLOPS (the slowdown is a ratio; a real model's 1,024-token
+    prefill on one core takes seconds, timed ten times)."""
+    tokens = 1024
+    while tokens > 256 and spec.prefill_flops(tokens) > CORUN_FLOPS:
+        tokens //= 2
+    return tokens
 
 
 def host_tag(plan: LocalPlan) -> str:
