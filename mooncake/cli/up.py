@@ -193,7 +193,8 @@ def print_ready(
     else:
         question = '[{"role": "user", "content": "What is the capital of France?"}]'
         route = "chat/completions"
-        body = f'{{"model": "{served}", "messages": {question}, "max_tokens": 32}}'
+        # greedy: a 135M model's sampled answers wander; greedy is what transformers answers
+        body = f'{{"model": "{served}", "messages": {question}, "temperature": 0}}'
     # NOTE: one line however narrow the terminal: rich's wrapping would break the paste
     out.print(
         f"  try: curl {info.url}/v1/{route} -H 'Content-Type: application/json'{key} -d '{body}'",
