@@ -21,8 +21,7 @@ import numpy as np
 
 from mooncake.errors import ConfigError
 from mooncake.model.ggufread import GGML_TYPES, GGUFFile, type_name
-from mooncake.model.info import ModelInfo, normalize_dtype
-from mooncake.model.spec import ModelSpec, RopeScaling
+from mooncake.model.spec import ModelInfo, ModelSpec, RopeScaling, normalize_dtype
 
 # architecture -> whether llama.cpp's converter permuted the q/k rows (see ggufweights)
 ARCHITECTURES = {"llama": True, "qwen2": False}

@@ -20,38 +20,21 @@ import logging
 from pathlib import Path
 from typing import Any
 
-import msgspec
-
 from mooncake.errors import ConfigError
 from mooncake.kv.hashing import model_fingerprint
 from mooncake.model.builtin import BUILTIN_MODELS
-from mooncake.model.spec import ModelSpec, RopeScaling, get_model_spec
+from mooncake.model.spec import (
+    DTYPES,
+    ModelInfo,
+    ModelSpec,
+    RopeScaling,
+    get_model_spec,
+    normalize_dtype,
+)
 
+__all__ = ["DTYPES", "ModelInfo", "load_model_info", "normalize_dtype", "resolve_dtype"]
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
-DTYPES = ("float32", "bfloat16", "float16")
 log = logging.getLogger(__name__)
-_DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
-
-
-class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
-    """A model as the engine loads it: shapes plus what the shapes do not say."""
-
-    spec: ModelSpec
-    path: str  # "dummy:NAME", a built-in name, the HF directory or the GGUF file as given
-    is_dummy: bool
-    qkv_bias: bool = False  # Qwen2 (and Llama with attention_bias) add biases to q/k/v
-    checkpoint_dtype: str = "float32"  # dtype the weights are stored in
-    bos_token_id: int | None = None
-    eos_token_ids: tuple[int, ...] = ()  # generation stops at any of these
-    weight_files: tuple[str, ...] = ()  # *.safetensors, relative to path
-    gguf_file: str = ""  # the GGUF file (absolute) when path names one
-
-
-def normalize_dtype(dtype: str) -> str:
-    name = _DTYPE_ALIASES.get(dtype.lower(), dtype.lower())
-    if name not in DTYPES:
-        raise ConfigError(f"model.dtype: {dtype!r} is not one of auto, {', '.join(DTYPES)}")
-    return name
 
 
 def resolve_dtype(info: ModelInfo, dtype: str, device: str) -> str:

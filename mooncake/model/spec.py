@@ -26,6 +26,9 @@ prompt at 44% (llama3-8b 47%, llama2-70b 48%, dummy:tiny 32%), see `prefill_flop
 `dummy:<name>` is accepted for every real spec (the paper's "dummy LLaMA2-70B": the real
 shape with random weights). The returned spec keeps the `dummy:` name, because the name
 enters the block-hash fingerprint and random weights must never share KV with real ones.
+
+`ModelInfo` is a spec plus what the shape does not say (the weights' dtype, biases, special
+tokens, the files); `mooncake.model.info` makes one of what `model.path` names.
 """
 
 from __future__ import annotations
@@ -203,3 +206,28 @@ def get_model_spec(name: str) -> ModelSpec:
         f"unknown model {name!r}; known: {', '.join(list_model_specs())} "
         "(or dummy:<name> for random weights of that shape)"
     )
+
+
+DTYPES = ("float32", "bfloat16", "float16")
+_DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
+
+
+class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """A model as the engine loads it: shapes plus what the shapes do not say."""
+
+    spec: ModelSpec
+    path: str  # "dummy:NAME", a built-in name, the HF directory or the GGUF file as given
+    is_dummy: bool
+    qkv_bias: bool = False  # Qwen2 (and Llama with attention_bias) add biases to q/k/v
+    checkpoint_dtype: str = "float32"  # dtype the weights are stored in
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()  # generation stops at any of these
+    weight_files: tuple[str, ...] = ()  # *.safetensors, relative to path
+    gguf_file: str = ""  # the GGUF file (absolute) when path names one
+
+
+def normalize_dtype(dtype: str) -> str:
+    name = _DTYPE_ALIASES.get(dtype.lower(), dtype.lower())
+    if name not in DTYPES:
+        raise ConfigError(f"model.dtype: {dtype!r} is not one of auto, {', '.join(DTYPES)}")
+    return name

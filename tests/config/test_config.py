@@ -179,7 +179,10 @@ def test_parse_set_option() -> None:
         ),
         ('[cluster]\nmaster = "localhost"', "cluster.master: expected host:port"),
         ('[cluster]\nname = "My Cluster"', "cluster.name: expected a non-empty name"),
-        ('[model]\npath = "dummy:"', 'model.path: expected a model directory or "dummy:NAME"'),
+        (
+            '[model]\npath = "dummy:"',
+            'model.path: expected a model directory, a .gguf file, a built-in name or "dummy:NAME"',
+        ),
         (
             "[store]\nhigh_watermark = 0.8\nlow_watermark = 0.8",
             "store.low_watermark: must be below store.high_watermark",
