@@ -78,7 +78,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 # What is running now (the test, the fixture being set up), the fixtures seen starting a
 # process, and the unmarked tests that started one.
 _running: dict[str, Any] = {"item": None, "fixture": None}
-_spawning_fixtures: set[str] = set()
+_spawning_fixtures: set[tuple[str, str]] = set()  # (where it is defined, its name)
 _unmarked_spawners: set[str] = set()
 
 
@@ -132,7 +132,8 @@ multiprocessing.process.BaseProcess.start = _noting(  # type: ignore[method-assi
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_fixture_setup(fixturedef: pytest.FixtureDef, request: pytest.FixtureRequest):
-    outer, _running["fixture"] = _running["fixture"], fixturedef.argname
+    # NOTE: by definition, not name: fixtures of one name in two modules are two fixtures
+    outer, _running["fixture"] = _running["fixture"], (fixturedef.baseid, fixturedef.argname)
     try:
         yield
     finally:
@@ -156,7 +157,9 @@ def _cluster_marker_checked(request: pytest.FixtureRequest) -> Iterator[None]:
     item = request.node
     if item.get_closest_marker("cluster") is not None:
         return
-    through = sorted(set(request.fixturenames) & _spawning_fixtures)
+    defs = item._fixtureinfo.name2fixturedefs  # the closure's definitions, the last applies
+    used = {(d[-1].baseid, d[-1].argname) for d in defs.values() if d}
+    through = sorted(name for _, name in used & _spawning_fixtures)
     if item.nodeid in _unmarked_spawners or through:
         how = f" through fixture {', '.join(through)}" if through else ""
         pytest.fail(
