@@ -91,6 +91,16 @@ class RouterConfig(msgspec.Struct, **_STRUCT):
     replay_timeout_s: Annotated[
         float, knob("Seconds a backend's replay socket may take to answer a replay request.", gt=0)
     ] = 5.0
+    max_batch_bytes: Annotated[
+        int,
+        knob(
+            "Largest KV event batch a backend's sockets may deliver (a size without %); a "
+            "larger frame drops that connection before it is buffered (ZeroMQ reconnects), so "
+            "a peer cannot make the master hold it.",
+            "bytes",
+            ge=65536,
+        ),
+    ] = 16 << 20
 
     @property
     def backend_list(self) -> list[VllmBackend]:

@@ -76,6 +76,7 @@ class RouterBackend(BaseBackend):
                     lock,
                     resync_s=config.resync_s,
                     replay_timeout_s=config.replay_timeout_s,
+                    max_batch_bytes=config.max_batch_bytes,
                 )
             )
         self._ids = itertools.count(1)

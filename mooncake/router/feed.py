@@ -10,7 +10,8 @@ held is forgotten (its new cache is empty) and its buffer replayed from 0. With 
 replay socket a gap is logged and skipped (blocks chained from a missed one are then not
 indexed: `BlockMap`). A quiet spell of `resync_s` asks the replay socket for anything
 after the last batch seen (the last batch before a silence is otherwise never known to
-be missing).
+be missing). Both sockets refuse a frame over `max_batch_bytes` (`[router]
+max_batch_bytes`) by its announced length, before buffering it.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ class BackendFeed:
         *,
         resync_s: float,  # quiet seconds before the replay socket is asked
         replay_timeout_s: float,  # seconds the replay socket may take to answer
+        max_batch_bytes: int = 16 << 20,  # bytes: a larger frame drops its connection
     ):
         self.backend = backend
         self.topic = topic
@@ -46,6 +48,7 @@ class BackendFeed:
         self.lock = lock
         self.resync_s = resync_s
         self.replay_timeout_s = replay_timeout_s
+        self.max_batch_bytes = max_batch_bytes
         self.next_seq = 0  # the first sequence number not applied yet
         self._last_ts = 0.0  # ts of the last batch applied (a restart's are later)
         self.num_batches = 0
@@ -62,13 +65,39 @@ class BackendFeed:
         if self._thread.is_alive():
             self._thread.join()
 
-    def _run(self) -> None:
+    def _subscribe(self) -> tuple[zmq.Socket[bytes], zmq.Socket[bytes]]:
+        """A SUB socket on the backend's events and a monitor of its disconnections."""
         sub = self._ctx.socket(zmq.SUB)
+        # NOTE: checked on the frame's announced length, before any of it is buffered
+        sub.setsockopt(zmq.MAXMSGSIZE, self.max_batch_bytes)
         sub.setsockopt(zmq.SUBSCRIBE, self.topic.encode())
+        monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         sub.connect(self.backend.events)
+        return sub, monitor
+
+    def _run(self) -> None:
+        sub, monitor = self._subscribe()
         try:
             while not self._stop.is_set():
-                if not sub.poll(int(self.resync_s * 1000)):
+                events = zmq.Poller()
+                events.register(sub, zmq.POLLIN)
+                events.register(monitor, zmq.POLLIN)
+                ready = dict(events.poll(int(self.resync_s * 1000)))
+                if monitor in ready:
+                    # NOTE: ZeroMQ reconnects after a connection error but not after a
+                    # protocol error (a frame over MAXMSGSIZE): subscribe again either way
+                    monitor.recv_multipart()
+                    log.warning(
+                        "router: %s's event connection dropped (a frame over "
+                        "router.max_batch_bytes = %d, or the backend went away): "
+                        "subscribing again",
+                        self.blocks.name,
+                        self.max_batch_bytes,
+                    )
+                    self._close(sub, monitor)
+                    sub, monitor = self._subscribe()
+                    continue
+                if sub not in ready:
                     self._replay()
                     continue
                 frames = sub.recv_multipart()
@@ -79,7 +108,13 @@ class BackendFeed:
         except Exception:  # a bug must be seen; routing goes on with what is indexed
             log.exception("router: the feed of %s failed", self.blocks.name)
         finally:
-            sub.close(linger=0)
+            self._close(sub, monitor)
+
+    @staticmethod
+    def _close(sub: zmq.Socket[bytes], monitor: zmq.Socket[bytes]) -> None:
+        sub.disable_monitor()
+        monitor.close(linger=0)
+        sub.close(linger=0)
 
     def _take(self, seq: int, payload: bytes, *, replayed: bool) -> None:
         try:
@@ -122,6 +157,7 @@ class BackendFeed:
         if not self.backend.replay:
             return
         req = self._ctx.socket(zmq.DEALER)
+        req.setsockopt(zmq.MAXMSGSIZE, self.max_batch_bytes)
         req.connect(self.backend.replay)
         try:
             req.send_multipart([b"", seq_bytes(self.next_seq)])
