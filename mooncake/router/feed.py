@@ -65,24 +65,25 @@ class BackendFeed:
         if self._thread.is_alive():
             self._thread.join()
 
-    def _subscribe(self) -> tuple[zmq.Socket[bytes], zmq.Socket[bytes]]:
-        """A SUB socket on the backend's events and a monitor of its disconnections."""
+    def _subscribe(self) -> tuple[zmq.Socket[bytes], zmq.Socket[bytes], zmq.Poller]:
+        """A SUB socket on the backend's events, a monitor of its disconnections, and a
+        poller of both."""
         sub = self._ctx.socket(zmq.SUB)
         # NOTE: checked on the frame's announced length, before any of it is buffered
         sub.setsockopt(zmq.MAXMSGSIZE, self.max_batch_bytes)
         sub.setsockopt(zmq.SUBSCRIBE, self.topic.encode())
         monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         sub.connect(self.backend.events)
-        return sub, monitor
+        poller = zmq.Poller()
+        poller.register(sub, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
+        return sub, monitor, poller
 
     def _run(self) -> None:
-        sub, monitor = self._subscribe()
+        sub, monitor, poller = self._subscribe()
         try:
             while not self._stop.is_set():
-                events = zmq.Poller()
-                events.register(sub, zmq.POLLIN)
-                events.register(monitor, zmq.POLLIN)
-                ready = dict(events.poll(int(self.resync_s * 1000)))
+                ready = dict(poller.poll(int(self.resync_s * 1000)))
                 if monitor in ready:
                     # NOTE: ZeroMQ reconnects after a connection error but not after a
                     # protocol error (a frame over MAXMSGSIZE): subscribe again either way
@@ -95,7 +96,7 @@ class BackendFeed:
                         self.max_batch_bytes,
                     )
                     self._close(sub, monitor)
-                    sub, monitor = self._subscribe()
+                    sub, monitor, poller = self._subscribe()
                     continue
                 if sub not in ready:
                     self._replay()

