@@ -75,7 +75,12 @@ class EngineBackend(BaseBackend):
             torch.set_num_threads(num_threads)
         spec = info.spec
         self.model = create_model(
-            info, resolve_dtype(info, config.dtype, device), device, cpu_gemm=config.cpu_gemm
+            info,
+            resolve_dtype(info, config.dtype, device),
+            device,
+            cpu_gemm=config.cpu_gemm,
+            attention_backend=config.attention_backend,
+            block_tokens=config.block_tokens,
         )
         elem = next(self.model.parameters()).element_size()
         block_bytes = spec.num_layers * PagedKVCache.block_bytes_per_layer(
@@ -95,6 +100,8 @@ class EngineBackend(BaseBackend):
             max_batch=max_batch,
             chunk_tokens=chunk_tokens,
             prefix_cache=self.prefix_cache,
+            cuda_graphs=None if config.cuda_graphs else False,
+            max_model_len=config.max_model_len,
         )
         self.tokenizer = create_tokenizer(config.path, info.eos_token_ids)
         self.vocab_size = spec.vocab_size

@@ -336,6 +336,22 @@ class ModelConfig(msgspec.Struct, **_STRUCT):
             "falls back to torch where unsupported), torch = F.linear (MKL)."
         ),
     ] = "onednn"
+    attention_backend: Annotated[
+        Literal["auto", "torch", "triton", "flash"],
+        knob(
+            "Paged attention: auto = triton on a GPU, torch on a CPU; torch = SDPA a "
+            "sequence at a time (the reference); triton = the whole batch in one launch "
+            "per layer; flash = torch's varlen flash attention with a block table (CUDA "
+            "builds that have it, block_tokens a multiple of 256)."
+        ),
+    ] = "auto"
+    cuda_graphs: Annotated[
+        bool,
+        knob(
+            "Replay decode steps as CUDA graphs on a GPU (batch buckets 1, 2, 4, 8, then "
+            "every 16 up to decode.max_batch; needs attention_backend triton); false = eager."
+        ),
+    ] = True
 
 
 class MetricsConfig(msgspec.Struct, **_STRUCT):

@@ -21,12 +21,15 @@ from collections.abc import Callable
 
 import torch
 
+from mooncake.errors import ConfigError
+from mooncake.model.cudagraph import DecodeGraphs
 from mooncake.model.kvcache import PagedKVCache
-from mooncake.model.llama import Model, decode_batch
+from mooncake.model.llama import Model
 from mooncake.model.prefill import PrefillRunner, check_token_ids
 from mooncake.model.prefixcache import PrefixCache
 from mooncake.model.sampler import sample
 from mooncake.model.sequence import Sequence, TokenEvent
+from mooncake.model.step import StepBuilder
 
 log = logging.getLogger(__name__)
 
@@ -44,11 +47,30 @@ class DecodeRunner:
         step_time_fn: Callable[[int, int], float] | None = None,
         chunk_tokens: int = 1024,
         prefix_cache: PrefixCache | None = None,
+        cuda_graphs: bool | None = None,
+        max_model_len: int = 0,
     ):
+        """`cuda_graphs`: replay decode steps as CUDA graphs (None: on a GPU whose
+        attention backend allows it), captured now for contexts up to `max_model_len`
+        (0: the model's)."""
         assert model.is_first and model.is_last, "decode runs the whole model"
         self.model, self.cache, self.max_batch = model, cache, max_batch
         self.max_step_time_s, self.step_time_fn = max_step_time_s, step_time_fn
         self.prefiller = PrefillRunner(model, cache, chunk_tokens=chunk_tokens)
+        self.steps = StepBuilder(model, cache.block_tokens)
+        self.graphs: DecodeGraphs | None = None
+        on_gpu = model.inv_freq.device.type == "cuda"
+        if cuda_graphs is None:
+            cuda_graphs = on_gpu and model.attention.captures_graphs
+        if cuda_graphs:
+            if not on_gpu or not model.attention.captures_graphs:
+                raise ConfigError(
+                    "model.cuda_graphs needs a GPU and an attention backend that reads "
+                    f"nothing from the host per step (triton), not {model.attention.name} "
+                    f"on {model.inv_freq.device}"
+                )
+            max_len = max_model_len or model.spec.max_position_embeddings
+            self.graphs = DecodeGraphs(model, cache, self.steps, max_batch, max_len)
         assert prefix_cache is None or prefix_cache.cache is cache, "a prefix cache of another"
         self.prefix_cache = prefix_cache
         self.waiting: deque[Sequence] = deque()
@@ -170,20 +192,16 @@ class DecodeRunner:
     def _run(self) -> torch.Tensor:
         model, seqs = self.model, self.running
         lens = [len(s.token_ids) for s in seqs]
-        fb = decode_batch(
-            model.inv_freq,
-            [s.block_ids for s in seqs],
-            lens,
-            self.cache.block_tokens,
-            self.prefiller.dtype,
-        )
-        tokens = torch.tensor([s.token_ids[-1] for s in seqs], device=model.inv_freq.device)
-        h = model.embed(tokens)
-        for layer in model.layer_ids:
-            h = model.layer(layer)(h, fb, *self.cache.layer(layer))
+        tables, tokens = [s.block_ids for s in seqs], [s.token_ids[-1] for s in seqs]
+        logits = None
+        if self.graphs is not None:
+            logits = self.graphs.run(tables, lens, tokens)
+        if logits is None:
+            step = self.steps.build(tables, lens, [1] * len(seqs), tokens)
+            logits = model(step, self.cache.layer)  # (batch, vocab) float32
         for s, n in zip(seqs, lens, strict=True):
             s.num_cached_tokens = n
-        return model.compute_logits(h)  # (batch, vocab) float32
+        return logits
 
     def _postprocess(self, logits: torch.Tensor) -> list[TokenEvent]:
         seqs = self.running

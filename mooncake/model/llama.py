@@ -2,26 +2,32 @@
 KV, SwiGLU. A `Model` may own only a contiguous layer range (a pipeline stage): the first
 stage embeds tokens, the last one holds the final norm and the LM head.
 
-The runners drive the layer loop themselves (`model.layer(i)(h, batch, k, v)`), because
-layer-wise KV loading and storing happen between layers.
+The runners drive the layer loop themselves (`model.layer(i)(h, step, k, v)`), because
+layer-wise KV loading and storing happen between layers; `step.Step` is the batch every
+layer reads (built once per step by `step.StepBuilder`).
 
-Attention reads K/V from the paged cache (`kvcache.PagedKVCache`): a layer's cache is
-(num_blocks, block_tokens, num_kv_heads, head_dim). A sequence whose blocks are consecutive
-(the allocator hands out the lowest free ids, so they usually are) is read in place as a
-view; scattered blocks are gathered with one `index_select` over the block table.
+Attention writes the new K/V into the paged cache (`kvcache.PagedKVCache`; a layer's cache
+is (num_blocks, block_tokens, num_kv_heads, head_dim)) and attends over it through the
+model's `attention.backend.AttentionBackend`: per sequence through SDPA (torch, the CPU
+default) or the whole step in one Triton launch per layer (the GPU default).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from mooncake.model.attention.backend import AttentionBackend, TorchAttention
 from mooncake.model.info import ModelInfo
 from mooncake.model.spec import ModelSpec
+
+if TYPE_CHECKING:
+    from mooncake.model.step import Step
 
 
 class RMSNorm(nn.Module):
@@ -67,95 +73,6 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + rotated * sin
 
 
-@dataclass(frozen=True)
-class SeqSpan:
-    """Where one sequence's keys live in a layer's cache: a run of consecutive blocks (read
-    as a view, no copy) or scattered blocks (gathered with one `index_select`)."""
-
-    first_block: int
-    num_blocks: int
-    index: Tensor | None  # (num_blocks,) block ids when they are not consecutive
-    kv_len: int  # tokens to attend over
-
-    def read(self, cache: Tensor) -> Tensor:
-        """(1, kv_len, kv_heads, head_dim) keys or values of this sequence."""
-        if self.index is None:
-            blocks = cache[self.first_block : self.first_block + self.num_blocks]
-        else:  # NOTE: index_select on a 2-D view is ~2x faster than on the 4-D cache
-            blocks = cache.view(cache.shape[0], -1).index_select(0, self.index)
-        return blocks.view(1, -1, *cache.shape[2:])[:, : self.kv_len]
-
-
-def seq_span(block_ids: list[int], kv_len: int, block_tokens: int, device: torch.device) -> SeqSpan:
-    n = -(-kv_len // block_tokens)
-    ids = block_ids[:n]
-    if ids == list(range(ids[0], ids[0] + n)):
-        return SeqSpan(ids[0], n, None, kv_len)
-    return SeqSpan(ids[0], n, torch.tensor(ids, device=device), kv_len)
-
-
-@dataclass
-class ForwardBatch:
-    """Where one step's tokens sit in the paged cache; built once, shared by every layer."""
-
-    slots: Tensor  # (T,) int64: flat cache slot (block_id * block_tokens + offset) of each token
-    cos: Tensor  # (T, 1, head_dim)
-    sin: Tensor  # (T, 1, head_dim)
-    spans: list[SeqSpan]  # per sequence (one for prefill)
-    attn_mask: Tensor | None  # prefill (T, kv_len) additive 0/-inf; None: causal from 0
-    is_prefill: bool
-
-
-def _rope_tables(inv_freq: Tensor, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    freqs = positions.float()[:, None] * inv_freq[None, :]  # (T, head_dim / 2)
-    emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
-    return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def prefill_batch(
-    inv_freq: Tensor,
-    block_ids: list[int],
-    start: int,
-    end: int,
-    block_tokens: int,
-    dtype: torch.dtype,
-) -> ForwardBatch:
-    """Tokens [start, end) of one sequence whose KV lives in `block_ids`."""
-    device = inv_freq.device
-    positions = torch.arange(start, end, device=device)
-    table = torch.tensor(block_ids[: -(-end // block_tokens)], device=device)
-    slots = table[positions // block_tokens] * block_tokens + positions % block_tokens
-    mask = None
-    if start > 0:  # NOTE: is_causal aligns top-left, wrong once keys precede the queries
-        keys = torch.arange(end, device=device)
-        # Additive float mask, built once per chunk: SDPA converts a bool one on every call.
-        mask = torch.zeros((end - start, end), dtype=dtype, device=device)
-        mask.masked_fill_(keys[None, :] > positions[:, None], float("-inf"))
-    cos, sin = _rope_tables(inv_freq, positions, dtype)
-    return ForwardBatch(
-        slots, cos, sin, [seq_span(block_ids, end, block_tokens, device)], mask, True
-    )
-
-
-def decode_batch(
-    inv_freq: Tensor,
-    block_tables: list[list[int]],
-    context_lens: list[int],
-    block_tokens: int,
-    dtype: torch.dtype,
-) -> ForwardBatch:
-    """One new token per sequence, at position context_len - 1 (its KV is written here)."""
-    device = inv_freq.device
-    slots, spans = [], []
-    for table, n in zip(block_tables, context_lens, strict=True):
-        pos = n - 1
-        slots.append(table[pos // block_tokens] * block_tokens + pos % block_tokens)
-        spans.append(seq_span(table, n, block_tokens, device))
-    positions = torch.tensor(context_lens, device=device) - 1
-    cos, sin = _rope_tables(inv_freq, positions, dtype)
-    return ForwardBatch(torch.tensor(slots, device=device), cos, sin, spans, None, False)
-
-
 class Attention(nn.Module):
     def __init__(self, spec: ModelSpec, qkv_bias: bool):
         super().__init__()
@@ -168,45 +85,20 @@ class Attention(nn.Module):
         self.sizes = [q_size, kv_size, kv_size]
         self.qkv_proj = nn.Linear(spec.hidden_size, q_size + 2 * kv_size, bias=qkv_bias)
         self.o_proj = nn.Linear(q_size, spec.hidden_size, bias=False)
+        self.scale = spec.head_dim**-0.5
 
-    def forward(self, x: Tensor, fb: ForwardBatch, k_cache: Tensor, v_cache: Tensor) -> Tensor:
+    def forward(self, x: Tensor, step: Step, k_cache: Tensor, v_cache: Tensor) -> Tensor:
         # x: (T, hidden); k_cache/v_cache: (num_blocks, block_tokens, kv_heads, head_dim)
         t = x.shape[0]
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
         q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
-        q = apply_rope(q.view(t, h, d), fb.cos, fb.sin)
-        k = apply_rope(k.view(t, kvh, d), fb.cos, fb.sin)
+        q = apply_rope(q.view(t, h, d), step.cos, step.sin)
+        k = apply_rope(k.view(t, kvh, d), step.cos, step.sin)
         v = v.view(t, kvh, d)
-        k_cache.view(-1, kvh, d).index_copy_(0, fb.slots, k)
-        v_cache.view(-1, kvh, d).index_copy_(0, fb.slots, v)
-        gqa = h != kvh
-        if fb.is_prefill:
-            if fb.attn_mask is None:  # the chunk starts the sequence: its own K/V suffice
-                keys, values = k[None], v[None]  # (1, T, kv_heads, head_dim)
-            else:
-                keys, values = fb.spans[0].read(k_cache), fb.spans[0].read(v_cache)
-            out = F.scaled_dot_product_attention(
-                q[None].transpose(1, 2),
-                keys.transpose(1, 2),
-                values.transpose(1, 2),
-                attn_mask=fb.attn_mask,
-                is_causal=fb.attn_mask is None,
-                enable_gqa=gqa,
-            )
-            return self.o_proj(out[0].transpose(0, 1).reshape(t, h * d))
-        # Decode: one query per sequence, each over its own span of the cache. Per-sequence
-        # calls read consecutive blocks in place; a padded batched call would first copy
-        # every sequence's whole KV (the copy costs more than the attention on CPU).
-        outs = [
-            F.scaled_dot_product_attention(
-                q[i][None, :, None],
-                span.read(k_cache).transpose(1, 2),
-                span.read(v_cache).transpose(1, 2),
-                enable_gqa=gqa,
-            )
-            for i, span in enumerate(fb.spans)
-        ]  # each (1, heads, 1, head_dim)
-        return self.o_proj(torch.cat(outs).reshape(t, h * d))
+        backend = step.backend
+        backend.write_kv(k, v, k_cache, v_cache, step.meta)
+        out = backend.attend(q, k, v, k_cache, v_cache, step.meta, step.plan, self.scale)
+        return self.o_proj(out.reshape(t, h * d))
 
 
 class MLP(nn.Module):
@@ -228,8 +120,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.mlp = MLP(spec)
 
-    def forward(self, h: Tensor, fb: ForwardBatch, k_cache: Tensor, v_cache: Tensor) -> Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), fb, k_cache, v_cache)
+    def forward(self, h: Tensor, step: Step, k_cache: Tensor, v_cache: Tensor) -> Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), step, k_cache, v_cache)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -268,6 +160,8 @@ class Model(nn.Module):
             nn.Linear(spec.hidden_size, spec.vocab_size, bias=False) if self.is_last else None
         )
         self.register_buffer("inv_freq", rope_inv_freq(spec), persistent=False)
+        self.attention: AttentionBackend = TorchAttention()  # `weights.create_model` chooses
+        self._rope: tuple[Tensor, Tensor] | None = None  # cos, sin (positions, head_dim)
 
     @property
     def layer_ids(self) -> range:
@@ -282,7 +176,36 @@ class Model(nn.Module):
         assert self.embed_tokens is not None, "only the first stage embeds tokens"
         return self.embed_tokens(token_ids)
 
+    def forward(self, step: Step, layer_kv: Callable[[int], tuple[Tensor, Tensor]]) -> Tensor:
+        """(T, vocab) float32 logits of a whole model's step, each layer's K/V caches
+        from `layer_kv(global_layer)` (decode; prefill drives the layers itself)."""
+        h = self.embed(step.tokens)
+        for layer in self.layer_ids:
+            h = self.layer(layer)(h, step, *layer_kv(layer))
+        return self.compute_logits(h)
+
     def compute_logits(self, h: Tensor) -> Tensor:
         # h: (T, hidden) -> (T, vocab) float32
         assert self.norm is not None and self.lm_head is not None, "only the last stage"
         return self.lm_head(self.norm(h)).float()
+
+    def rope_tables(self, length: int) -> tuple[Tensor, Tensor]:
+        """cos, sin (>= length, head_dim) in the model's dtype for positions [0, length),
+        computed once (grown by doubling); a CUDA-graph owner sizes them first, for good."""
+        if self._rope is None or self._rope[0].shape[0] < length:
+            old = 0 if self._rope is None else self._rope[0].shape[0]
+            size = max(length, 2 * old, 1024)
+            positions = torch.arange(size, device=self.inv_freq.device).float()
+            freqs = positions[:, None] * self.inv_freq[None, :]  # (size, head_dim / 2)
+            emb = torch.cat((freqs, freqs), dim=-1)
+            dtype = self._dtype()
+            self._rope = emb.cos().to(dtype), emb.sin().to(dtype)
+        return self._rope
+
+    def rope_lookup(self, positions: Tensor, max_len: int) -> tuple[Tensor, Tensor]:
+        """cos, sin (T, 1, head_dim) of `positions` (T,), all below `max_len`."""
+        cos, sin = self.rope_tables(max_len)
+        return cos.index_select(0, positions)[:, None], sin.index_select(0, positions)[:, None]
+
+    def _dtype(self) -> torch.dtype:
+        return next(self.parameters()).dtype

@@ -33,7 +33,8 @@ from mooncake.kv.layerio import BaseKVPut, BaseKVSink, BaseKVSource, LayerLoader
 from mooncake.kv.object import KVLayout, KVObjectError, KVObjectView, decode_kv_object
 from mooncake.kv.stream import KVStreamer
 from mooncake.model.kvcache import PagedKVCache
-from mooncake.model.llama import Model, prefill_batch
+from mooncake.model.llama import Model
+from mooncake.model.step import StepBuilder
 
 log = logging.getLogger(__name__)
 KV_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -90,7 +91,6 @@ class PrefillState:
 
     req_id: int
     token_ids: list[int]
-    tokens: Tensor  # (n,) int64 on the model's device
     block_ids: list[int]
     owns_blocks: bool
     compute_start: int  # first token this stage computes
@@ -128,6 +128,7 @@ class PrefillRunner:
         self.model, self.cache, self.chunk_tokens = model, cache, chunk_tokens
         self.hasher, self.source, self.sink, self.fingerprint = hasher, source, sink, fingerprint
         self.dtype = cache.k[0].dtype
+        self.steps = StepBuilder(model, bt)
         self.layout = KVLayout(
             spec.num_layers, bt, spec.num_kv_heads, spec.head_dim, KV_DTYPE_NAMES[self.dtype]
         )
@@ -185,7 +186,6 @@ class PrefillRunner:
         return PrefillState(
             req_id=req_id,
             token_ids=ids,
-            tokens=torch.tensor(ids, dtype=torch.int64, device=self.model.inv_freq.device),
             block_ids=blocks,
             owns_blocks=owns,
             compute_start=compute_start,
@@ -205,9 +205,10 @@ class PrefillRunner:
         """Run tokens [start, end) through this stage's layers; returns the activations
         (T, hidden) for the next stage. On the last stage the final chunk sets st.logits."""
         model, bt = self.model, self.cache.block_tokens
-        fb = prefill_batch(model.inv_freq, st.block_ids, start, end, bt, self.dtype)
+        new_ids = st.token_ids[start:end] if model.is_first else None
+        step = self.steps.build([st.block_ids], [end], [end - start], new_ids)
         if model.is_first:
-            h = model.embed(st.tokens[start:end])
+            h = model.embed(step.tokens)
         else:  # activations from the previous stage arrive in host memory
             assert hidden is not None, "a later stage needs activations"
             h = hidden.to(model.inv_freq.device)
@@ -219,7 +220,7 @@ class PrefillRunner:
                 st.loader.wait(layer)
                 st.stats.load_wait_s += time.perf_counter() - t0
             k, v = self.cache.layer(layer)
-            h = model.layer(layer)(h, fb, k, v)
+            h = model.layer(layer)(h, step, k, v)
             event = _kernel_event(k) if st.put is not None or st.stream is not None else None
             if st.put is not None and done:
                 ids = [st.block_ids[b] for b in done]

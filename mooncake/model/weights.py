@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from mooncake.errors import ConfigError
+from mooncake.model.attention.backend import select_backend
 from mooncake.model.cpugemm import pack_linears
 from mooncake.model.info import ModelInfo
 from mooncake.model.llama import Model, rope_inv_freq
@@ -45,12 +46,16 @@ def create_model(
     layer_range: tuple[int, int] | None = None,
     seed: int = 0,
     cpu_gemm: str = "onednn",
+    attention_backend: str = "auto",
+    block_tokens: int = 0,
 ) -> Model:
     """A model (or the stage owning `layer_range`) with its weights, in eval mode.
 
     `device="meta"` builds shapes only (no memory), for shape checks of the big specs. On
     CPU its linear layers are then packed for oneDNN unless `cpu_gemm` is "torch"
-    (`cpugemm.pack_linears`).
+    (`cpugemm.pack_linears`). `attention_backend` names the paged attention
+    (`attention.backend.select_backend`; `block_tokens`, when known, lets it check a
+    backend's page-size limits).
     """
     with torch.device("meta"):
         model = Model(info, layer_range)
@@ -60,6 +65,16 @@ def create_model(
         return model.eval()
     model = model.to_empty(device=device)
     model.inv_freq = rope_inv_freq(info.spec).to(device)
+    spec = info.spec
+    model.attention = select_backend(
+        attention_backend,
+        torch.device(device),
+        torch_dtype,
+        spec.num_heads,
+        spec.num_kv_heads,
+        spec.head_dim,
+        block_tokens,
+    )
     if info.is_dummy:
         _fill_dummy(model, seed)
     elif info.gguf_file:

@@ -103,6 +103,8 @@ class DecodeNode:
             step_time_fn=step_fn,
             chunk_tokens=cfg.prefill.chunk_tokens,
             on_retire=self._store_output_kv,
+            cuda_graphs=None if cfg.model.cuda_graphs else False,
+            max_model_len=cfg.model.max_model_len,
         )
         self.server = RpcServer(f"tcp://{ctx.host}:0", ctx.secret, name="decode", ports=ctx.ports)
         self.server.register(DecodeReserveMsg, self._on_reserve)

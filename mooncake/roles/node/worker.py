@@ -92,20 +92,29 @@ def load_worker(
     info = load_model_info(cfg.model.path)
     dtype = resolve_dtype(info, cfg.model.dtype, device)
     first, end = layers or (0, info.spec.num_layers)
-    model = create_model(info, dtype, device, (first, end), cpu_gemm=cfg.model.cpu_gemm)
     bt = cfg.model.block_tokens
+    model = create_model(
+        info,
+        dtype,
+        device,
+        (first, end),
+        cpu_gemm=cfg.model.cpu_gemm,
+        attention_backend=cfg.model.attention_backend,
+        block_tokens=bt,
+    )
     num_blocks = cache_blocks(cache_size, ctx, info, dtype, end - first, bt, device)
     cache = PagedKVCache.for_model(model, num_blocks, bt)
     fingerprint = kv_fingerprint(info, dtype)
     hasher = PrefixHasher(bt, ctx.secret, fingerprint)
     tokenizer = create_tokenizer(cfg.model.path, info.eos_token_ids)
     log.info(
-        "model %s layers [%d, %d) on %s, %s, KV cache %d blocks of %d tokens",
+        "model %s layers [%d, %d) on %s, %s, %s attention, KV cache %d blocks of %d tokens",
         info.spec.name,
         first,
         end,
         device,
         dtype,
+        model.attention.name,
         num_blocks,
         bt,
     )

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
+import torch
 from torch import Tensor
 
 from mooncake.errors import ProtocolError, TransferError
@@ -66,8 +67,9 @@ def send_prompt(
     it down; returns the number of chunks (the answer's deadline scales with it)."""
     n, chunk = len(st.token_ids), runner.chunk_tokens
     flags = RETURN_KV if return_kv else 0
+    tokens = torch.tensor(st.token_ids, dtype=torch.int64)  # the prompt, for later stages
     begin = StageFrame(
-        FrameKind.BEGIN, st.req_id, start=st.compute_start, count=flags, tensor=st.tokens
+        FrameKind.BEGIN, st.req_id, start=st.compute_start, count=flags, tensor=tokens
     )
     link.send(begin)
     if plan is not None:
