@@ -117,9 +117,9 @@ def decode_step_counts(
     context: int = 64,
     block_tokens: int = 16,
 ) -> dict[str, dict[str, Any]]:
-    """{batch: {"ops", "syncs", ...}} of one decode step of `batch` sequences of `context`
-    tokens whose blocks are scattered (every other block of the cache is held by
-    another owner), after a warm-up step."""
+    """{batch: {"ops", "syncs", ...}} of one decode step of `batch` sequences of about
+    `context` tokens (their KV random, already in the cache) whose blocks are scattered
+    (every other block of the cache is held by another owner), after a first step."""
     from mooncake.model.decode import DecodeRunner
     from mooncake.model.info import load_model_info
     from mooncake.model.kvcache import PagedKVCache
@@ -135,6 +135,8 @@ def decode_step_counts(
     for batch in batches:
         blocks_per_seq = -(-(context + 4) // block_tokens)
         cache = PagedKVCache.for_model(model, 2 * batch * blocks_per_seq + 2, block_tokens)
+        for t in cache.k + cache.v:
+            t.normal_()  # stands in for the prompts' KV: what is counted never reads values
         held = cache.allocator.allocate(cache.num_blocks)
         assert held is not None
         cache.free(held[::2])  # the runner gets blocks 0, 2, 4, ...: none consecutive
@@ -149,8 +151,11 @@ def decode_step_counts(
                 ignore_eos=True,
                 logprobs=2 if i % 4 == 0 else None,
             )
-            runner.add(Sequence(i, prompt, params))
-        runner.step()  # admits and prefills everyone, then one step
+            blocks = cache.allocate(len(prompt))
+            runner.add(
+                Sequence(i, prompt, params, block_ids=blocks, num_cached_tokens=len(prompt) - 1)
+            )
+        runner.step()  # admits everyone (their KV is "in the cache"), then one step
         assert len(runner.running) == batch, (len(runner.running), batch)
         c = count(runner.step)
         out[str(batch)] = {

@@ -8,7 +8,17 @@ import typer
 
 from mooncake.cli.app import bench_app
 
-PARTS = ("throughput", "stream", "reuse", "pipeline", "handoff", "inflight", "gemm", "gguf")
+PARTS = (
+    "throughput",
+    "stream",
+    "reuse",
+    "pipeline",
+    "handoff",
+    "inflight",
+    "gemm",
+    "gguf",
+    "step-ops",
+)
 DEFAULT_PARTS = ("throughput", "stream", "reuse", "pipeline")
 Row = tuple[str, Any, str]  # (measurement, benchmarks.Timing, figure)
 Section = tuple[str, list[Row]]
@@ -108,7 +118,7 @@ def bench_engine(
     blocks_decode = max(batches) * -(-(decode_context + decode_steps) // block_tokens)
     num_blocks = max(2 * -(-longest // block_tokens), blocks_decode) + 4
     bench: Any = None
-    if set(chosen) - {"gguf"}:
+    if set(chosen) - {"gguf", "step-ops"}:
         bench = Bench(info, kv_dtype, block_tokens, chunk_tokens, num_blocks)
     report: dict[str, Any] = {
         "model": model,
@@ -204,6 +214,8 @@ def bench_engine(
             gguf_new_tokens,
             repeat,
         )
+    if "step-ops" in chosen:
+        report["step_ops"] = _step_ops_part(batches, json_out)
     if json_out:
         timings: dict[str, Any] = {}
         for title, rows in tables:  # NOTE: a name two sections share gets its section's title
@@ -283,6 +295,38 @@ def _gguf_file(path: str) -> Any:
     if not file.is_file():
         raise typer.BadParameter(f"--gguf {path}: no such file")
     return file
+
+
+def _step_ops_part(batches: list[int], json_out: bool) -> dict[str, Any]:
+    """Ops and host syncs of one decode step of dummy:tiny per batch size, with scattered
+    block tables (`bench/stepops.py`), through the Triton backend in Triton's interpreter
+    (a child process: TRITON_INTERPRET must be set before triton is imported), and the
+    torch backend beside it."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    out: dict[str, Any] = {}
+    for backend in ("triton", "torch"):
+        cmd = [sys.executable, "-m", "mooncake.bench.stepops", "--backend", backend]
+        cmd += ["--batches", ",".join(map(str, batches))]
+        env = {**os.environ, "TRITON_INTERPRET": "1"}
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+        if done.returncode:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-4000:]}")
+        counts = json.loads(done.stdout)["step_ops"]
+        if backend == "triton":
+            out.update(counts)
+        else:
+            out["torch_backend"] = counts
+        if not json_out:
+            typer.echo(f"decode step ops and host syncs, dummy:tiny, {backend} attention")
+            for b, c in counts.items():
+                typer.echo(
+                    f"  batch {b:>3}: {c['ops']:5d} ops, {c['syncs']} syncs {c['sync_sites']}"
+                )
+    return out
 
 
 def _gguf_part(

@@ -6,7 +6,8 @@ master uses too).
 - `llama`, `weights`   the LLaMA-family decoder over paged KV; dummy and safetensors weights
 - `ggufread`, `ggufinfo`, `dequant`, `ggufweights`   GGUF files: header, ModelInfo, weights
 - `cpugemm`            CPU linears through oneDNN with weights packed once
-- `attention/`         batched paged attention kernels (Triton) and their torch reference
+- `attention/`         paged attention behind one seam: torch reference, Triton kernels
+- `step`, `cudagraph`  a step's inputs uploaded at once; decode steps as CUDA graphs
 - `kvcache`, `prefixcache`   the paged KV cache and the instance-local prefix cache
 - `tokenizer`, `params`, `sampler`, `sequence`, `stopmatch`   text in, tokens out
 - `prefill`, `decode`  the chunked prefill runner and the continuous-batching decode runner

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -86,21 +87,24 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, Tensor] = {}
         pool = torch.cuda.graph_pool_handle()
-        for b in reversed(self.buckets):
-            layout = self._layout(b)
-            self.steps.upload([], [], [], [], pad_to=b, width=self.width, out=self.flat)
-            forward = decode_fn(model, cache, steps, layout)
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                forward()  # compiles the kernels; writes nothing (every slot is -1)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.logits[b] = forward()
-            self.graphs[b] = graph
+        with torch.inference_mode():
+            for b in reversed(self.buckets):
+                self.graphs[b], self.logits[b] = self._capture(b, pool)
         torch.cuda.synchronize()
         log.info("decode CUDA graphs captured for batches %s", self.buckets)
+
+    def _capture(self, bucket: int, pool: Any) -> tuple[torch.cuda.CUDAGraph, Tensor]:
+        self.steps.upload([], [], [], [], pad_to=bucket, width=self.width, out=self.flat)
+        forward = decode_fn(self.model, self.cache, self.steps, self._layout(bucket))
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            forward()  # compiles the kernels; writes nothing (every slot is -1)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            logits = forward()
+        return graph, logits
 
     def _layout(self, bucket: int) -> Layout:
         return Layout(self.flat, bucket, bucket, self.width, 1, self.max_len)

@@ -164,8 +164,11 @@ class TorchAttention(AttentionBackend):
         works: list[_SeqWork] = plan
         outs = []
         for w in works:
-            qs = q[w.q_start : w.q_end].transpose(0, 1)[None]  # (1, heads, Q, head_dim)
             q_len = w.q_end - w.q_start
+            if q_len == 1:  # a decode row: (1, heads, 1, head_dim) without copying q
+                qs = q[w.q_start][None, :, None]
+            else:
+                qs = q[w.q_start : w.q_end].transpose(0, 1)[None]  # (1, heads, Q, head_dim)
             if q_len > 1 and w.mask is None:  # the chunk starts its sequence: own K/V suffice
                 keys, values = k[None, w.q_start : w.q_end], v[None, w.q_start : w.q_end]
             else:
@@ -179,8 +182,10 @@ class TorchAttention(AttentionBackend):
                 scale=scale,
                 enable_gqa=gqa,
             )
-            outs.append(o[0].transpose(0, 1))  # (Q, heads, head_dim)
-        return outs[0] if len(outs) == 1 else torch.cat(outs)
+            outs.append(o if q_len == 1 else o[0].transpose(0, 1))
+        if meta.max_query_len == 1:  # decode rows, each (1, heads, 1, head_dim)
+            return torch.cat(outs).view(q.shape)
+        return torch.cat([o[0].transpose(0, 1) if o.dim() == 4 else o for o in outs])
 
 
 def _additive_mask(q_len: int, seq_len: int, step: StepPlan, device: torch.device) -> Tensor:
