@@ -25,7 +25,7 @@ from mooncake.errors import ConfigError
 from mooncake.model.cudagraph import DecodeGraphs
 from mooncake.model.kvcache import PagedKVCache
 from mooncake.model.llama import Model
-from mooncake.model.prefill import PrefillRunner, check_token_ids
+from mooncake.model.prefill import check_token_ids
 from mooncake.model.prefixcache import PrefixCache
 from mooncake.model.sampler import sample
 from mooncake.model.sequence import Sequence, TokenEvent
@@ -56,7 +56,7 @@ class DecodeRunner:
         assert model.is_first and model.is_last, "decode runs the whole model"
         self.model, self.cache, self.max_batch = model, cache, max_batch
         self.max_step_time_s, self.step_time_fn = max_step_time_s, step_time_fn
-        self.prefiller = PrefillRunner(model, cache, chunk_tokens=chunk_tokens)
+        self.chunk_tokens = chunk_tokens
         self.steps = StepBuilder(model, cache.block_tokens)
         self.graphs: DecodeGraphs | None = None
         on_gpu = model.inv_freq.device.type == "cuda"
@@ -112,6 +112,7 @@ class DecodeRunner:
                 else:
                     self._preempt(self.running[-1])
         events: list[TokenEvent] = []
+        admitted: list[Sequence] = []
         context = sum(len(s.token_ids) for s in self.running)
         while self.waiting and len(self.running) < self.max_batch:
             seq = self.waiting[0]
@@ -134,8 +135,12 @@ class DecodeRunner:
             self.waiting.popleft()
             seq.block_ids += ids
             self.running.append(seq)  # NOTE: before the fill, so a failed fill frees its blocks
-            self._fill_kv(seq)
+            admitted.append(seq)
+            if self.prefix_cache is not None:  # NOTE: filled and named before the next match
+                self._fill_kv(admitted)
+                admitted = []
             context += len(seq.token_ids)
+        self._fill_kv(admitted)
         return events
 
     def _allocate(self, n: int) -> list[int] | None:
@@ -169,16 +174,38 @@ class DecodeRunner:
             return False
         return self.step_time_fn(batch_size, context_len) > self.max_step_time_s
 
-    def _fill_kv(self, seq: Sequence) -> None:
-        # Prefill locally whatever of token_ids[:-1] is not in the cache yet.
-        n = len(seq.token_ids) - 1
-        if seq.num_cached_tokens < n:
-            self.prefiller.prefill(
-                seq.token_ids[:n], block_ids=seq.block_ids, num_cached_tokens=seq.num_cached_tokens
-            )
-            seq.num_cached_tokens = n
-        if self.prefix_cache is not None:  # later requests may share its prompt from now on
-            self.prefix_cache.register(seq.token_ids, seq.block_ids, n)
+    def _fill_kv(self, seqs: list[Sequence]) -> None:
+        """Prefill locally whatever of each admitted request's token_ids[:-1] is not in
+        the cache yet: the requests' chunks side by side in forwards of up to
+        `chunk_tokens` tokens (short prompts share one, for larger matmuls). With a
+        prefix cache one request at a time, so the next one admitted matches its prompt."""
+        todo = [s for s in seqs if s.num_cached_tokens < len(s.token_ids) - 1]
+        while todo:
+            pieces, budget = [], self.chunk_tokens
+            for s in todo:
+                take = min(len(s.token_ids) - 1 - s.num_cached_tokens, budget)
+                pieces.append((s, s.num_cached_tokens, s.num_cached_tokens + take))
+                budget -= take
+                if budget == 0:
+                    break
+            self._prefill_pieces(pieces)
+            for s, _, end in pieces:
+                s.num_cached_tokens = end
+            todo = [s for s in todo if s.num_cached_tokens < len(s.token_ids) - 1]
+        if self.prefix_cache is not None:  # later requests may share their prompts from now on
+            for s in seqs:
+                self.prefix_cache.register(s.token_ids, s.block_ids, len(s.token_ids) - 1)
+
+    @torch.inference_mode()
+    def _prefill_pieces(self, pieces: list[tuple[Sequence, int, int]]) -> None:
+        """One forward writing the KV of tokens [start, end) of each piece's request."""
+        step = self.steps.build(
+            [s.block_ids for s, _, _ in pieces],
+            [end for _, _, end in pieces],
+            [end - start for _, start, end in pieces],
+            [t for s, start, end in pieces for t in s.token_ids[start:end]],
+        )
+        self.model.run_layers(step, self.cache.layer)
 
     def _preempt(self, seq: Sequence) -> None:
         log.info("req %d preempted: KV cache full", seq.seq_id)

@@ -179,10 +179,14 @@ class Model(nn.Module):
     def forward(self, step: Step, layer_kv: Callable[[int], tuple[Tensor, Tensor]]) -> Tensor:
         """(T, vocab) float32 logits of a whole model's step, each layer's K/V caches
         from `layer_kv(global_layer)` (decode; prefill drives the layers itself)."""
+        return self.compute_logits(self.run_layers(step, layer_kv))
+
+    def run_layers(self, step: Step, layer_kv: Callable[[int], tuple[Tensor, Tensor]]) -> Tensor:
+        """(T, hidden) after the last layer of a whole model's step (its K/V written)."""
         h = self.embed(step.tokens)
         for layer in self.layer_ids:
             h = self.layer(layer)(h, step, *layer_kv(layer))
-        return self.compute_logits(h)
+        return h
 
     def compute_logits(self, h: Tensor) -> Tensor:
         # h: (T, hidden) -> (T, vocab) float32

@@ -33,6 +33,27 @@ def test_greedy_decode_of_a_batch_equals_each_request_alone(tiny):
         assert len(batched[i]) == GREEDY.max_tokens
 
 
+def test_prompts_admitted_together_are_prefilled_in_shared_forwards(tiny):
+    """Five prompts (55 tokens of KV to fill: token_ids[:-1] of 3, 17, 9, 30 and 1) in
+    forwards of at most 16 tokens, split and mixed: the outputs equal each alone."""
+    forwards: list[list[int]] = []
+    cache = PagedKVCache.for_model(tiny, 48, BLOCK)
+    runner = DecodeRunner(tiny, cache, max_batch=8, chunk_tokens=16)
+    run = runner._prefill_pieces
+
+    def spy(pieces):  # type: ignore[no-untyped-def]
+        forwards.append([end - start for _, start, end in pieces])
+        run(pieces)
+
+    runner._prefill_pieces = spy  # type: ignore[method-assign]
+    for i, p in enumerate(PROMPTS):
+        runner.add(Sequence(i, p, GREEDY))
+    got = {i: [e.token_id for e in es] for i, es in runner.run_until_done().items()}
+    assert forwards == [[2, 14], [2, 8, 6], [16], [7]]
+    for i, p in enumerate(PROMPTS):
+        assert got[i] == _decode(tiny, [p], max_batch=1)[0][0], f"request {i}"
+
+
 def test_preemption_when_the_cache_runs_out_keeps_outputs_exact(tiny):
     """With too few blocks for all requests' growth, the newest are preempted and
     recomputed later; outputs still equal the unconstrained run."""
