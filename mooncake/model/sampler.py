@@ -54,7 +54,7 @@ _FLOAT_MAX = torch.finfo(torch.float32).max
 _MASK32 = 0xFFFFFFFF
 # NOTE: the hash computes in int64 lanes holding 32-bit values; multipliers below 2**31
 # keep every product below 2**63, so nothing overflows. These two are those of the
-# splitmix32 finalizer, a variant of one Hash Prospector found (see _mix32)
+# splitmix32 finalizer, a variant of one Hash Prospector found (see _mix32_)
 _MUL1, _MUL2 = 0x21F0AAAD, 0x735A2D97
 _SALT_POSITION, _SALT_TOKEN = 0x9E3779B9, 0x85EBCA6B  # so that 0 does not hash to 0
 _U_BITS = 23  # uniform resolution: (h + 0.5) / 2**23 is exact in float32, never 0 or 1
@@ -230,14 +230,14 @@ def sample(logits: Tensor, batch: SamplingBatch) -> SampledTokens:
     nothing and changes no state."""
     logits = logits.float()
     num_rows, vocab = logits.shape
-    is_finite = torch.isfinite(logits).all(-1)  # (B,)
-    top = logits.masked_fill(logits.isnan(), -math.inf).argmax(-1)  # (B,) first max
+    # NOTE: x * 0 is NaN for inf and NaN, 0 else; a plain sum could overflow to inf
+    is_finite = logits.mul(0).sum(-1) == 0  # (B,)
+    inf = math.inf
+    top = logits.nan_to_num(-inf, posinf=inf, neginf=-inf).argmax(-1)  # (B,) first max
     token_ids = top
     if not batch.is_all_greedy or batch.needs_history:
-        # broken rows take `top`; zeros keep their NaN out of every op below
-        x = torch.where(is_finite[:, None], logits, 0.0)
-        if batch.needs_history:
-            x = _penalize(x, batch)
+        # NOTE: the ops below take a broken row without raising; `top` replaces its token
+        x = _penalize(logits, batch) if batch.needs_history else logits
         token_ids = x.argmax(-1) if batch.needs_history else top  # what greedy rows take
         if not batch.is_all_greedy:
             is_greedy = batch.floats[:, _F_IS_GREEDY] > 0
@@ -261,7 +261,7 @@ def sample(logits: Tensor, batch: SamplingBatch) -> SampledTokens:
 
 
 def _penalize(x: Tensor, batch: SamplingBatch) -> Tensor:
-    """(B, V) finite logits -> after the presence, frequency and repetition penalties."""
+    """(B, V) logits -> after the repetition, frequency and presence penalties."""
     num_rows, vocab = x.shape
     ints = batch.ints
     history = ints[:, _NUM_I:]  # (B, L), padded with 0
@@ -282,8 +282,8 @@ def _penalize(x: Tensor, batch: SamplingBatch) -> Tensor:
 
 
 def _draw(x: Tensor, batch: SamplingBatch) -> Tensor:
-    """(B, V) finite logits -> (B,) a token per row drawn from the truncated, tempered
-    distribution (greedy rows get a draw too; the caller ignores it)."""
+    """(B, V) logits -> (B,) a token per row drawn from the truncated, tempered distribution
+    (greedy and broken rows get a draw too; the caller ignores it)."""
     # <= 0 with the top token at exactly 0, so exp never overflows and it always survives
     scaled = (x - x.max(-1, keepdim=True).values) / batch.column(_F_TEMPERATURE)
     # top-k and min-p keep what reaches a per-row threshold; log(0) = -inf keeps all
@@ -304,26 +304,30 @@ def _draw(x: Tensor, batch: SamplingBatch) -> Tensor:
         scaled = torch.empty_like(scaled).scatter_(1, order, sorted_s)
     elif batch.has_min_p:
         scaled = scaled.masked_fill(scaled < threshold, -math.inf)
-    return (scaled + _gumbel(batch, x.shape[1], x.device)).argmax(-1)
+    return _gumbel(batch, x.shape[1], x.device).add_(scaled).argmax(-1)
 
 
 def _gumbel(batch: SamplingBatch, vocab: int, device: torch.device) -> Tensor:
     """(B, V) Gumbel noise -log(-log u), u a hash of (row's seed, row's position, token id)."""
     ints = batch.ints
-    key = _mix32((ints[:, _I_POSITION] + _SALT_POSITION) & _MASK32)  # (B,)
-    key = _mix32(key ^ ints[:, _I_SEED_HI])
-    key = _mix32(key ^ ints[:, _I_SEED_LO])
-    token = _mix32(torch.arange(vocab, device=device) + _SALT_TOKEN)  # (V,)
-    h = _mix32(key[:, None] ^ token[None, :])  # (B, V) in [0, 2**32)
-    u = ((h >> (32 - _U_BITS)).float() + 0.5) * 2.0**-_U_BITS  # in (0, 1)
-    return -(-u.log()).log()
+    key = _mix32_((ints[:, _I_POSITION] + _SALT_POSITION).bitwise_and_(_MASK32))  # (B,)
+    key = _mix32_(key.bitwise_xor_(ints[:, _I_SEED_HI]))
+    key = _mix32_(key.bitwise_xor_(ints[:, _I_SEED_LO]))
+    token = _mix32_(torch.arange(vocab, device=device) + _SALT_TOKEN)  # (V,)
+    h = _mix32_(key[:, None] ^ token[None, :])  # (B, V) in [0, 2**32)
+    u = h.bitwise_right_shift_(32 - _U_BITS).float()  # (B, V) in [0, 2**23)
+    u.add_(0.5).mul_(2.0**-_U_BITS)  # in (0, 1)
+    return u.log_().neg_().log_().neg_()
 
 
-def _mix32(x: Tensor) -> Tensor:
-    """A bijection of 32-bit values (held in int64) with good avalanche: xorshift-multiply
-    rounds as found by Chris Wellons' Hash Prospector (github.com/skeeto/hash-prospector)."""
-    x = x ^ (x >> 16)
-    x = (x * _MUL1) & _MASK32
-    x = x ^ (x >> 15)
-    x = (x * _MUL2) & _MASK32
-    return x ^ (x >> 15)
+def _mix32_(x: Tensor) -> Tensor:
+    """`x` (32-bit values held in int64) through a bijection with good avalanche, in place:
+    xorshift-multiply rounds as Chris Wellons' Hash Prospector finds them
+    (github.com/skeeto/hash-prospector). In place and into one scratch tensor, since on a
+    CPU a fresh (B, V) tensor per op costs more than the op."""
+    tmp = torch.empty_like(x)
+    x.bitwise_xor_(torch.bitwise_right_shift(x, 16, out=tmp))
+    x.mul_(_MUL1).bitwise_and_(_MASK32)
+    x.bitwise_xor_(torch.bitwise_right_shift(x, 15, out=tmp))
+    x.mul_(_MUL2).bitwise_and_(_MASK32)
+    return x.bitwise_xor_(torch.bitwise_right_shift(x, 15, out=tmp))

@@ -81,7 +81,7 @@ def _still_serves(http: httpx.Client) -> None:
         ("chat/completions", {**CHAT, "min_p": -0.1}, "min_p", ">= 0"),
         ("completions", {"prompt": "a", "repetition_penalty": 0}, "repetition_penalty", "> 0"),
         ("completions", {"prompt": "a", "repetition_penalty": 3}, "repetition_penalty", "<= 2.0"),
-        ("completions", {"prompt": "a", "presence_penalty": "x"}, "presence_penalty", "`float`"),
+        ("completions", {"prompt": "a", "presence_penalty": "x"}, "presence_penalty", "got `str`"),
         # the 2.3 MB body, which held a decode step 220 ms per token
         (
             "completions",
