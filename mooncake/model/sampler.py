@@ -229,7 +229,7 @@ def sample(logits: Tensor, batch: SamplingBatch) -> SampledTokens:
     """One token per row of `logits` (B, V), with batched ops on their device; waits for
     nothing and changes no state."""
     logits = logits.float()
-    num_rows, vocab = logits.shape
+    vocab = logits.shape[1]
     # NOTE: x * 0 is NaN for inf and NaN, 0 else; a plain sum could overflow to inf
     is_finite = logits.mul(0).sum(-1) == 0  # (B,)
     inf = math.inf

@@ -48,11 +48,16 @@ def _sample(logits: torch.Tensor, params: Sequence[SamplingParams], **kw) -> Sam
     return sample(logits, _build(params, **kw)).to_host()
 
 
-def _draws(params: SamplingParams, n: int, logits: torch.Tensor = LOGITS, seed: int = 0) -> Counter:
+def _draws_list(
+    params: SamplingParams, n: int, logits: torch.Tensor = LOGITS, seed: int = 0
+) -> list[int]:
     """`n` draws of one seeded request, one per position (the rows of one batch)."""
     rows = logits.expand(n, logits.shape[1])
-    out = _sample(rows, [params] * n, seeds=[seed] * n, positions=range(n))
-    return Counter(out.token_ids)
+    return _sample(rows, [params] * n, seeds=[seed] * n, positions=range(n)).token_ids
+
+
+def _draws(params: SamplingParams, n: int, logits: torch.Tensor = LOGITS, seed: int = 0) -> Counter:
+    return Counter(_draws_list(params, n, logits, seed))
 
 
 def test_greedy_is_the_first_argmax_and_truncation_keeps_only_the_allowed_tokens():
@@ -159,11 +164,6 @@ def test_consecutive_positions_of_a_seed_are_independent():
     _assert_fits(pairs, torch.full((16,), 1 / 16), n // 2)
 
 
-def _draws_list(params: SamplingParams, n: int, logits: torch.Tensor, seed: int) -> list[int]:
-    rows = logits.expand(n, logits.shape[1])
-    return _sample(rows, [params] * n, seeds=[seed] * n, positions=range(n)).token_ids
-
-
 # -- seeds ------------------------------------------------------------------------------
 
 
@@ -188,11 +188,12 @@ def test_a_seed_draws_the_same_tokens_at_any_row_of_any_batch():
             rows = logits[3:4].expand(8, 64).clone()
             rows[[i for i in range(8) if i != row]] = logits[1:8]
             seeds = [p.seed if p.seed is not None else 1000 + i for i, p in enumerate(batch)]
+            positions = [pos if i == row else 3 * i for i in range(8)]
             out = _sample(
                 rows,
                 batch,
                 seeds=seeds,
-                positions=[pos] * 8,
+                positions=positions,
                 history=history,
                 prompt_lens=[2] * 8,
             )
