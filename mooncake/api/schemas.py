@@ -2,10 +2,11 @@
 
 Every field OpenAI documents for /v1/completions and /v1/chat/completions is known here.
 Those we cannot honour are accepted at their neutral value (`echo: false`,
-`presence_penalty: 0`, ...) and refused otherwise; an unknown field is refused, as OpenAI
+`logit_bias: {}`, ...) and refused otherwise; an unknown field is refused, as OpenAI
 does, so a typo never passes silently. Extensions (vLLM's): `top_k` (-1 or 0 = off),
-`stop_token_ids`, `ignore_eos`. A completion prompt is a string or a list of token ids
-(or a list holding exactly one of those).
+`min_p` (0 = off), `repetition_penalty` (1 = off), `stop_token_ids`, `ignore_eos`. A
+completion prompt is a string or a list of token ids (or a list holding exactly one of
+those).
 
 Every error is an `InvalidRequest` whose message names the field and what is allowed.
 """
@@ -21,6 +22,8 @@ from msgspec import Meta
 from mooncake.errors import ApiError
 from mooncake.model.params import (
     MAX_INT32,
+    MAX_PENALTY,
+    MAX_REPETITION_PENALTY,
     MAX_STOP_CHARS,
     MAX_STOPS,
     MAX_TEMPERATURE,
@@ -37,6 +40,8 @@ _Temperature = Annotated[
 ]
 _Seed = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
 _MaxTokens = Annotated[int, Meta(ge=1)]
+_Penalty = Annotated[float, Meta(ge=-MAX_PENALTY, le=MAX_PENALTY)]  # OpenAI's; 0 = off
+_RepetitionPenalty = Annotated[float, Meta(gt=0, le=MAX_REPETITION_PENALTY)]
 TokenId = Annotated[int, Meta(ge=0, le=MAX_INT32)]  # the backend's vocabulary is checked later
 
 
@@ -81,6 +86,8 @@ class _Common(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     temperature: _Temperature | None = None
     top_p: Annotated[float, Meta(ge=MIN_TOP_P, le=1)] | None = None
     top_k: Annotated[int, Meta(ge=-1, le=MAX_INT32)] | None = None  # extension; -1, 0 = off
+    min_p: Annotated[float, Meta(ge=0, le=1)] | None = None  # extension; 0 = off
+    repetition_penalty: _RepetitionPenalty | None = None  # extension; 1 = off
     seed: _Seed | None = None
     stop: _StopString | Annotated[list[_StopString], _only(maxItems=MAX_STOPS)] | None = None
     stop_token_ids: list[TokenId] | None = None  # extension
@@ -90,8 +97,8 @@ class _Common(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted, ignored
-    presence_penalty: Annotated[float, _only(const=0)] | None = None
-    frequency_penalty: Annotated[float, _only(const=0)] | None = None
+    presence_penalty: _Penalty | None = None
+    frequency_penalty: _Penalty | None = None
     logit_bias: Annotated[dict[str, float], _only(maxProperties=0)] | None = None
 
 
@@ -215,8 +222,6 @@ def _refuse_unsupported(req: _Common) -> None:
     """Fields we know but cannot honour: allowed only at their neutral value."""
     checks: list[tuple[bool, str, str]] = [
         (req.n != 1, "n", f"only n=1 is supported, got {req.n}; send one request per sample"),
-        (bool(req.presence_penalty), "presence_penalty", "only 0 is supported"),
-        (bool(req.frequency_penalty), "frequency_penalty", "only 0 is supported"),
         (bool(req.logit_bias), "logit_bias", "is not supported; leave it empty"),
         (
             req.stream_options is not None and not req.stream,
@@ -296,6 +301,10 @@ def sampling_params(req: CompletionRequest | ChatRequest, max_tokens: int) -> Sa
             temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p,
             top_k=max(0, req.top_k or 0),
+            min_p=req.min_p or 0.0,
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
             seed=req.seed,
             stop=stop,
             stop_token_ids=tuple(req.stop_token_ids or ()),

@@ -27,7 +27,7 @@ from mooncake.model.kvcache import PagedKVCache
 from mooncake.model.llama import Model
 from mooncake.model.prefill import check_token_ids
 from mooncake.model.prefixcache import PrefixCache
-from mooncake.model.sampler import sample
+from mooncake.model.sampler import SamplingBatch, sample
 from mooncake.model.sequence import Sequence, TokenEvent
 from mooncake.model.step import StepBuilder
 
@@ -232,7 +232,17 @@ class DecodeRunner:
 
     def _postprocess(self, logits: torch.Tensor) -> list[TokenEvent]:
         seqs = self.running
-        out = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        params = [s.params for s in seqs]
+        needs_history = any(p.has_penalty for p in params)
+        batch = SamplingBatch.build(
+            params,
+            [s.seed for s in seqs],
+            [len(s.token_ids) for s in seqs],
+            [s.token_ids for s in seqs] if needs_history else None,
+            [s.prompt_len for s in seqs] if needs_history else None,
+            logits.device,
+        )
+        out = sample(logits, batch).to_host()
         events = [
             s.append(t, lp, top)
             for s, t, lp, top in zip(

@@ -6,17 +6,21 @@ built, also when a decode node decodes one from the wire (msgspec calls it there
 peer sent. The bounds are what the sampler computes with in float32 and what a msgpack
 integer carries:
 
-| field            | allowed                                                  |
-|------------------|----------------------------------------------------------|
-| `max_tokens`     | 1 .. MAX_INT32                                           |
-| `temperature`    | 0 (greedy), or MIN_TEMPERATURE (1e-5) .. MAX_TEMPERATURE |
-| `top_p`          | MIN_TOP_P (1e-5) .. 1                                    |
-| `top_k`          | 0 (off) .. MAX_INT32                                     |
-| `seed`           | None or a signed 64-bit integer                          |
-| `stop`           | at most MAX_STOPS (64) strings of 1 .. MAX_STOP_CHARS    |
-|                  | (1024) characters, MAX_STOP_BYTES (4 KiB) together       |
-| `stop_token_ids` | each 0 .. MAX_INT32 (the API also checks the vocabulary) |
-| `logprobs`       | None or 0 .. MAX_LOGPROBS (20)                           |
+| field                | allowed                                                  |
+|----------------------|----------------------------------------------------------|
+| `max_tokens`         | 1 .. MAX_INT32                                           |
+| `temperature`        | 0 (greedy), or MIN_TEMPERATURE (1e-5) .. MAX_TEMPERATURE |
+| `top_p`              | MIN_TOP_P (1e-5) .. 1                                    |
+| `top_k`              | 0 (off) .. MAX_INT32                                     |
+| `min_p`              | 0 (off) .. 1                                             |
+| `presence_penalty`   | -MAX_PENALTY (-2) .. MAX_PENALTY (2); 0 = off (OpenAI's) |
+| `frequency_penalty`  | -MAX_PENALTY (-2) .. MAX_PENALTY (2); 0 = off (OpenAI's) |
+| `repetition_penalty` | above 0 .. MAX_REPETITION_PENALTY (2); 1 = off (vLLM's)  |
+| `seed`               | None or a signed 64-bit integer                          |
+| `stop`               | at most MAX_STOPS (64) strings of 1 .. MAX_STOP_CHARS    |
+|                      | (1024) characters, MAX_STOP_BYTES (4 KiB) together       |
+| `stop_token_ids`     | each 0 .. MAX_INT32 (the API also checks the vocabulary) |
+| `logprobs`           | None or 0 .. MAX_LOGPROBS (20)                           |
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ MIN_TEMPERATURE = 1e-5
 # NOTE: far past the point where every distribution is uniform; without a bound a value
 # beyond float32's range would become inf in the sampler and inf / inf is NaN
 MAX_TEMPERATURE = 1e6
+MAX_PENALTY = 2.0  # |presence_penalty|, |frequency_penalty| (OpenAI's range)
+MAX_REPETITION_PENALTY = 2.0  # vLLM allows any value above 0; past 2 text degenerates
 MIN_TOP_P = 1e-5  # smaller values already keep only the top token; tiny ones underflow float32
 MAX_INT32 = 2**31 - 1  # token ids and counts; larger ones name no token and overflow the wire
 MAX_LOGPROBS = 20  # as OpenAI allows
@@ -62,6 +68,12 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     stop_token_ids: tuple[int, ...] = ()  # besides the model's EOS
     ignore_eos: bool = False  # keep going past EOS (benchmarks)
     logprobs: int | None = None  # None: none; 0: the chosen token's; n: and the top n
+    # NOTE: new fields go last with neutral defaults, so that peers without them still
+    # decode what this node sends and the other way round
+    min_p: float = 0.0  # keep tokens at least min_p times as likely as the top one; 0 = off
+    presence_penalty: float = 0.0  # logit -= this once per token already in the output
+    frequency_penalty: float = 0.0  # logit -= this times the token's count in the output
+    repetition_penalty: float = 1.0  # tokens of prompt or output: logit / r if > 0, else * r
 
     def __post_init__(self) -> None:
         self.validate()
@@ -82,6 +94,22 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
             0 <= self.top_k <= MAX_INT32, "top_k", f"in [0, {MAX_INT32}] (0 = off)", self.top_k
         )
         _require(MIN_TOP_P <= p <= 1, "top_p", f"in [{MIN_TOP_P:g}, 1]", p)
+        _require(0 <= self.min_p <= 1, "min_p", "in [0, 1] (0 = off)", self.min_p)
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _require(
+                -MAX_PENALTY <= value <= MAX_PENALTY,
+                name,
+                f"in [{-MAX_PENALTY:g}, {MAX_PENALTY:g}] (0 = off)",
+                value,
+            )
+        r = self.repetition_penalty
+        _require(
+            0 < r <= MAX_REPETITION_PENALTY,
+            "repetition_penalty",
+            f"in (0, {MAX_REPETITION_PENALTY:g}] (1 = off)",
+            r,
+        )
         if self.seed is not None:
             _require(-(2**63) <= self.seed < 2**63, "seed", "a signed 64-bit integer", self.seed)
         self._validate_stop()
@@ -116,6 +144,13 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
+
+    @property
+    def has_penalty(self) -> bool:
+        """Whether the sampler needs the tokens so far (presence, frequency, repetition)."""
+        return bool(self.presence_penalty or self.frequency_penalty) or (
+            self.repetition_penalty != 1
+        )
 
 
 def _require(is_ok: bool, param: str, allowed: str, got: object) -> None:

@@ -1,30 +1,69 @@
-"""Sampling: greedy, temperature, top-k, top-p, per-request seeds, logprobs.
+"""Sampling on the logits' device: a fixed set of batched torch ops per step, no host sync.
 
-Greedy rows (temperature 0) take the argmax, batched. Other rows are sampled one by one
-with the request's own `torch.Generator`, so a seeded request draws the same tokens
-whatever else shares its batch. Logprobs are of the raw model distribution (before
-temperature and truncation), as the OpenAI API reports them. Sampling is computed in
-float32 so that it never fails: logits are shifted so the top token sits at 0 before the
-temperature divides them, the top token survives every truncation, and a row holding inf
-or NaN takes its top token.
+Use, once per decode step:
+
+    batch = SamplingBatch.build(params, seeds, positions, history, prompt_lens, device)
+    out = sample(logits, batch).to_host()
+
+`build` uploads the host-side params in two non-blocking copies from pinned memory;
+`sample` never waits for the device (no `.item()`, `.tolist()`, `nonzero`, boolean-mask
+indexing or `torch.multinomial`); `to_host` fetches everything in one copy and one
+synchronisation. Every branch of the Python code reads the params' host-side flags,
+never a device value, so the ops run do not depend on the batch size either.
+
+Per row, in this order (vLLM's sampler, vllm/v1/sample/sampler.py, has the same):
+1. penalties, only computed when some row has one: vLLM's repetition penalty over prompt
+   and output tokens (a seen token's logit divided by r when positive, multiplied by r
+   when not), then OpenAI's frequency and presence penalties over the output tokens,
+   `logit -= frequency * count + presence * (count > 0)`. Greedy rows see them too.
+2. greedy rows take the argmax (the first max).
+3. temperature: the logits are shifted so the top token sits at 0, then divided by the
+   temperature (clamped to the validated range), so that nothing overflows.
+4. truncation: top-k, min-p (tokens at least min_p times as likely as the top token) and
+   then top-p over what is left; the top token always stays.
+5. the draw, with the Gumbel-max trick: argmax(log p + G), G = -log(-log u), u uniform in
+   (0, 1), samples exactly from p (it is the exponential race argmax p / E, E ~ Exp(1)).
+   u is a counter-based hash of (seed, position, token id) in integer torch ops, so a
+   seeded request draws the same tokens whatever batch it runs in and whatever its row;
+   an unseeded request gets a random seed when its `Sequence` is made.
+
+Logprobs are of the raw model distribution (before penalties, temperature and truncation),
+as the OpenAI API reports them. Sampling computes in float32 and never raises for what the
+model produced: a row holding inf or NaN (a broken model, an overflow) takes its top token
+(the first +inf; NaN never wins) and reports no logprobs.
 """
 
 from __future__ import annotations
 
-import os
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from mooncake.model.params import MAX_TEMPERATURE, MIN_TEMPERATURE, SamplingParams
+from mooncake.model.params import (
+    MAX_PENALTY,
+    MAX_REPETITION_PENALTY,
+    MAX_TEMPERATURE,
+    MIN_TEMPERATURE,
+    SamplingParams,
+)
 
+_FLOAT_MAX = torch.finfo(torch.float32).max
+_MASK32 = 0xFFFFFFFF
+# NOTE: the hash computes in int64 lanes holding 32-bit values; multipliers below 2**31
+# keep every product below 2**63, so nothing overflows. These two are those of the
+# splitmix32 finalizer, a variant of one Hash Prospector found (see _mix32_)
+_MUL1, _MUL2 = 0x21F0AAAD, 0x735A2D97
+_SALT_POSITION, _SALT_TOKEN = 0x9E3779B9, 0x85EBCA6B  # so that 0 does not hash to 0
+_U_BITS = 23  # uniform resolution: (h + 0.5) / 2**23 is exact in float32, never 0 or 1
 
-def make_generator(seed: int | None, device: str = "cpu") -> torch.Generator:
-    """A request's generator: seeded when asked, else from the OS."""
-    value = seed if seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
-    return torch.Generator(device=device).manual_seed(value)
+# columns of the two uploads (the float32 one and the int64 one, before the history)
+_F_TEMPERATURE, _F_TOP_P, _F_MIN_P, _F_PRESENCE, _F_FREQUENCY, _F_REPETITION = range(6)
+_F_IS_GREEDY = 6
+_I_SEED_LO, _I_SEED_HI, _I_POSITION, _I_TOP_K, _I_PROMPT_LEN, _I_HISTORY_LEN = range(6)
+_NUM_F, _NUM_I = 7, 6
 
 
 @dataclass
@@ -34,55 +73,261 @@ class SampleOutput:
     top_logprobs: list[list[tuple[int, float]] | None]  # (token id, logprob), best first
 
 
-def _probs(row: Tensor, p: SamplingParams) -> Tensor:
-    """What to draw from: `row` (vocab,) finite float32 logits -> weights, the top token's > 0."""
-    # NOTE: the params were validated; the clamp keeps the division finite whatever arrives
-    t = p.temperature
-    if not MIN_TEMPERATURE <= t <= MAX_TEMPERATURE:  # NaN too
-        t = MAX_TEMPERATURE if t > MAX_TEMPERATURE else MIN_TEMPERATURE
-    # <= 0 with the top token at 0, so the softmax neither overflows nor divides by 0
-    scaled = (row - row.max()) / t
-    if 0 < p.top_k < scaled.shape[0]:
-        kth = torch.topk(scaled, p.top_k).values[-1]
-        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    probs = scaled.softmax(-1)
-    if p.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        drop = sorted_probs.cumsum(-1) - sorted_probs >= p.top_p
-        drop[0] = False  # NOTE: the top token always stays, whatever float32 made of top_p
-        probs = probs.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), 0.0)
-    return probs
+@dataclass
+class SamplingBatch:
+    """One step's sampling inputs on the device, and the host-side flags that choose which
+    ops `sample` runs. Built once per step by `build`; read-only after that."""
+
+    params: tuple[SamplingParams, ...]  # host copy, one per row
+    floats: Tensor  # (B, 7) float32: the _F_* columns
+    ints: Tensor  # (B, 6 + L) int64: the _I_* columns, then the history padded with 0
+    is_all_greedy: bool
+    has_top_k: bool  # some sampled row truncates by top_k, ...
+    has_top_p: bool
+    has_min_p: bool
+    has_output_penalty: bool  # some row has a presence or frequency penalty
+    has_repetition: bool  # some row has a repetition penalty
+    max_logprobs: int | None  # the largest top-n asked; None when no row asks for logprobs
+
+    @classmethod
+    def build(
+        cls,
+        params: Sequence[SamplingParams],
+        seeds: Sequence[int],
+        positions: Sequence[int],
+        history: Sequence[Sequence[int]] | None,
+        prompt_lens: Sequence[int] | None,
+        device: torch.device | str,
+    ) -> SamplingBatch:
+        """The device tensors of a step. `seeds`: each row's 64-bit seed; `positions`: the
+        index in its sequence of the token being sampled; `history`: each row's token ids
+        so far (prompt, then output) and `prompt_lens`, needed only when some row has a
+        penalty (None otherwise). Does not wait for the uploads."""
+        assert len(params) == len(seeds) == len(positions), (
+            len(params),
+            len(seeds),
+            len(positions),
+        )
+        sampled = [p for p in params if not p.is_greedy]
+        needs_history = any(p.has_penalty for p in params)
+        assert not needs_history or (history is not None and prompt_lens is not None), (
+            "a penalty needs the history and the prompt lengths"
+        )
+        rows = history if needs_history and history is not None else [()] * len(params)
+        lens = prompt_lens if needs_history and prompt_lens is not None else [0] * len(params)
+        num_cols = max((len(h) for h in rows), default=0)
+        floats = torch.tensor([_float_row(p) for p in params], dtype=torch.float32)
+        floats = floats.reshape(len(params), _NUM_F)
+        ints = torch.zeros((len(params), _NUM_I + num_cols), dtype=torch.int64)
+        # a 64-bit seed as two 32-bit lanes (two's complement for a negative one)
+        meta = [
+            [seed & _MASK32, (seed >> 32) & _MASK32, pos, p.top_k, n, len(h)]
+            for p, seed, pos, h, n in zip(params, seeds, positions, rows, lens, strict=True)
+        ]
+        if meta:
+            ints[:, :_NUM_I] = torch.tensor(meta, dtype=torch.int64)
+        for i, h in enumerate(rows):
+            if h:
+                ints[i, _NUM_I : _NUM_I + len(h)] = torch.tensor(h, dtype=torch.int64)
+        logprobs = [p.logprobs for p in params if p.logprobs is not None]
+        return cls(
+            params=tuple(params),
+            floats=_upload(floats, torch.device(device)),
+            ints=_upload(ints, torch.device(device)),
+            is_all_greedy=not sampled,
+            has_top_k=any(p.top_k > 0 for p in sampled),
+            has_top_p=any(p.top_p < 1 for p in sampled),
+            has_min_p=any(p.min_p > 0 for p in sampled),
+            has_output_penalty=any(p.presence_penalty or p.frequency_penalty for p in params),
+            has_repetition=any(p.repetition_penalty != 1 for p in params),
+            max_logprobs=max(logprobs) if logprobs else None,
+        )
+
+    @property
+    def needs_history(self) -> bool:
+        return self.has_output_penalty or self.has_repetition
+
+    def column(self, index: int) -> Tensor:
+        """(B, 1) one float column, broadcast against (B, V)."""
+        return self.floats[:, index : index + 1]
 
 
-def sample(
-    logits: Tensor,
-    params: Sequence[SamplingParams],
-    generators: Sequence[torch.Generator | None],
-) -> SampleOutput:
-    """One token per row of `logits` (batch, vocab); changes the generators' state.
+def _clamp(value: float, low: float, high: float, neutral: float) -> float:
+    """`value` in [low, high]; NaN -> `neutral`. The params were validated; this keeps the
+    ops finite whatever a buggy peer sent."""
+    return neutral if math.isnan(value) else min(max(value, low), high)
 
-    Never raises for what the model produced: a row holding inf or NaN (a broken model or
-    an overflow) takes its top token (the first +inf; NaN never wins) and reports no logprobs."""
-    logits = logits.float()
-    is_finite = torch.isfinite(logits).all(-1).tolist()  # per row
-    top = logits if all(is_finite) else logits.masked_fill(logits.isnan(), float("-inf"))
-    out = top.argmax(-1).tolist()
-    for i, p in enumerate(params):
-        if p.is_greedy or not is_finite[i]:
-            continue
-        gen = generators[i]
-        assert gen is not None, "a sampled request needs a generator"
-        probs = _probs(logits[i], p).to(gen.device)
-        out[i] = int(torch.multinomial(probs, 1, generator=gen).item())
-    chosen: list[float | None] = [None] * len(params)
-    tops: list[list[tuple[int, float]] | None] = [None] * len(params)
-    if any(p.logprobs is not None for p in params):
-        logp = logits.log_softmax(-1)
-        for i, p in enumerate(params):
-            if p.logprobs is None or not is_finite[i]:
+
+def _float_row(p: SamplingParams) -> list[float]:
+    # NOTE: top_p >= 1 becomes inf, so that float32 rounding of a cumulative sum that
+    # reaches 1 early never drops the tail of a row that asked for no top-p
+    top_p = p.top_p if p.top_p < 1 else math.inf  # NaN too
+    return [
+        _clamp(p.temperature, MIN_TEMPERATURE, MAX_TEMPERATURE, MIN_TEMPERATURE),
+        top_p,
+        _clamp(p.min_p, 0.0, 1.0, 0.0),
+        _clamp(p.presence_penalty, -MAX_PENALTY, MAX_PENALTY, 0.0),
+        _clamp(p.frequency_penalty, -MAX_PENALTY, MAX_PENALTY, 0.0),
+        _clamp(p.repetition_penalty, MIN_TEMPERATURE, MAX_REPETITION_PENALTY, 1.0),
+        float(p.is_greedy),
+    ]
+
+
+def _upload(host: Tensor, device: torch.device) -> Tensor:
+    """`host` on `device` without waiting: through pinned memory to a GPU."""
+    if device.type != "cuda":
+        return host.to(device)
+    pinned = torch.empty(host.shape, dtype=host.dtype, pin_memory=True)
+    pinned.copy_(host)
+    # NOTE: the caching host allocator keeps `pinned` until the copy has run
+    return pinned.to(device, non_blocking=True)
+
+
+@dataclass
+class SampledTokens:
+    """What `sample` produced, still on the device."""
+
+    token_ids: Tensor  # (B,) int64
+    is_finite: Tensor  # (B,) bool: the row's logits held no inf or NaN
+    logprobs: Tensor | None  # (B,) float32, of the chosen token; None when no row asked
+    top_ids: Tensor | None  # (B, n) int64, best first; n = the most any row asked
+    top_logprobs: Tensor | None  # (B, n) float32
+    num_logprobs: tuple[int | None, ...]  # per row, what it asked for (host)
+
+    def to_host(self) -> SampleOutput:
+        """Fetch the results: one copy into pinned memory, one synchronisation."""
+        cols = [self.token_ids[:, None], self.is_finite[:, None]]
+        if self.logprobs is not None:
+            cols.append(self.logprobs[:, None])
+        if self.top_ids is not None and self.top_logprobs is not None:
+            cols += [self.top_ids, self.top_logprobs]
+        # NOTE: float64 holds token ids (< 2**31) and float32 logprobs exactly
+        packed = torch.cat([c.to(torch.float64) for c in cols], dim=1)  # (B, 2 [+ 1 + 2n])
+        if packed.device.type == "cuda":
+            host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            host.copy_(packed, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+            done.synchronize()
+            packed = host
+        rows = packed.tolist()
+        n = 0 if self.top_ids is None else self.top_ids.shape[1]
+        token_ids = [int(r[0]) for r in rows]
+        chosen: list[float | None] = [None] * len(rows)
+        tops: list[list[tuple[int, float]] | None] = [None] * len(rows)
+        for i, (r, asked) in enumerate(zip(rows, self.num_logprobs, strict=True)):
+            if asked is None or not r[1]:
                 continue
-            chosen[i] = float(logp[i, out[i]])
-            if p.logprobs:
-                values, ids = torch.topk(logp[i], min(p.logprobs, logp.shape[1]))
-                tops[i] = list(zip(ids.tolist(), values.tolist(), strict=True))
-    return SampleOutput(out, chosen, tops)
+            chosen[i] = r[2]
+            if asked:
+                ids, values = r[3 : 3 + n], r[3 + n :]  # best first
+                tops[i] = [(int(ids[j]), values[j]) for j in range(min(asked, n))]
+        return SampleOutput(token_ids, chosen, tops)
+
+
+def sample(logits: Tensor, batch: SamplingBatch) -> SampledTokens:
+    """One token per row of `logits` (B, V), with batched ops on their device; waits for
+    nothing and changes no state."""
+    logits = logits.float()
+    vocab = logits.shape[1]
+    # NOTE: x * 0 is NaN for inf and NaN, 0 else; a plain sum could overflow to inf
+    is_finite = logits.mul(0).sum(-1) == 0  # (B,)
+    inf = math.inf
+    top = logits.nan_to_num(-inf, posinf=inf, neginf=-inf).argmax(-1)  # (B,) first max
+    token_ids = top
+    if not batch.is_all_greedy or batch.needs_history:
+        # NOTE: the ops below take a broken row without raising; `top` replaces its token
+        x = _penalize(logits, batch) if batch.needs_history else logits
+        token_ids = x.argmax(-1) if batch.needs_history else top  # what greedy rows take
+        if not batch.is_all_greedy:
+            is_greedy = batch.floats[:, _F_IS_GREEDY] > 0
+            token_ids = torch.where(is_greedy, token_ids, _draw(x, batch))
+        token_ids = torch.where(is_finite, token_ids, top)
+    out = SampledTokens(
+        token_ids=token_ids,
+        is_finite=is_finite,
+        logprobs=None,
+        top_ids=None,
+        top_logprobs=None,
+        num_logprobs=tuple(p.logprobs for p in batch.params),
+    )
+    if batch.max_logprobs is not None:
+        logp = logits.log_softmax(-1)  # the raw model distribution
+        out.logprobs = logp.gather(1, token_ids[:, None])[:, 0]
+        n = min(batch.max_logprobs, vocab)
+        if n:
+            out.top_logprobs, out.top_ids = logp.topk(n, dim=-1)
+    return out
+
+
+def _penalize(x: Tensor, batch: SamplingBatch) -> Tensor:
+    """(B, V) logits -> after the repetition, frequency and presence penalties."""
+    num_rows, vocab = x.shape
+    ints = batch.ints
+    history = ints[:, _NUM_I:]  # (B, L), padded with 0
+    col = torch.arange(history.shape[1], device=x.device)
+    # NOTE: an id past this vocabulary (none should come) is left out, not indexed
+    is_valid = (col < ints[:, _I_HISTORY_LEN : _I_HISTORY_LEN + 1]) & (history < vocab)
+    index = torch.where(is_valid, history, 0)
+    if batch.has_repetition:  # first, as vLLM (model_executor/layers/utils.py)
+        is_seen = x.new_zeros(num_rows, vocab).scatter_add_(1, index, is_valid.float()) > 0
+        r = batch.column(_F_REPETITION)
+        x = torch.where(is_seen, torch.where(x > 0, x / r, x * r), x)
+    if batch.has_output_penalty:
+        is_output = is_valid & (col >= ints[:, _I_PROMPT_LEN : _I_PROMPT_LEN + 1])
+        counts = x.new_zeros(num_rows, vocab).scatter_add_(1, index, is_output.float())
+        x = x - batch.column(_F_FREQUENCY) * counts - batch.column(_F_PRESENCE) * (counts > 0)
+    # NOTE: a penalty may overflow a huge logit to inf, and inf - inf is NaN in the shift
+    return x.clamp(-_FLOAT_MAX, _FLOAT_MAX)
+
+
+def _draw(x: Tensor, batch: SamplingBatch) -> Tensor:
+    """(B, V) logits -> (B,) a token per row drawn from the truncated, tempered distribution
+    (greedy and broken rows get a draw too; the caller ignores it)."""
+    # <= 0 with the top token at exactly 0, so exp never overflows and it always survives
+    scaled = (x - x.max(-1, keepdim=True).values) / batch.column(_F_TEMPERATURE)
+    # top-k and min-p keep what reaches a per-row threshold; log(0) = -inf keeps all
+    threshold = batch.column(_F_MIN_P).log()  # (B, 1): p / p_top >= min_p, in logits
+    if batch.has_top_k or batch.has_top_p:
+        sorted_s, order = scaled.sort(-1, descending=True)  # (B, V)
+        if batch.has_top_k:
+            k = batch.ints[:, _I_TOP_K : _I_TOP_K + 1]
+            k = torch.where((k <= 0) | (k > x.shape[1]), x.shape[1], k)  # 0 = off
+            threshold = torch.maximum(threshold, sorted_s.gather(1, k - 1))
+        sorted_s = sorted_s.masked_fill(sorted_s < threshold, -math.inf)
+        if batch.has_top_p:
+            probs = sorted_s.softmax(-1)
+            drop = probs.cumsum(-1) - probs >= batch.column(_F_TOP_P)
+            # NOTE: the top token always stays, whatever float32 made of top_p
+            drop[:, 0].fill_(False)
+            sorted_s = sorted_s.masked_fill(drop, -math.inf)
+        scaled = torch.empty_like(scaled).scatter_(1, order, sorted_s)
+    elif batch.has_min_p:
+        scaled = scaled.masked_fill(scaled < threshold, -math.inf)
+    return _gumbel(batch, x.shape[1], x.device).add_(scaled).argmax(-1)
+
+
+def _gumbel(batch: SamplingBatch, vocab: int, device: torch.device) -> Tensor:
+    """(B, V) Gumbel noise -log(-log u), u a hash of (row's seed, row's position, token id)."""
+    ints = batch.ints
+    key = _mix32_((ints[:, _I_POSITION] + _SALT_POSITION).bitwise_and_(_MASK32))  # (B,)
+    key = _mix32_(key.bitwise_xor_(ints[:, _I_SEED_HI]))
+    key = _mix32_(key.bitwise_xor_(ints[:, _I_SEED_LO]))
+    token = _mix32_(torch.arange(vocab, device=device) + _SALT_TOKEN)  # (V,)
+    h = _mix32_(key[:, None] ^ token[None, :])  # (B, V) in [0, 2**32)
+    u = h.bitwise_right_shift_(32 - _U_BITS).float()  # (B, V) in [0, 2**23)
+    u.add_(0.5).mul_(2.0**-_U_BITS)  # in (0, 1)
+    return u.log_().neg_().log_().neg_()
+
+
+def _mix32_(x: Tensor) -> Tensor:
+    """`x` (32-bit values held in int64) through a bijection with good avalanche, in place:
+    xorshift-multiply rounds as Chris Wellons' Hash Prospector finds them
+    (github.com/skeeto/hash-prospector). In place and into one scratch tensor, since on a
+    CPU a fresh (B, V) tensor per op costs more than the op."""
+    tmp = torch.empty_like(x)
+    x.bitwise_xor_(torch.bitwise_right_shift(x, 16, out=tmp))
+    x.mul_(_MUL1).bitwise_and_(_MASK32)
+    x.bitwise_xor_(torch.bitwise_right_shift(x, 15, out=tmp))
+    x.mul_(_MUL2).bitwise_and_(_MASK32)
+    return x.bitwise_xor_(torch.bitwise_right_shift(x, 15, out=tmp))

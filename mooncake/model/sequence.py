@@ -13,12 +13,12 @@ streamed are decoded and only the new text is searched for stop strings
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 from mooncake.model.params import SamplingParams
-from mooncake.model.sampler import make_generator
 from mooncake.model.stopmatch import StopMatcher
 from mooncake.model.tokenizer import BaseTokenizer
 
@@ -37,6 +37,10 @@ class TokenEvent:
     finish_reason: FinishReason | None = None
 
 
+def _random_seed() -> int:
+    return int.from_bytes(os.urandom(8), "little") >> 1  # 63 bits
+
+
 class Sequence:
     """A request inside the engine. Mutated only by the runner that owns it."""
 
@@ -49,7 +53,6 @@ class Sequence:
         eos_token_ids: Seq[int] = (),
         max_model_len: int = 0,
         tokenizer: BaseTokenizer | None = None,
-        generator: Any = None,
         output_ids: Seq[int] = (),
         block_ids: list[int] | None = None,
         num_cached_tokens: int = 0,
@@ -62,9 +65,8 @@ class Sequence:
         self.block_ids = block_ids or []
         self.num_cached_tokens = num_cached_tokens  # tokens whose KV is in block_ids
         self.num_reused_tokens = 0  # prompt tokens whose KV a prefix cache gave at admission
-        if generator is None and not params.is_greedy:
-            generator = make_generator(params.seed)
-        self.generator = generator  # torch.Generator of a sampled request; None when greedy
+        # what keys the sampler's noise, with the position: the request's seed, else random
+        self.seed = params.seed if params.seed is not None else _random_seed()
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len  # 0 = no limit
         stops = set(params.stop_token_ids)

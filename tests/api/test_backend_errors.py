@@ -161,8 +161,20 @@ def test_the_request_reaches_the_backend_tokenized_with_its_params(setup):
     p = req.params
     assert (p.max_tokens, p.temperature, p.top_k, p.stop, p.seed) == (5, 0.5, 0, ("zz",), 3)
     assert (p.stop_token_ids, p.ignore_eos, p.logprobs) == ((9,), True, None)
+    neutral = (p.min_p, p.presence_penalty, p.frequency_penalty, p.repetition_penalty)
+    assert neutral == (0.0, 0.0, 0.0, 1.0)
     _post(http, prompt="ab")
     assert backend.requests[-1].params.max_tokens == 16  # OpenAI's default for completions
+    _post(
+        http,
+        presence_penalty=-1.5,
+        frequency_penalty=0.25,
+        min_p=0.05,
+        repetition_penalty=1.2,
+    )
+    p = backend.requests[-1].params
+    penalties = (p.min_p, p.presence_penalty, p.frequency_penalty, p.repetition_penalty)
+    assert penalties == (0.05, -1.5, 0.25, 1.2)
     http.post(
         "/v1/chat/completions",
         json={"messages": [{"role": "user", "content": [{"type": "text", "text": "q"}]}]},

@@ -74,6 +74,14 @@ def _still_serves(http: httpx.Client) -> None:
         ),
         ("completions", {"prompt": "a", "top_k": 2**64}, "top_k", "<= 2147483647"),
         ("completions", {"prompt": "a", "seed": 2**64}, "seed", "<= 9223372036854775807"),
+        # the penalties OpenAI documents, and vLLM's min_p and repetition_penalty
+        ("completions", {"prompt": "a", "presence_penalty": 2.5}, "presence_penalty", "<= 2.0"),
+        ("chat/completions", {**CHAT, "frequency_penalty": -3}, "frequency_penalty", ">= -2.0"),
+        ("completions", {"prompt": "a", "min_p": 1.5}, "min_p", "<= 1"),
+        ("chat/completions", {**CHAT, "min_p": -0.1}, "min_p", ">= 0"),
+        ("completions", {"prompt": "a", "repetition_penalty": 0}, "repetition_penalty", "> 0"),
+        ("completions", {"prompt": "a", "repetition_penalty": 3}, "repetition_penalty", "<= 2.0"),
+        ("completions", {"prompt": "a", "presence_penalty": "x"}, "presence_penalty", "got `str`"),
         # the 2.3 MB body, which held a decode step 220 ms per token
         (
             "completions",

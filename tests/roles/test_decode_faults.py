@@ -25,10 +25,10 @@ pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 FAULTY_DECODE = """
 import mooncake.model.decode as decode
 real = decode.sample
-def sample(logits, params, generators):
-    if any(p.top_k == 7 for p in params):
+def sample(logits, batch):
+    if any(p.top_k == 7 for p in batch.params):
         raise RuntimeError("probability tensor contains either inf, nan or element < 0")
-    return real(logits, params, generators)
+    return real(logits, batch)
 decode.sample = sample
 from mooncake.cli.app import main
 main()
