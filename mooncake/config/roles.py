@@ -22,7 +22,7 @@ DECODE_CPU_KV_BYTES = 2 << 30
 def _kv_help(what: str, warmup: str, cpu_bytes: int) -> str:
     share = f"{AUTO_KV_GPU_SHARE * 100:g}%"
     return (
-        f"Device memory for the paged KV cache of {what}: \"auto\" (on a GPU {share} of "
+        f'Device memory for the paged KV cache of {what}: "auto" (on a GPU {share} of '
         f"the memory still free once the model is loaded and {warmup} ran, less the "
         f"activation peak of that run; on a CPU node {format_size(cpu_bytes)}), bytes, or a "
         "percentage (on a GPU of that same free memory; on a CPU node of the available "

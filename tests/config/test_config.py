@@ -173,7 +173,7 @@ def test_parse_set_option() -> None:
         ('[store]\ndram_bytes = "lots"', "store.dram_bytes: expected a size in bytes"),
         ('[store]\ndram_bytes = "150%"', "a percentage is at most 100%"),
         ('[transfer]\nslice_bytes = "50%"', "a percentage is not allowed here"),
-        ('[store]\ndram_bytes = "auto"', 'store.dram_bytes: expected a size in bytes'),
+        ('[store]\ndram_bytes = "auto"', "store.dram_bytes: expected a size in bytes"),
         ('[store]\ndram_bytes = "auto"', '"auto" is not allowed here'),
         (
             '[decode]\nkv_cache_bytes = "lots"',
