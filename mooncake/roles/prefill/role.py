@@ -141,6 +141,7 @@ class PrefillNode:
             group_id=self.group.group_id,
             stage=self.group.stage,
             group_size=self.group.group_size,
+            kv_capacity_tokens=w.cache.num_blocks * w.cache.block_tokens,
         )
         self.link.register()  # again, with what loading the model told us
         self.handoff = DecodeHandoff(ctx.secret, cfg.prefill)
