@@ -35,22 +35,30 @@ def _complete(url: str, prompt_len: int, max_tokens: int) -> httpx.Response:
     return httpx.post(url + "/v1/completions", json=body, timeout=60)
 
 
-def test_a_prompt_over_the_prefill_cache_is_refused_with_the_limit(cluster: LocalLauncher) -> None:
-    r = _complete(cluster.url, 600, 1)
+@pytest.mark.parametrize(
+    "prompt_len,max_tokens,message",
+    [
+        (
+            600,
+            1,
+            "prompt of 600 tokens exceeds the KV cache of the prefill nodes: at most 512 "
+            "tokens (prefill.kv_cache_bytes)",
+        ),
+        (
+            200,
+            100,
+            "prompt of 200 tokens (+ max_tokens 100) exceeds the KV cache of the decode "
+            "nodes: at most 256 tokens (decode.kv_cache_bytes)",
+        ),
+    ],
+    ids=["prompt-over-prefill", "prompt-and-output-over-decode"],
+)
+def test_a_request_over_a_cache_is_refused_with_the_limit(
+    cluster: LocalLauncher, prompt_len: int, max_tokens: int, message: str
+) -> None:
+    r = _complete(cluster.url, prompt_len, max_tokens)
     assert r.status_code == 400, r.text
-    assert r.json()["error"]["message"].startswith(
-        "prompt of 600 tokens exceeds the KV cache of the prefill nodes: at most 512 tokens "
-        "(prefill.kv_cache_bytes)"
-    )
-
-
-def test_prompt_and_output_over_the_decode_cache_are_refused(cluster: LocalLauncher) -> None:
-    r = _complete(cluster.url, 200, 100)
-    assert r.status_code == 400, r.text
-    assert r.json()["error"]["message"].startswith(
-        "prompt of 200 tokens (+ max_tokens 100) exceeds the KV cache of the decode nodes: "
-        "at most 256 tokens (decode.kv_cache_bytes)"
-    )
+    assert r.json()["error"]["message"].startswith(message)
 
 
 def test_a_request_that_fits_is_served(cluster: LocalLauncher) -> None:
