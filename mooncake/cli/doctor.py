@@ -14,7 +14,8 @@ _STYLE = {"pass": "green", "warn": "yellow", "fail": "bold red", "skip": "dim"}
 
 @app.command(
     "doctor",
-    help="Check whether this node is ready to serve: the NVIDIA driver and NVML, "
+    help="Check whether this node is ready to serve: the NVIDIA driver and NVML (a GPU that "
+    "torch sees but NVML does not report fails, naming the fix), "
     "CUDA_VISIBLE_DEVICES against NVML's GPUs, each RDMA device (port state, link layer, a "
     "RoCE v2 GID, active MTU), GPU memory registration (nvidia-peermem or dma-buf), "
     "RLIMIT_MEMLOCK and each GPU's NIC (PCIe and NUMA pairing); with --config also the SSD "

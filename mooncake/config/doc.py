@@ -36,6 +36,7 @@ class FieldSpec:
     le: float | None = None  # inclusive upper bound
     pattern: str | None = None  # regex a str must match
     min_length: int | None = None  # shortest allowed str
+    allows_auto: bool = False  # a size that also takes "auto"
 
     @property
     def dotted(self) -> str:
@@ -57,7 +58,8 @@ class FieldSpec:
             "float": "a number",
             "bool": "true or false",
             "list": 'a list of strings (env: comma-separated "a,b")',
-            "size": 'a size in bytes (4096, "512MB", "64GiB", "1.5TiB") or a percentage ("80%")',
+            "size": ('"auto", ' if self.allows_auto else "")
+            + 'a size in bytes (4096, "512MB", "64GiB", "1.5TiB") or a percentage ("80%")',
             "str": "a string",
         }[self.kind]
         if self.tag == "hostport":
@@ -105,7 +107,8 @@ def _section_specs(name: str, struct: type[msgspec.Struct]) -> dict[str, FieldSp
         tp, *metas = typing.get_args(hints[field.name])
         (meta,) = (m for m in metas if isinstance(m, msgspec.Meta))
         kind, choices = _kind(tp)
-        tag = (meta.extra or {}).get("kind", "")
+        extra = meta.extra or {}
+        tag = extra.get("kind", "")
         if tag in ("size", "bytes"):
             kind, tag = tag, ""
         specs[field.name] = FieldSpec(
@@ -121,6 +124,7 @@ def _section_specs(name: str, struct: type[msgspec.Struct]) -> dict[str, FieldSp
             le=meta.le,
             pattern=meta.pattern,
             min_length=meta.min_length,
+            allows_auto=bool(extra.get("allows_auto")),
         )
     return specs
 
@@ -153,6 +157,8 @@ def show_value(spec: FieldSpec, value: Any) -> str:
         if not value:
             return "(not set)"
         return f"{len(value)} keys (hidden)" if spec.kind == "list" else "(set, hidden)"
+    if spec.kind == "size" and value.is_auto:
+        return "auto"
     if spec.kind == "size" and value.fraction is not None:
         return f"{value} of free"
     if spec.kind in ("size", "bytes"):
@@ -169,7 +175,7 @@ def json_value(spec: FieldSpec, value: Any) -> dict[str, Any]:
         return {"value": hidden}
     if spec.kind == "size":
         out: dict[str, Any] = {"value": str(value)}
-        if value.fraction is None:
+        if value.fraction is None and not value.is_auto:
             out["bytes"] = value.num_bytes
         return out
     if spec.kind == "bytes":

@@ -52,8 +52,12 @@ def _coerce(spec: FieldSpec, value: Any, is_text: bool) -> Any:
             raise _Bad("")
         if kind == "bytes" and text is not None and "%" in text:
             raise _Bad("a percentage is not allowed here")
+        if text is not None and text.strip().lower() == "auto" and not spec.allows_auto:
+            raise _Bad('"auto" is not allowed here')
         try:
-            return Size.parse(value) if kind == "size" else parse_size(value)
+            if kind == "size":
+                return Size.parse(value, allow_auto=spec.allows_auto)
+            return parse_size(value)
         except ConfigError as e:
             over = text is not None and re.match(r"^\s*[\d.]+\s*%\s*$", text)
             raise _Bad("a percentage is at most 100%" if over else "") from e

@@ -9,7 +9,25 @@ import msgspec
 
 from mooncake.config.knob import STRUCT as _STRUCT
 from mooncake.config.knob import knob
-from mooncake.config.sizes import Size
+from mooncake.config.sizes import Size, format_size
+
+# "auto" KV caches (roles/node/kvsize.py): on a GPU this share of the memory left once the
+# weights are loaded and a warm-up ran at the largest batch, less its activation peak; on a
+# CPU node fixed bytes, since the host's RAM also holds the pool's DRAM tier
+AUTO_KV_GPU_SHARE = 0.9
+PREFILL_CPU_KV_BYTES = 1 << 30
+DECODE_CPU_KV_BYTES = 2 << 30
+
+
+def _kv_help(what: str, warmup: str, cpu_bytes: int) -> str:
+    share = f"{AUTO_KV_GPU_SHARE * 100:g}%"
+    return (
+        f'Device memory for the paged KV cache of {what}: "auto" (on a GPU {share} of '
+        f"the memory still free once the model is loaded and {warmup} ran, less the "
+        f"activation peak of that run; on a CPU node {format_size(cpu_bytes)}), bytes, or a "
+        "percentage (on a GPU of that same free memory; on a CPU node of the available "
+        "RAM)."
+    )
 
 
 class PrefillConfig(msgspec.Struct, **_STRUCT):
@@ -22,11 +40,11 @@ class PrefillConfig(msgspec.Struct, **_STRUCT):
     kv_cache_bytes: Annotated[
         Size,
         knob(
-            "Device memory for the paged KV cache of prompts being prefilled: bytes, or a "
-            "percentage of the free GPU (CPU: available) memory.",
+            _kv_help("prompts being prefilled", "one chunk of chunk_tokens", PREFILL_CPU_KV_BYTES),
             "size",
+            allows_auto=True,
         ),
-    ] = Size(num_bytes=1 << 30)
+    ] = Size(is_auto=True)
     stage_retry_s: Annotated[
         float,
         knob(
@@ -80,11 +98,16 @@ class DecodeConfig(msgspec.Struct, **_STRUCT):
     kv_cache_bytes: Annotated[
         Size,
         knob(
-            "Device memory for the paged KV cache of decoding requests: bytes, or a "
-            "percentage of the free GPU (CPU: available) memory.",
+            _kv_help(
+                "decoding requests",
+                "one decode step of max_batch requests (one of them prefilled locally "
+                "first, a chunk of prefill.chunk_tokens)",
+                DECODE_CPU_KV_BYTES,
+            ),
             "size",
+            allows_auto=True,
         ),
-    ] = Size(num_bytes=2 << 30)
+    ] = Size(is_auto=True)
     drain_s: Annotated[
         float,
         knob(

@@ -3,7 +3,8 @@ says the fix in one line; a check that does not apply here (no GPU to map) is sk
 
 The checks read recorded facts (`Facts`: sysfs, NVML through the topology, the
 environment, limits), so tests feed recorded machines; `gather` takes them from this host.
-Hardware: the NVIDIA driver and NVML, CUDA_VISIBLE_DEVICES against NVML, each RDMA device
+Hardware: the NVIDIA driver and NVML (a GPU torch sees but NVML does not report fails),
+CUDA_VISIBLE_DEVICES against NVML, each RDMA device
 (port state, link layer, a RoCE v2 GID, active MTU), GPU memory registration (nvidia-peermem
 or dma-buf), RLIMIT_MEMLOCK, and each GPU's NIC (PCIe and NUMA pairing). With a config
 (`check_config`): the SSD tier's path, the ports, and the master with the cluster secret.
@@ -94,6 +95,18 @@ def _driver(f: Facts) -> Check:
             "nvidia driver",
             "pass",
             f"driver {version or '?'}, NVML sees {len(gpus)} GPUs ({', '.join(names)})",
+        )
+    if f.torch_uuids:  # NOTE: a node uses this GPU all the same, blind to its placement
+        missing = "pynvml not installed" in notes
+        return Check(
+            "nvidia driver",
+            "fail",
+            f"torch sees {len(f.torch_uuids)} CUDA devices but {notes or 'NVML reports none'}: "
+            "nodes run on cuda:0 without NVML's facts (its NUMA node, nearest NICs, memory)",
+            "pip install nvidia-ml-py"
+            if missing
+            else "make NVML's library load (libnvidia-ml.so.1 of the driver; in a container "
+            "the NVIDIA runtime mounts it), then check `nvidia-smi` lists the GPUs",
         )
     if version:
         return Check(

@@ -78,6 +78,18 @@ def torch_uuids() -> list[str] | None:
     return [str(getattr(p, "uuid", "")) for p in props]
 
 
+def torch_memory_bytes(index: int = 0) -> int | None:
+    """Total memory of torch's `cuda:index` as CUDA reports it, if torch has CUDA (the
+    figure for a GPU that NVML does not report); None otherwise."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    return int(torch.cuda.get_device_properties(index).total_memory)
+
+
 def torch_keyed(matrix: Mapping[str, Any], visible: Sequence[GpuInfo]) -> dict[str, Any]:
     """`matrix` (keyed "cpu:N" and NVML's "cuda:N") keyed by torch's device index instead:
     "cuda:i" is the entry of visible[i]; hidden GPUs are left out."""

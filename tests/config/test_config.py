@@ -173,6 +173,13 @@ def test_parse_set_option() -> None:
         ('[store]\ndram_bytes = "lots"', "store.dram_bytes: expected a size in bytes"),
         ('[store]\ndram_bytes = "150%"', "a percentage is at most 100%"),
         ('[transfer]\nslice_bytes = "50%"', "a percentage is not allowed here"),
+        ('[store]\ndram_bytes = "auto"', "store.dram_bytes: expected a size in bytes"),
+        ('[store]\ndram_bytes = "auto"', '"auto" is not allowed here'),
+        (
+            '[decode]\nkv_cache_bytes = "lots"',
+            'decode.kv_cache_bytes: expected "auto", a size in bytes (4096, "512MB", "64GiB", '
+            '"1.5TiB") or a percentage ("80%"), got "lots"',
+        ),
         (
             '[transfer]\nslice_bytes = "1KiB"',
             "transfer.slice_bytes: expected a size in bytes >= 4KiB",
@@ -295,6 +302,32 @@ def test_size_percentages_resolve_against_free_bytes() -> None:
     for bad in ("80%%", "101%", "-5%", "%"):
         with pytest.raises(ConfigError, match="percentage"):
             Size.parse(bad)
+
+
+def test_auto_size_only_where_a_key_allows_it() -> None:
+    """ "auto" parses (any case) only with allow_auto; every error names each allowed form."""
+    auto = Size.parse(" Auto ", allow_auto=True)
+    assert auto.is_auto and str(auto) == "auto" and not auto.is_zero
+    with pytest.raises(ConfigError, match='"auto" is not allowed here: expected a size'):
+        Size.parse("auto")
+    with pytest.raises(ConfigError, match="expected \"auto\", a size .* or a percentage .*'lots'"):
+        Size.parse("lots", allow_auto=True)
+    with pytest.raises(ConfigError, match=r"expected a size \(bytes.*\) or a percentage .*'1Q'"):
+        Size.parse("1Q")
+
+
+def test_kv_caches_default_to_auto_and_take_bytes_or_percentages() -> None:
+    c = load_config(None, env={}).config
+    assert c.prefill.kv_cache_bytes.is_auto and c.decode.kv_cache_bytes.is_auto
+    c = load_config(
+        None,
+        env={"MOONCAKE_DECODE_KV_CACHE_BYTES": "90%"},
+        overrides={"prefill.kv_cache_bytes": "64MiB"},
+    ).config
+    assert c.prefill.kv_cache_bytes == Size(num_bytes=64 << 20)
+    assert c.decode.kv_cache_bytes == Size(fraction=0.9)
+    c = load_config(None, env={}, overrides={"decode.kv_cache_bytes": "AUTO"}).config
+    assert c.decode.kv_cache_bytes.is_auto
 
 
 def test_require_secret(tmp_path: Path) -> None:

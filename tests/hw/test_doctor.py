@@ -20,6 +20,7 @@ from mooncake.hw.doctor import Check, Facts, active_mtu, check_node, gather
 from mooncake.hw.doctorconfig import check_config
 from mooncake.hw.topology import detect_topology
 from mooncake.native.verbs_info import read_active_mtus
+from tests.fakes.nvml import NVML_ERROR_LIBRARY_NOT_FOUND as NVML_LIB_NOT_FOUND
 from tests.fakes.nvml import FakeNvml
 from tests.fakes.sysfs import build_sysfs, load_machine, with_changes
 from tests.store.cluster import SECRET, start_master
@@ -199,6 +200,51 @@ def test_gpu_whose_only_nic_is_on_the_other_socket_warns(tmp_path: Path) -> None
         found["gpu-nic cuda:5"].status == "warn"
         and "across sockets" in found["gpu-nic cuda:5"].detail
     )
+
+
+@pytest.mark.parametrize("how", ["package", "init"])
+def test_a_gpu_torch_sees_but_nvml_does_not_fails_with_the_fix(
+    how: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch sees the GPUs, NVML reports none (nvidia-ml-py missing, or NVML's library not
+    loading): the node would run blind to the GPU's placement, so the check fails."""
+    from mooncake.native import nvml
+
+    machine = load_machine("dgx_h100")
+    root = build_sysfs(machine, tmp_path / "sys")
+    if how == "package":
+        monkeypatch.setattr(nvml, "load_pynvml", lambda: None)
+        topo = detect_topology(root)
+    else:
+        topo = detect_topology(root, nvml=FakeNvml(machine["gpus"], init_error=NVML_LIB_NOT_FOUND))
+    uuids = [g["uuid"] for g in machine["gpus"]]
+    facts = Facts(topology=topo, sysfs_root=root, env={}, memlock_bytes=None, torch_uuids=uuids)
+    check = _by_name(check_node(facts))["nvidia driver"]
+    assert check.status == "fail"
+    assert check.detail.startswith("torch sees 8 CUDA devices but no NVIDIA GPU found")
+    if how == "package":
+        assert check.fix == "pip install nvidia-ml-py"
+    else:
+        assert "NVML Shared Library Not Found" in check.detail
+        assert "libnvidia-ml.so.1" in check.fix
+    without_cuda = Facts(topology=topo, sysfs_root=root, env={}, memlock_bytes=None)
+    assert _by_name(check_node(without_cuda))["nvidia driver"].status == "warn"  # a CPU node
+
+
+def test_cli_fails_a_gpu_without_nvml(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`mooncake doctor` on a host whose torch sees CUDA and whose NVML is missing: exit 1,
+    the fix in the row."""
+    from mooncake.native import cudamap, nvml
+
+    load_verbs()
+    monkeypatch.setattr(nvml, "load_pynvml", lambda: None)
+    monkeypatch.setattr(cudamap, "torch_uuids", lambda: ["GPU-0a1b"])
+    root = build_sysfs(load_machine("workstation"), tmp_path / "sys")
+    result = CliRunner().invoke(app, ["doctor", "--json", "--sysfs-root", str(root)])
+    found = {c["name"]: c for c in json.loads(result.output)["checks"]}
+    assert found["nvidia driver"]["status"] == "fail"
+    assert found["nvidia driver"]["fix"] == "pip install nvidia-ml-py"
+    assert result.exit_code == 1
 
 
 def test_this_machine_warns_for_no_gpu_and_no_rdma_and_fails_nothing() -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import AsyncIterator
-from types import SimpleNamespace
 from typing import cast
 
 import pytest
@@ -34,11 +33,11 @@ class _Conductor:
 
 
 def _backend() -> tuple[ClusterBackend, list[str]]:
-    registry = SimpleNamespace(nodes={})
+    registry = Registry(num_layers=4, group_size=1, ttl_s=5.0)  # no node: no KV limit known
     conductor = cast(Conductor, _Conductor())
     backend = ClusterBackend(
         conductor,
-        cast(Registry, registry),
+        registry,
         ByteTokenizer(),
         "m",
         1024,

@@ -1,22 +1,23 @@
 """torch's cuda:N mapped to NVML's GPUs under CUDA_VISIBLE_DEVICES (indices, UUIDs), and
-what hangs on it: the NIC preference the node's Transfer Engines get, and the KV cache's
-size (from the GPU torch uses, not physical GPU 0). A recorded DGX H100 (GPU i sits beside
+what hangs on it: the NIC preference the node's Transfer Engines get; and a GPU that torch
+sees but NVML does not is still used, with an error. A recorded DGX H100 (GPU i sits beside
 NIC mlx5_i) with a fake NVML."""
 
 from __future__ import annotations
 
-import os
+import logging
 from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from mooncake.config.load import load_config
-from mooncake.config.sizes import Size
 from mooncake.hw.topology import Topology, detect_topology
-from mooncake.model.info import load_model_info
 from mooncake.roles.node.common import NodeContext
-from mooncake.roles.node.worker import cache_blocks, connect_pool, mount_local_tiers
+from mooncake.roles.node.worker import connect_pool, mount_local_tiers
+from tests.fakes.nvml import NVML_ERROR_LIBRARY_NOT_FOUND as NVML_LIB_NOT_FOUND
 from tests.fakes.nvml import FakeNvml
 from tests.fakes.sysfs import build_sysfs, load_machine
 from tests.store.cluster import SECRET, start_master
@@ -80,16 +81,80 @@ def _context(h100: Topology, master: str = "127.0.0.1:1", **overrides: object) -
     return NodeContext(config, "n-gpu", "127.0.0.1", SECRET.encode(), h100)
 
 
-def test_kv_cache_sized_from_the_visible_gpu(h100: Topology, visible_5: None) -> None:
-    """A 50% cache on torch's cuda:0 = GPU 5 (15 GiB free) holds 1.5x what GPU 0's
-    10 GiB would have given."""
+@pytest.fixture
+def cuda_seen(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch sees one CUDA device, as a CUDA build on a GPU host would."""
+    import torch
+
+    from mooncake.native import cudamap
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    props = SimpleNamespace(total_memory=80 * GIB, uuid="uuid-of-a-device")
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: [props][i])
+    monkeypatch.setattr(cudamap, "torch_uuids", lambda: ["GPU-uuid-of-a-device"])
+
+
+def _no_nvml_topology(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str) -> Topology:
+    """The DGX H100's sysfs with NVML missing (`how` = "package") or failing ("init")."""
+    from mooncake.native import nvml
+
+    machine = load_machine("dgx_h100")
+    root = build_sysfs(machine, tmp_path / "sys")
+    if how == "package":
+        monkeypatch.setattr(nvml, "load_pynvml", lambda: None)
+        return detect_topology(root)
+    return detect_topology(root, nvml=FakeNvml(machine["gpus"], init_error=NVML_LIB_NOT_FOUND))
+
+
+@pytest.mark.parametrize("how", ["package", "init"])
+def test_a_gpu_without_nvml_is_used_and_said_loudly(
+    how: str,
+    cuda_seen: None,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """torch sees CUDA but NVML reports nothing: the node runs on cuda:0, never silently on
+    its CPU, and logs an error naming the package to install and what NVML would add."""
+    from mooncake.roles.node.worker import device_for
+
+    ctx = _context(_no_nvml_topology(tmp_path, monkeypatch, how))
+    assert ctx.visible_gpus == []
+    assert ctx.device_memory_bytes == 80 * GIB  # CUDA's figure, not the host's RAM
+    with caplog.at_level(logging.ERROR, logger="mooncake.roles.node.worker"):
+        assert device_for(ctx) == "cuda:0"
+    (record,) = caplog.records
+    assert record.levelno == logging.ERROR
+    text = record.getMessage()
+    assert "torch sees 1 CUDA devices but NVML reports no GPU" in text
+    assert "pip install nvidia-ml-py" in text and "NUMA node and nearest NICs" in text
+    assert ("pynvml not installed" if how == "package" else "Library Not Found") in text
+
+
+def test_a_gpu_nvml_knows_is_used_quietly(
+    h100: Topology, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import torch
+
+    from mooncake.native import cudamap
+    from mooncake.roles.node.worker import device_for
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cudamap, "torch_uuids", lambda: [h100.gpus[5].uuid])
     ctx = _context(h100)
-    assert os.environ["CUDA_VISIBLE_DEVICES"] == "5"
-    info = load_model_info("dummy:tiny")
-    blocks = cache_blocks(Size.parse("50%"), ctx, info, "float32", 2, 16, "cuda:0")
-    per_block = 2 * 2 * 16 * info.spec.num_kv_heads * info.spec.head_dim * 4
-    assert blocks == (15 * GIB // 2) // per_block
-    assert ctx.gpu("cuda:0") == h100.gpus[5]
+    with caplog.at_level(logging.WARNING):
+        assert device_for(ctx) == "cuda:0"
+    assert caplog.records == [] and ctx.gpu("cuda:0") == h100.gpus[5]
+
+
+def test_no_cuda_is_a_cpu_node(h100: Topology, monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from mooncake.roles.node.worker import device_for
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert device_for(_context(h100)) == "cpu"
 
 
 @pytest.mark.cluster

@@ -87,7 +87,7 @@ class DecodeNode:
         # freed when that node submits or releases (or past reserve_ttl_s), never before
         self.cancelled: set[int] = set()
         self.store_node = mount_local_tiers(ctx)
-        self.worker: Worker = load_worker(ctx, cfg.decode.kv_cache_bytes)
+        self.worker: Worker = load_worker(ctx, "decode")
         w = self.worker
         self.store, self.pool = connect_pool(ctx, w, self.store_node)
         self.kv_prefix = f"{ctx.node_id}.kv."

@@ -1,5 +1,6 @@
 """The master's serving backend: every request's way through the cluster.
 
+    check         a request no ready node's KV cache holds even alone is refused (400)
     match+place   hash the prompt's blocks; the Conductor picks a prefill group and a
                   decode node, or rejects (HTTP 429 before any work is done; one refused
                   for the queue alone waits up to `scheduler.defer_s` for an idle group)
@@ -103,6 +104,7 @@ class ClusterBackend(BaseBackend):
         self.loop = asyncio.get_running_loop()
         if self.hasher is None:
             raise MooncakeError("no prefill or decode node has joined yet; retry shortly")
+        await self.tickets.locked(self._check_kv_room, len(req.prompt_ids), req.params.max_tokens)
         deadline_s = request_deadline_s(self.scheduler, req.params.max_tokens)
         ends_at = time.monotonic() + deadline_s
         rid = self.flights.new_id()
@@ -158,6 +160,25 @@ class ClusterBackend(BaseBackend):
             # NOTE: no await here: a client gone cancels every await (anyio's cancel scope)
             if not flight.done:  # the client went away (or the loop is closing)
                 self._end(flight, dropped=True, abort=True)
+
+    def _check_kv_room(self, prompt_len: int, max_tokens: int) -> None:
+        """Refuse (ApiError, HTTP 400) a request no ready node's KV cache could hold even
+        alone: its prompt on a prefill group, its prompt and output on a decode node."""
+        limits = [
+            ("prefill", prompt_len, f"prompt of {prompt_len} tokens"),
+            (
+                "decode",
+                prompt_len + max_tokens,
+                f"prompt of {prompt_len} tokens (+ max_tokens {max_tokens})",
+            ),
+        ]
+        for role, num_tokens, what in limits:
+            limit = self.registry.kv_capacity_tokens(role)
+            if limit is not None and num_tokens > limit:
+                raise ApiError(
+                    f"{what} exceeds the KV cache of the {role} nodes: at most {limit} tokens "
+                    f"({role}.kv_cache_bytes); shorten the request or give the nodes more"
+                )
 
     async def _place(self, rid: int, n: int, hashes: list[int], waited: bool = False) -> Decision:
         d = await self.tickets.place(rid, n, hashes, waited)

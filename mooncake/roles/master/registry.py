@@ -179,6 +179,19 @@ class Registry:
     def ready_decoders(self) -> set[str]:
         return {r.node_id for r in self.nodes.values() if r.role == "decode" and r.state == "ready"}
 
+    def kv_capacity_tokens(self, role: str) -> int | None:
+        """The most tokens of KV one ready decode node, or one schedulable prefill group (its
+        smallest stage), holds; None when none is ready or one did not say (an older node):
+        then no request is refused for its length here."""
+        if role == "decode":
+            caps = [self.nodes[n].info.kv_capacity_tokens for n in self.ready_decoders()]
+        else:
+            caps = [
+                min(self.nodes[m].info.kv_capacity_tokens for m in self.groups[g].members)
+                for g in (self.nodes[leader].group_id for leader in self.schedulable_leaders())
+            ]
+        return max(caps) if caps and all(caps) else None
+
     def missing(self) -> str:
         """What keeps a request from being placed: no schedulable prefill group, no ready
         decode node, or both; "" when neither is missing."""

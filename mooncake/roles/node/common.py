@@ -80,9 +80,12 @@ class NodeContext:
 
     @property
     def device_memory_bytes(self) -> int:
-        """Memory of the device the model runs on: torch's cuda:0, else this host's RAM."""
+        """Memory of the device the model runs on: torch's cuda:0 (NVML's figure, else
+        CUDA's when NVML does not report it), else this host's RAM."""
         gpu = self.gpu("cuda:0")
-        return gpu.memory_total_bytes if gpu else self.topology.memory_total_bytes
+        if gpu is not None:
+            return gpu.memory_total_bytes
+        return cudamap.torch_memory_bytes() or self.topology.memory_total_bytes
 
     @functools.cached_property
     def visible_gpus(self) -> list[GpuInfo]:

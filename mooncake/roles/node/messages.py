@@ -33,7 +33,8 @@ class NodeInfoMsg(Msg, frozen=True, tag="node.info"):
     gpus: list[str] = []
     nics: list[str] = []
     model_fingerprint: str = ""  # hex; prefill/decode nodes must match the master's
-    kv_capacity_tokens: int = 0  # decode: tokens its KV cache holds
+    # tokens its KV cache holds (a prefill stage: of its layers); 0 = not told (yet)
+    kv_capacity_tokens: Annotated[int, Meta(ge=0)] = 0
     max_batch: int = 0  # decode: most requests per step
     stage_address: Addr = ""  # prefill stage > 0: host:port its upstream stage dials
     device_memory_bytes: int = 0  # memory of the device the model runs on (GPU, else RAM)

@@ -1,5 +1,6 @@
-"""What prefill and decode nodes share: loading the model (or this stage's layers), sizing
-the paged KV cache, the tokenizer, the prefix hasher and the pool (Store) connection."""
+"""What prefill and decode nodes share: loading the model (or this stage's layers) on its
+device, the paged KV cache (sized in roles/node/kvsize.py), the tokenizer, the prefix
+hasher and the pool (Store) connection."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ import torch
 
 from mooncake.config.portrange import node_ports
 from mooncake.config.settings import Config
-from mooncake.config.sizes import Size
-from mooncake.errors import ConfigError, RpcTimeout
+from mooncake.config.sizes import format_size
+from mooncake.errors import RpcTimeout
 from mooncake.hw.ssdplace import place_ssd
 from mooncake.kv.hashing import PrefixHasher
 from mooncake.kv.object import DTYPE_BYTES, KVLayout
@@ -23,6 +24,7 @@ from mooncake.model.llama import Model
 from mooncake.model.tokenizer import BaseTokenizer, create_tokenizer
 from mooncake.model.weights import create_model
 from mooncake.roles.node.common import NodeContext
+from mooncake.roles.node.kvsize import Role, cache_blocks, kv_cache_bytes, measure_gpu, sizing_for
 from mooncake.rpc import RpcClient
 from mooncake.store.client.client import Store
 from mooncake.store.node.node import StoreNode, TierSizes
@@ -56,43 +58,39 @@ class Worker:
 
 
 def device_for(ctx: NodeContext) -> str:
-    return "cuda:0" if ctx.visible_gpus and torch.cuda.is_available() else "cpu"
-
-
-def cache_blocks(
-    size: Size,
-    ctx: NodeContext,
-    info: ModelInfo,
-    dtype: str,
-    num_layers: int,
-    block_tokens: int,
-    device: str,
-) -> int:
-    """How many KV blocks `size` buys for `num_layers` layers on `device`."""
-    gpu = ctx.gpu(device)  # NOTE: torch's cuda:0 is not NVML's GPU 0 under CUDA_VISIBLE_DEVICES
-    free = gpu.memory_free_bytes if gpu is not None else psutil.virtual_memory().available
-    num_bytes = size.resolve(free)
-    s = info.spec
-    per_block = 2 * num_layers * block_tokens * s.num_kv_heads * s.head_dim * DTYPE_BYTES[dtype]
-    blocks = num_bytes // per_block
-    if blocks < 2:
-        raise ConfigError(
-            f"KV cache of {num_bytes} bytes holds {blocks} blocks of {block_tokens} tokens; "
-            f"give at least {2 * per_block} bytes (prefill/decode.kv_cache_bytes)"
+    """ "cuda:0" when torch sees a CUDA device, else "cpu". A GPU that NVML does not report
+    (nvidia-ml-py missing, NVML failing, a MIG instance) is used all the same, with an error
+    logged that names the fix: serving on this node's CPU beside an idle GPU would be orders
+    of magnitude slower while looking healthy, and what NVML adds (the GPU's NUMA node and
+    nearest NICs, its memory in the master's figures) only refines placement."""
+    if not torch.cuda.is_available():
+        return "cpu"
+    if not ctx.visible_gpus:
+        gpus, notes = ctx.topology.gpus, "; ".join(n for n in ctx.topology.notes if "GPU" in n)
+        why = (
+            f"NVML reports {len(gpus)} GPUs but none is torch's cuda:0"
+            if gpus
+            else f"NVML reports no GPU ({notes or 'nvidia-ml-py missing or NVML failing'})"
         )
-    return int(blocks)
+        log.error(
+            "torch sees %d CUDA devices but %s: running on cuda:0 without NVML's facts (the "
+            "GPU's NUMA node and nearest NICs, its memory for the master); install "
+            "nvidia-ml-py (pip install nvidia-ml-py) and run `mooncake doctor`",
+            torch.cuda.device_count(),
+            why,
+        )
+    return "cuda:0"
 
 
-def load_worker(
-    ctx: NodeContext, cache_size: Size, layers: tuple[int, int] | None = None
-) -> Worker:
-    """Build the model's layers [a, b) (all by default) and a KV cache of `cache_size`."""
+def load_worker(ctx: NodeContext, role: Role, layers: tuple[int, int] | None = None) -> Worker:
+    """Build the model's layers [a, b) (all by default) and a KV cache of the role's
+    `kv_cache_bytes`, sized after a warm-up on a GPU (roles/node/kvsize.py)."""
     cfg = ctx.config
     device = device_for(ctx)
     info = load_model_info(cfg.model.path)
     dtype = resolve_dtype(info, cfg.model.dtype, device)
     first, end = layers or (0, info.spec.num_layers)
-    bt = cfg.model.block_tokens
+    bt, s = cfg.model.block_tokens, info.spec
     model = create_model(
         info,
         dtype,
@@ -102,19 +100,30 @@ def load_worker(
         attention_backend=cfg.model.attention_backend,
         block_tokens=bt,
     )
-    num_blocks = cache_blocks(cache_size, ctx, info, dtype, end - first, bt, device)
+    sizing = sizing_for(cfg, role, bt)
+    if device == "cpu":
+        num_bytes = kv_cache_bytes(sizing, psutil.virtual_memory().available, 0, on_gpu=False)
+    else:
+        mem = measure_gpu(model, sizing, bt)
+        num_bytes = kv_cache_bytes(sizing, mem.free_bytes, mem.activation_peak_bytes, on_gpu=True)
+    layer_bytes = PagedKVCache.block_bytes_per_layer(
+        bt, s.num_kv_heads, s.head_dim, DTYPE_BYTES[dtype]
+    )
+    num_blocks = cache_blocks(num_bytes, layer_bytes * (end - first), bt, sizing.key)
     cache = PagedKVCache.for_model(model, num_blocks, bt)
     fingerprint = kv_fingerprint(info, dtype)
     hasher = PrefixHasher(bt, ctx.secret, fingerprint)
     tokenizer = create_tokenizer(cfg.model.path, info.eos_token_ids)
     log.info(
-        "model %s layers [%d, %d) on %s, %s, %s attention, KV cache %d blocks of %d tokens",
-        info.spec.name,
+        "model %s layers [%d, %d) on %s, %s, %s attention, KV %s (%s): %d blocks of %d tokens",
+        s.name,
         first,
         end,
         device,
         dtype,
         model.attention.name,
+        format_size(num_bytes),
+        sizing.size,
         num_blocks,
         bt,
     )

@@ -108,7 +108,7 @@ class PrefillNode:
         assert reply.group is not None, "the master assigns every prefill node a group"
         self.group: GroupMsg = reply.group
         layers = (self.group.first_layer, self.group.end_layer)
-        self.worker: Worker = load_worker(ctx, cfg.prefill.kv_cache_bytes, layers)
+        self.worker: Worker = load_worker(ctx, "prefill", layers)
         self.store, self.pool = connect_pool(ctx, self.worker, self.store_node)
         self.kv_prefix = f"{ctx.node_id}.kv."
         place_cache_in_segments(self.store.engine, self.worker.cache, self.kv_prefix)
@@ -141,6 +141,7 @@ class PrefillNode:
             group_id=self.group.group_id,
             stage=self.group.stage,
             group_size=self.group.group_size,
+            kv_capacity_tokens=w.cache.num_blocks * w.cache.block_tokens,
         )
         self.link.register()  # again, with what loading the model told us
         self.handoff = DecodeHandoff(ctx.secret, cfg.prefill)

@@ -3,6 +3,9 @@ nodes (pure bookkeeping; time is passed in)."""
 
 from __future__ import annotations
 
+import msgspec
+import pytest
+
 from mooncake.roles.master.registry import Registry
 from mooncake.roles.node.messages import NodeInfoMsg, NodeLoadMsg
 
@@ -123,3 +126,34 @@ def test_a_group_missing_a_stage_names_that_stage_not_its_waiting_leader() -> No
     reg2.register(_prefill("a"), 0.0)
     reg2.heartbeat("a", NodeLoadMsg(), "starting", 0.5)
     assert "pg1 waits for stage 1 to register" in reg2.missing()
+
+
+def test_kv_capacity_is_the_largest_ready_node_or_group() -> None:
+    """A group holds what its smallest stage holds; the API's limit is the largest ready
+    group or decode node; a node that did not say (an older one) leaves it unknown."""
+    reg = Registry(num_layers=4, group_size=2, ttl_s=5)
+    for name, cap in [("a", 900), ("b", 600), ("c", 800), ("d", 700)]:
+        reg.register(NodeInfoMsg(name, "prefill", f"tcp://{name}:1", kv_capacity_tokens=cap), 0.0)
+    for name, cap in [("x", 5000), ("y", 9000)]:
+        reg.register(NodeInfoMsg(name, "decode", f"tcp://{name}:1", kv_capacity_tokens=cap), 0.0)
+    assert reg.kv_capacity_tokens("prefill") is None and reg.kv_capacity_tokens("decode") is None
+    for name in "abcdxy":
+        reg.heartbeat(name, NodeLoadMsg(), "ready", 1.0)
+    assert reg.kv_capacity_tokens("prefill") == 700  # pg1 = min(900, 600), pg2 = min(800, 700)
+    assert reg.kv_capacity_tokens("decode") == 9000
+    reg.heartbeat("y", NodeLoadMsg(), "draining", 2.0)
+    assert reg.kv_capacity_tokens("decode") == 5000  # only ready nodes count
+    reg.register(NodeInfoMsg("z", "decode", "tcp://z:1"), 2.0)
+    reg.heartbeat("z", NodeLoadMsg(), "ready", 2.0)
+    assert reg.kv_capacity_tokens("decode") is None
+
+
+def test_kv_capacity_on_the_wire_defaults_to_unknown_and_is_never_negative() -> None:
+    """An older node's registration (no kv_capacity_tokens) decodes as 0, not told; a
+    negative one is refused by the decoder."""
+    info = {"type": "node.info", "node_id": "n", "role": "decode", "rpc_address": ""}
+    old = msgspec.msgpack.decode(msgspec.msgpack.encode(info), type=NodeInfoMsg)
+    assert old.kv_capacity_tokens == 0
+    bad = msgspec.msgpack.encode({**info, "kv_capacity_tokens": -1})
+    with pytest.raises(msgspec.ValidationError, match="kv_capacity_tokens"):
+        msgspec.msgpack.decode(bad, type=NodeInfoMsg)
