@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import random
 
 import pytest
 
@@ -101,6 +102,20 @@ def test_triton_matches_reference_fp32(name: str) -> None:
     seq_lens, query_lens, group, block_tokens, window, num_splits = CASES[name]
     batch = make_batch(list(CASES).index(name), seq_lens, query_lens, group, block_tokens, window)
     check(*batch, num_splits=num_splits)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_triton_matches_reference_on_random_batches(seed: int) -> None:
+    """Batches drawn at random: 1-4 sequences, each decoding or a chunk after a prefix
+    of any length (partial last blocks), GQA 1/4/8, blocks of 8/16/32, a window or none."""
+    rng = random.Random(seed)
+    num_seqs = rng.randint(1, 4)
+    seq_lens = [rng.randint(1, 90) for _ in range(num_seqs)]
+    query_lens = [1 if rng.random() < 0.5 else rng.randint(1, n) for n in seq_lens]
+    group = rng.choice((1, 4, 8))
+    window = rng.choice((None, rng.randint(1, 40)))
+    batch = make_batch(100 + seed, seq_lens, query_lens, group, rng.choice((8, 16, 32)), window)
+    check(*batch)
 
 
 def test_padding_rows_and_strided_q() -> None:
