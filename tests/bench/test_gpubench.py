@@ -83,7 +83,7 @@ def test_sections_pick_a_subset_and_a_failing_one_is_recorded(
     def broken(*args: Any) -> None:
         raise RuntimeError("out of memory, say")
 
-    monkeypatch.setattr("mooncake.bench.gpubench.sampling.run_sampling", broken)
+    monkeypatch.setattr("mooncake.bench.gpubench.run.run_sampling", broken)
     assert run.main(["--cpu-smoke", "--quick", "--json", "--sections", "sampling,launches"]) == 1
     report = json.loads(capsys.readouterr().out)
     assert list(report["sections"]) == ["launches", "sampling"]
@@ -139,3 +139,43 @@ def test_the_verdict_judges_each_target_from_the_graph_figures() -> None:
     failed = {"error": "CUDA out of memory"}
     v = run.verdict(_report(decode=failed), is_gpu=True)
     assert all(t["value"] is None and t["pass"] is None for t in v.values())
+
+
+def test_a_trace_is_tallied_into_kernels_launches_and_syncs_of_the_step() -> None:
+    """Kernels of the GPU (not the step's GPU-side annotation, not memcpy), and the host's
+    launching and waiting calls inside the step's range only (the profiler's own sync
+    after the step is not the step's)."""
+    from types import SimpleNamespace
+
+    from mooncake.bench.gpubench.launches import STEP_LABEL, tally_trace
+
+    cpu, cuda = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
+
+    def event(name: str, device: Any, start: float, annotation: bool = False) -> Any:
+        span = SimpleNamespace(start=start, end=start + 1)
+        return SimpleNamespace(
+            name=name, device_type=device, time_range=span, is_user_annotation=annotation
+        )
+
+    step = event(STEP_LABEL, cpu, 10)
+    step.time_range.end = 50
+    trace = [
+        event(STEP_LABEL, cuda, 12, annotation=True),
+        step,
+        event("cudaGraphLaunch", cpu, 20),
+        event("cuLaunchKernelEx", cpu, 21),
+        event("cudaMemcpyAsync", cpu, 22),
+        event("cudaEventSynchronize", cpu, 45),
+        event("cudaDeviceSynchronize", cpu, 60),  # after the step
+        event("triton_paged_attention", cuda, 30),
+        event("ampere_bf16_gemm", cuda, 31),
+        event("Memcpy HtoD (Pinned -> Device)", cuda, 25),
+        event("aten::mm", cpu, 30),
+    ]
+    assert tally_trace(trace) == {
+        "kernels": 2,
+        "memcpy_memset": 1,
+        "host_launches": 2,
+        "host_syncs": 1,
+        "host_calls": {"cudaGraphLaunch": 1, "cuLaunchKernelEx": 1, "cudaEventSynchronize": 1},
+    }

@@ -72,15 +72,23 @@ def profile_step(runner: DecodeRunner, is_gpu: bool) -> dict[str, Any]:
         with record_function(STEP_LABEL):
             runner.step()
         synchronize("cuda" if is_gpu else "cpu")
-    events = list(prof.events())
-    if not is_gpu:
-        return {"kernels": None, "host_launches": None, "host_syncs": None}
-    step = next(e for e in events if e.name == STEP_LABEL)
+    figures = tally_trace(list(prof.events()))
+    return figures if is_gpu else dict.fromkeys(figures)  # a CPU trace has no CUDA calls
+
+
+def tally_trace(events: list[Any]) -> dict[str, Any]:
+    """Kernels, memcpy/memset activities and the launching and waiting host calls inside
+    the STEP_LABEL range of a profiler trace (`prof.events()`)."""
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+    # NOTE: the label is also a GPU-side annotation event; the host's range is the step
+    step = next(e for e in events if e.name == STEP_LABEL and e.device_type == cpu)
     lo, hi = step.time_range.start, step.time_range.end
     kernels = memcpys = 0
     calls: Counter[str] = Counter()
     for e in events:
-        if e.device_type == torch.autograd.DeviceType.CUDA:
+        if e.device_type == cuda:
+            if e.is_user_annotation or e.name == STEP_LABEL:
+                continue
             if e.name.startswith(("Memcpy", "Memset")):
                 memcpys += 1
             else:

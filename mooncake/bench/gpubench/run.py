@@ -28,6 +28,19 @@ from typing import Any
 
 import torch
 
+from mooncake.model.llama import Model
+
+from .bed import load_model, progress, release_memory
+from .config import CPU_SMOKE, GPU, BenchConfig, quick
+from .correctness import run_correctness
+from .decode import run_decode
+from .kvsize import run_kvsize
+from .launches import run_launches
+from .limits import Limits, measure_limits
+from .prefill import run_prefill
+from .sampling import run_sampling
+
+# NOTE: nothing imported here imports triton, so --cpu-smoke can still set TRITON_INTERPRET
 SECTIONS = ("correctness", "decode", "launches", "sampling", "prefill", "kvsize", "attention")
 NEEDS_MODEL = {"decode", "launches", "prefill", "kvsize"}  # the 8B model, loaded once
 
@@ -35,8 +48,6 @@ NEEDS_MODEL = {"decode", "launches", "prefill", "kvsize"}  # the 8B model, loade
 def run_section(report: dict[str, Any], name: str, fn: Callable[[], Any]) -> None:
     """Run one section into report["sections"]; a failure is recorded and the run goes on
     (a report with the error beats no report on a leased GPU)."""
-    from .bed import progress, release_memory
-
     progress(f"{name} ...")
     start = time.perf_counter()
     try:
@@ -95,12 +106,9 @@ def verdict(report: dict[str, Any], is_gpu: bool) -> dict[str, Any]:
     return out
 
 
-def run(cfg: Any, sections: tuple[str, ...]) -> dict[str, Any]:
+def run(cfg: BenchConfig, sections: tuple[str, ...]) -> dict[str, Any]:
     """Every asked section in SECTIONS' order; the report (see the module docstring)."""
     import triton
-
-    from .bed import load_model, progress
-    from .limits import measure_limits
 
     start = time.perf_counter()
     report: dict[str, Any] = {"gpu": None, "mode": "gpu" if cfg.is_gpu else "cpu-smoke"}
@@ -111,7 +119,7 @@ def run(cfg: Any, sections: tuple[str, ...]) -> dict[str, Any]:
     report["config"] = {k: v for k, v in asdict(cfg).items() if k != "attention"}
     limits = measure_limits(cfg.device, cfg.copy_bytes)
     report["limits"] = asdict(limits)
-    model = None
+    model: Model | None = None
     if NEEDS_MODEL & set(sections):
         t0 = time.perf_counter()
         model = load_model(cfg)
@@ -131,37 +139,28 @@ def run(cfg: Any, sections: tuple[str, ...]) -> dict[str, Any]:
     return report
 
 
-def _section_fn(name: str, cfg: Any, model: Any, limits: Any) -> Callable[[], Any]:
-    """The call that runs section `name` (its module imported only when it runs)."""
+def _section_fn(
+    name: str, cfg: BenchConfig, model: Model | None, limits: Limits
+) -> Callable[[], Any]:
+    """The call that runs section `name`."""
     if name == "correctness":
-        from .correctness import run_correctness
-
         return lambda: run_correctness(cfg)
+    if name == "sampling":
+        return lambda: run_sampling(cfg, limits)
+    if name == "attention":
+        return lambda: attention_kernels(cfg, limits)
+    assert model is not None, name
     if name == "decode":
-        from .decode import run_decode
-
         return lambda: run_decode(cfg, model, limits)
     if name == "launches":
-        from .launches import run_launches
-
         return lambda: run_launches(cfg, model)
-    if name == "sampling":
-        from .sampling import run_sampling
-
-        return lambda: run_sampling(cfg, limits)
     if name == "prefill":
-        from .prefill import run_prefill
-
         return lambda: run_prefill(cfg, model, limits)
-    if name == "kvsize":
-        from .kvsize import run_kvsize
-
-        return lambda: run_kvsize(cfg, model)
-    assert name == "attention", name
-    return lambda: attention_kernels(cfg, limits)
+    assert name == "kvsize", name
+    return lambda: run_kvsize(cfg, model)
 
 
-def attention_kernels(cfg: Any, limits: Any) -> dict[str, Any]:
+def attention_kernels(cfg: BenchConfig, limits: Limits) -> dict[str, Any]:
     """The attention kernels alone (gpucheck's timings), beside the whole step's: one
     layer's decode attention and the 2k chunk after an 8k prefix. Their share_of_hbm is
     against gpucheck's H200 figure; share_of_copy against this device's copy."""
@@ -199,8 +198,6 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--json", action="store_true", help="one compact JSON line")
     args = parser.parse_args(argv)
-    from .config import CPU_SMOKE, GPU, quick
-
     if args.cpu_smoke:
         os.environ["TRITON_INTERPRET"] = "1"  # NOTE: before triton's kernels are defined
         torch.set_num_threads(1)
