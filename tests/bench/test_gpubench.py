@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -75,17 +76,21 @@ def test_cpu_smoke_runs_every_section_into_one_json_document(
 
 @cpu_only
 def test_sections_pick_a_subset_and_a_failing_one_is_recorded(
-    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """--sections runs only those named, in the bench's order; a section that raises is
-    {"error": ...} in the report, the next still runs, and the exit status is 1."""
+    {"error": ...} in the report, the next still runs, and the exit status is 1; --out
+    holds the same report."""
 
     def broken(*args: Any) -> None:
         raise RuntimeError("out of memory, say")
 
     monkeypatch.setattr("mooncake.bench.gpubench.run.run_sampling", broken)
-    assert run.main(["--cpu-smoke", "--quick", "--json", "--sections", "sampling,launches"]) == 1
+    out = tmp_path / "report.json"
+    args = ["--cpu-smoke", "--quick", "--json", "--sections", "sampling,launches"]
+    assert run.main([*args, "--out", str(out)]) == 1
     report = json.loads(capsys.readouterr().out)
+    assert json.loads(out.read_text()) == report
     assert list(report["sections"]) == ["launches", "sampling"]
     assert report["sections"]["sampling"]["error"] == "RuntimeError: out of memory, say"
     assert report["failed"] == ["sampling"] and report["sections"]["launches"]["rows"]

@@ -19,6 +19,8 @@ import statistics
 import time
 from typing import Any
 
+import torch
+
 from mooncake.model.decode import DecodeRunner
 from mooncake.model.llama import Model
 
@@ -88,6 +90,8 @@ def run_decode(cfg: BenchConfig, model: Model, limits: Limits) -> dict[str, Any]
     max_len = -(-(max(cfg.decode_contexts) + num_steps + 1) // bt) * bt
     rows: list[dict[str, Any]] = []
     capture_s: dict[str, float] = {}
+    if cfg.is_gpu:
+        torch.cuda.reset_peak_memory_stats()
     for graphs in (False, True) if cfg.is_gpu else (False,):
         mode = "graphs" if graphs else "eager"
         start = time.perf_counter()
@@ -120,5 +124,7 @@ def run_decode(cfg: BenchConfig, model: Model, limits: Limits) -> dict[str, Any]
         "block_tokens": bt,
         "max_model_len": max_len,
         "setup_s": capture_s,  # the runner's construction: graph capture of every bucket
+        # the weights, the cache and the graphs' pool: the run's peak but for kvsize's
+        "peak_memory_bytes": torch.cuda.max_memory_allocated() if cfg.is_gpu else None,
         "rows": rows,
     }

@@ -1,6 +1,6 @@
 """`scripts/gpubench` (`python -m mooncake.bench.gpubench`): the engine on one GPU.
 
-    scripts/gpubench [--sections a,b] [--quick] [--cpu-smoke]
+    scripts/gpubench [--sections a,b] [--quick] [--cpu-smoke] [--out FILE] [--json]
 
 Prints one JSON document on stdout (progress on stderr): the limits, a verdict against
 issue 33's targets, then each section's figures beside their limits and its seconds; a
@@ -106,8 +106,13 @@ def verdict(report: dict[str, Any], is_gpu: bool) -> dict[str, Any]:
     return out
 
 
-def run(cfg: BenchConfig, sections: tuple[str, ...]) -> dict[str, Any]:
-    """Every asked section in SECTIONS' order; the report (see the module docstring)."""
+def run(
+    cfg: BenchConfig,
+    sections: tuple[str, ...],
+    save: Callable[[dict[str, Any]], None] = lambda report: None,
+) -> dict[str, Any]:
+    """Every asked section in SECTIONS' order; the report (see the module docstring),
+    handed to `save` after each section too, so a run cut short leaves what it measured."""
     import triton
 
     start = time.perf_counter()
@@ -122,20 +127,29 @@ def run(cfg: BenchConfig, sections: tuple[str, ...]) -> dict[str, Any]:
     model: Model | None = None
     if NEEDS_MODEL & set(sections):
         t0 = time.perf_counter()
-        model = load_model(cfg)
+        try:
+            model = load_model(cfg)
+        except Exception as e:  # the sections that need it say so below
+            report["model_error"] = f"{type(e).__name__}: {e}"
         report["seconds"]["model_load"] = round(time.perf_counter() - t0, 2)
-        progress(f"{cfg.model_path} loaded in {report['seconds']['model_load']:.1f} s")
+        status = "failed to load" if model is None else "loaded"
+        progress(f"{cfg.model_path} {status} in {report['seconds']['model_load']:.1f} s")
     for name in SECTIONS:
-        if name in sections:
-            run_section(report, name, _section_fn(name, cfg, model, limits))
+        if name not in sections:
+            continue
+        if name in NEEDS_MODEL and model is None:
+            report["sections"][name] = {"error": f"no model: {report['model_error']}"}
+            report["failed"].append(name)
+            continue
+        run_section(report, name, _section_fn(name, cfg, model, limits))
+        save(report)
     report["verdict"] = verdict(report, cfg.is_gpu)
     correctness = report["sections"].get("correctness")
     if isinstance(correctness, dict) and correctness.get("ok") is False:
         report["failed"].append("correctness checks")
     report["failed"] += [n for n, v in report["verdict"].items() if v["pass"] is False]
-    if cfg.is_gpu:
-        report["peak_memory_bytes"] = torch.cuda.max_memory_allocated()
     report["seconds"]["total"] = round(time.perf_counter() - start, 2)
+    save(report)
     return report
 
 
@@ -197,6 +211,12 @@ def main(argv: list[str] | None = None) -> int:
         help="every section at tiny shapes in float32 on the CPU, Triton interpreted",
     )
     parser.add_argument("--json", action="store_true", help="one compact JSON line")
+    parser.add_argument(
+        "--out",
+        metavar="FILE",
+        help="also write the report to FILE, after every section (a run killed at a time "
+        "limit leaves the sections it finished)",
+    )
     args = parser.parse_args(argv)
     if args.cpu_smoke:
         os.environ["TRITON_INTERPRET"] = "1"  # NOTE: before triton's kernels are defined
@@ -211,6 +231,14 @@ def main(argv: list[str] | None = None) -> int:
         cfg = GPU
     if args.quick:
         cfg = quick(cfg)
-    report = run(cfg, args.sections)
-    print(json.dumps(report, indent=None if args.json else 1))
+    indent = None if args.json else 1
+
+    def save(report: dict[str, Any]) -> None:
+        if args.out:
+            with open(args.out + ".tmp", "w") as f:
+                json.dump(report, f, indent=indent)
+            os.replace(args.out + ".tmp", args.out)  # NOTE: never a half-written file
+
+    report = run(cfg, args.sections, save)
+    print(json.dumps(report, indent=indent))
     return 1 if report["failed"] else 0
