@@ -118,6 +118,7 @@ def test_the_verdict_judges_each_target_from_the_graph_figures() -> None:
             {"batch": 128, "cuda_graphs": True, "share_of_hbm": 0.65, "roofline_ratio": 1.5},
             {"batch": 128, "cuda_graphs": False, "share_of_hbm": 0.9, "roofline_ratio": 1.1},
             {"batch": 1, "cuda_graphs": True, "skipped": "too big"},
+            {"batch": 128, "cuda_graphs": True, "error": "OutOfMemoryError: CUDA out of memory"},
         ]
     }
     prefill = {
@@ -184,3 +185,10 @@ def test_a_trace_is_tallied_into_kernels_launches_and_syncs_of_the_step() -> Non
         "host_syncs": 1,
         "host_calls": {"cudaGraphLaunch": 1, "cuLaunchKernelEx": 1, "cudaEventSynchronize": 1},
     }
+
+
+def test_a_section_with_one_failed_case_keeps_the_others_and_fails() -> None:
+    report: dict[str, Any] = {"sections": {}, "failed": [], "seconds": {}}
+    rows = [{"batch": 1, "error": "OutOfMemoryError"}, {"batch": 2, "ms_per_step": 1.0}]
+    run.run_section(report, "decode", lambda: {"rows": rows})
+    assert report["failed"] == ["decode"] and report["sections"]["decode"]["rows"] == rows

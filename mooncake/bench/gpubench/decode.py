@@ -77,11 +77,30 @@ def step_figures(
     }
 
 
+def time_case(
+    cfg: BenchConfig, model: Model, limits: Limits, runner: DecodeRunner, batch: int, context: int
+) -> dict[str, Any]:
+    """The figures of `batch` sequences of `context` tokens, or {"error": ...}; the
+    runner is left empty either way."""
+    try:
+        num_steps = cfg.warmup_steps + cfg.timed_steps
+        seat(runner, batch, context, num_steps, seed=batch * 7919 + context)
+        times = step_times(runner, cfg.device, cfg.warmup_steps, cfg.timed_steps)
+        assert len(runner.running) == batch, (len(runner.running), batch)
+    except Exception as e:  # one case's failure (out of memory, say) leaves the others
+        return {"error": f"{type(e).__name__}: {e}"}
+    finally:
+        unseat(runner)
+        release_memory(cfg.device)
+    mean_len = context + cfg.warmup_steps + (cfg.timed_steps - 1) / 2
+    return step_figures(model, limits, batch, mean_len, times)
+
+
 def run_decode(cfg: BenchConfig, model: Model, limits: Limits) -> dict[str, Any]:
     """Every (batch, context) of the config, eager and (on a GPU) with CUDA graphs."""
     bt, num_steps = cfg.block_tokens, cfg.warmup_steps + cfg.timed_steps
     cases = [(b, c) for b in cfg.decode_batches for c in cfg.decode_contexts]
-    need = {case: case[0] * -(-(case[1] + num_steps + 1) // bt) for case in cases}
+    need = {(b, c): b * -(-(c + num_steps + 1) // bt) for b, c in cases}  # KV blocks
     fit = blocks_that_fit(model, bt, 0.8)  # the rest: CUDA graphs' pool, activations
     runnable = [case for case in cases if fit is None or need[case] <= fit]
     if not runnable:
@@ -95,27 +114,29 @@ def run_decode(cfg: BenchConfig, model: Model, limits: Limits) -> dict[str, Any]
     for graphs in (False, True) if cfg.is_gpu else (False,):
         mode = "graphs" if graphs else "eager"
         start = time.perf_counter()
-        runner = DecodeRunner(
-            model,
-            cache,
-            max_batch=max(cfg.decode_batches),
-            cuda_graphs=graphs,
-            max_model_len=max_len,
-        )
+        try:
+            runner: DecodeRunner | None = DecodeRunner(
+                model,
+                cache,
+                max_batch=max(cfg.decode_batches),
+                cuda_graphs=graphs,
+                max_model_len=max_len,
+            )
+            setup_error = None
+        except Exception as e:  # NOTE: the eager rows stay; this mode's cases say why
+            runner, setup_error = None, f"{type(e).__name__}: {e}"
         capture_s[mode] = time.perf_counter() - start
         for batch, context in cases:
             row: dict[str, Any] = {"batch": batch, "context": context, "cuda_graphs": graphs}
-            if (batch, context) not in runnable:
+            if runner is None:
+                rows.append({**row, "error": f"runner: {setup_error}"})
+            elif (batch, context) not in runnable:
                 gb = need[(batch, context)] * bt * kv_bytes_per_token(model) / 1e9
                 rows.append({**row, "skipped": f"needs {gb:.1f} GB of KV, more than 80% of free"})
-                continue
-            seat(runner, batch, context, num_steps, seed=batch * 7919 + context)
-            times = step_times(runner, cfg.device, cfg.warmup_steps, cfg.timed_steps)
-            assert len(runner.running) == batch, (len(runner.running), batch)
-            unseat(runner)
-            mean_len = context + cfg.warmup_steps + (cfg.timed_steps - 1) / 2
-            rows.append({**row, **step_figures(model, limits, batch, mean_len, times)})
-            progress(f"decode {mode} B={batch} ctx={context}: {rows[-1]['ms_per_step']:.2f} ms")
+            else:
+                rows.append({**row, **time_case(cfg, model, limits, runner, batch, context)})
+                figure = rows[-1].get("ms_per_step", rows[-1].get("error"))
+                progress(f"decode {mode} B={batch} ctx={context}: {figure}")
         del runner
         release_memory(cfg.device)
     del cache

@@ -51,7 +51,10 @@ def run_section(report: dict[str, Any], name: str, fn: Callable[[], Any]) -> Non
     progress(f"{name} ...")
     start = time.perf_counter()
     try:
-        report["sections"][name] = fn()
+        body = report["sections"][name] = fn()
+        rows = body.get("rows") if isinstance(body, dict) else None
+        if isinstance(rows, list) and any("error" in r for r in rows):  # some cases failed
+            report["failed"].append(name)
     except Exception as e:
         tail = traceback.format_exc().strip().splitlines()[-6:]
         report["sections"][name] = {"error": f"{type(e).__name__}: {e}", "traceback": tail}
@@ -63,10 +66,11 @@ def run_section(report: dict[str, Any], name: str, fn: Callable[[], Any]) -> Non
 
 
 def _rows(report: dict[str, Any], section: str) -> list[dict[str, Any]]:
+    """The rows of a section that were measured (not skipped, no error)."""
     body = report["sections"].get(section)
     if not isinstance(body, dict) or not isinstance(body.get("rows"), list):
         return []
-    return [r for r in body["rows"] if "skipped" not in r]
+    return [r for r in body["rows"] if "skipped" not in r and "error" not in r]
 
 
 def _target(target: str, value: float | None, passed: bool | None) -> dict[str, Any]:
