@@ -134,9 +134,10 @@ def run_decode(cfg: BenchConfig, model: Model, limits: Limits) -> dict[str, Any]
                 gb = need[(batch, context)] * bt * kv_bytes_per_token(model) / 1e9
                 rows.append({**row, "skipped": f"needs {gb:.1f} GB of KV, more than 80% of free"})
             else:
-                rows.append({**row, **time_case(cfg, model, limits, runner, batch, context)})
-                figure = rows[-1].get("ms_per_step", rows[-1].get("error"))
-                progress(f"decode {mode} B={batch} ctx={context}: {figure}")
+                row.update(time_case(cfg, model, limits, runner, batch, context))
+                rows.append(row)
+                said = f"{row['ms_per_step']:.2f} ms" if "error" not in row else row["error"]
+                progress(f"decode {mode} B={batch} ctx={context}: {said}")
         del runner
         release_memory(cfg.device)
     del cache
