@@ -124,8 +124,8 @@ def run(
     if cfg.is_gpu:
         report["gpu"] = torch.cuda.get_device_name()
     report["versions"] = {"torch": torch.__version__, "triton": triton.__version__}
-    report.update(verdict=None, failed=[], limits=None, seconds={}, sections={})
     report["config"] = {k: v for k, v in asdict(cfg).items() if k != "attention"}
+    report.update(verdict=None, failed=[], limits=None, seconds={}, sections={})
     limits = measure_limits(cfg.device, cfg.copy_bytes)
     report["limits"] = asdict(limits)
     model: Model | None = None
