@@ -10,4 +10,6 @@ wrappers in `mooncake.cli`).
 - `repeats`, `faults`   prefix reuse on repeats; a replay under an injected fault
 - `versus`, `routing`, `servers`, `checkpoint`   against vLLM on one random checkpoint
 - `soak/`   a local cluster under load and faults for a set time
+- `stepops`   the ops and host syncs of one decode step, counted on a CPU
+- `gpubench/`   `scripts/gpubench`: the engine on one GPU against its physical limits
 """

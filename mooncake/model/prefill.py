@@ -22,7 +22,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -31,10 +31,12 @@ from mooncake.errors import ApiError, StoreError
 from mooncake.kv.hashing import PrefixHasher
 from mooncake.kv.layerio import BaseKVPut, BaseKVSink, BaseKVSource, LayerLoader
 from mooncake.kv.object import KVLayout, KVObjectError, KVObjectView, decode_kv_object
-from mooncake.kv.stream import KVStreamer
 from mooncake.model.kvcache import PagedKVCache
 from mooncake.model.llama import Model
 from mooncake.model.step import StepBuilder
+
+if TYPE_CHECKING:  # the stream's transfer stack stays out of a bare engine's imports
+    from mooncake.kv.stream import KVStreamer
 
 log = logging.getLogger(__name__)
 KV_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}

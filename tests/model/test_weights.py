@@ -28,3 +28,16 @@ def test_a_stage_gets_the_same_weights_as_the_whole_model(tiny_info, tiny):
     assert not torch.equal(
         other_seed.layer(3).mlp.down_proj.weight, tiny.layer(3).mlp.down_proj.weight
     )
+
+
+def test_weights_filled_on_the_device_are_stage_independent(tiny_info, tiny):
+    """fill_on_device (a bench's 8B in seconds) seeds each tensor as the host draw does: a
+    stage equals the whole model, and on the CPU the values are the host draw's."""
+    whole = create_model(tiny_info, "float32", "cpu", cpu_gemm="torch", fill_on_device=True)
+    stage = create_model(tiny_info, "float32", "cpu", (2, 4), cpu_gemm="torch", fill_on_device=True)
+    w = whole.layer(3).mlp.down_proj.weight
+    assert torch.equal(stage.layer(3).mlp.down_proj.weight, w)
+    assert torch.equal(w, tiny.layer(3).mlp.down_proj.weight)
+    assert torch.equal(
+        whole.layer(0).input_layernorm.weight, torch.ones(tiny_info.spec.hidden_size)
+    )

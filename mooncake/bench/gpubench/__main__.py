@@ -1,0 +1,3 @@
+from mooncake.bench.gpubench.run import main
+
+raise SystemExit(main())
