@@ -169,7 +169,8 @@ def test_a_stage_whose_leader_dies_mid_prompt_frees_its_blocks_and_serves_the_ne
         server = threading.Thread(target=StageServer(runner1, listener.accept(timeout=10)).serve)
         server.start()
         st = runner0.start(ids)
-        begin = StageFrame(FrameKind.BEGIN, 7, start=st.compute_start, tensor=st.tokens)
+        tokens = torch.tensor(st.token_ids, dtype=torch.int64)
+        begin = StageFrame(FrameKind.BEGIN, 7, start=st.compute_start, tensor=tokens)
         chunk = StageFrame(FrameKind.CHUNK, 7, 0, 0, 12, runner0.run_chunk(st, 0, 12))
         for frame in (begin, chunk):
             header, payload = _encode(frame)
