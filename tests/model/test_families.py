@@ -165,8 +165,9 @@ def test_qwen2_window_as_transformers_applies_it(
         sliding_window=WINDOW,
         max_window_layers=max_window_layers,
     )
-    info, _ = _check_logits(path, reference)
+    info, model = _check_logits(path, reference)
     assert info.spec.sliding_window == window
+    _check_greedy(model, reference)
 
 
 def test_window_on_some_layers_is_refused(tmp_path: Path) -> None:
