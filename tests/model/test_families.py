@@ -27,22 +27,14 @@ from mooncake.model.prefill import PrefillRunner  # noqa: E402
 from mooncake.model.sampler import SamplingParams  # noqa: E402
 from mooncake.model.sequence import Sequence  # noqa: E402
 from mooncake.model.weights import create_model  # noqa: E402
-from tests.model.conftest import prompt  # noqa: E402
+from tests.model.conftest import HF_SHAPES, prompt  # noqa: E402
 
 transformers = pytest.importorskip(
     "transformers", reason="test-only dependency: pip install transformers safetensors"
 )
 
-VOCAB = 256
-TINY = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-)
+TINY = HF_SHAPES
+VOCAB = TINY["vocab_size"]
 WINDOW = 10  # tokens; prompts of 37 cross it several times
 BLOCK = 8
 ATOL = 1e-5  # fp32 (differences seen: below 4e-7; `-s` prints each)

@@ -22,22 +22,12 @@ from mooncake.model.sampler import SamplingParams
 from mooncake.model.sequence import Sequence
 from mooncake.model.spec import RopeScaling
 from mooncake.model.weights import create_model
-from tests.model.conftest import prompt
+from tests.model.conftest import HF_SHAPES, prompt
 from tests.model.smollm2 import NEW_TOKENS, reference, smollm2_file
 
 gguf = pytest.importorskip("gguf", reason="test-only dependency: pip install gguf")
 transformers = pytest.importorskip("transformers", reason="test-only dependency: transformers")
 Q = gguf.GGMLQuantizationType
-
-SHAPES = dict(
-    vocab_size=300,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-)
 
 
 # -- dequantizers ---------------------------------------------------------------------------
@@ -160,16 +150,16 @@ def _write_gguf(
 def _hf_model(kind: str) -> torch.nn.Module:
     torch.manual_seed(0)
     if kind == "llama":
-        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**SHAPES)).eval()
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**HF_SHAPES)).eval()
     if kind == "qwen3":  # q/k norms (made to matter), head_dim 32: q twice the hidden size
-        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**SHAPES, head_dim=32))
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**HF_SHAPES, head_dim=32))
         with torch.no_grad():
             for layer in model.model.layers:
                 layer.self_attn.q_norm.weight.normal_(1, 0.5)
                 layer.self_attn.k_norm.weight.normal_(1, 0.5)
         return model.eval()
     model = transformers.Qwen2ForCausalLM(
-        transformers.Qwen2Config(**SHAPES, tie_word_embeddings=True)
+        transformers.Qwen2Config(**HF_SHAPES, tie_word_embeddings=True)
     ).eval()
     with torch.no_grad():  # make the (zero-initialised) biases matter
         for layer in model.model.layers:
@@ -212,7 +202,7 @@ def test_llama31_rope_freqs_become_llama3_scaling(tmp_path: Path) -> None:
     rope |= {"low_freq_factor": 1.0, "high_freq_factor": 4.0}
     rope |= {"original_max_position_embeddings": 8192}
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(**SHAPES, rope_scaling=rope)
+    config = transformers.LlamaConfig(**HF_SHAPES, rope_scaling=rope)
     reference = transformers.LlamaForCausalLM(config).eval()
     freqs = llama3_rope_divisors(RopeScaling(), 10000.0, 16)
     assert freqs.min() == 1.0 and freqs.max() == 8.0 and len(set(freqs)) > 2  # all 3 bands
