@@ -1,9 +1,10 @@
 """What a GGUF checkpoint holds, as a `ModelInfo`: architecture, shapes, RoPE, special
 tokens, and whether we can load every tensor. Torch-free (the master reads it too).
 
-Accepted: `general.architecture` `llama` (Mistral's GGUFs say llama too) and `qwen2`
-(q/k/v biases); tensor types in `SUPPORTED_TYPES` (`ggufweights` dequantizes them at
-load). Anything else is refused here, before a node allocates memory for it.
+Accepted: `general.architecture` `llama` (Mistral's GGUFs say llama too), `qwen2`
+(q/k/v biases) and `qwen3` (q/k norms: `attn_q_norm`, `attn_k_norm`); tensor types in
+`SUPPORTED_TYPES` (`ggufweights` dequantizes them at load). Anything else is refused
+here, before a node allocates memory for it.
 
 The name is `gguf:<file stem>:<digest>`: the digest covers the metadata and tensor table
 (every tensor's quantization type among them) and the first bytes of every tensor, so a
@@ -24,7 +25,7 @@ from mooncake.model.ggufread import GGML_TYPES, GGUFFile, type_name
 from mooncake.model.spec import ModelInfo, ModelSpec, RopeScaling, normalize_dtype
 
 # architecture -> whether llama.cpp's converter permuted the q/k rows (see ggufweights)
-ARCHITECTURES = {"llama": True, "qwen2": False}
+ARCHITECTURES = {"llama": True, "qwen2": False, "qwen3": False}
 # the tensor types `dequant` decodes
 SUPPORTED_TYPES: tuple[str, ...] = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0")
 SUPPORTED_TYPES += ("Q5_1", "Q4_K", "Q5_K", "Q6_K")
@@ -33,6 +34,8 @@ LAYER_SOURCES = {
     "self_attn.qkv_proj.weight": ("attn_q.weight", "attn_k.weight", "attn_v.weight"),
     "self_attn.qkv_proj.bias": ("attn_q.bias", "attn_k.bias", "attn_v.bias"),
     "self_attn.o_proj.weight": ("attn_output.weight",),
+    "self_attn.q_norm.weight": ("attn_q_norm.weight",),  # qwen3 only
+    "self_attn.k_norm.weight": ("attn_k_norm.weight",),
     "mlp.gate_up_proj.weight": ("ffn_gate.weight", "ffn_up.weight"),
     "mlp.down_proj.weight": ("ffn_down.weight",),
     "input_layernorm.weight": ("attn_norm.weight",),
@@ -55,7 +58,7 @@ def gguf_model_info(path: str, file: Path) -> ModelInfo:
             f"model.path: {file.name} is a {arch!r} GGUF; supported architectures: "
             f"{', '.join(ARCHITECTURES)}"
         )
-    _check_tensors(g, file.name)
+    _check_tensors(g, file.name, arch)
 
     def key(name: str, default: Any = None) -> Any:
         value = g.field(f"{arch}.{name}", default)
@@ -87,6 +90,7 @@ def gguf_model_info(path: str, file: Path) -> ModelInfo:
         max_position_embeddings=int(key("context_length", 4096)),
         tie_word_embeddings="output.weight" not in g.tensors,
         rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
+        qk_norm=arch == "qwen3",
     )
     bos = g.field("tokenizer.ggml.bos_token_id")
     return ModelInfo(
@@ -101,8 +105,10 @@ def gguf_model_info(path: str, file: Path) -> ModelInfo:
     )
 
 
-def _check_tensors(g: GGUFFile, file_name: str) -> None:
+def _check_tensors(g: GGUFFile, file_name: str, arch: str) -> None:
     layer_names = {n for names in LAYER_SOURCES.values() for n in names}
+    if arch != "qwen3":
+        layer_names -= {"attn_q_norm.weight", "attn_k_norm.weight"}
     for t in g.tensors.values():
         parts = t.name.split(".", 2)
         known = t.name in GLOBAL_TENSORS or (
@@ -111,7 +117,7 @@ def _check_tensors(g: GGUFFile, file_name: str) -> None:
         if not known:
             raise ConfigError(
                 f"model.path: {file_name} has tensor {t.name!r}, which is no part of a "
-                "llama/qwen2 decoder (token_embd, blk.N.attn_*/ffn_*, output_norm, output)"
+                f"{arch} decoder (token_embd, blk.N.attn_*/ffn_*, output_norm, output)"
             )
         if t.type_name not in SUPPORTED_TYPES:
             raise ConfigError(

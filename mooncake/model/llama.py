@@ -1,6 +1,7 @@
-"""LLaMA-family decoder in torch: RMSNorm, RoPE (linear / llama3 scaling), GQA over paged
-KV, SwiGLU. A `Model` may own only a contiguous layer range (a pipeline stage): the first
-stage embeds tokens, the last one holds the final norm and the LM head.
+"""LLaMA-family decoder in torch: RMSNorm, RoPE (linear / llama3 / yarn scaling), GQA over
+paged KV (Qwen3's per-head q/k RMSNorm, a sliding window when the spec has one), SwiGLU.
+A `Model` may own only a contiguous layer range (a pipeline stage): the first stage embeds
+tokens, the last one holds the final norm and the LM head.
 
 The runners drive the layer loop themselves (`model.layer(i)(h, step, k, v)`), because
 layer-wise KV loading and storing happen between layers; `step.Step` is the batch every
@@ -24,7 +25,7 @@ from torch import Tensor, nn
 
 from mooncake.model.attention.backend import AttentionBackend, TorchAttention
 from mooncake.model.info import ModelInfo
-from mooncake.model.spec import ModelSpec
+from mooncake.model.spec import ModelSpec, RopeScaling
 
 if TYPE_CHECKING:
     from mooncake.model.step import Step
@@ -55,6 +56,8 @@ def rope_inv_freq(spec: ModelSpec) -> Tensor:
         return inv
     if sc.rope_type == "linear":
         return inv / sc.factor
+    if sc.rope_type == "yarn":
+        return _yarn_inv_freq(inv, spec.rope_theta, d, sc)
     assert sc.rope_type == "llama3", sc
     old_len = sc.original_max_position_embeddings
     low_wavelen, high_wavelen = old_len / sc.low_freq_factor, old_len / sc.high_freq_factor
@@ -64,6 +67,26 @@ def rope_inv_freq(spec: ModelSpec) -> Tensor:
     smoothed = (1 - smooth) * scaled / sc.factor + smooth * scaled
     is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
     return torch.where(is_medium, smoothed, scaled)
+
+
+def _yarn_inv_freq(inv: Tensor, theta: float, d: int, sc: RopeScaling) -> Tensor:
+    """YaRN as transformers' `_compute_yarn_parameters`: dimensions turning fewer than
+    beta_slow times over the original context are interpolated (/ factor), more than
+    beta_fast times kept, a linear ramp between."""
+
+    def dim_of(rotations: float) -> float:  # the dimension turning `rotations` times
+        turns = sc.original_max_position_embeddings / (rotations * 2 * math.pi)
+        return d * math.log(turns) / (2 * math.log(theta))
+
+    low, high = dim_of(sc.beta_fast), dim_of(sc.beta_slow)
+    if sc.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
+    if low == high:
+        high += 0.001  # as transformers: no division by zero
+    dims = torch.arange(d // 2, dtype=torch.float32, device="cpu")  # NOTE: as inv, on CPU
+    ramp = ((dims - low) / (high - low)).clamp(0, 1)
+    return inv / sc.factor * ramp + inv * (1 - ramp)
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -86,14 +109,20 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(spec.hidden_size, q_size + 2 * kv_size, bias=qkv_bias)
         self.o_proj = nn.Linear(q_size, spec.hidden_size, bias=False)
         self.scale = spec.head_dim**-0.5
+        # Qwen3: q and k normalised per head (over head_dim) before RoPE
+        self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
+        self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
 
     def forward(self, x: Tensor, step: Step, k_cache: Tensor, v_cache: Tensor) -> Tensor:
         # x: (T, hidden); k_cache/v_cache: (num_blocks, block_tokens, kv_heads, head_dim)
         t = x.shape[0]
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
         q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
-        q = apply_rope(q.view(t, h, d), step.cos, step.sin)
-        k = apply_rope(k.view(t, kvh, d), step.cos, step.sin)
+        q, k = q.view(t, h, d), k.view(t, kvh, d)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q, step.cos, step.sin)
+        k = apply_rope(k, step.cos, step.sin)
         v = v.view(t, kvh, d)
         backend = step.backend
         backend.write_kv(k, v, k_cache, v_cache, step.meta)
@@ -138,6 +167,7 @@ class Model(nn.Module):
         super().__init__()
         spec = info.spec
         self.spec = spec
+        self.sliding_window = spec.sliding_window  # every runner's steps attend through it
         self.first_layer, self.end_layer = layer_range or (0, spec.num_layers)
         assert 0 <= self.first_layer < self.end_layer <= spec.num_layers, layer_range
         self.is_first = self.first_layer == 0
@@ -203,7 +233,9 @@ class Model(nn.Module):
             freqs = positions[:, None] * self.inv_freq[None, :]  # (size, head_dim / 2)
             emb = torch.cat((freqs, freqs), dim=-1)
             dtype = self._dtype()
-            self._rope = emb.cos().to(dtype), emb.sin().to(dtype)
+            sc = self.spec.rope_scaling
+            scale = sc.attention_factor if sc is not None else 1.0  # YaRN's; 1 otherwise
+            self._rope = (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
         return self._rope
 
     def rope_lookup(self, positions: Tensor, max_len: int) -> tuple[Tensor, Tensor]:

@@ -39,13 +39,20 @@ from mooncake.errors import ConfigError
 
 
 class RopeScaling(msgspec.Struct, frozen=True, kw_only=True):
-    """LLaMA 3.1-style RoPE frequency scaling (HF `rope_scaling` with rope_type "llama3")."""
+    """RoPE frequency scaling, HF `rope_scaling` / `rope_parameters` by rope_type: "linear"
+    (every frequency / factor), "llama3" (LLaMA 3.1: long wavelengths / factor, a smooth
+    band between) or "yarn" (YaRN: a ramp between interpolated and original frequencies
+    over dimensions [beta_fast, beta_slow] rotations, cos/sin times attention_factor)."""
 
     rope_type: str = "llama3"
     factor: float = 8.0  # long-wavelength frequencies are divided by this
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
     original_max_position_embeddings: int = 8192  # tokens, the pre-scaling context
+    beta_fast: float = 32.0  # yarn: rotations below which dimensions are interpolated
+    beta_slow: float = 1.0  # yarn: rotations above which dimensions are kept
+    truncate: bool = True  # yarn: round the ramp's ends to whole dimensions
+    attention_factor: float = 1.0  # yarn: cos and sin are multiplied by this
 
 
 class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -64,6 +71,8 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
     max_position_embeddings: int = 4096  # tokens
     tie_word_embeddings: bool = False
     rms_norm_eps: float = 1e-5
+    sliding_window: int | None = None  # tokens a query attends to, itself included; None: all
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on each q and k head before RoPE
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:

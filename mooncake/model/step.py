@@ -82,8 +82,9 @@ class StepBuilder:
 
     NUM_HOST_BUFFERS = 2  # one fills while the previous one's copy may still run
 
-    def __init__(self, model: Model, block_tokens: int, sliding_window: int | None = None):
-        self.model, self.block_tokens, self.sliding_window = model, block_tokens, sliding_window
+    def __init__(self, model: Model, block_tokens: int):
+        self.model, self.block_tokens = model, block_tokens
+        self.sliding_window = model.sliding_window  # the model's: its logits depend on it
         self.device = model.inv_freq.device
         self.dtype = next(model.parameters()).dtype
         self._is_cuda = self.device.type == "cuda"

@@ -13,6 +13,16 @@ from mooncake.model.weights import create_model  # noqa: E402
 
 torch.set_num_threads(1)
 BLOCK = 8  # tokens per KV block in these tests
+# transformers config fields of the tiny random HF checkpoints the parity tests write
+HF_SHAPES: dict[str, int] = dict(
+    vocab_size=300,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)
 
 
 @pytest.fixture(scope="session")

@@ -22,22 +22,12 @@ from mooncake.model.sampler import SamplingParams
 from mooncake.model.sequence import Sequence
 from mooncake.model.spec import RopeScaling
 from mooncake.model.weights import create_model
-from tests.model.conftest import prompt
+from tests.model.conftest import HF_SHAPES, prompt
 from tests.model.smollm2 import NEW_TOKENS, reference, smollm2_file
 
 gguf = pytest.importorskip("gguf", reason="test-only dependency: pip install gguf")
 transformers = pytest.importorskip("transformers", reason="test-only dependency: transformers")
 Q = gguf.GGMLQuantizationType
-
-SHAPES = dict(
-    vocab_size=300,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-)
 
 
 # -- dequantizers ---------------------------------------------------------------------------
@@ -90,9 +80,12 @@ def _write_gguf(
     extra: bool = False,
     rope_freqs: np.ndarray | None = None,
 ) -> Path:
-    """Convert a transformers Llama/Qwen2 model as llama.cpp's convert script does."""
+    """Convert a transformers Llama/Qwen2/Qwen3 model as llama.cpp's convert script does."""
     cfg = model.config
     w = gguf.GGUFWriter(str(path), arch)
+    if getattr(cfg, "head_dim", None):
+        w.add_key_length(cfg.head_dim)
+        w.add_value_length(cfg.head_dim)
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
@@ -117,6 +110,8 @@ def _write_gguf(
         "self_attn.k_proj": "attn_k",
         "self_attn.v_proj": "attn_v",
         "self_attn.o_proj": "attn_output",
+        "self_attn.q_norm": "attn_q_norm",
+        "self_attn.k_norm": "attn_k_norm",
         "mlp.gate_proj": "ffn_gate",
         "mlp.up_proj": "ffn_up",
         "mlp.down_proj": "ffn_down",
@@ -155,9 +150,16 @@ def _write_gguf(
 def _hf_model(kind: str) -> torch.nn.Module:
     torch.manual_seed(0)
     if kind == "llama":
-        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**SHAPES)).eval()
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**HF_SHAPES)).eval()
+    if kind == "qwen3":  # q/k norms (made to matter), head_dim 32: q twice the hidden size
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**HF_SHAPES, head_dim=32))
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.q_norm.weight.normal_(1, 0.5)
+                layer.self_attn.k_norm.weight.normal_(1, 0.5)
+        return model.eval()
     model = transformers.Qwen2ForCausalLM(
-        transformers.Qwen2Config(**SHAPES, tie_word_embeddings=True)
+        transformers.Qwen2Config(**HF_SHAPES, tie_word_embeddings=True)
     ).eval()
     with torch.no_grad():  # make the (zero-initialised) biases matter
         for layer in model.model.layers:
@@ -174,16 +176,18 @@ def _prefill_logits(info: ModelInfo, ids: list[int]) -> torch.Tensor:
     return result.logits
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
 def test_tiny_gguf_computes_transformers_logits(tmp_path: Path, kind: str) -> None:
     """A float32 GGUF converted as llama.cpp does (q/k rows permuted for llama, biases and
-    tied embeddings for qwen2) gives transformers' logits of the original model: the
-    permutation is undone and every tensor lands where it belongs."""
+    tied embeddings for qwen2, q/k norms and head_dim for qwen3) gives transformers'
+    logits of the original model: the permutation is undone and every tensor lands where
+    it belongs."""
     reference = _hf_model(kind)
     path = _write_gguf(tmp_path / f"tiny-{kind}.gguf", reference, kind)
     info = load_model_info(str(path))
     assert info.qkv_bias == (kind == "qwen2")
     assert info.spec.tie_word_embeddings == (kind == "qwen2")
+    assert info.spec.qk_norm == (kind == "qwen3")
     assert (info.bos_token_id, info.eos_token_ids) == (1, (2, 5))  # EOS and <|im_end|>
     ids = prompt(37, vocab=300)
     with torch.no_grad():
@@ -198,7 +202,7 @@ def test_llama31_rope_freqs_become_llama3_scaling(tmp_path: Path) -> None:
     rope |= {"low_freq_factor": 1.0, "high_freq_factor": 4.0}
     rope |= {"original_max_position_embeddings": 8192}
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(**SHAPES, rope_scaling=rope)
+    config = transformers.LlamaConfig(**HF_SHAPES, rope_scaling=rope)
     reference = transformers.LlamaForCausalLM(config).eval()
     freqs = llama3_rope_divisors(RopeScaling(), 10000.0, 16)
     assert freqs.min() == 1.0 and freqs.max() == 8.0 and len(set(freqs)) > 2  # all 3 bands
@@ -249,7 +253,9 @@ def test_path_may_name_a_directory_holding_one_gguf(tmp_path: Path) -> None:
 # -- refusals -------------------------------------------------------------------------------
 def test_unknown_architecture_is_refused(tmp_path: Path) -> None:
     path = _write_gguf(tmp_path / "x.gguf", _hf_model("llama"), "gpt2")
-    with pytest.raises(ConfigError, match=r"'gpt2' GGUF; supported architectures: llama, qwen2"):
+    with pytest.raises(
+        ConfigError, match=r"'gpt2' GGUF; supported architectures: llama, qwen2, qwen3"
+    ):
         load_model_info(str(path))
 
 
