@@ -75,7 +75,7 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: ModelSpec, qkv_bias: bool):
+    def __init__(self, spec: ModelSpec, qkv_bias: bool, qk_norm: bool = False):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (
             spec.num_heads,
@@ -87,14 +87,20 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(spec.hidden_size, q_size + 2 * kv_size, bias=qkv_bias)
         self.o_proj = nn.Linear(q_size, spec.hidden_size, bias=False)
         self.scale = spec.head_dim**-0.5
+        # Qwen3(-MoE): an RMSNorm over each head's q and k before RoPE
+        self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if qk_norm else None
 
     def forward(self, x: Tensor, step: Step, k_cache: Tensor, v_cache: Tensor) -> Tensor:
         # x: (T, hidden); k_cache/v_cache: (num_blocks, block_tokens, kv_heads, head_dim)
         t = x.shape[0]
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
         q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
-        q = apply_rope(q.view(t, h, d), step.cos, step.sin)
-        k = apply_rope(k.view(t, kvh, d), step.cos, step.sin)
+        q, k = q.view(t, h, d), k.view(t, kvh, d)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q, step.cos, step.sin)
+        k = apply_rope(k, step.cos, step.sin)
         v = v.view(t, kvh, d)
         backend = step.backend
         backend.write_kv(k, v, k_cache, v_cache, step.meta)
@@ -114,10 +120,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, qkv_bias: bool, layer: int = 0):
+    def __init__(self, spec: ModelSpec, qkv_bias: bool, layer: int = 0, qk_norm: bool = False):
         super().__init__()
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.self_attn = Attention(spec, qkv_bias)
+        self.self_attn = Attention(spec, qkv_bias, qk_norm)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.mlp: MLP | SparseMoE = SparseMoE(spec) if spec.is_moe_layer(layer) else MLP(spec)
 
@@ -144,7 +150,8 @@ class Model(nn.Module):
         self.is_first = self.first_layer == 0
         self.is_last = self.end_layer == spec.num_layers
         self.layers = nn.ModuleList(
-            DecoderLayer(spec, info.qkv_bias, i) for i in range(self.first_layer, self.end_layer)
+            DecoderLayer(spec, info.qkv_bias, i, info.qk_norm)
+            for i in range(self.first_layer, self.end_layer)
         )
         # NOTE: `_weight` skips Embedding's random init, which on the meta device goes
         # through torch._refs and imports torch._dynamo (~2 s per process start)

@@ -296,6 +296,7 @@ class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
     path: str  # "dummy:NAME", a built-in name, the HF directory or the GGUF file as given
     is_dummy: bool
     qkv_bias: bool = False  # Qwen2 (and Llama with attention_bias) add biases to q/k/v
+    qk_norm: bool = False  # Qwen3(-MoE) RMS-normalise each head's q and k before RoPE
     checkpoint_dtype: str = "float32"  # dtype the weights are stored in
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()  # generation stops at any of these

@@ -34,6 +34,8 @@ _LAYER_SOURCES = {
     "self_attn.qkv_proj.weight": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     "self_attn.qkv_proj.bias": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     "self_attn.o_proj.weight": ("self_attn.o_proj",),
+    "self_attn.q_norm.weight": ("self_attn.q_norm",),
+    "self_attn.k_norm.weight": ("self_attn.k_norm",),
     "mlp.gate_up_proj.weight": ("mlp.gate_proj", "mlp.up_proj"),
     "mlp.down_proj.weight": ("mlp.down_proj",),
     "input_layernorm.weight": ("input_layernorm",),
