@@ -171,6 +171,7 @@ def _info_from_hf(
         path=path,
         is_dummy=False,
         qkv_bias=model_type == "qwen2" or bool(config.get("attention_bias", False)),
+        qk_norm=model_type == "qwen3_moe",
         checkpoint_dtype=normalize_dtype(dtype),
         bos_token_id=config.get("bos_token_id"),
         eos_token_ids=eos_ids,
@@ -180,21 +181,25 @@ def _info_from_hf(
 
 def _moe_fields(config: dict[str, Any], model_type: str) -> dict[str, Any]:
     """ModelSpec's mixture-of-experts fields of a Mixtral or Qwen3-MoE config ({} if dense)."""
+    if model_type not in ("mixtral", "qwen3_moe"):
+        return {}
+    # NOTE: Qwen's own configs say num_experts; transformers 5 writes num_local_experts for both
+    num_experts = int(config.get("num_local_experts") or config["num_experts"])
     if model_type == "mixtral":  # every layer sparse, experts as wide as intermediate_size
         return {
-            "num_experts": int(config["num_local_experts"]),
+            "num_experts": num_experts,
             "num_experts_per_tok": int(config["num_experts_per_tok"]),
             "moe_intermediate_size": int(config["intermediate_size"]),
         }
-    if model_type != "qwen3_moe":
-        return {}
+    if config.get("use_sliding_window"):
+        raise ConfigError("model.path: Qwen3-MoE's sliding-window attention is not supported")
     # NOTE: transformers' Qwen3MoeDecoderLayer: layer i is sparse unless listed in
     # mlp_only_layers or (i + 1) is not a multiple of decoder_sparse_step
     step = int(config.get("decoder_sparse_step") or 1)
     mlp_only = {int(i) for i in config.get("mlp_only_layers") or ()}
     num_layers = int(config["num_hidden_layers"])
     return {
-        "num_experts": int(config["num_experts"]),
+        "num_experts": num_experts,
         "num_experts_per_tok": int(config["num_experts_per_tok"]),
         "moe_intermediate_size": int(config["moe_intermediate_size"]),
         "norm_topk_prob": bool(config.get("norm_topk_prob", False)),

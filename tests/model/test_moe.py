@@ -140,23 +140,16 @@ def test_moe_block_equals_qwen3_moe_block(norm_topk_prob: bool) -> None:
         torch.testing.assert_close(ours(x), reference(x[None])[0], atol=1e-5, rtol=1e-5)
 
 
-def test_mixtral_prefill_and_decode_logits_equal_transformers(mixtral) -> None:
-    """Chunked prefill (last-token logits) and every decode step's logits equal
-    transformers' on a random Mixtral checkpoint, within 1e-5 (float32)."""
-    path, reference = mixtral
-    info = load_model_info(str(path))
-    assert (info.spec.num_experts, info.spec.num_experts_per_tok) == (4, 2)
-    model = create_model(info, "float32", "cpu")
-    ids = prompt(29, vocab=300)
+def _assert_logits_equal(model: Model, reference: torch.nn.Module, ids: list[int]) -> None:
+    """Chunked prefill's last logits, then decode steps fed the prompt one token at a time
+    (step i yields position i's logits), equal the reference's within 1e-5."""
     with torch.no_grad():
-        expected = reference(torch.tensor([ids])).logits[0]  # (29, vocab)
-
+        expected = reference(torch.tensor([ids])).logits[0]  # (len(ids), vocab)
     cache = PagedKVCache.for_model(model, num_blocks=16, block_tokens=8)
     result = PrefillRunner(model, cache, chunk_tokens=16).prefill(ids)
     assert result.logits is not None
     torch.testing.assert_close(result.logits, expected[-1], atol=1e-5, rtol=1e-5)
     cache.free(result.block_ids)
-
     runner = DecodeRunner(model, cache, max_batch=1)
     seq = Sequence(0, ids[:1], SamplingParams(max_tokens=1, temperature=0))
     runner.add(seq)
@@ -166,6 +159,15 @@ def test_mixtral_prefill_and_decode_logits_equal_transformers(mixtral) -> None:
         torch.testing.assert_close(runner._run()[0], expected[i], atol=1e-5, rtol=1e-5)
         seq.token_ids.append(0)
         runner._schedule()
+
+
+def test_mixtral_prefill_and_decode_logits_equal_transformers(mixtral) -> None:
+    """Chunked prefill (last-token logits) and every decode step's logits equal
+    transformers' on a random Mixtral checkpoint, within 1e-5 (float32)."""
+    path, reference = mixtral
+    info = load_model_info(str(path))
+    assert (info.spec.num_experts, info.spec.num_experts_per_tok) == (4, 2)
+    _assert_logits_equal(create_model(info, "float32", "cpu"), reference, prompt(29, vocab=300))
 
 
 def test_mixtral_greedy_tokens_of_a_batch_equal_transformers(mixtral) -> None:
@@ -187,6 +189,39 @@ def test_mixtral_greedy_tokens_of_a_batch_equal_transformers(mixtral) -> None:
                 ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False
             )
         assert got[i] == out[0, len(p) :].tolist(), f"prompt {i}"
+
+
+def test_qwen3_moe_with_a_dense_layer_equals_transformers(tmp_path: Path) -> None:
+    """A random Qwen3-MoE (q/k norm; 8 experts, top 3 without renormalisation; layer 1
+    dense through mlp_only_layers) gives transformers' logits at every prompt position
+    (prefill in chunks, then decode steps), within 1e-5 (float32)."""
+    torch.manual_seed(0)
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=8,
+        num_experts_per_tok=3,
+        norm_topk_prob=False,
+        mlp_only_layers=[1],
+        max_position_embeddings=256,
+    )
+    reference = transformers.Qwen3MoeForCausalLM(config).eval()
+    with torch.no_grad():
+        for layer in reference.model.layers:
+            if hasattr(layer.mlp, "gate") and hasattr(layer.mlp, "experts"):
+                layer.mlp.gate.weight.normal_(0, 0.5)
+            for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+                norm.weight.normal_(1, 0.3)  # not the identity
+    reference.save_pretrained(tmp_path)
+    info = load_model_info(str(tmp_path))
+    assert info.qk_norm and info.spec.dense_layers == (1,)
+    _assert_logits_equal(create_model(info, "float32", "cpu"), reference, prompt(21, vocab=300))
 
 
 def test_both_expert_layouts_load_the_same_weights(mixtral, tmp_path: Path) -> None:
