@@ -7,11 +7,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import msgspec
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
 from mooncake.bench.stepops import count
+from mooncake.errors import ConfigError
 from mooncake.model.decode import DecodeRunner
 from mooncake.model.info import _info_from_hf, load_model_info
 from mooncake.model.kvcache import PagedKVCache
@@ -309,3 +311,18 @@ def test_qwen3_moe_config_marks_dense_layers() -> None:
     assert spec.dense_layers == (0, 2, 3, 4)
     assert [spec.is_moe_layer(i) for i in range(6)] == [False, True, False, False, False, True]
     assert (spec.moe_intermediate_size, spec.norm_topk_prob) == (32, False)
+
+
+def test_moe_gguf_is_refused_by_name(tmp_path: Path) -> None:
+    """A GGUF with llama.expert_count (Mixtral's GGUFs) is refused, pointing to its HF form."""
+    gguf = pytest.importorskip("gguf", reason="test-only dependency: pip install gguf")
+    path = tmp_path / "mixtral.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_expert_count(8)
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ConfigError, match="mixture-of-experts GGUF"):
+        load_model_info(str(path))
