@@ -1,6 +1,7 @@
-"""Mixture-of-experts models (moe.py): the grouped experts equal a loop over experts, a
-Mixtral checkpoint computes transformers' logits and greedy tokens, both expert layouts
-load, and a decode step's ops do not grow with the number of experts."""
+"""Mixture-of-experts models (moe.py): the grouped experts equal a loop over experts,
+Mixtral and Qwen3-MoE checkpoints compute transformers' logits (and Mixtral its greedy
+tokens), both expert layouts load, and a decode step's ops do not grow with the number of
+experts."""
 
 from __future__ import annotations
 
@@ -19,29 +20,19 @@ from mooncake.model.info import _info_from_hf, load_model_info
 from mooncake.model.kvcache import PagedKVCache
 from mooncake.model.llama import Model
 from mooncake.model.moe import Experts, SparseMoE
-from mooncake.model.prefill import PrefillRunner
 from mooncake.model.sampler import SamplingParams
 from mooncake.model.sequence import Sequence
 from mooncake.model.spec import ModelInfo, get_model_spec
 from mooncake.model.weights import create_model
-from tests.model.conftest import prompt
+from tests.model.conftest import assert_logits_equal, prompt
+from tests.model.test_model_hf import COMMON
 
 transformers = pytest.importorskip(
     "transformers", reason="test-only dependency: pip install transformers safetensors"
 )
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-MIXTRAL = dict(
-    vocab_size=300,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    num_local_experts=4,
-    num_experts_per_tok=2,
-    max_position_embeddings=256,
-)
+MIXTRAL = dict(COMMON, num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2)
 
 
 def _experts_loop(experts: Experts, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor):
@@ -142,34 +133,13 @@ def test_moe_block_equals_qwen3_moe_block(norm_topk_prob: bool) -> None:
         torch.testing.assert_close(ours(x), reference(x[None])[0], atol=1e-5, rtol=1e-5)
 
 
-def _assert_logits_equal(model: Model, reference: torch.nn.Module, ids: list[int]) -> None:
-    """Chunked prefill's last logits, then decode steps fed the prompt one token at a time
-    (step i yields position i's logits), equal the reference's within 1e-5."""
-    with torch.no_grad():
-        expected = reference(torch.tensor([ids])).logits[0]  # (len(ids), vocab)
-    cache = PagedKVCache.for_model(model, num_blocks=16, block_tokens=8)
-    result = PrefillRunner(model, cache, chunk_tokens=16).prefill(ids)
-    assert result.logits is not None
-    torch.testing.assert_close(result.logits, expected[-1], atol=1e-5, rtol=1e-5)
-    cache.free(result.block_ids)
-    runner = DecodeRunner(model, cache, max_batch=1)
-    seq = Sequence(0, ids[:1], SamplingParams(max_tokens=1, temperature=0))
-    runner.add(seq)
-    runner._schedule()
-    for i in range(len(ids)):
-        seq.token_ids[-1] = ids[i]
-        torch.testing.assert_close(runner._run()[0], expected[i], atol=1e-5, rtol=1e-5)
-        seq.token_ids.append(0)
-        runner._schedule()
-
-
 def test_mixtral_prefill_and_decode_logits_equal_transformers(mixtral) -> None:
     """Chunked prefill (last-token logits) and every decode step's logits equal
     transformers' on a random Mixtral checkpoint, within 1e-5 (float32)."""
     path, reference = mixtral
     info = load_model_info(str(path))
     assert (info.spec.num_experts, info.spec.num_experts_per_tok) == (4, 2)
-    _assert_logits_equal(create_model(info, "float32", "cpu"), reference, prompt(29, vocab=300))
+    assert_logits_equal(create_model(info, "float32", "cpu"), reference, prompt(29, vocab=300))
 
 
 def test_mixtral_greedy_tokens_of_a_batch_equal_transformers(mixtral) -> None:
@@ -223,7 +193,7 @@ def test_qwen3_moe_with_a_dense_layer_equals_transformers(tmp_path: Path) -> Non
     reference.save_pretrained(tmp_path)
     info = load_model_info(str(tmp_path))
     assert info.qk_norm and info.spec.dense_layers == (1,)
-    _assert_logits_equal(create_model(info, "float32", "cpu"), reference, prompt(21, vocab=300))
+    assert_logits_equal(create_model(info, "float32", "cpu"), reference, prompt(21, vocab=300))
 
 
 def test_both_expert_layouts_load_the_same_weights(mixtral, tmp_path: Path) -> None:
