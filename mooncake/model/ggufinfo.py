@@ -58,6 +58,11 @@ def gguf_model_info(path: str, file: Path) -> ModelInfo:
             f"model.path: {file.name} is a {arch!r} GGUF; supported architectures: "
             f"{', '.join(ARCHITECTURES)}"
         )
+    if g.field(f"{arch}.expert_count", 0):
+        raise ConfigError(
+            f"model.path: {file.name} is a mixture-of-experts GGUF, which is not supported; "
+            "load its Hugging Face directory (Mixtral, Qwen3-MoE) instead"
+        )
     _check_tensors(g, file.name, arch)
 
     def key(name: str, default: Any = None) -> Any:

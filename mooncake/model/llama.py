@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from mooncake.model.attention.backend import AttentionBackend, TorchAttention
 from mooncake.model.info import ModelInfo
+from mooncake.model.moe import SparseMoE
 from mooncake.model.spec import ModelSpec, RopeScaling
 
 if TYPE_CHECKING:
@@ -142,12 +143,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, qkv_bias: bool):
+    def __init__(self, spec: ModelSpec, qkv_bias: bool, layer: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.self_attn = Attention(spec, qkv_bias)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.mlp = MLP(spec)
+        self.mlp: MLP | SparseMoE = SparseMoE(spec) if spec.is_moe_layer(layer) else MLP(spec)
 
     def forward(self, h: Tensor, step: Step, k_cache: Tensor, v_cache: Tensor) -> Tensor:
         h = h + self.self_attn(self.input_layernorm(h), step, k_cache, v_cache)
@@ -172,8 +173,9 @@ class Model(nn.Module):
         assert 0 <= self.first_layer < self.end_layer <= spec.num_layers, layer_range
         self.is_first = self.first_layer == 0
         self.is_last = self.end_layer == spec.num_layers
-        num_local = self.end_layer - self.first_layer
-        self.layers = nn.ModuleList(DecoderLayer(spec, info.qkv_bias) for _ in range(num_local))
+        self.layers = nn.ModuleList(
+            DecoderLayer(spec, info.qkv_bias, i) for i in range(self.first_layer, self.end_layer)
+        )
         # NOTE: `_weight` skips Embedding's random init, which on the meta device goes
         # through torch._refs and imports torch._dynamo (~2 s per process start)
         self.embed_tokens = (

@@ -5,17 +5,20 @@ builds its model from it, the Store sizes KV objects from `kv_bytes_per_token`, 
 Conductor's roofline cost model (`mooncake.conductor.roofline`) takes FLOPs and bytes from
 it. Named specs:
 
-| name         | layers | hidden | heads/kv | head_dim | ffn   | vocab  |
-|--------------|-------:|-------:|---------:|---------:|------:|-------:|
-| `dummy:tiny` | 4      | 256    | 4/2      | 64       | 768   | 512    |
-| `dummy:small`| 2      | 2048   | 16/4     | 128      | 7168  | 512    |
-| `llama2-70b` | 80     | 8192   | 64/8     | 128      | 28672 | 32000  |
-| `llama3-8b`  | 32     | 4096   | 32/8     | 128      | 14336 | 128256 |
-| `llama3-70b` | 80     | 8192   | 64/8     | 128      | 28672 | 128256 |
+| name                 | layers | hidden | heads/kv | head_dim | ffn      | vocab  |
+|----------------------|-------:|-------:|---------:|---------:|---------:|-------:|
+| `dummy:tiny`         | 4      | 256    | 4/2      | 64       | 768      | 512    |
+| `dummy:small`        | 2      | 2048   | 16/4     | 128      | 7168     | 512    |
+| `dummy:mixtral-tiny` | 2      | 64     | 4/2      | 16       | 4x 128   | 512    |
+| `llama2-70b`         | 80     | 8192   | 64/8     | 128      | 28672    | 32000  |
+| `llama3-8b`          | 32     | 4096   | 32/8     | 128      | 14336    | 128256 |
+| `llama3-70b`         | 80     | 8192   | 64/8     | 128      | 28672    | 128256 |
+| `mixtral-8x7b`       | 32     | 4096   | 32/8     | 128      | 8x 14336 | 32000  |
 
-Sources: the `config.json` of meta-llama/Llama-2-70b-hf, Meta-Llama-3-8B and
-Meta-Llama-3-70B on Hugging Face. `llama3.1-8b` / `llama3.1-70b` are the llama3 shapes
-with llama3 RoPE scaling and 128k positions. `dummy:tiny` is ours: it runs on 2 CPU
+Sources: the `config.json` of meta-llama/Llama-2-70b-hf, Meta-Llama-3-8B, Meta-Llama-3-70B
+and mistralai/Mixtral-8x7B-v0.1 on Hugging Face (46.7B weights, 12.9B per token).
+`llama3.1-8b` / `llama3.1-70b` are the llama3 shapes with llama3 RoPE scaling and 128k
+positions. `dummy:tiny` is ours: it runs on 2 CPU
 cores, and its vocabulary leaves room for a byte-level tokenizer (256 bytes + specials).
 `dummy:small` is ours too: LLaMA 3's proportions (head_dim 128, GQA 4:1, SwiGLU width 3.5x
 hidden) in two layers, so an 8k prefill on one CPU core takes ~25 s in float32. At 8k
@@ -26,6 +29,14 @@ prompt at 44% (llama3-8b 47%, llama2-70b 48%, dummy:tiny 32%), see `prefill_flop
 `dummy:<name>` is accepted for every real spec (the paper's "dummy LLaMA2-70B": the real
 shape with random weights). The returned spec keeps the `dummy:` name, because the name
 enters the block-hash fingerprint and random weights must never share KV with real ones.
+
+Mixture-of-experts models (`num_experts` > 0; `mooncake.model.moe`) replace the SwiGLU MLP
+of their sparse layers by `num_experts` SwiGLU experts of width `moe_intermediate_size`, of
+which each token runs `num_experts_per_tok` (ffn "8x 14336": 8 experts, 2 per token for
+Mixtral). Their weight counts (`num_params`, `weight_bytes`: what memory holds and a large
+decode batch reads) hold every expert; their FLOPs (`num_matmul_params`,
+`flops_per_token`, `prefill_flops`) only the experts a token runs. `dummy:mixtral-tiny` is
+ours: Mixtral's layout small enough for tests.
 
 `ModelInfo` is a spec plus what the shape does not say (the weights' dtype, biases, special
 tokens, the files); `mooncake.model.info` makes one of what `model.path` names.
@@ -72,7 +83,13 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
     tie_word_embeddings: bool = False
     rms_norm_eps: float = 1e-5
     sliding_window: int | None = None  # tokens a query attends to, itself included; None: all
-    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on each q and k head before RoPE
+    qk_norm: bool = False  # Qwen3(-MoE): RMSNorm over head_dim on each q and k head before RoPE
+    # NOTE: mixture of experts; the defaults (0: a dense model) leave dense specs as they were
+    num_experts: int = 0  # routed experts of each sparse layer; 0 = no MoE layer
+    num_experts_per_tok: int = 0  # experts each token runs (top-k)
+    moe_intermediate_size: int = 0  # one expert's SwiGLU width
+    norm_topk_prob: bool = True  # rescale the top-k router probabilities to sum to 1
+    dense_layers: tuple[int, ...] = ()  # layers of an MoE model with a dense MLP instead
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -80,6 +97,22 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
                 f"model {self.name}: num_heads {self.num_heads} must be a multiple of "
                 f"num_kv_heads {self.num_kv_heads}"
             )
+        if self.num_experts and not (
+            0 < self.num_experts_per_tok <= self.num_experts and self.moe_intermediate_size > 0
+        ):
+            raise ConfigError(
+                f"model {self.name}: {self.num_experts} experts need 1 to {self.num_experts} "
+                f"experts per token (got {self.num_experts_per_tok}) and a positive "
+                f"moe_intermediate_size (got {self.moe_intermediate_size})"
+            )
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether decoder layer `layer` (global index) runs experts rather than one MLP."""
+        return self.num_experts > 0 and layer not in self.dense_layers
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(self.is_moe_layer(i) for i in range(self.num_layers))
 
     def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
         """Bytes of K and V one token occupies across all layers (bf16 by default)."""
@@ -87,29 +120,41 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def params_per_layer(self) -> int:
-        """Weights of one decoder layer: attention, SwiGLU MLP and two RMSNorms."""
+        """Weights of one dense decoder layer: attention, SwiGLU MLP and two RMSNorms."""
+        return self._attention_params + 3 * self.hidden_size * self.intermediate_size
+
+    def _layers_params(self, experts: int) -> int:
+        # all layers, counting `experts` experts (and the router) in each sparse one
+        h = self.hidden_size
+        moe = self._attention_params + h * self.num_experts  # attention, norms, router
+        moe += experts * 3 * h * self.moe_intermediate_size  # each expert's gate, up, down
+        num_moe = self.num_moe_layers
+        return num_moe * moe + (self.num_layers - num_moe) * self.params_per_layer
+
+    @property
+    def _attention_params(self) -> int:
         h, q, kv = (
             self.hidden_size,
             self.num_heads * self.head_dim,
             self.num_kv_heads * self.head_dim,
         )
-        attention = h * q + 2 * h * kv + q * h  # wq, wk, wv, wo
-        mlp = 3 * h * self.intermediate_size  # gate, up, down
-        return attention + mlp + 2 * h
+        return h * q + 2 * h * kv + q * h + 2 * h  # wq, wk, wv, wo; two RMSNorms
 
     @property
     def num_params(self) -> int:
-        """All weights: embeddings, layers, final norm and (unless tied) the LM head."""
+        """All weights (every expert): embeddings, layers, final norm, the LM head unless tied."""
         embed = self.vocab_size * self.hidden_size
         head = 0 if self.tie_word_embeddings else embed
-        return embed + head + self.num_layers * self.params_per_layer + self.hidden_size
+        return embed + head + self._layers_params(self.num_experts) + self.hidden_size
 
     @property
     def num_matmul_params(self) -> int:
-        """Weights multiplied once per token in a forward pass (layers; not the LM head)."""
-        return self.num_layers * self.params_per_layer
+        """Weights multiplied once per token in a forward pass (layers, only the experts a
+        token runs; not the LM head)."""
+        return self._layers_params(self.num_experts_per_tok)
 
     def weight_bytes(self, dtype_bytes: int = 2) -> int:
+        """Bytes of all weights, every expert included."""
         return self.num_params * dtype_bytes
 
     @property
@@ -183,6 +228,36 @@ _LLAMA3_70B = msgspec.structs.replace(
     rope_theta=500000.0,
     max_position_embeddings=8192,
 )
+_MIXTRAL_TINY = ModelSpec(
+    name="dummy:mixtral-tiny",
+    num_layers=2,
+    hidden_size=64,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    intermediate_size=128,
+    vocab_size=512,
+    rope_theta=1e6,
+    max_position_embeddings=8192,
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=128,
+)
+_MIXTRAL_8X7B = ModelSpec(
+    name="mixtral-8x7b",
+    num_layers=32,
+    hidden_size=4096,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    intermediate_size=14336,
+    vocab_size=32000,
+    rope_theta=1e6,
+    max_position_embeddings=32768,
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=14336,
+)
 _LLAMA31 = {"rope_scaling": RopeScaling(), "max_position_embeddings": 131072}
 
 MODEL_SPECS: dict[str, ModelSpec] = {
@@ -193,6 +268,8 @@ MODEL_SPECS: dict[str, ModelSpec] = {
         _LLAMA2_70B,
         _LLAMA3_8B,
         _LLAMA3_70B,
+        _MIXTRAL_TINY,
+        _MIXTRAL_8X7B,
         msgspec.structs.replace(_LLAMA3_8B, name="llama3.1-8b", **_LLAMA31),
         msgspec.structs.replace(_LLAMA3_70B, name="llama3.1-70b", **_LLAMA31),
     )

@@ -4,7 +4,8 @@ files through `ggufweights`.
 Dummy weights are drawn per tensor from a generator seeded with (seed, global tensor name),
 so a pipeline stage that builds only layers 2-3 gets exactly the weights a whole model has
 there, in any process. HF checkpoints are read tensor by tensor with `safe_open`, only for
-the layers a stage owns; q/k/v and gate/up are fused on load (one GEMM each).
+the layers a stage owns; q/k/v and gate/up are fused on load (one GEMM each), and experts
+stacked (`moe.checkpoint_tensor`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from mooncake.model.attention.backend import select_backend
 from mooncake.model.cpugemm import pack_linears
 from mooncake.model.info import ModelInfo
 from mooncake.model.llama import Model, rope_inv_freq
+from mooncake.model.moe import checkpoint_tensor, is_moe_param
 
 log = logging.getLogger(__name__)
 
@@ -147,11 +149,14 @@ def _load_hf(model: Model, info: ModelInfo) -> None:
     ckpt = _Checkpoint(info)
     loaded: set[str] = set()
 
-    def put(local: str, names: list[str]) -> None:
+    def put(local: str, names: list[str], value: Tensor | None = None) -> None:
         param = model.get_parameter(local)
-        value = (
-            torch.cat([ckpt.get(n) for n in names], dim=0) if len(names) > 1 else ckpt.get(names[0])
-        )
+        if value is None:
+            value = (
+                torch.cat([ckpt.get(n) for n in names], dim=0)
+                if len(names) > 1
+                else ckpt.get(names[0])
+            )
         if value.shape != param.shape:
             raise ConfigError(
                 f"model checkpoint: {local} has shape {tuple(value.shape)}, "
@@ -164,6 +169,10 @@ def _load_hf(model: Model, info: ModelInfo) -> None:
         if local.startswith("layers."):
             _, idx, suffix = local.split(".", 2)
             prefix = f"model.layers.{int(idx) + model.first_layer}."
+            if is_moe_param(suffix):
+                n = info.spec.num_experts
+                put(local, [], checkpoint_tensor(ckpt.has, ckpt.get, prefix, suffix, n))
+                continue
             kind = suffix.rsplit(".", 1)[1]  # weight | bias
             names = [f"{prefix}{src}.{kind}" for src in _LAYER_SOURCES[suffix]]
         elif local == "lm_head.weight":

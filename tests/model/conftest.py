@@ -6,9 +6,13 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="the engine tests need torch (CPU build)")
 
+from mooncake.model.decode import DecodeRunner  # noqa: E402
 from mooncake.model.info import ModelInfo, kv_fingerprint, load_model_info  # noqa: E402
 from mooncake.model.kvcache import PagedKVCache  # noqa: E402
 from mooncake.model.llama import Model  # noqa: E402
+from mooncake.model.prefill import PrefillRunner  # noqa: E402
+from mooncake.model.sampler import SamplingParams  # noqa: E402
+from mooncake.model.sequence import Sequence  # noqa: E402
 from mooncake.model.weights import create_model  # noqa: E402
 
 torch.set_num_threads(1)
@@ -48,3 +52,24 @@ def cache(tiny: Model) -> PagedKVCache:
 def prompt(n: int, seed: int = 0, vocab: int = 512) -> list[int]:
     """A deterministic pseudo-random prompt of `n` token ids."""
     return [(seed * 7919 + i * 104729 + (i * i) % 13) % vocab for i in range(n)]
+
+
+def assert_logits_equal(model: Model, reference: torch.nn.Module, ids: list[int]) -> None:
+    """Our chunked prefill's last logits, then decode steps fed the prompt one token at a time
+    (step i yields position i's logits), equal the reference's within 1e-5."""
+    with torch.no_grad():
+        expected = reference(torch.tensor([ids])).logits[0]  # (len(ids), vocab)
+    cache = PagedKVCache.for_model(model, num_blocks=16, block_tokens=8)
+    result = PrefillRunner(model, cache, chunk_tokens=16).prefill(ids)
+    assert result.logits is not None
+    torch.testing.assert_close(result.logits, expected[-1], atol=1e-5, rtol=1e-5)
+    cache.free(result.block_ids)
+    runner = DecodeRunner(model, cache, max_batch=1)
+    seq = Sequence(0, ids[:1], SamplingParams(max_tokens=1, temperature=0))
+    runner.add(seq)
+    runner._schedule()
+    for i in range(len(ids)):
+        seq.token_ids[-1] = ids[i]
+        torch.testing.assert_close(runner._run()[0], expected[i], atol=1e-5, rtol=1e-5)
+        seq.token_ids.append(0)
+        runner._schedule()
