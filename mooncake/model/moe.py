@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from mooncake.errors import ConfigError
 from mooncake.model.spec import ModelSpec
 
 
@@ -47,6 +48,11 @@ class Experts(nn.Module):
     """E SwiGLU experts with stacked weights, run grouped over (token, expert) pairs."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
+        if not hasattr(F, "grouped_mm"):
+            raise ConfigError(
+                f"mixture-of-experts models need torch.nn.functional.grouped_mm, which torch "
+                f"{torch.__version__} lacks; install a newer torch"
+            )
         super().__init__()
         e, h, i = num_experts, hidden_size, intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))  # gate rows, then up rows
