@@ -66,6 +66,7 @@ class EngineBackend(BaseBackend):
         from mooncake.model.decode import DecodeRunner
         from mooncake.model.info import load_model_info, resolve_dtype
         from mooncake.model.kvcache import PagedKVCache
+        from mooncake.model.parallel import TensorParallel, local_kv_heads, resolve_tensor_parallel
         from mooncake.model.prefixcache import PrefixCache
         from mooncake.model.weights import create_model
 
@@ -74,23 +75,36 @@ class EngineBackend(BaseBackend):
         if num_threads:
             torch.set_num_threads(num_threads)
         spec = info.spec
+        tp = resolve_tensor_parallel(config.tensor_parallel, device)
+        dtype = resolve_dtype(info, config.dtype, device)
         self.model = create_model(
             info,
-            resolve_dtype(info, config.dtype, device),
+            dtype,
             device,
-            cpu_gemm=config.cpu_gemm,
+            cpu_gemm=config.cpu_gemm if tp == 1 else "torch",  # NOTE: packed once sharded
             attention_backend=config.attention_backend,
             block_tokens=config.block_tokens,
         )
         elem = next(self.model.parameters()).element_size()
         block_bytes = spec.num_layers * PagedKVCache.block_bytes_per_layer(
-            config.block_tokens, spec.num_kv_heads, spec.head_dim, elem
+            config.block_tokens, local_kv_heads(spec.num_kv_heads, tp), spec.head_dim, elem
         )
         num_blocks = kv_cache_bytes // block_bytes
         if num_blocks < 1:
             raise ConfigError(
                 f"KV cache: {kv_cache_bytes} bytes hold no block of "
                 f"{config.block_tokens} tokens ({block_bytes} bytes); give more or smaller blocks"
+            )
+        self.tp: TensorParallel | None = None
+        if tp > 1:
+            self.tp = TensorParallel.start(
+                self.model,
+                tp,
+                model_path=config.path,
+                dtype=dtype,
+                num_blocks=num_blocks,
+                block_tokens=config.block_tokens,
+                cpu_gemm=config.cpu_gemm,
             )
         self.cache = PagedKVCache.for_model(self.model, num_blocks, config.block_tokens)
         self.prefix_cache = PrefixCache(self.cache) if prefix_caching else None
@@ -100,7 +114,7 @@ class EngineBackend(BaseBackend):
             max_batch=max_batch,
             chunk_tokens=chunk_tokens,
             prefix_cache=self.prefix_cache,
-            cuda_graphs=None if config.cuda_graphs else False,
+            cuda_graphs=None if config.cuda_graphs and tp == 1 else False,
             max_model_len=config.max_model_len,
         )
         self.tokenizer = create_tokenizer(config.path, info.eos_token_ids)
@@ -211,6 +225,8 @@ class EngineBackend(BaseBackend):
             self._is_stopping = True
             self._cond.notify()
         self._thread.join(timeout=30)
+        if self.tp is not None:
+            self.tp.stop()
 
     def _submit(self, kind: Literal["add", "abort"], item: Sequence | int) -> None:
         with self._cond:

@@ -345,6 +345,16 @@ class ModelConfig(msgspec.Struct, **_STRUCT):
             "builds that have it, block_tokens a multiple of 256)."
         ),
     ] = "auto"
+    tensor_parallel: Annotated[
+        int,
+        knob(
+            "Ranks one instance's layers are split over (Megatron-style: attention heads, "
+            "MLP width, vocabulary), one process each, gloo on CPU and NCCL on GPUs; "
+            "0 = automatic (1 for now). Served by `mooncake serve`; prefill and decode "
+            "nodes run 1.",
+            ge=0,
+        ),
+    ] = 0
     cuda_graphs: Annotated[
         bool,
         knob(

@@ -8,6 +8,7 @@ master uses too).
 - `cpugemm`            CPU linears through oneDNN with weights packed once
 - `attention/`         paged attention behind one seam: torch reference, Triton kernels
 - `step`, `cudagraph`  a step's inputs uploaded at once; decode steps as CUDA graphs
+- `parallel`           tensor parallelism: a model cut over ranks, rank 0 leading each step
 - `kvcache`, `prefixcache`   the paged KV cache and the instance-local prefix cache
 - `tokenizer`, `params`, `sampler`, `sequence`, `stopmatch`   text in, tokens out
 - `prefill`, `decode`  the chunked prefill runner and the continuous-batching decode runner

@@ -88,13 +88,13 @@ class PagedKVCache:
 
     @classmethod
     def for_model(cls, model: Model, num_blocks: int, block_tokens: int) -> PagedKVCache:
-        """A cache for the layers `model` owns, on its device and dtype."""
+        """A cache for the layers `model` owns (its rank's KV heads), on its device and dtype."""
         spec = model.spec
         param = next(model.parameters())
         return cls(
             num_blocks,
             block_tokens,
-            spec.num_kv_heads,
+            model.num_kv_heads,
             spec.head_dim,
             (model.first_layer, model.end_layer),
             param.dtype,

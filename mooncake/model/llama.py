@@ -31,6 +31,8 @@ from mooncake.model.spec import ModelSpec, RopeScaling
 if TYPE_CHECKING:
     from mooncake.model.step import Step
 
+STEP_LOGITS, STEP_LAYERS = 1, 2  # the kinds of whole-model forward (`Model.on_step`)
+
 
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float):
@@ -193,6 +195,10 @@ class Model(nn.Module):
         )
         self.register_buffer("inv_freq", rope_inv_freq(spec), persistent=False)
         self.attention: AttentionBackend = TorchAttention()  # `weights.create_model` chooses
+        self.num_kv_heads = spec.num_kv_heads  # of this rank (`parallel.shard_model`)
+        # called before each whole-model forward: tensor parallelism's rank 0 tells the
+        # other ranks the step (`parallel.Leader`)
+        self.on_step: Callable[[int, Step], None] | None = None
         self._rope: tuple[Tensor, Tensor] | None = None  # cos, sin (positions, head_dim)
 
     @property
@@ -211,10 +217,17 @@ class Model(nn.Module):
     def forward(self, step: Step, layer_kv: Callable[[int], tuple[Tensor, Tensor]]) -> Tensor:
         """(T, vocab) float32 logits of a whole model's step, each layer's K/V caches
         from `layer_kv(global_layer)` (decode; prefill drives the layers itself)."""
-        return self.compute_logits(self.run_layers(step, layer_kv))
+        if self.on_step is not None:
+            self.on_step(STEP_LOGITS, step)
+        return self.compute_logits(self._layers(step, layer_kv))
 
     def run_layers(self, step: Step, layer_kv: Callable[[int], tuple[Tensor, Tensor]]) -> Tensor:
         """(T, hidden) after the last layer of a whole model's step (its K/V written)."""
+        if self.on_step is not None:
+            self.on_step(STEP_LAYERS, step)
+        return self._layers(step, layer_kv)
+
+    def _layers(self, step: Step, layer_kv: Callable[[int], tuple[Tensor, Tensor]]) -> Tensor:
         h = self.embed(step.tokens)
         for layer in self.layer_ids:
             h = self.layer(layer)(h, step, *layer_kv(layer))

@@ -42,6 +42,7 @@ class Step:
     meta: AttentionMetadata
     backend: AttentionBackend
     plan: Any  # the backend's per-step decisions (kernel cut, per-sequence work)
+    layout: Layout | None = None  # where its integers are (tensor parallelism sends them)
 
 
 @dataclass
@@ -188,7 +189,8 @@ class StepBuilder:
         )
         cos, sin = self.model.rope_lookup(d_pos, layout.max_seq_len)
         backend = self.model.attention
-        return Step(d_tok, d_pos, cos, sin, meta, backend, backend.plan(plan, meta, self.device))
+        plan_ = backend.plan(plan, meta, self.device)
+        return Step(d_tok, d_pos, cos, sin, meta, backend, plan_, layout)
 
     def _host_buffer(self, size: int) -> tuple[Tensor, np.ndarray]:
         """A host buffer of `size` int32 as a tensor and a numpy view of it."""

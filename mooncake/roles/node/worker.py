@@ -13,7 +13,7 @@ import torch
 from mooncake.config.portrange import node_ports
 from mooncake.config.settings import Config
 from mooncake.config.sizes import format_size
-from mooncake.errors import RpcTimeout
+from mooncake.errors import ConfigError, RpcTimeout
 from mooncake.hw.ssdplace import place_ssd
 from mooncake.kv.hashing import PrefixHasher
 from mooncake.kv.object import DTYPE_BYTES, KVLayout
@@ -87,6 +87,11 @@ def load_worker(ctx: NodeContext, role: Role, layers: tuple[int, int] | None = N
     `kv_cache_bytes`, sized after a warm-up on a GPU (roles/node/kvsize.py)."""
     cfg = ctx.config
     device = device_for(ctx)
+    if cfg.model.tensor_parallel > 1:
+        raise ConfigError(
+            f"model.tensor_parallel = {cfg.model.tensor_parallel}: prefill and decode nodes "
+            "run one rank so far (`mooncake serve` splits a model over several); set it to 0 or 1"
+        )
     info = load_model_info(cfg.model.path)
     dtype = resolve_dtype(info, cfg.model.dtype, device)
     first, end = layers or (0, info.spec.num_layers)

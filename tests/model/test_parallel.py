@@ -1,0 +1,115 @@
+"""Tensor parallelism over gloo on the CPU: a model cut over 2 and 4 ranks (follower
+processes) computes the logits of the whole model (fp32, 1e-5) through the decode runner,
+prefill and decode alike, with KV heads split (2 ranks) and replicated (4 ranks)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("torch", reason="the engine tests need torch")
+import torch  # noqa: E402
+
+from mooncake.errors import ConfigError  # noqa: E402
+from mooncake.model.decode import DecodeRunner  # noqa: E402
+from mooncake.model.info import load_model_info  # noqa: E402
+from mooncake.model.kvcache import PagedKVCache  # noqa: E402
+from mooncake.model.parallel import (  # noqa: E402
+    TensorParallel,
+    VocabParallelHead,
+    check_shardable,
+)
+from mooncake.model.params import SamplingParams  # noqa: E402
+from mooncake.model.sequence import Sequence  # noqa: E402
+from mooncake.model.weights import create_model  # noqa: E402
+
+BT, BLOCKS = 16, 48
+GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+PROMPTS = [[(7 * i + 3 * j) % 512 for j in range(n)] for i, n in enumerate((5, 23, 40))]
+
+
+def _decode(tp: int) -> tuple[dict[int, list[int]], list[torch.Tensor]]:
+    info = load_model_info("dummy:tiny")
+    model = create_model(info, "float32", "cpu", cpu_gemm="torch")
+    group = None
+    if tp > 1:
+        group = TensorParallel.start(
+            model, tp, model_path="dummy:tiny", dtype="float32", num_blocks=BLOCKS, block_tokens=BT
+        )
+        assert isinstance(model.lm_head, VocabParallelHead) and model.num_kv_heads == 1
+    try:
+        cache = PagedKVCache.for_model(model, BLOCKS, BT)
+        runner = DecodeRunner(model, cache, max_batch=4, chunk_tokens=24)
+        seen: list[torch.Tensor] = []
+        run = runner._run
+
+        def spy():  # type: ignore[no-untyped-def]
+            out = run()
+            seen.append(out.clone())
+            return out
+
+        runner._run = spy  # type: ignore[method-assign]
+        for i, p in enumerate(PROMPTS):
+            runner.add(Sequence(i, p, GREEDY))
+        events = runner.run_until_done()
+        return {k: [e.token_id for e in v] for k, v in events.items()}, seen
+    finally:
+        if group is not None:
+            group.stop()
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tensor_parallel_equals_one_rank(tp: int) -> None:
+    want_tokens, want_logits = _decode(1)
+    got_tokens, got_logits = _decode(tp)
+    assert got_tokens == want_tokens
+    assert len(got_logits) == len(want_logits)
+    for a, b in zip(got_logits, want_logits, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_what_does_not_split_is_refused() -> None:
+    model = create_model(load_model_info("dummy:tiny"), "float32", "meta")
+    check_shardable(model, 4)
+    with pytest.raises(ConfigError, match="tensor_parallel = 3 does not divide its 4 attention"):
+        check_shardable(model, 3)
+
+
+def _serve_tokens(tmp_path, tp: int) -> list[int]:  # type: ignore[no-untyped-def]
+    """Greedy tokens of `mooncake serve --model dummy:tiny --set model.tensor_parallel=N`."""
+    import os
+    import re
+    import signal
+    import subprocess
+    import sys
+
+    import httpx
+
+    config = tmp_path / f"serve{tp}.toml"
+    config.write_text("[metrics]\nport = 0\n")
+    cmd = [sys.executable, "-m", "mooncake", "serve", "--config", str(config)]
+    cmd += ["--model", "dummy:tiny", "--host", "127.0.0.1", "--port", "0", "--threads", "1"]
+    cmd += ["--kv-cache", "16MiB", "--set", f"model.tensor_parallel={tp}"]
+    env = {**os.environ, "MOONCAKE_LOG_LEVEL": "warning"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        assert proc.stdout is not None and proc.stderr is not None
+        line = proc.stdout.readline()
+        match = re.search(r"listening on (http://127\.0\.0\.1:\d+)", line)
+        assert match, (line, proc.stderr.read() if proc.poll() is not None else "")
+        body = {"prompt": PROMPTS[2], "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+        body["return_token_ids"] = True
+        r = httpx.post(match.group(1) + "/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        return r.json()["choices"][0]["token_ids"]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.cluster
+def test_serve_splits_the_model_over_two_ranks(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    assert _serve_tokens(tmp_path, 2) == _serve_tokens(tmp_path, 1)
