@@ -89,7 +89,9 @@ def up(
         "the cluster.",
     ),
 ) -> None:
-    """Start one node in its role and serve until SIGINT/SIGTERM (then drain and deregister),
+    """Start one node in its role and serve until SIGINT/SIGTERM (then drain and deregister)
+    (a prefill or decode node with node.instances > 1: one child process per instance, each a
+    member of the cluster with its share of the GPUs; any of them exiting stops them all),
     or with --local a whole cluster as separate processes on loopback, printing the URL
     to send OpenAI-compatible requests to; a node of it that exits is restarted (see
     --restart-limit). Ctrl-C stops every process."""
@@ -119,6 +121,7 @@ def up(
     import logging
 
     from mooncake.roles import run_node
+    from mooncake.roles.node.parent import count_instances
 
     cfg = _load(config, sets).config
     the_role = role or cfg.node.role
@@ -126,6 +129,15 @@ def up(
         raise typer.BadParameter(
             f"{the_role!r}: expected master, prefill, decode or store", param_hint="--role"
         )
+    num_instances, gpus = count_instances(cfg, the_role)
+    if num_instances > 1:
+        from mooncake.roles.node.parent import run_instances
+
+        logging.getLogger(__name__).info("starting %d %s instances", num_instances, the_role)
+        up_args = ["--config", str(config)] if config is not None else []
+        up_args += [arg for value in sets for arg in ("--set", value)]
+        run_instances(cfg, the_role, gpus, up_args, num_instances)
+        return
     logging.getLogger(__name__).info("starting %s node", the_role)
     run_node(cfg, the_role)
 

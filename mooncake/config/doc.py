@@ -27,7 +27,7 @@ class FieldSpec:
     section: str  # "store"
     key: str  # "replicas"
     kind: str  # str | int | float | bool | enum | list | size | bytes
-    tag: str  # "" | hostport | secret | modelpath | portrange: checks beyond the kind
+    tag: str  # "" | hostport | secret | modelpath | portrange | count: checks beyond the kind
     default: Any  # the value in Config()
     doc: str  # meaning and unit, one sentence or two
     choices: tuple[str, ...] = ()  # allowed values of an enum
@@ -64,6 +64,8 @@ class FieldSpec:
         }[self.kind]
         if self.tag == "hostport":
             return "host:port with a port in 1..65535"
+        if self.tag == "count":
+            return '"auto" or an integer >= 1'
         if self.tag == "portrange":
             return '"LOW-HIGH" with 1 <= LOW <= HIGH <= 65535, or "" for any free port'
         if self.tag == "modelpath":

@@ -11,7 +11,8 @@ from msgspec import Meta
 def knob(doc: str, kind: str = "", *, allows_auto: bool = False, **constraints: Any) -> Meta:
     """Field metadata: `doc` (meaning, unit) plus msgspec constraints (ge, le, gt, pattern...).
     `kind` marks types TOML cannot say: "size" (Size), "bytes" (int from a size string),
-    "hostport", "secret" (never printed). `allows_auto`: a "size" key that takes "auto"."""
+    "hostport", "secret" (never printed), "count" (an int >= 1 or "auto"). `allows_auto`: a
+    "size" key that takes "auto"."""
     extra: dict[str, Any] = {"kind": kind} if kind else {}
     if allows_auto:
         assert kind == "size", f"only a size takes auto, not {kind!r}"

@@ -62,6 +62,8 @@ def _coerce(spec: FieldSpec, value: Any, is_text: bool) -> Any:
             over = text is not None and re.match(r"^\s*[\d.]+\s*%\s*$", text)
             raise _Bad("a percentage is at most 100%" if over else "") from e
     if kind in ("str", "enum"):
+        if spec.tag == "count" and isinstance(value, int) and not isinstance(value, bool):
+            return str(value)  # NOTE: `instances = 4` in TOML; "auto" is the other value
         if text is None:
             raise _Bad("")
         if kind == "enum" and text not in spec.choices:

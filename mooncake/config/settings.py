@@ -171,6 +171,23 @@ class NodeConfig(msgspec.Struct, **_STRUCT):
             le=19,
         ),
     ] = 0
+    instances: Annotated[
+        str,
+        knob(
+            "Node processes `mooncake up` starts for a prefill or decode role, each a member "
+            "of the cluster with its own id (<id>-<k>), ports (a share of port_range), KV "
+            "cache, DRAM and SSD share and GPUs (CUDA_VISIBLE_DEVICES: an equal share of the "
+            "visible ones); auto = one per visible GPU (1 on a CPU node, and for master and "
+            "store, which refuse more than 1).",
+            "count",
+            pattern="^(auto|[1-9][0-9]*)$",
+        ),
+    ] = "auto"
+
+    @property
+    def num_instances(self) -> int | None:
+        """`instances` as a number; None for auto (decided from the GPUs at start)."""
+        return None if self.instances == "auto" else int(self.instances)
 
 
 _TIER = "bytes, or a percentage of what the topology reports free; 0 disables the tier"

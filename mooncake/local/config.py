@@ -51,7 +51,8 @@ def write_config(
     cluster = {"name": "local", "master": f"{plan.host}:{master_port}", "secret": secret}
     sections: dict[str, dict[str, object]] = {
         "cluster": {**cluster, **(ha or {})},
-        "node": {"advertise_address": plan.host},
+        # NOTE: one process per planned node, even on a GPU host ("auto" would be one per GPU)
+        "node": {"advertise_address": plan.host, "instances": 1},
         "model": {"path": plan.model, "block_tokens": plan.block_tokens},
         "prefill": {
             "chunk_tokens": plan.chunk_tokens,

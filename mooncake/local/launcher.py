@@ -20,11 +20,9 @@ even if it is killed (PR_SET_PDEATHSIG).
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import secrets
-import signal
 import socket
 import subprocess
 import sys
@@ -46,7 +44,15 @@ from mooncake.local.runfile import (
     runfile_path,
     write_runfile,
 )
-from mooncake.local.supervisor import Child, NodeEvent, RestartPolicy, Supervisor, wait_ready
+from mooncake.local.supervisor import (
+    Child,
+    NodeEvent,
+    RestartPolicy,
+    Supervisor,
+    die_with_parent,
+    terminate,
+    wait_ready,
+)
 from mooncake.native.shm import sweep_stale
 
 log = logging.getLogger(__name__)
@@ -59,12 +65,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def _die_with_parent() -> None:
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the launcher's to handle
 
 
 class LocalLauncher:
@@ -122,7 +122,7 @@ class LocalLauncher:
                 old.unlink()
             return {"state_dir": str(state)}
         data = tmpfs_data_dir(plan.run_dir / f"etcd-{secrets.token_hex(4)}")
-        self.etcd = LocalEtcd(data, _die_with_parent)
+        self.etcd = LocalEtcd(data, die_with_parent)
         url = self._forker.submit(self.etcd.start).result()  # NOTE: dies with the launcher
         ports = [self._master_port] + [free_port() for _ in range(plan.num_masters - 1)]
         for i, port in enumerate(ports[1:], 1):
@@ -196,7 +196,7 @@ class LocalLauncher:
         if role == "prefill" and "node.nice" not in self.plan.extra and self.plan.prefill_nice:
             cmd += ["--set", f"node.nice={self.plan.prefill_nice}"]
         proc = self._forker.submit(
-            subprocess.Popen, cmd, stdout=subprocess.PIPE, env=env, preexec_fn=_die_with_parent
+            subprocess.Popen, cmd, stdout=subprocess.PIPE, env=env, preexec_fn=die_with_parent
         ).result()
         self.on_progress(f"starting {node_id}")
         return Child(node_id, role, proc)
@@ -300,20 +300,9 @@ class LocalLauncher:
         nodes = [c for c in children if c.role != "master"]
         masters = [c for c in children if c.role == "master"]
         for group in (nodes, masters):
-            started = time.monotonic()
-            for c in group:
-                if c.proc.poll() is None:
-                    c.proc.send_signal(signal.SIGTERM)
-                    c.proc.send_signal(signal.SIGCONT)
-            for c in group:
-                grace = self.stop_grace_s(c.role) if grace_s is None else grace_s
-                try:
-                    c.proc.wait(max(0.1, started + grace - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    log.warning("%s did not stop in %.0f s; killing it", c.node_id, grace)
-                    c.proc.kill()
-                    c.proc.wait()
-                    is_killed = True
+            is_killed |= terminate(
+                group, lambda c: self.stop_grace_s(c.role) if grace_s is None else grace_s
+            )
         if self.etcd is not None:
             self.etcd.stop()
         if is_killed:

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import ctypes
 import json
+import logging
 import os
 import selectors
 import signal
@@ -26,6 +28,8 @@ from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 from mooncake.errors import MooncakeError
+
+log = logging.getLogger(__name__)
 
 # NOTE: a child's stdout reaches EOF as it exits, a moment before it can be reaped: this
 # long is waited for its exit code, so that a node failing at once (a config error) says
@@ -81,6 +85,35 @@ def wait_ready(child: Child, timeout_s: float) -> None:
     else:
         why = f" within {timeout_s:g} s"
     raise MooncakeError(f"{child.node_id} ({child.role}) did not report ready{why}")
+
+
+def die_with_parent() -> None:
+    """preexec_fn of a child: SIGTERM when its parent dies (PR_SET_PDEATHSIG, which fires
+    when the *thread* that forked it ends), and Ctrl-C ignored: the parent forwards it."""
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def terminate(children: list[Child], grace_s: Callable[[Child], float]) -> bool:
+    """SIGTERM every running child (with SIGCONT, so a stopped one acts on it), then SIGKILL
+    each still running once its `grace_s` seconds (from now) are over; returns whether one
+    was killed."""
+    started, is_killed = time.monotonic(), False
+    for c in children:
+        if c.proc.poll() is None:
+            c.proc.send_signal(signal.SIGTERM)
+            c.proc.send_signal(signal.SIGCONT)
+    for c in children:
+        grace = grace_s(c)
+        try:
+            c.proc.wait(max(0.1, started + grace - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            log.warning("%s did not stop in %.0f s; killing it", c.node_id, grace)
+            c.proc.kill()
+            c.proc.wait()
+            is_killed = True
+    return is_killed
 
 
 @dataclass(frozen=True)

@@ -127,13 +127,16 @@ def create_context(config: Config, role: str) -> NodeContext:
     for master in config.cluster.master_addresses:
         check_master_address(master)
     host = config.node.advertise_address or default_host(config.cluster.master)
-    # NOTE: the pid tells processes of one host apart, the random part hosts that share a
-    # name but not a pid namespace (containers on the host's network, each pid 1)
-    node_id = config.node.id or (
-        f"{socket.gethostname()}-{role}-{os.getpid()}-{secrets.token_hex(2)}"
-    )
+    node_id = config.node.id or default_node_id(role)
     topo = detect_topology(nic_allow=list(config.transfer.nics) or None)
     return NodeContext(config, node_id, host, secret, topo, masters=masters_to_dial(config))
+
+
+def default_node_id(role: str) -> str:
+    """The id of a node without `node.id`: hostname-role-pid-random."""
+    # NOTE: the pid tells processes of one host apart, the random part hosts that share a
+    # name but not a pid namespace (containers on the host's network, each pid 1)
+    return f"{socket.gethostname()}-{role}-{os.getpid()}-{secrets.token_hex(2)}"
 
 
 def masters_to_dial(config: Config) -> tuple[str, ...]:
