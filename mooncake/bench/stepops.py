@@ -116,25 +116,53 @@ def decode_step_counts(
     backend: str = "auto",
     context: int = 64,
     block_tokens: int = 16,
+    tensor_parallel: int = 1,
 ) -> dict[str, dict[str, Any]]:
     """{batch: {"ops", "syncs", ...}} of one decode step of `batch` sequences of about
     `context` tokens (their KV random, already in the cache) whose blocks are scattered
-    (every other block of the cache is held by another owner), after a first step."""
-    from mooncake.model.decode import DecodeRunner
+    (every other block of the cache is held by another owner), after a first step; with
+    `tensor_parallel` > 1, rank 0's (follower processes run the other ranks)."""
     from mooncake.model.info import load_model_info
-    from mooncake.model.kvcache import PagedKVCache
-    from mooncake.model.params import SamplingParams
-    from mooncake.model.sequence import Sequence
     from mooncake.model.weights import create_model
 
     info = load_model_info(model_path)
     if backend == "auto":
         backend = "triton" if os.environ.get("TRITON_INTERPRET") == "1" else "torch"
     model = create_model(info, "float32", "cpu", cpu_gemm="torch", attention_backend=backend)
+    blocks_per_seq = -(-(context + 4) // block_tokens)
+    num_blocks = 2 * max(batches) * blocks_per_seq + 2
+    group = None
+    if tensor_parallel > 1:
+        from mooncake.model.parallel import TensorParallel
+
+        group = TensorParallel.start(
+            model,
+            tensor_parallel,
+            model_path=model_path,
+            dtype="float32",
+            num_blocks=num_blocks,
+            block_tokens=block_tokens,
+            cpu_gemm="torch",
+        )
+    try:
+        return _counts(model, batches, context, block_tokens, num_blocks)
+    finally:
+        if group is not None:
+            group.stop()
+
+
+def _counts(
+    model: Any, batches: list[int], context: int, block_tokens: int, num_blocks: int
+) -> dict[str, dict[str, Any]]:
+    from mooncake.model.decode import DecodeRunner
+    from mooncake.model.kvcache import PagedKVCache
+    from mooncake.model.params import SamplingParams
+    from mooncake.model.sequence import Sequence
+
+    vocab = model.spec.vocab_size
     out: dict[str, dict[str, Any]] = {}
     for batch in batches:
-        blocks_per_seq = -(-(context + 4) // block_tokens)
-        cache = PagedKVCache.for_model(model, 2 * batch * blocks_per_seq + 2, block_tokens)
+        cache = PagedKVCache.for_model(model, num_blocks, block_tokens)
         for t in cache.k + cache.v:
             t.normal_()  # stands in for the prompts' KV: what is counted never reads values
         held = cache.allocator.allocate(cache.num_blocks)
@@ -142,7 +170,7 @@ def decode_step_counts(
         cache.free(held[::2])  # the runner gets blocks 0, 2, 4, ...: none consecutive
         runner = DecodeRunner(model, cache, max_batch=batch)
         for i in range(batch):
-            prompt = [(7 * i + j) % info.spec.vocab_size for j in range(context - i % 3)]
+            prompt = [(7 * i + j) % vocab for j in range(context - i % 3)]
             params = SamplingParams(
                 max_tokens=8,
                 temperature=0.0 if i % 2 else 0.8,
@@ -172,10 +200,13 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--model", default="dummy:tiny")
     ap.add_argument("--backend", default="auto")
+    ap.add_argument("--tensor-parallel", type=int, default=1)
     args = ap.parse_args()
     torch.set_num_threads(1)
     batches = [int(b) for b in args.batches.split(",")]
-    counts = decode_step_counts(batches, args.model, args.backend)
+    counts = decode_step_counts(
+        batches, args.model, args.backend, tensor_parallel=args.tensor_parallel
+    )
     print(json.dumps({"step_ops": counts}))
 
 

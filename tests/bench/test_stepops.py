@@ -48,3 +48,12 @@ def test_counter_sees_host_reads_and_dispatched_ops() -> None:
     assert c.syncs["Tensor.__bool__"] == 1 and c.syncs["aten.nonzero"] == 1
     assert c.ops["aten.mul"] == 1 and c.ops["aten.sum"] == 1
     assert c.num_syncs == 4
+
+
+@pytest.mark.cluster
+def test_decode_step_ops_per_rank_constant_at_two_ranks() -> None:
+    """Tensor parallel over 2 ranks (a follower process): rank 0's step still dispatches
+    the same ops at every batch size (the collectives a constant few per layer)."""
+    counts = decode_step_counts([1, 8], backend="triton", tensor_parallel=2)
+    assert counts["1"]["ops"] == counts["8"]["ops"], counts
+    assert all(c["syncs"] <= 1 for c in counts.values()), counts
