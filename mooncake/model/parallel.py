@@ -44,7 +44,7 @@ from mooncake.model.step import Layout, Step, StepBuilder, step_views_np
 log = logging.getLogger(__name__)
 
 KIND_STOP = 3  # besides llama.STEP_LOGITS and STEP_LAYERS
-HEADER = 8  # kind, num_tokens, num_seqs, width, max_query_len, max_seq_len, size, spare
+HEADER = 7  # kind, num_tokens, num_seqs, width, max_query_len, max_seq_len, size
 
 
 @dataclass(frozen=True)
@@ -128,7 +128,6 @@ class VocabParallelHead(nn.Module):
         if pad:
             weight = torch.cat([weight, weight.new_zeros(pad, weight.shape[1])])
         self.weight = nn.Parameter(weight, requires_grad=False)
-        self.num_real = shard - pad
         self.vocab, self.tp = vocab, tp
 
     def forward(self, h: Tensor) -> Tensor:
@@ -213,10 +212,9 @@ class Leader:
         lay = step.layout
         assert lay is not None, "a tensor-parallel step carries its layout"
         header = [kind, lay.num_tokens, lay.num_seqs, lay.width]
-        header += [lay.max_query_len, lay.max_seq_len, lay.flat.numel(), 0]
+        header += [lay.max_query_len, lay.max_seq_len, lay.flat.numel()]
         dist.broadcast(torch.tensor(header, dtype=torch.int64), 0, group=self.tp.group)
-        flat = lay.flat if lay.flat.device.type == "cpu" else lay.flat
-        dist.broadcast(flat.contiguous(), 0, group=self.tp.group)
+        dist.broadcast(lay.flat, 0, group=self.tp.group)
 
     def stop(self) -> None:
         header = torch.tensor([KIND_STOP] + [0] * (HEADER - 1), dtype=torch.int64)
@@ -244,14 +242,15 @@ def follow(model: Model, cache: PagedKVCache, tp: TPGroup) -> None:
     header = torch.empty(HEADER, dtype=torch.int64)
     while True:
         dist.broadcast(header, 0, group=tp.group)
-        kind, num_tokens, num_seqs, width, max_q, max_seq, size, _ = header.tolist()
+        kind, num_tokens, num_seqs, width, max_q, max_seq, size = header.tolist()
         if kind == KIND_STOP:
             return
         flat = torch.empty(size, dtype=torch.int32, device=device)
         dist.broadcast(flat, 0, group=tp.group)
         layout = Layout(flat, num_tokens, num_seqs, width, max_q, max_seq)
-        host = flat.cpu().numpy()
-        plan = plan_from_flat(host, layout, cache.block_tokens, steps.dtype)
+        plan = None  # NOTE: read back to the host only for a backend that plans there
+        if model.attention.plans_on_host:
+            plan = plan_from_flat(flat.cpu().numpy(), layout, cache.block_tokens, steps.dtype)
         step = steps.derive(layout, plan)
         if kind == STEP_LOGITS:
             model(step, cache.layer)

@@ -79,8 +79,9 @@ class SamplingBatch:
     ops `sample` runs. Built once per step by `build`; read-only after that."""
 
     params: tuple[SamplingParams, ...]  # host copy, one per row
-    floats: Tensor  # (B, 7) float32: the _F_* columns
-    ints: Tensor  # (B, 6 + L) int64: the _I_* columns, then the history padded with 0
+    # None for a batch of greedy rows without penalties, whose argmax reads neither
+    floats: Tensor | None  # (B, 7) float32: the _F_* columns
+    ints: Tensor | None  # (B, 6 + L) int64: the _I_* columns, then the history padded with 0
     is_all_greedy: bool
     has_top_k: bool  # some sampled row truncates by top_k, ...
     has_top_p: bool
@@ -113,27 +114,18 @@ class SamplingBatch:
         assert not needs_history or (history is not None and prompt_lens is not None), (
             "a penalty needs the history and the prompt lengths"
         )
-        rows = history if needs_history and history is not None else [()] * len(params)
-        lens = prompt_lens if needs_history and prompt_lens is not None else [0] * len(params)
-        num_cols = max((len(h) for h in rows), default=0)
-        floats = torch.tensor([_float_row(p) for p in params], dtype=torch.float32)
-        floats = floats.reshape(len(params), _NUM_F)
-        ints = torch.zeros((len(params), _NUM_I + num_cols), dtype=torch.int64)
-        # a 64-bit seed as two 32-bit lanes (two's complement for a negative one)
-        meta = [
-            [seed & _MASK32, (seed >> 32) & _MASK32, pos, p.top_k, n, len(h)]
-            for p, seed, pos, h, n in zip(params, seeds, positions, rows, lens, strict=True)
-        ]
-        if meta:
-            ints[:, :_NUM_I] = torch.tensor(meta, dtype=torch.int64)
-        for i, h in enumerate(rows):
-            if h:
-                ints[i, _NUM_I : _NUM_I + len(h)] = torch.tensor(h, dtype=torch.int64)
+        floats = ints = None
+        if sampled or needs_history:
+            floats, ints = _tensors(params, seeds, positions, history, prompt_lens, needs_history)
+            floats, ints = (
+                _upload(floats, torch.device(device)),
+                _upload(ints, torch.device(device)),
+            )
         logprobs = [p.logprobs for p in params if p.logprobs is not None]
         return cls(
             params=tuple(params),
-            floats=_upload(floats, torch.device(device)),
-            ints=_upload(ints, torch.device(device)),
+            floats=floats,
+            ints=ints,
             is_all_greedy=not sampled,
             has_top_k=any(p.top_k > 0 for p in sampled),
             has_top_p=any(p.top_p < 1 for p in sampled),
@@ -149,7 +141,36 @@ class SamplingBatch:
 
     def column(self, index: int) -> Tensor:
         """(B, 1) one float column, broadcast against (B, V)."""
+        assert self.floats is not None, "a batch of greedy rows without penalties"
         return self.floats[:, index : index + 1]
+
+
+def _tensors(
+    params: Sequence[SamplingParams],
+    seeds: Sequence[int],
+    positions: Sequence[int],
+    history: Sequence[Sequence[int]] | None,
+    prompt_lens: Sequence[int] | None,
+    needs_history: bool,
+) -> tuple[Tensor, Tensor]:
+    """The float32 and int64 host tensors of `SamplingBatch.build`."""
+    rows = history if needs_history and history is not None else [()] * len(params)
+    lens = prompt_lens if needs_history and prompt_lens is not None else [0] * len(params)
+    num_cols = max((len(h) for h in rows), default=0)
+    floats = torch.tensor([_float_row(p) for p in params], dtype=torch.float32)
+    floats = floats.reshape(len(params), _NUM_F)
+    ints = torch.zeros((len(params), _NUM_I + num_cols), dtype=torch.int64)
+    # a 64-bit seed as two 32-bit lanes (two's complement for a negative one)
+    meta = [
+        [seed & _MASK32, (seed >> 32) & _MASK32, pos, p.top_k, n, len(h)]
+        for p, seed, pos, h, n in zip(params, seeds, positions, rows, lens, strict=True)
+    ]
+    if meta:
+        ints[:, :_NUM_I] = torch.tensor(meta, dtype=torch.int64)
+    for i, h in enumerate(rows):
+        if h:
+            ints[i, _NUM_I : _NUM_I + len(h)] = torch.tensor(h, dtype=torch.int64)
+    return floats, ints
 
 
 def _clamp(value: float, low: float, high: float, neutral: float) -> float:
@@ -240,7 +261,7 @@ def sample(logits: Tensor, batch: SamplingBatch) -> SampledTokens:
         x = _penalize(logits, batch) if batch.needs_history else logits
         token_ids = x.argmax(-1) if batch.needs_history else top  # what greedy rows take
         if not batch.is_all_greedy:
-            is_greedy = batch.floats[:, _F_IS_GREEDY] > 0
+            is_greedy = batch.column(_F_IS_GREEDY)[:, 0] > 0
             token_ids = torch.where(is_greedy, token_ids, _draw(x, batch))
         token_ids = torch.where(is_finite, token_ids, top)
     out = SampledTokens(
@@ -264,6 +285,7 @@ def _penalize(x: Tensor, batch: SamplingBatch) -> Tensor:
     """(B, V) logits -> after the repetition, frequency and presence penalties."""
     num_rows, vocab = x.shape
     ints = batch.ints
+    assert ints is not None, "set whenever a row is sampled or penalized"
     history = ints[:, _NUM_I:]  # (B, L), padded with 0
     col = torch.arange(history.shape[1], device=x.device)
     # NOTE: an id past this vocabulary (none should come) is left out, not indexed
@@ -291,6 +313,7 @@ def _draw(x: Tensor, batch: SamplingBatch) -> Tensor:
     if batch.has_top_k or batch.has_top_p:
         sorted_s, order = scaled.sort(-1, descending=True)  # (B, V)
         if batch.has_top_k:
+            assert batch.ints is not None
             k = batch.ints[:, _I_TOP_K : _I_TOP_K + 1]
             k = torch.where((k <= 0) | (k > x.shape[1]), x.shape[1], k)  # 0 = off
             threshold = torch.maximum(threshold, sorted_s.gather(1, k - 1))
@@ -310,6 +333,7 @@ def _draw(x: Tensor, batch: SamplingBatch) -> Tensor:
 def _gumbel(batch: SamplingBatch, vocab: int, device: torch.device) -> Tensor:
     """(B, V) Gumbel noise -log(-log u), u a hash of (row's seed, row's position, token id)."""
     ints = batch.ints
+    assert ints is not None, "set whenever a row is sampled or penalized"
     key = _mix32_((ints[:, _I_POSITION] + _SALT_POSITION).bitwise_and_(_MASK32))  # (B,)
     key = _mix32_(key.bitwise_xor_(ints[:, _I_SEED_HI]))
     key = _mix32_(key.bitwise_xor_(ints[:, _I_SEED_LO]))

