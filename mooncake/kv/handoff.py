@@ -8,9 +8,16 @@ tensors live in shared memory, so a process on the same host copies straight int
 blocks a decode node reserved (kv/stream.py):
 
     cache.k[l][src_block]  ---->   {decode prefix}k{l} at dst_block * block_bytes
+
+A tensor-parallel instance registers every rank's cache, rank r's under
+`rank_prefix(prefix, r, ranks)` (`{prefix}tp{r}.`; the plain prefix at TP = 1), from
+rank 0's process (model/parallel.py `TensorParallel.place`), with each GPU rank's
+segments located on its own GPU, so that its KV goes out through the NIC nearest it.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
@@ -22,10 +29,27 @@ def segment_name(prefix: str, layer: int, half: str) -> str:
     return f"{prefix}{half}{layer}"
 
 
-def place_cache_in_segments(engine: TransferEngine, cache: PagedKVCache, prefix: str) -> None:
+def rank_prefix(prefix: str, rank: int, ranks: int) -> str:
+    """The segment prefix of tensor-parallel rank `rank` of `ranks`' cache."""
+    return prefix if ranks == 1 else f"{prefix}tp{rank}."
+
+
+def place_cache_in_segments(
+    engine: TransferEngine, cache: PagedKVCache, prefix: str, tp: Any = None
+) -> list[PagedKVCache]:
     """Register every layer's K and V tensors as Transfer Engine segments. On CPU the
     tensors are first moved into engine-allocated shared memory (same-host peers then copy
-    with the shm transport); on a GPU they are registered where they are."""
+    with the shm transport); on a GPU they are registered where they are. With `tp` (a
+    `parallel.TensorParallel`), every rank's cache is, rank r's under its `rank_prefix`.
+    Returns every rank's cache as this process addresses it, rank 0's (`cache`) first."""
+    ranks = 1 if tp is None else tp.size
+    _place(engine, cache, rank_prefix(prefix, 0, ranks))
+    if tp is None:
+        return [cache]
+    return [cache, *tp.place(engine, lambda r: rank_prefix(prefix, r, ranks))]
+
+
+def _place(engine: TransferEngine, cache: PagedKVCache, prefix: str) -> None:
     for i, layer in enumerate(range(cache.first_layer, cache.end_layer)):
         for half, tensors in (("k", cache.k), ("v", cache.v)):
             name = segment_name(prefix, layer, half)

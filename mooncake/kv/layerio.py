@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from mooncake.errors import StoreError
+from mooncake.kv.heads import HeadShards, rank_heads
 from mooncake.kv.object import KVLayout, KVObjectBuilder, KVObjectView
 from mooncake.model.kvcache import PagedKVCache
 
@@ -305,10 +306,17 @@ class LayerLoader:
     layer l is in place by the time compute reaches it (`wait(l)`)."""
 
     def __init__(
-        self, cache: PagedKVCache, objects: list[KVObjectView], block_ids: list[int], layers: range
+        self,
+        cache: PagedKVCache | Sequence[PagedKVCache],
+        objects: list[KVObjectView],
+        block_ids: list[int],
+        layers: range,
     ):
+        """`cache`: the cache, or every tensor-parallel rank's (rank order), each
+        receiving its heads of each object (kv/heads.py)."""
         assert len(objects) <= len(block_ids), (len(objects), len(block_ids))
-        self.cache, self.objects, self.block_ids, self.layers = cache, objects, block_ids, layers
+        self.caches = [cache] if isinstance(cache, PagedKVCache) else list(cache)
+        self.objects, self.block_ids, self.layers = objects, block_ids, layers
         self._ready = {layer: threading.Event() for layer in layers}
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
@@ -332,12 +340,27 @@ class LayerLoader:
 
     def load_layer(self, layer: int) -> None:
         lay = self.objects[0].layout
-        k_cache, v_cache = self.cache.layer(layer)
+        if len(self.caches) > 1:
+            self._load_heads(layer)
+            return
+        k_cache, v_cache = self.caches[0].layer(layer)
         for obj, block in zip(self.objects, self.block_ids, strict=False):
             k_src = _bytes_tensor(obj.data, lay.k_offset(layer), lay.half_bytes)
             v_src = _bytes_tensor(obj.data, lay.v_offset(layer), lay.half_bytes)
             k_cache[block].view(-1).view(torch.uint8).copy_(k_src)
             v_cache[block].view(-1).view(torch.uint8).copy_(v_src)
+
+    def _load_heads(self, layer: int) -> None:
+        """Each rank's heads of each object's layer into its own cache block."""
+        lay = self.objects[0].layout
+        shards = HeadShards(lay.num_kv_heads, len(self.caches))
+        halves = [c.layer(layer) for c in self.caches]
+        dtype, shape = halves[0][0].dtype, (lay.block_tokens, lay.num_kv_heads, lay.head_dim)
+        for obj, block in zip(self.objects, self.block_ids, strict=False):
+            for half, off in ((0, lay.k_offset(layer)), (1, lay.v_offset(layer))):
+                whole = _bytes_tensor(obj.data, off, lay.half_bytes).view(dtype).view(shape)
+                for r, pair in enumerate(halves):
+                    pair[half][block].copy_(rank_heads(whole, shards, r))
 
     def wait(self, layer: int) -> None:
         """Block until `layer` of every reused block is in the cache; raises StoreError."""

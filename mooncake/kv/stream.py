@@ -35,7 +35,8 @@ import torch
 from torch import Tensor
 
 from mooncake.errors import TransferError
-from mooncake.kv.handoff import block_bytes, segment_name
+from mooncake.kv.handoff import rank_prefix, segment_name
+from mooncake.kv.heads import HeadShards, head_runs, whole_heads
 from mooncake.kv.object import KVLayout, layer_digest
 from mooncake.model.kvcache import PagedKVCache
 from mooncake.store.metadata.objects import ReplicaDesc
@@ -54,6 +55,8 @@ class KVDest(msgspec.Struct, frozen=True, kw_only=True):
     prefix: str  # layer l's K is segment f"{prefix}k{l}", V f"{prefix}v{l}"
     block_ids: list[int]
     num_tokens: int  # tokens of KV the decode node expects (the prompt but its last token)
+    # its tensor-parallel degree: rank r's blocks are under handoff.rank_prefix(prefix, r, ranks)
+    ranks: int = 1
 
 
 class PoolTarget(msgspec.Struct, frozen=True, kw_only=True):
@@ -108,7 +111,7 @@ class KVStreamer:
     def __init__(
         self,
         engine: TransferEngine,
-        cache: PagedKVCache,
+        cache: PagedKVCache | Sequence[PagedKVCache],
         src_prefix: str,
         src_block_ids: Sequence[int],
         plan: StreamPlan,
@@ -116,10 +119,15 @@ class KVStreamer:
         writer: StreamWriter,
         timeout_s: float,
     ):
-        self.engine, self.cache, self.src_prefix = engine, cache, src_prefix
+        """`cache`: this stage's cache, or every tensor-parallel rank's (rank order, each
+        registered under `handoff.rank_prefix(src_prefix, rank, ranks)`)."""
+        self.caches = [cache] if isinstance(cache, PagedKVCache) else list(cache)
+        self.cache = self.caches[0]
+        self.engine, self.src_prefix = engine, src_prefix
+        self.src_shards = HeadShards(layout.num_kv_heads, len(self.caches))
         self.src_blocks, self.plan, self.layout = list(src_block_ids), plan, layout
         self.writer, self.timeout_s = writer, timeout_s
-        bt = cache.block_tokens
+        bt = self.cache.block_tokens
         self._targets = {t.block: i for i, t in enumerate(plan.pool)}
         if plan.decode is not None:
             need = -(-plan.decode.num_tokens // bt)
@@ -194,47 +202,117 @@ class KVStreamer:
                 f"{self._layer_tokens.get(layer, 0)}: chunks must come in order"
             )
         self._layer_tokens[layer] = hi
-        bt, size = self.cache.block_tokens, block_bytes(self.cache)
-        tb = size // bt
+        bt, hb = self.cache.block_tokens, self._head_bytes()
+        dst = HeadShards(self.layout.num_kv_heads, dest.ranks)
+        src_row, dst_row = self.src_shards.local * hb, dst.local * hb
+        first, last = lo // bt, -(-hi // bt)
+        src_bases = [b * bt * src_row for b in self.src_blocks[:last]]
+        dst_bases = [b * bt * dst_row for b in dest.block_ids[:last]]
         reqs: list[TransferRequest] = []
-        for half in ("k", "v"):
-            src = segment_name(self.src_prefix, layer, half)
-            dst = f"{segment_name(dest.prefix, layer, half)}@{dest.endpoint}"
-            runs: list[list[int]] = []  # [src offset, dst offset, bytes], coalesced
-            for i in range(lo // bt, -(-hi // bt)):
-                a, b = max(lo, i * bt), min(hi, (i + 1) * bt)
-                s = self.src_blocks[i] * size + (a - i * bt) * tb
-                d = dest.block_ids[i] * size + (a - i * bt) * tb
-                if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
-                    runs[-1][2] += (b - a) * tb
-                else:
-                    runs.append([s, d, (b - a) * tb])
-            reqs += [TransferRequest(TransferOp.WRITE, src, s, dst, d, n) for s, d, n in runs]
+        for run in head_runs(self.src_shards, dst):
+            for half in ("k", "v"):
+                src = segment_name(self._src_prefix(run.src_rank), layer, half)
+                name = segment_name(rank_prefix(dest.prefix, run.dst_rank, dest.ranks), layer, half)
+                runs = copy_runs(
+                    bt,
+                    src_bases,
+                    dst_bases,
+                    range(first, last),
+                    (lo, hi),
+                    (src_row, dst_row),
+                    (run.src_head * hb, run.dst_head * hb),
+                    run.count * hb,
+                )
+                reqs += [
+                    TransferRequest(TransferOp.WRITE, src, s, f"{name}@{dest.endpoint}", d, n)
+                    for s, d, n in runs
+                ]
         return reqs
 
     def _pool_writes(self, layer: int, start: int, end: int) -> list[TransferRequest]:
-        bt, lay = self.cache.block_tokens, self.layout
-        size = block_bytes(self.cache)
-        k, v = self.cache.layer(layer)
+        bt, lay, hb = self.cache.block_tokens, self.layout, self._head_bytes()
+        whole = HeadShards(lay.num_kv_heads)
+        runs = head_runs(self.src_shards, whole)
+        src_row, dst_row = self.src_shards.local * hb, lay.num_kv_heads * hb
+        halves = [c.layer(layer) for c in self.caches]
         reqs: list[TransferRequest] = []
         for b in range(start // bt, end // bt):
             i = self._targets.get(b)
             if i is None or (b + 1) * bt <= start:
                 continue
             blk = self.src_blocks[b]
+            # NOTE: gathered on the host for the digest, never on rank 0's GPU
+            k = whole_heads([kv[0][blk] for kv in halves], self.src_shards, "cpu")
+            v = whole_heads([kv[1][blk] for kv in halves], self.src_shards, "cpu")
             self._digests.setdefault(layer, [0] * len(self.plan.pool))[i] = layer_digest(
-                _host_bytes(k[blk]), _host_bytes(v[blk])
+                _host_bytes(k), _host_bytes(v)
             )
             for d in self.plan.pool[i].replicas:
                 name = remote_name(d.segment, d.endpoint)
                 for half, off in (("k", lay.k_offset(layer)), ("v", lay.v_offset(layer))):
-                    src = segment_name(self.src_prefix, layer, half)
-                    reqs.append(
-                        TransferRequest(
-                            TransferOp.WRITE, src, blk * size, name, d.offset + off, size, d.token
+                    for run in runs:
+                        src = segment_name(self._src_prefix(run.src_rank), layer, half)
+                        pieces = copy_runs(
+                            bt,
+                            [blk * bt * src_row],
+                            [d.offset + off],
+                            range(1),
+                            (0, bt),
+                            (src_row, dst_row),
+                            (run.src_head * hb, run.dst_head * hb),
+                            run.count * hb,
                         )
-                    )
+                        reqs += [
+                            TransferRequest(TransferOp.WRITE, src, s, name, dst, n, d.token)
+                            for s, dst, n in pieces
+                        ]
         return reqs
+
+    def _src_prefix(self, rank: int) -> str:
+        return rank_prefix(self.src_prefix, rank, len(self.caches))
+
+    def _head_bytes(self) -> int:
+        """Bytes of one token's K (or V) of one head."""
+        t = self.cache.k[0]
+        return t.shape[-1] * t.element_size()
+
+
+def copy_runs(
+    block_tokens: int,
+    src_bases: Sequence[int],
+    dst_bases: Sequence[int],
+    blocks: range,
+    tokens: tuple[int, int],
+    rows: tuple[int, int],
+    offsets: tuple[int, int],
+    size: int,
+) -> list[list[int]]:
+    """[source offset, destination offset, bytes] of the copies that move `size` bytes at
+    `offsets` (source, destination) within each token's row of `rows` bytes, for tokens
+    [lo, hi) = `tokens` of `blocks` (block i of the prompt starts at `src_bases[i]` and at
+    `dst_bases[i]`; token t of it `t % block_tokens` rows further), coalesced. A copy of
+    whole rows on both sides spans the tokens of a block; else each token is its own."""
+    lo, hi = tokens
+    (src_row, dst_row), (src_off, dst_off) = rows, offsets
+    whole = size == src_row == dst_row
+    runs: list[list[int]] = []
+    for i in blocks:
+        a, b = max(lo, i * block_tokens), min(hi, (i + 1) * block_tokens)
+        if a >= b:
+            continue
+        s0 = src_bases[i] + (a - i * block_tokens) * src_row + src_off
+        d0 = dst_bases[i] + (a - i * block_tokens) * dst_row + dst_off
+        pieces = (
+            [(s0, d0, (b - a) * size)]
+            if whole
+            else [(s0 + t * src_row, d0 + t * dst_row, size) for t in range(b - a)]
+        )
+        for s, d, n in pieces:
+            if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
+                runs[-1][2] += n
+            else:
+                runs.append([s, d, n])
+    return runs
 
 
 def merge_reports(

@@ -101,6 +101,20 @@ class PagedKVCache:
             str(param.device),
         )
 
+    @classmethod
+    def over(
+        cls, k: list[Tensor], v: list[Tensor], block_tokens: int, layers: range
+    ) -> PagedKVCache:
+        """A cache over tensors that exist already (another tensor-parallel rank's, as
+        rank 0 maps them: model/parallel.py `TensorParallel.place`); its allocator is
+        unused (rank 0's decides every rank's block ids)."""
+        cache = cls.__new__(cls)
+        cache.block_tokens = block_tokens
+        cache.first_layer, cache.end_layer = layers.start, layers.stop
+        cache.k, cache.v = list(k), list(v)
+        cache.allocator = BlockAllocator(k[0].shape[0])
+        return cache
+
     @staticmethod
     def block_bytes_per_layer(
         block_tokens: int, num_kv_heads: int, head_dim: int, elem: int

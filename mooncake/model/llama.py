@@ -31,7 +31,9 @@ from mooncake.model.spec import ModelSpec, RopeScaling
 if TYPE_CHECKING:
     from mooncake.model.step import Step
 
-STEP_LOGITS, STEP_LAYERS = 1, 2  # the kinds of whole-model forward (`Model.on_step`)
+# the kinds of whole-model forward (`Model.on_step`): every token's logits (decode), the
+# layers only (KV written), the layers and the last token's logits (a prompt's last chunk)
+STEP_LOGITS, STEP_LAYERS, STEP_LAST_LOGITS = 1, 2, 3
 
 
 class RMSNorm(nn.Module):
@@ -217,15 +219,19 @@ class Model(nn.Module):
     def forward(self, step: Step, layer_kv: Callable[[int], tuple[Tensor, Tensor]]) -> Tensor:
         """(T, vocab) float32 logits of a whole model's step, each layer's K/V caches
         from `layer_kv(global_layer)` (decode; prefill drives the layers itself)."""
-        if self.on_step is not None:
-            self.on_step(STEP_LOGITS, step)
+        self.announce(STEP_LOGITS, step)
         return self.compute_logits(self._layers(step, layer_kv))
 
     def run_layers(self, step: Step, layer_kv: Callable[[int], tuple[Tensor, Tensor]]) -> Tensor:
         """(T, hidden) after the last layer of a whole model's step (its K/V written)."""
-        if self.on_step is not None:
-            self.on_step(STEP_LAYERS, step)
+        self.announce(STEP_LAYERS, step)
         return self._layers(step, layer_kv)
+
+    def announce(self, kind: int, step: Step) -> None:
+        """Tell `on_step` (tensor parallelism's other ranks) the forward of `kind` about to
+        run; a runner that drives the layers itself (`prefill.PrefillRunner`) calls it."""
+        if self.on_step is not None:
+            self.on_step(kind, step)
 
     def _layers(self, step: Step, layer_kv: Callable[[int], tuple[Tensor, Tensor]]) -> Tensor:
         h = self.embed(step.tokens)

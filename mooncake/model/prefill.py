@@ -29,10 +29,11 @@ from torch import Tensor
 
 from mooncake.errors import ApiError, StoreError
 from mooncake.kv.hashing import PrefixHasher
+from mooncake.kv.heads import HeadShards, whole_heads
 from mooncake.kv.layerio import BaseKVPut, BaseKVSink, BaseKVSource, LayerLoader
 from mooncake.kv.object import KVLayout, KVObjectError, KVObjectView, decode_kv_object
 from mooncake.model.kvcache import PagedKVCache
-from mooncake.model.llama import Model
+from mooncake.model.llama import STEP_LAST_LOGITS, STEP_LAYERS, Model
 from mooncake.model.step import StepBuilder
 
 if TYPE_CHECKING:  # the stream's transfer stack stays out of a bare engine's imports
@@ -130,6 +131,9 @@ class PrefillRunner:
         self.model, self.cache, self.chunk_tokens = model, cache, chunk_tokens
         self.hasher, self.source, self.sink, self.fingerprint = hasher, source, sink, fingerprint
         self.dtype = cache.k[0].dtype
+        # every tensor-parallel rank's cache as this process addresses it (rank 0's first;
+        # kv/handoff.py `place_cache_in_segments`): reused KV goes into each
+        self.rank_caches: list[PagedKVCache] = [cache]
         self.steps = StepBuilder(model, bt)
         self.layout = KVLayout(
             spec.num_layers, bt, spec.num_kv_heads, spec.head_dim, KV_DTYPE_NAMES[self.dtype]
@@ -191,7 +195,7 @@ class PrefillRunner:
             block_ids=blocks,
             owns_blocks=owns,
             compute_start=compute_start,
-            loader=LayerLoader(self.cache, objects, blocks, self.model.layer_ids),
+            loader=LayerLoader(self.rank_caches, objects, blocks, self.model.layer_ids),
             put=put,
             first_store_block=first_store,
             fetched=fetched,
@@ -209,6 +213,11 @@ class PrefillRunner:
         model, bt = self.model, self.cache.block_tokens
         new_ids = st.token_ids[start:end] if model.is_first else None
         step = self.steps.build([st.block_ids], [end], [end - start], new_ids)
+        if model.on_step is not None:  # tensor parallelism: the other ranks run it too
+            if start == st.compute_start:  # NOTE: they read the reused KV from layer 0 on
+                self._wait_loaded(st)
+            last = model.is_last and end == len(st.token_ids)
+            model.announce(STEP_LAST_LOGITS if last else STEP_LAYERS, step)
         if model.is_first:
             h = model.embed(step.tokens)
         else:  # activations from the previous stage arrive in host memory
@@ -225,14 +234,8 @@ class PrefillRunner:
             h = model.layer(layer)(h, step, k, v)
             event = _kernel_event(k) if st.put is not None or st.stream is not None else None
             if st.put is not None and done:
-                ids = [st.block_ids[b] for b in done]
-                st.put.write_layer(
-                    layer,
-                    [b - st.first_store_block for b in done],
-                    [k[i] for i in ids],
-                    [v[i] for i in ids],
-                    event,
-                )
+                ks, vs = self._whole_blocks(layer, [st.block_ids[b] for b in done])
+                st.put.write_layer(layer, [b - st.first_store_block for b in done], ks, vs, event)
             if st.stream is not None:  # the first chunk also carries the reused prefix
                 lo = 0 if start == st.compute_start else start
                 st.stream.layer_done(layer, lo, end, event)
@@ -308,6 +311,29 @@ class PrefillRunner:
                 self.source.discard(hashes[i])
                 break
         return objects, fetched
+
+    def _whole_blocks(self, layer: int, ids: list[int]) -> tuple[list[Tensor], list[Tensor]]:
+        """Blocks `ids` of `layer`, K and V, with every KV head (a copy gathered from the
+        ranks under tensor parallelism, else views of the cache)."""
+        if len(self.rank_caches) == 1:
+            k, v = self.cache.layer(layer)
+            return [k[i] for i in ids], [v[i] for i in ids]
+        shards = HeadShards(self.layout.num_kv_heads, len(self.rank_caches))
+        halves = [c.layer(layer) for c in self.rank_caches]
+        ks = [whole_heads([kv[0][i] for kv in halves], shards) for i in ids]
+        vs = [whole_heads([kv[1][i] for kv in halves], shards) for i in ids]
+        return ks, vs
+
+    def _wait_loaded(self, st: PrefillState) -> None:
+        """Every layer of the reused KV in every rank's cache (tensor parallelism: the
+        other ranks read it as soon as they run, with no loader to wait for)."""
+        t0 = time.perf_counter()
+        for layer in self.model.layer_ids:
+            st.loader.wait(layer)
+        for c in self.rank_caches:
+            if c.k[0].device.type == "cuda":
+                torch.cuda.synchronize(c.k[0].device)
+        st.stats.load_wait_s += time.perf_counter() - t0
 
     def _release(self, fetched: list[int]) -> None:
         if fetched and self.source is not None:

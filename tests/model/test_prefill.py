@@ -137,3 +137,35 @@ def test_scattered_blocks_give_the_same_logits_as_consecutive_ones(tiny, cache):
     consecutive = runner.prefill(ids)
     scattered = runner.prefill(ids, block_ids=[30, 7, 21, 12, 40])
     torch.testing.assert_close(scattered.logits, consecutive.logits, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_reused_kv_loads_each_tensor_parallel_rank_its_heads(tiny, cache, fingerprint, ranks):
+    """Pool objects (every head, whatever degree wrote them) load into each rank's cache
+    as that rank's heads (split over 2 ranks, replicated over 4): kv/heads.py."""
+    from mooncake.kv.heads import HeadShards, rank_heads
+    from mooncake.kv.layerio import LayerLoader
+
+    _, pooled, pool, hasher = _runners(tiny, cache, fingerprint)
+    ids = prompt(27)
+    stored = pooled.prefill(ids)  # stores blocks 0-2
+    hashes = hasher.hash_blocks(ids)[:3]
+    objects = [
+        decode_kv_object(pool.get(h), pooled.layout, fingerprint, block_hash=h, token_ids=t)
+        for h, t in zip(hashes, [ids[i * BLOCK : (i + 1) * BLOCK] for i in range(3)], strict=True)
+    ]
+    shards = HeadShards(tiny.spec.num_kv_heads, ranks)
+    layers = (tiny.first_layer, tiny.end_layer)
+    caches = [
+        PagedKVCache(8, BLOCK, shards.local, tiny.spec.head_dim, layers) for _ in range(ranks)
+    ]
+    loader = LayerLoader(caches, objects, [5, 2, 7], tiny.layer_ids)
+    loader.join()
+    for layer in tiny.layer_ids:
+        for half in (0, 1):
+            whole = cache.layer(layer)[half]
+            for r, c in enumerate(caches):
+                for i, b in enumerate([5, 2, 7]):
+                    want = rank_heads(whole[stored.block_ids[i]], shards, r)
+                    assert torch.equal(c.layer(layer)[half][b], want), (layer, half, r, i)
+    cache.free(stored.block_ids)

@@ -17,6 +17,8 @@ import httpx
 from mooncake.local.cost import ensure_cost_model
 from mooncake.local.launcher import LocalLauncher, LocalPlan
 
+MAIN = "from mooncake.cli.app import main\nmain()\n"  # `start_node`'s script: the node as is
+
 
 @contextmanager
 def local_cluster(run_dir: Path, cost_cache: Path, **plan_kw: object) -> Iterator[LocalLauncher]:
@@ -43,6 +45,18 @@ def kill(cluster: LocalLauncher, node_id: str) -> None:
     child.proc.wait()
 
 
+def stop_procs(procs: list[subprocess.Popen[bytes]]) -> None:
+    """SIGTERM each of `procs`, then reap them (SIGKILL what outlives a minute)."""
+    for p in procs:
+        p.send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
 def node_row(url: str, node_id: str) -> dict[str, Any]:
     """The node's row of the master's /v1/status ({} when the master does not list it)."""
     nodes = httpx.get(url + "/v1/status", timeout=10).json()["nodes"]
@@ -50,12 +64,21 @@ def node_row(url: str, node_id: str) -> dict[str, Any]:
 
 
 def start_node(
-    cluster: LocalLauncher, role: str, node_id: str, script: str, log: Path, env: dict[str, str]
+    cluster: LocalLauncher,
+    role: str,
+    node_id: str,
+    script: str,
+    log: Path,
+    env: dict[str, str],
+    sets: tuple[str, ...] = (),
 ) -> subprocess.Popen[bytes]:
     """Start `mooncake up --role ROLE` of the cluster's config under `python -c script` (the
-    real node with one function wrapped from the test side); returns once it is ready."""
+    real node with one function wrapped from the test side, or `MAIN`), with `--set` of
+    each of `sets`; returns once it is ready."""
     cmd = [sys.executable, "-c", script, "up", "--role", role]
     cmd += ["--config", str(cluster.config_path), "--set", f"node.id={node_id}"]
+    for item in sets:
+        cmd += ["--set", item]
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=log.open("wb"), env={**os.environ, **env}
     )

@@ -27,7 +27,7 @@ from mooncake.roles.node.messages import (
     DecodeReserveReplyMsg,
 )
 from mooncake.rpc import RpcClient
-from tests.roles.cluster import local_cluster, node_row, start_node
+from tests.roles.cluster import local_cluster, node_row, start_node, stop_procs
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 
@@ -112,14 +112,7 @@ def faulty(tmp_path_factory: pytest.TempPathFactory, cost_cache: Path) -> Iterat
             _wait(lambda: _health(cluster.url).get("status") == "ok", "the cluster is not ready")
             yield Faulty(cluster, hold)
         finally:
-            for p in procs:
-                p.send_signal(signal.SIGTERM)
-            for p in procs:
-                try:
-                    p.wait(timeout=60)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait()
+            stop_procs(procs)
 
 
 def _health(url: str) -> dict:

@@ -57,3 +57,23 @@ def test_local_cluster_on_cuda_equals_the_engine_alone(
         nodes = httpx.get(cluster.url + "/v1/status", timeout=10).json()["nodes"]
         moved = sum(n.get("transfer_bytes", {}).get(protocol, 0) for n in nodes)
         assert moved > 0, nodes  # the KV really went over `protocol`, not shm
+
+
+def test_local_cluster_at_tensor_parallel_two_on_cuda_equals_the_engine_alone(
+    tmp_path: Path, cost_cache: Path
+) -> None:
+    """Every prefill and decode instance over two GPUs (NCCL for the forwards, CUDA IPC for
+    rank 1's KV cache, registered by rank 0's Transfer Engine on GPU 1): the greedy tokens
+    of one GPU, and a repeated prefix reused."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"tensor parallelism needs 2 GPUs, {torch.cuda.device_count()} visible")
+    extra = {"transfer.protocol": "tcp", "model.dtype": "float32", "model.tensor_parallel": 2}
+    prompt = [(i * 37 + 11) % 250 + 1 for i in range(150)]
+    body = {"model": "dummy:tiny", "prompt": prompt, "max_tokens": 16}
+    body |= {"temperature": 0, "ignore_eos": True}
+    with local_cluster(tmp_path, cost_cache, extra=extra) as cluster:
+        for _ in range(2):
+            r = httpx.post(cluster.url + "/v1/completions", json=body, timeout=120)
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["text"] == _engine_alone(prompt, 16)
+        assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0

@@ -10,8 +10,10 @@ from typing import Any
 
 import torch
 
+from mooncake.kv.heads import HeadShards, whole_heads
 from mooncake.kv.pool import StoreKVPool
 from mooncake.model.decode import DecodeRunner
+from mooncake.model.kvcache import PagedKVCache
 from mooncake.model.sequence import Sequence
 from mooncake.roles.node.messages import DecodeSubmitMsg
 from mooncake.roles.node.worker import Worker
@@ -36,9 +38,12 @@ class StoringDecodeRunner(DecodeRunner):
         super()._retire(seq)
 
 
-def store_output_kv(w: Worker, pool: StoreKVPool, seq: Sequence) -> None:
+def store_output_kv(
+    w: Worker, pool: StoreKVPool, seq: Sequence, rank_caches: list[PagedKVCache] | None = None
+) -> None:
     """Put the full blocks the prefill node did not store (those holding output) into the
-    pool; copies the blocks first, since they are freed right after."""
+    pool; copies the blocks first, since they are freed right after. `rank_caches`: every
+    tensor-parallel rank's cache (rank order), whose heads each object gathers."""
     bt = w.cache.block_tokens
     num_full = seq.num_cached_tokens // bt
     first = (seq.prompt_len - 1) // bt
@@ -47,12 +52,19 @@ def store_output_kv(w: Worker, pool: StoreKVPool, seq: Sequence) -> None:
     ids = seq.token_ids[: num_full * bt]
     hashes = w.hasher.hash_blocks(ids)[first:]
     put = pool.begin(hashes, [ids[b * bt : (b + 1) * bt] for b in range(first, num_full)])
-    idx = torch.tensor(seq.block_ids[first:num_full], device=w.cache.k[0].device)
+    caches = rank_caches or [w.cache]
+    shards = HeadShards(w.info.spec.num_kv_heads, len(caches))
+    blocks = seq.block_ids[first:num_full]
     positions = list(range(num_full - first))
     for layer in w.model.layer_ids:
-        k, v = w.cache.layer(layer)
-        kb, vb = k.index_select(0, idx), v.index_select(0, idx)
-        put.write_layer(layer, positions, list(kb), list(vb))
+        halves = []
+        for half in (0, 1):
+            parts = []
+            for c in caches:
+                t = c.layer(layer)[half]
+                parts.append(t.index_select(0, torch.tensor(blocks, device=t.device)))
+            halves.append(whole_heads(parts, shards, "cpu" if len(caches) > 1 else None))
+        put.write_layer(layer, positions, list(halves[0]), list(halves[1]))
     put.commit()
 
 

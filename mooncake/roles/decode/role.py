@@ -91,7 +91,7 @@ class DecodeNode:
         w = self.worker
         self.store, self.pool = connect_pool(ctx, w, self.store_node)
         self.kv_prefix = f"{ctx.node_id}.kv."
-        place_cache_in_segments(self.store.engine, w.cache, self.kv_prefix)
+        self.rank_caches = place_cache_in_segments(self.store.engine, w.cache, self.kv_prefix, w.tp)
         step_fn = None
         if cfg.scheduler.cost_model_path:
             step_fn = CostModel.load(cfg.scheduler.cost_model_path).decode_step_time
@@ -103,7 +103,9 @@ class DecodeNode:
             step_time_fn=step_fn,
             chunk_tokens=cfg.prefill.chunk_tokens,
             on_retire=self._store_output_kv,
-            cuda_graphs=None if cfg.model.cuda_graphs else False,
+            # NOTE: not under tensor parallelism: a capture would record rank 0's broadcast
+            # of the step without sending it (as `mooncake serve`)
+            cuda_graphs=None if cfg.model.cuda_graphs and w.tensor_parallel == 1 else False,
             max_model_len=cfg.model.max_model_len,
         )
         self.server = RpcServer(f"tcp://{ctx.host}:0", ctx.secret, name="decode", ports=ctx.ports)
@@ -147,7 +149,8 @@ class DecodeNode:
         with self.held:
             self.reserved[msg.req_id] = (ids, time.monotonic())
         ep = self.store.engine.endpoints[0]
-        return DecodeReserveReplyMsg(ids, self.kv_prefix, f"{ep.host}:{ep.port}")
+        ranks = self.worker.tensor_parallel
+        return DecodeReserveReplyMsg(ids, self.kv_prefix, f"{ep.host}:{ep.port}", ranks)
 
     def _on_submit(self, msg: DecodeSubmitMsg, _peer: object) -> AckMsg:
         w = self.worker
@@ -383,7 +386,7 @@ class DecodeNode:
         self.outbox.put(tokens)
 
     def _store_output_kv(self, seq: Sequence) -> None:
-        store_output_kv(self.worker, self.pool, seq)
+        store_output_kv(self.worker, self.pool, seq, self.rank_caches)
 
     def close(self) -> None:
         # NOTE: the last events (aborts at a stop or a failure) reach the master first
@@ -393,6 +396,7 @@ class DecodeNode:
         self.link.deregister()
         self.server.stop()
         close_pool(self.store, self.pool, self.store_node)
+        self.worker.close()
 
 
 def run_decode(ctx: NodeContext) -> None:

@@ -186,6 +186,9 @@ class Master:
             # NOTE: restarted before its heartbeats lapsed: what the old process held is lost
             log.warning("node %s restarted: what its old process held is lost", info.node_id)
             self._mark_down(info.node_id)
+            # NOTE: the new process may have mounted its tiers already (after the old one's
+            # last heartbeat): only what the old one mounted goes
+            self.store.drop_stale_segments(info.node_id, old.last_seen_s)
         with self.lock:
             rec = self.registry.register(info, time.monotonic())
             group = self.registry.group_msg(rec.node_id) if info.role == "prefill" else None

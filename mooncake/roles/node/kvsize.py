@@ -162,11 +162,21 @@ def warm_up_decode(model: Model, cache: PagedKVCache, max_batch: int, chunk_toke
     assert not runner.has_work, "every warm-up request ends after one token"
 
 
-def measure_gpu(model: Model, sizing: KVSizing, block_tokens: int) -> DeviceMemory:
+def measure_gpu(
+    model: Model,
+    sizing: KVSizing,
+    block_tokens: int,
+    resize: Callable[[int], None] | None = None,
+) -> DeviceMemory:
     """Run `sizing`'s warm-up on a temporary cache on `model`'s GPU, then release torch's
-    cached blocks and read what is free. NOTE: has not run on a GPU yet."""
+    cached blocks and read what is free. `resize`: tensor parallelism's other ranks build
+    a temporary cache of as many blocks for the warm-up (and free it after). NOTE: has not
+    run on a GPU yet."""
     device = next(model.parameters()).device
-    cache = PagedKVCache.for_model(model, -(-sizing.warmup_tokens // block_tokens), block_tokens)
+    num_blocks = -(-sizing.warmup_tokens // block_tokens)
+    cache = PagedKVCache.for_model(model, num_blocks, block_tokens)
+    if resize is not None:
+        resize(num_blocks)
     torch.cuda.synchronize(device)
     before = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
@@ -174,6 +184,8 @@ def measure_gpu(model: Model, sizing: KVSizing, block_tokens: int) -> DeviceMemo
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - before
     del cache
+    if resize is not None:
+        resize(0)
     torch.cuda.empty_cache()
     free, _total = torch.cuda.mem_get_info(device)
     log.info(

@@ -162,6 +162,9 @@ class DecodeReserveReplyMsg(Msg, frozen=True, tag="decode.reserve_reply"):
     block_ids: BlockIds  # [] = no room now; try again
     segment_prefix: str = ""  # layer l's K is segment f"{prefix}k{l}", V f"{prefix}v{l}"
     endpoint: str = ""  # host:port of the decode node's transfer server
+    # the decode instance's tensor-parallel degree: rank r's segments are under
+    # kv/handoff.py rank_prefix(segment_prefix, r, tensor_parallel)
+    tensor_parallel: int = 1
 
 
 class DecodeSubmitMsg(Msg, frozen=True, tag="decode.submit"):

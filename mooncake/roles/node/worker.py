@@ -21,6 +21,7 @@ from mooncake.kv.pool import StoreKVPool
 from mooncake.model.info import ModelInfo, kv_fingerprint, load_model_info, resolve_dtype
 from mooncake.model.kvcache import PagedKVCache
 from mooncake.model.llama import Model
+from mooncake.model.parallel import TensorParallel, resolve_tensor_parallel
 from mooncake.model.tokenizer import BaseTokenizer, create_tokenizer
 from mooncake.model.weights import create_model
 from mooncake.roles.node.common import NodeContext
@@ -44,6 +45,17 @@ class Worker:
     tokenizer: BaseTokenizer
     hasher: PrefixHasher
     fingerprint: bytes
+    tp: TensorParallel | None = None  # the other ranks, under tensor parallelism
+
+    @property
+    def tensor_parallel(self) -> int:
+        return 1 if self.tp is None else self.tp.size
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks, if any."""
+        if self.tp is not None:
+            self.tp.stop()
+            self.tp = None
 
     @property
     def layout(self) -> KVLayout:
@@ -87,44 +99,69 @@ def load_worker(ctx: NodeContext, role: Role, layers: tuple[int, int] | None = N
     `kv_cache_bytes`, sized after a warm-up on a GPU (roles/node/kvsize.py)."""
     cfg = ctx.config
     device = device_for(ctx)
-    if cfg.model.tensor_parallel > 1:
-        raise ConfigError(
-            f"model.tensor_parallel = {cfg.model.tensor_parallel}: prefill and decode nodes "
-            "run one rank so far (`mooncake serve` splits a model over several); set it to 0 or 1"
-        )
     info = load_model_info(cfg.model.path)
     dtype = resolve_dtype(info, cfg.model.dtype, device)
     first, end = layers or (0, info.spec.num_layers)
     bt, s = cfg.model.block_tokens, info.spec
+    ranks = resolve_tensor_parallel(cfg.model.tensor_parallel, device)
+    if ranks > 1 and (first, end) != (0, s.num_layers):
+        raise ConfigError(
+            f"model.tensor_parallel = {ranks}: a prefill node that is one stage of a "
+            "pipeline group (prefill.pipeline_group_size > 1) runs one rank; use tensor "
+            "parallelism or pipeline groups, not both"
+        )
     model = create_model(
         info,
         dtype,
         device,
         (first, end),
-        cpu_gemm=cfg.model.cpu_gemm,
+        cpu_gemm=cfg.model.cpu_gemm if ranks == 1 else "torch",  # NOTE: packed once sharded
         attention_backend=cfg.model.attention_backend,
         block_tokens=bt,
     )
-    sizing = sizing_for(cfg, role, bt)
-    if device == "cpu":
-        num_bytes = kv_cache_bytes(sizing, psutil.virtual_memory().available, 0, on_gpu=False)
-    else:
-        mem = measure_gpu(model, sizing, bt)
-        num_bytes = kv_cache_bytes(sizing, mem.free_bytes, mem.activation_peak_bytes, on_gpu=True)
-    layer_bytes = PagedKVCache.block_bytes_per_layer(
-        bt, s.num_kv_heads, s.head_dim, DTYPE_BYTES[dtype]
-    )
-    num_blocks = cache_blocks(num_bytes, layer_bytes * (end - first), bt, sizing.key)
-    cache = PagedKVCache.for_model(model, num_blocks, bt)
+    tp = None
+    if ranks > 1:
+        tp = TensorParallel.start(
+            model,
+            ranks,
+            model_path=cfg.model.path,
+            dtype=dtype,
+            num_blocks=0,  # NOTE: sized below, then `resize`d
+            block_tokens=bt,
+            cpu_gemm=cfg.model.cpu_gemm,
+        )
+    try:
+        sizing = sizing_for(cfg, role, bt)
+        if device == "cpu":
+            num_bytes = kv_cache_bytes(sizing, psutil.virtual_memory().available, 0, on_gpu=False)
+        else:
+            mem = measure_gpu(model, sizing, bt, tp.resize if tp is not None else None)
+            num_bytes = kv_cache_bytes(
+                sizing, mem.free_bytes, mem.activation_peak_bytes, on_gpu=True
+            )
+        # NOTE: on a CPU node the ranks share the host's memory: the setting is all of theirs
+        per_rank = num_bytes // ranks if device == "cpu" else num_bytes
+        layer_bytes = PagedKVCache.block_bytes_per_layer(
+            bt, model.num_kv_heads, s.head_dim, DTYPE_BYTES[dtype]
+        )
+        num_blocks = cache_blocks(per_rank, layer_bytes * (end - first), bt, sizing.key)
+        cache = PagedKVCache.for_model(model, num_blocks, bt)
+        if tp is not None:
+            tp.resize(num_blocks)
+    except BaseException:
+        if tp is not None:
+            tp.stop()
+        raise
     fingerprint = kv_fingerprint(info, dtype)
     hasher = PrefixHasher(bt, ctx.secret, fingerprint)
     tokenizer = create_tokenizer(cfg.model.path, info.eos_token_ids)
     log.info(
-        "model %s layers [%d, %d) on %s, %s, %s attention, KV %s (%s): %d blocks of %d tokens",
+        "model %s layers [%d, %d) on %s x %d, %s, %s attention, KV %s (%s): %d blocks of %d tokens",
         s.name,
         first,
         end,
         device,
+        ranks,
         dtype,
         model.attention.name,
         format_size(num_bytes),
@@ -132,7 +169,7 @@ def load_worker(ctx: NodeContext, role: Role, layers: tuple[int, int] | None = N
         num_blocks,
         bt,
     )
-    return Worker(info, dtype, model, cache, tokenizer, hasher, fingerprint)
+    return Worker(info, dtype, model, cache, tokenizer, hasher, fingerprint, tp)
 
 
 def engine_options(cfg: Config) -> EngineOptions:

@@ -79,7 +79,7 @@ class PrefillFlow:
         r = self.runner
         return KVStreamer(
             self.engine,
-            r.cache,
+            r.rank_caches,
             self.kv_prefix,
             st.block_ids,
             plan,

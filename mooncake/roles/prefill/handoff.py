@@ -93,6 +93,7 @@ class DecodeHandoff:
         return KVDest(
             endpoint=reply.endpoint,
             prefix=reply.segment_prefix,
+            ranks=reply.tensor_parallel,
             block_ids=list(reply.block_ids),
             num_tokens=n,
         )

@@ -111,8 +111,8 @@ class PrefillNode:
         self.worker: Worker = load_worker(ctx, "prefill", layers)
         self.store, self.pool = connect_pool(ctx, self.worker, self.store_node)
         self.kv_prefix = f"{ctx.node_id}.kv."
-        place_cache_in_segments(self.store.engine, self.worker.cache, self.kv_prefix)
         w = self.worker
+        caches = place_cache_in_segments(self.store.engine, w.cache, self.kv_prefix, w.tp)
         self.runner = PrefillRunner(
             w.model,
             w.cache,
@@ -121,6 +121,7 @@ class PrefillNode:
             source=self.pool,
             fingerprint=w.fingerprint,
         )
+        self.runner.rank_caches = caches
         later = self.runner.layout.num_layers - len(w.model.layer_ids)
         self.next = NextStage(ctx, self.link, self.group, later)  # used by a leader of 2+
         self.listener: StageListener | None = None
@@ -383,6 +384,7 @@ class PrefillNode:
         self.flow.close()
         self.handoff.close()
         close_pool(self.store, self.pool, self.store_node)
+        self.worker.close()
 
 
 def run_prefill(ctx: NodeContext) -> None:

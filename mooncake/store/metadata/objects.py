@@ -190,6 +190,7 @@ class Segment:
     # know it (it restarted) may still be read and written by clients holding a previous
     # master's grants (read leases, write slots) until those run out.
     usable_from: float = 0.0
+    mounted_at: float = 0.0  # s (the master's monotonic clock) of this registration
 
     @property
     def capacity(self) -> int:

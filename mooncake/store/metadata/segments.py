@@ -56,6 +56,7 @@ class SegmentManager:
         alignment: int,
         token: int = 0,
         usable_from: float = 0.0,
+        now: float = 0.0,
     ) -> Segment | None:
         """Add a segment; None if this exact segment is already mounted (idempotent).
         Raises StoreError for a bad name or tier, or a name another mount owns (the caller
@@ -89,7 +90,14 @@ class SegmentManager:
             )
         allocator = OffsetAllocator(capacity, alignment, self.fit)
         seg = Segment(
-            name, node_id, tier, endpoint, allocator, token=token, usable_from=usable_from
+            name,
+            node_id,
+            tier,
+            endpoint,
+            allocator,
+            token=token,
+            usable_from=usable_from,
+            mounted_at=now,
         )
         self.segments[name] = seg
         self.node_segments.setdefault(node_id, []).append(seg)

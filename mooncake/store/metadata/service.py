@@ -107,7 +107,9 @@ class MetadataService:
             )
             membership.lose_segment(self.pool, self.mover, old, now, emit="evicted")
         usable_from = now + self.config.lease_ttl_s if is_remount else 0.0
-        if self.space.mount(node_id, name, tier, capacity, endpoint, alignment, token, usable_from):
+        if self.space.mount(
+            node_id, name, tier, capacity, endpoint, alignment, token, usable_from, now
+        ):
             self.pool.changed_segments[name] = None
             log.info("mounted %s segment %s of %d bytes on node %s", tier, name, capacity, node_id)
 
@@ -123,6 +125,15 @@ class MetadataService:
                 "nothing to unmount"
             )
         return membership.lose_segment(self.pool, self.mover, seg, now, emit="evicted")
+
+    def drop_stale_segments(self, node_id: str, before: float, now: float) -> int:
+        """Drop node `node_id`'s segments mounted before `before` (the master learned the
+        node restarted: what its old process held is gone; what the new one mounted since
+        stays); returns how many (lost events for objects left with no replica)."""
+        stale = [s for s in self.space.node_segments.get(node_id, []) if s.mounted_at < before]
+        for seg in stale:
+            membership.lose_segment(self.pool, self.mover, seg, now, emit="evicted")
+        return len(stale)
 
     def expire(self, now: float) -> list[str]:
         """Drop the nodes silent for heartbeat_ttl_s (node_gone; lost for objects left with

@@ -155,6 +155,15 @@ class StoreService:
             self.flush()
             return started
 
+    def drop_stale_segments(self, node_id: str, before: float) -> None:
+        """A node restarted: drop the segments its old process mounted before `before`
+        (time.monotonic(); `MetadataService.drop_stale_segments`), so that puts are no
+        longer placed in dead memory while the old registration's heartbeats run out."""
+        with self.lock:
+            if n := self.metadata.drop_stale_segments(node_id, before, time.monotonic()):
+                log.warning("node %s restarted: %d segments of its old process dropped", node_id, n)
+            self.flush()
+
     def tick(self) -> None:
         """One housekeeping pass: drop silent nodes and stale puts, evict above watermark."""
         with self.lock:

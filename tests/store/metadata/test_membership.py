@@ -109,3 +109,22 @@ def test_a_client_without_segments_expires_silently():
     svc.space.heartbeat("a", 11.0)
     assert svc.expire(11.0) == ["client"]
     assert svc.pool.drain_events() == []
+
+
+def test_a_restarted_node_loses_what_its_old_process_mounted_and_keeps_its_new_mounts():
+    """The master saw node a restart (its last heartbeat at 5 s): a's segments mounted
+    before then go at once (puts no longer land in dead memory), one mounted since stays."""
+    svc = make_service({"a": {"dram": 4096}, "b": {"dram": 4096}})
+    put(svc, "on-a", 64, writer="a")
+    svc.mount_segment("a", "a-ssd", "ssd", 8192, now=6.0)  # the new process's
+    svc.pool.drain_events()
+    assert svc.drop_stale_segments("a", before=5.0, now=7.0) == 1
+    assert "a-dram" not in svc.space.segments and "a-ssd" in svc.space.segments
+    assert [(e.kind, e.key) for e in svc.pool.drain_events()] == [
+        ("evicted", "on-a"),
+        ("lost", "on-a"),
+    ]
+    assert put(svc, "next", 64, writer="a", tiers=("dram",)) == "ok"  # placed on b
+    assert [r.node_id for r in svc.get_replicas("next", 7.0).replicas] == ["b"]
+    assert svc.drop_stale_segments("b", before=0.0, now=7.0) == 0
+    svc.check_integrity()
