@@ -80,8 +80,8 @@ class EngineBackend(BaseBackend):
         if num_threads:
             torch.set_num_threads(num_threads)
         spec = info.spec
-        tp = resolve_tensor_parallel(config.tensor_parallel, device)
         dtype = resolve_dtype(info, config.dtype, device)
+        tp = resolve_tensor_parallel(config.tensor_parallel, device, spec, dtype)
         self.model = create_model(  # NOTE: rank 0's slice only when tp > 1
             info,
             dtype,

@@ -27,9 +27,13 @@ both with `mooncake.bench.stepops`).
 above, or one tensor per expert (Mixtral's `block_sparse_moe.experts.{e}.w1/w3/w2`,
 Qwen3-MoE's `mlp.experts.{e}.gate_proj/up_proj/down_proj`).
 
+Under tensor parallelism (`parallel`, `shardplan`) every rank holds every expert at 1/n of
+its width (its gate and up rows, its down columns, as a dense MLP is split), the router
+whole; each rank routes alike and sums its partial outputs, all-reduced after the layer.
+
 NOTE: on a GPU, `F.grouped_mm` has its fast kernels for bfloat16 on SM >= 80 (H100, H200);
-a Triton grouped GEMM for the other cases, and experts sharded across ranks (expert
-parallelism), are not done yet.
+a Triton grouped GEMM for the other cases, and experts placed on different ranks (expert
+parallelism), are not done yet. Tensor-parallel MoE has run over gloo on CPUs only.
 """
 
 from __future__ import annotations

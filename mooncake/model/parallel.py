@@ -7,12 +7,16 @@ nano-vllm apply it):
     o_proj        row-parallel: a partial sum per rank, all-reduced
     gate_up_proj  column-parallel (its slice of the gate and of the up rows)
     down_proj     row-parallel, all-reduced
+    experts       each expert split by width as gate_up/down; router replicated; all-reduced
     embed_tokens  vocab-parallel: rank r looks up ids in its rows, zeros else, all-reduced
     lm_head       vocab-parallel: rank r's logits of its rows, all-gathered
 
-`shard_model` cuts a whole model (weights loaded or drawn as at TP = 1, so TP = 1 and
-TP = N hold the same model) down to one rank's slice in place. The paged KV cache of a rank
-holds its KV heads only (`local_kv_heads`).
+`shardplan` says which slice of each weight a rank holds. `weights.create_model(...,
+tp=TPGroup(r, n))` loads rank r's slice only (what the followers and `mooncake serve`'s
+rank 0 do); `shard_model` cuts a whole model already loaded (GGUF files; weights loaded or
+drawn as at TP = 1, so TP = 1 and TP = N hold the same model) by the same plan, in place.
+The paged KV cache of a rank holds its KV heads only (`local_kv_heads`). The degree:
+`resolve_tensor_parallel` (`tpdegree`).
 
 Rank 0 schedules and samples; before each forward it broadcasts the step (`Leader`: a
 header of seven integers, then the step's int32 buffer, `step.Layout`), and every other
@@ -40,7 +44,9 @@ from mooncake.model.cpugemm import pack_linears
 from mooncake.model.kvcache import PagedKVCache
 from mooncake.model.llama import STEP_LOGITS, Model
 from mooncake.model.shardplan import Cut, local_kv_heads, plan_cuts, vocab_rows
+from mooncake.model.spec import ModelSpec
 from mooncake.model.step import Layout, Step, StepBuilder, step_views_np
+from mooncake.model.tpdegree import resolve_degree, shard_problem
 
 log = logging.getLogger(__name__)
 
@@ -68,32 +74,20 @@ class TPGroup:
 
 
 def check_shardable(model: Model, size: int) -> None:
-    """ConfigError unless `model` splits over `size` ranks."""
-    spec = model.spec
-    why = ""
-    if spec.num_heads % size:
-        why = f"its {spec.num_heads} attention heads"
-    elif spec.num_kv_heads % size and size % spec.num_kv_heads:
-        why = f"its {spec.num_kv_heads} KV heads (nor does it divide them)"
-    elif spec.num_moe_layers < spec.num_layers and spec.intermediate_size % size:
-        why = f"its MLP width {spec.intermediate_size}"
-    elif spec.num_experts and spec.moe_intermediate_size % size:
-        why = f"its experts' width {spec.moe_intermediate_size}"
-    if why:
+    """ConfigError unless `model` splits over `size` ranks (`tpdegree.shard_problem`)."""
+    if why := shard_problem(model.spec, size):
         raise ConfigError(f"model.tensor_parallel = {size} does not divide {why}")
 
 
-def resolve_tensor_parallel(setting: int, device: str) -> int:
-    """Ranks of `model.tensor_parallel` (0 = automatic: 1; sizing the degree by the
-    weights and the GPUs' memory comes with GPU nodes) on `device`."""
-    if setting == 0:
-        return 1
-    if device.startswith("cuda") and setting > torch.cuda.device_count():
-        raise ConfigError(
-            f"model.tensor_parallel = {setting} needs {setting} GPUs; "
-            f"{torch.cuda.device_count()} are visible"
-        )
-    return setting
+def resolve_tensor_parallel(setting: int, device: str, spec: ModelSpec, dtype: str) -> int:
+    """Ranks of `model.tensor_parallel` = `setting` for a model of `spec` in `dtype` on
+    `device` (0 = automatic: 1 on a CPU; on a GPU as `tpdegree.resolve_degree` sizes it by
+    the visible GPUs' memory). Raises ConfigError when no degree fits."""
+    gpu_bytes = []
+    if device.startswith("cuda"):
+        count = torch.cuda.device_count()
+        gpu_bytes = [torch.cuda.get_device_properties(i).total_memory for i in range(count)]
+    return resolve_degree(setting, spec, dtype, gpu_bytes)
 
 
 class VocabParallelEmbedding(nn.Module):
