@@ -87,8 +87,9 @@ def create_model(
     collectives installed (they run once the process group exists). Raises ConfigError
     when the model does not split over `tp.size` ranks.
     """
-    is_sharded = tp is not None and tp.size > 1
-    if tp is not None and is_sharded and info.gguf_file:  # NOTE: loaded whole, then cut
+    if tp is not None and tp.size == 1:
+        tp = None
+    if tp is not None and info.gguf_file:  # NOTE: loaded whole, then cut
         whole = create_model(info, dtype, device, layer_range, seed, "torch", attention_backend)
         return shard_model(whole, tp, block_tokens, cpu_gemm).eval()
     with torch.device("meta"):
@@ -96,7 +97,7 @@ def create_model(
     torch_dtype = TORCH_DTYPES[dtype]
     model = model.to(dtype=torch_dtype)
     cuts: dict[str, Cut] = {}
-    if tp is not None and is_sharded:
+    if tp is not None:
         check_shardable(model, tp.size)
         cuts = cut_model(model, tp)  # the rank's shapes, still on the meta device
     if device == "meta":
@@ -121,7 +122,7 @@ def create_model(
         load_gguf(model, info)
     else:
         _load_hf(model, info, cuts)
-    if tp is not None and is_sharded:
+    if tp is not None:
         install_collectives(model, tp, cpu_gemm)
     elif device == "cpu":
         pack_linears(model, cpu_gemm)
@@ -193,7 +194,8 @@ class _Checkpoint:
         only the rows or columns it takes). Raises ConfigError for a missing tensor or one
         whose shape differs from the cut's."""
         if cut is None:
-            return torch.cat([self._get(n, ()) for n in names])
+            parts = [self._get(n, ()) for n in names]
+            return torch.cat(parts) if len(parts) > 1 else parts[0]
         shapes = [tuple(self._slice(n).get_shape()) for n in names]
         whole = (sum(s[0] for s in shapes), *shapes[0][1:])
         if whole != cut.shape or any(s[1:] != shapes[0][1:] for s in shapes):
