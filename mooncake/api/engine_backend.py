@@ -66,7 +66,12 @@ class EngineBackend(BaseBackend):
         from mooncake.model.decode import DecodeRunner
         from mooncake.model.info import load_model_info, resolve_dtype
         from mooncake.model.kvcache import PagedKVCache
-        from mooncake.model.parallel import TensorParallel, local_kv_heads, resolve_tensor_parallel
+        from mooncake.model.parallel import (
+            TensorParallel,
+            TPGroup,
+            local_kv_heads,
+            resolve_tensor_parallel,
+        )
         from mooncake.model.prefixcache import PrefixCache
         from mooncake.model.weights import create_model
 
@@ -75,15 +80,16 @@ class EngineBackend(BaseBackend):
         if num_threads:
             torch.set_num_threads(num_threads)
         spec = info.spec
-        tp = resolve_tensor_parallel(config.tensor_parallel, device)
         dtype = resolve_dtype(info, config.dtype, device)
-        self.model = create_model(
+        tp = resolve_tensor_parallel(config.tensor_parallel, device, spec, dtype)
+        self.model = create_model(  # NOTE: rank 0's slice only when tp > 1
             info,
             dtype,
             device,
-            cpu_gemm=config.cpu_gemm if tp == 1 else "torch",  # NOTE: packed once sharded
+            cpu_gemm=config.cpu_gemm,
             attention_backend=config.attention_backend,
             block_tokens=config.block_tokens,
+            tp=TPGroup(0, tp) if tp > 1 else None,
         )
         elem = next(self.model.parameters()).element_size()
         block_bytes = spec.num_layers * PagedKVCache.block_bytes_per_layer(

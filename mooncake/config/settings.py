@@ -366,9 +366,14 @@ class ModelConfig(msgspec.Struct, **_STRUCT):
         int,
         knob(
             "Ranks one instance's layers are split over (Megatron-style: attention heads, "
-            "MLP width, vocabulary), one process each, gloo on CPU and NCCL on GPUs; "
-            "0 = automatic (1 for now). Served by `mooncake serve`; prefill and decode "
-            "nodes run 1.",
+            "MLP and expert widths, vocabulary), one process and GPU each, each loading "
+            "only its slice of the weights; gloo on CPU, NCCL on GPUs (not run yet). 0 = "
+            "automatic: 1 on a CPU; on GPUs the smallest power of two, at most the GPUs "
+            "visible, that divides the model and leaves each GPU's share of the weights "
+            "under 60% of its memory (the rest for the KV cache). node.instances = auto "
+            "starts one instance per this many GPUs. Prefill and decode instances and "
+            "`mooncake serve` alike; a prefill node that is one stage of a pipeline group "
+            "runs one rank (auto there is 1).",
             ge=0,
         ),
     ] = 0

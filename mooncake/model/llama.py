@@ -198,6 +198,7 @@ class Model(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(spec), persistent=False)
         self.attention: AttentionBackend = TorchAttention()  # `weights.create_model` chooses
         self.num_kv_heads = spec.num_kv_heads  # of this rank (`parallel.shard_model`)
+        self.tp_rank, self.tp_size = 0, 1  # this slice's tensor-parallel rank and ranks
         # called before each whole-model forward: tensor parallelism's rank 0 tells the
         # other ranks the step (`parallel.Leader`)
         self.on_step: Callable[[int, Step], None] | None = None

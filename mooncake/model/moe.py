@@ -23,13 +23,17 @@ both with `mooncake.bench.stepops`).
 | `x_sorted`      | (P, H)   | the token of each sorted pair                          |
 | `y`             | (P, H)   | each sorted pair's expert output, unsorted back to (T, k, H) |
 
-`checkpoint_tensor` reads the experts from either layout a checkpoint may hold: stacked as
+`checkpoint_sources` finds the experts in either layout a checkpoint may hold: stacked as
 above, or one tensor per expert (Mixtral's `block_sparse_moe.experts.{e}.w1/w3/w2`,
 Qwen3-MoE's `mlp.experts.{e}.gate_proj/up_proj/down_proj`).
 
+Under tensor parallelism (`parallel`, `shardplan`) every rank holds every expert at 1/n of
+its width (its gate and up rows, its down columns, as a dense MLP is split), the router
+whole; each rank routes alike and sums its partial outputs, all-reduced after the layer.
+
 NOTE: on a GPU, `F.grouped_mm` has its fast kernels for bfloat16 on SM >= 80 (H100, H200);
-a Triton grouped GEMM for the other cases, and experts sharded across ranks (expert
-parallelism), are not done yet.
+a Triton grouped GEMM for the other cases, and experts placed on different ranks (expert
+parallelism), are not done yet. Tensor-parallel MoE has run over gloo on CPUs only.
 """
 
 from __future__ import annotations
@@ -115,29 +119,27 @@ def is_moe_param(suffix: str) -> bool:
     return suffix == "mlp.gate.weight" or suffix in _EXPERT_PARTS
 
 
-def checkpoint_tensor(
-    has: Callable[[str], bool],
-    get: Callable[[str], Tensor],
-    prefix: str,
-    suffix: str,
-    num_experts: int,
-) -> Tensor:
-    """The value of a SparseMoE parameter `suffix` of the layer whose checkpoint names start
-    with `prefix` ("model.layers.3."), from either layout: stacked experts
-    (`mlp.experts.gate_up_proj` (E, 2I, H), transformers 5) or one tensor per expert
-    (`block_sparse_moe.experts.{e}.w1.weight`, `mlp.experts.{e}.gate_proj.weight`, ...)."""
+def checkpoint_sources(
+    has: Callable[[str], bool], prefix: str, suffix: str, num_experts: int
+) -> tuple[list[list[str]], bool]:
+    """Where a SparseMoE parameter `suffix` of the layer whose checkpoint names start with
+    `prefix` ("model.layers.3.") is, in either layout: ([[name]], False) for one tensor
+    holding it all (the router; stacked experts `mlp.experts.gate_up_proj` (E, 2I, H),
+    transformers 5), or (a list of names per expert, True) for one tensor per expert
+    (`block_sparse_moe.experts.{e}.w1.weight`, `mlp.experts.{e}.gate_proj.weight`, ...):
+    expert e's slab is its names' tensors concatenated along dim 0, and the parameter
+    their stack. A name the checkpoint lacks is the stacked one (the reader names it)."""
     if suffix == "mlp.gate.weight":
         names = [f"{prefix}{block}gate.weight" for block in _BLOCKS]
-        return get(next((n for n in names if has(n)), names[0]))
+        return [[next((n for n in names if has(n)), names[0])]], False
     if has(prefix + suffix):
-        return get(prefix + suffix)
+        return [[prefix + suffix]], False
     for block in _BLOCKS:
         for parts in _EXPERT_PARTS[suffix]:
             if has(f"{prefix}{block}experts.0.{parts[0]}.weight"):
-                return torch.stack(
-                    [
-                        torch.cat([get(f"{prefix}{block}experts.{e}.{p}.weight") for p in parts])
-                        for e in range(num_experts)
-                    ]
-                )
-    return get(prefix + suffix)  # raises, naming the stacked tensor
+                groups = [
+                    [f"{prefix}{block}experts.{e}.{p}.weight" for p in parts]
+                    for e in range(num_experts)
+                ]
+                return groups, True
+    return [[prefix + suffix]], False

@@ -7,12 +7,16 @@ nano-vllm apply it):
     o_proj        row-parallel: a partial sum per rank, all-reduced
     gate_up_proj  column-parallel (its slice of the gate and of the up rows)
     down_proj     row-parallel, all-reduced
+    experts       each expert split by width as gate_up/down; router replicated; all-reduced
     embed_tokens  vocab-parallel: rank r looks up ids in its rows, zeros else, all-reduced
     lm_head       vocab-parallel: rank r's logits of its rows, all-gathered
 
-`shard_model` cuts a whole model (weights loaded or drawn as at TP = 1, so TP = 1 and
-TP = N hold the same model) down to one rank's slice in place. The paged KV cache of a rank
-holds its KV heads only (`local_kv_heads`).
+`shardplan` says which slice of each weight a rank holds. `weights.create_model(...,
+tp=TPGroup(r, n))` loads rank r's slice only (what the followers and `mooncake serve`'s
+rank 0 do); `shard_model` cuts a whole model already loaded (GGUF files; weights loaded or
+drawn as at TP = 1, so TP = 1 and TP = N hold the same model) by the same plan, in place.
+The paged KV cache of a rank holds its KV heads only (`local_kv_heads`). The degree:
+`resolve_tensor_parallel` (`tpdegree`).
 
 Rank 0 schedules and samples; before each forward it broadcasts the step (`Leader`: a
 header of seven integers, then the step's int32 buffer, `step.Layout`), and every other
@@ -50,7 +54,10 @@ from mooncake.model.attention.backend import StepPlan, select_backend
 from mooncake.model.cpugemm import pack_linears
 from mooncake.model.kvcache import PagedKVCache
 from mooncake.model.llama import STEP_LAST_LOGITS, STEP_LOGITS, Model
+from mooncake.model.shardplan import Cut, local_kv_heads, plan_cuts, vocab_rows
+from mooncake.model.spec import ModelSpec
 from mooncake.model.step import Layout, Step, StepBuilder, step_views_np
+from mooncake.model.tpdegree import resolve_degree, shard_problem
 
 log = logging.getLogger(__name__)
 
@@ -82,41 +89,20 @@ class TPGroup:
 
 
 def check_shardable(model: Model, size: int) -> None:
-    """ConfigError unless `model` splits over `size` ranks."""
-    spec = model.spec
-    why = ""
-    if spec.num_heads % size:
-        why = f"its {spec.num_heads} attention heads"
-    elif spec.num_kv_heads % size and size % spec.num_kv_heads:
-        why = f"its {spec.num_kv_heads} KV heads (nor does it divide them)"
-    elif spec.intermediate_size % size:
-        why = f"its MLP width {spec.intermediate_size}"
-    elif spec.num_experts:
-        why = "its experts (mixture-of-experts layers are not split across ranks yet)"
-    if why:
+    """ConfigError unless `model` splits over `size` ranks (`tpdegree.shard_problem`)."""
+    if why := shard_problem(model.spec, size):
         raise ConfigError(f"model.tensor_parallel = {size} does not divide {why}")
 
 
-def resolve_tensor_parallel(setting: int, device: str) -> int:
-    """Ranks of `model.tensor_parallel` (0 = automatic: 1; sizing the degree by the
-    weights and the GPUs' memory comes with GPU nodes) on `device`."""
-    if setting == 0:
-        return 1
-    if device.startswith("cuda") and setting > torch.cuda.device_count():
-        raise ConfigError(
-            f"model.tensor_parallel = {setting} needs {setting} GPUs; "
-            f"{torch.cuda.device_count()} are visible"
-        )
-    return setting
-
-
-def local_kv_heads(num_kv_heads: int, size: int) -> int:
-    """KV heads a rank holds: its share, or one (replicated) when they are fewer."""
-    return max(num_kv_heads // size, 1)
-
-
-def _rows(t: Tensor, start: int, count: int) -> Tensor:
-    return t[start : start + count]
+def resolve_tensor_parallel(setting: int, device: str, spec: ModelSpec, dtype: str) -> int:
+    """Ranks of `model.tensor_parallel` = `setting` for a model of `spec` in `dtype` on
+    `device` (0 = automatic: 1 on a CPU; on a GPU as `tpdegree.resolve_degree` sizes it by
+    the visible GPUs' memory). Raises ConfigError when no degree fits."""
+    gpu_bytes = []
+    if device.startswith("cuda"):
+        count = torch.cuda.device_count()
+        gpu_bytes = [torch.cuda.get_device_properties(i).total_memory for i in range(count)]
+    return resolve_degree(setting, spec, dtype, gpu_bytes)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -135,13 +121,11 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class VocabParallelHead(nn.Module):
-    """Logits of rows [lo, lo + shard) per rank (the last shard padded), all-gathered."""
+    """Logits of rows [lo, lo + shard) per rank (the last shard padded with zero rows: its
+    `Cut`), all-gathered."""
 
-    def __init__(self, weight: Tensor, shard: int, vocab: int, tp: TPGroup):
+    def __init__(self, weight: Tensor, vocab: int, tp: TPGroup):
         super().__init__()
-        pad = shard - weight.shape[0]
-        if pad:
-            weight = torch.cat([weight, weight.new_zeros(pad, weight.shape[1])])
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.vocab, self.tp = vocab, tp
 
@@ -154,67 +138,71 @@ class VocabParallelHead(nn.Module):
 def shard_model(model: Model, tp: TPGroup, block_tokens: int = 0, cpu_gemm: str = "torch") -> Model:
     """Cut `model` (whole, on its device, its CPU linears not packed: `create_model(...,
     cpu_gemm="torch")`) to rank `tp.rank`'s slice in place, then pack them as `cpu_gemm`
-    says; returns it."""
-    if tp.size == 1:
+    says; returns it. A model already cut (`create_model(..., tp=...)` loads a rank's
+    slice directly) is returned as it is."""
+    if tp.size == 1 or model.tp_size > 1:
         return model
     check_shardable(model, tp.size)
-    spec, r, n = model.spec, tp.rank, tp.size
-    d = spec.head_dim
-    heads = spec.num_heads // n
-    kv_heads = local_kv_heads(spec.num_kv_heads, n)
-    kv_first = r * spec.num_kv_heads // n  # the KV head of this rank's first query head
-    width = spec.intermediate_size // n
-    layers: list[Any] = list(model.layers)
-    for layer in layers:
-        attn = layer.self_attn
-        q_size, kv_size = spec.num_heads * d, spec.num_kv_heads * d
-        for name in ("weight", "bias"):
-            full = getattr(attn.qkv_proj, name)
-            if full is None:
-                continue
-            q, k, v = full.split([q_size, kv_size, kv_size])
-            part = torch.cat(
-                [
-                    _rows(q, r * heads * d, heads * d),
-                    _rows(k, kv_first * d, kv_heads * d),
-                    _rows(v, kv_first * d, kv_heads * d),
-                ]
-            )
-            setattr(attn.qkv_proj, name, nn.Parameter(part.clone(), requires_grad=False))
-        o = attn.o_proj.weight
-        attn.o_proj.weight = nn.Parameter(
-            o[:, r * heads * d : (r + 1) * heads * d].clone(), requires_grad=False
-        )
-        attn.num_heads, attn.num_kv_heads = heads, kv_heads
-        attn.sizes = [heads * d, kv_heads * d, kv_heads * d]
-        mlp = layer.mlp
-        gate, up = mlp.gate_up_proj.weight.chunk(2)
-        part = torch.cat([_rows(gate, r * width, width), _rows(up, r * width, width)])
-        mlp.gate_up_proj.weight = nn.Parameter(part.clone(), requires_grad=False)
-        down = mlp.down_proj.weight
-        mlp.down_proj.weight = nn.Parameter(
-            down[:, r * width : (r + 1) * width].clone(), requires_grad=False
-        )
-    shard = -(-spec.vocab_size // n)
-    lo = min(r * shard, spec.vocab_size)
-    count = min(shard, spec.vocab_size - lo)
-    if model.embed_tokens is not None:
-        rows = _rows(model.embed_tokens.weight, lo, count).clone()
-        model.embed_tokens = VocabParallelEmbedding(rows, lo, tp)  # type: ignore[assignment]
-    if model.lm_head is not None:
-        rows = _rows(model.lm_head.weight, lo, count).clone()
-        model.lm_head = VocabParallelHead(rows, shard, spec.vocab_size, tp)  # type: ignore[assignment]
-    model.num_kv_heads = kv_heads
+    cut_model(model, tp)
+    install_collectives(model, tp, cpu_gemm)
     param = next(model.parameters())
-    if param.device.type == "cpu":
-        pack_linears(model, cpu_gemm)
-    for layer in layers:  # NOTE: after packing, which swaps the linear modules
-        for proj in (layer.self_attn.o_proj, layer.mlp.down_proj):
-            proj.register_forward_hook(lambda _m, _i, out: tp.all_reduce(out))
     model.attention = select_backend(
-        model.attention.name, param.device, param.dtype, heads, kv_heads, d, block_tokens
+        model.attention.name,
+        param.device,
+        param.dtype,
+        model.spec.num_heads // tp.size,
+        model.num_kv_heads,
+        model.spec.head_dim,
+        block_tokens,
     )
     return model
+
+
+def cut_model(model: Model, tp: TPGroup) -> dict[str, Cut]:
+    """Replace each parameter of `model` (whole; real or on the meta device) by rank
+    `tp.rank`'s `Cut` of it, the embedding and LM head by their vocab-parallel modules,
+    and set the heads each attention computes; returns the cuts by parameter name (what
+    `weights` fills a meta model's slices by). Changes `model`."""
+    spec = model.spec
+    shapes = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+    cuts = plan_cuts(spec, shapes, tp.rank, tp.size)
+    for name, cut in cuts.items():
+        owner, _, leaf = name.rpartition(".")
+        module = model.get_submodule(owner)
+        value = cut.apply(getattr(module, leaf))
+        setattr(module, leaf, nn.Parameter(value, requires_grad=False))
+    heads = spec.num_heads // tp.size
+    kv_heads = local_kv_heads(spec.num_kv_heads, tp.size)
+    d = spec.head_dim
+    for layer in model.layers:
+        attn: Any = layer.self_attn
+        attn.num_heads, attn.num_kv_heads = heads, kv_heads
+        attn.sizes = [heads * d, kv_heads * d, kv_heads * d]
+    lo, _, _ = vocab_rows(spec.vocab_size, tp.rank, tp.size)
+    if model.embed_tokens is not None:
+        weight = model.embed_tokens.weight
+        model.embed_tokens = VocabParallelEmbedding(weight, lo, tp)  # type: ignore[assignment]
+    if model.lm_head is not None:
+        weight = model.lm_head.weight
+        model.lm_head = VocabParallelHead(weight, spec.vocab_size, tp)  # type: ignore[assignment]
+    model.num_kv_heads = kv_heads
+    model.tp_rank, model.tp_size = tp.rank, tp.size
+    return cuts
+
+
+def install_collectives(model: Model, tp: TPGroup, cpu_gemm: str) -> None:
+    """Finish a cut model (its weights in place): pack its CPU linears as `cpu_gemm` says
+    and all-reduce each attention's and MLP's (or experts') partial output. Changes
+    `model`."""
+    if next(model.parameters()).device.type == "cpu":
+        pack_linears(model, cpu_gemm)
+    for layer in model.layers:
+        # NOTE: on the attention and MLP modules, which packing keeps (it swaps the
+        # linears inside them): their outputs are o_proj's and down_proj's (or the
+        # experts' summed) partial sums
+        parts: list[Any] = [layer.self_attn, layer.mlp]
+        for part in parts:
+            part.register_forward_hook(lambda _m, _i, out: tp.all_reduce(out))
 
 
 class Leader:
@@ -457,9 +445,10 @@ class TensorParallel:
         block_tokens: int,
         cpu_gemm: str = "onednn",
     ) -> TensorParallel:
-        """Spawn ranks 1..size-1 (each loads the model and keeps its slice), join them in
-        a process group, cut `model` (created with cpu_gemm "torch") to rank 0's slice and
-        make it announce each step."""
+        """Spawn ranks 1..size-1 (each loads its slice of the model and a KV cache of
+        `num_blocks`, 0 = none until `resize`), join them in a process group and make
+        `model`, rank 0's slice (`create_model(..., tp=TPGroup(0, size))`; a whole model
+        created with cpu_gemm "torch" is cut here), announce each step."""
         import socket
         import subprocess
         import sys
@@ -538,19 +527,19 @@ def main(argv: list[str] | None = None) -> None:
     if a.device == "cuda":
         torch.cuda.set_device(a.rank)
     info = load_model_info(a.model)
-    model = create_model(
+    tp = TPGroup(a.rank, a.world)
+    model = create_model(  # NOTE: this rank's slice only
         info,
         a.dtype,
         device,
-        cpu_gemm="torch",  # NOTE: packed once sharded
+        cpu_gemm=a.cpu_gemm,
         attention_backend=a.attention_backend,
         block_tokens=a.block_tokens,
+        tp=tp,
     )
     dist.init_process_group(
         _backend(torch.device(device)), init_method=a.init, rank=a.rank, world_size=a.world
     )
-    tp = TPGroup(a.rank, a.world)
-    shard_model(model, tp, a.block_tokens, a.cpu_gemm)
     try:
         Follower(model, a.block_tokens, a.num_blocks, tp).run()
     finally:

@@ -18,6 +18,7 @@ from mooncake.model.info import load_model_info  # noqa: E402
 from mooncake.model.kvcache import PagedKVCache  # noqa: E402
 from mooncake.model.parallel import (  # noqa: E402
     TensorParallel,
+    TPGroup,
     VocabParallelHead,
     check_shardable,
 )
@@ -31,15 +32,22 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 PROMPTS = [[(7 * i + 3 * j) % 512 for j in range(n)] for i, n in enumerate((5, 23, 40))]
 
 
-def _decode(tp: int) -> tuple[dict[int, list[int]], list[torch.Tensor]]:
-    info = load_model_info("dummy:tiny")
-    model = create_model(info, "float32", "cpu", cpu_gemm="torch")
+def decode_tp(
+    tp: int, path: str = "dummy:tiny", vocab: int = 512
+) -> tuple[dict[int, list[int]], list[torch.Tensor]]:
+    """Greedy tokens and each step's logits of PROMPTS (ids mod `vocab`) over `tp` ranks:
+    rank 0 here, loaded as its slice (`create_model(..., tp=)`), the others in follower
+    processes loading theirs."""
+    info = load_model_info(path)
     group = None
     if tp > 1:
+        model = create_model(info, "float32", "cpu", cpu_gemm="torch", tp=TPGroup(0, tp))
         group = TensorParallel.start(
-            model, tp, model_path="dummy:tiny", dtype="float32", num_blocks=BLOCKS, block_tokens=BT
+            model, tp, model_path=path, dtype="float32", num_blocks=BLOCKS, block_tokens=BT
         )
-        assert isinstance(model.lm_head, VocabParallelHead) and model.num_kv_heads == 1
+        assert isinstance(model.lm_head, VocabParallelHead)
+    else:
+        model = create_model(info, "float32", "cpu", cpu_gemm="torch")
     try:
         cache = PagedKVCache.for_model(model, BLOCKS, BT)
         runner = DecodeRunner(model, cache, max_batch=4, chunk_tokens=24)
@@ -53,7 +61,7 @@ def _decode(tp: int) -> tuple[dict[int, list[int]], list[torch.Tensor]]:
 
         runner._run = spy  # type: ignore[method-assign]
         for i, p in enumerate(PROMPTS):
-            runner.add(Sequence(i, p, GREEDY))
+            runner.add(Sequence(i, [t % vocab for t in p], GREEDY))
         events = runner.run_until_done()
         return {k: [e.token_id for e in v] for k, v in events.items()}, seen
     finally:
@@ -61,15 +69,20 @@ def _decode(tp: int) -> tuple[dict[int, list[int]], list[torch.Tensor]]:
             group.stop()
 
 
-@pytest.mark.cluster
-@pytest.mark.parametrize("tp", [2, 4])
-def test_tensor_parallel_equals_one_rank(tp: int) -> None:
-    want_tokens, want_logits = _decode(1)
-    got_tokens, got_logits = _decode(tp)
+def assert_same_decode(tp: int, path: str = "dummy:tiny", vocab: int = 512) -> None:
+    """`tp` ranks give one rank's greedy tokens and logits (fp32, 1e-5)."""
+    want_tokens, want_logits = decode_tp(1, path, vocab)
+    got_tokens, got_logits = decode_tp(tp, path, vocab)
     assert got_tokens == want_tokens
     assert len(got_logits) == len(want_logits)
     for a, b in zip(got_logits, want_logits, strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tensor_parallel_equals_one_rank(tp: int) -> None:
+    assert_same_decode(tp)
 
 
 def test_what_does_not_split_is_refused() -> None:

@@ -13,6 +13,7 @@ of it on instance 0, keeps each share on its instance's NUMA node (its GPUs' nod
 gives every instance local tiers to place its new KV objects in first.
 
     n = resolve_instances(cfg.node, "decode", num_gpus=8)   # auto: 8 (one per GPU)
+    resolve_instances(cfg.node, "decode", 8, tensor_parallel=2)  # auto: 4 (2 GPUs each)
     split_gpus(uuids, 2)                                    # [[4 uuids], [4 uuids]]
     plans = plan_instances(cfg, "decode", n, uuids, "node-a", host)   # InstancePlan each
 """
@@ -27,7 +28,6 @@ from mooncake.config.settings import Config, NodeConfig
 from mooncake.errors import ConfigError
 
 KEY = "node.instances"
-TENSOR_PARALLEL = 1  # GPUs one instance drives; tensor parallelism is not built yet
 
 
 @dataclass(frozen=True)
@@ -48,10 +48,11 @@ class InstancePlan:
     sets: tuple[str, ...]  # `--set KEY=VALUE` overrides of the parent's config
 
 
-def resolve_instances(node: NodeConfig, role: str, num_gpus: int) -> int:
+def resolve_instances(node: NodeConfig, role: str, num_gpus: int, tensor_parallel: int = 1) -> int:
     """How many instances to start: `node.instances`, or for auto the visible GPUs over
-    the GPUs an instance drives (1 on a CPU node, and for master and store). Raises
-    ConfigError for a master or store asked for more than one."""
+    the GPUs an instance drives (its `tensor_parallel` degree, resolved: the setting or
+    the automatic one; 1 on a CPU node, and for master and store). Raises ConfigError for
+    a master or store asked for more than one."""
     wanted = node.num_instances
     if role in ("master", "store"):
         if wanted is not None and wanted > 1:
@@ -63,7 +64,7 @@ def resolve_instances(node: NodeConfig, role: str, num_gpus: int) -> int:
         return 1
     if wanted is not None:
         return wanted
-    return max(1, num_gpus // TENSOR_PARALLEL)
+    return max(1, num_gpus // tensor_parallel)
 
 
 def split_gpus(gpu_ids: list[str], n: int) -> list[list[str]]:

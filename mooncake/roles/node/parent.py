@@ -29,6 +29,7 @@ from mooncake.local.supervisor import (
     terminate,
     wait_ready,
 )
+from mooncake.native.nvml import GpuInfo
 from mooncake.roles.node import sdnotify
 from mooncake.roles.node.instances import HostShare, InstancePlan, plan_instances
 from mooncake.roles.node.instances import resolve_instances as resolve_count
@@ -44,10 +45,10 @@ class InstanceExited(MooncakeError):
     """An instance exited while the node served; the others were stopped."""
 
 
-def gpu_ids() -> list[str]:
-    """UUIDs of the GPUs this process may use (NVML's, under CUDA_VISIBLE_DEVICES), in
-    CUDA's order; [] on a CPU node. Raises MooncakeError when torch sees GPUs that NVML
-    does not report: they could not be told apart to be split."""
+def visible_gpus() -> list[GpuInfo]:
+    """The GPUs this process may use (NVML's, under CUDA_VISIBLE_DEVICES), in CUDA's
+    order; [] on a CPU node. Raises MooncakeError when torch sees GPUs that NVML does not
+    report: they could not be told apart to be split."""
     from mooncake.hw.topology import detect_topology
     from mooncake.native import cudamap
 
@@ -61,16 +62,34 @@ def gpu_ids() -> list[str]:
                 "reports none, so they cannot be split among instances: install nvidia-ml-py "
                 "and run `mooncake doctor`, or set node.instances = 1"
             )
-    return [g.uuid for g in gpus]
+    return gpus
+
+
+def node_tensor_parallel(config: Config, gpu_bytes: list[int]) -> int:
+    """The degree each instance splits its model over: `model.tensor_parallel`, or for 0
+    the automatic one for the model over GPUs of `gpu_bytes` memory each (1 on a CPU node:
+    []). Raises ConfigError as `tpdegree.resolve_degree` does."""
+    from mooncake.model.info import load_model_info, resolve_dtype
+    from mooncake.model.tpdegree import resolve_degree
+
+    if not gpu_bytes:
+        return 1
+    info = load_model_info(config.model.path)
+    dtype = resolve_dtype(info, config.model.dtype, "cuda")
+    return resolve_degree(config.model.tensor_parallel, info.spec, dtype, gpu_bytes)
 
 
 def count_instances(config: Config, role: str) -> tuple[int, list[str]]:
     """How many instances this node runs, and the GPU ids to split among them (none looked
-    up for a master or store). Raises ConfigError (see `instances.resolve_instances`)."""
+    up for a master or store). Automatic: one per `node_tensor_parallel` GPUs. Raises
+    ConfigError (see `instances.resolve_instances`)."""
     if role in ("master", "store"):
         return resolve_count(config.node, role, 0), []
-    ids = gpu_ids()
-    return resolve_count(config.node, role, len(ids)), ids
+    gpus = visible_gpus()
+    tp = 1
+    if config.node.num_instances is None:
+        tp = node_tensor_parallel(config, [g.memory_total_bytes for g in gpus])
+    return resolve_count(config.node, role, len(gpus), tp), [g.uuid for g in gpus]
 
 
 def host_share(config: Config) -> HostShare:

@@ -21,7 +21,7 @@ from mooncake.kv.pool import StoreKVPool
 from mooncake.model.info import ModelInfo, kv_fingerprint, load_model_info, resolve_dtype
 from mooncake.model.kvcache import PagedKVCache
 from mooncake.model.llama import Model
-from mooncake.model.parallel import TensorParallel, resolve_tensor_parallel
+from mooncake.model.parallel import TensorParallel, TPGroup, resolve_tensor_parallel
 from mooncake.model.tokenizer import BaseTokenizer, create_tokenizer
 from mooncake.model.weights import create_model
 from mooncake.roles.node.common import NodeContext
@@ -103,8 +103,11 @@ def load_worker(ctx: NodeContext, role: Role, layers: tuple[int, int] | None = N
     dtype = resolve_dtype(info, cfg.model.dtype, device)
     first, end = layers or (0, info.spec.num_layers)
     bt, s = cfg.model.block_tokens, info.spec
-    ranks = resolve_tensor_parallel(cfg.model.tensor_parallel, device)
-    if ranks > 1 and (first, end) != (0, s.num_layers):
+    stage = (first, end) != (0, s.num_layers)
+    # NOTE: automatic on a pipeline stage: one rank (the stages split the layers instead)
+    auto_one = stage and cfg.model.tensor_parallel == 0
+    ranks = 1 if auto_one else resolve_tensor_parallel(cfg.model.tensor_parallel, device, s, dtype)
+    if ranks > 1 and stage:
         raise ConfigError(
             f"model.tensor_parallel = {ranks}: a prefill node that is one stage of a "
             "pipeline group (prefill.pipeline_group_size > 1) runs one rank; use tensor "
@@ -115,9 +118,10 @@ def load_worker(ctx: NodeContext, role: Role, layers: tuple[int, int] | None = N
         dtype,
         device,
         (first, end),
-        cpu_gemm=cfg.model.cpu_gemm if ranks == 1 else "torch",  # NOTE: packed once sharded
+        cpu_gemm=cfg.model.cpu_gemm,
         attention_backend=cfg.model.attention_backend,
         block_tokens=bt,
+        tp=TPGroup(0, ranks) if ranks > 1 else None,  # NOTE: rank 0's slice only
     )
     tp = None
     if ranks > 1:

@@ -18,6 +18,7 @@ from mooncake.roles.node.instances import (
     split_gpus,
     split_ports,
 )
+from mooncake.roles.node.parent import node_tensor_parallel
 from tests.fakes.nvml import FakeNvml
 from tests.fakes.sysfs import build_sysfs, load_machine
 
@@ -44,6 +45,27 @@ def test_auto_is_one_instance_per_visible_gpu_and_one_on_a_cpu_node(h100: Topolo
     assert resolve_instances(NodeConfig(instances="2"), "decode", 8) == 2
     assert resolve_instances(auto, "store", 8) == 1  # auto: master and store run once
     assert resolve_instances(NodeConfig(instances="1"), "master", 8) == 1
+
+
+def test_auto_gives_each_instance_its_tensor_parallel_degree_of_gpus(h100: Topology) -> None:
+    """Automatic instances divide the GPUs by the resolved degree: the setting, or the
+    automatic one for the model (a 70B model in bf16 on 80 GB H100s: 4 ranks, 2
+    instances; an 8B one: 8); a CPU node runs one whatever the degree."""
+    auto = NodeConfig()
+    assert resolve_instances(auto, "decode", 8, tensor_parallel=2) == 4
+    assert resolve_instances(auto, "decode", 0, tensor_parallel=2) == 1
+    assert resolve_instances(NodeConfig(instances="8"), "decode", 8, tensor_parallel=2) == 8
+    gpu_bytes = [g.memory_total_bytes for g in visible_gpus(h100.gpus, {})]
+
+    def degree(model: str, setting: int = 0) -> int:
+        config = load_config(
+            None, {}, {"model.path": model, "model.tensor_parallel": str(setting)}
+        ).config
+        return node_tensor_parallel(config, gpu_bytes)
+
+    assert (degree("dummy:llama3-70b"), degree("dummy:llama3-8b")) == (4, 1)
+    assert degree("dummy:llama3-8b", setting=2) == 2
+    assert node_tensor_parallel(Config(), []) == 1
 
 
 def test_a_store_or_master_asked_for_several_instances_is_refused_naming_the_key() -> None:
