@@ -14,6 +14,7 @@ PARTS = (
     "reuse",
     "pipeline",
     "handoff",
+    "handoff-tp",
     "inflight",
     "gemm",
     "gguf",
@@ -40,7 +41,9 @@ def bench_engine(
         "(layer-wise KV store vs prefill alone vs store after prefill), reuse (prefill with "
         "part of the prompt from the pool vs full), pipeline (2 stages in 2 processes vs 1), "
         "handoff (prefill start to KV on the decode side vs the prefill alone, 1 and 2 "
-        "stages), inflight (a 2-stage group given prompts at once vs one at a time), gemm "
+        "stages), handoff-tp (a prompt's computed KV streamed between tensor-parallel degrees "
+        "2->1, 1->2, 2->2 vs 1->1), inflight (a 2-stage group given prompts at once vs one at "
+        "a time), gemm "
         "(prefill and decode steps with oneDNN-packed linears vs F.linear, model.cpu_gemm), gguf "
         "(a GGUF file's load time and decode tokens/s vs transformers on the same file).",
     ),
@@ -118,7 +121,7 @@ def bench_engine(
     blocks_decode = max(batches) * -(-(decode_context + decode_steps) // block_tokens)
     num_blocks = max(2 * -(-longest // block_tokens), blocks_decode) + 4
     bench: Any = None
-    if set(chosen) - {"gguf", "step-ops"}:
+    if set(chosen) - {"gguf", "step-ops", "handoff-tp"}:
         bench = Bench(info, kv_dtype, block_tokens, chunk_tokens, num_blocks)
     report: dict[str, Any] = {
         "model": model,
@@ -203,6 +206,10 @@ def bench_engine(
             inflight_count,
             repeat,
         )
+    if "handoff-tp" in chosen:
+        _handoff_tp_part(
+            info, kv_dtype, block_tokens, handoff_len, handoff_protocol, repeat, emit, report
+        )
     if "gguf" in chosen:
         _gguf_part(
             gguf_file,
@@ -224,6 +231,32 @@ def bench_engine(
         report["runs_s"] = {k: t.runs for k, t in timings.items()}
         report["cpu_runs_s"] = {k: t.cpu_runs for k, t in timings.items()}
         print_json(report)
+
+
+def _handoff_tp_part(
+    info: Any,
+    dtype: str,
+    block_tokens: int,
+    length: int,
+    protocol: str,
+    repeat: int,
+    emit: Any,
+    report: dict[str, Any],
+) -> None:
+    from mooncake.bench import handofftp
+
+    result = handofftp.run(info, dtype, block_tokens, length, protocol, repeat)
+    figures = handofftp.figures(result)
+    rows = []
+    for name, t in result["timings"].items():
+        f = figures[name]
+        said = f"{f['GBps']:.2f} GB/s" + (
+            f", {f['vs_one_rank']:.2f}x TP 1 -> TP 1" if f["vs_one_rank"] is not None else ""
+        )
+        rows.append((name, t, said))
+    gb = result["bytes"] / 1e9
+    emit(f"KV hand-off between tensor-parallel degrees, {length} tokens ({gb:.3f} GB)", rows)
+    report["handoff_tp"] = figures
 
 
 def _handoff_parts(

@@ -51,3 +51,19 @@ def test_bench_engine_handoff_and_inflight_report_their_figures() -> None:
         "prefill alone (streamed KV hand-off, 200-token prompt, 2-stage group)"
         in (report["runs_s"])
     )
+
+
+def test_bench_engine_handoff_tp_moves_every_head_between_degrees() -> None:
+    """`--parts handoff-tp`: each pair of degrees delivers every head of every token (the
+    bench checks the receiver's blocks) and is reported against TP 1 -> TP 1."""
+    args = ["bench", "engine", "--parts", "handoff-tp", "--model", "dummy:tiny"]
+    args += ["--handoff-len", "70", "--block-tokens", "16", "--repeat", "1", "--json"]
+    load_verbs()
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    figures = json.loads(result.stdout)["handoff_tp"]
+    assert figures["bytes"] == 70 * 4 * 2 * 2 * 64 * 4  # tokens, layers, K+V, heads, dim, fp32
+    names = ["TP 1 -> TP 1", "TP 2 -> TP 2", "TP 2 -> TP 1", "TP 1 -> TP 2"]
+    assert [n for n in figures if n != "bytes"] == names
+    assert figures["TP 1 -> TP 1"]["vs_one_rank"] == 1.0
+    assert all(figures[n]["GBps"] > 0 for n in names)
