@@ -317,3 +317,33 @@ def test_the_mixtral_figures_are_in_the_verdict_without_a_pass_or_fail() -> None
     }
     assert v["mixtral_decode_wide_roofline_ratio"]["value"] == 3.0
     assert v["mixtral_decode_wide_roofline_ratio"]["pass"] is None
+
+
+@cpu_only
+def test_a_family_that_fails_to_load_is_a_row_and_the_next_runs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from dataclasses import replace
+
+    from mooncake.bench.gpubench.limits import measure_limits
+
+    real_load = families.load_model
+
+    def load(cfg: Any, info: Any) -> Any:
+        if info.spec.qk_norm:
+            raise RuntimeError("CUDA out of memory, say")
+        return real_load(cfg, info)
+
+    monkeypatch.setattr(families, "load_model", load)
+    two = {name: families.TINY[name] for name in ("qwen3-8b", "llama3-8b")}
+    monkeypatch.setattr(families, "TINY", two)
+    cfg = replace(CPU_SMOKE, family_batches=(1,), family_prefill_tokens=0, timed_steps=1)
+    body = families.run_families(cfg, measure_limits("cpu", 1 << 20))
+    failed, *rows = body["rows"]
+    assert failed == {
+        "family": "qwen3-8b",
+        "case": "load",
+        "error": "RuntimeError: CUDA out of memory, say",
+    }
+    assert list(body["families"]) == ["llama3-8b"]
+    assert [(r["family"], r["case"], r["batch"]) for r in rows] == [("llama3-8b", "decode", 1)]
