@@ -18,7 +18,7 @@ if not torch.cuda.is_available():  # NOTE: before triton's import, which reads i
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton", reason="the engine bench needs triton (pip install triton)")
 
-from mooncake.bench.gpubench import run  # noqa: E402
+from mooncake.bench.gpubench import families, run  # noqa: E402
 from mooncake.bench.gpubench.config import CPU_SMOKE  # noqa: E402
 
 cpu_only = pytest.mark.skipif(
@@ -70,8 +70,49 @@ def test_cpu_smoke_runs_every_section_into_one_json_document(
     assert kv["ran"] and kv["kv_bytes"] <= CPU_SMOKE.kv_fraction * CPU_SMOKE.cpu_free_bytes
     assert kv["num_tokens"] == kv["num_blocks"] * kv["block_tokens"]
 
+    _check_families(sections["families"])
+
     assert all(v["pass"] is None for v in report["verdict"].values())
     assert report["verdict"]["decode_graphs_b1_roofline_ratio"]["value"] > 0
+    assert report["verdict"]["mixtral_decode_b1_roofline_ratio"]["value"] > 0
+    wide = report["verdict"]["mixtral_decode_wide_roofline_ratio"]["value"]
+    assert wide == next(
+        r["roofline_ratio"]
+        for r in sections["families"]["rows"]
+        if r["family"] == "mixtral-8x7b" and r.get("batch") == max(CPU_SMOKE.family_batches)
+    )
+
+
+def _check_families(body: dict[str, Any]) -> None:
+    """Every family has a decode row per batch and a prefill row; an MoE family's decode
+    rows read fewer expert bytes than the all-experts bound at B = 1, and as many experts
+    are routed to as uniform routing expects at B = 1 (each token's k distinct ones)."""
+    assert list(body["families"]) == list(families.TINY)
+    for name, info in families.TINY.items():
+        rows = [r for r in body["rows"] if r["family"] == name]
+        decode = [r for r in rows if r["case"] == "decode"]
+        assert [r["batch"] for r in decode] == list(CPU_SMOKE.family_batches), name
+        (prefill,) = [r for r in rows if r["case"] == "prefill"]
+        assert prefill["tokens"] == CPU_SMOKE.family_prefill_tokens and prefill["TFLOPs"] > 0
+        spec = info.spec
+        assert body["families"][name]["spec"]["num_layers"] == CPU_SMOKE.family_layers
+        for r in decode:
+            assert r["ms_per_step"] > 0 and r["roofline_ratio"] > 0, (name, r)
+            assert ("experts_touched" in r) == (spec.num_experts > 0), (name, r)
+        if spec.sliding_window is not None:  # the window, not the context, is read
+            (one,) = [r for r in decode if r["batch"] == 1]
+            per_token = spec.kv_bytes_per_token(4) // spec.num_layers * CPU_SMOKE.family_layers
+            assert one["kv_bytes"] == spec.sliding_window * per_token
+        if not spec.num_experts:
+            continue
+        k = spec.num_experts_per_tok
+        for r in decode:
+            assert r["weight_bytes"] <= r["weight_bytes_all_experts"]
+            assert r["roofline_ratio_all_experts"] <= r["roofline_ratio"]
+            assert k <= r["experts_routed"] <= min(spec.num_experts, k * r["batch"])
+        (one,) = [r for r in decode if r["batch"] == 1]
+        assert one["experts_touched"] == k == one["experts_routed"]
+        assert one["weight_bytes"] < one["weight_bytes_all_experts"]
 
 
 @cpu_only
@@ -192,3 +233,117 @@ def test_a_section_with_one_failed_case_keeps_the_others_and_fails() -> None:
     rows = [{"batch": 1, "error": "OutOfMemoryError"}, {"batch": 2, "ms_per_step": 1.0}]
     run.run_section(report, "decode", lambda: {"rows": rows})
     assert report["failed"] == ["decode"] and report["sections"]["decode"]["rows"] == rows
+
+
+def test_expected_experts_touched_is_k_for_one_token_and_nears_all_for_many() -> None:
+    """E * (1 - (1 - k/E)^B): one token touches its k experts; k = E touches all; B tokens
+    touch what an exact count over every routing of 2 tokens says."""
+    from itertools import combinations, product
+
+    from mooncake.bench.gpubench.bed import experts_touched
+
+    assert experts_touched(8, 2, 1) == pytest.approx(2)
+    assert experts_touched(8, 8, 5) == pytest.approx(8)
+    assert experts_touched(8, 2, 32) == pytest.approx(8 * (1 - 0.75**32))
+    choices = list(combinations(range(6), 2))  # each token: 2 distinct of 6, uniformly
+    mean = sum(len({*a, *b}) for a, b in product(choices, choices)) / len(choices) ** 2
+    assert experts_touched(6, 2, 2) == pytest.approx(mean)
+
+
+def test_an_moe_step_reads_the_experts_its_batch_routes_to() -> None:
+    """At B = 1 a Mixtral step reads the weights one token multiplies (2 experts of 8 in
+    each layer), its embedding row and the LM head; the bound reads all 8."""
+    from mooncake.bench.gpubench.bed import weight_bytes_per_step
+    from mooncake.model.info import load_model_info
+    from mooncake.model.weights import create_model
+
+    model = create_model(load_model_info("dummy:mixtral-8x7b"), "bfloat16", "meta")
+    spec = model.spec
+    one_token = spec.num_matmul_params + spec.vocab_size * spec.hidden_size + 2 * spec.hidden_size
+    assert weight_bytes_per_step(model, 1) == 2 * one_token
+    every = weight_bytes_per_step(model, 1, all_experts=True)
+    assert every == 2 * (spec.num_params - (spec.vocab_size - 1) * spec.hidden_size)
+
+
+def test_family_shapes_give_the_published_parameter_counts() -> None:
+    """The bench's real shapes against each model card's parameter count (total, and
+    activated per token for MoE), and each tiny family carries its real one's features."""
+    published = {  # billions: (total, activated)
+        "llama3-8b": (8.03, 8.03),
+        "qwen2.5-7b": (7.61, 7.61),
+        "qwen3-8b": (8.19, 8.19),
+        "mistral-7b": (7.24, 7.24),
+        "mixtral-8x7b": (46.7, 12.9),
+        "qwen3-30b-a3b": (30.5, 3.3),
+    }
+    assert list(families.REAL) == list(published) == list(families.TINY)
+    for name, (total, active) in published.items():
+        real, tiny = families.REAL[name], families.TINY[name]
+        s = real.spec
+        activated = s.num_matmul_params + 2 * s.vocab_size * s.hidden_size + s.hidden_size
+        assert s.num_params / 1e9 == pytest.approx(total, rel=0.01), name
+        assert activated / 1e9 == pytest.approx(active, rel=0.03), name
+
+        def features(info: Any) -> tuple[Any, ...]:
+            t = info.spec
+            window = t.sliding_window is not None
+            return (info.qkv_bias, t.qk_norm, window, t.num_experts > 0, t.norm_topk_prob)
+
+        assert features(tiny) == features(real), name
+        if tiny.spec.sliding_window is not None:
+            assert tiny.spec.sliding_window < CPU_SMOKE.family_context
+    cut = families.with_layers(families.REAL["qwen3-30b-a3b"], 4)
+    assert cut.spec.num_layers == 4 and cut.spec.num_moe_layers == 4
+
+
+def test_the_mixtral_figures_are_in_the_verdict_without_a_pass_or_fail() -> None:
+    """Issue 34 names no target: the values are there on a GPU, pass stays null."""
+    rows = [
+        {
+            "family": "mixtral-8x7b",
+            "case": "decode",
+            "batch": b,
+            "cuda_graphs": g,
+            "roofline_ratio": r,
+        }
+        for b, g, r in [(1, True, 1.5), (32, True, 3.0), (32, False, 9.0)]
+    ]
+    rows.append({"family": "mixtral-8x7b", "case": "prefill", "tokens": 2048})
+    v = run.verdict(_report(families={"rows": rows}), is_gpu=True)
+    assert v["mixtral_decode_b1_roofline_ratio"] == {
+        "target": "none (informational)",
+        "value": 1.5,
+        "pass": None,
+    }
+    assert v["mixtral_decode_wide_roofline_ratio"]["value"] == 3.0
+    assert v["mixtral_decode_wide_roofline_ratio"]["pass"] is None
+
+
+@cpu_only
+def test_a_family_that_fails_to_load_is_a_row_and_the_next_runs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from dataclasses import replace
+
+    from mooncake.bench.gpubench.limits import measure_limits
+
+    real_load = families.load_model
+
+    def load(cfg: Any, info: Any) -> Any:
+        if info.spec.qk_norm:
+            raise RuntimeError("CUDA out of memory, say")
+        return real_load(cfg, info)
+
+    monkeypatch.setattr(families, "load_model", load)
+    two = {name: families.TINY[name] for name in ("qwen3-8b", "llama3-8b")}
+    monkeypatch.setattr(families, "TINY", two)
+    cfg = replace(CPU_SMOKE, family_batches=(1,), family_prefill_tokens=0, timed_steps=1)
+    body = families.run_families(cfg, measure_limits("cpu", 1 << 20))
+    failed, *rows = body["rows"]
+    assert failed == {
+        "family": "qwen3-8b",
+        "case": "load",
+        "error": "RuntimeError: CUDA out of memory, say",
+    }
+    assert list(body["families"]) == ["llama3-8b"]
+    assert [(r["family"], r["case"], r["batch"]) for r in rows] == [("llama3-8b", "decode", 1)]

@@ -13,6 +13,9 @@ the order they run (the most telling first; `--sections` picks a subset):
 - `launches`     kernels, host launches and host syncs of one decode step
 - `sampling`     the sampler at B = 128 over a 128k vocabulary
 - `prefill`      TTFT, TFLOP/s and MFU at 2k / 8k / 32k, with and without a reused half
+- `families`     each family served (Llama 3, Qwen2.5, Qwen3, Mistral, Mixtral, Qwen3-MoE) at
+                 its per-layer shapes with 4 layers: a decode step at B = 1 and 32 against
+                 its roofline (MoE: the experts routed to), a 2k chunk's prefill
 - `kvsize`       a KV cache of 90% of the memory left, then a step and a prefill in it
 - `run`          the command line, the sections' runner and the verdict against the targets
 """

@@ -1,6 +1,14 @@
 """What the timed sections share: the model with random weights drawn on its device, a KV
-cache of random content, and sequences seated in a decode runner with their KV taken as
-already in that cache (as after a prefill or a hand-off), so a step reads a full context."""
+cache of random content, sequences seated in a decode runner with their KV taken as
+already in that cache (as after a prefill or a hand-off), so a step reads a full context,
+and the bytes such a step reads.
+
+A mixture-of-experts step reads only the experts its tokens route to. With B tokens each
+choosing k distinct of E experts uniformly, an expert is chosen by none with probability
+(1 - k/E)^B, so a layer reads E * (1 - (1 - k/E)^B) experts on average (`experts_touched`:
+2 of Mixtral's 8 at B = 1, 7.9992 at B = 32). Random weights route roughly
+uniformly (the families section counts the experts a step routes to beside this figure).
+"""
 
 from __future__ import annotations
 
@@ -13,8 +21,10 @@ from mooncake.model.decode import DecodeRunner
 from mooncake.model.info import load_model_info
 from mooncake.model.kvcache import PagedKVCache
 from mooncake.model.llama import Model
+from mooncake.model.moe import Experts
 from mooncake.model.params import SamplingParams
 from mooncake.model.sequence import Sequence
+from mooncake.model.spec import ModelInfo
 from mooncake.model.weights import create_model
 
 from .config import BenchConfig
@@ -25,11 +35,12 @@ def progress(message: str) -> None:
     print(f"gpubench: {message}", file=sys.stderr, flush=True)
 
 
-def load_model(cfg: BenchConfig) -> Model:
-    """The timed model: random weights drawn on the device (seconds, not minutes), the
-    engine's GPU attention (Triton; its interpreter in --cpu-smoke)."""
+def load_model(cfg: BenchConfig, info: ModelInfo | None = None) -> Model:
+    """The timed model (`info`, or the one `cfg.model_path` names): random weights drawn
+    on the device (seconds, not minutes), the engine's GPU attention (Triton; its
+    interpreter in --cpu-smoke)."""
     return create_model(
-        load_model_info(cfg.model_path),
+        info or load_model_info(cfg.model_path),
         cfg.dtype,
         cfg.device,
         attention_backend="triton",
@@ -39,12 +50,34 @@ def load_model(cfg: BenchConfig) -> Model:
     )
 
 
-def weight_bytes_per_step(model: Model, batch: int) -> int:
-    """Weight bytes a decode step reads: every matrix once, but only `batch` rows of the
-    embedding table."""
+def experts_touched(num_experts: int, top_k: int, num_tokens: int) -> float:
+    """Expected distinct experts `num_tokens` tokens route to, each choosing `top_k` of
+    `num_experts` uniformly (see the module docstring)."""
+    return num_experts * (1 - (1 - top_k / num_experts) ** num_tokens)
+
+
+def weight_bytes_per_step(model: Model, batch: int, all_experts: bool = False) -> int:
+    """Weight bytes a decode step of `batch` sequences reads: every matrix once, but only
+    `batch` rows of the embedding table and, of an MoE layer's experts, the expected share
+    its `batch` tokens route to (every expert when `all_experts`: the dense upper bound)."""
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     table = model.get_parameter("embed_tokens.weight")
-    return total - (table.shape[0] - batch) * table.shape[1] * table.element_size()
+    total -= (table.shape[0] - batch) * table.shape[1] * table.element_size()
+    spec = model.spec
+    if spec.num_experts and not all_experts:
+        share = experts_touched(spec.num_experts, spec.num_experts_per_tok, batch)
+        share /= spec.num_experts
+        for experts in (m for m in model.modules() if isinstance(m, Experts)):
+            size = sum(p.numel() * p.element_size() for p in experts.parameters())
+            total -= round(size * (1 - share))
+    return total
+
+
+def kv_tokens_read(model: Model, seq_len: float) -> float:
+    """Tokens whose K and V a step of a `seq_len`-token sequence reads: all of them, or
+    the last `sliding_window` (the window counts the new token itself)."""
+    window = model.spec.sliding_window
+    return seq_len if window is None else min(seq_len, window)
 
 
 def kv_bytes_per_token(model: Model) -> int:
@@ -94,7 +127,8 @@ def synchronize(device: str) -> None:
 
 
 def release_memory(device: str) -> None:
-    """Give the blocks of tensors dropped so far back to the device."""
-    gc.collect()
+    """Give the blocks of tensors dropped so far back to the device (on the CPU nothing:
+    a collection there costs --cpu-smoke a tenth of a second each time, and frees little)."""
     if device == "cuda":
+        gc.collect()
         torch.cuda.empty_cache()

@@ -36,6 +36,12 @@ class BenchConfig:
     prefill_lens: tuple[int, ...]  # prompt tokens; each also with its first half reused
     prefill_chunks: tuple[int, ...]  # chunk_tokens; the first is the runner's default
     prefill_repeats: int  # timed runs after one warm-up run
+    # families: each family the engine serves, at its own per-layer shapes, few layers
+    family_shapes: str  # "real" (the HF shapes, families.REAL) or "tiny" (families.TINY)
+    family_layers: int  # decoder layers of each (the real ones: 28 to 48)
+    family_batches: tuple[int, ...]
+    family_context: int  # tokens of context of every sequence of a decode step
+    family_prefill_tokens: int  # one chunk of this many tokens prefilled; 0: none
     # kvsize
     kv_fraction: float  # of the memory free after the weights and a warm-up
     kv_decode_context: int  # tokens per sequence of the B = max decode step in that cache
@@ -77,6 +83,11 @@ GPU = BenchConfig(
     prefill_lens=(2048, 8192, 32768),
     prefill_chunks=(1024, 8192),
     prefill_repeats=3,
+    family_shapes="real",
+    family_layers=4,  # NOTE: 4 of Mixtral's layers are 11 GB of experts, drawn in seconds
+    family_batches=(1, 32),
+    family_context=1024,
+    family_prefill_tokens=2048,
     kv_fraction=0.9,
     kv_decode_context=1024,
     kv_prefill_len=8192,
@@ -112,6 +123,11 @@ CPU_SMOKE = BenchConfig(
     prefill_lens=(32, 64),
     prefill_chunks=(32,),
     prefill_repeats=1,
+    family_shapes="tiny",
+    family_layers=1,
+    family_batches=(1, 2),
+    family_context=24,  # past the tiny Mistral's window of 16
+    family_prefill_tokens=16,
     kv_fraction=0.9,
     kv_decode_context=20,
     kv_prefill_len=32,

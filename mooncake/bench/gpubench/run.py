@@ -3,15 +3,18 @@
     scripts/gpubench [--sections a,b] [--quick] [--cpu-smoke] [--out FILE] [--json]
 
 Prints one JSON document on stdout (progress on stderr): the limits, a verdict against
-issue 33's targets, then each section's figures beside their limits and its seconds; a
-section that raises is recorded as {"error": ...} and the others still run. Exit 1 when a
-correctness check, a section or a target failed; without a CUDA GPU it prints
-{"gpu": null, "reason": ...} and exits 0. `--cpu-smoke` runs every section at tiny shapes
-in float32 on the CPU, Triton under its interpreter (the test suite does, in seconds).
+issue 33's targets (and issue 34's Mixtral figures, which have none), then each section's
+figures beside their limits and its seconds; a section that raises is recorded as
+{"error": ...} and the others still run. Exit 1 when a correctness check, a section or a
+target failed; without a CUDA GPU it prints {"gpu": null, "reason": ...} and exits 0.
+`--cpu-smoke` runs every section at tiny shapes in float32 on the CPU, Triton under its
+interpreter (the test suite does, in seconds).
 
 Imports only torch, triton and the engine's model/ modules, so it starts in seconds.
 About 5 minutes and under 100 GB on an H200 (the 8B weights, 16 GB, and at most 69 GB of
-KV for the decode at B = 128 with 4k context; the 90% cache after that one is freed).
+KV for the decode at B = 128 with 4k context; the 90% cache after that one is freed); the
+families section adds six small models one at a time (at most 12 GB, 4 of Mixtral's
+layers), expected to take well under a minute (it has not run on a GPU yet).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from .bed import load_model, progress, release_memory
 from .config import CPU_SMOKE, GPU, BenchConfig, quick
 from .correctness import run_correctness
 from .decode import run_decode
+from .families import run_families
 from .kvsize import run_kvsize
 from .launches import run_launches
 from .limits import Limits, measure_limits
@@ -41,7 +45,16 @@ from .prefill import run_prefill
 from .sampling import run_sampling
 
 # NOTE: nothing imported here imports triton, so --cpu-smoke can still set TRITON_INTERPRET
-SECTIONS = ("correctness", "decode", "launches", "sampling", "prefill", "kvsize", "attention")
+SECTIONS = (
+    "correctness",
+    "decode",
+    "launches",
+    "sampling",
+    "prefill",
+    "families",
+    "kvsize",
+    "attention",
+)
 NEEDS_MODEL = {"decode", "launches", "prefill", "kvsize"}  # the 8B model, loaded once
 
 
@@ -79,7 +92,8 @@ def _target(target: str, value: float | None, passed: bool | None) -> dict[str, 
 
 def verdict(report: dict[str, Any], is_gpu: bool) -> dict[str, Any]:
     """Issue 33's targets, each {target, value, pass}; pass is null without a figure
-    (its section failed or was not run) and in --cpu-smoke (figures of no meaning)."""
+    (its section failed or was not run), in --cpu-smoke (figures of no meaning) and for
+    the informational figures (issue 34's Mixtral decode step against its roofline)."""
     decode = [r for r in _rows(report, "decode") if r["cuda_graphs"] == is_gpu]
     wide = [r["share_of_hbm"] for r in decode if r["batch"] >= 32]
     single = [r["roofline_ratio"] for r in decode if r["batch"] == 1]
@@ -91,11 +105,22 @@ def verdict(report: dict[str, Any], is_gpu: bool) -> dict[str, Any]:
         if r["tokens"] == 8192 and not r["reused"] and r["chunk_tokens"] == default_chunk
     ]
     syncs = [r["host_syncs"] for r in _rows(report, "launches") if r["cuda_graphs"] == is_gpu]
+    mixtral = {
+        r["batch"]: r["roofline_ratio"]
+        for r in _rows(report, "families")
+        if r["family"] == "mixtral-8x7b" and r["case"] == "decode" and r["cuda_graphs"] == is_gpu
+    }
     figures = {
         "decode_graphs_hbm_share_b32_up": (">= 0.70 at every B >= 32", min(wide, default=None)),
         "decode_graphs_b1_roofline_ratio": ("<= 2.0", max(single, default=None)),
         "prefill_mfu_8k": (">= 0.40 (default chunk, no reuse)", mfu[0] if mfu else None),
         "host_syncs_per_decode_step": ("== 1 (CUDA graphs)", syncs[0] if syncs else None),
+        # issue 34 names no target for these: figures only, never a pass or a fail
+        "mixtral_decode_b1_roofline_ratio": ("none (informational)", mixtral.get(1)),
+        "mixtral_decode_wide_roofline_ratio": (
+            "none (informational): the widest batch run, B = 32 on a GPU",
+            mixtral[max(mixtral)] if mixtral else None,
+        ),
     }
     checks = {
         "decode_graphs_hbm_share_b32_up": lambda v: v >= 0.70,
@@ -105,7 +130,8 @@ def verdict(report: dict[str, Any], is_gpu: bool) -> dict[str, Any]:
     }
     out = {}
     for name, (target, value) in figures.items():
-        passed = None if value is None or not is_gpu else bool(checks[name](value))
+        check = checks.get(name)
+        passed = None if value is None or not is_gpu or check is None else bool(check(value))
         out[name] = _target(target, value, passed)
     return out
 
@@ -167,6 +193,8 @@ def _section_fn(
         return lambda: run_sampling(cfg, limits)
     if name == "attention":
         return lambda: attention_kernels(cfg, limits)
+    if name == "families":
+        return lambda: run_families(cfg, limits)
     assert model is not None, name
     if name == "decode":
         return lambda: run_decode(cfg, model, limits)
