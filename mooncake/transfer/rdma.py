@@ -31,6 +31,7 @@ from mooncake.native import rdma as verbs_api
 from mooncake.native.rdma import QpEndpoint, RdmaNic
 from mooncake.transfer.batch import Slice
 from mooncake.transfer.paths import Path
+from mooncake.transfer.rdmamr import RegionMrs, close_all
 from mooncake.transfer.rdmapath import RdmaPath
 from mooncake.transfer.rdmaqp import Credits, Outcome, QueuePair, classify, generation_of
 from mooncake.transfer.segment import Region
@@ -118,6 +119,7 @@ class RdmaTransport(BaseTransport):
         self.settings = options.rdma
         self.credits = {n: Credits(nic.cq_depth) for n, nic in nics.items()}
         self.num_stale = 0  # completions of QPs no longer known (ignored)
+        self.num_poller_errors = 0  # exceptions a poller caught and logged (bugs of ours)
         self._by_gen: dict[int, tuple[RdmaPath, QueuePair]] = {}
         self._next_gen = 0
         self._paths: dict[tuple[str, int, str, str], RdmaPath] = {}
@@ -144,21 +146,33 @@ class RdmaTransport(BaseTransport):
     # -- registration -----------------------------------------------------------------------
 
     def register_region(self, region: Region) -> None:
+        """Register `region` on every NIC, or on none: any failure closes the MRs made
+        (whatever pyverbs raised) and raises again."""
         done: list[tuple[str, Any, int]] = []  # (nic, MR, address of the region's byte 0)
         device = region.location.startswith("cuda")
         try:
             for name, nic in self.nics.items():
                 done.append((name, *nic.register(region.view.address, region.num_bytes, device)))
-        except TransferError as e:
-            _close_all([mr for _, mr, _ in done])  # NOTE: the engine frees the name
-            raise TransferError(f"segment {region.name!r} not registered: {e}") from e
+        except BaseException as e:  # NOTE: not only ours: an older pyverbs raises TypeError
+            close_all([mr for _, mr, _ in done])  # NOTE: the engine frees the name
+            if isinstance(e, TransferError):
+                raise TransferError(f"segment {region.name!r} not registered: {e}") from e
+            raise
         for name, mr, base in done:
             region.rdma_keys.append(RdmaKeyDesc(name, base, int(mr.rkey)))
-        region.rdma_handles.extend(done)
+        region.rdma_handles.append(RegionMrs(region.name, done))
 
     def unregister_region(self, region: Region) -> None:
-        _close_all([mr for _, mr, _ in region.rdma_handles])
-        region.rdma_handles.clear()
+        """Refuse new work on `region`'s MRs and close them once no posted work request
+        names them (waiting up to slice_io_timeout_s; later, the last completion does)."""
+        for mrs in region.rdma_handles:
+            if not mrs.close(self.options.slice_io_timeout_s):
+                log.warning(
+                    "segment %r unregistered with %d work requests in flight: its memory "
+                    "regions close when they complete",
+                    region.name,
+                    mrs.num_posted,
+                )
 
     # -- initiator side ---------------------------------------------------------------------
 
@@ -186,18 +200,29 @@ class RdmaTransport(BaseTransport):
         return out
 
     def post(self, nic: RdmaNic, qp: Any, wr_id: int, s: Slice, remote_nic: str) -> None:
+        """Post slice `s` on `qp`, its local MR held until `unpost(s)`; raises SegmentGone
+        (its segment was unregistered) or TransferError (the QP refused it)."""
         key: RdmaKeyDesc = s.target.handle[remote_nic]
-        mr, base = next((mr, base) for n, mr, base in s.local.rdma_handles if n == nic.name)
-        nic.post(
-            qp,
-            wr_id,
-            s.op is TransferOp.WRITE,
-            base + s.local_offset,
-            s.length,
-            int(mr.lkey),
-            key.address + s.remote_offset,
-            key.rkey,
-        )
+        mrs: RegionMrs = s.local.rdma_handles[0]
+        lkey, base = mrs.acquire(nic.name)
+        try:
+            nic.post(
+                qp,
+                wr_id,
+                s.op is TransferOp.WRITE,
+                base + s.local_offset,
+                s.length,
+                lkey,
+                key.address + s.remote_offset,
+                key.rkey,
+            )
+        except BaseException:
+            mrs.release()
+            raise
+
+    def unpost(self, s: Slice) -> None:
+        """The work request of `s` completed or its QP was destroyed: its MR may close."""
+        s.local.rdma_handles[0].release()
 
     def connect(self, path: RdmaPath, slots: list[int]) -> list[tuple[int, Any]]:
         """Create, exchange and connect one QP per slot of `path` (on a worker); every QP
@@ -229,7 +254,7 @@ class RdmaTransport(BaseTransport):
             for qp, psn, r in zip(qps, psns, reply.qps, strict=True):
                 nic.connect(qp, _endpoint(r), psn)
         except BaseException:
-            _close_all(qps)
+            close_all(qps)
             raise
         return list(zip(slots, qps, strict=True))
 
@@ -266,10 +291,14 @@ class RdmaTransport(BaseTransport):
                 continue
             idle_at = 0.0
             credits.give(len(done))
-            self._complete(done)
-            for path in self._nic_paths[name]:
-                if path.pending:
-                    path.pump()
+            try:
+                self._complete(done)
+                for path in self._nic_paths[name]:
+                    if path.pending:
+                        path.pump()
+            except Exception:  # NOTE: a bug of ours; a dead poller would stall the NIC
+                self.num_poller_errors += 1
+                log.exception("rdma %s: poller error (the poller goes on)", name)
 
     def _complete(self, done: list[tuple[int, int, int]]) -> None:
         ok_status = int(self.verbs.IBV_WC_SUCCESS)
@@ -328,15 +357,15 @@ class RdmaTransport(BaseTransport):
                 nic.connect(qps[-1], _endpoint(remote), psn)
                 mine.append(_info(nic.endpoint(qps[-1], psn)))
         except BaseException:
-            _close_all(qps)
+            close_all(qps)
             raise
         with self._lock:
             if self._closed:
-                _close_all(qps)
+                close_all(qps)
                 raise TransferError("this node's transfer engine is closing")
             old = [self._served.pop(k)[1] for k in keys if k in self._served]
             self._served.update({k: (nic, qp) for k, qp in zip(keys, qps, strict=True)})
-        _close_all(old)  # NOTE: the initiator reconnects a slot only once it drained it
+        close_all(old)  # NOTE: the initiator reconnects a slot only once it drained it
         reply = RdmaConnectMsg(
             self.node, msg.initiator_nic, msg.target_nic, msg.path_id, msg.slots, mine
         )
@@ -353,14 +382,6 @@ class RdmaTransport(BaseTransport):
         self._workers.shutdown(wait=True, cancel_futures=True)
         for p in paths:
             p.close()
-        _close_all([qp for _, qp in served])
+        close_all([qp for _, qp in served])
         for nic in self.nics.values():
             nic.close()
-
-
-def _close_all(objs: list[Any]) -> None:
-    for o in objs:
-        try:
-            o.close()
-        except Exception as e:  # pragma: no cover - device already gone
-            log.warning("closing %r: %s", o, e)

@@ -114,6 +114,7 @@ class DeviceSpec:
     open_error: str = ""  # Context() fails with this
     mr_error: int = 0  # errno every MR registration on this device fails with
     peermem: bool = True  # plain MRs of DEVICE_MEMORY work (nvidia-peermem loaded)
+    dmabuf_type_error: bool = False  # DmaBufMR raises TypeError (an older pyverbs' fd type)
 
 
 def default_devices() -> dict[str, DeviceSpec]:
@@ -397,6 +398,8 @@ class DmaBufMR(MR):
         gpu: int = 0,
         gtt: int = 0,
     ):
+        if pd.ctx.spec.dmabuf_type_error:
+            raise TypeError("an integer is required (got type int)")  # as older rdma-core
         if not isinstance(dmabuf, int) or dmabuf not in DMABUFS:
             raise PyverbsRDMAError("Failed to register a dma-buf MR", errno.EBADF)
         super().__init__(pd, length, access, offset, host=DMABUFS.pop(dmabuf) + offset)

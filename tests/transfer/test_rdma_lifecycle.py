@@ -1,0 +1,64 @@
+"""Lifetimes on the rdma transport (emulator): a segment unregistered with its transfers in
+flight fails them cleanly and closes its memory regions only once no posted work request
+names them; a restarted initiator (a new engine under the same node name) never runs into
+the responder's per-peer queue-pair quota, and the responder's queue pairs stay bounded."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mooncake.config.rdma import RdmaConfig
+from mooncake.transfer import TransferOp, TransferRequest
+from tests.transfer.peer import pattern
+from tests.transfer.rdma_helpers import flat_fabric, rdma_pair, transport, wait_for
+
+READ, WRITE = TransferOp.READ, TransferOp.WRITE
+
+
+def test_unregistering_a_segment_in_flight_fails_its_request_and_keeps_the_pollers(
+    emulator,
+) -> None:
+    """Its queued slices fail naming the segment, its posted ones finish before its MRs
+    close (the fixture fails the test on a closed key in a work request), every poller
+    lives on and later transfers on the same NICs work."""
+    flat_fabric()
+    small_queues = RdmaConfig(rdma_queue_depth=2)
+    with rdma_pair(small_queues, timeout_s=5.0) as (a, b):
+        pool = b.allocate("pool", 1 << 20)
+        a.register("src", pattern(1 << 20))
+        for _ in range(3):  # the race is wide, not certain: take it a few times
+            batch = a.submit([TransferRequest(WRITE, "src", 0, "pool", 0, 1 << 20)])
+            a.unregister("src")
+            status = batch.wait(5.0)[0]
+            assert status.state.value == "failed", status
+            assert "'src'" in status.reason and "unregistered" in status.reason
+            assert all(t.is_alive() for t in transport(a)._pollers)
+            assert transport(a).num_poller_errors == 0
+            a.register("src", pattern(1 << 20))
+        later = pattern(1 << 16, offset=7)
+        a.register("later", later)
+        a.submit([TransferRequest(WRITE, "later", 0, "pool", 0, 1 << 16)]).check(5.0)
+        assert (pool[: 1 << 16] == later).all()
+        back = np.zeros(1 << 16, np.uint8)
+        a.register("back", back)
+        a.submit([TransferRequest(READ, "back", 0, "pool", 0, 1 << 16)]).check(5.0)
+        assert (back == later).all()
+
+
+def test_memory_regions_of_an_unregistered_segment_close_once_their_work_is_polled(
+    emulator,
+) -> None:
+    flat_fabric()
+    with rdma_pair(timeout_s=5.0) as (a, b):
+        b.allocate("pool", 1 << 20)
+        a.register("src", pattern(1 << 20))
+        mrs = list(a.segments.get("src").rdma_handles[0].mrs())
+        for nic in transport(a).nics.values():
+            nic.cq.poll_delay_s = 0.05  # completions wait in the CQ a while
+        batch = a.submit([TransferRequest(WRITE, "src", 0, "pool", 0, 1 << 20)])
+        wait_for(lambda: any(not mr.closed for mr in mrs) and emulator.STATS["max_sq"] > 0)
+        a.unregister("src")
+        batch.wait(5.0)
+        assert wait_for(lambda: all(mr.closed for mr in mrs), 5.0)
+        assert not emulator.CRASHES
+
