@@ -1,16 +1,27 @@
 """The RDMA transport: one-sided RDMA READ/WRITE over RC queue pairs (pyverbs).
 
-Every segment is registered as a memory region on every local NIC (all or none: a failure
-rolls back the others); its descriptor carries one (nic, address, rkey) per NIC. A path
-(transfer/rdmapath.py) is a (local NIC, remote NIC) pair with `connections_per_peer` queue
-pairs, connected by an RDMA_CONNECT exchange (GID, LID, QPN, PSN, MTU, read depth) over the
-peer's authenticated TCP server. The responder keys the QPs it accepts by the initiator's
-node, path id and slot, and refuses a peer past `transfer.rdma_max_qps_per_peer`.
+Every segment is registered as a memory region on every local NIC (all or none: any
+failure, whatever pyverbs raised, closes the others again); its descriptor carries one
+(nic, address, rkey) per NIC. The MRs of a segment are a `RegionMrs` (transfer/rdmamr.py):
+unregistering refuses new work on them at once (slices still queued fail, not retried,
+naming the segment) and closes them only once no posted work request names them.
+
+A path (transfer/rdmapath.py) is a (local NIC, remote NIC) pair with `connections_per_peer`
+queue pairs, connected by an RDMA_CONNECT exchange (GID, LID, QPN, PSN, MTU, read depth)
+over the peer's authenticated TCP server. The responder keys the QPs it accepts by the
+initiator's node, path id and slot, and refuses a peer past `transfer.rdma_max_qps_per_peer`.
+An RDMA_CONNECT carries the initiator engine's incarnation (random, new on every start; 0
+from peers that predate it, which still decode it and are decoded): a connect that would
+pass the quota first reclaims the QPs other incarnations under the same node name hold
+(a restarted engine's, left behind: a responder of one-sided work never sees its peer
+die), least recently connected first. NOTE: two live engines under one name that together
+pass the quota take each other's QPs in turn; give them distinct names.
 
 Threads: one poller per NIC drains its CQ, reports successful slices and pumps the paths
-of that NIC; anything that may block (connecting, reporting failures, which re-dispatches
-slices) runs on the transport's worker threads. close() stops and joins the pollers and
-workers before it destroys QPs, CQs, PDs and devices.
+of that NIC (an exception of ours is logged and counted, the poller goes on); anything
+that may block (connecting, reporting failures, which re-dispatches slices) runs on the
+transport's worker threads. close() stops and joins the pollers and workers before it
+destroys QPs, CQs, PDs and devices.
 """
 
 from __future__ import annotations
@@ -63,6 +74,16 @@ class RdmaConnectMsg(msgspec.Struct, frozen=True):
     path_id: int  # chosen by the initiator for one path
     slots: list[int]  # the path's QP slot of each entry of qps
     qps: list[QpInfo]
+    # random id of the sender's engine, new on every start; 0: a peer from before the field
+    incarnation: int = 0
+
+
+class ServedQp(msgspec.Struct):
+    """A QP this node opened for a peer's RDMA_CONNECT."""
+
+    qp: Any  # the pyverbs QP
+    incarnation: int  # the initiator engine's (RdmaConnectMsg.incarnation)
+    connect_seq: int  # which accepted RDMA_CONNECT made it (larger: more recent)
 
 
 _encode = msgspec.msgpack.Encoder().encode
@@ -124,7 +145,10 @@ class RdmaTransport(BaseTransport):
         self._next_gen = 0
         self._paths: dict[tuple[str, int, str, str], RdmaPath] = {}
         self._nic_paths: dict[str, tuple[RdmaPath, ...]] = {n: () for n in nics}
-        self._served: dict[tuple[str, int, int], tuple[RdmaNic, Any]] = {}
+        # the QPs peers opened here, by (initiator node, path id, slot)
+        self._served: dict[tuple[str, int, int], ServedQp] = {}
+        self._num_connects = 0  # RDMA_CONNECTs accepted (orders the incarnations)
+        self.incarnation = secrets.randbits(63) | 1  # this engine, among those named `node`
         self._lock = threading.Lock()
         self._accept_lock = threading.Lock()
         self._closed = False
@@ -235,7 +259,13 @@ class RdmaTransport(BaseTransport):
                 qps.append(nic.create_qp())
             mine = [_info(nic.endpoint(qp, p)) for qp, p in zip(qps, psns, strict=True)]
             msg = RdmaConnectMsg(
-                self.node, path.local_nic, path.remote_nic, path.path_id, slots, mine
+                self.node,
+                path.local_nic,
+                path.remote_nic,
+                path.path_id,
+                slots,
+                mine,
+                self.incarnation,
             )
             status, body = control_call(
                 path.host,
@@ -341,11 +371,12 @@ class RdmaTransport(BaseTransport):
         keys = [(msg.node, msg.path_id, slot) for slot in msg.slots]
         quota = self.settings.rdma_max_qps_per_peer
         with self._lock:
-            held = sum(1 for k in self._served if k[0] == msg.node and k not in keys)
-        if held + len(keys) > quota:
+            held = [k for k in self._served if k[0] == msg.node and k not in keys]
+            stale = self._reclaimable(msg, len(held) + len(keys) - quota)
+        if len(held) - len(stale) + len(keys) > quota:
             raise TransferError(
-                f"peer {msg.node!r} would hold {held + len(keys)} queue pairs on this node, over "
-                f"transfer.rdma_max_qps_per_peer = {quota}: raise it here, or lower "
+                f"peer {msg.node!r} would hold {len(held) + len(keys)} queue pairs on this "
+                f"node, over transfer.rdma_max_qps_per_peer = {quota}: raise it here, or lower "
                 "transfer.connections_per_peer (or the NICs used) on the peer"
             )
         qps: list[Any] = []
@@ -363,13 +394,53 @@ class RdmaTransport(BaseTransport):
             if self._closed:
                 close_all(qps)
                 raise TransferError("this node's transfer engine is closing")
-            old = [self._served.pop(k)[1] for k in keys if k in self._served]
-            self._served.update({k: (nic, qp) for k, qp in zip(keys, qps, strict=True)})
+            old = [self._served.pop(k).qp for k in keys + stale if k in self._served]
+            self._num_connects += 1
+            self._served.update(
+                {
+                    k: ServedQp(qp, msg.incarnation, self._num_connects)
+                    for k, qp in zip(keys, qps, strict=True)
+                }
+            )
+        if stale:
+            log.warning(
+                "peer %r: %d queue pairs of earlier engines under its name (restarted) "
+                "reclaimed for a new one, within transfer.rdma_max_qps_per_peer = %d",
+                msg.node,
+                len(stale),
+                quota,
+            )
         close_all(old)  # NOTE: the initiator reconnects a slot only once it drained it
         reply = RdmaConnectMsg(
-            self.node, msg.initiator_nic, msg.target_nic, msg.path_id, msg.slots, mine
+            self.node,
+            msg.initiator_nic,
+            msg.target_nic,
+            msg.path_id,
+            msg.slots,
+            mine,
+            self.incarnation,
         )
         return Status.OK, _encode(reply)
+
+    def _reclaimable(self, msg: RdmaConnectMsg, excess: int) -> list[tuple[str, int, int]]:
+        """Under the lock: keys of the QPs that other incarnations of `msg.node` hold, whole
+        incarnations, least recently connected first, until `excess` QPs are covered (none
+        for an initiator that sends no incarnation)."""
+        if excess <= 0 or not msg.incarnation:
+            return []
+        by_incarnation: dict[int, list[tuple[str, int, int]]] = {}
+        last_connect: dict[int, int] = {}
+        for k, served in self._served.items():
+            if k[0] == msg.node and served.incarnation != msg.incarnation:
+                by_incarnation.setdefault(served.incarnation, []).append(k)
+                last = last_connect.get(served.incarnation, 0)
+                last_connect[served.incarnation] = max(last, served.connect_seq)
+        out: list[tuple[str, int, int]] = []
+        for inc in sorted(by_incarnation, key=last_connect.__getitem__):
+            if len(out) >= excess:
+                break
+            out += by_incarnation[inc]
+        return out
 
     def close(self) -> None:
         with self._lock:
@@ -382,6 +453,6 @@ class RdmaTransport(BaseTransport):
         self._workers.shutdown(wait=True, cancel_futures=True)
         for p in paths:
             p.close()
-        close_all([qp for _, qp in served])
+        close_all([sq.qp for sq in served])
         for nic in self.nics.values():
             nic.close()

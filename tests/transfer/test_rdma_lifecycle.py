@@ -1,16 +1,19 @@
 """Lifetimes on the rdma transport (emulator): a segment unregistered with its transfers in
 flight fails them cleanly and closes its memory regions only once no posted work request
 names them; a restarted initiator (a new engine under the same node name) never runs into
-the responder's per-peer queue-pair quota, and the responder's queue pairs stay bounded."""
+the responder's per-peer queue-pair quota, and the responder's queue pairs stay bounded;
+the RDMA_CONNECT message that carries the incarnation still talks to peers without it."""
 
 from __future__ import annotations
 
+import msgspec
 import numpy as np
 
 from mooncake.config.rdma import RdmaConfig
 from mooncake.transfer import TransferOp, TransferRequest
+from mooncake.transfer.rdma import QpInfo, RdmaConnectMsg
 from tests.transfer.peer import pattern
-from tests.transfer.rdma_helpers import flat_fabric, rdma_pair, transport, wait_for
+from tests.transfer.rdma_helpers import flat_fabric, rdma_engine, rdma_pair, transport, wait_for
 
 READ, WRITE = TransferOp.READ, TransferOp.WRITE
 
@@ -62,3 +65,38 @@ def test_memory_regions_of_an_unregistered_segment_close_once_their_work_is_poll
         assert wait_for(lambda: all(mr.closed for mr in mrs), 5.0)
         assert not emulator.CRASHES
 
+
+def test_a_restarted_initiator_never_hits_the_qp_quota(emulator) -> None:
+    """Each new engine "a" reclaims what its dead predecessors left on the responder:
+    its connects are never refused, the responder holds at most the quota."""
+    flat_fabric()
+    quota = RdmaConfig(rdma_max_qps_per_peer=16)  # two incarnations' 8 queue pairs
+    with rdma_engine("b", quota) as b:
+        pool = b.allocate("pool", 1 << 16)
+        for i in range(6):
+            with rdma_engine("a", pause_after_failures=1000) as a:
+                a.directory.add_peer("127.0.0.1", b.server.port)  # type: ignore[attr-defined]
+                a.register("src", pattern(1 << 16, offset=i))
+                a.submit([TransferRequest(WRITE, "src", 0, "pool", 0, 1 << 16)]).check(5.0)
+                assert a.num_retries == 0
+            assert (pool == pattern(1 << 16, offset=i)).all()
+            assert len(transport(b)._served) <= 16
+        held = emulator.live_qps("fake_0") + emulator.live_qps("fake_1")
+        assert held == len(transport(b)._served) <= 16
+
+
+def test_connect_messages_decode_both_ways_with_peers_that_send_no_incarnation() -> None:
+    class OldConnectMsg(msgspec.Struct, frozen=True):  # RdmaConnectMsg before the field
+        node: str
+        initiator_nic: str
+        target_nic: str
+        path_id: int
+        slots: list[int]
+        qps: list[QpInfo]
+
+    info = QpInfo("fe80:0000:0000:0000:0000:0000:0000:0001", 0, 7, 9, 5, 16)
+    new = RdmaConnectMsg("a", "fake_0", "fake_1", 3, [0], [info], incarnation=77)
+    old = msgspec.msgpack.decode(msgspec.msgpack.encode(new), type=OldConnectMsg)
+    assert (old.node, old.path_id, old.qps) == ("a", 3, [info])
+    back = msgspec.msgpack.decode(msgspec.msgpack.encode(old), type=RdmaConnectMsg)
+    assert back.incarnation == 0 and back.qps == [info]
