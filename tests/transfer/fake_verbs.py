@@ -9,16 +9,29 @@ What it enforces, as an RC queue pair on a real NIC does (rdma-core's libibverbs
   both ports, the GID entries and their types (a RoCEv1 GID cannot talk to a RoCEv2 one; a
   link-local GID and a hop limit of 1 do not cross a router: each device here sits on its
   own IPv4 subnet), and the read-atomic depths against the device;
-- post_send fails with ENOMEM past max_send_wr outstanding work requests (a send queue slot
-  comes back when its completion is polled); work runs on the device's own thread, so
-  completions arrive asynchronously; a completion that finds its CQ full overruns it, which
-  puts every QP on that CQ in the error state (its completion is lost, as on hardware);
+- post_send takes a chain of work requests (SendWR.next_wr, which holds a pointer, not a
+  reference: a link to a SendWR freed before the post is a use-after-free) and posts them
+  in order; the first that finds no room fails the call with ENOMEM (past max_send_wr
+  outstanding), the ones before it stay posted and `bad_wr` receives a copy of it;
+- send_flags are honoured: a request without IBV_SEND_SIGNALED (and sq_sig_all=0) that
+  succeeds produces no completion; one that fails, or is flushed, always does. Send queue
+  slots come back in order when a completion is polled: its own and those of the
+  unsignalled requests before it, so a QP that never signals runs out of slots;
+- work runs on the device's own thread, so completions arrive asynchronously; a completion
+  that finds its CQ full overruns it, which puts every QP on that CQ in the error state
+  (its completion is lost, as on hardware);
 - an error completion puts its QP in the error state; a QP in error completes everything
   outstanding or posted later with WR_FLUSH_ERR; destroying a QP drops its work requests
   and its completions still in the CQ (mlx5 cleans them out of the CQ);
 - posting to a destroyed QP or polling a destroyed CQ is a use-after-free (a segfault in
   pyverbs): it raises VerbsCrash, a BaseException no `except Exception` swallows, and is
-  recorded in CRASHES, which the tests' fixture checks;
+  recorded in CRASHES, which the tests' fixture checks; so is reading the lkey or rkey of
+  a closed MR (pyverbs reads the freed ibv_mr), posting a work request whose lkey belongs
+  to a closed MR, and (recorded only: the device thread goes on, the request fails with
+  LOC_PROT_ERR) executing one whose MR was closed after it was posted: on hardware the
+  key may belong to a new registration by then. Keys are never reused. An rkey of an MR
+  the peer closed stays a REM_ACCESS_ERR, as on hardware: a peer may unregister a segment
+  at any time and the initiator resolves its descriptor again;
 - MRs are bound to their protection domain: an lkey of another PD fails the work request
   with LOC_PROT_ERR, an rkey of another PD than the remote QP's with REM_ACCESS_ERR; pinned
   bytes count against MEMLOCK_LIMIT (RLIMIT_MEMLOCK) and registration past it is ENOMEM.
@@ -44,6 +57,7 @@ import secrets
 import tempfile
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,6 +81,10 @@ ZERO_GID = "0000:0000:0000:0000:0000:0000:0000:0000"
 
 
 class PyverbsError(Exception):
+    pass
+
+
+class PyverbsUserError(PyverbsError):
     pass
 
 
@@ -138,6 +156,7 @@ _pinned = [0]
 _lock = threading.RLock()  # the emulator's own state (registries, QP states, CQs)
 _QPS: dict[int, QP] = {}  # live QPs of this process by number
 _MRS: dict[int, MR] = {}  # live MRs of this process by key
+_CLOSED_KEYS: set[int] = set()  # lkeys and rkeys of this process's closed MRs (never reused)
 
 
 def reset() -> None:
@@ -147,6 +166,7 @@ def reset() -> None:
     FAIL_CALLS.clear()
     CRASHES.clear()
     DEVICE_MEMORY.clear()
+    _CLOSED_KEYS.clear()
     STATS.update(max_sq=0, max_sq_depth=0, max_cq=0, max_cq_depth=0, overruns=0, dropped=0)
     FORK.update(initialized=False, after_mr=False)
 
@@ -341,8 +361,8 @@ class MR:
                 raise PyverbsRDMAError("Failed to register a MR", errno.ENOMEM)
             _pinned[0] += length
             self.fork_safe = FORK["initialized"]
-            self.lkey, self.rkey = secrets.randbits(31) | 1, secrets.randbits(31) | 1
-            _MRS[self.lkey] = _MRS[self.rkey] = self
+            self._lkey, self._rkey = _new_key(), _new_key()
+            _MRS[self._lkey] = _MRS[self._rkey] = self
         self.pd, self.length, self.access, self.address = pd, length, access, address
         self.host = address if host is None else host  # where address (the iova) really is
         self.closed = False
@@ -350,7 +370,7 @@ class MR:
         shm, offset = _shm_backing(self.host)
         _publish(
             "mr",
-            self.rkey,
+            self._rkey,
             {
                 "pid": os.getpid(),
                 "address": address,
@@ -362,15 +382,35 @@ class MR:
             },
         )
 
+    @property
+    def lkey(self) -> int:
+        if self.closed:  # NOTE: pyverbs reads the freed ibv_mr: a NULL dereference
+            _crash("lkey of a closed MR")
+        return self._lkey
+
+    @property
+    def rkey(self) -> int:
+        if self.closed:
+            _crash("rkey of a closed MR")
+        return self._rkey
+
     def close(self) -> None:
         with _lock:
             if self.closed:
                 return
             self.closed = True
             _pinned[0] -= self.length
-            _MRS.pop(self.lkey, None)
-            _MRS.pop(self.rkey, None)
-        _unlink("mr", self.rkey)
+            _MRS.pop(self._lkey, None)
+            _MRS.pop(self._rkey, None)
+            _CLOSED_KEYS.update((self._lkey, self._rkey))
+        _unlink("mr", self._rkey)
+
+
+def _new_key() -> int:
+    """Under _lock: a key no live or closed MR of this process has had."""
+    while (key := secrets.randbits(31) | 1) in _MRS or key in _CLOSED_KEYS:
+        pass
+    return key
 
 
 DMABUFS: dict[int, int] = {}  # emulated dma-buf fd -> host address of its first byte
@@ -399,13 +439,15 @@ class DmaBufMR(MR):
         gtt: int = 0,
     ):
         if pd.ctx.spec.dmabuf_type_error:
+            DMABUFS.pop(dmabuf, None)
             raise TypeError("an integer is required (got type int)")  # as older rdma-core
         if not isinstance(dmabuf, int) or dmabuf not in DMABUFS:
             raise PyverbsRDMAError("Failed to register a dma-buf MR", errno.EBADF)
         super().__init__(pd, length, access, offset, host=DMABUFS.pop(dmabuf) + offset)
 
 
-_WC = collections.namedtuple("_WC", "wr_id status opcode vendor_err qp_num")
+# sq_slots: send queue slots this completion frees (itself and the unsignalled WRs before it)
+_WC = collections.namedtuple("_WC", "wr_id status opcode vendor_err qp_num sq_slots", defaults=(1,))
 
 
 class CQ:
@@ -451,7 +493,7 @@ class CQ:
             for wc in out:
                 qp = _QPS.get(wc.qp_num)
                 if qp is not None and qp.cq is self:
-                    qp.outstanding -= 1  # the send queue slot is free again
+                    qp.outstanding -= wc.sq_slots  # their send queue slots are free again
         return len(out), out
 
     def close(self) -> None:
@@ -486,6 +528,7 @@ class QPInitAttr:
     ):
         self.qp_type, self.send_cq, self.cap = qp_type, scq, cap or QPCap()
         self.max_send_wr = self.cap.max_send_wr
+        self.sq_sig_all = sq_sig_all
 
 
 class QPAttr:
@@ -515,9 +558,50 @@ class SendWR:
     ):
         self.wr_id, self.opcode, self.num_sge, self.sg_list = wr_id, opcode, num_sge, sg or []
         self.send_flags, self.rkey, self.remote_addr = send_flags, 0, 0
+        self._next: weakref.ref[SendWR] | None = None
 
     def set_wr_rdma(self, rkey: int, addr: int) -> None:
         self.rkey, self.remote_addr = rkey, addr
+
+    @property
+    def next_wr(self) -> None:
+        """None when unset. NOTE: rdma-core 44's getter of a set next_wr builds a SendWR
+        without an SGE and raises PyverbsUserError; the emulator does the same."""
+        if self._next is not None:
+            raise PyverbsUserError("A WR needs at least one SGE")
+        return None
+
+    @next_wr.setter
+    def next_wr(self, val: SendWR) -> None:
+        # NOTE: pyverbs stores a pointer to val's ibv_send_wr and no reference to val: the
+        # caller keeps every WR of a chain alive until post_send returns
+        if not isinstance(val, SendWR):
+            raise TypeError(
+                f"Argument 'val' has incorrect type (expected pyverbs.wr.SendWR, got "
+                f"{type(val).__name__})"
+            )
+        self._next = weakref.ref(val)
+
+    def chain(self) -> list[SendWR]:
+        """This WR and the ones its next_wr links to, as ibv_post_send walks them; a link to
+        a freed SendWR is a use-after-free."""
+        out, wr = [self], self
+        while wr._next is not None:
+            nxt = wr._next()
+            if nxt is None:
+                _crash(f"post_send follows next_wr of wr_id {wr.wr_id} to a freed SendWR")
+            assert nxt is not None
+            if len(out) > 1 << 16 or nxt in out:
+                _crash("post_send: a chain of work requests that loops")
+            out.append(nxt)
+            wr = nxt
+        return out
+
+    def copy_to(self, other: SendWR) -> None:
+        """What pyverbs copies into `bad_wr` (the ibv_send_wr, its next pointer included)."""
+        other.wr_id, other.opcode, other.num_sge = self.wr_id, self.opcode, self.num_sge
+        other.sg_list, other.send_flags = list(self.sg_list), self.send_flags
+        other.rkey, other.remote_addr, other._next = self.rkey, self.remote_addr, self._next
 
 
 from tests.transfer.fake_qp import QP, _Engine  # noqa: E402 - the QP half of the emulator
