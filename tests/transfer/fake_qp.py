@@ -52,6 +52,7 @@ class QP:
         self.outstanding = 0  # posted and not yet freed by a polled completion: slots in use
         self.sig_all = bool(init_attr.sq_sig_all)  # every WR signalled, whatever its flags
         self.num_unsignalled = 0  # executed unsignalled WRs since the last completion
+        self.num_unacked_events = 0  # async events of this QP not yet ack()ed
         self.err_status: int | None = None  # the status of the WR that moved it to error
         self.rtr: dict[str, Any] = {}
         cq.qps.append(self)
@@ -211,6 +212,8 @@ class QP:
         with fv._lock:
             if self.destroyed:
                 return
+            if self.num_unacked_events:  # NOTE: ibv_destroy_qp waits for the acks forever
+                fv.CRASHES.append(f"destroy of QP {self.qp_num} with an unacked async event")
             self.destroyed = True
             fv.STATS["dropped"] += self.outstanding
             self.sq.clear()
@@ -287,6 +290,7 @@ def _execute(qp: QP, wr: Any) -> int:
     peer = _peer(qp.dest)
     if (
         fv.is_cut(qp.pd.ctx.name)
+        or qp.pd.ctx.spec.ports[qp.port].state != fv.IBV_PORT_ACTIVE
         or peer is None
         or peer["state"] < fv.IBV_QPS_RTR
         or (peer["dest"] != qp.qp_num)

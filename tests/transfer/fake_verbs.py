@@ -32,6 +32,11 @@ What it enforces, as an RC queue pair on a real NIC does (rdma-core's libibverbs
   key may belong to a new registration by then. Keys are never reused. An rkey of an MR
   the peer closed stays a REM_ACCESS_ERR, as on hardware: a peer may unregister a segment
   at any time and the initiator resolves its descriptor again;
+- asynchronous events as pyverbs 44 has them: Context.get_async_event() blocks until one,
+  AsyncEvent has event_type and ack(). set_port_state() takes a port down (its work fails
+  with RETRY_EXC_ERR; PORT_ERR) or up (PORT_ACTIVE), fail_qp() is a QP fatal error (it
+  flushes; QP_FATAL), a CQ overrun raises CQ_ERR; destroying a QP with an event not yet
+  acked is recorded as a crash (ibv_destroy_qp waits for the ack forever);
 - MRs are bound to their protection domain: an lkey of another PD fails the work request
   with LOC_PROT_ERR, an rkey of another PD than the remote QP's with REM_ACCESS_ERR; pinned
   bytes count against MEMLOCK_LIMIT (RLIMIT_MEMLOCK) and registration past it is ENOMEM.
@@ -77,6 +82,7 @@ IBV_MTU_256, IBV_MTU_512, IBV_MTU_1024, IBV_MTU_2048, IBV_MTU_4096 = 1, 2, 3, 4,
 IBV_PORT_DOWN, IBV_PORT_ACTIVE = 1, 4
 IBV_LINK_LAYER_INFINIBAND, IBV_LINK_LAYER_ETHERNET = 1, 2
 IBV_GID_TYPE_SYSFS_IB_ROCE_V1, IBV_GID_TYPE_SYSFS_ROCE_V2 = 0, 1
+IBV_EVENT_CQ_ERR, IBV_EVENT_QP_FATAL, IBV_EVENT_PORT_ACTIVE, IBV_EVENT_PORT_ERR = 0, 1, 9, 10
 ZERO_GID = "0000:0000:0000:0000:0000:0000:0000:0000"
 
 
@@ -156,6 +162,7 @@ _pinned = [0]
 _lock = threading.RLock()  # the emulator's own state (registries, QP states, CQs)
 _QPS: dict[int, QP] = {}  # live QPs of this process by number
 _MRS: dict[int, MR] = {}  # live MRs of this process by key
+_CONTEXTS: list[Context] = []  # open device contexts of this process (they get port events)
 _CLOSED_KEYS: set[int] = set()  # lkeys and rkeys of this process's closed MRs (never reused)
 
 
@@ -261,7 +268,27 @@ class Context:
         self.name, self.spec = name, spec
         self.children: list[Any] = []
         self.closed = False
+        self.events: collections.deque[AsyncEvent] = collections.deque()  # not yet got
+        self.events_cond = threading.Condition(_lock)
         self.engine = _Engine(self)
+        with _lock:
+            _CONTEXTS.append(self)
+
+    def get_async_event(self) -> AsyncEvent:
+        """The next asynchronous event of this device, blocking until there is one (as
+        ibv_get_async_event on a blocking fd); it must be ack()ed."""
+        with self.events_cond:
+            while not self.events and not self.closed:
+                self.events_cond.wait()
+            if not self.events:
+                raise PyverbsRDMAError("Failed to get async event", errno.EBADF)
+            return self.events.popleft()
+
+    def _raise_event(self, event_type: int, qp: Any = None) -> None:  # under _lock
+        self.events.append(AsyncEvent(event_type, qp))
+        if qp is not None:
+            qp.num_unacked_events += 1
+        self.events_cond.notify_all()
 
     def query_device(self) -> _DeviceAttr:
         s = self.spec
@@ -297,7 +324,37 @@ class Context:
         for child in reversed(self.children):
             child.close()
         self.engine.stop()
-        self.closed = True
+        with self.events_cond:
+            self.closed = True
+            self.events_cond.notify_all()
+            if self in _CONTEXTS:
+                _CONTEXTS.remove(self)
+
+
+class AsyncEvent:
+    """An asynchronous event as pyverbs 44 exposes it: its type only (which QP or port
+    it concerns is not readable; query the port or the QPs' states)."""
+
+    def __init__(self, event_type: int = 0, qp: Any = None):
+        self.event_type = event_type
+        self._qp, self._acked = qp, False
+
+    def ack(self) -> None:
+        with _lock:
+            if not self._acked and self._qp is not None:
+                self._qp.num_unacked_events -= 1
+            self._acked = True
+
+
+def set_port_state(device: str, port_num: int, state: int) -> None:
+    """Take a port of `device` down (IBV_PORT_DOWN: its work fails with RETRY_EXC_ERR) or
+    up (IBV_PORT_ACTIVE); every open context of the device gets PORT_ERR or PORT_ACTIVE."""
+    with _lock:
+        DEVICES[device].ports[port_num].state = state
+        event = IBV_EVENT_PORT_ACTIVE if state == IBV_PORT_ACTIVE else IBV_EVENT_PORT_ERR
+        for ctx in _CONTEXTS:
+            if ctx.name == device:
+                ctx._raise_event(event)
 
 
 class PD:
@@ -472,6 +529,8 @@ class CQ:
         if self.closed:
             return
         if len(self.wcs) >= self.cqe or self.overrun:
+            if not self.overrun:
+                self.ctx._raise_event(IBV_EVENT_CQ_ERR)
             self.overrun = True
             STATS["overruns"] += 1
             for qp in self.qps:
@@ -611,6 +670,14 @@ def live_qps(device: str) -> int:
     """QPs of this process on `device` not yet destroyed."""
     with _lock:
         return sum(1 for qp in _QPS.values() if qp.pd.ctx.name == device)
+
+
+def fail_qp(qp: QP) -> None:
+    """A QP fatal error (the NIC found its context broken): it moves to the error state,
+    its work flushes, and its device gets IBV_EVENT_QP_FATAL (to ack before destroying it)."""
+    with _lock:
+        qp._to_error()
+        qp.pd.ctx._raise_event(IBV_EVENT_QP_FATAL, qp)
 
 
 def break_qps(device: str, count: int = 1) -> list[int]:

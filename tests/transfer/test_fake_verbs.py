@@ -1,11 +1,15 @@
 """The verbs emulator itself is as strict as the rules it claims (tests/transfer/fake_verbs.py):
 send queue and CQ depths, the error state and its flush, RTR checks, use after destroy,
-MRs bound to their PD. Driven through mooncake.native.rdma, the code the transport uses."""
+MRs bound to their PD, a closed MR's keys unusable, send_flags (unsignalled requests
+complete silently and free their slots with a signalled one), chains of work requests,
+asynchronous events (port down and up, QP fatal, CQ overrun). Driven through
+mooncake.native.rdma, the code the transport uses."""
 
 from __future__ import annotations
 
 import dataclasses
 import errno
+import threading
 
 import numpy as np
 import pytest
@@ -274,3 +278,56 @@ def test_a_chain_linking_a_freed_request_is_a_crash(emulator):
     with pytest.raises(emulator.VerbsCrash, match="freed SendWR"):
         q0.post_send(head)
     emulator.CRASHES.clear()  # expected here
+
+
+def test_a_port_going_down_and_up_is_an_async_event_and_fails_its_work(emulator):
+    """get_async_event blocks until an event; a port down fails posted work (RETRY_EXC),
+    as a cut link does, and says so on every open context of the device."""
+    flat_fabric()
+    (n0, _), (q0, _), bufs, mrs = _connected(emulator)
+    got: list = []
+    waiter = threading.Thread(target=lambda: got.append(n0.ctx.get_async_event()))
+    waiter.start()
+    waiter.join(0.05)
+    assert waiter.is_alive() and not got  # nothing happened yet: it blocks
+    emulator.set_port_state("fake_0", 1, emulator.IBV_PORT_DOWN)
+    waiter.join(5)
+    assert got[0].event_type == emulator.IBV_EVENT_PORT_ERR
+    got[0].ack()
+    assert n0.ctx.query_port(1).state == emulator.IBV_PORT_DOWN
+    _write(n0, q0, 1, bufs, mrs)
+    assert _drain(n0, 1)[0][1] == emulator.IBV_WC_RETRY_EXC_ERR
+    emulator.set_port_state("fake_0", 1, emulator.IBV_PORT_ACTIVE)
+    event = n0.ctx.get_async_event()
+    assert event.event_type == emulator.IBV_EVENT_PORT_ACTIVE
+    event.ack()
+
+
+def test_a_qp_fatal_error_flushes_its_work_and_must_be_acked_before_destroy(emulator):
+    flat_fabric()
+    (n0, _), (q0, _), bufs, mrs = _connected(emulator)
+    q1 = n0.create_qp()
+    with emulator._lock:  # NOTE: fails before the device thread runs the request
+        _write(n0, q0, 1, bufs, mrs)
+        emulator.fail_qp(q0)
+    assert _drain(n0, 1)[0][:2] == (1, emulator.IBV_WC_WR_FLUSH_ERR)
+    event = n0.ctx.get_async_event()
+    assert event.event_type == emulator.IBV_EVENT_QP_FATAL
+    event.ack()
+    q0.close()  # acked: destroys at once
+    emulator.fail_qp(q1)
+    q1.close()  # not acked: ibv_destroy_qp would wait forever
+    crashes = list(emulator.CRASHES)
+    assert crashes == [f"destroy of QP {q1.qp_num} with an unacked async event"]
+    emulator.CRASHES.clear()  # expected here
+    n0.ctx.get_async_event().ack()
+
+
+def test_a_cq_overrun_is_an_async_event(emulator):
+    flat_fabric()
+    (n0, _), (q0, _), bufs, mrs = _connected(emulator, RdmaConfig(rdma_cq_depth=16))
+    for i in range(17):
+        _write(n0, q0, i, bufs, mrs)
+    event = n0.ctx.get_async_event()
+    assert event.event_type == emulator.IBV_EVENT_CQ_ERR
+    event.ack()

@@ -24,7 +24,14 @@ except ImportError as e:  # pragma: no cover - depends on the host
 
 GID = "fe80:0000:0000:0000:0000:0000:0000:0001"
 METHODS = {
-    "Context": ("query_device", "query_port", "query_gid", "query_gid_type", "close"),
+    "Context": (
+        "query_device",
+        "query_port",
+        "query_gid",
+        "query_gid_type",
+        "get_async_event",
+        "close",
+    ),
     "MR": ("lkey", "rkey", "close"),
     "CQ": ("poll", "close"),
     "QP": ("to_init", "to_rtr", "to_rts", "modify", "post_send", "qp_num", "close"),
@@ -93,6 +100,20 @@ def test_chains_and_signalling_behave_in_the_emulator_as_in_pyverbs() -> None:
         head.send_flags = 0
         assert head.send_flags == 0 and tail.send_flags == int(api.IBV_SEND_SIGNALED)
     assert verbs.QPInitAttr().sq_sig_all == 1 == fake_verbs.QPInitAttr().sq_sig_all
+
+
+def test_async_events_of_the_emulator_have_pyverbs_names_and_values() -> None:
+    import pyverbs.device
+
+    for name in ("ack", "event_type"):
+        assert hasattr(pyverbs.device.AsyncEvent, name) and hasattr(fake_verbs.AsyncEvent(), name)
+    try:  # as load_pyverbs: newer rdma-core renamed the enums module
+        import pyverbs.libibverbs_enums as e
+    except ImportError:
+        import pyverbs.enums as e
+    for name in ("IBV_EVENT_CQ_ERR", "IBV_EVENT_QP_FATAL", "IBV_EVENT_PORT_ACTIVE"):
+        assert int(getattr(e, name)) == getattr(fake_verbs, name), name
+    assert int(e.IBV_EVENT_PORT_ERR) == fake_verbs.IBV_EVENT_PORT_ERR
     assert ":param bad_wr:" in verbs.QP.post_send.__doc__
 
 
