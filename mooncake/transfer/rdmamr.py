@@ -40,6 +40,7 @@ class RegionMrs:
         self.num_posted = 0  # work requests posted against these MRs and not yet released
         self.is_closing = False  # unregistered: nothing new is posted
         self.is_closed = False  # the MRs are closed
+        self._is_waiting = False  # close() waits: it closes them itself
 
     def mrs(self) -> list[Any]:
         """The MRs, one per NIC (for tests and rollback)."""
@@ -65,7 +66,7 @@ class RegionMrs:
             if self.num_posted:
                 return
             self._cond.notify_all()
-            is_last = self.is_closing and not self.is_closed
+            is_last = self.is_closing and not self._is_waiting and not self.is_closed
             self.is_closed = self.is_closed or is_last
         if is_last:  # NOTE: close()'s wait ended first; the poller closes them
             close_all(self.mrs())
@@ -75,9 +76,10 @@ class RegionMrs:
         `wait_s` for that. True: closed now; False: the last release closes them."""
         end = time.monotonic() + wait_s
         with self._cond:
-            self.is_closing = True
+            self.is_closing = self._is_waiting = True
             while self.num_posted and (left := end - time.monotonic()) > 0:
                 self._cond.wait(left)
+            self._is_waiting = False
             if self.num_posted or self.is_closed:
                 return self.is_closed
             self.is_closed = True

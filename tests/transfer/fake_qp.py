@@ -12,6 +12,7 @@ import errno
 import os
 import secrets
 import threading
+import time
 from typing import Any
 
 from tests.transfer import fake_verbs as fv
@@ -270,6 +271,8 @@ class _Engine:
                 if qp.state == fv.IBV_QPS_ERR:
                     status, qp.err_status = qp.err_status or fv.IBV_WC_WR_FLUSH_ERR, None
             if status is None:
+                if self.ctx.spec.wr_delay_s:
+                    time.sleep(self.ctx.spec.wr_delay_s)
                 status = _execute(qp, wr)
             with self.cond:
                 if qp.destroyed:

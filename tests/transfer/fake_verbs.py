@@ -139,6 +139,7 @@ class DeviceSpec:
     mr_error: int = 0  # errno every MR registration on this device fails with
     peermem: bool = True  # plain MRs of DEVICE_MEMORY work (nvidia-peermem loaded)
     dmabuf_type_error: bool = False  # DmaBufMR raises TypeError (an older pyverbs' fd type)
+    wr_delay_s: float = 0.0  # seconds the device takes per work request (a slow link)
 
 
 def default_devices() -> dict[str, DeviceSpec]:
