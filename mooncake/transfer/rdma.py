@@ -1,16 +1,27 @@
 """The RDMA transport: one-sided RDMA READ/WRITE over RC queue pairs (pyverbs).
 
-Every segment is registered as a memory region on every local NIC (all or none: a failure
-rolls back the others); its descriptor carries one (nic, address, rkey) per NIC. A path
-(transfer/rdmapath.py) is a (local NIC, remote NIC) pair with `connections_per_peer` queue
-pairs, connected by an RDMA_CONNECT exchange (GID, LID, QPN, PSN, MTU, read depth) over the
-peer's authenticated TCP server. The responder keys the QPs it accepts by the initiator's
-node, path id and slot, and refuses a peer past `transfer.rdma_max_qps_per_peer`.
+Every segment is registered as a memory region on every local NIC (all or none: any
+failure, whatever pyverbs raised, closes the others again); its descriptor carries one
+(nic, address, rkey) per NIC. The MRs of a segment are a `RegionMrs` (transfer/rdmamr.py):
+unregistering refuses new work on them at once (slices still queued fail, not retried,
+naming the segment) and closes them only once no posted work request names them.
+
+A path (transfer/rdmapath.py) is a (local NIC, remote NIC) pair with `connections_per_peer`
+queue pairs, connected by an RDMA_CONNECT exchange (GID, LID, QPN, PSN, MTU, read depth)
+over the peer's authenticated TCP server. The responder keys the QPs it accepts by the
+initiator's node, path id and slot, and refuses a peer past `transfer.rdma_max_qps_per_peer`.
+An RDMA_CONNECT carries the initiator engine's incarnation (random, new on every start; 0
+from peers that predate it, which still decode it and are decoded): a connect that would
+pass the quota first reclaims the QPs other incarnations under the same node name hold
+(a restarted engine's, left behind: a responder of one-sided work never sees its peer
+die), least recently connected first. NOTE: two live engines under one name that together
+pass the quota take each other's QPs in turn; give them distinct names.
 
 Threads: one poller per NIC drains its CQ, reports successful slices and pumps the paths
-of that NIC; anything that may block (connecting, reporting failures, which re-dispatches
-slices) runs on the transport's worker threads. close() stops and joins the pollers and
-workers before it destroys QPs, CQs, PDs and devices.
+of that NIC (an exception of ours is logged and counted, the poller goes on); anything
+that may block (connecting, reporting failures, which re-dispatches slices) runs on the
+transport's worker threads. close() stops and joins the pollers and workers before it
+destroys QPs, CQs, PDs and devices.
 """
 
 from __future__ import annotations
@@ -31,6 +42,7 @@ from mooncake.native import rdma as verbs_api
 from mooncake.native.rdma import QpEndpoint, RdmaNic
 from mooncake.transfer.batch import Slice
 from mooncake.transfer.paths import Path
+from mooncake.transfer.rdmamr import RegionMrs, close_all
 from mooncake.transfer.rdmapath import RdmaPath
 from mooncake.transfer.rdmaqp import Credits, Outcome, QueuePair, classify, generation_of
 from mooncake.transfer.segment import Region
@@ -62,6 +74,16 @@ class RdmaConnectMsg(msgspec.Struct, frozen=True):
     path_id: int  # chosen by the initiator for one path
     slots: list[int]  # the path's QP slot of each entry of qps
     qps: list[QpInfo]
+    # random id of the sender's engine, new on every start; 0: a peer from before the field
+    incarnation: int = 0
+
+
+class ServedQp(msgspec.Struct):
+    """A QP this node opened for a peer's RDMA_CONNECT."""
+
+    qp: Any  # the pyverbs QP
+    incarnation: int  # the initiator engine's (RdmaConnectMsg.incarnation)
+    connect_seq: int  # which accepted RDMA_CONNECT made it (larger: more recent)
 
 
 _encode = msgspec.msgpack.Encoder().encode
@@ -118,11 +140,15 @@ class RdmaTransport(BaseTransport):
         self.settings = options.rdma
         self.credits = {n: Credits(nic.cq_depth) for n, nic in nics.items()}
         self.num_stale = 0  # completions of QPs no longer known (ignored)
+        self.num_poller_errors = 0  # exceptions a poller caught and logged (bugs of ours)
         self._by_gen: dict[int, tuple[RdmaPath, QueuePair]] = {}
         self._next_gen = 0
         self._paths: dict[tuple[str, int, str, str], RdmaPath] = {}
         self._nic_paths: dict[str, tuple[RdmaPath, ...]] = {n: () for n in nics}
-        self._served: dict[tuple[str, int, int], tuple[RdmaNic, Any]] = {}
+        # the QPs peers opened here, by (initiator node, path id, slot)
+        self._served: dict[tuple[str, int, int], ServedQp] = {}
+        self._num_connects = 0  # RDMA_CONNECTs accepted (orders the incarnations)
+        self.incarnation = secrets.randbits(63) | 1  # this engine, among those named `node`
         self._lock = threading.Lock()
         self._accept_lock = threading.Lock()
         self._closed = False
@@ -144,21 +170,33 @@ class RdmaTransport(BaseTransport):
     # -- registration -----------------------------------------------------------------------
 
     def register_region(self, region: Region) -> None:
+        """Register `region` on every NIC, or on none: any failure closes the MRs made
+        (whatever pyverbs raised) and raises again."""
         done: list[tuple[str, Any, int]] = []  # (nic, MR, address of the region's byte 0)
         device = region.location.startswith("cuda")
         try:
             for name, nic in self.nics.items():
                 done.append((name, *nic.register(region.view.address, region.num_bytes, device)))
-        except TransferError as e:
-            _close_all([mr for _, mr, _ in done])  # NOTE: the engine frees the name
-            raise TransferError(f"segment {region.name!r} not registered: {e}") from e
+        except BaseException as e:  # NOTE: not only ours: an older pyverbs raises TypeError
+            close_all([mr for _, mr, _ in done])  # NOTE: the engine frees the name
+            if isinstance(e, TransferError):
+                raise TransferError(f"segment {region.name!r} not registered: {e}") from e
+            raise
         for name, mr, base in done:
             region.rdma_keys.append(RdmaKeyDesc(name, base, int(mr.rkey)))
-        region.rdma_handles.extend(done)
+        region.rdma_handles.append(RegionMrs(region.name, done))
 
     def unregister_region(self, region: Region) -> None:
-        _close_all([mr for _, mr, _ in region.rdma_handles])
-        region.rdma_handles.clear()
+        """Refuse new work on `region`'s MRs and close them once no posted work request
+        names them (waiting up to slice_io_timeout_s; later, the last completion does)."""
+        for mrs in region.rdma_handles:
+            if not mrs.close(self.options.slice_io_timeout_s):
+                log.warning(
+                    "segment %r unregistered with %d work requests in flight: its memory "
+                    "regions close when they complete",
+                    region.name,
+                    mrs.num_posted,
+                )
 
     # -- initiator side ---------------------------------------------------------------------
 
@@ -186,18 +224,29 @@ class RdmaTransport(BaseTransport):
         return out
 
     def post(self, nic: RdmaNic, qp: Any, wr_id: int, s: Slice, remote_nic: str) -> None:
+        """Post slice `s` on `qp`, its local MR held until `unpost(s)`; raises SegmentGone
+        (its segment was unregistered) or TransferError (the QP refused it)."""
         key: RdmaKeyDesc = s.target.handle[remote_nic]
-        mr, base = next((mr, base) for n, mr, base in s.local.rdma_handles if n == nic.name)
-        nic.post(
-            qp,
-            wr_id,
-            s.op is TransferOp.WRITE,
-            base + s.local_offset,
-            s.length,
-            int(mr.lkey),
-            key.address + s.remote_offset,
-            key.rkey,
-        )
+        mrs: RegionMrs = s.local.rdma_handles[0]
+        lkey, base = mrs.acquire(nic.name)
+        try:
+            nic.post(
+                qp,
+                wr_id,
+                s.op is TransferOp.WRITE,
+                base + s.local_offset,
+                s.length,
+                lkey,
+                key.address + s.remote_offset,
+                key.rkey,
+            )
+        except BaseException:
+            mrs.release()
+            raise
+
+    def unpost(self, s: Slice) -> None:
+        """The work request of `s` completed or its QP was destroyed: its MR may close."""
+        s.local.rdma_handles[0].release()
 
     def connect(self, path: RdmaPath, slots: list[int]) -> list[tuple[int, Any]]:
         """Create, exchange and connect one QP per slot of `path` (on a worker); every QP
@@ -210,7 +259,13 @@ class RdmaTransport(BaseTransport):
                 qps.append(nic.create_qp())
             mine = [_info(nic.endpoint(qp, p)) for qp, p in zip(qps, psns, strict=True)]
             msg = RdmaConnectMsg(
-                self.node, path.local_nic, path.remote_nic, path.path_id, slots, mine
+                self.node,
+                path.local_nic,
+                path.remote_nic,
+                path.path_id,
+                slots,
+                mine,
+                self.incarnation,
             )
             status, body = control_call(
                 path.host,
@@ -229,7 +284,7 @@ class RdmaTransport(BaseTransport):
             for qp, psn, r in zip(qps, psns, reply.qps, strict=True):
                 nic.connect(qp, _endpoint(r), psn)
         except BaseException:
-            _close_all(qps)
+            close_all(qps)
             raise
         return list(zip(slots, qps, strict=True))
 
@@ -266,10 +321,14 @@ class RdmaTransport(BaseTransport):
                 continue
             idle_at = 0.0
             credits.give(len(done))
-            self._complete(done)
-            for path in self._nic_paths[name]:
-                if path.pending:
-                    path.pump()
+            try:
+                self._complete(done)
+                for path in self._nic_paths[name]:
+                    if path.pending:
+                        path.pump()
+            except Exception:  # NOTE: a bug of ours; a dead poller would stall the NIC
+                self.num_poller_errors += 1
+                log.exception("rdma %s: poller error (the poller goes on)", name)
 
     def _complete(self, done: list[tuple[int, int, int]]) -> None:
         ok_status = int(self.verbs.IBV_WC_SUCCESS)
@@ -312,11 +371,12 @@ class RdmaTransport(BaseTransport):
         keys = [(msg.node, msg.path_id, slot) for slot in msg.slots]
         quota = self.settings.rdma_max_qps_per_peer
         with self._lock:
-            held = sum(1 for k in self._served if k[0] == msg.node and k not in keys)
-        if held + len(keys) > quota:
+            held = [k for k in self._served if k[0] == msg.node and k not in keys]
+            stale = self._reclaimable(msg, len(held) + len(keys) - quota)
+        if len(held) - len(stale) + len(keys) > quota:
             raise TransferError(
-                f"peer {msg.node!r} would hold {held + len(keys)} queue pairs on this node, over "
-                f"transfer.rdma_max_qps_per_peer = {quota}: raise it here, or lower "
+                f"peer {msg.node!r} would hold {len(held) + len(keys)} queue pairs on this "
+                f"node, over transfer.rdma_max_qps_per_peer = {quota}: raise it here, or lower "
                 "transfer.connections_per_peer (or the NICs used) on the peer"
             )
         qps: list[Any] = []
@@ -328,19 +388,59 @@ class RdmaTransport(BaseTransport):
                 nic.connect(qps[-1], _endpoint(remote), psn)
                 mine.append(_info(nic.endpoint(qps[-1], psn)))
         except BaseException:
-            _close_all(qps)
+            close_all(qps)
             raise
         with self._lock:
             if self._closed:
-                _close_all(qps)
+                close_all(qps)
                 raise TransferError("this node's transfer engine is closing")
-            old = [self._served.pop(k)[1] for k in keys if k in self._served]
-            self._served.update({k: (nic, qp) for k, qp in zip(keys, qps, strict=True)})
-        _close_all(old)  # NOTE: the initiator reconnects a slot only once it drained it
+            old = [self._served.pop(k).qp for k in keys + stale if k in self._served]
+            self._num_connects += 1
+            self._served.update(
+                {
+                    k: ServedQp(qp, msg.incarnation, self._num_connects)
+                    for k, qp in zip(keys, qps, strict=True)
+                }
+            )
+        if stale:
+            log.warning(
+                "peer %r: %d queue pairs of earlier engines under its name (restarted) "
+                "reclaimed for a new one, within transfer.rdma_max_qps_per_peer = %d",
+                msg.node,
+                len(stale),
+                quota,
+            )
+        close_all(old)  # NOTE: the initiator reconnects a slot only once it drained it
         reply = RdmaConnectMsg(
-            self.node, msg.initiator_nic, msg.target_nic, msg.path_id, msg.slots, mine
+            self.node,
+            msg.initiator_nic,
+            msg.target_nic,
+            msg.path_id,
+            msg.slots,
+            mine,
+            self.incarnation,
         )
         return Status.OK, _encode(reply)
+
+    def _reclaimable(self, msg: RdmaConnectMsg, excess: int) -> list[tuple[str, int, int]]:
+        """Under the lock: keys of the QPs that other incarnations of `msg.node` hold, whole
+        incarnations, least recently connected first, until `excess` QPs are covered (none
+        for an initiator that sends no incarnation)."""
+        if excess <= 0 or not msg.incarnation:
+            return []
+        by_incarnation: dict[int, list[tuple[str, int, int]]] = {}
+        last_connect: dict[int, int] = {}
+        for k, served in self._served.items():
+            if k[0] == msg.node and served.incarnation != msg.incarnation:
+                by_incarnation.setdefault(served.incarnation, []).append(k)
+                last = last_connect.get(served.incarnation, 0)
+                last_connect[served.incarnation] = max(last, served.connect_seq)
+        out: list[tuple[str, int, int]] = []
+        for inc in sorted(by_incarnation, key=last_connect.__getitem__):
+            if len(out) >= excess:
+                break
+            out += by_incarnation[inc]
+        return out
 
     def close(self) -> None:
         with self._lock:
@@ -353,14 +453,6 @@ class RdmaTransport(BaseTransport):
         self._workers.shutdown(wait=True, cancel_futures=True)
         for p in paths:
             p.close()
-        _close_all([qp for _, qp in served])
+        close_all([sq.qp for sq in served])
         for nic in self.nics.values():
             nic.close()
-
-
-def _close_all(objs: list[Any]) -> None:
-    for o in objs:
-        try:
-            o.close()
-        except Exception as e:  # pragma: no cover - device already gone
-            log.warning("closing %r: %s", o, e)

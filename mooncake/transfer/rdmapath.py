@@ -27,6 +27,7 @@ from mooncake.errors import MooncakeError, TransferError
 from mooncake.native.rdma import RdmaNic
 from mooncake.transfer.batch import Slice
 from mooncake.transfer.paths import Path
+from mooncake.transfer.rdmamr import SegmentGone
 from mooncake.transfer.rdmaqp import Credits, QpState, QueuePair
 from mooncake.transfer.transport import Report
 from mooncake.transfer.types import EngineOptions
@@ -37,8 +38,9 @@ CONNECT_ERRORS = (OSError, MooncakeError, msgspec.DecodeError)
 
 class PathOwner(Protocol):
     """What an RdmaPath needs of its transport (transfer/rdma.py's RdmaTransport): the
-    engine's options, the local NICs and their CQ credits, posting a slice, running work on
-    a worker thread, reporting a slice, and connecting, adopting and forgetting QPs."""
+    engine's options, the local NICs and their CQ credits, posting a slice and releasing it
+    once its work request is gone, running work on a worker thread, reporting a slice, and
+    connecting, adopting and forgetting QPs."""
 
     options: EngineOptions
     nics: dict[str, RdmaNic]
@@ -46,6 +48,8 @@ class PathOwner(Protocol):
     report: Report
 
     def post(self, nic: RdmaNic, qp: Any, wr_id: int, s: Slice, remote_nic: str) -> None: ...
+
+    def unpost(self, s: Slice) -> None: ...
 
     def later(self, fn: Callable[..., object], *args: Any) -> None: ...
 
@@ -86,6 +90,7 @@ class RdmaPath(Path):
     def pump(self) -> None:
         """Post pending slices while a QP and the CQ have room (never blocks)."""
         failed: list[tuple[Slice, str]] = []
+        gone: list[tuple[Slice, str]] = []  # slices of unregistered segments: not retried
         with self.lock:
             if self.closed:
                 return
@@ -114,6 +119,10 @@ class RdmaPath(Path):
                 q.inflight[wr_id] = s
                 try:
                     self.transport.post(self.nic, q.qp, wr_id, s, self.remote_nic)
+                except SegmentGone as e:  # NOTE: not the path's fault: the QP stays ready
+                    del q.inflight[wr_id]
+                    self.credits.give()
+                    gone.append((s, str(e)))
                 except TransferError as e:
                     del q.inflight[wr_id]
                     self.credits.give()
@@ -123,6 +132,8 @@ class RdmaPath(Path):
                     live = [q for q in live if q.state is QpState.READY]
         for s, error in failed:
             self.transport.later(self.transport.report, s, error, True)
+        for s, error in gone:
+            self.transport.later(self.transport.report, s, error, False, False)
 
     def completed(self, q: QueuePair, wr_id: int, ok: bool) -> Slice | None:
         """The slice of a polled completion of `q` (None: not ours any more)."""
@@ -132,6 +143,8 @@ class RdmaPath(Path):
                 self._to_error(q)
             elif q.is_drained:
                 self._retire(q)
+        if s is not None:
+            self.transport.unpost(s)
         return s
 
     def _to_error(self, q: QueuePair) -> None:
@@ -154,6 +167,9 @@ class RdmaPath(Path):
             self.nic.call("destroy_qp", q.qp.close)
         except TransferError as e:
             log.warning("%s: %s", self.key, e)
+        for s in q.inflight.values():  # NOTE: only at close: destroyed, they never execute
+            self.transport.unpost(s)
+        q.inflight.clear()
 
     def _maybe_connect(self) -> bool:
         """Under the lock: ask a worker to connect the empty slots if work waits; False if

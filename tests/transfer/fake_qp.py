@@ -1,6 +1,8 @@
 """The queue-pair half of the verbs emulator (tests/transfer/fake_verbs.py): RC QPs with
-their state machine and RTR/RTS checks, and each device's thread that runs posted work
-requests and delivers their completions. Everything shares fake_verbs' one lock."""
+their state machine and RTR/RTS checks, posting (chains of work requests), and each
+device's thread that runs posted work requests and delivers their completions: one per
+signalled or failed request, none for an unsignalled one that succeeds. Everything shares
+fake_verbs' one lock."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import errno
 import os
 import secrets
 import threading
+import time
 from typing import Any
 
 from tests.transfer import fake_verbs as fv
@@ -47,7 +50,10 @@ class QP:
         self.pd, self.cq, self.depth, self.qp_type = pd, cq, depth, fv.IBV_QPT_RC
         self.state, self.port, self.dest, self.destroyed = fv.IBV_QPS_RESET, 0, 0, False
         self.sq: collections.deque[Any] = collections.deque()  # posted, not yet executed
-        self.outstanding = 0  # posted and not yet polled: send queue slots in use
+        self.outstanding = 0  # posted and not yet freed by a polled completion: slots in use
+        self.sig_all = bool(init_attr.sq_sig_all)  # every WR signalled, whatever its flags
+        self.num_unsignalled = 0  # executed unsignalled WRs since the last completion
+        self.num_unacked_events = 0  # async events of this QP not yet ack()ed
         self.err_status: int | None = None  # the status of the WR that moved it to error
         self.rtr: dict[str, Any] = {}
         cq.qps.append(self)
@@ -180,25 +186,35 @@ class QP:
         self._sync()
 
     def post_send(self, wr: Any, bad_wr: Any = None) -> None:
+        """Post `wr` and the WRs its next_wr links to, in order; the first that finds no
+        room fails the call (ENOMEM), the ones before it stay posted, and `bad_wr`, if
+        given, receives a copy of it (as ibv_post_send and pyverbs do)."""
         with fv._lock:
             if self.destroyed:
                 fv._crash(f"post_send on destroyed QP {self.qp_num}")
             fv._maybe_fail("QP.post_send")
             if self.state not in (fv.IBV_QPS_RTS, fv.IBV_QPS_ERR):
                 raise _einval(f"post_send on QP {self.qp_num} in state {self.state}")
-            if self.outstanding >= self.depth:
-                raise fv.PyverbsRDMAError("Failed to post send", errno.ENOMEM)
-            self.outstanding += 1
-            if self.outstanding > fv.STATS["max_sq"]:
-                fv.STATS["max_sq"] = self.outstanding
-            fv.STATS["max_sq_depth"] = max(fv.STATS["max_sq_depth"], self.depth)
-            self.sq.append(wr)
-            self.pd.ctx.engine.kick(self)
+            for w in wr.chain():
+                closed = [g.lkey for g in w.sg_list if g.lkey in fv._CLOSED_KEYS]
+                if closed:  # NOTE: on hardware the key may belong to a new MR by now
+                    fv._crash(f"post_send of wr_id {w.wr_id}: lkey {closed[0]} of a closed MR")
+                if self.outstanding >= self.depth:
+                    if bad_wr is not None:
+                        w.copy_to(bad_wr)
+                    raise fv.PyverbsRDMAError("Failed to post send", errno.ENOMEM)
+                self.outstanding += 1
+                fv.STATS["max_sq"] = max(fv.STATS["max_sq"], self.outstanding)
+                fv.STATS["max_sq_depth"] = max(fv.STATS["max_sq_depth"], self.depth)
+                self.sq.append(w)
+                self.pd.ctx.engine.kick(self)
 
     def close(self) -> None:
         with fv._lock:
             if self.destroyed:
                 return
+            if self.num_unacked_events:  # NOTE: ibv_destroy_qp waits for the acks forever
+                fv.CRASHES.append(f"destroy of QP {self.qp_num} with an unacked async event")
             self.destroyed = True
             fv.STATS["dropped"] += self.outstanding
             self.sq.clear()
@@ -255,14 +271,21 @@ class _Engine:
                 if qp.state == fv.IBV_QPS_ERR:
                     status, qp.err_status = qp.err_status or fv.IBV_WC_WR_FLUSH_ERR, None
             if status is None:
+                if self.ctx.spec.wr_delay_s:
+                    time.sleep(self.ctx.spec.wr_delay_s)
                 status = _execute(qp, wr)
             with self.cond:
                 if qp.destroyed:
                     continue
                 if status not in (fv.IBV_WC_SUCCESS, fv.IBV_WC_WR_FLUSH_ERR):
                     qp._to_error()
-                wc = fv._WC(wr.wr_id, status, wr.opcode, VENDOR_ERR.get(status, 0), qp.qp_num)
-                qp.cq.push(wc)
+                signalled = qp.sig_all or wr.send_flags & fv.IBV_SEND_SIGNALED
+                if status == fv.IBV_WC_SUCCESS and not signalled:
+                    qp.num_unsignalled += 1  # NOTE: its slot frees with the next completion
+                    continue
+                vendor_err = VENDOR_ERR.get(status, 0)
+                slots, qp.num_unsignalled = 1 + qp.num_unsignalled, 0
+                qp.cq.push(fv._WC(wr.wr_id, status, wr.opcode, vendor_err, qp.qp_num, slots))
 
 
 def _execute(qp: QP, wr: Any) -> int:
@@ -270,6 +293,7 @@ def _execute(qp: QP, wr: Any) -> int:
     peer = _peer(qp.dest)
     if (
         fv.is_cut(qp.pd.ctx.name)
+        or qp.pd.ctx.spec.ports[qp.port].state != fv.IBV_PORT_ACTIVE
         or peer is None
         or peer["state"] < fv.IBV_QPS_RTR
         or (peer["dest"] != qp.qp_num)
@@ -279,15 +303,18 @@ def _execute(qp: QP, wr: Any) -> int:
     if sge.length > qp.pd.ctx.spec.ports[qp.port].max_msg_sz:
         return fv.IBV_WC_LOC_LEN_ERR
     local = fv._MRS.get(sge.lkey)
+    if local is None and sge.lkey in fv._CLOSED_KEYS:
+        fv.CRASHES.append(f"wr_id {wr.wr_id} executed with lkey {sge.lkey} of a closed MR")
+        return fv.IBV_WC_LOC_PROT_ERR  # NOTE: recorded, not raised: the device thread goes on
     if (
         local is None
-        or local.lkey != sge.lkey
+        or local._lkey != sge.lkey
         or local.pd is not qp.pd
         or not (local.address <= sge.addr <= local.address + local.length - sge.length)
     ):
         return fv.IBV_WC_LOC_PROT_ERR
     mine = fv._MRS.get(wr.rkey)
-    if mine is not None and mine.rkey == wr.rkey:
+    if mine is not None and mine._rkey == wr.rkey:
         mr = {
             "pid": os.getpid(),
             "address": mine.address,

@@ -9,16 +9,34 @@ What it enforces, as an RC queue pair on a real NIC does (rdma-core's libibverbs
   both ports, the GID entries and their types (a RoCEv1 GID cannot talk to a RoCEv2 one; a
   link-local GID and a hop limit of 1 do not cross a router: each device here sits on its
   own IPv4 subnet), and the read-atomic depths against the device;
-- post_send fails with ENOMEM past max_send_wr outstanding work requests (a send queue slot
-  comes back when its completion is polled); work runs on the device's own thread, so
-  completions arrive asynchronously; a completion that finds its CQ full overruns it, which
-  puts every QP on that CQ in the error state (its completion is lost, as on hardware);
+- post_send takes a chain of work requests (SendWR.next_wr, which holds a pointer, not a
+  reference: a link to a SendWR freed before the post is a use-after-free) and posts them
+  in order; the first that finds no room fails the call with ENOMEM (past max_send_wr
+  outstanding), the ones before it stay posted and `bad_wr` receives a copy of it;
+- send_flags are honoured: a request without IBV_SEND_SIGNALED (and sq_sig_all=0) that
+  succeeds produces no completion; one that fails, or is flushed, always does. Send queue
+  slots come back in order when a completion is polled: its own and those of the
+  unsignalled requests before it, so a QP that never signals runs out of slots;
+- work runs on the device's own thread, so completions arrive asynchronously; a completion
+  that finds its CQ full overruns it, which puts every QP on that CQ in the error state
+  (its completion is lost, as on hardware);
 - an error completion puts its QP in the error state; a QP in error completes everything
   outstanding or posted later with WR_FLUSH_ERR; destroying a QP drops its work requests
   and its completions still in the CQ (mlx5 cleans them out of the CQ);
 - posting to a destroyed QP or polling a destroyed CQ is a use-after-free (a segfault in
   pyverbs): it raises VerbsCrash, a BaseException no `except Exception` swallows, and is
-  recorded in CRASHES, which the tests' fixture checks;
+  recorded in CRASHES, which the tests' fixture checks; so is reading the lkey or rkey of
+  a closed MR (pyverbs reads the freed ibv_mr), posting a work request whose lkey belongs
+  to a closed MR, and (recorded only: the device thread goes on, the request fails with
+  LOC_PROT_ERR) executing one whose MR was closed after it was posted: on hardware the
+  key may belong to a new registration by then. Keys are never reused. An rkey of an MR
+  the peer closed stays a REM_ACCESS_ERR, as on hardware: a peer may unregister a segment
+  at any time and the initiator resolves its descriptor again;
+- asynchronous events as pyverbs 44 has them: Context.get_async_event() blocks until one,
+  AsyncEvent has event_type and ack(). set_port_state() takes a port down (its work fails
+  with RETRY_EXC_ERR; PORT_ERR) or up (PORT_ACTIVE), fail_qp() is a QP fatal error (it
+  flushes; QP_FATAL), a CQ overrun raises CQ_ERR; destroying a QP with an event not yet
+  acked is recorded as a crash (ibv_destroy_qp waits for the ack forever);
 - MRs are bound to their protection domain: an lkey of another PD fails the work request
   with LOC_PROT_ERR, an rkey of another PD than the remote QP's with REM_ACCESS_ERR; pinned
   bytes count against MEMLOCK_LIMIT (RLIMIT_MEMLOCK) and registration past it is ENOMEM.
@@ -44,6 +62,7 @@ import secrets
 import tempfile
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,10 +82,15 @@ IBV_MTU_256, IBV_MTU_512, IBV_MTU_1024, IBV_MTU_2048, IBV_MTU_4096 = 1, 2, 3, 4,
 IBV_PORT_DOWN, IBV_PORT_ACTIVE = 1, 4
 IBV_LINK_LAYER_INFINIBAND, IBV_LINK_LAYER_ETHERNET = 1, 2
 IBV_GID_TYPE_SYSFS_IB_ROCE_V1, IBV_GID_TYPE_SYSFS_ROCE_V2 = 0, 1
+IBV_EVENT_CQ_ERR, IBV_EVENT_QP_FATAL, IBV_EVENT_PORT_ACTIVE, IBV_EVENT_PORT_ERR = 0, 1, 9, 10
 ZERO_GID = "0000:0000:0000:0000:0000:0000:0000:0000"
 
 
 class PyverbsError(Exception):
+    pass
+
+
+class PyverbsUserError(PyverbsError):
     pass
 
 
@@ -114,6 +138,8 @@ class DeviceSpec:
     open_error: str = ""  # Context() fails with this
     mr_error: int = 0  # errno every MR registration on this device fails with
     peermem: bool = True  # plain MRs of DEVICE_MEMORY work (nvidia-peermem loaded)
+    dmabuf_type_error: bool = False  # DmaBufMR raises TypeError (an older pyverbs' fd type)
+    wr_delay_s: float = 0.0  # seconds the device takes per work request (a slow link)
 
 
 def default_devices() -> dict[str, DeviceSpec]:
@@ -137,6 +163,8 @@ _pinned = [0]
 _lock = threading.RLock()  # the emulator's own state (registries, QP states, CQs)
 _QPS: dict[int, QP] = {}  # live QPs of this process by number
 _MRS: dict[int, MR] = {}  # live MRs of this process by key
+_CONTEXTS: list[Context] = []  # open device contexts of this process (they get port events)
+_CLOSED_KEYS: set[int] = set()  # lkeys and rkeys of this process's closed MRs (never reused)
 
 
 def reset() -> None:
@@ -146,6 +174,7 @@ def reset() -> None:
     FAIL_CALLS.clear()
     CRASHES.clear()
     DEVICE_MEMORY.clear()
+    _CLOSED_KEYS.clear()
     STATS.update(max_sq=0, max_sq_depth=0, max_cq=0, max_cq_depth=0, overruns=0, dropped=0)
     FORK.update(initialized=False, after_mr=False)
 
@@ -240,7 +269,27 @@ class Context:
         self.name, self.spec = name, spec
         self.children: list[Any] = []
         self.closed = False
+        self.events: collections.deque[AsyncEvent] = collections.deque()  # not yet got
+        self.events_cond = threading.Condition(_lock)
         self.engine = _Engine(self)
+        with _lock:
+            _CONTEXTS.append(self)
+
+    def get_async_event(self) -> AsyncEvent:
+        """The next asynchronous event of this device, blocking until there is one (as
+        ibv_get_async_event on a blocking fd); it must be ack()ed."""
+        with self.events_cond:
+            while not self.events and not self.closed:
+                self.events_cond.wait()
+            if not self.events:
+                raise PyverbsRDMAError("Failed to get async event", errno.EBADF)
+            return self.events.popleft()
+
+    def _raise_event(self, event_type: int, qp: Any = None) -> None:  # under _lock
+        self.events.append(AsyncEvent(event_type, qp))
+        if qp is not None:
+            qp.num_unacked_events += 1
+        self.events_cond.notify_all()
 
     def query_device(self) -> _DeviceAttr:
         s = self.spec
@@ -276,7 +325,37 @@ class Context:
         for child in reversed(self.children):
             child.close()
         self.engine.stop()
-        self.closed = True
+        with self.events_cond:
+            self.closed = True
+            self.events_cond.notify_all()
+            if self in _CONTEXTS:
+                _CONTEXTS.remove(self)
+
+
+class AsyncEvent:
+    """An asynchronous event as pyverbs 44 exposes it: its type only (which QP or port
+    it concerns is not readable; query the port or the QPs' states)."""
+
+    def __init__(self, event_type: int = 0, qp: Any = None):
+        self.event_type = event_type
+        self._qp, self._acked = qp, False
+
+    def ack(self) -> None:
+        with _lock:
+            if not self._acked and self._qp is not None:
+                self._qp.num_unacked_events -= 1
+            self._acked = True
+
+
+def set_port_state(device: str, port_num: int, state: int) -> None:
+    """Take a port of `device` down (IBV_PORT_DOWN: its work fails with RETRY_EXC_ERR) or
+    up (IBV_PORT_ACTIVE); every open context of the device gets PORT_ERR or PORT_ACTIVE."""
+    with _lock:
+        DEVICES[device].ports[port_num].state = state
+        event = IBV_EVENT_PORT_ACTIVE if state == IBV_PORT_ACTIVE else IBV_EVENT_PORT_ERR
+        for ctx in _CONTEXTS:
+            if ctx.name == device:
+                ctx._raise_event(event)
 
 
 class PD:
@@ -340,8 +419,8 @@ class MR:
                 raise PyverbsRDMAError("Failed to register a MR", errno.ENOMEM)
             _pinned[0] += length
             self.fork_safe = FORK["initialized"]
-            self.lkey, self.rkey = secrets.randbits(31) | 1, secrets.randbits(31) | 1
-            _MRS[self.lkey] = _MRS[self.rkey] = self
+            self._lkey, self._rkey = _new_key(), _new_key()
+            _MRS[self._lkey] = _MRS[self._rkey] = self
         self.pd, self.length, self.access, self.address = pd, length, access, address
         self.host = address if host is None else host  # where address (the iova) really is
         self.closed = False
@@ -349,7 +428,7 @@ class MR:
         shm, offset = _shm_backing(self.host)
         _publish(
             "mr",
-            self.rkey,
+            self._rkey,
             {
                 "pid": os.getpid(),
                 "address": address,
@@ -361,15 +440,35 @@ class MR:
             },
         )
 
+    @property
+    def lkey(self) -> int:
+        if self.closed:  # NOTE: pyverbs reads the freed ibv_mr: a NULL dereference
+            _crash("lkey of a closed MR")
+        return self._lkey
+
+    @property
+    def rkey(self) -> int:
+        if self.closed:
+            _crash("rkey of a closed MR")
+        return self._rkey
+
     def close(self) -> None:
         with _lock:
             if self.closed:
                 return
             self.closed = True
             _pinned[0] -= self.length
-            _MRS.pop(self.lkey, None)
-            _MRS.pop(self.rkey, None)
-        _unlink("mr", self.rkey)
+            _MRS.pop(self._lkey, None)
+            _MRS.pop(self._rkey, None)
+            _CLOSED_KEYS.update((self._lkey, self._rkey))
+        _unlink("mr", self._rkey)
+
+
+def _new_key() -> int:
+    """Under _lock: a key no live or closed MR of this process has had."""
+    while (key := secrets.randbits(31) | 1) in _MRS or key in _CLOSED_KEYS:
+        pass
+    return key
 
 
 DMABUFS: dict[int, int] = {}  # emulated dma-buf fd -> host address of its first byte
@@ -397,12 +496,16 @@ class DmaBufMR(MR):
         gpu: int = 0,
         gtt: int = 0,
     ):
+        if pd.ctx.spec.dmabuf_type_error:
+            DMABUFS.pop(dmabuf, None)
+            raise TypeError("an integer is required (got type int)")  # as older rdma-core
         if not isinstance(dmabuf, int) or dmabuf not in DMABUFS:
             raise PyverbsRDMAError("Failed to register a dma-buf MR", errno.EBADF)
         super().__init__(pd, length, access, offset, host=DMABUFS.pop(dmabuf) + offset)
 
 
-_WC = collections.namedtuple("_WC", "wr_id status opcode vendor_err qp_num")
+# sq_slots: send queue slots this completion frees (itself and the unsignalled WRs before it)
+_WC = collections.namedtuple("_WC", "wr_id status opcode vendor_err qp_num sq_slots", defaults=(1,))
 
 
 class CQ:
@@ -427,6 +530,8 @@ class CQ:
         if self.closed:
             return
         if len(self.wcs) >= self.cqe or self.overrun:
+            if not self.overrun:
+                self.ctx._raise_event(IBV_EVENT_CQ_ERR)
             self.overrun = True
             STATS["overruns"] += 1
             for qp in self.qps:
@@ -448,7 +553,7 @@ class CQ:
             for wc in out:
                 qp = _QPS.get(wc.qp_num)
                 if qp is not None and qp.cq is self:
-                    qp.outstanding -= 1  # the send queue slot is free again
+                    qp.outstanding -= wc.sq_slots  # their send queue slots are free again
         return len(out), out
 
     def close(self) -> None:
@@ -483,6 +588,7 @@ class QPInitAttr:
     ):
         self.qp_type, self.send_cq, self.cap = qp_type, scq, cap or QPCap()
         self.max_send_wr = self.cap.max_send_wr
+        self.sq_sig_all = sq_sig_all
 
 
 class QPAttr:
@@ -512,9 +618,50 @@ class SendWR:
     ):
         self.wr_id, self.opcode, self.num_sge, self.sg_list = wr_id, opcode, num_sge, sg or []
         self.send_flags, self.rkey, self.remote_addr = send_flags, 0, 0
+        self._next: weakref.ref[SendWR] | None = None
 
     def set_wr_rdma(self, rkey: int, addr: int) -> None:
         self.rkey, self.remote_addr = rkey, addr
+
+    @property
+    def next_wr(self) -> None:
+        """None when unset. NOTE: rdma-core 44's getter of a set next_wr builds a SendWR
+        without an SGE and raises PyverbsUserError; the emulator does the same."""
+        if self._next is not None:
+            raise PyverbsUserError("A WR needs at least one SGE")
+        return None
+
+    @next_wr.setter
+    def next_wr(self, val: SendWR) -> None:
+        # NOTE: pyverbs stores a pointer to val's ibv_send_wr and no reference to val: the
+        # caller keeps every WR of a chain alive until post_send returns
+        if not isinstance(val, SendWR):
+            raise TypeError(
+                f"Argument 'val' has incorrect type (expected pyverbs.wr.SendWR, got "
+                f"{type(val).__name__})"
+            )
+        self._next = weakref.ref(val)
+
+    def chain(self) -> list[SendWR]:
+        """This WR and the ones its next_wr links to, as ibv_post_send walks them; a link to
+        a freed SendWR is a use-after-free."""
+        out, wr = [self], self
+        while wr._next is not None:
+            nxt = wr._next()
+            if nxt is None:
+                _crash(f"post_send follows next_wr of wr_id {wr.wr_id} to a freed SendWR")
+            assert nxt is not None
+            if len(out) > 1 << 16 or nxt in out:
+                _crash("post_send: a chain of work requests that loops")
+            out.append(nxt)
+            wr = nxt
+        return out
+
+    def copy_to(self, other: SendWR) -> None:
+        """What pyverbs copies into `bad_wr` (the ibv_send_wr, its next pointer included)."""
+        other.wr_id, other.opcode, other.num_sge = self.wr_id, self.opcode, self.num_sge
+        other.sg_list, other.send_flags = list(self.sg_list), self.send_flags
+        other.rkey, other.remote_addr, other._next = self.rkey, self.remote_addr, self._next
 
 
 from tests.transfer.fake_qp import QP, _Engine  # noqa: E402 - the QP half of the emulator
@@ -524,6 +671,14 @@ def live_qps(device: str) -> int:
     """QPs of this process on `device` not yet destroyed."""
     with _lock:
         return sum(1 for qp in _QPS.values() if qp.pd.ctx.name == device)
+
+
+def fail_qp(qp: QP) -> None:
+    """A QP fatal error (the NIC found its context broken): it moves to the error state,
+    its work flushes, and its device gets IBV_EVENT_QP_FATAL (to ack before destroying it)."""
+    with _lock:
+        qp._to_error()
+        qp.pd.ctx._raise_event(IBV_EVENT_QP_FATAL, qp)
 
 
 def break_qps(device: str, count: int = 1) -> list[int]:

@@ -24,11 +24,18 @@ except ImportError as e:  # pragma: no cover - depends on the host
 
 GID = "fe80:0000:0000:0000:0000:0000:0000:0001"
 METHODS = {
-    "Context": ("query_device", "query_port", "query_gid", "query_gid_type", "close"),
+    "Context": (
+        "query_device",
+        "query_port",
+        "query_gid",
+        "query_gid_type",
+        "get_async_event",
+        "close",
+    ),
     "MR": ("lkey", "rkey", "close"),
     "CQ": ("poll", "close"),
     "QP": ("to_init", "to_rtr", "to_rts", "modify", "post_send", "qp_num", "close"),
-    "SendWR": ("set_wr_rdma",),
+    "SendWR": ("set_wr_rdma", "next_wr", "send_flags", "wr_id"),
     "GID": ("gid",),
     "PD": ("close",),
 }
@@ -65,10 +72,49 @@ def test_fake_provider_offers_the_same_names_and_enum_values() -> None:
             assert hasattr(fake_verbs, n), n
     for cls, names in METHODS.items():
         for n in names:
-            if n not in ("lkey", "rkey", "qp_num", "gid"):  # instance attributes in the fake
+            # instance attributes in the fake
+            if n not in ("lkey", "rkey", "qp_num", "gid", "send_flags", "wr_id"):
                 assert hasattr(getattr(fake_verbs, cls), n), f"fake {cls}.{n}"
     for name in rdma.USED_ENUMS:
         assert int(getattr(fake_verbs, name)) == int(getattr(verbs, name)), name
+
+
+def test_chains_and_signalling_behave_in_the_emulator_as_in_pyverbs() -> None:
+    """What the emulator's chains and send flags mirror: next_wr takes a SendWR only,
+    reads None while unset and (rdma-core 44) raises once set; pyverbs keeps no reference
+    to the linked WR; QPInitAttr defaults to signalling every WR."""
+    import sys
+
+    from pyverbs.pyverbs_error import PyverbsUserError
+
+    for api, user_error in ((verbs, PyverbsUserError), (fake_verbs, fake_verbs.PyverbsUserError)):
+        head, tail = (rdma.build_send_wr(api, i, True, 0x1000, 64, 1, 0x2000, 2) for i in (1, 2))
+        assert head.next_wr is None
+        refs = sys.getrefcount(tail)
+        head.next_wr = tail
+        assert sys.getrefcount(tail) == refs, api  # a pointer, not a reference
+        with pytest.raises(user_error):
+            head.next_wr  # noqa: B018
+        with pytest.raises(TypeError):
+            head.next_wr = None
+        head.send_flags = 0
+        assert head.send_flags == 0 and tail.send_flags == int(api.IBV_SEND_SIGNALED)
+    assert verbs.QPInitAttr().sq_sig_all == 1 == fake_verbs.QPInitAttr().sq_sig_all
+
+
+def test_async_events_of_the_emulator_have_pyverbs_names_and_values() -> None:
+    import pyverbs.device
+
+    for name in ("ack", "event_type"):
+        assert hasattr(pyverbs.device.AsyncEvent, name) and hasattr(fake_verbs.AsyncEvent(), name)
+    try:  # as load_pyverbs: newer rdma-core renamed the enums module
+        import pyverbs.libibverbs_enums as e
+    except ImportError:
+        import pyverbs.enums as e
+    for name in ("IBV_EVENT_CQ_ERR", "IBV_EVENT_QP_FATAL", "IBV_EVENT_PORT_ACTIVE"):
+        assert int(getattr(e, name)) == getattr(fake_verbs, name), name
+    assert int(e.IBV_EVENT_PORT_ERR) == fake_verbs.IBV_EVENT_PORT_ERR
+    assert ":param bad_wr:" in verbs.QP.post_send.__doc__
 
 
 def test_documented_parameters_of_the_calls_we_make() -> None:

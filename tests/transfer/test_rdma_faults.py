@@ -161,6 +161,32 @@ def test_partial_registration_is_rolled_back_and_the_name_freed(emulator) -> Non
         assert [k.nic for k in a.describe("buf").rdma] == ["fake_0", "fake_1"]
 
 
+def test_a_dmabuf_registration_failing_with_a_foreign_error_rolls_back_every_nic(
+    emulator, monkeypatch
+) -> None:
+    """pyverbs may raise something other than its own error type (an older rdma-core types
+    DmaBufMR's fd argument differently: TypeError): the other NICs' MRs are closed, the
+    error raised as it was, and the name is free again."""
+    from mooncake.native import cudadmabuf
+
+    monkeypatch.setattr(cudadmabuf, "export_dmabuf", emulator.export_dmabuf)
+    buf = np.zeros(1 << 16, np.uint8)  # a stand-in for a GPU tensor
+    start = buf.__array_interface__["data"][0]
+    emulator.DEVICE_MEMORY.append((start, start + (1 << 16)))
+    for spec in emulator.DEVICES.values():
+        spec.peermem = False
+    with rdma_engine("a") as a:
+        registered = len(emulator._MRS)
+        emulator.DEVICES["fake_1"].dmabuf_type_error = True
+        with pytest.raises(TypeError):
+            a.register("gpu", buf, location="cuda:0")
+        assert len(emulator._MRS) == registered  # fake_0's dma-buf MR was closed again
+        assert a.segments.get("gpu") is None
+        emulator.DEVICES["fake_1"].dmabuf_type_error = False
+        a.register("gpu", buf, location="cuda:0")
+        assert [k.nic for k in a.describe("gpu").rdma] == ["fake_0", "fake_1"]
+
+
 def test_pinning_past_the_memlock_limit_names_ulimit(emulator) -> None:
     with rdma_engine("a") as a:
         emulator.MEMLOCK_LIMIT = emulator._pinned[0] + (1 << 20)
@@ -172,7 +198,7 @@ def test_pinning_past_the_memlock_limit_names_ulimit(emulator) -> None:
 def test_fork_init_comes_before_the_first_memory_registration(emulator) -> None:
     with rdma_engine("a") as a:
         a.register("buf", np.zeros(4096, np.uint8))
-        mrs = [mr for _, mr, _ in a.segments.get("buf").rdma_handles]
+        mrs = a.segments.get("buf").rdma_handles[0].mrs()
         assert mrs and all(mr.fork_safe for mr in mrs)
 
 
