@@ -106,6 +106,7 @@ def serve_target(
     buffer_bytes: int,
     conn: Connection | None,
     busy: bool = False,
+    nics: tuple[str, ...] = (),
 ) -> None:
     """Run a target node; with `conn` (from --local) report (host, port) on it once ready and
     stop when the parent sends anything, answering with (peak RSS, busy share).
@@ -116,7 +117,7 @@ def serve_target(
     if threading.current_thread() is threading.main_thread():  # close (unlink) on SIGTERM
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     engine = TransferEngine(
-        "bench-target", secret, EngineOptions(protocol="auto"), host=host, port=port
+        "bench-target", secret, EngineOptions(protocol="auto", nics=nics), host=host, port=port
     )
     stop, rates = threading.Event(), list[float]()
     worker = threading.Thread(target=_busy, args=(stop, rates), daemon=True)
@@ -155,7 +156,7 @@ def _busy(stop: threading.Event, rates: list[float]) -> None:
 
 
 def start_local_target(
-    secret: bytes, buffer_bytes: int, busy: bool = False
+    secret: bytes, buffer_bytes: int, busy: bool = False, nics: tuple[str, ...] = ()
 ) -> tuple[Any, Connection, str, int]:
     """Start a target process on loopback; returns (process, pipe, host, port) once it is
     serving (the child reports its port on the pipe: a handshake, not a sleep)."""
@@ -163,7 +164,7 @@ def start_local_target(
     parent, child = ctx.Pipe()
     proc = ctx.Process(
         target=serve_target,
-        args=(secret, "127.0.0.1", 0, buffer_bytes, child, busy),
+        args=(secret, "127.0.0.1", 0, buffer_bytes, child, busy, nics),
         daemon=True,
     )
     proc.start()
@@ -195,9 +196,11 @@ class Initiator:
         connections: int = 4,
         group_bytes: int = 0,
         scatter: bool = False,
+        nics: tuple[str, ...] = (),  # RDMA devices to use (transfer.nics); () = every one
     ):
         opts = EngineOptions(
             protocol=protocol,  # type: ignore[arg-type]
+            nics=nics,
             slice_bytes=slice_bytes,
             connections_per_peer=connections,
             group_bytes=group_bytes or EngineOptions.group_bytes,

@@ -73,6 +73,12 @@ def bench_transfer(
         "node's engine thread does; reports the share of its speed it kept "
         "(target_busy_share), and the figures show whether serving waits for the GIL.",
     ),
+    nics: str = typer.Option(
+        "",
+        "--nics",
+        help="Comma-separated RDMA devices the initiator (and a --local or --mode target "
+        "target) use, as transfer.nics; empty = every usable one.",
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of a table."),
 ) -> None:
     """Measure one-sided transfers (GB/s, requests/s, p50/p99 batch latency, peak RSS).
@@ -94,6 +100,7 @@ def bench_transfer(
         raise ConfigError(f"--protocol: expected tcp, shm, rdma or auto, got {protocol!r}")
     if op not in ("read", "write"):
         raise ConfigError(f"--op: expected read or write, got {op!r}")
+    nic_list = tuple(n.strip() for n in nics.split(",") if n.strip())
     block = _size(block_size, "--block-size")
     span = block * batch_size
     slice_bytes = _size(slice_size, "--slice-size")
@@ -109,14 +116,16 @@ def bench_transfer(
         err_console.print(
             f"serving segment '{bench.SEGMENT}' ({buffer_bytes} bytes) on {host}:{port}"
         )
-        bench.serve_target(key, host, port, buffer_bytes, None)
+        bench.serve_target(key, host, port, buffer_bytes, None, nics=nic_list)
         return
     if busy_target and not local:
         raise ConfigError("--busy-target needs --local: the bench starts that target itself")
     proc = pipe = None
     if local:
         key = key or bench.new_secret()
-        proc, pipe, thost, tport = bench.start_local_target(key, buffer_bytes, busy_target)
+        proc, pipe, thost, tport = bench.start_local_target(
+            key, buffer_bytes, busy_target, nic_list
+        )
     else:
         thost, _, tport_text = target.rpartition(":")
         if not thost or not tport_text.isdigit() or len(key) < 16:
@@ -138,6 +147,7 @@ def bench_transfer(
             connections,
             group_bytes,
             scatter,
+            nic_list,
         )
         if not no_baseline:
             uses_copy = ini.target.transport.name in ("shm", "local")

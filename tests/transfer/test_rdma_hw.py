@@ -120,3 +120,43 @@ def test_eight_threads_while_qps_are_put_in_error(pair):  # pragma: no cover
     breaking.join()
     assert not errors, errors[:3]
     assert all((pool[i * size : (i + 1) * size] == i + 1).all() for i in range(8))
+
+
+def test_unregistering_a_segment_in_flight_on_the_nic(pair):  # pragma: no cover
+    """The race of issue 35's first defect on real verbs: the request fails naming the
+    segment, no poller dies (a closed MR's key would be a NULL dereference here), and the
+    NICs carry later transfers."""
+    a, b = pair
+    size = 64 << 20
+    pool = b.allocate("pool", size)
+    src = np.random.default_rng(2).integers(0, 256, size, dtype=np.uint8)
+    for _ in range(5):
+        a.register("src", src)
+        batch = a.submit([TransferRequest(TransferOp.WRITE, "src", 0, "pool", 0, size)])
+        a.unregister("src")
+        status = batch.wait(60.0)[0]
+        assert status.state.value in ("failed", "done"), status  # done: it won the race
+    t = a._transports["rdma"]
+    assert all(p.is_alive() for p in t._pollers) and t.num_poller_errors == 0
+    a.register("src", src)
+    a.submit([TransferRequest(TransferOp.WRITE, "src", 0, "pool", 0, size)]).check()
+    assert np.array_equal(pool, src)
+
+
+def test_a_restarted_initiator_is_never_refused_by_the_qp_quota(pair):  # pragma: no cover
+    """Issue 35's second defect on real verbs: initiators restarted under one name, each
+    leaving its queue pairs behind, keep connecting; the responder's QPs stay bounded."""
+    _, b = pair
+    b.allocate("pool", 1 << 20)
+    opts = EngineOptions(protocol="rdma", timeout_s=60.0)
+    quota = opts.rdma.rdma_max_qps_per_peer
+    for _ in range(quota + 2):  # more restarts than the quota has queue pairs
+        a = TransferEngine("hw-restarting", SECRET, opts)
+        try:
+            a.directory.add_peer("127.0.0.1", b.server.port)
+            a.register("src", np.ones(4096, np.uint8))
+            a.submit([TransferRequest(TransferOp.WRITE, "src", 0, "pool", 0, 4096)]).check()
+        finally:
+            a.close()
+    served = b._transports["rdma"]._served
+    assert sum(1 for key in served if key[0] == "hw-restarting") <= quota
