@@ -985,6 +985,8 @@ rl_batch *rl_submit(rl_engine *e, uint32_t num_reqs, const uint8_t *op, const ui
     return b;
 }
 
+int rl_free(rl_batch *b);
+
 /* Wait for a batch: 1 when every slice finished, 0 when timeout_ms passed first (-1: no
  * limit). Spins up to the engine's spin_us before sleeping on the eventfd. */
 int rl_wait(rl_batch *b, int timeout_ms) {
@@ -1037,6 +1039,17 @@ uint32_t rl_result(rl_batch *b, int32_t *req_status, uint32_t *req_qp, uint32_t 
             f_status[i] = f->status;
         }
     }
+    return n;
+}
+
+/* rl_wait, then per request its status and failing QP as rl_result gives them: the number
+ * of failed slices (rl_result gives them; then rl_free), -1 when timeout_ms passed first
+ * (wait again), -errno. A batch with no failed slice is freed here: one call per batch. */
+int64_t rl_finish(rl_batch *b, int timeout_ms, int32_t *req_status, uint32_t *req_qp) {
+    int rc = rl_wait(b, timeout_ms);
+    if (rc <= 0) return rc == 0 ? -1 : rc;
+    uint32_t n = rl_result(b, req_status, req_qp, 0, NULL, NULL, NULL, NULL, NULL);
+    if (n == 0) rl_free(b);
     return n;
 }
 

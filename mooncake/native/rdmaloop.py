@@ -104,6 +104,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "rl_submit": (ptr, [ptr, u32, ptr, ptr, ptr, ptr, ptr, u32, ptr, ptr, ptr, u64, ptr]),
         "rl_wait": (i32, [ptr, i32]),
         "rl_result": (u32, [ptr, ptr, ptr, u32, ptr, ptr, ptr, ptr, ptr]),
+        "rl_finish": (ctypes.c_int64, [ptr, i32, ptr, ptr]),
         "rl_free": (i32, [ptr]),
         "rl_stats": (u32, [ptr, ptr, u32]),
         "rl_engine_close": (None, [ptr]),
@@ -207,20 +208,19 @@ class Batch:
         first (wait again: the slices are still in flight)."""
         lib = self._loop.lib
         ms = -1 if timeout_s is None else max(0, int(timeout_s * 1000))
-        rc = lib.rl_wait(self._handle, ms)
-        if rc == 0:
-            return None
-        if rc < 0:
-            raise TransferError(f"RDMA C loop: waiting for a batch failed: {os.strerror(-rc)}")
         n = self._num
         status, failed_qp = np.empty(n, np.int32), np.empty(n, np.uint32)
+        num_failed = lib.rl_finish(self._handle, ms, _address(status), _address(failed_qp))
+        if num_failed == -1:
+            return None
+        if num_failed < 0:
+            raise TransferError(
+                f"RDMA C loop: waiting for a batch failed: {os.strerror(-num_failed)}"
+            )
         u32, u64, i32 = np.uint32, np.uint64, np.int32
-        num_failed = lib.rl_result(
-            self._handle, _address(status), _address(failed_qp), 0, None, None, None, None, None
-        )
         arrays = (np.empty(num_failed, u32), np.empty(num_failed, u64), np.empty(num_failed, u64))
         qps, statuses = np.empty(num_failed, u32), np.empty(num_failed, i32)
-        if num_failed:
+        if num_failed:  # NOTE: only then is the batch still there (rl_finish freed it)
             lib.rl_result(
                 self._handle,
                 _address(status),
@@ -228,7 +228,7 @@ class Batch:
                 num_failed,
                 *(_address(a) for a in (*arrays, qps, statuses)),
             )
-        lib.rl_free(self._handle)
+            lib.rl_free(self._handle)
         return BatchResult(status, failed_qp, *arrays, qps, statuses)
 
 
