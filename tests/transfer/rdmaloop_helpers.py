@@ -80,6 +80,7 @@ class LoopPair:
     b: RdmaLoop
     qps: list[tuple[int, int, int]]  # initiator QPs: (handle, local NIC, remote NIC)
     qpns: dict[int, int]  # initiator QP handle -> its QP number in the fake
+    peers: dict[int, int]  # initiator QP handle -> the target's QP handle
 
     def paths(self, region: Region, qps: list[int] | None = None) -> Paths:
         """Paths over `qps` (default: all) toward the target's `region`."""
@@ -107,7 +108,7 @@ def loop_pair(
     for i in range(num_nics):
         a.open_nic(f"fake{i}", cq_depth)
         b.open_nic(f"fake{i}", cq_depth)
-    qps, qpns = [], {}
+    qps, qpns, peers = [], {}, {}
     for local in range(num_nics):
         for remote in range(num_nics):
             for _ in range(qps_per_path):
@@ -117,8 +118,8 @@ def loop_pair(
                 a.connect_qp(qa, QpEndpoint(ZERO_GID, 0, qpn_b, 7, 5, 16), 9, route)
                 b.connect_qp(qb, QpEndpoint(ZERO_GID, 0, qpn_a, 9, 5, 16), 7, route)
                 qps.append((qa, local, remote))
-                qpns[qa] = qpn_a
-    return LoopPair(fake, a, b, qps, qpns)
+                qpns[qa], peers[qa] = qpn_a, qb
+    return LoopPair(fake, a, b, qps, qpns, peers)
 
 
 def address(array: np.ndarray) -> int:
