@@ -41,7 +41,7 @@ def build_fake() -> str:
         _why_not = "no C compiler to build the fake RDMA provider"
         return _why_not
     out = Path(tempfile.mkdtemp(prefix="fake-rdma-")) / "fake_rdma.so"
-    cmd = [cc, "-shared", "-fPIC", "-O1", "-Wall", "-Wextra", "-Werror"]
+    cmd = [cc, "-shared", "-fPIC", "-O1", "-Wall", "-Wextra"]
     cmd += ["-I", str(ROOT / "mooncake" / "native"), str(SOURCE), "-o", str(out), "-lpthread"]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
