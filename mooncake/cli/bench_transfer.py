@@ -79,6 +79,14 @@ def bench_transfer(
         help="Comma-separated RDMA devices the initiator (and a --local or --mode target "
         "target) use, as transfer.nics; empty = every usable one.",
     ),
+    stub_device: bool = typer.Option(
+        False,
+        "--stub-device",
+        help="Measure the RDMA path's stub ceiling instead (no NIC, no target): slices per "
+        "second and CPU per slice of the C data loop and of the Python path in this process, "
+        "with a device that completes every work request at once; --duration is shared by "
+        "the 4 cases x 2 paths.",
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of a table."),
 ) -> None:
     """Measure one-sided transfers (GB/s, requests/s, p50/p99 batch latency, peak RSS).
@@ -94,6 +102,9 @@ def bench_transfer(
     from mooncake.bench.transferbase import MemcpyBaseline, StreamBaseline
     from mooncake.cli.output import console, err_console, print_json
 
+    if stub_device:
+        _stub_ceiling(duration, as_json)
+        return
     if mode not in ("target", "initiator"):
         raise ConfigError(f"--mode: expected target or initiator, got {mode!r}")
     if protocol not in ("tcp", "shm", "rdma", "auto"):
@@ -201,3 +212,35 @@ def bench_transfer(
         *([f"{result.target_busy_share:.0%}"] if busy_target else []),
     )
     console.print(table)
+
+
+def _stub_ceiling(duration: float, as_json: bool) -> None:
+    from mooncake.bench import transferstub
+    from mooncake.cli.output import console, print_json
+
+    per_case = max(0.2, duration / (2 * len(transferstub.CASES)))
+    report = transferstub.run(per_case)
+    if as_json:
+        print_json(report)
+        return
+    from rich.table import Table
+
+    where = "pyverbs' SGE/SendWR/WC" if report.pyverbs else "stand-in SGE/SendWR/WC"
+    table = Table(title=f"RDMA stub ceiling, device stubbed ({where}; {report.cpu})")
+    for col in ("path", "case", "slices/s", "CPU us/slice", "GB/s", "requests/s"):
+        table.add_column(col, justify="right")
+    for f in report.figures:
+        table.add_row(
+            f.path,
+            f.case,
+            f"{f.slices_per_s:,.0f}",
+            f"{f.cpu_us_per_slice:.3f}",
+            f"{f.gb_per_s:.1f}",
+            f"{f.requests_per_s:,.0f}",
+        )
+    console.print(table)
+    console.print(
+        f"C loop: {report.c_cpu_us_per_64k_slice:.3f} us CPU per 64 KiB slice (target <= 0.5), "
+        f"busy thread keeps {report.c_busy_thread_share:.0%} of its rate, "
+        f"{report.c_blocks_requests_per_s:,.0f} KV-block requests/s (target >= 1M)"
+    )

@@ -12,6 +12,7 @@ or dma-buf), RLIMIT_MEMLOCK, and each GPU's NIC (PCIe and NUMA pairing). With a 
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import platform
 import resource
@@ -55,6 +56,7 @@ class Facts:
     has_pyverbs: bool = False
     # (device, port) -> active MTU in bytes, as ibv_query_port says (pyverbs); {} unknown
     verbs_mtus: Mapping[tuple[str, int], int] = field(default_factory=dict)
+    has_rdma_loop: bool = True  # the RDMA C data loop (native/_rdmaloop.c) was built
 
 
 def gather(sysfs_root: Path = sysfs.DEFAULT_SYSFS_ROOT) -> Facts:
@@ -72,6 +74,7 @@ def gather(sysfs_root: Path = sysfs.DEFAULT_SYSFS_ROOT) -> Facts:
         kernel=(int(major), int("".join(c for c in minor if c.isdigit()) or 0)),
         has_pyverbs=verbs_info.read_verbs_devices(None).is_installed,
         verbs_mtus=verbs_info.read_active_mtus(ports) if ports else {},
+        has_rdma_loop=importlib.util.find_spec("mooncake.native._rdmaloop") is not None,
     )
 
 
@@ -187,6 +190,16 @@ def _rdma(f: Facts) -> list[Check]:
                 "fail",
                 "pyverbs is not installed: rdma cannot be used",
                 "apt install python3-pyverbs (or build rdma-core's pyverbs)",
+            )
+        )
+    if not f.has_rdma_loop:
+        checks.append(
+            Check(
+                "rdma c loop",
+                "warn",
+                "the RDMA C data loop (native/_rdmaloop.c) was not built: no libibverbs "
+                "headers at install (the RdmaTransport does not use it yet)",
+                "apt install libibverbs-dev (rdma-core's headers), then reinstall mooncake",
             )
         )
     return checks

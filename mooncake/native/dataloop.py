@@ -22,14 +22,11 @@ server's connections (the peers reconnect) and tries again (transfer/segment.py)
 from __future__ import annotations
 
 import ctypes
-import importlib.util
-import logging
-import os
 import threading
 
 import numpy as np
 
-log = logging.getLogger(__name__)
+from mooncake.native.cext import load_library
 
 STUCK_TIMEOUT_MS = 2000  # a removal waits this long for a loop stuck on a stalled peer
 FLUSH_BYTES = 512 << 10  # READ data queued before replies are sent (as the Python loop)
@@ -37,41 +34,24 @@ FLUSH_BYTES = 512 << 10  # READ data queued before replies are sent (as the Pyth
 REQ_BYTES = 32  # wire.REQ.size
 MAX_DATA_BYTES = 1 << 30  # wire.MAX_DATA_BYTES
 
-_lib: ctypes.CDLL | None = None
-_tried = False
-_load_lock = threading.Lock()
-
 
 def library() -> ctypes.CDLL | None:
     """The loaded library, or None if it was not built or is turned off."""
-    global _lib, _tried
-    with _load_lock:
-        if _tried:
-            return _lib
-        _tried = True
-        if os.environ.get("MOONCAKE_NATIVE_DATALOOP", "1") == "0":
-            return None
-        spec = importlib.util.find_spec("mooncake.native._dataloop")
-        if spec is None or not spec.origin:
-            log.info("native data loop not built: the Python loop serves transfers")
-            return None
-        try:
-            lib = ctypes.CDLL(spec.origin)
-        except OSError as e:
-            log.warning(
-                "native data loop %s does not load (%s): the Python loop serves transfers",
-                spec.origin,
-                e,
-            )
-            return None
-        u64, ptr = ctypes.c_uint64, ctypes.c_void_p
-        lib.dl_table_new.restype = ptr
-        lib.dl_table_new.argtypes = []
-        lib.dl_add.argtypes = [ptr, u64, ptr, u64, ctypes.c_int]
-        lib.dl_remove.argtypes = [ptr, u64, ctypes.c_int]
-        lib.dl_serve.argtypes = [ptr, ctypes.c_int, ctypes.c_char_p, u64, u64]
-        _lib = lib
-        return lib
+    return load_library(
+        "mooncake.native._dataloop",
+        "MOONCAKE_NATIVE_DATALOOP",
+        _declare,
+        "the Python loop serves transfers",
+    )
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    u64, ptr = ctypes.c_uint64, ctypes.c_void_p
+    lib.dl_table_new.restype = ptr
+    lib.dl_table_new.argtypes = []
+    lib.dl_add.argtypes = [ptr, u64, ptr, u64, ctypes.c_int]
+    lib.dl_remove.argtypes = [ptr, u64, ctypes.c_int]
+    lib.dl_serve.argtypes = [ptr, ctypes.c_int, ctypes.c_char_p, u64, u64]
 
 
 class SegmentIndex:

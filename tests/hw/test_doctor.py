@@ -113,6 +113,13 @@ def test_down_port_memlock_and_missing_pyverbs_fail(tmp_path: Path) -> None:
     assert found["pyverbs"].status == "fail"
 
 
+def test_a_node_with_nics_warns_when_the_rdma_c_loop_was_not_built(tmp_path: Path) -> None:
+    found = _by_name(check_node(_facts(load_machine("dgx_h100"), tmp_path, has_rdma_loop=False)))
+    assert found["rdma c loop"].status == "warn" and "libibverbs-dev" in found["rdma c loop"].fix
+    built = _by_name(check_node(_facts(load_machine("dgx_h100"), tmp_path / "b")))
+    assert "rdma c loop" not in built
+
+
 def test_infiniband_active_mtu_from_pyverbs(tmp_path: Path) -> None:
     mtus = {(f"mlx5_{i}", 1): 4096 for i in range(8)} | {("mlx5_2", 1): 2048}
     found = _by_name(
