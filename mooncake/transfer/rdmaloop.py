@@ -97,7 +97,15 @@ class LoopNic:
 
     def create_qp(self, depth: int = 0) -> LoopQp:
         """A new RC QP in INIT with `depth` send slots (0: the NIC's queue depth)."""
-        handle, qpn = self.loop.create_qp(self.index, depth or self.queue_depth, self.port.port_num)
+        depth = depth or self.queue_depth
+        try:
+            handle, qpn = self.loop.create_qp(self.index, depth, self.port.port_num)
+        except TransferError as e:
+            raise TransferError(
+                f"RDMA {self.name}: {e}; each QP of the C loop reserves its send queue "
+                f"({depth}) in the NIC's CQ ({self.cq_depth}): raise transfer.rdma_cq_depth, "
+                "lower rdma_queue_depth or connections_per_peer"
+            ) from e
         return LoopQp(self.loop, handle, qpn)
 
     def endpoint(self, qp: LoopQp, psn: int) -> QpEndpoint:
