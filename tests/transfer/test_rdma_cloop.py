@@ -7,6 +7,8 @@ that nothing did what crashes hardware (the fake's fatal count)."""
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -59,6 +61,15 @@ def _qps(engine: TransferEngine) -> list[Any]:
     return [q for p in transport(engine)._paths.values() for q in p.slots if q is not None]
 
 
+def _connected(a: TransferEngine, b: TransferEngine, offset: int) -> tuple[Any, Any]:
+    """b's 1 MiB "pool" and a's "src" (a pattern), a's QPs connected by a first write."""
+    pool = b.allocate("pool", 1 << 20)
+    src = pattern(1 << 20, offset=offset)
+    a.register("src", src)
+    a.submit([TransferRequest(WRITE, "src", 0, "pool", 0, 4096)]).check(5.0)
+    return pool, src
+
+
 def test_write_and_read_byte_for_byte_over_2x2_nics_large_and_many_small(pair) -> None:
     a, b = pair
     assert transport(a).data_loop == "c" and transport(b).data_loop == "c"
@@ -94,10 +105,7 @@ def test_write_and_read_byte_for_byte_over_2x2_nics_large_and_many_small(pair) -
 def test_a_qp_forced_into_error_mid_batch_loses_no_slice(pair) -> None:
     a, b = pair
     fake = fake_library()
-    pool = b.allocate("pool", 1 << 20)
-    src = pattern(1 << 20, offset=9)
-    a.register("src", src)
-    a.submit([TransferRequest(WRITE, "src", 0, "pool", 0, 4096)]).check(5.0)  # connects
+    pool, src = _connected(a, b, 9)
     victim = _qps(a)[0]
     assert fake.fake_fail_qp(victim.qp_num, 7, IBV_WC_RETRY_EXC_ERR) == 0
     a.submit([TransferRequest(WRITE, "src", 0, "pool", 0, 1 << 20)]).check(5.0)
@@ -189,3 +197,47 @@ def test_auto_falls_back_to_python_when_the_provider_opens_no_nic(fake: Any, cap
         assert wait_for(lambda: "does not serve" in caplog.text, 1.0)
     finally:
         e.close()
+
+
+def test_threads_submitting_while_qps_fail_lose_no_request(pair) -> None:
+    """4 threads submit batches of small and large requests while QPs keep failing: every
+    request lands byte for byte (retried on other QPs and paths), nothing crashes."""
+    a, b = pair
+    fake = fake_library()
+    pool, src = _connected(a, b, 11)
+    errors: list[BaseException] = []
+
+    def submitter(k: int) -> None:
+        base = k * (1 << 18)
+        try:
+            for _ in range(12):
+                small = [
+                    TransferRequest(WRITE, "src", base + o, "pool", base + o, 3000)
+                    for o in range(0, 1 << 17, 4096)
+                ]
+                large = TransferRequest(
+                    WRITE, "src", base + (1 << 17), "pool", base + (1 << 17), 1 << 17
+                )
+                a.submit([*small, large]).check(5.0)
+        except BaseException as e:  # noqa: BLE001 - reported by the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=submitter, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for n in range(6):  # a QP fails a few requests from now, again and again
+        qps = _qps(a)
+        if qps:
+            fake.fake_fail_qp(qps[n % len(qps)].qp_num, 3, IBV_WC_RETRY_EXC_ERR)
+        time.sleep(0.01)
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
+    for k in range(4):
+        base = k * (1 << 18)
+        for o in range(0, 1 << 17, 4096):
+            assert (pool[base + o : base + o + 3000] == src[base + o : base + o + 3000]).all()
+        end = base + (1 << 18)
+        assert (pool[base + (1 << 17) : end] == src[base + (1 << 17) : end]).all()
+    for q in _qps(a):  # NOTE: a QP that never reached its failing request keeps it armed
+        fake.fake_fail_qp(q.qp_num, -1, 0)
