@@ -8,6 +8,10 @@ the Python path in the same run.
 - `python`: the project's RdmaTransport (an initiator and a target TransferEngine in this
   process, protocol rdma) on the stub device of bench/stubverbs.py: pyverbs' own SGE,
   SendWR and WC objects when it imports.
+- `transport`: the same engines with `transfer.rdma_data_loop = "c"`: the RdmaTransport
+  over the C loop's stub provider (discovery on bench/stubverbs.py), so the figure adds the
+  engine's own per-request Python (validation, one Slice per request, the waiter's report)
+  to `c`'s.
 
 Cases: `large_64k` (4 requests of 16 MiB per batch, 64 KiB slices), `blocks_64k` (64
 requests of 64 KiB: KV-block sized), `large_1m` (1 MiB slices), `busy_thread_64k`
@@ -67,7 +71,7 @@ CASES = (
 class StubFigure(msgspec.Struct):
     """One path and case."""
 
-    path: str  # "c" or "python"
+    path: str  # "c", "transport" (the RdmaTransport over the C loop) or "python"
     case: str
     slices_per_s: float
     cpu_us_per_slice: float  # process CPU per slice, less a busy thread's own
@@ -192,22 +196,29 @@ def run_c(case: StubCase, seconds: float) -> StubFigure:
         loop.close()
 
 
-def run_python(case: StubCase, seconds: float) -> tuple[StubFigure, bool]:
-    """The RdmaTransport on the stub device: (figure, whether pyverbs' classes were used)."""
+def run_python(case: StubCase, seconds: float, loop: bool = False) -> tuple[StubFigure, bool]:
+    """The RdmaTransport on the stub device, its data plane in pyverbs (or, `loop`, in the
+    C loop's stub provider): (figure, whether pyverbs' classes were used)."""
     from mooncake.bench.stubverbs import stub_verbs
+    from mooncake.config.rdma import RdmaConfig
     from mooncake.transfer.engine import TransferEngine
     from mooncake.transfer.types import EngineOptions, TransferOp, TransferRequest
 
     verbs = stub_verbs()
     secret = new_secret()
     opts = EngineOptions(
-        protocol="rdma", slice_bytes=case.slice_bytes, connections_per_peer=NUM_QPS
+        protocol="rdma",
+        slice_bytes=case.slice_bytes,
+        connections_per_peer=NUM_QPS,
+        rdma=RdmaConfig(rdma_data_loop="c" if loop else "python"),
     )
-    target = TransferEngine("stub-target", secret, opts, verbs=verbs)
+    target = TransferEngine("stub-target", secret, opts, verbs=verbs, rdma_provider="stub")
     initiator = None
     try:
         target.allocate(SEGMENT, case.batch_bytes)
-        initiator = TransferEngine("stub-initiator", secret, opts, verbs=verbs)
+        initiator = TransferEngine(
+            "stub-initiator", secret, opts, verbs=verbs, rdma_provider="stub"
+        )
         remote = f"{SEGMENT}@{target.server.host}:{target.server.port}"
         initiator.resolve(remote)
         initiator.register("local", aligned_empty(case.batch_bytes))
@@ -224,7 +235,11 @@ def run_python(case: StubCase, seconds: float) -> tuple[StubFigure, bool]:
         ]
         engine = initiator
         figure = _measure(
-            "python", case, seconds, lambda: engine.submit(requests), lambda b: b.check()
+            "transport" if loop else "python",
+            case,
+            seconds,
+            lambda: engine.submit(requests),
+            lambda b: b.check(),
         )
         return figure, bool(verbs.real)
     finally:
@@ -233,13 +248,17 @@ def run_python(case: StubCase, seconds: float) -> tuple[StubFigure, bool]:
         target.close()
 
 
-def run(seconds_per_case: float, paths: tuple[str, ...] = ("c", "python")) -> StubReport:
+def run(
+    seconds_per_case: float, paths: tuple[str, ...] = ("c", "transport", "python")
+) -> StubReport:
     """Every case on every path in `paths`, the C path first."""
     figures: list[StubFigure] = []
     real = False
     for case in CASES:
         if "c" in paths:
             figures.append(run_c(case, seconds_per_case))
+        if "transport" in paths:
+            figures.append(run_python(case, seconds_per_case, loop=True)[0])
         if "python" in paths:
             fig, real = run_python(case, seconds_per_case)
             figures.append(fig)

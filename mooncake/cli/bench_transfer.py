@@ -83,9 +83,10 @@ def bench_transfer(
         False,
         "--stub-device",
         help="Measure the RDMA path's stub ceiling instead (no NIC, no target): slices per "
-        "second and CPU per slice of the C data loop and of the Python path in this process, "
-        "with a device that completes every work request at once; --duration is shared by "
-        "the 4 cases x 2 paths.",
+        "second and CPU per slice of the C data loop (c), of the RdmaTransport over it "
+        "(transport) and of the Python path (python) in this process, with a device that "
+        "completes every work request at once; --duration is shared by the 4 cases x 3 "
+        "paths.",
     ),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of a table."),
 ) -> None:
@@ -218,7 +219,7 @@ def _stub_ceiling(duration: float, as_json: bool) -> None:
     from mooncake.bench import transferstub
     from mooncake.cli.output import console, print_json
 
-    per_case = max(0.2, duration / (2 * len(transferstub.CASES)))
+    per_case = max(0.2, duration / (3 * len(transferstub.CASES)))
     report = transferstub.run(per_case)
     if as_json:
         print_json(report)

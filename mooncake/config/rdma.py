@@ -5,7 +5,7 @@ fabrics, queue depths and the responder's quota. `TransferConfig` inherits them,
 No `from __future__ import annotations` here: configdoc reads these annotations as objects.
 """
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -71,3 +71,13 @@ class RdmaConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
             ge=1,
         ),
     ] = 256
+    rdma_data_loop: Annotated[
+        Literal["auto", "c", "python"],
+        knob(
+            "Who posts and completes RDMA work: c = the C data loop (native/_rdmaloop.c: "
+            "a target's requests as one batch of arrays, chains of work requests, no "
+            "Python per slice; an error when it is not built or does not open every NIC); "
+            "python = pyverbs, one work request per call (the reference); auto = c when "
+            "it works, else python. MOONCAKE_NATIVE_RDMALOOP=0 turns the C loop off.",
+        ),
+    ] = "python"

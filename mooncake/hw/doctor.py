@@ -198,7 +198,7 @@ def _rdma(f: Facts) -> list[Check]:
                 "rdma c loop",
                 "warn",
                 "the RDMA C data loop (native/_rdmaloop.c) was not built: no libibverbs "
-                "headers at install (the RdmaTransport does not use it yet)",
+                "headers at install (transfer.rdma_data_loop = auto or c would use it)",
                 "apt install libibverbs-dev (rdma-core's headers), then reinstall mooncake",
             )
         )

@@ -210,9 +210,12 @@ def build_send_wr(
     return wr
 
 
-def open_nics(verbs: Verbs, names: list[str], settings: RdmaConfig) -> dict[str, RdmaNic]:
+def open_nics(
+    verbs: Verbs, names: list[str], settings: RdmaConfig, data_plane: bool = True
+) -> dict[str, RdmaNic]:
     """The devices of `names` that open, by name; the others are skipped with a warning.
-    Calls fork_init first: memory registered before it is corrupted in forked children."""
+    Calls fork_init first: memory registered before it is corrupted in forked children.
+    `data_plane` False: discovery only (RdmaNic)."""
     try:
         verbs.fork_init()
     except verbs.PyverbsError as e:  # NOTE: fails once memory is registered; harmless after
@@ -220,7 +223,7 @@ def open_nics(verbs: Verbs, names: list[str], settings: RdmaConfig) -> dict[str,
     nics = {}
     for name in names:
         try:
-            nics[name] = RdmaNic(verbs, name, settings)
+            nics[name] = RdmaNic(verbs, name, settings, data_plane)
         except TransferError as e:
             log.warning("RDMA device %s skipped: %s", name, e)
     return nics
@@ -229,19 +232,24 @@ def open_nics(verbs: Verbs, names: list[str], settings: RdmaConfig) -> dict[str,
 class RdmaNic:
     """One opened RDMA device: its ACTIVE port and GID, one PD and one shared CQ."""
 
-    def __init__(self, verbs: Verbs, name: str, settings: RdmaConfig):
+    def __init__(self, verbs: Verbs, name: str, settings: RdmaConfig, data_plane: bool = True):
+        """`data_plane` False: discovery only (port, GID, limits), no PD and no CQ: the C
+        data loop (transfer/rdmaloop.py) opens the device again for those."""
         self.verbs = verbs
         self.name = name
         self.settings = settings
         self.ctx = self.call("open (ibv_open_device)", verbs.Context, name=name)
+        self.pd: Any = None  # the data plane's (None: discovery only)
+        self.cq: Any = None
         try:
             self.limits = self.call("query_device", device_limits, self.ctx)
             self.port = self.call(
                 "query_port", choose_port, verbs, self.ctx, name, settings.rdma_gid_index
             )
-            self.pd = self.call("alloc_pd", verbs.PD, self.ctx)
             self.cq_depth = min(settings.rdma_cq_depth, self.limits.max_cqe)
-            self.cq = self.call("create_cq", verbs.CQ, self.ctx, self.cq_depth, None, None, 0)
+            if data_plane:
+                self.pd = self.call("alloc_pd", verbs.PD, self.ctx)
+                self.cq = self.call("create_cq", verbs.CQ, self.ctx, self.cq_depth, None, None, 0)
         except BaseException:
             self.ctx.close()
             raise
@@ -329,8 +337,16 @@ class RdmaNic:
 
     def connect(self, qp: Any, remote: QpEndpoint, local_psn: int) -> None:
         """Move `qp` to RTR (toward `remote`, MTU the smaller of both) and then RTS."""
+        route = self.route_to(remote)
+        attr = build_rtr_attr(self.verbs, remote, route)
+        self.call("modify_qp(RTR)", qp.to_rtr, attr)
+        rts = build_rts_attr(self.verbs, attr, local_psn, route.max_rd_atomic)
+        self.call("modify_qp(RTS)", qp.to_rts, rts)
+
+    def route_to(self, remote: QpEndpoint) -> Route:
+        """Our port, GID and settings toward `remote`: the smaller MTU and read depth."""
         s = self.settings
-        route = Route(
+        return Route(
             self.port.port_num,
             self.port.gid_index,
             min(self.port.mtu, remote.mtu),
@@ -340,10 +356,6 @@ class RdmaNic:
             self.limits.max_dest_rd_atomic,
             max(1, min(self.limits.max_rd_atomic, remote.rd_atomic)),
         )
-        attr = build_rtr_attr(self.verbs, remote, route)
-        self.call("modify_qp(RTR)", qp.to_rtr, attr)
-        rts = build_rts_attr(self.verbs, attr, local_psn, route.max_rd_atomic)
-        self.call("modify_qp(RTS)", qp.to_rts, rts)
 
     def post(
         self,
@@ -373,6 +385,8 @@ class RdmaNic:
     def close(self) -> None:
         """Close the CQ, PD and device (pyverbs closes their QPs and MRs first)."""
         for obj in (self.cq, self.pd, self.ctx):
+            if obj is None:
+                continue
             try:
                 obj.close()
             except self.verbs.PyverbsError as e:  # pragma: no cover - device gone

@@ -35,7 +35,8 @@ unposted slices go to its other QPs, or are reported failed (`NO_PATH`) when non
 
 A region closed while batches use it is deregistered when the last of them finishes
 (`close_region` says which happened); a request naming a closed region fails at submit
-(`BAD_REGION`), never posted. The RdmaTransport does not use this loop yet.
+(`BAD_REGION`), never posted. The RdmaTransport's data plane over this loop is
+transfer/rdmaloop.py (`transfer.rdma_data_loop`).
 """
 
 from __future__ import annotations

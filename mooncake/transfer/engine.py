@@ -31,7 +31,7 @@ from mooncake.native.shm import sweep_stale
 from mooncake.transfer.batch import Batch, Slice
 from mooncake.transfer.directory import BaseDirectory, PeerDirectory
 from mooncake.transfer.inline import Finish, InlineMover
-from mooncake.transfer.paths import PathSet, cut, nic_preference_for
+from mooncake.transfer.paths import PathSet, nic_preference_for
 from mooncake.transfer.segment import Region, SegmentTable, range_error
 from mooncake.transfer.server import TcpServer
 from mooncake.transfer.staged import StagePath
@@ -75,6 +75,7 @@ class TransferEngine:
         nic_preference: Mapping[str, Any] | None = None,  # Topology.nic_preference
         nic_addresses: Mapping[str, str] | None = None,  # local NIC -> source IP for tcp
         verbs: Any = None,  # pyverbs-like provider for rdma; None = load pyverbs if asked
+        rdma_provider: str | int = "verbs",  # the RDMA C loop's verbs: "stub", a table's address
         staging: BaseStaging | None = None,  # device memory over tcp/shm; None = CUDA's
     ):
         self.name = name
@@ -135,6 +136,8 @@ class TransferEngine:
                     self.options,
                     verbs,
                     required=self.options.protocol == "rdma",
+                    provider=rdma_provider,
+                    report_done=self._report_done,
                 )
             except BaseException:
                 self.close()
@@ -304,7 +307,9 @@ class TransferEngine:
                 self._stage_path.add(batch, i, local, target, by_path)  # device: staged
             else:
                 ps = self._pathset(target, local.location)
-                cut(batch, i, local, r.local_offset, target, ps, self.options, by_path)
+                target.transport.plan(
+                    batch, i, local, r.local_offset, target, ps, self.options, by_path
+                )
         return batch, by_path
 
     def _check(self, r: TransferRequest) -> tuple[Region, Target]:

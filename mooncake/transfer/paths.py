@@ -112,12 +112,16 @@ class PathSet:
         picked = self.spread(1)
         return picked[0] if picked else None
 
+    def live(self) -> list[Path]:
+        """The unpaused preferred paths, else the other unpaused ones, else []."""
+        now = time.monotonic()
+        live = [p for p in self.paths[: self.num_preferred] if not p.is_paused(now)]
+        return live or [p for p in self.paths[self.num_preferred :] if not p.is_paused(now)]
+
     def spread(self, count: int) -> list[Path]:
         """Paths for the first attempts of `count` slices, as first() would pick them one
         by one (round-robin over the unpaused preferred paths); [] if all are paused."""
-        now = time.monotonic()
-        live = [p for p in self.paths[: self.num_preferred] if not p.is_paused(now)]
-        live = live or [p for p in self.paths[self.num_preferred :] if not p.is_paused(now)]
+        live = self.live()
         if not live:
             return []
         if len(live) == 1:

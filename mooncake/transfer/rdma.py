@@ -33,11 +33,11 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 
-from mooncake.errors import TransferError
+from mooncake.errors import ConfigError, TransferError
 from mooncake.native import rdma as verbs_api
 from mooncake.native.rdma import QpEndpoint, RdmaNic
 from mooncake.transfer.batch import Slice
@@ -99,16 +99,32 @@ def _endpoint(info: QpInfo) -> QpEndpoint:
 
 
 def create_rdma_transport(
-    report: Report, node: str, secret: bytes, options: EngineOptions, verbs: Any, required: bool
+    report: Report,
+    node: str,
+    secret: bytes,
+    options: EngineOptions,
+    verbs: Any,
+    required: bool,
+    provider: str | int = "verbs",
+    report_done: Callable[[list[Slice]], None] | None = None,
 ) -> RdmaTransport | None:
-    """The rdma transport of engine `node` (its completion entry point, cluster secret and
+    """The rdma transport of engine `node` (its completion entry points, cluster secret and
     options), or None when RDMA is unusable and not `required` (then TransferError says
-    why). The engine routes its server's RDMA_CONNECT requests to `on_connect`."""
+    why). `transfer.rdma_data_loop` chooses its data plane: the C loop over `provider`
+    ("verbs", "stub", or a verbs table's address: transfer/rdmaloop.py), or pyverbs (this
+    module); "c" raises ConfigError when the loop cannot serve. The engine routes its
+    server's RDMA_CONNECT requests to `on_connect`."""
+    from mooncake.transfer import rdmaloop
+
     why, nics = "", {}
+    mode = options.rdma.rdma_data_loop
+    no_loop = rdmaloop.why_not_loop() if mode != "python" else "transfer.rdma_data_loop = python"
+    if mode == "c" and no_loop:
+        raise ConfigError(f"transfer.rdma_data_loop = c: {no_loop}; set it to auto or python")
     try:
         verbs = verbs or verbs_api.load_pyverbs()
         names = [n for n in verbs_api.list_devices(verbs) if not options.nics or n in options.nics]
-        nics = verbs_api.open_nics(verbs, names, options.rdma)
+        nics = verbs_api.open_nics(verbs, names, options.rdma, data_plane=bool(no_loop))
         why = "" if nics else "no RDMA device found (or none of transfer.nics opened)"
     except ImportError as e:
         why = f"pyverbs is not importable ({e}); install python3-pyverbs (Debian) or pyverbs"
@@ -117,11 +133,39 @@ def create_rdma_transport(
             raise TransferError(f"protocol rdma: {why}")
         log.info("rdma transport disabled: %s", why)
         return None
+    if not no_loop:
+        try:
+            t = rdmaloop.LoopRdmaTransport.create(
+                report, report_done, node, secret, options, nics, provider
+            )
+            log.info("rdma transport: the C data loop (%s) on %s", provider, ", ".join(nics))
+            return t
+        except TransferError as e:
+            if mode == "c":
+                raise ConfigError(f"transfer.rdma_data_loop = c: {e}") from e
+            no_loop = f"the C data loop does not serve ({e})"
+            for nic in nics.values():
+                nic.close()
+            nics = verbs_api.open_nics(verbs, list(nics), options.rdma)
+    log.info("rdma transport: the Python data path (pyverbs): %s", no_loop)
     return RdmaTransport(report, node, secret, options, nics)
+
+
+class PathEnds(Protocol):
+    """What the RDMA_CONNECT exchange needs of a path (RdmaPath, transfer/rdmaloop.py's
+    LoopPath): its ends, its local NIC and the id the responder keys its QPs by."""
+
+    host: str
+    port: int
+    local_nic: str
+    remote_nic: str
+    path_id: int
+    nic: Any  # RdmaNic or LoopNic: create_qp(), endpoint(), connect()
 
 
 class RdmaTransport(BaseTransport):
     name = "rdma"
+    data_loop = "python"  # who posts and completes: "python" (here) or "c" (rdmaloop.py)
 
     def __init__(
         self,
@@ -129,7 +173,7 @@ class RdmaTransport(BaseTransport):
         node: str,  # this engine's name: the peer keys our QPs by it
         secret: bytes,  # the cluster secret of RDMA_CONNECT exchanges
         options: EngineOptions,
-        nics: dict[str, RdmaNic],
+        nics: dict[str, Any],  # RdmaNic by name (LoopNic for the C loop: rdmaloop.py)
     ):
         super().__init__(report)
         self.node = node
@@ -153,12 +197,17 @@ class RdmaTransport(BaseTransport):
         self._accept_lock = threading.Lock()
         self._closed = False
         self._workers = ThreadPoolExecutor(NUM_WORKERS, thread_name_prefix="te-rdma-worker")
-        self._pollers = [
+        self._pollers = self._start_pollers()
+
+    def _start_pollers(self) -> list[threading.Thread]:
+        """One completion poller per NIC (the C loop's transport has its own, in C)."""
+        pollers = [
             threading.Thread(target=self._poll_loop, args=(n,), daemon=True, name=f"te-rdma-{n}")
-            for n in nics
+            for n in self.nics
         ]
-        for t in self._pollers:
+        for t in pollers:
             t.start()
+        return pollers
 
     def later(self, fn: Callable[..., object], *args: Any) -> None:
         """Run fn(*args) on a worker thread (dropped once the transport is closing)."""
@@ -218,10 +267,14 @@ class RdmaTransport(BaseTransport):
                 for key in target.desc.rdma:
                     k = (ep.host, ep.port, local, key.nic)
                     if k not in self._paths:
-                        self._paths[k] = path = RdmaPath(self, ep.host, ep.port, local, key.nic)
+                        self._paths[k] = path = self._new_path(ep.host, ep.port, local, key.nic)
                         self._nic_paths[local] += (path,)
                     out.append(self._paths[k])
         return out
+
+    def _new_path(self, host: str, port: int, local_nic: str, remote_nic: str) -> Any:
+        """A path of this transport's kind (RdmaPath here; LoopPath over the C loop)."""
+        return RdmaPath(self, host, port, local_nic, remote_nic)
 
     def post(self, nic: RdmaNic, qp: Any, wr_id: int, s: Slice, remote_nic: str) -> None:
         """Post slice `s` on `qp`, its local MR held until `unpost(s)`; raises SegmentGone
@@ -248,7 +301,7 @@ class RdmaTransport(BaseTransport):
         """The work request of `s` completed or its QP was destroyed: its MR may close."""
         s.local.rdma_handles[0].release()
 
-    def connect(self, path: RdmaPath, slots: list[int]) -> list[tuple[int, Any]]:
+    def connect(self, path: PathEnds, slots: list[int]) -> list[tuple[int, Any]]:
         """Create, exchange and connect one QP per slot of `path` (on a worker); every QP
         made is destroyed again if any step fails."""
         nic, opts = path.nic, self.options
@@ -383,7 +436,7 @@ class RdmaTransport(BaseTransport):
         mine = []
         try:
             for remote in msg.qps:
-                qps.append(nic.create_qp())
+                qps.append(self._served_qp(nic))
                 psn = secrets.randbits(24)
                 nic.connect(qps[-1], _endpoint(remote), psn)
                 mine.append(_info(nic.endpoint(qps[-1], psn)))
@@ -421,6 +474,10 @@ class RdmaTransport(BaseTransport):
             self.incarnation,
         )
         return Status.OK, _encode(reply)
+
+    def _served_qp(self, nic: Any) -> Any:
+        """A new QP in INIT for a peer's RDMA_CONNECT (it posts nothing: the peer does)."""
+        return nic.create_qp()
 
     def _reclaimable(self, msg: RdmaConnectMsg, excess: int) -> list[tuple[str, int, int]]:
         """Under the lock: keys of the QPs that other incarnations of `msg.node` hold, whole

@@ -35,8 +35,8 @@ import numpy as np
 
 from mooncake.errors import TransferError
 from mooncake.native.shm import ShmArena
-from mooncake.transfer.batch import Slice, chunked, contiguous_runs
-from mooncake.transfer.paths import Path, PathSet
+from mooncake.transfer.batch import Batch, Slice, chunked, contiguous_runs
+from mooncake.transfer.paths import Path, PathSet, cut
 from mooncake.transfer.types import EngineOptions, SegmentDesc, TransferOp
 
 log = logging.getLogger(__name__)
@@ -90,6 +90,21 @@ class BaseTransport:
     def paths(self, target: Target) -> list[Path]:  # pragma: no cover - interface
         """Every path to `target`'s node."""
         raise NotImplementedError
+
+    def plan(
+        self,
+        batch: Batch,
+        i: int,
+        local: Any,
+        local_offset: int,
+        target: Target,
+        pathset: PathSet,
+        options: EngineOptions,
+        by_path: dict[Any, list[Slice]],
+    ) -> None:
+        """Add request `i` of `batch` to `by_path` (what the engine dispatches: anything
+        with a `dispatch(slices)`): cut into slices of slice_bytes, one path each."""
+        cut(batch, i, local, local_offset, target, pathset, options, by_path)
 
     def release(self, target: Target) -> None:
         """Forget `target` (its segment was re-registered or is no longer used)."""

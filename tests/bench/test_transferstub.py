@@ -1,6 +1,7 @@
-"""`mooncake bench transfer --stub-device`: the stub ceiling of the C loop and of the Python
-RDMA path in one run, as the JSON object other tools read (keys and sanity of values, never
-the timings themselves), and the stub device's pyverbs-like surface."""
+"""`mooncake bench transfer --stub-device`: the stub ceiling of the C loop, of the
+RdmaTransport over it and of the Python RDMA path in one run, as the JSON object other
+tools read (keys and sanity of values, never the timings themselves), and the stub
+device's pyverbs-like surface."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ def test_stub_ceiling_json_has_both_paths_and_every_case() -> None:
     assert out.exit_code == 0, out.output
     report = json.loads(out.stdout)  # NOTE: stderr may carry a log line
     seen = {(f["path"], f["case"]) for f in report["figures"]}
-    assert seen == {(p, c.name) for p in ("c", "python") for c in transferstub.CASES}
+    assert seen == {(p, c.name) for p in ("c", "transport", "python") for c in transferstub.CASES}
     for f in report["figures"]:
         assert f["slices_per_s"] > 0 and f["cpu_us_per_slice"] > 0 and f["gb_per_s"] > 0
     assert report["c_cpu_us_per_64k_slice"] > 0 and report["c_blocks_requests_per_s"] > 0

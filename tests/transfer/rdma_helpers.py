@@ -17,8 +17,9 @@ def rdma_engine(name: str, rdma: RdmaConfig | None = None, **options: Any) -> Tr
     """An engine with protocol rdma on the emulator: 4 KiB slices, 2 QPs per path."""
     defaults: dict[str, Any] = {"slice_bytes": 4096, "connections_per_peer": 2}
     defaults.update(options)
+    provider = defaults.pop("rdma_provider", "verbs")  # the C loop's (test_rdma_cloop.py)
     opts = EngineOptions(protocol="rdma", rdma=rdma or RdmaConfig(), **defaults)
-    return TransferEngine(name, SECRET, opts, verbs=fake_verbs)
+    return TransferEngine(name, SECRET, opts, verbs=fake_verbs, rdma_provider=provider)
 
 
 @contextlib.contextmanager
