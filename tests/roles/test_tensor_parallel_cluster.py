@@ -9,6 +9,7 @@ degree: kv/heads.py)."""
 from __future__ import annotations
 
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -42,6 +43,28 @@ def _tokens(prompt: list[int], max_tokens: int) -> str:
     return "".join(e.text for e in _engine_events(prompt, max_tokens))
 
 
+def _wait_pool_objects(url: str, n: int, timeout_s: float = 60.0) -> None:
+    """Until the pool holds `n` committed objects (a prefill node seals its objects after
+    the hand-off: stopped before, they would never be committed)."""
+    deadline = time.monotonic() + timeout_s
+    while (got := httpx.get(url + "/v1/status", timeout=10).json()["num_pool_objects"]) < n:
+        assert time.monotonic() < deadline, f"{got} pool objects of {n} after {timeout_s} s"
+        time.sleep(0.2)
+
+
+def _cached_until(url: str, prompt: list[int], want: int, timeout_s: float = 30.0) -> dict:
+    """The answer to `prompt` once `want` tokens of it are cached (a decode node stores its
+    output's KV as the request retires: the pool learns of it a moment after the answer)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = _complete(url, prompt, 4)
+        if got["usage"]["prompt_tokens_details"]["cached_tokens"] == want:
+            return got
+        if time.monotonic() > deadline:
+            return got
+        time.sleep(0.2)
+
+
 def _restart(c: LocalLauncher, role: str, node_id: str, tp: int, log: Path) -> subprocess.Popen:
     """Node `node_id` again at `model.tensor_parallel = tp`; a prefill node with no share
     of the pool of its own (the KV objects it writes outlive its restarts)."""
@@ -61,6 +84,7 @@ def test_prefill_and_decode_at_different_degrees(cluster: LocalLauncher, tmp_pat
     try:
         got = _complete(c.url, prompt, 12)
         assert got["choices"][0]["text"] == _tokens(prompt, 12), "prefill TP 2 -> decode TP 1"
+        _wait_pool_objects(c.url, len(prompt) // BLOCK + 1)  # and the decode node's block 4
 
         # the prefix stored at TP = 2, reused at TP = 1
         stop_procs(procs)
@@ -76,18 +100,19 @@ def test_prefill_and_decode_at_different_degrees(cluster: LocalLauncher, tmp_pat
         got = _complete(c.url, prompt, 40)
         assert got["choices"][0]["text"] == _tokens(prompt, 40), "prefill TP 1 -> decode TP 2"
         follow_up = prompt + answer + [1, 2, 3]
-        got = _complete(c.url, follow_up, 4)
-        assert got["choices"][0]["text"] == _tokens(follow_up, 4)
         # blocks 0-3 from prefill, block 4 (tokens 128-159) stored by the decode ranks
+        got = _cached_until(c.url, follow_up, 160)
+        assert got["choices"][0]["text"] == _tokens(follow_up, 4)
         assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == 160, got["usage"]
 
         # both at TP = 2: the prefill ranks load those blocks, each its heads
         stop_procs(procs[:1])
         procs[0] = _restart(c, "prefill", "prefill-0", 2, tmp_path / "p2b.log")
         again = follow_up + [4]
-        got = _complete(c.url, again, 4)
+        # every full block but the last token's: 0-5 (block 5 from the turn before, or
+        # stored by this prefill when that one's seal was cut by the restart)
+        got = _cached_until(c.url, again, 192)
         assert got["choices"][0]["text"] == _tokens(again, 4), "prefill TP 2 -> decode TP 2"
-        # every full block but the last token's: 0-5 (block 5 from the turn before)
         assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == 192, got["usage"]
     finally:
         stop_procs(procs)
