@@ -21,7 +21,7 @@ import torch
 
 from mooncake.bench.engine import SECRET, Timing, interleave
 from mooncake.kv.handoff import place_cache_in_segments, rank_prefix
-from mooncake.kv.heads import HeadShards, rank_heads
+from mooncake.kv.heads import HeadShards, gather_blocks, rank_heads
 from mooncake.kv.object import KVLayout
 from mooncake.kv.stream import KVDest, KVStreamer, StreamPlan, StreamWriter
 from mooncake.model.info import ModelInfo
@@ -44,7 +44,7 @@ class _Ranks:
         shards: HeadShards,
         block_tokens: int,
     ):
-        self.prefix, self.shards = prefix, shards
+        self.prefix = prefix
         layers = range(len(whole) // 2)
         self.caches = []
         for r in range(shards.ranks):
@@ -53,11 +53,6 @@ class _Ranks:
             cache = PagedKVCache.over(k, v, block_tokens, layers)
             place_cache_in_segments(engine, cache, rank_prefix(prefix, r, shards.ranks))
             self.caches.append(cache)
-
-    def whole_layer(self, layer: int, half: int) -> torch.Tensor:
-        """Every head of `layer`'s K (0) or V (1), gathered from the ranks."""
-        parts = [c.layer(layer)[half] for c in self.caches]
-        return torch.cat([parts[r] for r in self.shards.owners], dim=-2)
 
 
 def run(
@@ -128,7 +123,7 @@ def run(
         for s, d in pairs:  # every head of every token landed where it belongs
             for layer in range(spec.num_layers):
                 for half in (0, 1):
-                    got = receivers[d].whole_layer(layer, half)[dst_blocks]
+                    got = gather_blocks(receivers[d].caches, layer, dst_blocks, heads)[half]
                     want = whole[2 * layer + half][src_blocks]
                     tokens = (-1, heads, spec.head_dim)
                     assert torch.equal(

@@ -23,9 +23,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from mooncake.model.kvcache import PagedKVCache
 
 
 @dataclass(frozen=True)
@@ -108,6 +112,27 @@ def whole_heads(
         return parts[0]
     where = parts[0].device if device is None else torch.device(device)
     return torch.cat([parts[r].to(where) for r in shards.owners], dim=-2)
+
+
+def gather_blocks(
+    caches: Sequence[PagedKVCache],
+    layer: int,
+    block_ids: Sequence[int],
+    num_kv_heads: int,
+    device: torch.device | str | None = None,
+) -> tuple[Tensor, Tensor]:
+    """K and V of blocks `block_ids` of `layer` with every head, (n, block_tokens,
+    num_kv_heads, head_dim) each: a copy, from every rank's cache (rank order), the ranks'
+    parts meeting on `device` (`whole_heads`)."""
+    shards = HeadShards(num_kv_heads, len(caches))
+    halves = []
+    for half in (0, 1):
+        parts = []
+        for cache in caches:
+            t = cache.layer(layer)[half]
+            parts.append(t.index_select(0, torch.tensor(list(block_ids), device=t.device)))
+        halves.append(whole_heads(parts, shards, device))
+    return halves[0], halves[1]
 
 
 def rank_heads(whole: Tensor, shards: HeadShards, rank: int) -> Tensor:

@@ -36,7 +36,7 @@ from torch import Tensor
 
 from mooncake.errors import TransferError
 from mooncake.kv.handoff import rank_prefix, segment_name
-from mooncake.kv.heads import HeadShards, head_runs, whole_heads
+from mooncake.kv.heads import HeadShards, gather_blocks, head_runs
 from mooncake.kv.object import KVLayout, layer_digest
 from mooncake.model.kvcache import PagedKVCache
 from mooncake.store.metadata.objects import ReplicaDesc
@@ -234,7 +234,6 @@ class KVStreamer:
         whole = HeadShards(lay.num_kv_heads)
         runs = head_runs(self.src_shards, whole)
         src_row, dst_row = self.src_shards.local * hb, lay.num_kv_heads * hb
-        halves = [c.layer(layer) for c in self.caches]
         reqs: list[TransferRequest] = []
         for b in range(start // bt, end // bt):
             i = self._targets.get(b)
@@ -242,10 +241,9 @@ class KVStreamer:
                 continue
             blk = self.src_blocks[b]
             # NOTE: gathered on the host for the digest, never on rank 0's GPU
-            k = whole_heads([kv[0][blk] for kv in halves], self.src_shards, "cpu")
-            v = whole_heads([kv[1][blk] for kv in halves], self.src_shards, "cpu")
+            k, v = gather_blocks(self.caches, layer, [blk], lay.num_kv_heads, "cpu")
             self._digests.setdefault(layer, [0] * len(self.plan.pool))[i] = layer_digest(
-                _host_bytes(k), _host_bytes(v)
+                _host_bytes(k[0]), _host_bytes(v[0])
             )
             for d in self.plan.pool[i].replicas:
                 name = remote_name(d.segment, d.endpoint)

@@ -29,7 +29,7 @@ from torch import Tensor
 
 from mooncake.errors import ApiError, StoreError
 from mooncake.kv.hashing import PrefixHasher
-from mooncake.kv.heads import HeadShards, whole_heads
+from mooncake.kv.heads import gather_blocks
 from mooncake.kv.layerio import BaseKVPut, BaseKVSink, BaseKVSource, LayerLoader
 from mooncake.kv.object import KVLayout, KVObjectError, KVObjectView, decode_kv_object
 from mooncake.model.kvcache import PagedKVCache
@@ -318,11 +318,8 @@ class PrefillRunner:
         if len(self.rank_caches) == 1:
             k, v = self.cache.layer(layer)
             return [k[i] for i in ids], [v[i] for i in ids]
-        shards = HeadShards(self.layout.num_kv_heads, len(self.rank_caches))
-        halves = [c.layer(layer) for c in self.rank_caches]
-        ks = [whole_heads([kv[0][i] for kv in halves], shards) for i in ids]
-        vs = [whole_heads([kv[1][i] for kv in halves], shards) for i in ids]
-        return ks, vs
+        k, v = gather_blocks(self.rank_caches, layer, ids, self.layout.num_kv_heads)
+        return list(k), list(v)
 
     def _wait_loaded(self, st: PrefillState) -> None:
         """Every layer of the reused KV in every rank's cache (tensor parallelism: the

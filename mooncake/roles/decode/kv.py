@@ -8,9 +8,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
-from mooncake.kv.heads import HeadShards, whole_heads
+from mooncake.kv.heads import gather_blocks
 from mooncake.kv.pool import StoreKVPool
 from mooncake.model.decode import DecodeRunner
 from mooncake.model.kvcache import PagedKVCache
@@ -53,18 +51,12 @@ def store_output_kv(
     hashes = w.hasher.hash_blocks(ids)[first:]
     put = pool.begin(hashes, [ids[b * bt : (b + 1) * bt] for b in range(first, num_full)])
     caches = rank_caches or [w.cache]
-    shards = HeadShards(w.info.spec.num_kv_heads, len(caches))
+    where = "cpu" if len(caches) > 1 else None  # NOTE: ranks' heads meet on the host
     blocks = seq.block_ids[first:num_full]
     positions = list(range(num_full - first))
     for layer in w.model.layer_ids:
-        halves = []
-        for half in (0, 1):
-            parts = []
-            for c in caches:
-                t = c.layer(layer)[half]
-                parts.append(t.index_select(0, torch.tensor(blocks, device=t.device)))
-            halves.append(whole_heads(parts, shards, "cpu" if len(caches) > 1 else None))
-        put.write_layer(layer, positions, list(halves[0]), list(halves[1]))
+        k, v = gather_blocks(caches, layer, blocks, w.info.spec.num_kv_heads, where)
+        put.write_layer(layer, positions, list(k), list(v))
     put.commit()
 
 
