@@ -66,13 +66,9 @@ class EngineBackend(BaseBackend):
         from mooncake.model.decode import DecodeRunner
         from mooncake.model.info import load_model_info, resolve_dtype
         from mooncake.model.kvcache import PagedKVCache
-        from mooncake.model.parallel import (
-            TensorParallel,
-            TPGroup,
-            local_kv_heads,
-            resolve_tensor_parallel,
-        )
+        from mooncake.model.parallel import TPGroup, local_kv_heads, resolve_tensor_parallel
         from mooncake.model.prefixcache import PrefixCache
+        from mooncake.model.tprun import TensorParallel
         from mooncake.model.weights import create_model
 
         config = model or ModelConfig()

@@ -133,7 +133,7 @@ def decode_step_counts(
     num_blocks = 2 * max(batches) * blocks_per_seq + 2
     group = None
     if tensor_parallel > 1:
-        from mooncake.model.parallel import TensorParallel
+        from mooncake.model.tprun import TensorParallel
 
         group = TensorParallel.start(
             model,

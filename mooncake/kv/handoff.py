@@ -11,7 +11,7 @@ blocks a decode node reserved (kv/stream.py):
 
 A tensor-parallel instance registers every rank's cache, rank r's under
 `rank_prefix(prefix, r, ranks)` (`{prefix}tp{r}.`; the plain prefix at TP = 1), from
-rank 0's process (model/parallel.py `TensorParallel.place`), with each GPU rank's
+rank 0's process (model/tprun.py `TensorParallel.place`), with each GPU rank's
 segments located on its own GPU, so that its KV goes out through the NIC nearest it.
 """
 

@@ -106,7 +106,7 @@ class PagedKVCache:
         cls, k: list[Tensor], v: list[Tensor], block_tokens: int, layers: range
     ) -> PagedKVCache:
         """A cache over tensors that exist already (another tensor-parallel rank's, as
-        rank 0 maps them: model/parallel.py `TensorParallel.place`); its allocator is
+        rank 0 maps them: model/tprun.py `TensorParallel.place`); its allocator is
         unused (rank 0's decides every rank's block ids)."""
         cache = cls.__new__(cls)
         cache.block_tokens = block_tokens

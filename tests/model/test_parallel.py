@@ -16,14 +16,10 @@ from mooncake.errors import ConfigError  # noqa: E402
 from mooncake.model.decode import DecodeRunner  # noqa: E402
 from mooncake.model.info import load_model_info  # noqa: E402
 from mooncake.model.kvcache import PagedKVCache  # noqa: E402
-from mooncake.model.parallel import (  # noqa: E402
-    TensorParallel,
-    TPGroup,
-    VocabParallelHead,
-    check_shardable,
-)
+from mooncake.model.parallel import TPGroup, VocabParallelHead, check_shardable  # noqa: E402
 from mooncake.model.params import SamplingParams  # noqa: E402
 from mooncake.model.sequence import Sequence  # noqa: E402
+from mooncake.model.tprun import TensorParallel  # noqa: E402
 from mooncake.model.weights import create_model  # noqa: E402
 from tests.api.served import serve_process  # noqa: E402
 

@@ -21,8 +21,9 @@ from mooncake.kv.pool import StoreKVPool
 from mooncake.model.info import ModelInfo, kv_fingerprint, load_model_info, resolve_dtype
 from mooncake.model.kvcache import PagedKVCache
 from mooncake.model.llama import Model
-from mooncake.model.parallel import TensorParallel, TPGroup, resolve_tensor_parallel
+from mooncake.model.parallel import TPGroup, resolve_tensor_parallel
 from mooncake.model.tokenizer import BaseTokenizer, create_tokenizer
+from mooncake.model.tprun import TensorParallel
 from mooncake.model.weights import create_model
 from mooncake.roles.node.common import NodeContext
 from mooncake.roles.node.kvsize import Role, cache_blocks, kv_cache_bytes, measure_gpu, sizing_for
