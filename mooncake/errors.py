@@ -8,6 +8,8 @@ subclass of `MooncakeError` whose message says what was wrong and what to do.
 class MooncakeError(Exception):
     """Base of every error mooncake raises on purpose."""
 
+    exit_code = 2  # the `mooncake` command's exit status when this ends it
+
 
 class ConfigError(MooncakeError):
     """A configuration file, environment variable or flag is invalid.
@@ -19,6 +21,15 @@ class ConfigError(MooncakeError):
     def __init__(self, errors: list[str] | str):
         self.errors = [errors] if isinstance(errors, str) else list(errors)
         super().__init__("\n".join(self.errors))
+
+
+class PortInUseError(ConfigError):
+    """A port this node was told to listen on is held by another process.
+
+    Its own exit status lets a launcher that chose the port (`mooncake up --local` picks
+    free ports before starting the nodes that bind them) choose again and retry."""
+
+    exit_code = 3
 
 
 class TopologyError(MooncakeError):

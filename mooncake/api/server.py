@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import ipaddress
 import math
 import signal
@@ -27,14 +28,15 @@ import uvicorn
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from mooncake.config.settings import ApiConfig
-from mooncake.errors import ConfigError
+from mooncake.errors import ConfigError, PortInUseError
 
 CLOSING = "mooncake.closing"  # scope["extensions"] key: set once a stopping server's drain is over
 END_S = 1.0  # least seconds requests get after the drain to send their error (one write)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on host:port; raises ConfigError naming the address."""
+    """A listening TCP socket on host:port; raises ConfigError naming the address
+    (PortInUseError when another process holds it)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -45,7 +47,8 @@ def bind_socket(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as e:
         sock.close()
-        raise ConfigError(f"api: cannot listen on {host}:{port}: {e.strerror}") from e
+        error = PortInUseError if e.errno == errno.EADDRINUSE else ConfigError
+        raise error(f"api: cannot listen on {host}:{port}: {e.strerror}") from e
     sock.listen(2048)
     sock.set_inheritable(True)
     return sock

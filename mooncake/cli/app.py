@@ -91,7 +91,8 @@ def load_verbs() -> None:
 
 
 def main() -> None:
-    """Console-script entry point: turns a MooncakeError into a message and exit code 2."""
+    """Console-script entry point: turns a MooncakeError into a message and its exit code
+    (2; 3 for a port in use)."""
     load_verbs()
     try:
         app()
@@ -99,7 +100,7 @@ def main() -> None:
         from mooncake.cli.output import err_console
 
         err_console.print(f"[bold red]error:[/] {e}", highlight=False)
-        sys.exit(2)
+        sys.exit(e.exit_code)
 
 
 if __name__ == "__main__":

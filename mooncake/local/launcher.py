@@ -33,7 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from mooncake.config.load import load_config
 from mooncake.config.settings import ApiConfig, Config, DecodeConfig
-from mooncake.errors import MooncakeError
+from mooncake.errors import MooncakeError, PortInUseError
 from mooncake.ha.localetcd import LocalEtcd, tmpfs_data_dir
 from mooncake.local.config import local_ssd_dir, write_config
 from mooncake.local.plan import LocalPlan
@@ -56,6 +56,7 @@ from mooncake.local.supervisor import (
 from mooncake.native.shm import sweep_stale
 
 log = logging.getLogger(__name__)
+PORT_ATTEMPTS = 3  # starts with freshly chosen ports when a master lost one (see start)
 READY_TIMEOUT_S = 180.0  # seconds a node may take to load and report ready
 SCHEDULABLE_TIMEOUT_S = 30.0  # seconds for the master to see every ready node
 CONFIG_NAME = "mooncake-local.toml"
@@ -87,6 +88,7 @@ class LocalLauncher:
         # role -> its drain in the generated config (decode.drain_s, api.drain_s), seconds
         self._drain_s = {"decode": DecodeConfig().drain_s, "master": ApiConfig().drain_s}
         self._master_port = 0
+        self._is_api_port_chosen = plan.api_port == 0  # the launcher picks it (again on retry)
         self.etcd: LocalEtcd | None = None  # with several masters
         self._node_sets: dict[str, list[str]] = {}  # node id -> its own --set values
         self._lock = threading.Lock()  # children, is_stopping, the runfile
@@ -103,7 +105,7 @@ class LocalLauncher:
         ssd = local_ssd_dir(plan.run_dir)
         private_dir(ssd.parent if ssd.parent != plan.run_dir else ssd)
         self._master_port = free_port()
-        if plan.api_port == 0:
+        if self._is_api_port_chosen:
             plan.api_port = free_port()
         secret = secrets.token_urlsafe(24)
         write_config(plan, self.config_path, secret, self._master_port, cost_model, self._ha_keys())
@@ -139,29 +141,56 @@ class LocalLauncher:
 
     def start(self, cost_model: str) -> LocalCluster:
         """Configure, start every node, wait until the master places on all of them, write
-        the runfile; returns what it says. Stops what it started if any of it fails."""
-        self.configure(cost_model)
+        the runfile; returns what it says. Stops what it started if any of it fails.
+
+        The ports are chosen free before the nodes that bind them start, so another
+        process may take one in between: a master that exits saying so (PortInUseError's
+        exit code) makes the launcher choose again, up to PORT_ATTEMPTS times."""
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            self.configure(cost_model)
+            try:
+                return self._start_nodes()
+            except BaseException:
+                if attempt == PORT_ATTEMPTS or not self._lost_a_port():
+                    self.stop()
+                    raise
+                log.warning(
+                    "a port chosen for the local cluster was taken before its master bound "
+                    "it; choosing the ports again (attempt %d of %d)",
+                    attempt + 1,
+                    PORT_ATTEMPTS,
+                )
+                self._stop_children(grace_s=self.policy.stop_grace_s)
+                self.children = []
+                if self.etcd is not None:
+                    self.etcd.stop()
+                    self.etcd = None
+        raise AssertionError("unreachable: the last attempt returns or raises")
+
+    def _start_nodes(self) -> LocalCluster:
         plan = self.plan
-        try:
-            # NOTE: all at once; nodes retry registering until the master is up
-            nodes = [("master", "master")]
-            nodes += [("master", f"master-{i}") for i in range(1, plan.num_masters)]
-            nodes += [("prefill", f"prefill-{i}") for i in range(plan.num_prefill)]
-            nodes += [("decode", f"decode-{i}") for i in range(plan.num_decode)]
-            if plan.pool:
-                nodes += [("store", f"store-{i}") for i in range(plan.num_store)]
-            self.children += [self._launch(role, nid) for role, nid in nodes]
-            for child in self.children:  # the master first
-                self._wait_ready(child)
-            self.url = str(self.children[0].ready.get("url", ""))
-            self._wait_schedulable()
-            with self._lock:
-                self._write_runfile()
-        except BaseException:
-            self.stop()
-            raise
+        # NOTE: all at once; nodes retry registering until the master is up
+        nodes = [("master", "master")]
+        nodes += [("master", f"master-{i}") for i in range(1, plan.num_masters)]
+        nodes += [("prefill", f"prefill-{i}") for i in range(plan.num_prefill)]
+        nodes += [("decode", f"decode-{i}") for i in range(plan.num_decode)]
+        if plan.pool:
+            nodes += [("store", f"store-{i}") for i in range(plan.num_store)]
+        self.children += [self._launch(role, nid) for role, nid in nodes]
+        for child in self.children:  # the master first
+            self._wait_ready(child)
+        self.url = str(self.children[0].ready.get("url", ""))
+        self._wait_schedulable()
+        with self._lock:
+            self._write_runfile()
         assert self.info is not None
         return self.info
+
+    def _lost_a_port(self) -> bool:
+        """Whether a master exited because a port chosen for it was taken."""
+        return any(
+            c.role == "master" and c.proc.poll() == PortInUseError.exit_code for c in self.children
+        )
 
     def _write_runfile(self) -> None:
         """The runfile with the children's current pids; the caller holds the lock."""
@@ -295,6 +324,16 @@ class LocalLauncher:
         stop_grace_s), and sweep the shared memory the killed ones left. Idempotent."""
         with self._lock:
             self.is_stopping = True
+        self._stop_children(grace_s)
+        if self.etcd is not None:
+            self.etcd.stop()
+        self._forker.shutdown(wait=False)
+        if self.info is not None:
+            remove_runfile(self.runfile)
+
+    def _stop_children(self, grace_s: float | None = None) -> None:
+        """stop()'s part for the children (they stay listed)."""
+        with self._lock:
             children = list(self.children)
         is_killed = False
         nodes = [c for c in children if c.role != "master"]
@@ -303,13 +342,8 @@ class LocalLauncher:
             is_killed |= terminate(
                 group, lambda c: self.stop_grace_s(c.role) if grace_s is None else grace_s
             )
-        if self.etcd is not None:
-            self.etcd.stop()
         if is_killed:
             sweep_stale()  # a killed node never unlinked its /dev/shm arenas
         for c in children:
             if c.proc.stdout is not None:
                 c.proc.stdout.close()
-        self._forker.shutdown(wait=False)
-        if self.info is not None:
-            remove_runfile(self.runfile)

@@ -13,7 +13,7 @@ import zmq
 
 import mooncake.rpc.wire as wire
 from mooncake.config.portrange import PortRange, bind_zmq
-from mooncake.errors import MooncakeError, ProtocolError, RpcError
+from mooncake.errors import MooncakeError, PortInUseError, ProtocolError, RpcError
 from mooncake.rpc.auth import ZapHandler, check_secret, secure_server
 from mooncake.rpc.wire import M, Msg, MsgType
 
@@ -109,7 +109,9 @@ class RpcServer:
         except (zmq.ZMQError, MooncakeError) as e:
             self._sock.close(linger=0)
             self._ctx.term()
-            raise RpcError(f"{self.name}: cannot bind {self.bind}: {e}") from e
+            in_use = isinstance(e, zmq.ZMQError) and e.errno == zmq.EADDRINUSE
+            error = PortInUseError if in_use else RpcError
+            raise error(f"{self.name}: cannot bind {self.bind}: {e}") from e
         self._address = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._threads = [
             threading.Thread(target=self._run, name=f"{self.name}-server", daemon=True)

@@ -11,6 +11,7 @@ import json
 import os
 import queue
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -21,6 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+import mooncake.local.launcher as launcher_module
 from mooncake.errors import MooncakeError
 from mooncake.local.cost import ensure_cost_model
 from mooncake.local.launcher import LocalLauncher, LocalPlan
@@ -136,8 +138,19 @@ def test_a_stopped_node_is_alive_and_not_restarted() -> None:
 def cluster(
     tmp_path_factory: pytest.TempPathFactory, cost_cache: Path
 ) -> Iterator[tuple[LocalLauncher, queue.Queue[NodeEvent]]]:
-    """One supervised cluster with API keys on (1 prefill, 1 decode, no store)."""
+    """One supervised cluster with API keys on (1 prefill, 1 decode, no store), whose
+    first choice of the master's port is taken by another socket before the master binds
+    it (as any process may take a port the launcher found free): the launcher chooses again."""
     run_dir = tmp_path_factory.mktemp("supervised")
+    held = socket.create_server(("127.0.0.1", 0))
+    chosen: list[int] = []
+    free_port = launcher_module.free_port
+
+    def free_port_once_taken() -> int:
+        port = held.getsockname()[1] if not chosen else free_port()
+        chosen.append(port)
+        return port
+
     plan = LocalPlan(
         api_port=0,
         run_dir=run_dir,
@@ -150,10 +163,15 @@ def cluster(
     stop = threading.Event()
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("XDG_RUNTIME_DIR", str(run_dir))  # the runfile goes there
+        mp.setattr(launcher_module, "free_port", free_port_once_taken)
         launcher = LocalLauncher(plan, policy=RestartPolicy(backoff_s=0.1, poll_s=0.05))
         watcher = threading.Thread(target=launcher.supervise, args=(stop, events.put))
         try:
             launcher.start(str(ensure_cost_model(plan, cost_cache)))
+            held.close()
+            assert launcher.info is not None
+            assert launcher.info.master.endswith(f":{chosen[-2]}"), (chosen, launcher.info)
+            assert chosen[-2] != chosen[0], chosen  # the master's port was chosen again
             watcher.start()
             yield launcher, events
         finally:
@@ -161,6 +179,7 @@ def cluster(
             if watcher.is_alive():
                 watcher.join()
             launcher.stop()
+            held.close()
 
 
 def _post(url: str, **body: object) -> httpx.Response:

@@ -22,10 +22,12 @@ pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 
 
 def _post(url: str, seed: int) -> int:
+    # NOTE: long enough (dummy:tiny's 512 positions, less the prompt) that each member's
+    # decoding spans more than the one-second heartbeat that carries its num_running
     body = {
         "model": "dummy:tiny",
         "prompt": [(i * seed + 3) % 250 + 1 for i in range(64)],
-        "max_tokens": 120,
+        "max_tokens": 440,
         "temperature": 0,
         "ignore_eos": True,
     }
@@ -59,7 +61,8 @@ def test_two_instances_register_serve_and_stop_together(tmp_path: Path, cost_cac
             busy: set[str] = set()
             deadline = time.monotonic() + 60
             while busy != {"multi-0", "multi-1"} and time.monotonic() < deadline:
-                busy |= {m for m in ("multi-0", "multi-1") if node_row(c.url, m)["num_running"]}
+                rows = {m: node_row(c.url, m) for m in ("multi-0", "multi-1")}
+                busy |= {m for m, r in rows.items() if r["num_running"] or r["num_reserved"]}
                 time.sleep(0.05)
             for t in threads:
                 t.join()
