@@ -18,11 +18,20 @@ requests of 64 KiB: KV-block sized), `large_1m` (1 MiB slices), `busy_thread_64k
 (large_64k while a pure-Python thread spins in the process). One thread submits, keeping
 `in_flight` batches outstanding. CPU is the process's (every thread: submitter, pollers,
 workers), less the busy thread's own.
+
+With a busy thread, the submitter holds the GIL about once per switch interval
+(`sys.getswitchinterval()`, 5 ms): a path keeps its rate only if the work queued when it
+gets it lasts that long. So busy_thread_64k keeps queued, per path, one switch interval of
+that path's own large_64k rate in this run (at least IN_FLIGHT batches; `in_flight` says
+how many): what a caller moving that much data would have in flight anyway.
 """
 
 from __future__ import annotations
 
 import collections
+import math
+import os
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -79,6 +88,7 @@ class StubFigure(msgspec.Struct):
     requests_per_s: float
     num_slices: int
     seconds: float
+    in_flight: int  # batches kept outstanding
 
 
 class StubReport(msgspec.Struct):
@@ -91,7 +101,12 @@ class StubReport(msgspec.Struct):
     # large_64k's rate with a busy thread, >= 1M KV-block requests/s
     c_cpu_us_per_64k_slice: float
     c_busy_thread_share: float
+    # large_64k's CPU per slice over busy_thread_64k's: below 1 when the busy thread makes
+    # each slice cost more (the GIL); the rate share also falls when the busy thread takes
+    # a CPU the loop used (num_cpus)
+    c_busy_thread_cpu_share: float
     c_blocks_requests_per_s: float
+    num_cpus: int
 
 
 class _Busy:
@@ -125,13 +140,14 @@ def _measure(
     seconds: float,
     submit: Callable[[], Any],
     wait: Callable[[Any], None],
+    in_flight: int,
 ) -> StubFigure:
-    """Keep IN_FLIGHT batches outstanding for `seconds`; `submit()` returns a handle that
+    """Keep `in_flight` batches outstanding for `seconds`; `submit()` returns a handle that
     `wait(handle)` waits for (and checks)."""
     for handle in [submit() for _ in range(IN_FLIGHT)]:  # warm-up
         wait(handle)
     busy = _Busy() if case.busy else None
-    pending = collections.deque(submit() for _ in range(IN_FLIGHT))
+    pending = collections.deque(submit() for _ in range(in_flight))
     num_batches = 0
     busy0 = busy.cpu_s() if busy is not None else 0.0
     cpu0, t0 = time.process_time(), time.perf_counter()
@@ -157,10 +173,18 @@ def _measure(
         requests_per_s=round(num_batches * case.requests_per_batch / elapsed, 1),
         num_slices=num_slices,
         seconds=round(elapsed, 3),
+        in_flight=in_flight,
     )
 
 
-def run_c(case: StubCase, seconds: float) -> StubFigure:
+def busy_in_flight(case: StubCase, unloaded_slices_per_s: float) -> int:
+    """Batches that keep one GIL switch interval of work queued at `unloaded_slices_per_s`
+    (at least IN_FLIGHT)."""
+    per_interval = unloaded_slices_per_s * sys.getswitchinterval() / case.slices_per_batch
+    return max(IN_FLIGHT, math.ceil(per_interval))
+
+
+def run_c(case: StubCase, seconds: float, in_flight: int = IN_FLIGHT) -> StubFigure:
     """The C loop over its stub provider; TransferError when the extension is not built."""
     from mooncake.native.rdma import QpEndpoint, Route
     from mooncake.native.rdmaloop import OP_WRITE, Paths, RdmaLoop, Requests
@@ -190,13 +214,20 @@ def run_c(case: StubCase, seconds: float) -> StubFigure:
                 raise TransferError(f"stub batch failed: {result}")
 
         return _measure(
-            "c", case, seconds, lambda: loop.submit(requests, paths, case.slice_bytes), wait
+            "c",
+            case,
+            seconds,
+            lambda: loop.submit(requests, paths, case.slice_bytes),
+            wait,
+            in_flight,
         )
     finally:
         loop.close()
 
 
-def run_python(case: StubCase, seconds: float, loop: bool = False) -> tuple[StubFigure, bool]:
+def run_python(
+    case: StubCase, seconds: float, loop: bool = False, in_flight: int = IN_FLIGHT
+) -> tuple[StubFigure, bool]:
     """The RdmaTransport on the stub device, its data plane in pyverbs (or, `loop`, in the
     C loop's stub provider): (figure, whether pyverbs' classes were used)."""
     from mooncake.bench.stubverbs import stub_verbs
@@ -240,6 +271,7 @@ def run_python(case: StubCase, seconds: float, loop: bool = False) -> tuple[Stub
             seconds,
             lambda: engine.submit(requests),
             lambda b: b.check(),
+            in_flight,
         )
         return figure, bool(verbs.real)
     finally:
@@ -254,13 +286,21 @@ def run(
     """Every case on every path in `paths`, the C path first."""
     figures: list[StubFigure] = []
     real = False
+    unloaded: dict[str, float] = {}  # path -> its large_64k slices/s
     for case in CASES:
-        if "c" in paths:
-            figures.append(run_c(case, seconds_per_case))
-        if "transport" in paths:
-            figures.append(run_python(case, seconds_per_case, loop=True)[0])
-        if "python" in paths:
-            fig, real = run_python(case, seconds_per_case)
+        for path in ("c", "transport", "python"):
+            if path not in paths:
+                continue
+            depth = IN_FLIGHT
+            if case.busy and path in unloaded:
+                depth = busy_in_flight(case, unloaded[path])
+            if path == "c":
+                fig = run_c(case, seconds_per_case, depth)
+            else:
+                fig, is_real = run_python(case, seconds_per_case, path == "transport", depth)
+                real |= is_real and path == "python"
+            if case.name == "large_64k":
+                unloaded[path] = fig.slices_per_s
             figures.append(fig)
     c = {f.case: f for f in figures if f.path == "c"}
     large, busy, blocks = c.get("large_64k"), c.get("busy_thread_64k"), c.get("blocks_64k")
@@ -272,5 +312,9 @@ def run(
         c_busy_thread_share=round(busy.slices_per_s / large.slices_per_s, 3)
         if large and busy
         else 0.0,
+        c_busy_thread_cpu_share=round(large.cpu_us_per_slice / busy.cpu_us_per_slice, 3)
+        if large and busy and busy.cpu_us_per_slice
+        else 0.0,
         c_blocks_requests_per_s=blocks.requests_per_s if blocks else 0.0,
+        num_cpus=os.cpu_count() or 1,
     )

@@ -228,7 +228,7 @@ def _stub_ceiling(duration: float, as_json: bool) -> None:
 
     where = "pyverbs' SGE/SendWR/WC" if report.pyverbs else "stand-in SGE/SendWR/WC"
     table = Table(title=f"RDMA stub ceiling, device stubbed ({where}; {report.cpu})")
-    for col in ("path", "case", "slices/s", "CPU us/slice", "GB/s", "requests/s"):
+    for col in ("path", "case", "slices/s", "CPU us/slice", "GB/s", "requests/s", "in flight"):
         table.add_column(col, justify="right")
     for f in report.figures:
         table.add_row(
@@ -238,10 +238,13 @@ def _stub_ceiling(duration: float, as_json: bool) -> None:
             f"{f.cpu_us_per_slice:.3f}",
             f"{f.gb_per_s:.1f}",
             f"{f.requests_per_s:,.0f}",
+            str(f.in_flight),
         )
     console.print(table)
     console.print(
         f"C loop: {report.c_cpu_us_per_64k_slice:.3f} us CPU per 64 KiB slice (target <= 0.5), "
-        f"busy thread keeps {report.c_busy_thread_share:.0%} of its rate, "
-        f"{report.c_blocks_requests_per_s:,.0f} KV-block requests/s (target >= 1M)"
+        f"busy thread keeps {report.c_busy_thread_share:.0%} of its rate at "
+        f"{report.c_busy_thread_cpu_share:.0%} of its CPU per slice (it holds one of "
+        f"{report.num_cpus} CPUs), {report.c_blocks_requests_per_s:,.0f} KV-block requests/s "
+        "(target >= 1M)"
     )

@@ -1,6 +1,9 @@
 /* The RDMA data loop in C: one-sided READ/WRITE batches posted as chains of work requests
  * on RC queue pairs and completed by one poller thread per NIC, with no Python and no GIL.
- * Loaded by mooncake/native/rdmaloop.py (ctypes releases the GIL for every call).
+ * Loaded by mooncake/native/rdmaloop.py: the calls that may block (rl_wait, rl_finish with a
+ * timeout, opening and closing) release the GIL; those that return at once (rl_submit, the
+ * poll form of rl_finish, rl_result, rl_free) keep it, since a thread that gives the GIL
+ * up waits a whole switch interval (5 ms) to get it back from a busy Python thread.
  *
  * Who owns what. C owns the data-plane verbs objects it posts to: per NIC a device context,
  * a protection domain and one completion queue; queue pairs; memory regions ("regions",
@@ -988,9 +991,11 @@ rl_batch *rl_submit(rl_engine *e, uint32_t num_reqs, const uint8_t *op, const ui
 int rl_free(rl_batch *b);
 
 /* Wait for a batch: 1 when every slice finished, 0 when timeout_ms passed first (-1: no
- * limit). Spins up to the engine's spin_us before sleeping on the eventfd. */
+ * limit; 0: a poll, returning at once). Spins up to the engine's spin_us before sleeping on
+ * the eventfd. */
 int rl_wait(rl_batch *b, int timeout_ms) {
     if (atomic_load(&b->done)) return 1;
+    if (timeout_ms == 0) return 0;
     struct timespec t0, t;
     clock_gettime(CLOCK_MONOTONIC, &t0);
     for (;;) {

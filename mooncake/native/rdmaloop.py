@@ -1,9 +1,17 @@
 """The RDMA data loop in C (`_rdmaloop.c`), when it was built: batches of one-sided READ and
-WRITE requests posted and completed with no Python per slice and the GIL released.
+WRITE requests posted and completed with no Python per slice, waited for with the GIL
+released.
 
 `pip install` compiles `mooncake/native/_rdmaloop.c` against libibverbs' headers (an
 optional extension: without them, or without a C compiler, the install goes on without it).
-It is loaded here with ctypes, which releases the GIL for each call.
+It is loaded here with ctypes twice: as a CDLL, whose calls release the GIL, for those that
+may block (waiting for a batch, opening, closing), and as a PyDLL, whose calls keep it, for
+those that return at once (submitting, polling a batch, reading and freeing its result). A
+thread that gives the GIL up waits a whole switch interval (`sys.getswitchinterval()`, 5 ms)
+to get it back while another Python thread is busy, so a submitter that released it on every
+call would post one batch per 5 ms; keeping it, each turn it gets reaps every finished
+batch and submits the next ones, and the loop runs on without Python meanwhile as long as
+the work queued covers the interval.
 `MOONCAKE_NATIVE_RDMALOOP=0` turns it off.
 
 Who owns what: C owns the data-plane verbs objects (per NIC a device context, protection
@@ -116,6 +124,20 @@ def _declare(lib: ctypes.CDLL) -> None:
         fn.argtypes = argtypes
 
 
+# the calls that return at once: called through a PyDLL, keeping the GIL (see above)
+_AT_ONCE = ("rl_submit", "rl_finish", "rl_result", "rl_free")
+
+
+def _holding_gil(lib: ctypes.CDLL) -> ctypes.PyDLL:
+    """The same library's `_AT_ONCE` functions, typed alike, called without releasing the
+    GIL (dlopen hands back the loaded library: one copy of its state)."""
+    at_once = ctypes.PyDLL(lib._name)
+    for name in _AT_ONCE:
+        fn, typed = getattr(at_once, name), getattr(lib, name)
+        fn.restype, fn.argtypes = typed.restype, typed.argtypes
+    return at_once
+
+
 def _address(a: np.ndarray) -> int:
     return int(a.__array_interface__["data"][0])
 
@@ -207,11 +229,14 @@ class Batch:
     def wait(self, timeout_s: float | None = None) -> BatchResult | None:
         """The batch's result once every slice finished, or None when `timeout_s` passed
         first (wait again: the slices are still in flight)."""
-        lib = self._loop.lib
+        at_once = self._loop.at_once
         ms = -1 if timeout_s is None else max(0, int(timeout_s * 1000))
         n = self._num
         status, failed_qp = np.empty(n, np.int32), np.empty(n, np.uint32)
-        num_failed = lib.rl_finish(self._handle, ms, _address(status), _address(failed_qp))
+        out = (_address(status), _address(failed_qp))
+        num_failed = at_once.rl_finish(self._handle, 0, *out)  # finished already?
+        if num_failed == -1 and ms != 0:  # NOTE: the blocking call releases the GIL
+            num_failed = self._loop.lib.rl_finish(self._handle, ms, *out)
         if num_failed == -1:
             return None
         if num_failed < 0:
@@ -222,14 +247,14 @@ class Batch:
         arrays = (np.empty(num_failed, u32), np.empty(num_failed, u64), np.empty(num_failed, u64))
         qps, statuses = np.empty(num_failed, u32), np.empty(num_failed, i32)
         if num_failed:  # NOTE: only then is the batch still there (rl_finish freed it)
-            lib.rl_result(
+            at_once.rl_result(
                 self._handle,
                 _address(status),
                 _address(failed_qp),
                 num_failed,
                 *(_address(a) for a in (*arrays, qps, statuses)),
             )
-            lib.rl_free(self._handle)
+            at_once.rl_free(self._handle)
         return BatchResult(status, failed_qp, *arrays, qps, statuses)
 
 
@@ -244,6 +269,7 @@ class RdmaLoop:
 
     def __init__(self, lib: ctypes.CDLL, handle: int, provider: str):
         self.lib, self._handle, self.provider = lib, handle, provider
+        self.at_once = _holding_gil(lib)  # lib's calls that return at once, keeping the GIL
         self.num_nics = 0
         self._closed = False
 
@@ -359,7 +385,7 @@ class RdmaLoop:
     def submit(self, requests: Requests, paths: Paths, slice_bytes: int) -> Batch:
         """Post a batch (returns at once; its slices are in flight or failed)."""
         err = ctypes.c_int()
-        handle = self.lib.rl_submit(
+        handle = self.at_once.rl_submit(
             self._handle,
             len(requests),
             *requests._addresses,

@@ -6,6 +6,7 @@ device's pyverbs-like surface."""
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 from typer.testing import CliRunner
@@ -28,7 +29,16 @@ def test_stub_ceiling_json_has_both_paths_and_every_case() -> None:
     assert seen == {(p, c.name) for p in ("c", "transport", "python") for c in transferstub.CASES}
     for f in report["figures"]:
         assert f["slices_per_s"] > 0 and f["cpu_us_per_slice"] > 0 and f["gb_per_s"] > 0
+        assert f["in_flight"] >= transferstub.IN_FLIGHT, f
     assert report["c_cpu_us_per_64k_slice"] > 0 and report["c_blocks_requests_per_s"] > 0
+    assert report["c_busy_thread_cpu_share"] > 0 and report["num_cpus"] >= 1
+
+
+def test_a_busy_thread_case_queues_one_switch_interval_of_the_unloaded_rate() -> None:
+    case = next(c for c in transferstub.CASES if c.busy)
+    per_s = 10 * case.slices_per_batch / sys.getswitchinterval()  # 10 batches per interval
+    assert transferstub.busy_in_flight(case, per_s) == 10
+    assert transferstub.busy_in_flight(case, 1.0) == transferstub.IN_FLIGHT
 
 
 def test_the_stub_device_completes_only_signalled_requests_of_a_chain() -> None:

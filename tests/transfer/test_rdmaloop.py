@@ -153,7 +153,8 @@ def test_a_closed_region_is_never_posted_and_closes_after_its_batch(pair: LoopPa
     pair.fake.fake_hold(1)
     try:
         batch = pair.a.submit(req, pair.paths(remote), 4 * KIB)
-        assert batch.wait(timeout_s=0.05) is None  # held in the device
+        assert batch.wait(timeout_s=0) is None  # a poll: still held in the device
+        assert batch.wait(timeout_s=0.05) is None
         assert pair.a.close_region(local.handle) is False  # deferred: work in flight
         refused = pair.a.transfer(req, pair.paths(remote), 4 * KIB, timeout_s=5)
         assert refused.status.tolist() == [rdmaloop.BAD_REGION]
