@@ -59,7 +59,9 @@ class RdmaConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
         int,
         knob(
             "Completion queue entries per RDMA NIC (clamped to the device's "
-            "max_cqe); work in flight on one NIC never exceeds it.",
+            "max_cqe); work in flight on one NIC never exceeds it. The C data "
+            "loop gives each CQ this many entries and adds CQs (up to 64 per "
+            "NIC) as queue pairs need room.",
             ge=16,
         ),
     ] = 4096

@@ -6,7 +6,7 @@
  * up waits a whole switch interval (5 ms) to get it back from a busy Python thread.
  *
  * Who owns what. C owns the data-plane verbs objects it posts to: per NIC a device context,
- * a protection domain and one completion queue; queue pairs; memory regions ("regions",
+ * a protection domain and its completion queues; queue pairs; memory regions ("regions",
  * each registered on every NIC, all or none, host memory or a dma-buf). Python keeps
  * discovery (which devices, ports and GIDs), the connection handshake (it passes the peer's
  * GID, QPN, PSN and MTU down to rl_qp_connect), path choice, pausing and retries.
@@ -22,10 +22,12 @@
  * Send-queue room is counted by signalled requests: every posted request takes a slot in
  * its QP's ring (ring[seq % depth]), and a polled completion frees every slot up to its
  * own (RC completes in order), so an unsignalled request's slot comes back with the next
- * signalled one's completion. The CQ is sized for every QP's full send queue (a QP in
- * error flushes each request with its own completion), so it cannot overrun.
+ * signalled one's completion. A CQ has room for the full send queue of every QP on it (a
+ * QP in error flushes each request with its own completion), so it cannot overrun; a QP
+ * that finds no CQ with room gets a new one (cq_depth entries, up to RL_MAX_CQS per NIC),
+ * so the number of peers is not bounded by one CQ.
  *
- * A NIC's poller thread polls its CQ while that NIC has requests in flight and sleeps on a
+ * A NIC's poller thread polls its CQs while that NIC has requests in flight and sleeps on a
  * condition otherwise; after each completion it refills that QP from the batches it
  * serves. The waiter of a batch (rl_wait) blocks on the batch's eventfd, written once when
  * the batch's last slice finished (after an optional short spin).
@@ -66,6 +68,7 @@
 
 #define RL_MAX_NICS 16
 #define RL_MAX_QPS 65536
+#define RL_MAX_CQS 64 /* per NIC */
 #define RL_MAX_REGIONS 4096
 #define RL_POLL_BATCH 64
 #define RL_SEQ_BITS 40
@@ -96,7 +99,7 @@ typedef struct {
     pthread_mutex_t lock; /* ring, users, posting */
     rl_engine *e;
     struct ibv_qp *qp;
-    uint32_t index, nic, depth, qpn;
+    uint32_t index, nic, cq, depth, qpn; /* cq: its index in the NIC's cqs */
     _Atomic int state;
     uint64_t head, tail; /* sequence numbers: [head, tail) posted, slots not yet freed */
     rl_entry *ring;
@@ -110,8 +113,13 @@ typedef struct {
     rl_engine *e;
     struct ibv_context *ctx;
     struct ibv_pd *pd;
-    struct ibv_cq *cq;
-    int cq_depth, cq_reserved; /* CQ entries; entries promised to QPs' send queues */
+    /* CQs of cq_depth entries each, added as QPs need room: cq_reserved[i] entries of
+     * cqs[i] are promised to its QPs' send queues (written under the engine's lock;
+     * num_cqs is stored after the CQ it counts, so the poller reads only created ones) */
+    struct ibv_cq *cqs[RL_MAX_CQS];
+    int cq_reserved[RL_MAX_CQS];
+    _Atomic int num_cqs;
+    int cq_depth;
     pthread_t poller;
     int has_poller;
     pthread_mutex_t lock; /* the poller's sleep; held by it while it handles completions */
@@ -574,20 +582,23 @@ static void *poll_loop(void *arg) {
             pthread_mutex_unlock(&nic->lock);
             continue;
         }
-        int n = e->ops->poll_cq(nic->cq, RL_POLL_BATCH, wcs);
-        stat_add(e, STAT_POLLS, 1);
-        if (n <= 0) {
-            if (++empty >= 64) { /* a slow device: let other threads run */
-                empty = 0;
-                sched_yield();
-            }
-            continue;
+        int num_cqs = atomic_load(&nic->num_cqs), got = 0;
+        for (int c = 0; c < num_cqs; c++) {
+            int n = e->ops->poll_cq(nic->cqs[c], RL_POLL_BATCH, wcs);
+            stat_add(e, STAT_POLLS, 1);
+            if (n <= 0) continue;
+            got += n;
+            stat_add(e, STAT_COMPLETIONS, (uint64_t)n);
+            pthread_mutex_lock(&nic->busy);
+            for (int i = 0; i < n; i++) handle_completion(e, &wcs[i]);
+            pthread_mutex_unlock(&nic->busy);
         }
-        empty = 0;
-        stat_add(e, STAT_COMPLETIONS, (uint64_t)n);
-        pthread_mutex_lock(&nic->busy);
-        for (int i = 0; i < n; i++) handle_completion(e, &wcs[i]);
-        pthread_mutex_unlock(&nic->busy);
+        if (got > 0) {
+            empty = 0;
+        } else if (++empty >= 64) { /* a slow device: let other threads run */
+            empty = 0;
+            sched_yield();
+        }
     }
     return NULL;
 }
@@ -607,8 +618,8 @@ rl_engine *rl_engine_new(const struct mc_verbs_ops *ops, uint32_t signal_every,
     return e;
 }
 
-/* Open device `name` with a CQ of cq_depth entries and start its poller: the NIC's index,
- * or -errno. */
+/* Open device `name` with a CQ of cq_depth entries (more are added as QPs need room) and
+ * start its poller: the NIC's index, or -errno. */
 int rl_nic_open(rl_engine *e, const char *name, int cq_depth) {
     pthread_mutex_lock(&e->lock);
     int rc = -ENOSPC;
@@ -620,12 +631,13 @@ int rl_nic_open(rl_engine *e, const char *name, int cq_depth) {
     errno = 0;
     if ((nic->ctx = e->ops->open_device(name)) == NULL) goto fail;
     if ((nic->pd = e->ops->alloc_pd(nic->ctx)) == NULL) goto fail_ctx;
-    if ((nic->cq = e->ops->create_cq(nic->ctx, cq_depth)) == NULL) goto fail_pd;
+    if ((nic->cqs[0] = e->ops->create_cq(nic->ctx, cq_depth)) == NULL) goto fail_pd;
+    atomic_store(&nic->num_cqs, 1);
     pthread_mutex_init(&nic->lock, NULL);
     pthread_mutex_init(&nic->busy, NULL);
     pthread_cond_init(&nic->cond, NULL);
     if ((rc = pthread_create(&nic->poller, NULL, poll_loop, nic)) != 0) {
-        e->ops->destroy_cq(nic->cq);
+        e->ops->destroy_cq(nic->cqs[0]);
         errno = rc;
         goto fail_pd;
     }
@@ -712,8 +724,25 @@ int rl_region_close(rl_engine *e, uint32_t handle) {
     return atomic_load(&r->state) == REGION_FREE ? 0 : 1;
 }
 
+/* A CQ of `nic` with room for max_send_wr more entries (a new one when none has): its
+ * index, or -errno (-ENOSPC: larger than a CQ, or RL_MAX_CQS already). Under e->lock. */
+static int cq_with_room(rl_engine *e, rl_nic *nic, uint32_t max_send_wr) {
+    if ((int)max_send_wr > nic->cq_depth) return -ENOSPC;
+    int n = atomic_load(&nic->num_cqs);
+    for (int i = 0; i < n; i++)
+        if (nic->cq_reserved[i] + (int)max_send_wr <= nic->cq_depth) return i;
+    if (n == RL_MAX_CQS) return -ENOSPC;
+    errno = 0;
+    if ((nic->cqs[n] = e->ops->create_cq(nic->ctx, nic->cq_depth)) == NULL)
+        return errno ? -errno : -EIO;
+    nic->cq_reserved[n] = 0;
+    atomic_store(&nic->num_cqs, n + 1); /* NOTE: after the CQ: the poller may read it now */
+    return n;
+}
+
 /* A new RC QP on NIC `nic` with max_send_wr slots, in INIT on port_num: its handle, its
- * QP number in *qpn; -errno (-ENOSPC: the NIC's CQ has no room for its send queue). */
+ * QP number in *qpn; -errno (-ENOSPC: its send queue is larger than a CQ, or the NIC has
+ * RL_MAX_CQS full CQs). */
 int rl_qp_create(rl_engine *e, uint32_t nic_index, uint32_t max_send_wr, uint8_t port_num,
                  uint32_t *qpn) {
     pthread_mutex_lock(&e->lock);
@@ -721,8 +750,9 @@ int rl_qp_create(rl_engine *e, uint32_t nic_index, uint32_t max_send_wr, uint8_t
     if (nic_index >= e->num_nics || max_send_wr == 0) goto out;
     rl_nic *nic = &e->nics[nic_index];
     rc = -ENOSPC;
-    if (e->num_qps == RL_MAX_QPS || nic->cq_reserved + (int)max_send_wr > nic->cq_depth)
-        goto out;
+    if (e->num_qps == RL_MAX_QPS) goto out;
+    int cq = cq_with_room(e, nic, max_send_wr);
+    if ((rc = cq) < 0) goto out;
     rc = -ENOMEM;
     rl_qp *q = calloc(1, sizeof(*q));
     if (q == NULL) goto out;
@@ -731,8 +761,8 @@ int rl_qp_create(rl_engine *e, uint32_t nic_index, uint32_t max_send_wr, uint8_t
     q->sges = calloc(e->max_chain, sizeof(struct ibv_sge));
     if (q->ring == NULL || q->wrs == NULL || q->sges == NULL) goto fail;
     struct ibv_qp_init_attr init = {
-        .send_cq = nic->cq,
-        .recv_cq = nic->cq,
+        .send_cq = nic->cqs[cq],
+        .recv_cq = nic->cqs[cq],
         .cap = {.max_send_wr = max_send_wr, .max_recv_wr = 1, .max_send_sge = 1,
                 .max_recv_sge = 1},
         .qp_type = IBV_QPT_RC,
@@ -754,12 +784,13 @@ int rl_qp_create(rl_engine *e, uint32_t nic_index, uint32_t max_send_wr, uint8_t
     pthread_mutex_init(&q->lock, NULL);
     q->e = e;
     q->nic = nic_index;
+    q->cq = (uint32_t)cq;
     q->depth = max_send_wr;
     q->qpn = *qpn = q->qp->qp_num;
     q->users.next = q->users.prev = &q->users;
     atomic_store(&q->state, QP_NEW);
     q->index = e->num_qps++;
-    nic->cq_reserved += (int)max_send_wr;
+    nic->cq_reserved[cq] += (int)max_send_wr;
     atomic_store(&e->qps[q->index], q);
     rc = (int)q->index;
     goto out;
@@ -857,7 +888,7 @@ int rl_qp_destroy(rl_engine *e, uint32_t handle) {
         free(q->ring), free(q->wrs), free(q->sges);
         q->ring = NULL, q->wrs = NULL, q->sges = NULL;
         pthread_mutex_lock(&e->lock);
-        nic->cq_reserved -= (int)q->depth;
+        nic->cq_reserved[q->cq] -= (int)q->depth;
         pthread_mutex_unlock(&e->lock);
     }
     pthread_mutex_unlock(&q->lock);
@@ -1133,7 +1164,8 @@ void rl_engine_close(rl_engine *e) {
         for (uint32_t n = 0; n < e->num_nics; n++) e->ops->dereg_mr(r->mr[n]);
     }
     for (uint32_t n = 0; n < e->num_nics; n++) {
-        e->ops->destroy_cq(e->nics[n].cq);
+        for (int c = 0; c < atomic_load(&e->nics[n].num_cqs); c++)
+            e->ops->destroy_cq(e->nics[n].cqs[c]);
         e->ops->dealloc_pd(e->nics[n].pd);
         e->ops->close_device(e->nics[n].ctx);
     }

@@ -103,8 +103,9 @@ class LoopNic:
         except TransferError as e:
             raise TransferError(
                 f"RDMA {self.name}: {e}; each QP of the C loop reserves its send queue "
-                f"({depth}) in the NIC's CQ ({self.cq_depth}): raise transfer.rdma_cq_depth, "
-                "lower rdma_queue_depth or connections_per_peer"
+                f"({depth}) in one of the NIC's CQs of {self.cq_depth} entries (up to 64 "
+                "CQs): raise transfer.rdma_cq_depth, lower rdma_queue_depth or "
+                "connections_per_peer"
             ) from e
         return LoopQp(self.loop, handle, qpn)
 

@@ -99,12 +99,14 @@ def loop_pair(
     depth: int = 64,
     signal_every: int = 4,
     max_chain: int = 16,
+    cq_depth: int = 0,
 ) -> LoopPair:
+    """`cq_depth`: entries per CQ (0: room for every QP of a NIC in one CQ)."""
     fake = fake_library()
     a = RdmaLoop.create(fake.fake_provider(), signal_every, max_chain)
     b = RdmaLoop.create(fake.fake_provider(), signal_every, max_chain)
     assert a is not None and b is not None
-    cq_depth = depth * qps_per_path * num_nics
+    cq_depth = cq_depth or depth * qps_per_path * num_nics
     for i in range(num_nics):
         a.open_nic(f"fake{i}", cq_depth)
         b.open_nic(f"fake{i}", cq_depth)

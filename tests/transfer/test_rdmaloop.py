@@ -11,6 +11,7 @@ import time
 import numpy as np
 import pytest
 
+from mooncake.errors import TransferError
 from mooncake.native import rdmaloop
 from mooncake.native.rdmaloop import OP_READ, OP_WRITE, Paths, RdmaLoop, Requests
 from tests.transfer.rdmaloop_helpers import (
@@ -125,6 +126,37 @@ def test_a_qp_forced_into_error_mid_batch_loses_no_slice(pair: LoopPair):
     assert pair.a.transfer(retry, pair.paths(remote), 4 * KIB, timeout_s=10).is_ok
     assert np.array_equal(src, dst)
     assert pair.a.destroy_qp(bad)
+
+
+def test_qps_beyond_one_cqs_room_get_cqs_of_their_own():
+    """8 QPs of 16 slots on a NIC whose CQs hold 32 entries: the loop adds CQs (4 in all)
+    instead of refusing QPs; a batch over all of them moves every byte, and one QP failing
+    mid-batch flushes into its own CQ without overrunning it (the fake records overruns)."""
+    p = loop_pair(num_nics=1, qps_per_path=8, depth=16, cq_depth=32)
+    try:
+        size = 2 << 20
+        src, dst, local, remote = _buffers(p, size)
+        bad = p.qps[5][0]
+        assert p.fake.fake_fail_qp(p.qpns[bad], 7, IBV_WC_RETRY_EXC_ERR) == 0
+        req = Requests.of([OP_WRITE], [local.handle], [0], [0], [size])
+        p.fake.fake_hold(1)  # NOTE: every QP gets its first chain before any completes
+        try:
+            batch = p.a.submit(req, p.paths(remote), 4 * KIB)
+        finally:
+            p.fake.fake_hold(0)
+        result = batch.wait(timeout_s=10)
+        assert result is not None and result.status[0] == IBV_WC_RETRY_EXC_ERR
+        assert set(result.slice_qp.tolist()) == {bad} and p.a.qp_state(bad) == "failed"
+        n = len(result.slice_offset)
+        offs = result.slice_offset.tolist()
+        retry = Requests.of([OP_WRITE] * n, [local.handle] * n, offs, offs, result.slice_length)
+        assert p.a.transfer(retry, p.paths(remote), 4 * KIB, timeout_s=10).is_ok
+        assert np.array_equal(src, dst)
+        assert p.fake.fake_num_fatal() == 0, p.fake.fake_last_fatal()
+        with pytest.raises(TransferError, match="No space"):  # larger than a whole CQ
+            p.a.create_qp(0, 33)
+    finally:
+        p.close()
 
 
 def test_a_batch_whose_only_qp_fails_reports_every_unfinished_slice(pair: LoopPair):
