@@ -18,10 +18,12 @@ failure is logged at WARNING or above, as upstream logs it.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import enum
 import itertools
 import logging
 import os
+import socket
 import threading
 from collections import deque
 from collections.abc import Sequence
@@ -31,7 +33,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from mooncake.engine.metadata import BaseMetadata, connect_metadata, split_host_port
+from mooncake.engine.metadata import BaseMetadata, connect_metadata
 from mooncake.engine.pointers import memory_at
 from mooncake.engine.secret import engine_secret
 from mooncake.errors import MooncakeError, ProtocolError, TransferError
@@ -188,13 +190,18 @@ class TransferEngine:
         )
         self._directory = AddressDirectory(self._secret, options.handshake_timeout_s)
         bind = os.environ.get("MC_TCP_BIND_ADDRESS") or host
+        advertised = host
         try:
             inner = self._make_inner(options, bind, port)
         except OSError:
             if bind != host:
                 raise
-            inner = self._make_inner(options, "0.0.0.0", port)  # a name, not an address here
-        inner.endpoints = [EndpointDesc("", host, inner.server.port)]
+            # a name, not an address of this host (upstream's local_hostname may be any
+            # name with a metadata service): listen everywhere, tell peers our host name
+            inner = self._make_inner(options, "0.0.0.0", port)
+            advertised = socket.gethostname()
+            log.info("%r is no address here: listening on all, advertising %r", host, advertised)
+        inner.endpoints = [EndpointDesc("", advertised, inner.server.port)]
         inner.server.handlers[Op.DESCRIBE_ADDRESS] = self._local.handler(inner.describe)
         inner.server.handlers[Op.NOTIFY] = self._on_notify
         self._inner = inner
@@ -236,10 +243,8 @@ class TransferEngine:
         self._metadata.close()
 
     def __del__(self) -> None:
-        try:
+        with contextlib.suppress(Exception):  # interpreter shutdown: modules may be gone
             self.close()
-        except Exception:  # noqa: BLE001 - interpreter shutdown: modules may be gone
-            pass
 
     # -- memory -----------------------------------------------------------------------------
 
@@ -520,6 +525,9 @@ class TransferEngine:
                     raise _Refused(
                         -1, f"{len(bad)} of {len(reqs)} requests failed: {bad[0].reason}"
                     )
+                log.info(
+                    "%s: %s registered its buffers again; trying with the new ones", what, target
+                )
                 reqs = fresh
             if notify is not None:
                 self._notify(peer, notify)

@@ -34,7 +34,8 @@ class MetadataServer:
         self._lock = threading.Lock()
         self._http = ThreadingHTTPServer((host, port), _handler(self))
         self._http.daemon_threads = True
-        self.host, self.port = self._http.server_address[:2]
+        bound, self.port = self._http.server_address[:2]
+        self.host = bytes(bound).decode() if isinstance(bound, bytes | bytearray) else bound
         self._thread: threading.Thread | None = None
 
     @property
@@ -137,3 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     stop.wait()
     server.close()
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -122,5 +122,7 @@ def memory_at(address: int, num_bytes: int) -> tuple[Any, str]:
         raise ValueError(
             f"[{address:#x}, {address + num_bytes:#x}) is not writable memory of this process"
         )
-    array = np.frombuffer((ctypes.c_ubyte * num_bytes).from_address(address), dtype=np.uint8)
+    array = np.frombuffer(
+        memoryview((ctypes.c_ubyte * num_bytes).from_address(address)).cast("B"), dtype=np.uint8
+    )
     return array, "cpu:0"

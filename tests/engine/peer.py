@@ -10,6 +10,7 @@ again at the same address (a new token for the same address) filled with pattern
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 from dataclasses import dataclass
@@ -94,10 +95,8 @@ class Peer:
 
     def stop(self) -> None:
         if self.proc.is_alive():
-            try:
+            with contextlib.suppress(EOFError, OSError):
                 self.call("stop")
-            except (EOFError, OSError):
-                pass
         self.proc.join(5)
         if self.proc.is_alive():
             self.proc.kill()
