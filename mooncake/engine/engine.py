@@ -166,15 +166,20 @@ class TransferEngine:
             self._secret = engine_secret()
             self._metadata = connect_metadata(metadata_server, metadata_type)
             self._start(local_hostname, protocol, device_name)
-            self._metadata.publish(self._name, *self._advertised())
         except MooncakeError as e:
             log.error("TransferEngine.initialize failed: %s", e)
             self.close()
-            return ERR_METADATA if isinstance(e, TransferError) else ERR_INVALID_ARGUMENT
+            return ERR_INVALID_ARGUMENT
         except OSError as e:
             log.error("TransferEngine.initialize: cannot listen on %r: %s", local_hostname, e)
             self.close()
             return ERR_INVALID_ARGUMENT
+        try:
+            self._metadata.publish(self._name, *self._advertised())
+        except TransferError as e:
+            log.error("TransferEngine.initialize: cannot publish %r: %s", self._name, e)
+            self.close()
+            return ERR_METADATA
         return 0
 
     def _start(self, local_hostname: str, protocol: str, device_name: str) -> None:

@@ -96,3 +96,11 @@ def test_engines_find_each_other_by_name(server, secret_env):
         te.close()
         peer.stop()
     assert server.store == {}
+
+
+def test_unreachable_metadata_server_is_a_metadata_error(secret_env):
+    """initialize with an http:// metadata server nobody answers returns ERR_METADATA
+    (-200) and leaves nothing listening."""
+    te = TransferEngine()
+    assert te.initialize("127.0.0.1", "http://127.0.0.1:1/metadata", "tcp", "") == -200
+    assert te.get_rpc_port() == -1
