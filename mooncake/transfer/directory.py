@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
+from typing import TypeVar
 
 import msgspec
 
@@ -20,6 +22,7 @@ from mooncake.transfer.wire import Op, Status, status_text
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
 _decode_desc = msgspec.msgpack.Decoder(SegmentDesc).decode
 
 
@@ -67,24 +70,28 @@ class PeerDirectory(BaseDirectory):
     def ask(self, host: str, port: int, name: str) -> SegmentDesc | None:
         """The descriptor of `name` held by the node at host:port (None if it has none).
         Raises TransferError if the node cannot be reached or answers nonsense."""
+        return self.call(host, port, Op.DESCRIBE, name.encode(), _decode_desc, repr(name))
+
+    def call(
+        self, host: str, port: int, op: Op, payload: bytes, decode: Callable[[bytes], T], what: str
+    ) -> T | None:
+        """One control request `op` to the node at host:port, its reply decoded (None if the
+        node has no such segment). Raises TransferError if the node cannot be reached,
+        refuses, or answers nonsense; `what` names the object asked about in messages."""
         try:
-            status, body = control_call(
-                host, port, self._secret, Op.DESCRIBE, name.encode(), self._timeout_s
-            )
+            status, body = control_call(host, port, self._secret, op, payload, self._timeout_s)
         except (OSError, MooncakeError) as e:
             raise TransferError(f"cannot reach transfer peer {host}:{port}: {e}") from e
         if status == Status.NO_SEGMENT:
             return None
         if status != Status.OK:
             raise TransferError(
-                f"peer {host}:{port} refused to describe {name!r}: {status_text(status)}"
+                f"peer {host}:{port} refused {op.name} of {what}: {status_text(status)}"
             )
         try:
-            return _decode_desc(body)
+            return decode(body)
         except msgspec.DecodeError as e:
-            raise TransferError(
-                f"peer {host}:{port} sent a malformed segment descriptor: {e}"
-            ) from e
+            raise TransferError(f"peer {host}:{port} sent a malformed {op.name} reply: {e}") from e
 
     def lookup(self, name: str) -> SegmentDesc | None:
         seg, owner = split_name(name)

@@ -17,7 +17,8 @@ Then requests, each answered in order on the same connection:
 
     REQ   op u8 | flags u8 | pad u16 | req_id u32 | token u64 | offset u64 | length u64
           WRITE: followed by `length` payload bytes; READ: nothing;
-          DESCRIBE/RDMA_CONNECT/CALL: followed by a msgpack payload of `length` bytes
+          DESCRIBE/RDMA_CONNECT/CALL/DESCRIBE_ADDRESS/NOTIFY: followed by a msgpack
+          payload of `length` bytes
     RESP  status u8 | pad 3 | req_id u32 | length u64, then `length` bytes (READ data or a
           msgpack reply); an error status carries no data, and the server then closes the
           connection (a rejected WRITE's payload is never read into memory)
@@ -64,6 +65,8 @@ class Op(enum.IntEnum):
     DESCRIBE = 3  # payload: segment name (utf-8); reply: msgpack SegmentDesc
     RDMA_CONNECT = 4  # payload/reply: msgpack RdmaConnectMsg
     CALL = 5  # payload/reply: a control-plane frame (mooncake.rpc.wire), e.g. store.* calls
+    DESCRIBE_ADDRESS = 6  # payload: msgpack AddressQuery; reply: msgpack BufferDesc
+    NOTIFY = 7  # payload: msgpack [name, message]; reply: empty (upstream's TransferNotify)
 
 
 class Status(enum.IntEnum):

@@ -1,0 +1,1 @@
+"""Tests of mooncake.engine: upstream's Python Transfer Engine API."""
