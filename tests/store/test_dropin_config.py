@@ -30,7 +30,7 @@ def test_soft_pin_ttl_takes_only_none_or_uint64(bad: object) -> None:
     c.soft_pin_ttl_ms = 1000
     assert c.soft_pin_ttl_ms == 1000
     with pytest.raises(TypeError, match="soft_pin_ttl_ms"):
-        c.soft_pin_ttl_ms = bad  # type: ignore[assignment]
+        c.soft_pin_ttl_ms = bad
     c.soft_pin_ttl_ms = None
     assert c.soft_pin_ttl_ms is None
 
