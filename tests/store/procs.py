@@ -18,7 +18,8 @@ def main(argv: list[str]) -> None:
 
         lease_ttl_s = float(argv[2]) if len(argv) > 2 else 0.2
         more = {k: float(v) for k, _, v in (a.partition("=") for a in argv[3:])}  # watermarks
-        cfg = MetadataConfig(heartbeat_ttl_s=1.0, lease_ttl_s=lease_ttl_s, **more)  # type: ignore[arg-type]
+        fields = {"heartbeat_ttl_s": 1.0, "lease_ttl_s": lease_ttl_s, **more}
+        cfg = MetadataConfig(**fields)  # type: ignore[arg-type]
         with StoreService(argv[1], cfg) as service:
             print("READY", service.address, flush=True)
             sys.stdin.read()

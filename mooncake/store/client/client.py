@@ -26,6 +26,7 @@ written in place by several writers (start_puts / end_puts), then the helpers.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 import time
 import uuid
@@ -50,24 +51,44 @@ from mooncake.transfer.inline import Finish
 from mooncake.transfer.staging import BaseStaging, Event
 from mooncake.transfer.types import EngineOptions
 
-__all__ = ["NotFoundError", "Store", "ValueResult"]
+__all__ = ["NotFoundError", "StatusError", "Store", "ValueResult"]
 
 
 # (key, slot taken from the pool with its deadline, local segment, offset in it)
 SlotEntry = tuple[str, tuple[Slot, float], str, int]
 
 
+@dataclasses.dataclass
+class _Located:
+    """Where the keys of a batch read are (Store._find)."""
+
+    found: dict[str, tuple[list[ReplicaDesc], int] | ValueResult]  # key -> (replicas, bytes)
+    cold: set[str]  # keys the master was asked about (the others were within a lease)
+    sent_at: float  # s (monotonic) when it was asked
+    ttl: float  # s of the read lease it granted
+
+
 class NotFoundError(StoreError):
     """The key has no committed object in the pool."""
+
+
+class StatusError(StoreError):
+    """A key's outcome other than ok or a miss: `status` says which (exists, no_space,
+    busy, leased, error), for callers that answer with codes (store/upstream/codes.py)."""
+
+    def __init__(self, message: str, status: str):
+        super().__init__(message)
+        self.status = status
 
 
 class ValueResult(msgspec.Struct, frozen=True, kw_only=True):
     """One key of get_batch: status "ok" with `value`, or why not."""
 
     key: str
-    status: str  # "ok", "not_found" or "error"
+    status: str  # "ok", "not_found", "too_large" (for its buffer: get_batch_into) or "error"
     message: str = ""
-    value: bytes | None = None  # the object's bytes when ok
+    value: bytes | None = None  # the object's bytes when ok (get_batch)
+    size: int = 0  # bytes of the value when ok
 
     def unwrap(self) -> bytes:
         """The value; raises NotFoundError or StoreError when the key had none."""
@@ -267,7 +288,8 @@ class Store:
         if guess is not None and not guess[1](kept is not None):
             kept = None  # NOTE: a replica the master does not list: abandoned unread
         if max_size and r.size > max_size:
-            raise StoreError(f"{key!r} is {r.size} bytes; the buffer offers {max_size}")
+            why = f"{key!r} is {r.size} bytes; the buffer offers {max_size}"
+            raise StatusError(why, "error")
         if kept is not None and cache is not None and self._in_lease(r, sent_at):
             cache.put(key, kept, r.size, sent_at, r.lease_ttl_s)
             cache.num_overlapped += 1
@@ -285,16 +307,22 @@ class Store:
             self._raise(r)
         return r.status == "ok"
 
-    def remove(self, key: str) -> None:
-        """Remove `key`, waiting up to timeout_s for readers' leases to end; NotFoundError
-        if absent, StoreError if still leased (or busy) by then; a pin does not block it."""
+    def remove(self, key: str, *, force: bool = False, wait: bool = True) -> None:
+        """Remove `key`, waiting up to timeout_s for readers' leases to end (`wait` False:
+        ask once); NotFoundError if absent, StatusError if still leased (or busy) by then; a
+        pin does not block it. `force`: remove it even while leased."""
         self._forget_locations([key])
         deadline = time.monotonic() + self.timeout_s
         while True:
-            r = self._call(m.RemoveMsg(self._key(key)), m.KeyReplyMsg).result
-            if r.status != "leased" or time.monotonic() > deadline:
+            r = self._call(m.RemoveMsg(self._key(key), force), m.KeyReplyMsg).result
+            if r.status != "leased" or not wait or time.monotonic() > deadline:
                 return self._raise(r)
             time.sleep(0.02)
+
+    def remove_all(self, force: bool = False) -> int:
+        """Remove every committed object not leased (`force`: leased ones too); returns
+        how many went. Objects being written or moved stay."""
+        return self._call(m.RemoveAllMsg(force), m.RemoveAllReplyMsg).num_removed
 
     # -- batches: one result per key, in order -----------------------------------------------
 
@@ -304,42 +332,60 @@ class Store:
         """Put every key; returns one KeyResult per key (status ok or why not)."""
         if len(keys) != len(values):
             raise StoreError(f"put_batch: {len(keys)} keys but {len(values)} values")
+        sizes = [len(v) for v in values]
+        with self._lock:  # NOTE: the staging buffer holds the values until they are written
+            self._stage(sum(sizes))
+            sources, off = [], 0
+            for v in values:
+                self._staging[off : off + len(v)] = np.frombuffer(v, dtype=np.uint8)
+                sources.append((self._staging_name, off))
+                off += len(v)
+            return self.put_batch_from(keys, sources, sizes, **opts)
+
+    def put_batch_from(
+        self,
+        keys: Sequence[str],
+        sources: Sequence[tuple[str, int]],
+        sizes: Sequence[int],
+        **opts: Any,
+    ) -> list[KeyResult]:
+        """Zero-copy put_batch: keys[i]'s value is sizes[i] bytes at sources[i] = (registered
+        segment, offset in it); one KeyResult per key (status ok or why not)."""
+        if not len(keys) == len(sources) == len(sizes):
+            raise StoreError(
+                f"put_batch_from: {len(keys)} keys, {len(sources)} sources, {len(sizes)} sizes"
+            )
         keys = [self._key(k) for k in keys]
+        if not keys:
+            return []
         self._forget_locations(keys)
-        sizes = tuple(len(v) for v in values)
+        sizes = tuple(sizes)
         for k, size in zip(keys, sizes, strict=True):
             self._check_size(k, size)
         shape = None  # every value the same size: write slots apply
-        if self.slots is not None and keys and len(set(sizes)) == 1:
+        if self.slots is not None and len(set(sizes)) == 1:
             shape = PutShape.of(sizes[0], opts)
             taken = self.slots.take_many(shape, len(keys), time.monotonic())
             if taken:
-                with self._lock:
-                    self._stage(shape.size * len(keys))
-                    entries: list[SlotEntry] = []
-                    for i, (key, value, t) in enumerate(zip(keys, values, taken, strict=True)):
-                        off = i * shape.size
-                        self._staging[off : off + shape.size] = np.frombuffer(value, np.uint8)
-                        entries.append((key, t, self._staging_name, off))
-                    return self._put_into_slots(shape, entries, opts)
-        with self._lock:
-            self._stage(sum(sizes))
-            reserve = self.slots.want(sizes[0], len(keys)) if self.slots and shape else 0
-            msg = m.BatchPutStartMsg(tuple(keys), sizes, self.node_id, **opts, reserve=reserve)
-            sent_at = time.monotonic()
-            reply = self._call(msg, m.BatchPutStartReplyMsg)
-            if self.slots is not None and shape is not None and reply.slots:
-                self.slots.add(shape, reply.slots, sent_at)
-            starts = self._wait_for_room(reply.results, sizes, opts)
-            unmoved = self.relocator.copy(starts)
-            plan: WritePlan = []
-            off = 0
-            for r, v in zip(starts, values, strict=True):
-                if r.status == "ok" and r.key not in unmoved:
-                    self._staging[off : off + len(v)] = np.frombuffer(v, dtype=np.uint8)
-                    plan.append((r.key, r.replicas, self._staging_name, off))
-                off += len(v)
-            failed = {**unmoved, **self.data.write(plan)}
+                entries: list[SlotEntry] = [
+                    (key, t, seg, off)
+                    for key, t, (seg, off) in zip(keys, taken, sources, strict=True)
+                ]
+                return self._put_into_slots(shape, entries, opts)
+        reserve = self.slots.want(sizes[0], len(keys)) if self.slots and shape else 0
+        msg = m.BatchPutStartMsg(tuple(keys), sizes, self.node_id, **opts, reserve=reserve)
+        sent_at = time.monotonic()
+        reply = self._call(msg, m.BatchPutStartReplyMsg)
+        if self.slots is not None and shape is not None and reply.slots:
+            self.slots.add(shape, reply.slots, sent_at)
+        starts = self._wait_for_room(reply.results, sizes, opts)
+        unmoved = self.relocator.copy(starts)
+        plan: WritePlan = [
+            (r.key, r.replicas, seg, off)
+            for r, (seg, off) in zip(starts, sources, strict=True)
+            if r.status == "ok" and r.key not in unmoved
+        ]
+        failed = {**unmoved, **self.data.write(plan)}
         if failed:
             self._revoke(list(failed))
         ok = tuple(r.key for r in starts if r.status == "ok" and r.key not in failed)
@@ -401,45 +447,87 @@ class Store:
         """Get every key; one ValueResult per key, in order. One lookup for the keys not
         read within their lease, then every value in one overlapping batch of reads."""
         wanted = list(dict.fromkeys(self._key(k) for k in keys))
-        found: dict[str, tuple[list[ReplicaDesc], int]] = {}  # key -> (replicas, size)
+        located = self._find(wanted)
+        sizes = {k: w[1] for k, w in located.found.items() if not isinstance(w, ValueResult)}
+        out: dict[str, ValueResult] = {}
+        with self._lock:
+            self._stage(sum(sizes.values()))
+            dests, offsets, off = [], {}, 0
+            for key in wanted:
+                offsets[key] = off
+                dests.append((self._staging_name, off, 0))
+                off += sizes.get(key, 0)
+            for key, r in zip(wanted, self._read_found(wanted, dests, located), strict=True):
+                if r.status == "ok":
+                    at = offsets[key]
+                    r = msgspec.structs.replace(r, value=self._staging[at : at + r.size].tobytes())
+                out[key] = r
+        return [out[k] for k in map(self._key, keys)]
+
+    def get_batch_into(
+        self, keys: Sequence[str], dests: Sequence[tuple[str, int, int]]
+    ) -> list[ValueResult]:
+        """Zero-copy get_batch: keys[i]'s value into dests[i] = (registered segment, offset,
+        bytes there: a larger value is refused; 0 = no limit). One ValueResult per key, in
+        order: status ok with `size` (no `value`: the bytes are in place), or why not."""
+        if len(keys) != len(dests):
+            raise StoreError(f"get_batch_into: {len(keys)} keys but {len(dests)} buffers")
+        keys = [self._key(k) for k in keys]
+        return self._read_found(keys, dests, self._find(list(dict.fromkeys(keys))))
+
+    def _find(self, keys: Sequence[str]) -> _Located:
+        """Where each of `keys` (distinct) is: from the reads still in lease, then one
+        lookup for the rest."""
+        found: dict[str, tuple[list[ReplicaDesc], int] | ValueResult] = {}
         now, cache = time.monotonic(), self.locations
-        for key in wanted:
+        for key in keys:
             if cache is not None and (hit := cache.get(key, now)):
                 found[key] = [hit[0]], hit[1]
-        out: dict[str, ValueResult] = {}
-        cold = tuple(k for k in wanted if k not in found)
+        cold = tuple(k for k in keys if k not in found)
         sent_at, ttl = time.monotonic(), 0.0
         for r in self.locate_batch(cold):
             if r.replicas:
                 found[r.key], ttl = (list(r.replicas), r.size), r.lease_ttl_s
             else:
-                out[r.key] = _miss(r)
-        with self._lock:
-            self._stage(sum(size for _, size in found.values()))
-            plan: ReadPlan = []
-            off = 0
-            for key, (replicas, size) in found.items():
-                plan.append((key, replicas, self._staging_name, off, size))
-                off += size
-            failed, moved = self.data.read_many(plan)
-            for key, tried, _, off, size in plan:
-                if key in failed and key not in cold:  # a stale location: ask the master
-                    self._forget_locations([key])
-                    try:  # NOTE: a value grown since does not fit its place: an error
-                        size = self._get(key, self._staging_name, off, size)
-                        del failed[key]
-                    except StoreError as e:
-                        out[key] = ValueResult(key=key, status=_status(e), message=str(e))
-                        continue
-                if key in failed:
-                    out[key] = ValueResult(key=key, status="error", message=failed[key])
+                found[r.key] = _miss(r)
+        return _Located(found, set(cold), sent_at, ttl)
+
+    def _read_found(
+        self, keys: Sequence[str], dests: Sequence[tuple[str, int, int]], located: _Located
+    ) -> list[ValueResult]:
+        """Read keys[i] (located by `_find`) into dests[i] = (segment, offset, limit) in one
+        batch; a value read from a stale location is asked of the master again."""
+        found, cold, sent_at, ttl = located.found, located.cold, located.sent_at, located.ttl
+        out: list[ValueResult | None] = [None] * len(keys)
+        plan: ReadPlan = []
+        where: list[int] = []  # the index in keys of each plan entry
+        for i, (key, (seg, off, limit)) in enumerate(zip(keys, dests, strict=True)):
+            if isinstance(where_ := found[key], ValueResult):
+                out[i] = where_
+            elif limit and where_[1] > limit:
+                why = f"{key!r} is {where_[1]} bytes; the buffer offers {limit}"
+                out[i] = ValueResult(key=key, status="too_large", message=why)
+            else:
+                plan.append((key, where_[0], seg, off, where_[1]))
+                where.append(i)
+        failed, moved = self.data.read_many(plan)
+        cache = self.locations
+        for i, (key, tried, seg, off, size) in zip(where, plan, strict=True):
+            if key in failed and key not in cold:  # a stale location: ask the master
+                self._forget_locations([key])
+                try:  # NOTE: a value grown since does not fit its place: an error
+                    size = self._get(key, seg, off, dests[i][2] or size)
+                except StoreError as e:
+                    out[i] = ValueResult(key=key, status=_status(e), message=str(e))
                     continue
-                out[key] = ValueResult(
-                    key=key, status="ok", value=self._staging[off : off + size].tobytes()
-                )
-                if cache is not None and (key in cold or key in moved):
-                    cache.put(key, moved.get(key, tried[0]), size, sent_at, ttl)
-        return [out[k] for k in map(self._key, keys)]
+            elif key in failed:
+                out[i] = ValueResult(key=key, status="error", message=failed[key])
+                continue
+            out[i] = ValueResult(key=key, status="ok", size=size)
+            if cache is not None and (key in cold or key in moved):
+                cache.put(key, moved.get(key, tried[0]), size, sent_at, ttl)
+        assert all(r is not None for r in out), out
+        return out  # type: ignore[return-value]
 
     def locate_batch(self, keys: Sequence[str]) -> list[GetResult]:
         """Where each key's committed value is: one GetResult per key, in order, its
@@ -463,17 +551,22 @@ class Store:
             out += [r.status == "ok" for r in self._call(msg, m.BatchKeyReplyMsg).results]
         return out
 
-    def remove_batch(self, keys: Sequence[str]) -> list[KeyResult]:
-        """Remove every key, waiting up to timeout_s for leases; one KeyResult per key."""
+    def remove_batch(
+        self, keys: Sequence[str], *, force: bool = False, wait: bool = True
+    ) -> list[KeyResult]:
+        """Remove every key, waiting up to timeout_s for leases (`wait` False: ask once;
+        `force`: remove leased ones too); one KeyResult per key."""
         out = {k: KeyResult(key=k, status="leased") for k in map(self._key, keys)}
         self._forget_locations(out)
         deadline = time.monotonic() + self.timeout_s
         while pending := tuple(k for k, r in out.items() if r.status == "leased"):
             for start in range(0, len(pending), m.MAX_BATCH):  # the master's limit per call
-                msg = m.BatchRemoveMsg(pending[start : start + m.MAX_BATCH])
+                msg = m.BatchRemoveMsg(pending[start : start + m.MAX_BATCH], force)
                 for r in self._call(msg, m.BatchKeyReplyMsg).results:
                     out[r.key] = r
-            if time.monotonic() > deadline or all(r.status != "leased" for r in out.values()):
+            if not wait or time.monotonic() > deadline:
+                break
+            if all(r.status != "leased" for r in out.values()):
                 break
             time.sleep(0.02)
         return [out[k] for k in keys]
@@ -576,7 +669,7 @@ class Store:
         if r.status == "not_found":
             raise NotFoundError(f"{r.key!r} is not in the store")
         if r.status != "ok":
-            raise StoreError(r.message or f"get of {r.key!r}: {r.status}")
+            raise StatusError(r.message or f"get of {r.key!r}: {r.status}", r.status)
         return r
 
     def _call(self, msg: Msg, reply_type: type[Any]) -> Any:
@@ -611,15 +704,16 @@ class Store:
     @staticmethod
     def _key(key: str) -> str:
         if why := key_error(key):
-            raise StoreError(why)
+            raise StatusError(why, "error")
         return key
 
     @staticmethod
     def _check_size(key: str, size: int) -> None:
         if not 0 < size <= m.MAX_VALUE_BYTES:
-            raise StoreError(
+            why = (
                 f"value of {key!r} is {size} bytes; it must be 1 byte to {m.MAX_VALUE_BYTES} bytes"
             )
+            raise StatusError(why, "error")
 
     @staticmethod
     def _raise(r: PutStartResult | KeyResult) -> None:
@@ -627,7 +721,7 @@ class Store:
             return
         if r.status == "not_found":
             raise NotFoundError(r.message or f"{r.key!r} is not in the store")
-        raise StoreError(r.message or f"{r.key!r}: {r.status}")
+        raise StatusError(r.message or f"{r.key!r}: {r.status}", r.status)
 
 
 def _miss(r: GetResult) -> ValueResult:

@@ -180,16 +180,20 @@ class MetadataService:
         err = key_error(key)
         return KeyResult(key=key, status="error" if err else "not_found", message=err)
 
-    def remove(self, key: str, now: float) -> KeyResult:
+    def remove(self, key: str, now: float, force: bool = False) -> KeyResult:
         """Delete a committed object and free its space; refused (leased, busy) while a
-        reader holds a lease, a put is in flight or a tier move is running. A pin does
-        not block remove (it only shields from eviction)."""
+        reader holds a lease (unless `force`), a put is in flight or a tier move is
+        running. A pin does not block remove (it only shields from eviction).
+
+        NOTE: `force` (upstream's `remove(key, force=True)`) drops a leased object at once;
+        its range is still freed only when the lease ends, so a reader copying it meanwhile
+        reads the old bytes."""
         obj = self.objects.get(key)
         if obj is None:
             err = key_error(key)
             return KeyResult(key=key, status="error" if err else "not_found", message=err)
         refusal = removal_refusal(obj, now)
-        if refusal:
+        if refusal and not (force and refusal.status == "leased"):
             return refusal
         self.pool.drop(obj, now, emit="removed")
         self.counters.removes += 1
@@ -214,8 +218,14 @@ class MetadataService:
     def batch_exists(self, keys: Sequence[str], now: float) -> list[KeyResult]:
         return [self.exists(k, now) for k in keys]
 
-    def batch_remove(self, keys: Sequence[str], now: float) -> list[KeyResult]:
-        return [self.remove(k, now) for k in keys]
+    def batch_remove(self, keys: Sequence[str], now: float, force: bool = False) -> list[KeyResult]:
+        return [self.remove(k, now, force) for k in keys]
+
+    def remove_all(self, now: float, force: bool = False) -> int:
+        """Remove every committed object that `remove` would (leased ones too when
+        `force`); returns how many went."""
+        keys = [k for k, obj in self.objects.items() if obj.is_committed]
+        return sum(self.remove(k, now, force).status == "ok" for k in keys)
 
     # -- moves, restore, integrity -------------------------------------------------------
 

@@ -94,11 +94,16 @@ class StoreNode:
         engine_options: EngineOptions | None = None,
         prefault: bool = False,  # fault in (commit) the DRAM tier's pages in the background
         nic_preference: Mapping[str, Any] | None = None,  # Topology.nic_preference
+        engine: TransferEngine | None = None,  # serve the tiers on this one (not closed)
     ):
+        """`engine`: a client's own engine, when the client contributes its memory to the
+        pool (store/upstream/store.py): its reads and writes of that memory are then local
+        copies. The node registers its tiers there and leaves the engine open at stop."""
         key = secret.encode() if isinstance(secret, str) else secret
         self.node_id = node_id
         self.heartbeat_s = heartbeat_s
-        self.engine = TransferEngine(
+        self._owns_engine = engine is None
+        self.engine = engine or TransferEngine(
             node_id, key, engine_options, host=host, nic_preference=nic_preference
         )
         ep = self.engine.endpoints[0]
@@ -244,7 +249,8 @@ class StoreNode:
             t.close()
         if self.ssd_engine is not None:
             self.ssd_engine.close()
-        self.engine.close()
+        if self._owns_engine:
+            self.engine.close()
         self.master.close()
 
     # -- heartbeats and instructions ---------------------------------------------------------

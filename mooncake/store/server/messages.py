@@ -217,10 +217,22 @@ class BatchExistsMsg(Msg, frozen=True, tag="store.batch_exists"):
 
 class RemoveMsg(Msg, frozen=True, tag="store.remove"):
     key: Key
+    force: bool = False  # remove it even while a reader's lease lasts
 
 
 class BatchRemoveMsg(Msg, frozen=True, tag="store.batch_remove"):
     keys: Keys
+    force: bool = False
+
+
+class RemoveAllMsg(Msg, frozen=True, tag="store.remove_all"):
+    """Remove every committed object (upstream's `remove_all`)."""
+
+    force: bool = False  # leased objects too
+
+
+class RemoveAllReplyMsg(Msg, frozen=True, tag="store.remove_all_reply"):
+    num_removed: int  # objects removed
 
 
 class PinMsg(Msg, frozen=True, tag="store.pin"):
@@ -310,8 +322,9 @@ _HANDLERS: dict[type, Callable[[MetadataService, Any, float], Msg]] = {
     ),
     ExistsMsg: lambda s, m, now: KeyReplyMsg(s.exists(m.key, now)),
     BatchExistsMsg: lambda s, m, now: BatchKeyReplyMsg(tuple(s.batch_exists(m.keys, now))),
-    RemoveMsg: lambda s, m, now: KeyReplyMsg(s.remove(m.key, now)),
-    BatchRemoveMsg: lambda s, m, now: BatchKeyReplyMsg(tuple(s.batch_remove(m.keys, now))),
+    RemoveMsg: lambda s, m, now: KeyReplyMsg(s.remove(m.key, now, m.force)),
+    BatchRemoveMsg: lambda s, m, now: BatchKeyReplyMsg(tuple(s.batch_remove(m.keys, now, m.force))),
+    RemoveAllMsg: lambda s, m, now: RemoveAllReplyMsg(s.remove_all(now, m.force)),
     PinMsg: lambda s, m, now: KeyReplyMsg(s.pin(m.key, m.ttl_s, now)),
 }
 REQUEST_TYPES: Final = tuple(_HANDLERS)  # every request type the master serves

@@ -1,0 +1,59 @@
+"""Upstream Mooncake's Python Store API (`mooncake.store.MooncakeDistributedStore` of the
+`mooncake-transfer-engine` wheel, kvcache-ai/Mooncake) over our Store, for vLLM's,
+SGLang's and LMCache's Mooncake backends.
+
+- `store`       `MooncakeDistributedStore`: setup, the methods, their return codes
+- `setup`       setup's arguments (sizes like "16MB", the master address) and the secret
+- `replicate`   `ReplicateConfig`, `SoftPinAction`, `ObjectDataType` -> our put options
+- `codes`       upstream's `ErrorCode` values and our outcomes' mapping onto them
+- `buffers`     raw addresses -> our segments (`AddressBook`), `BufferHandle`
+- `ranged`      values gathered from / scattered to several buffers, byte ranges
+- `descriptors` `get_replica_desc`'s `ReplicaDescriptor` and friends
+
+Conformance (upstream method -> here):
+
+    setup (positional and dict)      supported; metadata_server accepted, unused; engine=,
+                                     SSD offload, tenants, client HTTP: -600
+    setup_dummy                      left out: no shared-memory dummy clients
+    put/get/put_batch/get_batch      supported; a put of an existing key: 0; a miss: b""
+    put_parts, upsert*, put_from, get_into, batch_put_from, batch_get_into,
+    *_multi_buffers, get_into_ranges supported (host memory registered with
+                                     register_buffer; a device pointer cannot be wrapped)
+    get_buffer/batch_get_buffer      supported: BufferHandle is a bytearray with ptr()/size()
+    is_exist/batch_is_exist          1 / 0 / -1
+    get_size, get_replica_desc, batch_get_replica_desc
+                                     supported (a lookup that leases the object, as upstream's)
+    remove/batch_remove/remove_all   supported, with force; a leased key: -706 at once
+    get_hostname, health_check, close, register_buffer/unregister_buffer
+                                     supported; the port is the first free one of 12300-14300
+    remove_by_regex                  left out: no regular expressions run on the master
+    put_from_with_metadata, tensor APIs (put_tensor...), copy/move tasks, sessions
+    (batch_*_session_*), mount_segment & co, alloc_from_mem_pool, init_all
+                                     left out (consumers probe with hasattr)
+"""
+
+from mooncake.store.upstream.buffers import BufferHandle
+from mooncake.store.upstream.codes import ErrorCode
+from mooncake.store.upstream.descriptors import (
+    Descriptor,
+    DiskDescriptor,
+    MemoryDescriptor,
+    ReplicaDescriptor,
+    ReplicaStatus,
+)
+from mooncake.store.upstream.replicate import ObjectDataType, ReplicateConfig, SoftPinAction
+from mooncake.store.upstream.store import MooncakeDistributedStore
+
+__all__ = [
+    "BufferHandle",
+    "Descriptor",
+    "DiskDescriptor",
+    "ErrorCode",
+    "MemoryDescriptor",
+    "MooncakeDistributedStore",
+    "ObjectDataType",
+    "ReplicaDescriptor",
+    "ReplicaStatus",
+    "ReplicateConfig",
+    "SoftPinAction",
+]
