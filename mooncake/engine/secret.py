@@ -1,6 +1,8 @@
-"""The cluster secret of an engine started through upstream's API, which has no argument
-for one: every data-plane connection is authenticated with it, so it must come from the
-environment or the config file.
+"""The cluster secret of an engine or a Store client started through upstream's API,
+which has no argument for one: every connection (data plane, master) is authenticated
+with it, so it must come from the environment or the config file. One rule for both
+(`mooncake.store.upstream.setup.cluster_secret` calls this), so that an engine, a Store
+client and `mooncake_master` started side by side agree.
 
 In order: `MOONCAKE_CLUSTER_SECRET`, `MOONCAKE_CLUSTER_SECRET_FILE`, or `cluster.secret` /
 `cluster.secret_file` of the config file named by `MOONCAKE_CONFIG` (the usual config
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import os
 import secrets
+from collections.abc import Mapping
 from pathlib import Path
 
 from mooncake.config.load import load_config
@@ -53,17 +56,20 @@ def _local_secret() -> bytes:
     return text.encode()
 
 
-def engine_secret() -> bytes:
-    """The cluster secret for this process's engines; raises ConfigError saying how to
-    give one when there is none (reads the environment, maybe files; changes nothing,
-    except that the local opt-in creates its file once)."""
-    cluster = load_config(os.environ.get(CONFIG_ENV) or None).config.cluster
+def engine_secret(env: Mapping[str, str] | None = None) -> bytes:
+    """The cluster secret for this process's engines and Store clients (`env`: default
+    os.environ); raises ConfigError saying how to give one when there is none (reads the
+    environment, maybe files; changes nothing, except that the local opt-in creates its
+    file once)."""
+    env = os.environ if env is None else env
+    cluster = load_config(env.get(CONFIG_ENV) or None, env).config.cluster
     if cluster.secret or cluster.secret_file:
         return cluster.require_secret().encode()
-    if os.environ.get(LOCAL_SECRET_ENV, "").lower() in _TRUE:
+    if env.get(LOCAL_SECRET_ENV, "").lower() in _TRUE:
         return _local_secret()
     raise ConfigError(
-        "no cluster secret for the Transfer Engine's authenticated data plane: set "
+        "no cluster secret for upstream's API (every connection, to the master and "
+        "between engines, is authenticated): set "
         "MOONCAKE_CLUSTER_SECRET (>= 16 characters, the same on every node; e.g. "
         "`openssl rand -hex 32`), MOONCAKE_CLUSTER_SECRET_FILE, or cluster.secret in the "
         f"file named by {CONFIG_ENV}; or, for processes of one user on one host only, "

@@ -28,15 +28,10 @@ unauthenticated.
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
-
-from mooncake.config.load import load_config
-from mooncake.config.settings import CONFIG_ENV
-from mooncake.errors import ConfigError
 
 DEFAULT_SEGMENT_BYTES: Final = 16 << 20  # upstream's DEFAULT_GLOBAL_SEGMENT_SIZE
 DEFAULT_BUFFER_BYTES: Final = 16 << 20  # upstream's DEFAULT_LOCAL_BUFFER_SIZE
@@ -134,15 +129,10 @@ def read_dict(config: Mapping[str, Any]) -> SetupArgs:
 
 
 def cluster_secret(env: Mapping[str, str] | None = None) -> str:
-    """The cluster secret: MOONCAKE_CLUSTER_SECRET, MOONCAKE_CLUSTER_SECRET_FILE, or the
-    config file $MOONCAKE_CONFIG names. Raises ConfigError saying how to set one."""
-    env = os.environ if env is None else env
-    try:
-        return load_config(env.get(CONFIG_ENV) or None, env).config.cluster.require_secret()
-    except ConfigError as e:
-        raise ConfigError(
-            "no cluster secret: this drop-in authenticates every connection to the master "
-            "and between clients; set MOONCAKE_CLUSTER_SECRET (>= 16 characters, the same "
-            "for the master and every client), or MOONCAKE_CLUSTER_SECRET_FILE, or "
-            f"cluster.secret in the file ${CONFIG_ENV} names ({e})"
-        ) from e
+    """The cluster secret, by the rule every upstream-API entry point shares
+    (mooncake/engine/secret.py: MOONCAKE_CLUSTER_SECRET, MOONCAKE_CLUSTER_SECRET_FILE, the
+    config file $MOONCAKE_CONFIG names, or the per-user opt-in). Raises ConfigError saying
+    how to set one."""
+    from mooncake.engine.secret import engine_secret
+
+    return engine_secret(env).decode()
