@@ -24,6 +24,7 @@ RuntimeError, as upstream's bindings raise.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import weakref
@@ -64,7 +65,7 @@ class BufferLease:
             raise RuntimeError("buffer lease is closed")
         view = self._memory[: self._size].view()  # NOTE: its own object, to watch its life
         self._views.append(weakref.ref(view))
-        return memoryview(view)
+        return memoryview(view)  # type: ignore[arg-type]
 
     def release(self) -> None:
         """Give the buffer back to the pool; raises while exported views exist."""
@@ -84,10 +85,8 @@ class BufferLease:
         self.release()
 
     def __del__(self) -> None:
-        try:
+        with contextlib.suppress(Exception):  # NOTE: a finalizer must not raise
             self._release()
-        except Exception:  # NOTE: a finalizer must not raise (a closed store, say)
-            pass
 
 
 class BufferPool:

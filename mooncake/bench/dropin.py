@@ -208,4 +208,3 @@ def ours_available() -> str:
         except ImportError as e:
             return f"{module}: {e}"
     return ""
-

@@ -122,7 +122,10 @@ class Client:
 
         get_lat = _timed_loop(self.duration_s, get)
         self.remove(live)
-        return [phase_figures(cell, "put", size, put_lat), phase_figures(cell, "get", size, get_lat)]
+        return [
+            phase_figures(cell, "put", size, put_lat),
+            phase_figures(cell, "get", size, get_lat),
+        ]
 
     def batch(self) -> list[dict[str, Any]]:
         """batch_put_from and batch_get_into of BATCH_KEYS x BATCH_VALUE_BYTES, zero copy."""

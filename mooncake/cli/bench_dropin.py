@@ -55,7 +55,7 @@ def bench_dropin(
     from mooncake.config.sizes import parse_size
 
     wanted = [s.strip() for s in sides.split(",") if s.strip()]
-    if not wanted or (bad := [s for s in wanted if s not in SIDES]):
+    if not wanted or any(s not in SIDES for s in wanted):
         raise ConfigError(f"--sides: expected ours, upstream or both, got {sides!r}")
     if "upstream" in wanted and not upstream:
         raise ConfigError(
@@ -86,7 +86,14 @@ def _table(rows: list[DropinRow], title: str) -> Table:
     from rich.table import Table
 
     table = Table(title=title)
-    for col in ("cell", "op", "ours GB/s", "upstream GB/s", "ours/upstream", "p50 us ours/upstream"):
+    for col in (
+        "cell",
+        "op",
+        "ours GB/s",
+        "upstream GB/s",
+        "ours/upstream",
+        "p50 us ours/upstream",
+    ):
         table.add_column(col, justify="left" if col in ("cell", "op") else "right")
 
     def num(x: float | None, fmt: str) -> str:

@@ -30,7 +30,9 @@ from mooncake.errors import ConfigError, StoreError
 
 
 def test_driver_arguments_are_checked() -> None:
-    a = dropin_driver.parse_args(["client", "--master", "h:1", "--target", "h:2", "--target-addr", "9"])
+    a = dropin_driver.parse_args(
+        ["client", "--master", "h:1", "--target", "h:2", "--target-addr", "9"]
+    )
     assert (a.mode, a.master, a.metadata, a.target_addr, a.duration) == (
         "client",
         "h:1",
@@ -62,7 +64,14 @@ def test_phase_figures_are_bytes_over_summed_call_time() -> None:
 
 
 def test_replies_are_parsed_strictly() -> None:
-    line = {"cell": "c", "op": "get", "bytes_per_call": 4096, "calls": 3, "gbps": 1.5, "p50_us": 9.0}
+    line = {
+        "cell": "c",
+        "op": "get",
+        "bytes_per_call": 4096,
+        "calls": 3,
+        "gbps": 1.5,
+        "p50_us": 9.0,
+    }
     assert parse_phase(json.dumps(line).encode()) == Phase("c", "get", 4096, 3, 1.5, 9.0)
     with pytest.raises(StoreError, match="put returned -600"):
         parse_phase(b'{"error": "put returned -600"}')

@@ -12,7 +12,7 @@ import pytest
 
 from mooncake.integrations.upstreamtests import main
 
-TEST_FILE = '''
+TEST_FILE = """
 import os, socket, unittest
 
 class TestAgainstMaster(unittest.TestCase):
@@ -30,7 +30,7 @@ class TestAgainstMaster(unittest.TestCase):
     @unittest.skip("not here")
     def test_skipped(self):
         pass
-'''
+"""
 
 
 def _free_port() -> int:
@@ -49,9 +49,7 @@ def test_outcomes_per_test_against_our_master(
     (tests / "conftest.py").write_text("raise RuntimeError('upstream conftest must not load')\n")
     files = ["test_x.py", "test_absent.py", "broken.py"]
     (tests / "broken.py").write_text("import no_such_module_here\n")
-    rc = main(
-        [str(tmp_path), "--files", *files, "--master-port", str(_free_port()), "--json"]
-    )
+    rc = main([str(tmp_path), "--files", *files, "--master-port", str(_free_port()), "--json"])
     report = json.loads(capsys.readouterr().out)
     got = {(t["file"], t["test"]): (t["outcome"], t["message"]) for t in report["tests"]}
     assert got[("test_x.py", "TestAgainstMaster.test_master_answers")] == ("passed", "")

@@ -7,25 +7,27 @@ follow kvcache-ai/Mooncake `mooncake-store/src/master_admin_service.cpp` and
 
 | path | answer |
 |---|---|
-| `GET /metrics` | Prometheus text (the master's registry) |
-| `GET /metrics/summary` | a few lines: segments, objects, bytes used of capacity |
-| `GET /health` | `{"status": "ok", "role": "leader", "ha_state": ..., "service_ready": true}` |
-| `GET /get_all_segments` | one mounted segment name per line |
-| `GET /query_segment?segment=S` | `S`, `Used(bytes): N`, `Capacity(bytes) : N` (upstream's spacing) |
-| `GET /get_segments_detail` | JSON: `total_segments`, `segments` (name, endpoint, sizes, status) |
-| `GET /get_all_keys` | one committed key per line |
-| `GET /query_key?key=K` | JSON `{"success": true, "data": [replica...]}`, 404 with -704 when missing |
-| `GET /batch_query_keys?keys=a,b` | JSON `{"success": true, "data": {key: {"ok": ..., "values": [...]}}}` |
+| `/metrics` | Prometheus text (the master's registry) |
+| `/metrics/summary` | a few lines: segments, keys, bytes used of capacity |
+| `/health` | JSON: status, role (leader/standby), ha_state, service_ready |
+| `/get_all_segments` | one mounted segment name per line |
+| `/query_segment?segment=S` | `S`, `Used(bytes): N`, `Capacity(bytes) : N` (upstream's) |
+| `/get_segments_detail` | JSON: total_segments, segments (name, endpoint, sizes, status) |
+| `/get_all_keys` | one committed key per line |
+| `/query_key?key=K` | JSON: success, data (replicas); 404 with -704 when missing |
+| `/batch_query_keys?keys=a,b` | JSON: success, data: key -> {ok, values or error} |
 
-Upstream's mutating admin routes (drain jobs, tenant quotas, `POST /api/v1/remove_all`) are
-left out: this port has no authentication. NOTE: key and segment names are visible to anyone
-who reaches this port, as upstream's are; bind `metrics.host` to a private address.
+All are GET. Upstream's mutating admin routes (drain jobs, tenant quotas,
+`POST /api/v1/remove_all`) are left out: this port has no authentication. NOTE: key and
+segment names are visible to anyone who reaches this port, as upstream's are; bind
+`metrics.host` to a private address.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import socket
 import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -205,6 +207,10 @@ class AdminRoutes:
         return _json(200, {"success": True, "data": data})
 
 
+class _V6Server(ThreadingHTTPServer):
+    address_family = socket.AF_INET6
+
+
 class AdminServer:
     """`AdminRoutes` on http://host:port (0 = any free port; the real one after `start`),
     served on a thread; `stop` closes the socket."""
@@ -239,12 +245,7 @@ class AdminServer:
             def log_message(self, format: str, *args: Any) -> None:
                 log.debug("admin: " + format, *args)
 
-        server_cls = ThreadingHTTPServer
-        if ":" in self.host:  # an IPv6 address such as "::"
-            import socket
-
-            server_cls = type("V6Server", (ThreadingHTTPServer,), {})
-            server_cls.address_family = socket.AF_INET6
+        server_cls = _V6Server if ":" in self.host else ThreadingHTTPServer  # "::" is IPv6
         self._server = server_cls((self.host, self.port), Handler)
         self._server.daemon_threads = True
         self.port = self._server.server_address[1]

@@ -136,7 +136,9 @@ class Master:
         # behind the API keys. Its own port also answers upstream Mooncake's read-only
         # admin queries (/get_all_segments, /query_key, ...: roles/master/admin.py)
         m = cfg.metrics
-        routes = AdminRoutes(PoolView(self.store.metadata, self.store.lock), self.metrics, self.role)
+        routes = AdminRoutes(
+            PoolView(self.store.metadata, self.store.lock), self.metrics, self.role
+        )
         self.metrics_server = (
             AdminServer(routes, host=m.host, port=m.port) if m.enabled and m.port else None
         )

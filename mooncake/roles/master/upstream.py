@@ -6,19 +6,29 @@ same flags (`--flag=value`, `--flag value`, `--noflag`: `gflags.py`), maps each 
 config (`plan_master`) and runs our master role (Store metadata, the Conductor, the API on
 loopback, `/metrics` and upstream's admin queries on the metrics port: `admin.py`).
 
-| upstream flag | here |
-|---|---|
-| `--port`, `--rpc_port` (wins when > 0), `--rpc_address` | `cluster.master` = address:port |
-| `--default_kv_lease_ttl` (ms, or 500ms/2s/1m/1h) | `store.lease_ttl_s` |
-| `--eviction_high_watermark_ratio` | `store.high_watermark` |
-| `--eviction_ratio` | `store.low_watermark` = high watermark - ratio (upstream evicts that share below the high watermark); > 0 |
-| `--client_ttl` (s) | `store.heartbeat_ttl_s` |
-| `--metrics_port`, `--metrics_host` | `metrics.port`, `metrics.host` (1-65535: 0 here would mean the API port) |
-| `--enable_ha` with `--etcd_endpoints` (`;`-separated) or `--ha_backend_connstring` | `cluster.etcd` (http:// added where no scheme is given); `--cluster_id` names the cluster (`cluster.name`, `_` as `-`) |
-| `--enable_http_metadata_server`, `--http_metadata_server_port`, `--http_metadata_server_host` | upstream's HTTP metadata server started beside the master (`start_metadata_server`) |
-| `--memory_allocator=offset` | ours is an offset allocator; `cachelib` refused |
-| threads, RPC socket tuning, pod labels, KV event labels, put timeouts, `--allocation_strategy`, `--enable_metric_reporting`, `--enable_metadata_cleanup_on_timeout` | accepted; a warning says they have no effect here |
-| anything else upstream defines (offload, SSD/NoF/CXL, snapshots, oplog, tenants, soft-pin defaults, promotion, dynamic replication, KV events, `--config_path`, `--rpc_interface`) | its default value is accepted; any other value is refused with the reason |
+Mapped onto our config:
+
+- `--port`, `--rpc_port` (wins when > 0), `--rpc_address`: `cluster.master`;
+- `--default_kv_lease_ttl` (ms, or 500ms/2s/1m/1h): `store.lease_ttl_s`;
+- `--eviction_high_watermark_ratio`: `store.high_watermark`; `--eviction_ratio`:
+  `store.low_watermark` = high watermark - ratio (upstream evicts that share below the high
+  watermark), so 0 < ratio < high watermark;
+- `--client_ttl` (s): `store.heartbeat_ttl_s`;
+- `--metrics_port`, `--metrics_host`: `metrics.port`, `metrics.host` (1-65535: our 0 would
+  mean the API port);
+- `--enable_ha` with `--etcd_endpoints` (`;`-separated) or `--ha_backend_connstring`:
+  `cluster.etcd` (http:// added where no scheme is given); `--cluster_id` then names the
+  cluster (`cluster.name`, `_` as `-`);
+- `--enable_http_metadata_server`, `--http_metadata_server_port`/`_host`: upstream's HTTP
+  metadata server started beside the master (`start_metadata_server`);
+- `--memory_allocator=offset`: ours is an offset allocator (`cachelib` is refused).
+
+Accepted with a warning that they have no effect here: threads, RPC socket tuning, pod
+labels, KV event labels, put timeouts, `--allocation_strategy`, `--enable_metric_reporting`,
+`--enable_metadata_cleanup_on_timeout`. Every other flag upstream defines (offload,
+SSD/NoF/CXL, snapshots, oplog, tenants, soft-pin defaults, promotion, dynamic replication,
+KV events, `--config_path`, `--rpc_interface`) is accepted at its default value and refused,
+with the reason, at any other. An unknown flag is an error, as in gflags.
 
 Our own additions: `--mooncake_config=PATH` (our TOML file, beneath the flags) and the
 `MOONCAKE_*` variables as for every node. The master needs the cluster secret
@@ -75,28 +85,26 @@ MAPPED: dict[str, FlagSpec] = {
     "memory_allocator": _f("str", "offset (ours); cachelib is refused."),
 }
 # flags accepted with a warning: they tune what has no counterpart here
-IGNORED: dict[str, FlagSpec] = {
-    name: _f(kind, "Accepted; no effect here.")
-    for name, kind in (
-        ("max_threads", "int"),
-        ("rpc_thread_num", "int"),
-        ("rpc_conn_timeout_seconds", "int"),
-        ("rpc_enable_tcp_no_delay", "bool"),
-        ("enable_metric_reporting", "bool"),
-        ("enable_metadata_cleanup_on_timeout", "bool"),
-        ("allocation_strategy", "str"),
-        ("pod_name", "str"),
-        ("pod_namespace", "str"),
-        ("put_start_discard_timeout_sec", "int"),
-        ("put_start_release_timeout_sec", "int"),
-        ("kv_events_model_name", "str"),
-        ("kv_events_tenant_id", "str"),
-        ("kv_events_additional_salt", "str"),
-        ("kv_events_lora_name", "str"),
-        ("kv_events_block_size", "int"),
-        ("kv_events_dp_rank", "int"),
-    )
-}
+_IGNORED_KINDS: tuple[tuple[str, Kind], ...] = (
+    ("max_threads", "int"),
+    ("rpc_thread_num", "int"),
+    ("rpc_conn_timeout_seconds", "int"),
+    ("rpc_enable_tcp_no_delay", "bool"),
+    ("enable_metric_reporting", "bool"),
+    ("enable_metadata_cleanup_on_timeout", "bool"),
+    ("allocation_strategy", "str"),
+    ("pod_name", "str"),
+    ("pod_namespace", "str"),
+    ("put_start_discard_timeout_sec", "int"),
+    ("put_start_release_timeout_sec", "int"),
+    ("kv_events_model_name", "str"),
+    ("kv_events_tenant_id", "str"),
+    ("kv_events_additional_salt", "str"),
+    ("kv_events_lora_name", "str"),
+    ("kv_events_block_size", "int"),
+    ("kv_events_dp_rank", "int"),
+)
+IGNORED = {name: _f(kind, "Accepted; no effect here.") for name, kind in _IGNORED_KINDS}
 # upstream flags without a counterpart: (kind, default); only the default is accepted
 REFUSED: dict[str, tuple[Kind, object]] = {
     "config_path": ("str", ""),
@@ -341,7 +349,9 @@ def start_metadata_server(host: str, port: int) -> MetadataServerProcess:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The `mooncake_master` console script; exit status 2 on bad flags or config."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     args = sys.argv[1:] if argv is None else list(argv)
     try:
         values = parse_gflags(args, FLAGS)

@@ -270,7 +270,11 @@ def test_admin_queries_see_a_real_segment_and_key(master: RunningMaster) -> None
         assert _get(master.metrics + "/get_all_keys")[2] == "k1\n"
         status, ctype, body = _get(master.metrics + "/query_key?key=k1")
         replicas = json.loads(body)
-        assert (status, ctype, replicas["success"]) == (200, "application/json; charset=utf-8", True)
+        assert (status, ctype, replicas["success"]) == (
+            200,
+            "application/json; charset=utf-8",
+            True,
+        )
         assert [(r["size_"], r["segment_name"]) for r in replicas["data"]] == [(1000, name)]
         status, _c, body = _get(master.metrics + "/query_key?key=nope")
         assert status == 404 and json.loads(body)["error_code"] == -704
