@@ -137,8 +137,15 @@ def _free_port() -> int:
 class _Child:
     """One upstream process; stdin a pipe (EOF stops it), stderr its log file."""
 
-    def __init__(self, name: str, argv: list[str], env: dict[str, str], log_dir: Path):
-        self.name, self.log = name, log_dir / f"{name}.log"
+    def __init__(
+        self,
+        name: str,
+        argv: list[str],
+        env: dict[str, str],
+        log_dir: Path,
+        side: str = "upstream",  # whose process, in errors (bench dropin runs ours too)
+    ):
+        self.name, self.side, self.log = name, side, log_dir / f"{name}.log"
         with self.log.open("wb") as log:
             self.proc = subprocess.Popen(
                 argv,
@@ -156,7 +163,7 @@ class _Child:
     def fail(self, what: str) -> StoreError:
         code = self.proc.poll()
         gone = f" (exited with {code})" if code is not None else ""
-        return StoreError(f"upstream {self.name}{gone}: {what}; see {self.log}")
+        return StoreError(f"{self.side} {self.name}{gone}: {what}; see {self.log}")
 
     def read_line(self, timeout_s: float) -> bytes:
         """The next line on the child's stdout (no newline); StoreError past the timeout,

@@ -34,6 +34,7 @@ from mooncake.kv.keys import kv_key
 from mooncake.kvevents.feed import create_pool_feed
 from mooncake.model.info import load_model_info
 from mooncake.model.tokenizer import create_tokenizer
+from mooncake.roles.master.admin import AdminRoutes, AdminServer, PoolView
 from mooncake.roles.master.attribution import AttributionCollector
 from mooncake.roles.master.cluster import ClusterBackend
 from mooncake.roles.master.ha import MasterHa, exit_to_restart, file_journal
@@ -58,7 +59,7 @@ from mooncake.roles.node.messages import (
 )
 from mooncake.router.backend import create_router
 from mooncake.store.metadata.settings import MetadataConfig
-from mooncake.store.server.metrics import MetricsServer, StoreCollector
+from mooncake.store.server.metrics import StoreCollector
 from mooncake.store.server.service import StoreService
 
 log = logging.getLogger(__name__)
@@ -132,12 +133,14 @@ class Master:
         self.backend.phases.register_metrics(self.metrics)
         # NOTE: /metrics follows [metrics]: off when disabled, on its own port (no key: bind
         # metrics.host to a private address) when metrics.port is set, else on the API port
-        # behind the API keys
+        # behind the API keys. Its own port also answers upstream Mooncake's read-only
+        # admin queries (/get_all_segments, /query_key, ...: roles/master/admin.py)
         m = cfg.metrics
+        routes = AdminRoutes(
+            PoolView(self.store.metadata, self.store.lock), self.metrics, self.role
+        )
         self.metrics_server = (
-            MetricsServer(registry=self.metrics, host=m.host, port=m.port)
-            if m.enabled and m.port
-            else None
+            AdminServer(routes, host=m.host, port=m.port) if m.enabled and m.port else None
         )
         # NOTE: with [router] backends, the API routes across vLLM instances (mooncake.router)
         self.router = create_router(
@@ -256,6 +259,13 @@ class Master:
         keys = [kv_key(h) for h in order.block_hashes if isinstance(h, int)]
         started = self.store.replicate(keys, order.dst)
         log.debug("replicating %d of %d blocks %s -> %s", started, len(keys), order.src, order.dst)
+
+    def role(self) -> str:
+        """This master's part: "leader" while it serves the pool, else "standby" (/health)."""
+        e = self.ha.election if self.ha is not None else None
+        if self.ha is None or (e is not None and e.is_leader):
+            return "leader"
+        return "standby"
 
     # -- housekeeping --
     def _loop(self) -> None:

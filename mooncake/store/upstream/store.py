@@ -68,6 +68,7 @@ class MooncakeDistributedStore:
         self._book: AddressBook | None = None
         self._hostname = ""
         self._has_buffer = False  # local_buffer_size > 0: put and get may stage values
+        self._buffer_bytes = 0  # local_buffer_size given to setup
         self._lock = threading.Lock()  # NOTE: guards setup, close and the address book
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -123,7 +124,14 @@ class MooncakeDistributedStore:
         self._store, self._node = store, node
         self._book = AddressBook(engine, node_id)
         self._has_buffer = a.buffer_bytes > 0
+        self._buffer_bytes = a.buffer_bytes
         self._hostname = f"{a.hostname}:{engine.endpoints[0].port}"
+
+    @property
+    def local_buffer_size(self) -> int:
+        """The local buffer's bytes given to setup (0 before setup): what `BufferPool`
+        leases from first."""
+        return self._buffer_bytes
 
     def close(self) -> int:
         """Unmount this client's segment (its objects go), unregister every buffer, close
