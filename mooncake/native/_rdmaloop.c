@@ -30,7 +30,8 @@
  * A NIC's poller thread polls its CQs while that NIC has requests in flight and sleeps on a
  * condition otherwise; after each completion it refills that QP from the batches it
  * serves. The waiter of a batch (rl_wait) blocks on the batch's eventfd, written once when
- * the batch's last slice finished (after an optional short spin).
+ * the batch's last slice finished (after an optional short spin); the eventfd is made only
+ * when someone has to sleep, so a batch polled after it finished costs no system call.
  *
  * Failures. An error completion moves its QP to the error state (the slices before it in
  * the ring succeeded: RC completes in order); every later completion of that QP is a flush,
@@ -181,7 +182,12 @@ typedef struct {
 
 struct rl_batch {
     rl_engine *e;
-    int efd;
+    /* the eventfd a blocked waiter sleeps on: made by the first rl_wait that has to sleep
+     * (-1 until then), so a batch finished before anyone waits costs no system call;
+     * `finished` (set before efd is read) and efd (set before finished is read) are the
+     * two sides of that handshake: one of them sees the other (seq_cst) */
+    _Atomic int efd;
+    _Atomic int finished;
     uint32_t num_reqs, num_slices, num_paths;
     uint8_t *op;
     uint32_t *region; /* index into e->regions, valid when req_status is 0 */
@@ -193,7 +199,7 @@ struct rl_batch {
     _Atomic uint64_t cursor;    /* next slice to post */
     _Atomic uint32_t remaining; /* slices not finished */
     _Atomic uint32_t num_failed;
-    _Atomic int done; /* set after the eventfd was written: nothing touches it after */
+    _Atomic int done; /* set last (after any eventfd write): nothing touches it after */
     rl_fail *failed;
     int released;
 };
@@ -378,10 +384,14 @@ const struct mc_verbs_ops *rl_ops_stub(void) { return &stub_ops; }
 static void finish_slices(rl_batch *b, uint32_t count) {
     if (count == 0) return;
     if (atomic_fetch_sub(&b->remaining, count) != count) return;
-    uint64_t one = 1;
-    ssize_t rc = write(b->efd, &one, sizeof(one));
-    (void)rc;
-    stat_add(b->e, STAT_WAKEUPS, 1);
+    atomic_store(&b->finished, 1);
+    int fd = atomic_load(&b->efd);
+    if (fd >= 0) { /* a waiter sleeps (or is about to) */
+        uint64_t one = 1;
+        ssize_t rc = write(fd, &one, sizeof(one));
+        (void)rc;
+        stat_add(b->e, STAT_WAKEUPS, 1);
+    }
     atomic_store(&b->done, 1); /* NOTE: the last touch: the waiter may free b from here on */
 }
 
@@ -899,7 +909,7 @@ int rl_qp_destroy(rl_engine *e, uint32_t handle) {
 /* ---- submitting and waiting ------------------------------------------------------------- */
 
 static void batch_free_memory(rl_batch *b) {
-    if (b->efd >= 0) close(b->efd);
+    if (atomic_load(&b->efd) >= 0) close(atomic_load(&b->efd));
     free(b->op), free(b->region), free(b->loff), free(b->roff), free(b->req_status);
     free(b->slices), free(b->paths), free(b->uses), free(b->failed);
     free(b);
@@ -922,7 +932,7 @@ rl_batch *rl_submit(rl_engine *e, uint32_t num_reqs, const uint8_t *op, const ui
     rl_batch *b = calloc(1, sizeof(*b));
     if (b == NULL) return NULL;
     b->e = e;
-    b->efd = eventfd(0, EFD_CLOEXEC);
+    atomic_store(&b->efd, -1);
     b->num_reqs = num_reqs;
     b->num_paths = num_paths;
     b->op = malloc(num_reqs + 1);
@@ -932,7 +942,7 @@ rl_batch *rl_submit(rl_engine *e, uint32_t num_reqs, const uint8_t *op, const ui
     b->req_status = calloc(num_reqs + 1, sizeof(int32_t));
     b->paths = calloc(num_paths + 1, sizeof(rl_path));
     b->uses = calloc(num_paths + 1, sizeof(rl_use));
-    if (b->efd < 0 || !b->op || !b->region || !b->loff || !b->roff || !b->req_status ||
+    if (!b->op || !b->region || !b->loff || !b->roff || !b->req_status ||
         !b->paths || !b->uses) {
         batch_free_memory(b);
         return NULL;
@@ -996,16 +1006,15 @@ rl_batch *rl_submit(rl_engine *e, uint32_t num_reqs, const uint8_t *op, const ui
         }
         pthread_mutex_unlock(&q->lock);
     }
-    /* the first chains: round robin over the paths while slices and room are left */
-    for (uint32_t posted = 1; posted > 0 && atomic_load(&b->cursor) < k;) {
-        posted = 0;
-        for (uint32_t p = 0; p < num_paths; p++) {
-            rl_qp *q = b->paths[p].qp;
-            if (!b->uses[p].linked) continue;
-            pthread_mutex_lock(&q->lock);
-            posted += post_chain(q);
-            pthread_mutex_unlock(&q->lock);
-        }
+    /* one chain per path here, the rest by the NIC's poller as completions free room: the
+     * caller (who may hold the GIL) returns after at most num_paths chains, and the posting
+     * goes on in the poller's thread while the caller's thread waits or does other work */
+    for (uint32_t p = 0; p < num_paths && atomic_load(&b->cursor) < k; p++) {
+        rl_qp *q = b->paths[p].qp;
+        if (!b->uses[p].linked) continue;
+        pthread_mutex_lock(&q->lock);
+        post_chain(q);
+        pthread_mutex_unlock(&q->lock);
     }
     if (!batch_has_live_path(b)) { /* nothing will post the rest */
         uint64_t first = atomic_fetch_add(&b->cursor, k);
@@ -1035,7 +1044,16 @@ int rl_wait(rl_batch *b, int timeout_ms) {
         int64_t ns = (t.tv_sec - t0.tv_sec) * 1000000000LL + (t.tv_nsec - t0.tv_nsec);
         if (ns >= (int64_t)b->e->spin_us * 1000) break;
     }
-    struct pollfd pfd = {.fd = b->efd, .events = POLLIN};
+    if (atomic_load(&b->efd) < 0) {
+        int fd = eventfd(0, EFD_CLOEXEC), none = -1;
+        if (fd < 0) return -errno;
+        if (!atomic_compare_exchange_strong(&b->efd, &none, fd)) close(fd); /* another's */
+    }
+    if (atomic_load(&b->finished)) { /* finished before it saw the eventfd: no wake-up */
+        while (!atomic_load(&b->done)) sched_yield(); /* the finisher's last store */
+        return 1;
+    }
+    struct pollfd pfd = {.fd = atomic_load(&b->efd), .events = POLLIN};
     for (;;) {
         if (atomic_load(&b->done)) return 1;
         int rc = poll(&pfd, 1, timeout_ms);
@@ -1089,6 +1107,18 @@ int64_t rl_finish(rl_batch *b, int timeout_ms, int32_t *req_status, uint32_t *re
     return n;
 }
 
+/* The common case in one call: -1 while slices are in flight (never blocks), 0 when every
+ * request of the batch is done (the batch is freed), 1 when one failed (rl_finish then
+ * gives the statuses; the batch is kept). */
+int rl_finish_ok(rl_batch *b) {
+    if (!atomic_load(&b->done)) return -1;
+    if (atomic_load(&b->num_failed)) return 1;
+    for (uint32_t i = 0; i < b->num_reqs; i++)
+        if (b->req_status[i]) return 1;
+    rl_free(b);
+    return 0;
+}
+
 static void release_regions(rl_batch *b) {
     if (b->released) return;
     b->released = 1;
@@ -1119,7 +1149,8 @@ int rl_free(rl_batch *b) {
 }
 
 /* Counters: post_send calls, work requests, signalled ones, completions, polls, refused
- * posts, stale completions, batches, wake-ups; then per NIC its poller's CPU ns. Returns
+ * posts, stale completions, batches, wake-ups (eventfd writes: batches whose waiter slept);
+ * then per NIC its poller's CPU ns. Returns
  * the number written (at most max). */
 uint32_t rl_stats(rl_engine *e, uint64_t *out, uint32_t max) {
     uint32_t n = 0;

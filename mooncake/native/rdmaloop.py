@@ -50,6 +50,7 @@ transfer/rdmaloop.py (`transfer.rdma_data_loop`).
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 from dataclasses import dataclass
 
@@ -114,6 +115,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "rl_wait": (i32, [ptr, i32]),
         "rl_result": (u32, [ptr, ptr, ptr, u32, ptr, ptr, ptr, ptr, ptr]),
         "rl_finish": (ctypes.c_int64, [ptr, i32, ptr, ptr]),
+        "rl_finish_ok": (i32, [ptr]),
         "rl_free": (i32, [ptr]),
         "rl_stats": (u32, [ptr, ptr, u32]),
         "rl_engine_close": (None, [ptr]),
@@ -125,7 +127,7 @@ def _declare(lib: ctypes.CDLL) -> None:
 
 
 # the calls that return at once: called through a PyDLL, keeping the GIL (see above)
-_AT_ONCE = ("rl_submit", "rl_finish", "rl_result", "rl_free")
+_AT_ONCE = ("rl_submit", "rl_finish", "rl_finish_ok", "rl_result", "rl_free")
 
 
 def _holding_gil(lib: ctypes.CDLL) -> ctypes.PyDLL:
@@ -220,6 +222,24 @@ class BatchResult:
         return not self.status.any()
 
 
+@functools.lru_cache(maxsize=256)
+def _all_done(num_requests: int) -> BatchResult:
+    """The result of a batch whose every request is done (read-only arrays, shared)."""
+    u32, u64, i32 = np.uint32, np.uint64, np.int32
+    arrays = (
+        np.zeros(num_requests, i32),
+        np.full(num_requests, NO_QP, u32),
+        np.empty(0, u32),
+        np.empty(0, u64),
+        np.empty(0, u64),
+        np.empty(0, u32),
+        np.empty(0, i32),
+    )
+    for a in arrays:
+        a.flags.writeable = False
+    return BatchResult(*arrays)
+
+
 class Batch:
     """A submitted batch: wait() for its result (which frees it)."""
 
@@ -229,16 +249,21 @@ class Batch:
     def wait(self, timeout_s: float | None = None) -> BatchResult | None:
         """The batch's result once every slice finished, or None when `timeout_s` passed
         first (wait again: the slices are still in flight)."""
-        at_once = self._loop.at_once
-        ms = -1 if timeout_s is None else max(0, int(timeout_s * 1000))
+        at_once, handle = self._loop.at_once, self._handle
+        rc = at_once.rl_finish_ok(handle)  # NOTE: the common case: done, every request ok
+        if rc == -1 and timeout_s != 0:
+            ms = -1 if timeout_s is None else max(0, int(timeout_s * 1000))
+            if self._loop.lib.rl_wait(handle, ms) < 0:  # NOTE: blocks, GIL released
+                raise TransferError("RDMA C loop: waiting for a batch failed")
+            rc = at_once.rl_finish_ok(handle)
+        if rc == -1:
+            return None
+        if rc == 0:
+            return _all_done(self._num)
         n = self._num
         status, failed_qp = np.empty(n, np.int32), np.empty(n, np.uint32)
         out = (_address(status), _address(failed_qp))
-        num_failed = at_once.rl_finish(self._handle, 0, *out)  # finished already?
-        if num_failed == -1 and ms != 0:  # NOTE: the blocking call releases the GIL
-            num_failed = self._loop.lib.rl_finish(self._handle, ms, *out)
-        if num_failed == -1:
-            return None
+        num_failed = at_once.rl_finish(handle, 0, *out)
         if num_failed < 0:
             raise TransferError(
                 f"RDMA C loop: waiting for a batch failed: {os.strerror(-num_failed)}"

@@ -273,7 +273,8 @@ def test_the_stub_provider_completes_without_moving_bytes():
         for _ in range(3):
             assert loop.transfer(req, paths, 64 * KIB, timeout_s=10).is_ok
         stats = loop.stats().counters
-        assert stats["work_requests"] == 3 * 1024 and stats["wakeups"] == 3
+        assert stats["work_requests"] == 3 * 1024 and stats["batches"] == 3
+        assert stats["wakeups"] <= 3  # one eventfd write per batch its waiter slept on
         assert stats["completions"] == stats["signalled"] < stats["work_requests"] // 8
     finally:
         loop.close()
