@@ -668,6 +668,19 @@ out:
     return rc;
 }
 
+/* Pin NIC `nic`'s poller thread to `cpus` (the CPUs of the NIC's NUMA node, so its
+ * completions and refills run next to the NIC): 0 or -errno. */
+int rl_nic_pin(rl_engine *e, uint32_t nic_index, const uint32_t *cpus, uint32_t num_cpus) {
+    if (nic_index >= e->num_nics || num_cpus == 0) return -EINVAL;
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    for (uint32_t i = 0; i < num_cpus; i++) {
+        if (cpus[i] >= CPU_SETSIZE) return -EINVAL;
+        CPU_SET(cpus[i], &set);
+    }
+    return -pthread_setaffinity_np(e->nics[nic_index].poller, sizeof(set), &set);
+}
+
 /* Register [addr, addr + length) on every NIC (dma-buf `fd` at `offset` when fd >= 0, its
  * work requests then name byte 0 by `offset`), all or none. Returns the region's handle
  * (gen << 16 | index) and fills lkeys, rkeys and bases per NIC; -errno on failure. */

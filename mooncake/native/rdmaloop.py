@@ -24,6 +24,7 @@ work request at once and moves nothing (the stub ceiling of `mooncake bench tran
 
     loop = RdmaLoop.create("verbs")          # None: not built (or turned off)
     nic = loop.open_nic("mlx5_0", cq_depth)  # starts that NIC's poller thread
+    loop.pin_poller(nic, cpus)               # on the CPUs of the NIC's NUMA node
     region = loop.register(address, num_bytes)   # keys per NIC: publish the rkeys
     qp, qpn = loop.create_qp(nic, max_send_wr, port_num)
     loop.connect_qp(qp, remote_endpoint, local_psn, route)
@@ -104,6 +105,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "rl_ops_stub": (ptr, []),
         "rl_engine_new": (ptr, [ptr, u32, u32, u32]),
         "rl_nic_open": (i32, [ptr, ctypes.c_char_p, i32]),
+        "rl_nic_pin": (i32, [ptr, u32, ptr, u32]),
         "rl_region_register": (ctypes.c_int64, [ptr, u64, u64, i32, u64, ptr, ptr, ptr]),
         "rl_region_close": (i32, [ptr, u32]),
         "rl_qp_create": (i32, [ptr, u32, u32, u8, ptr]),
@@ -334,6 +336,14 @@ class RdmaLoop:
         )
         self.num_nics += 1
         return rc
+
+    def pin_poller(self, nic: int, cpus: list[int]) -> None:
+        """Run NIC `nic`'s poller thread on `cpus` only (its NUMA node's)."""
+        ids = np.array(cpus, np.uint32)
+        self._check(
+            self.lib.rl_nic_pin(self._handle, nic, _address(ids), len(ids)),
+            f"pinning NIC {nic}'s poller to CPUs {cpus}",
+        )
 
     def register(self, address: int, length: int) -> Region:
         """Register host memory on every NIC (all or none)."""

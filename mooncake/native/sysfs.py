@@ -190,6 +190,17 @@ def parse_cpulist(text: str) -> list[int]:
     return cpus
 
 
+def nic_numa_cpus(nic: str, sysfs_root: Path = DEFAULT_SYSFS_ROOT) -> list[int]:
+    """The CPUs of the NUMA node RDMA device `nic` is attached to; [] when sysfs does not
+    say (no such device, a software device, numa_node -1, a node without CPUs)."""
+    dev_dir = sysfs_root / "class" / "infiniband" / nic
+    node = _numa(dev_dir / "device" / "numa_node") if dev_dir.exists() else None
+    if node is None:
+        return []
+    cpus = read_text(sysfs_root / "devices" / "system" / "node" / f"node{node}" / "cpulist")
+    return parse_cpulist(cpus or "")
+
+
 def _meminfo_bytes(text: str, key: str) -> int:
     for line in text.splitlines():  # "Node 0 MemTotal:       528212012 kB"
         fields = line.split()

@@ -25,7 +25,8 @@ Unregistering a segment (`LoopRegion.close`) makes C refuse new batches naming i
 waits up to slice_io_timeout_s for the batches in flight, as the Python path does.
 
 Threads: `NUM_WAITERS` waiters block on C batches (the GIL released); connects run on the
-transport's workers; C has one poller thread per NIC. close() moves every QP to the error
+transport's workers; C has one poller thread per NIC, pinned to the CPUs of the NIC's
+NUMA node (sysfs) that this process may use. close() moves every QP to the error
 state (its work flushes, so every waiter returns), joins waiters and workers, then closes
 the loop (QPs, regions, CQs, PDs, devices).
 """
@@ -46,6 +47,7 @@ from mooncake.errors import TransferError
 from mooncake.native import cudadmabuf
 from mooncake.native import rdmaloop as cloop
 from mooncake.native.rdma import QpEndpoint, RdmaNic
+from mooncake.native.sysfs import nic_numa_cpus
 from mooncake.transfer.batch import Batch, Slice
 from mooncake.transfer.paths import Path, PathSet
 from mooncake.transfer.rdma import RdmaTransport
@@ -84,6 +86,19 @@ class LoopQp:
             log.debug("QP %d still drains; destroyed when the loop closes", self.handle)
 
 
+def _pin_poller(loop: cloop.RdmaLoop, index: int, name: str) -> list[int]:
+    """Pin NIC `name`'s poller to the CPUs of its NUMA node this process may use: the CPUs
+    it pinned to, [] when sysfs does not say or none is allowed (it runs anywhere)."""
+    cpus = sorted(set(nic_numa_cpus(name)) & os.sched_getaffinity(0))
+    if cpus:
+        try:
+            loop.pin_poller(index, cpus)
+        except TransferError as e:
+            log.warning("RDMA %s: its poller runs on any CPU: %s", name, e)
+            return []
+    return cpus
+
+
 class LoopNic:
     """One NIC in the loop: what discovery found (a discovery-only RdmaNic) and its index in
     the loop, with the RdmaNic calls the RDMA_CONNECT exchange makes."""
@@ -94,6 +109,7 @@ class LoopNic:
         self.limits, self.settings = found.limits, found.settings
         self.queue_depth, self.cq_depth = found.queue_depth, found.cq_depth
         self.index = loop.open_nic(found.name, found.cq_depth)
+        self.poller_cpus = _pin_poller(loop, self.index, found.name)
 
     def create_qp(self, depth: int = 0) -> LoopQp:
         """A new RC QP in INIT with `depth` send slots (0: the NIC's queue depth)."""

@@ -325,3 +325,22 @@ def test_cli_json_over_a_recorded_tree_with_an_allow_list(tmp_path: Path) -> Non
     assert {"gpus", "nics", "numa_nodes", "nic_preference", "notes"} <= set(data)
     assert data["nic_preference"]["cpu:0"] == {"preferred": ["mlx5_0"], "available": ["mlx5_4"]}
     assert len(data["nics"]) == 9
+
+
+def test_a_nics_numa_cpus_come_from_its_pci_function_and_the_nodes_cpulist(
+    tmp_path: Path,
+) -> None:
+    """What the RDMA C loop pins a NIC's poller to: the CPUs of the node its PCI function
+    sits on; nothing for a device sysfs does not place (or does not have)."""
+    from mooncake.native.sysfs import nic_numa_cpus, parse_cpulist
+
+    machine = load_machine("dgx_h100")
+    root = build_sysfs(machine, tmp_path / "sys")
+    assert nic_numa_cpus("mlx5_0", root) == parse_cpulist("0-55,112-167")
+    assert nic_numa_cpus("mlx5_7", root) == parse_cpulist("56-111,168-223")
+    assert nic_numa_cpus("mlx5_99", root) == []
+    pci = machine["infiniband"]["mlx5_0"]["pci"]
+    unplaced = build_sysfs(
+        with_changes(machine, {f"pci_devices/{pci}/numa_node": -1}), tmp_path / "sys2"
+    )
+    assert nic_numa_cpus("mlx5_0", unplaced) == []

@@ -5,8 +5,10 @@ not built."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -284,6 +286,34 @@ def _route():
     from mooncake.native.rdma import Route
 
     return Route(port_num=1, gid_index=0, mtu=5)
+
+
+def test_a_nics_poller_runs_on_the_cpus_it_is_pinned_to():
+    """pin_poller sets the NIC's poller thread's affinity (read back from /proc); a CPU
+    beyond the kernel's set is refused."""
+    fake = fake_library()
+    loop = RdmaLoop.create(fake.fake_provider())
+    assert loop is not None
+    try:
+        nic = loop.open_nic("pintest0", 64)
+        cpu = min(os.sched_getaffinity(0))
+        loop.pin_poller(nic, [cpu])
+        tids = [t for t in os.listdir("/proc/self/task") if _comm(t) == "rl-poll-pintest"]
+        assert len(tids) == 1, tids
+        status = Path(f"/proc/self/task/{tids[0]}/status").read_text()
+        allowed = next(ln for ln in status.splitlines() if ln.startswith("Cpus_allowed_list"))
+        assert allowed.split()[-1] == str(cpu)
+        with pytest.raises(TransferError, match="pinning NIC 0"):
+            loop.pin_poller(nic, [1 << 20])
+    finally:
+        loop.close()
+
+
+def _comm(tid: str) -> str:
+    try:
+        return Path(f"/proc/self/task/{tid}/comm").read_text().strip()
+    except OSError:  # the thread ended
+        return ""
 
 
 def test_fake_library_builds():
