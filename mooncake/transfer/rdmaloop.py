@@ -402,19 +402,21 @@ class LoopRdmaTransport(RdmaTransport):
         """One Slice for the whole request (C cuts it), dispatched with the target's other
         requests of this submit as one batch."""
         r = batch.requests[i]
-        if not pathset.live():
-            batch.fail(
-                i,
-                f"every path to node {target.desc.node!r} is paused after repeated "
-                "failures; retry in a moment",
-            )
-            return
         d = self._dispatchers.get(pathset)
         if d is None:
             d = self._dispatchers.setdefault(pathset, PathSetDispatch(self, pathset))
+        slices = by_path.get(d)
+        if slices is None:  # NOTE: the path set's first request of this submit checks it
+            if not pathset.live():
+                batch.fail(
+                    i,
+                    f"every path to node {target.desc.node!r} is paused after repeated "
+                    "failures; retry in a moment",
+                )
+                return
+            slices = by_path[d] = []
         batch.add_slices(i, 1)
-        s = Slice(batch, i, r.op, local, local_offset, target, r.remote_offset, r.length)
-        by_path.setdefault(d, []).append(s)
+        slices.append(Slice(batch, i, r.op, local, local_offset, target, r.remote_offset, r.length))
 
     def adopt(self, path: LoopPath, qp: LoopQp) -> None:
         with self._lock:
