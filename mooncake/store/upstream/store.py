@@ -113,6 +113,9 @@ class MooncakeDistributedStore:
             except MooncakeError as e:
                 log.error("MooncakeDistributedStore.setup: %s", e)
                 return code_of(e)
+            except OSError as e:  # the engine cannot listen there (MC_LEGACY_RPC_PORT_BINDING)
+                log.error("MooncakeDistributedStore.setup: cannot listen: %s", e)
+                return BAD
         return 0
 
     def _start(self, a: SetupArgs, text: str) -> None:
