@@ -71,7 +71,12 @@ def test_outcomes_per_test_against_our_master(
     if not has_aiohttp:
         assert meta["outcome"] == "skipped" and "upstream's own" in meta["message"]
     skipped = 1 + (not has_aiohttp)
-    assert report["summary"] == {"passed": 1, "failed": 1, "error": 2 + has_aiohttp, "skipped": skipped}
+    assert report["summary"] == {
+        "passed": 1,
+        "failed": 1,
+        "error": 2 + has_aiohttp,
+        "skipped": skipped,
+    }
     assert rc == 1
 
 
