@@ -13,7 +13,11 @@ one initialize() refuses, see engine/secret.py). Upstream method -> what it does
 
     initialize, initialize_ext     supported; protocol "tcp" or "rdma" (device_name: the RDMA
                                    NICs, comma-separated); metadata "P2PHANDSHAKE", http://,
-                                   etcd:// (no etcd auth); others (redis, nvlink, efa...) -1
+                                   etcd:// (no etcd auth); others (redis, nvlink, efa...) -1;
+                                   with http:// or etcd:// local_hostname "ip:port" is the
+                                   engine's name (port bound only with
+                                   MC_LEGACY_RPC_PORT_BINDING), with P2PHANDSHAKE the name
+                                   is "ip:<get_rpc_port()>", as upstream's
     get_rpc_port                   supported: our data-plane port, the "port" of "ip:port"
     register_memory,               supported: host memory wrapped in place (checked mapped
     unregister_memory,             and writable: -1 otherwise), CUDA memory recognised by

@@ -4,14 +4,20 @@
 
 Given a checkout of kvcache-ai/Mooncake (nothing is fetched), it starts our
 `mooncake_master` as upstream's `scripts/run_tests.sh` starts theirs (`--default_kv_lease_ttl=500`,
-RPC on 127.0.0.1:50051, which `test_buffer_pool_native.py` hard-codes), sets the variables
-upstream's tests read (`MASTER_SERVER`, `MC_METADATA_SERVER`, `DEFAULT_KV_LEASE_TTL`,
-`PROTOCOL`, `LOCAL_HOSTNAME`, `MC_FORCE_TCP`, `TARGET_SERVER_NAME`, `INITIATOR_SERVER_NAME`,
-and our `MOONCAKE_CLUSTER_SECRET`), starts `transfer_engine_target.py` for the Transfer
-Engine's initiator test, and runs pytest on each file of `mooncake-wheel/tests/` with our
-package first on the path. Upstream's conftest.py is not loaded (`--noconftest`): it would
-add upstream's own package folder to ours. Results come from pytest's JUnit XML (a file this
-run writes), one outcome per test: passed, failed, error or skipped.
+RPC on 127.0.0.1:50051, which `test_buffer_pool_native.py` hard-codes) with its HTTP metadata
+server, which run_tests.sh gives every test as `MC_METADATA_SERVER` (`--metadata p2p` gives
+them "P2PHANDSHAKE" instead: then the initiator test cannot find its target, which upstream
+too names by TARGET_SERVER_NAME only through a metadata service), sets the other variables
+upstream's tests read (`MASTER_SERVER`, `DEFAULT_KV_LEASE_TTL`, `PROTOCOL`, `MC_FORCE_TCP`,
+`TARGET_SERVER_NAME`, `INITIATOR_SERVER_NAME`, and our `MOONCAKE_CLUSTER_SECRET`; not
+`LOCAL_HOSTNAME`, which run_tests.sh leaves to the tests' default "localhost"), starts
+`transfer_engine_target.py` for the Transfer Engine's initiator test, and runs pytest on
+each file of `mooncake-wheel/tests/` with our package first on the path (PYTHONPATH is the
+folder holding this very `mooncake` package). Upstream's conftest.py is not loaded
+(`--noconftest`): it would add upstream's own package folder to ours. Results come from
+pytest's JUnit XML (a file this run writes), one outcome per test: passed, failed, error or
+skipped. A file that tests upstream's own Python code rather than this package is skipped,
+with the reason (`NOT_OURS`), unless the interpreter has what it imports.
 """
 
 from __future__ import annotations
@@ -42,6 +48,15 @@ DEFAULT_FILES = (
     "test_put_get_tensor.py",
     "test_http_metadata_server.py",
 )
+# files that load upstream's own modules, not ours -> (module they need, why they are not ours)
+NOT_OURS = {
+    "test_http_metadata_server.py": (
+        "aiohttp",
+        "it puts upstream's mooncake-wheel/ first on sys.path and tests upstream's own "
+        "aiohttp KVBootstrapServer (mooncake/http_metadata_server.py), which this package "
+        "does not ship (ours: mooncake.engine.httpmeta); aiohttp is not installed here",
+    ),
+}
 TARGET_SCRIPT = "transfer_engine_target.py"  # the initiator test's peer, run beside it
 START_TIMEOUT_S = 60.0  # seconds our master or the target may take to be ready
 
@@ -132,7 +147,6 @@ class Suite:
             DEFAULT_KV_LEASE_TTL="500",
             PROTOCOL="tcp",
             MC_FORCE_TCP="true",
-            LOCAL_HOSTNAME="127.0.0.1",
             TARGET_SERVER_NAME=f"127.0.0.1:{_free_port()}",
             INITIATOR_SERVER_NAME=f"127.0.0.1:{_free_port()}",
         )
@@ -164,6 +178,8 @@ class Suite:
         path = self.tests / name
         if not path.exists():
             return [TestOutcome(name, "-", "error", "no such file in this checkout")]
+        if name in NOT_OURS and not self._can_import(NOT_OURS[name][0]):
+            return [TestOutcome(name, "-", "skipped", NOT_OURS[name][1])]
         target = self._start_target() if name == "transfer_engine_initiator_test.py" else None
         report = self.work / f"{path.stem}.xml"
         ini = self.work / "pytest.ini"
@@ -188,6 +204,10 @@ class Suite:
         if not report.exists():
             return [TestOutcome(name, "-", "error", f"pytest wrote no report; see {log}")]
         return parse_junit(report, name) or [TestOutcome(name, "-", "error", f"no tests; {log}")]
+
+    def _can_import(self, module: str) -> bool:
+        argv = [self.python, "-c", f"import {module}"]
+        return subprocess.run(argv, capture_output=True, env=self.env).returncode == 0
 
     def _start_target(self) -> subprocess.Popen[str] | None:
         argv = [self.python, str(self.tests / TARGET_SCRIPT)]
@@ -214,8 +234,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--metadata",
         choices=("p2p", "http"),
-        default="p2p",
-        help="the tests' MC_METADATA_SERVER: P2PHANDSHAKE, or our master's HTTP metadata server",
+        default="http",
+        help="the tests' MC_METADATA_SERVER: our master's HTTP metadata server (as upstream's "
+        "run_tests.sh gives them), or P2PHANDSHAKE",
     )
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per test file")
     p.add_argument("--json", action="store_true", help="print the outcomes as JSON")
@@ -234,7 +255,10 @@ def main(argv: list[str] | None = None) -> int:
     else:
         for o in outcomes:
             print(f"{o.outcome:8} {o.file}::{o.test}" + (f"  ({o.message})" if o.message else ""))
-        print(" ".join(f"{k}={v}" for k, v in counts.items()) + f"  (logs in {suite.work})")
+        print(
+            " ".join(f"{k}={v}" for k, v in counts.items())
+            + f"  (package {REPO_ROOT}; logs in {suite.work})"
+        )
     return 0 if counts["failed"] == counts["error"] == 0 else 1
 
 

@@ -98,6 +98,32 @@ def test_engines_find_each_other_by_name(server, secret_env):
     assert server.store == {}
 
 
+@pytest.mark.cluster
+def test_a_target_named_ip_port_is_reached_by_that_name(server, secret_env):
+    """upstream's transfer_engine_target.py and its initiator (mooncake-wheel/tests): with
+    http:// metadata, "IP:PORT" is a name (the engine listens elsewhere unless
+    MC_LEGACY_RPC_PORT_BINDING); a target with no buffer answers 0 for its own first
+    address, allocates a managed one, and the initiator finds that buffer and probes the
+    target by the name."""
+    target, initiator = TransferEngine(), TransferEngine()
+    try:
+        assert target.initialize("127.0.0.1:1", server.url, "tcp", "") == 0
+        assert target.get_rpc_port() != 1
+        assert target.get_first_buffer_address("127.0.0.1:1") == 0
+        buffer = target.allocate_managed_buffer(1 << 20)
+        assert buffer != 0
+        assert initiator.initialize("127.0.0.1:2", server.url, "tcp", "") == 0
+        assert initiator.send_probe("127.0.0.1:1") == 0
+        assert initiator.get_first_buffer_address("127.0.0.1:1") == buffer
+        src = initiator.allocate_managed_buffer(4096)
+        assert initiator.write_bytes_to_buffer(src, b"hello", 5) == 0
+        assert initiator.transfer_sync_write("127.0.0.1:1", src, buffer, 5) == 0
+        assert target.read_bytes_from_buffer(buffer, 5) == b"hello"
+    finally:
+        initiator.close()
+        target.close()
+
+
 def test_unreachable_metadata_server_is_a_metadata_error(secret_env):
     """initialize with an http:// metadata server nobody answers returns ERR_METADATA
     (-200) and leaves nothing listening."""

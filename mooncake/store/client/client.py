@@ -324,6 +324,20 @@ class Store:
         how many went. Objects being written or moved stay."""
         return self._call(m.RemoveAllMsg(force), m.RemoveAllReplyMsg).num_removed
 
+    def clear_replicas(self, keys: Sequence[str], where: str = "") -> list[str]:
+        """Drop the replicas of those `keys` this client put whose readers' leases have
+        ended: all of them (`where` ""), or those on the segment `where` names (a segment
+        name, a node id or an endpoint "host:port"); returns the keys cleared. Keys that
+        are missing, another client's, leased, being written or have no replica there
+        are skipped (upstream's batch_replica_clear)."""
+        self._forget_locations(keys)
+        cleared: list[str] = []
+        for start in range(0, len(keys), m.MAX_BATCH):
+            part = tuple(self._key(k) for k in keys[start : start + m.MAX_BATCH])
+            msg = m.ClearReplicasMsg(part, self.node_id, where)
+            cleared += self._call(msg, m.ClearReplicasReplyMsg).cleared
+        return cleared
+
     # -- batches: one result per key, in order -----------------------------------------------
 
     def put_batch(

@@ -227,6 +227,34 @@ class MetadataService:
         keys = [k for k, obj in self.objects.items() if obj.is_committed]
         return sum(self.remove(k, now, force).status == "ok" for k in keys)
 
+    def clear_replicas(self, keys: Sequence[str], writer: str, where: str, now: float) -> list[str]:
+        """Upstream's BatchReplicaClear (mooncake-store/src/master_service.cpp): of `keys`
+        put by `writer` and removable now (no reader's lease, not being written or moved),
+        drop every replica (`where` "") or the committed ones on the segment `where` names
+        (its segment name, its node id or its endpoint "host:port"), the object with its
+        last one; returns the keys cleared, in order. Keys missing, put by another node,
+        leased, busy or without a replica there are skipped."""
+        cleared = []
+        for key in keys:
+            obj = self.objects.get(key)
+            if obj is None or obj.writer != writer or removal_refusal(obj, now) is not None:
+                continue
+            there = [
+                r
+                for r in obj.complete()
+                if where in (r.segment.name, r.node_id, r.segment.endpoint)
+            ]
+            if where and not there:
+                continue
+            if not where or len(there) == len(obj.replicas):
+                self.pool.drop(obj, now, emit="removed")
+                self.counters.removes += 1
+            else:
+                for r in there:
+                    self.pool.detach(obj, r, now, emit="removed")
+            cleared.append(key)
+        return cleared
+
     # -- moves, restore, integrity -------------------------------------------------------
 
     def replicate(self, keys: Sequence[str], dst_node: str, now: float) -> int:

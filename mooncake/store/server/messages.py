@@ -235,6 +235,20 @@ class RemoveAllReplyMsg(Msg, frozen=True, tag="store.remove_all_reply"):
     num_removed: int  # objects removed
 
 
+class ClearReplicasMsg(Msg, frozen=True, tag="store.clear_replicas"):
+    """Upstream's BatchReplicaClear: drop the replicas of the keys `node_id` put, once no
+    reader's lease protects them; all of them, or those on `segment` (MetadataService
+    .clear_replicas)."""
+
+    keys: Keys
+    node_id: Name  # the writer: only its objects are cleared
+    segment: OptName = ""  # "" every replica; else a segment name, node id or "host:port"
+
+
+class ClearReplicasReplyMsg(Msg, frozen=True, tag="store.clear_replicas_reply"):
+    cleared: Keys  # the keys cleared, in the request's order
+
+
 class PinMsg(Msg, frozen=True, tag="store.pin"):
     key: Key
     ttl_s: Seconds  # 0 unpins
@@ -325,6 +339,9 @@ _HANDLERS: dict[type, Callable[[MetadataService, Any, float], Msg]] = {
     RemoveMsg: lambda s, m, now: KeyReplyMsg(s.remove(m.key, now, m.force)),
     BatchRemoveMsg: lambda s, m, now: BatchKeyReplyMsg(tuple(s.batch_remove(m.keys, now, m.force))),
     RemoveAllMsg: lambda s, m, now: RemoveAllReplyMsg(s.remove_all(now, m.force)),
+    ClearReplicasMsg: lambda s, m, now: ClearReplicasReplyMsg(
+        tuple(s.clear_replicas(m.keys, m.node_id, m.segment, now))
+    ),
     PinMsg: lambda s, m, now: KeyReplyMsg(s.pin(m.key, m.ttl_s, now)),
 }
 REQUEST_TYPES: Final = tuple(_HANDLERS)  # every request type the master serves

@@ -24,8 +24,17 @@ Conformance (upstream method -> here):
     get_size, get_replica_desc, batch_get_replica_desc
                                      supported (a lookup that leases the object, as upstream's)
     remove/batch_remove/remove_all   supported, with force; a leased key: -706 at once
+    batch_replica_clear              supported (the master's store.clear_replicas): this
+                                     client's keys whose lease expired, every replica or
+                                     those on segment_name (this client's get_hostname(), or
+                                     a replica's transport_endpoint); differs: another
+                                     client's local_hostname names no segment here (our
+                                     segments are named by node): nothing is cleared there
     get_hostname, health_check, close, register_buffer/unregister_buffer
-                                     supported; the port is the first free one of 12300-14300
+                                     supported; "host:port" as given (the port a name, bound
+                                     only with MC_LEGACY_RPC_PORT_BINDING), else the first
+                                     free port of 12300-14300; a store collected or still set
+                                     up at exit is closed then (its segment leaves at once)
     remove_by_regex                  left out: no regular expressions run on the master
     put_from_with_metadata, tensor APIs (put_tensor...), copy/move tasks, sessions
     (batch_*_session_*), mount_segment & co, alloc_from_mem_pool, init_all

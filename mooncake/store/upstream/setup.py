@@ -2,9 +2,12 @@
 RealClient::setup_internal in mooncake-store/src/real_client.cpp), read into what our Store
 needs, and the cluster secret.
 
-    local_hostname       "host" or "host:port": where this client's Transfer Engine listens
-                         and what peers dial ("localhost" binds 127.0.0.1); without a port,
-                         the first free one of upstream's range 12300-14300
+    local_hostname       "host" or "host:port": the host this client's Transfer Engine
+                         listens on ("localhost" binds 127.0.0.1); without a port, on the
+                         first free one of upstream's range 12300-14300, and get_hostname()
+                         names it; a port given is the client's name (get_hostname()), not
+                         bound, as upstream's: the engine takes a free port of its own,
+                         unless MC_LEGACY_RPC_PORT_BINDING is set (then it binds that port)
     metadata_server      "P2PHANDSHAKE", "http://...", "etcd://...": accepted and unused (our
                          master hands out each replica's endpoint with it)
     global_segment_size  bytes this client gives the pool: a DRAM segment mounted with the
@@ -51,7 +54,7 @@ class SetupArgs:
     """What `setup` asked for, checked."""
 
     host: str  # address the engine binds and advertises
-    port: int  # 0 = the first free one of UPSTREAM_PORTS
+    port: int  # the port of local_hostname; 0 = none (the first free one of UPSTREAM_PORTS)
     hostname: str  # local_hostname as given, without a port
     segment_bytes: int  # memory given to the pool; 0 = none
     buffer_bytes: int  # the put/get buffer; 0 = none

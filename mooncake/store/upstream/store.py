@@ -12,7 +12,8 @@ One instance is one client of our master: a Store (control channel + Transfer En
 when `global_segment_size` > 0, a DRAM segment of that size on the same engine, mounted
 with the master and kept alive by heartbeats (a `StoreNode` sharing the engine), so that
 its memory joins the pool and this client's reads and writes of it are local copies.
-`close` unmounts it: the objects stored there are gone, as upstream's are.
+`close` unmounts it: the objects stored there are gone, as upstream's are; a store still
+set up when the interpreter exits is closed then (upstream's clients are torn down at exit).
 
 Every method answers as upstream's does: 0 or a negative `ErrorCode` (store/upstream/codes.py),
 per key in batch forms; `get` returns b"" on a miss or error, `get_buffer` None. Errors are
@@ -23,8 +24,10 @@ setup), so that nothing runs unauthenticated.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import uuid
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final
 
@@ -59,6 +62,14 @@ BAD: Final = int(ErrorCode.INVALID_PARAMS)
 HC_HEALTHY, HC_NOT_INITIALIZED, HC_MASTER_UNREACHABLE = 0, 1, 2  # health_check's answers
 
 
+def _tear_down(store: Store, node: StoreNode | None, book: AddressBook) -> None:
+    """Unmount a client's segment, unregister its buffers, close its connections."""
+    if node is not None:
+        node.stop()
+    book.clear()
+    store.close()
+
+
 class MooncakeDistributedStore:
     """A client of the pool in upstream's shape; thread-safe once set up."""
 
@@ -70,6 +81,10 @@ class MooncakeDistributedStore:
         self._has_buffer = False  # local_buffer_size > 0: put and get may stage values
         self._buffer_bytes = 0  # local_buffer_size given to setup
         self._lock = threading.Lock()  # NOTE: guards setup, close and the address book
+        # NOTE: a store collected or still set up at exit is torn down then, as upstream's
+        # clients are (their destructor; the ResourceTracker's atexit handler in
+        # mooncake-store/src/real_client.cpp): its segment leaves the master at once
+        self._finalizer: weakref.finalize | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -98,14 +113,20 @@ class MooncakeDistributedStore:
             except MooncakeError as e:
                 log.error("MooncakeDistributedStore.setup: %s", e)
                 return code_of(e)
+            except OSError as e:  # the engine cannot listen there (MC_LEGACY_RPC_PORT_BINDING)
+                log.error("MooncakeDistributedStore.setup: cannot listen: %s", e)
+                return BAD
         return 0
 
     def _start(self, a: SetupArgs, text: str) -> None:
         secret = text.encode()
         node_id = f"client-{uuid.uuid4().hex[:12]}"
+        # NOTE: a port in local_hostname is the client's name, not bound, as upstream's
+        # (RealClient::setup_internal) unless MC_LEGACY_RPC_PORT_BINDING is set
+        bind = a.port if a.port and os.environ.get("MC_LEGACY_RPC_PORT_BINDING") else 0
         ports = PortRange() if a.port else PortRange(*UPSTREAM_PORTS)
         opts = EngineOptions(protocol=a.protocol, nics=a.nics, ports=ports, timeout_s=TIMEOUT_S)  # type: ignore[arg-type]
-        engine = TransferEngine(node_id, secret, opts, host=a.host, port=a.port)
+        engine = TransferEngine(node_id, secret, opts, host=a.host, port=bind)
         node = None
         try:
             master = RpcClient(a.master, secret, timeout_s=TIMEOUT_S, max_frame_bytes=64 << 20)
@@ -125,7 +146,8 @@ class MooncakeDistributedStore:
         self._book = AddressBook(engine, node_id)
         self._has_buffer = a.buffer_bytes > 0
         self._buffer_bytes = a.buffer_bytes
-        self._hostname = f"{a.hostname}:{engine.endpoints[0].port}"
+        self._hostname = f"{a.hostname}:{a.port or engine.endpoints[0].port}"
+        self._finalizer = weakref.finalize(self, _tear_down, store, node, self._book)
 
     @property
     def local_buffer_size(self) -> int:
@@ -137,15 +159,10 @@ class MooncakeDistributedStore:
         """Unmount this client's segment (its objects go), unregister every buffer, close
         the connections; 0. A store never set up closes too."""
         with self._lock:
-            store, node, book = self._store, self._node, self._book
+            finalizer, self._finalizer = self._finalizer, None
             self._store = self._node = self._book = None
-        if store is None:
-            return 0
-        if node is not None:
-            node.stop()
-        if book is not None:
-            book.clear()
-        store.close()
+        if finalizer is not None:
+            finalizer()
         return 0
 
     def health_check(self) -> int:
@@ -306,6 +323,26 @@ class MooncakeDistributedStore:
         except MooncakeError as e:
             log.error("remove_all: %s", e)
             return -1
+
+    def batch_replica_clear(self, keys: Sequence[str], segment_name: str = "") -> list[str]:
+        """Clear the replicas of those `keys` this client put whose leases have expired:
+        every replica (`segment_name` ""), or those on the segment `segment_name` names
+        (this client's get_hostname(), or a replica's transport_endpoint or segment as
+        get_replica_desc reports it); the object goes with its last replica. Returns the
+        keys cleared; keys missing, another client's, leased, being written or without a
+        replica there are skipped, as are empty keys; [] on an error (logged)."""
+        store = self._store
+        if store is None:
+            _not_set_up("batch_replica_clear")
+            return []
+        if segment_name and segment_name == self._hostname:
+            segment_name = store.node_id  # NOTE: its segment's node, sharing its engine
+        valid = [k for k in keys if not key_error(k)]
+        try:
+            return store.clear_replicas(valid, segment_name)
+        except MooncakeError as e:
+            log.error("batch_replica_clear: %s", e)
+            return []
 
     def get_replica_desc(self, key: str) -> list[ReplicaDescriptor]:
         """The key's replicas ([] on a miss or an error)."""

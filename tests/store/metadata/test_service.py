@@ -223,3 +223,22 @@ def test_reads_list_memory_before_ssd_and_local_before_remote():
     assert svc.pool.drain_instructions() == []  # a DRAM copy exists: nothing to promote
     put(svc, "m", 64, writer="a")
     assert [r.node_id for r in svc.get_replicas("m", 1.0, reader="b").replicas] == ["b", "a"]
+
+
+def test_clear_replicas_takes_the_writers_unleased_objects_all_or_on_one_segment():
+    """Upstream's BatchReplicaClear (mooncake-store/src/master_service.cpp): only the
+    caller's objects, not while leased or being written; every replica, or those on one
+    segment (named by segment, node or endpoint), the object with its last one."""
+    svc = make_service({"a": {"dram": 4096}, "b": {"dram": 4096}}, lease_ttl_s=1.0)
+    assert put(svc, "both", 64, writer="a", replicas=2) == "ok"
+    assert put(svc, "one", 64, writer="a") == "ok"
+    assert put(svc, "theirs", 64, writer="b") == "ok"
+    svc.writes.put_start("writing", 64, 0.0, writer="a")
+    assert svc.get_replicas("one", 0.0).status == "ok"  # a lease until t=1
+    keys = ["missing", "theirs", "writing", "one", "both"]
+    assert svc.clear_replicas(keys, "a", "b-dram", 0.5) == ["both"]  # "one" is leased
+    assert [r.node_id for r in svc.objects["both"].replicas] == ["a"]
+    assert svc.clear_replicas(["both"], "a", "b", 0.5) == []  # nothing left on node b
+    assert svc.clear_replicas(["both", "one"], "a", "", 2.0) == ["both", "one"]
+    assert set(svc.objects) == {"theirs", "writing"}
+    svc.check_integrity()
