@@ -59,7 +59,9 @@ def address_of(mv: memoryview) -> int:
 
 
 def _is_torch_tensor(obj: Any) -> bool:
-    return type(obj).__module__.startswith("torch") and hasattr(obj, "data_ptr")
+    # NOTE: a type made at run time (a ctypes array type) may have __module__ None
+    module = getattr(type(obj), "__module__", None) or ""
+    return module.startswith("torch") and hasattr(obj, "data_ptr")
 
 
 def _torch_view(tensor: Any, location: str | None) -> BufferView:

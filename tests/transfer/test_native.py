@@ -95,3 +95,16 @@ def test_sweep_removes_only_arenas_of_dead_creators() -> None:
         ShmArena.attach(mine.name).close()  # still there
     with pytest.raises(FileNotFoundError):
         ShmArena.attach(orphan.name)
+
+
+def test_a_buffer_whose_type_has_no_module_is_a_buffer() -> None:
+    """A ctypes array type made at run time can have __module__ None (seen through the
+    Store drop-in's raw-address buffers): it is host memory, not mistaken for anything."""
+    import ctypes
+
+    from mooncake.native.memory import buffer_view
+
+    array_type = ctypes.c_ubyte * 16
+    array_type.__module__ = None  # type: ignore[assignment]
+    view = buffer_view(array_type(), "cpu:0")
+    assert view.num_bytes == 16 and view.mv is not None
