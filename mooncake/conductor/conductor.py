@@ -30,6 +30,7 @@ from mooncake.conductor.admission import decide
 from mooncake.conductor.candidates import MAX_EXPLICIT, LoadOrder, Prices, walked_len
 from mooncake.conductor.candidates import choose as choose_bounded
 from mooncake.conductor.costmodel import CostModel
+from mooncake.conductor.decodeorder import DecodeOrder, is_monotone
 from mooncake.conductor.forecast import DecodeForecast, ForecastError
 from mooncake.conductor.index import PrefixIndex
 from mooncake.conductor.load import DecodeSlots, PrefillQueue
@@ -79,6 +80,8 @@ class Conductor:
         self._reach_full = 0  # of those, where any instance may read (coupled: the pool's)
         self._block_bytes = cost.kv_bytes_per_token * params.block_tokens
         self._load_order = LoadOrder()  # the prefill queues by floor (candidates.py)
+        self._decode_order = DecodeOrder()  # the decode instances by load (decodeorder.py)
+        self._step_monotone = is_monotone([t.coef for t in cost.spec.decode.terms])
         # first-stage seconds of prefill offered per group, decaying over defer_window_s
         self._offered_s, self._offered_at = 0.0, 0.0
         self.waiting = WaitingRoom(params.defer_s)  # refused for the queue alone, waiting
@@ -129,6 +132,7 @@ class Conductor:
                 net.add_node(name, cost.link_bytes_per_s)
         net.default_bytes_per_s = cost.link_bytes_per_s
         self.cost = cost
+        self._step_monotone = is_monotone([t.coef for t in cost.spec.decode.terms])
 
     # -- instances ---------------------------------------------------------------------
     def add_prefill_instance(self, name: str, link_bytes_per_s: float | None = None) -> None:
@@ -162,8 +166,10 @@ class Conductor:
     def _add_decode(self, name: str, kv_capacity_tokens: int | None) -> None:
         if name in self._decode_by_name:
             raise SchedulingError(f"decode instance {name!r} is already registered")
-        slots = DecodeSlots(name, kv_capacity_tokens or self.cost.kv_capacity_tokens)
+        capacity = kv_capacity_tokens or self.cost.kv_capacity_tokens
+        slots = DecodeSlots(name, capacity, self._decode_order)
         self.decode.append(slots)
+        self._decode_order.add(slots, len(self.decode) - 1)
         self._decode_by_name[name] = slots
         self.forecast.capacity_tokens += slots.capacity_tokens
 
@@ -214,6 +220,7 @@ class Conductor:
         self.prefill = [q for q in self.prefill if q.name != name]
         self.decode = [s for s in self.decode if s.name != name]
         self._decode_by_name.pop(name, None)
+        self._decode_order.rebuild(self.decode)
         self.forecast.capacity_tokens = sum(s.capacity_tokens for s in self.decode)
         self._pool_nodes = [n for n in self._pool_nodes if n != name]
         self.index.remove_node(name)
@@ -474,13 +481,17 @@ class Conductor:
         """The decode instance with the lowest predicted TBT among those with room for the
         request's KV (its batch's KV now, plus reservations), that TBT in seconds, and the
         (requests, KV tokens) decoding now over the whole decode pool."""
+        totals = self._decode_order.totals
+        running = (totals.num_active, totals.held(now))
         if self.is_coupled:
             s = self.decode[prefill_idx]
-            n = sum(len(x.active) for x in self.decode)
-            held = sum(x.held_tokens(now) for x in self.decode)
             tbt = self.cost.step_fn(s.num + 1, s.held_tokens(now) + s.reserved_tokens + input_len)
-            return s, tbt, (n, held)
-        return place_decode(self.decode, self.cost.step_fn, input_len, now)
+            return s, tbt, running
+        if self.params.full_scan or not self._step_monotone:
+            slots, tbt, _ = place_decode(self.decode, self.cost.step_fn, input_len, now)
+        else:
+            slots, tbt = self._decode_order.place(self.decode, self.cost.step_fn, input_len, now)
+        return slots, tbt, running
 
     def admit_prefill(
         self, req_id: int, now: float, prefill_s: float | None = None
@@ -557,9 +568,9 @@ class Conductor:
         if slots is None:
             return
         slots.report(kv_tokens, batch_size, step_s, now)
-        running = sum(len(s.active) for s in self.decode)
-        if running:  # NOTE: tokens/s per decoding request, batch-weighted over the pool
-            self.forecast.gen_per_s = sum(s.gen_per_s for s in self.decode) / running
+        totals = self._decode_order.totals
+        if totals.num_active:  # NOTE: tokens/s per decoding request, batch-weighted
+            self.forecast.gen_per_s = totals.gen_per_s / totals.num_active
 
     @property
     def num_tickets(self) -> int:
@@ -574,6 +585,8 @@ class Conductor:
         """Assert the index is consistent and every load entry belongs to a live ticket."""
         self.index.check_integrity()
         self.tickets.check(self.prefill, self.decode)
+        self._load_order.check(self.prefill)
+        self._decode_order.totals.check(self.decode)
 
 
 def _no_read(_blocks: int) -> float:

@@ -28,6 +28,7 @@ from mooncake.conductor.pipelining import num_chunks, pipeline_times
 
 if TYPE_CHECKING:
     from mooncake.conductor.candidates import LoadOrder
+    from mooncake.conductor.decodeorder import DecodeOrder
 
 SPEED_MIN, SPEED_MAX = 0.25, 8.0  # bounds of one latency sample, observed / predicted
 
@@ -175,9 +176,10 @@ class DecodeSlots:
         "generated",
         "gen_per_s",
         "report_t",
+        "order",
     )
 
-    def __init__(self, name: str, capacity_tokens: int):
+    def __init__(self, name: str, capacity_tokens: int, order: DecodeOrder | None = None):
         self.name = name
         self.capacity_tokens = capacity_tokens  # KV tokens the instance's VRAM holds
         self.active: dict[Hashable, int] = {}  # req_id -> prompt KV tokens, decoding now
@@ -191,6 +193,7 @@ class DecodeSlots:
         self.generated = 0  # KV tokens the batch generated, as of its last report
         self.gen_per_s = 0.0  # tokens/s the batch adds: batch size / step time, last report
         self.report_t = 0.0  # s, time of the last report
+        self.order = order  # the Conductor's decode instances by load, told of every change
 
     def reserve(self, req_id: Hashable, tokens: int) -> None:
         assert req_id not in self.reserved and req_id not in self.active, req_id
@@ -198,6 +201,8 @@ class DecodeSlots:
         self.reserved_tokens += tokens
         self.num += 1
         self.tokens += tokens
+        if self.order is not None:
+            self.order.moved(self)
 
     def activate(self, req_id: Hashable, now: float) -> None:
         tokens = self.reserved.pop(req_id, None)
@@ -207,6 +212,8 @@ class DecodeSlots:
             self.active[req_id] = tokens
             self.since[req_id] = now
             self.active_tokens += tokens
+            if self.order is not None:
+                self.order.moved(self)
 
     def release(self, req_id: Hashable) -> None:
         self.incoming.pop(req_id, None)
@@ -220,6 +227,8 @@ class DecodeSlots:
                     self.active_tokens -= tokens
                 self.num -= 1
                 self.tokens -= tokens
+                if self.order is not None:
+                    self.order.moved(self)
 
     def report(self, kv_tokens: int, batch_size: int, step_s: float, now: float) -> None:
         """The instance's own load report: its batch of `batch_size` holds `kv_tokens` of
@@ -227,6 +236,8 @@ class DecodeSlots:
         self.generated = max(0, kv_tokens - self.active_tokens)
         self.gen_per_s = batch_size / step_s if batch_size and step_s > 0 else 0.0
         self.report_t = now
+        if self.order is not None:
+            self.order.moved(self)
 
     def held_tokens(self, now: float) -> float:
         """KV tokens the running batch holds at `now`: prompts + generated tokens."""
