@@ -524,6 +524,7 @@ class Conductor:
                 tokens,
                 now,
                 now + latency_s,
+                None if self.params.full_scan else self._decode_order.start_candidates(),
             )
             if predictive and load > 1.0:
                 self.on_request_dropped(req_id, now)

@@ -118,9 +118,11 @@ class DecodeOrder:
         self._key: dict[int, tuple[int, float, int]] = {}  # id(slots) -> (num, floor, idx)
         self._idx: dict[int, int] = {}  # id(slots) -> index
         self.totals = DecodeTotals()
+        # KV room -> the indices of the instances of that room with nothing running or reserved
+        self.idle: dict[int, list[int]] = {}
 
     def rebuild(self, decode: list[DecodeSlots]) -> None:
-        self.buckets, self._key, self.totals = {}, {}, DecodeTotals()
+        self.buckets, self._key, self.totals, self.idle = {}, {}, DecodeTotals(), {}
         self._idx = {id(s): i for i, s in enumerate(decode)}
         for s in decode:
             self.moved(s)
@@ -146,6 +148,21 @@ class DecodeOrder:
                 del self.buckets[old[0]]
         insort(self.buckets.setdefault(key[0], []), key[1:])
         self._key[id(s)] = key
+        was_idle, is_idle = old is not None and old[0] == 0, key[0] == 0
+        if was_idle != is_idle:
+            idle = self.idle.setdefault(s.capacity_tokens, [])
+            if is_idle:
+                insort(idle, i)
+            else:
+                del idle[bisect_left(idle, i)]
+
+    def start_candidates(self) -> list[int]:
+        """The instances `placement.place_at_start` needs to price, by index: every busy
+        one (requests running or reserved) and the first idle one of each KV room."""
+        busy = [i for num, entries in self.buckets.items() if num for _, i in entries]
+        busy += [idle[0] for idle in self.idle.values() if idle]
+        busy.sort()
+        return busy
 
     def place(
         self,

@@ -180,10 +180,18 @@ class SimPool:
 
     def _first_on(self, node: NodePool, tier: str) -> int | None:
         """`node`'s first block of `tier` in the policy's order: spare copies first."""
-        holders = self.holders[tier]
-        for h in self.order.victims(tier, spare_only=True):
-            if node in holders[h]:
-                return h
+        # NOTE: the first of the node's spare copies in the order's (least recent stamp
+        # first) without sorting the pool's spares: scan the smaller of the two sets
+        spare, own = self.order.spare[tier], self.tier_of(node, tier)
+        if spare and own is not None:
+            stamp = self.order._stamp  # NOTE: the order's recency, read only
+            if len(own.blocks) < len(spare):
+                mine = [h for h in own.blocks if h in spare]
+            else:
+                holders = self.holders[tier]
+                mine = [h for h in spare if node in holders[h]]
+            if mine:
+                return min(mine, key=stamp.__getitem__)
         heap, lru, place = self._heaps[node], self.tier_of(node, tier), self._place_of
         assert tier == self.top_tier and lru is not None, (node.node, tier)
         while heap:

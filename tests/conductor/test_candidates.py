@@ -85,7 +85,8 @@ def _run(seed: int, full_scan: bool) -> list[tuple]:
             if x < 0.03 or step == 2:
                 live.remove(r)
         for s in rng.sample(c.decode, min(2, len(c.decode))):
-            c.on_decode_report(s.name, s.active_tokens + rng.randint(0, 500), len(s.active), 0.05, now)
+            kv = s.active_tokens + rng.randint(0, 500)
+            c.on_decode_report(s.name, kv, len(s.active), 0.05, now)
         c.check_integrity()
     return out
 
