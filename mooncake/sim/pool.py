@@ -73,6 +73,8 @@ class SimPool:
         self._heaps: dict[NodePool, list[tuple[int, int]]] = {}
         self._clock = itertools.count()
         self.num_relocated = 0  # last copies moved off a full writer to make it room
+        # (node, tier) -> its blocks there that are spare copies (order.spare, per node)
+        self._spare_on: dict[tuple[NodePool, str], set[int]] = {}
 
     def join(self, node: NodePool) -> None:
         assert node.node not in self.nodes, node.node
@@ -180,18 +182,9 @@ class SimPool:
 
     def _first_on(self, node: NodePool, tier: str) -> int | None:
         """`node`'s first block of `tier` in the policy's order: spare copies first."""
-        # NOTE: the first of the node's spare copies in the order's (least recent stamp
-        # first) without sorting the pool's spares: scan the smaller of the two sets
-        spare, own = self.order.spare[tier], self.tier_of(node, tier)
-        if spare and own is not None:
-            stamp = self.order._stamp  # NOTE: the order's recency, read only
-            if len(own.blocks) < len(spare):
-                mine = [h for h in own.blocks if h in spare]
-            else:
-                holders = self.holders[tier]
-                mine = [h for h in spare if node in holders[h]]
-            if mine:
-                return min(mine, key=stamp.__getitem__)
+        mine = self._spare_on.get((node, tier))
+        if mine:  # NOTE: its spare copies, kept per node: the pool's are not sorted
+            return min(mine, key=self.order._stamp.__getitem__)  # the order's recency
         heap, lru, place = self._heaps[node], self.tier_of(node, tier), self._place_of
         assert tier == self.top_tier and lru is not None, (node.node, tier)
         while heap:
@@ -211,6 +204,8 @@ class SimPool:
         dst_lru.blocks[h] = None
         nodes = self.holders[tier][h]
         nodes[nodes.index(src)] = dst
+        self._spare_on.get((src, tier), set()).discard(h)
+        self._resync(h)
         heapq.heappush(self._heaps[dst], (self._place_of[h], h))
         self._changed.setdefault(src, {})[h] = None
         self.num_relocated += 1
@@ -282,6 +277,7 @@ class SimPool:
         self.free[tier] -= 1
         self.holders[tier].setdefault(h, []).append(node)
         self.order.add(h, tier)
+        self._resync(h)
         if tier == self.top_tier:
             if h not in self._place_of:  # NOTE: a duplicate keeps the original's place
                 self._place_of[h] = next(self._clock)
@@ -300,7 +296,22 @@ class SimPool:
             if tier == self.top_tier:
                 del self._place_of[h]
         self.order.remove(h, tier)
+        self._spare_on.get((node, tier), set()).discard(h)
+        self._resync(h)
         self._changed.setdefault(node, {})[h] = None
+
+    def _resync(self, h: int) -> None:
+        """Each holder of `h` files it as spare or not, as the order classes it now."""
+        for tier, table in self.holders.items():
+            nodes = table.get(h)
+            if nodes:
+                is_spare = h in self.order.spare[tier]
+                for node in nodes:
+                    mine = self._spare_on.setdefault((node, tier), set())
+                    if is_spare:
+                        mine.add(h)
+                    else:
+                        mine.discard(h)
 
     def _report(self, t: float) -> None:
         """Tell the index where each changed block ended up on each node, then the ledger
@@ -322,6 +333,9 @@ class SimPool:
         assert set(self._place_of) == set(self.holders[self.top_tier]), "places out of sync"
         for node in self.nodes.values():
             node.check_integrity()
+        for (node, tier), mine in self._spare_on.items():
+            want = {h for h in self.order.spare[tier] if node in self.holders[tier].get(h, ())}
+            assert mine == want, (node.node, tier, mine ^ want)
 
 
 class NodePool:
