@@ -75,6 +75,9 @@ class SimPool:
         self.num_relocated = 0  # last copies moved off a full writer to make it room
         # (node, tier) -> its blocks there that are spare copies (order.spare, per node)
         self._spare_on: dict[tuple[NodePool, str], set[int]] = {}
+        # tier -> heap of (-room, join order, node), stale entries skipped (`_roomiest`)
+        self._room_heap: dict[str, list[tuple[float, int, NodePool]]] = {top_tier: [], "ssd": []}
+        self._joined: dict[NodePool, int] = {}
 
     def join(self, node: NodePool) -> None:
         assert node.node not in self.nodes, node.node
@@ -82,6 +85,9 @@ class SimPool:
         self._heaps[node] = []
         self.free[self.top_tier] += node.top.room
         self.free["ssd"] += node.ssd.room if node.ssd is not None else 0
+        self._joined[node] = len(self._joined)
+        for tier in self._room_heap:
+            self._room_changed(node, tier)
 
     @property
     def has_ssd(self) -> bool:
@@ -206,19 +212,30 @@ class SimPool:
         nodes[nodes.index(src)] = dst
         self._spare_on.get((src, tier), set()).discard(h)
         self._resync(h)
+        self._room_changed(src, tier)
+        self._room_changed(dst, tier)
         heapq.heappush(self._heaps[dst], (self._place_of[h], h))
         self._changed.setdefault(src, {})[h] = None
         self.num_relocated += 1
 
     def _roomiest(self, tier: str) -> NodePool | None:
+        """The node with the most room in `tier` (the first joined of equals), None when
+        none has any: the top of a heap of (room, join order) with stale entries skipped."""
         if not self.free[tier]:
             return None
-        best, room = None, 0.0
-        for node in self.nodes.values():
+        heap = self._room_heap[tier]
+        while heap:
+            neg_room, _, node = heap[0]
             lru = self.tier_of(node, tier)
-            if lru is not None and lru.room > room:
-                best, room = node, lru.room
-        return best
+            if lru is not None and lru.room == -neg_room:
+                return node if -neg_room > 0 else None
+            heapq.heappop(heap)
+        return None
+
+    def _room_changed(self, node: NodePool, tier: str) -> None:
+        lru = self.tier_of(node, tier)
+        if lru is not None:
+            heapq.heappush(self._room_heap[tier], (-lru.room, self._joined[node], node))
 
     def _make_room(self, tier: str) -> NodePool | None:
         """Free one block of `tier` by the policy's first victim; the node freed, or None
@@ -278,6 +295,7 @@ class SimPool:
         self.holders[tier].setdefault(h, []).append(node)
         self.order.add(h, tier)
         self._resync(h)
+        self._room_changed(node, tier)
         if tier == self.top_tier:
             if h not in self._place_of:  # NOTE: a duplicate keeps the original's place
                 self._place_of[h] = next(self._clock)
@@ -298,6 +316,7 @@ class SimPool:
         self.order.remove(h, tier)
         self._spare_on.get((node, tier), set()).discard(h)
         self._resync(h)
+        self._room_changed(node, tier)
         self._changed.setdefault(node, {})[h] = None
 
     def _resync(self, h: int) -> None:
