@@ -53,8 +53,12 @@ import math
 from bisect import bisect_left, bisect_right, insort
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from mooncake.conductor.policy import PrefillPlan, prefix_ratio
+
+if TYPE_CHECKING:
+    from mooncake.conductor.load import PrefillQueue
 
 MAX_EXPLICIT = 16  # prefill instances of one prefix length priced one by one, at most
 
@@ -68,7 +72,7 @@ class LoadOrder:
         self._key: dict[int, tuple[float, int]] = {}  # id(queue) -> its entry
         self._idx: dict[int, int] = {}  # id(queue) -> instance index
 
-    def rebuild(self, queues: list) -> None:  # type: ignore[type-arg]
+    def rebuild(self, queues: list[PrefillQueue]) -> None:
         """Index the queues by position (after instances were added or removed)."""
         self._idx = {id(q): i for i, q in enumerate(queues)}
         self._key = {id(q): (q.floor_s, i) for i, q in enumerate(queues)}
@@ -87,7 +91,7 @@ class LoadOrder:
         insort(entries, new)
         self._key[id(queue)] = new
 
-    def check(self, queues: list) -> None:  # type: ignore[type-arg]
+    def check(self, queues: list[PrefillQueue]) -> None:
         """Assert the order holds every queue at its current floor."""
         want = sorted((q.floor_s, i) for i, q in enumerate(queues))
         assert self.entries == want, (self.entries[:8], want[:8])

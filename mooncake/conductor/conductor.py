@@ -247,9 +247,7 @@ class Conductor:
             return not_yet
         hashes, input_len = req.block_hashes, req.input_len
         if p.full_scan or waited or self.policy.name != "kvcache_centric":
-            plan, local_len, own_queue_s, best_len, best_blocks = self._plan_full(
-                req, now, waited
-            )
+            plan, local_len, own_queue_s, best_len, best_blocks = self._plan_full(req, now, waited)
         else:
             plan, local_len, own_queue_s, best_len, best_blocks = self._plan_bounded(req, now)
         if waited and not plan.ttft_s < math.inf:

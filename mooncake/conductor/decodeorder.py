@@ -36,7 +36,6 @@ import heapq
 import math
 from bisect import bisect_left, bisect_right, insort
 from collections.abc import Callable
-
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:

@@ -21,7 +21,6 @@ Pure logic: time is passed in; nothing here reads a clock.
 from __future__ import annotations
 
 from collections.abc import Hashable
-
 from typing import TYPE_CHECKING
 
 from mooncake.conductor.pipelining import num_chunks, pipeline_times

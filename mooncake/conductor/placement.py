@@ -70,11 +70,16 @@ def place_at_start(
     reserved prices as every other such one of its KV room, so the candidates need only
     the busy ones and the first idle one of each room (`DecodeOrder.start_candidates`)."""
     if candidates is not None:
-        chosen = [decode[i] for i in candidates]
-        best, load = place_at_start(
-            cost, tbt_slo_s, forecast, chosen, req_id, input_len, now, ready_at
+        return place_at_start(
+            cost,
+            tbt_slo_s,
+            forecast,
+            [decode[i] for i in candidates],
+            req_id,
+            input_len,
+            now,
+            ready_at,
         )
-        return best, load
     t = ready_at
     times, g, h = forecast.times, forecast.gen_per_s, t - now
     sizes = [len(s.active) for s in decode]
