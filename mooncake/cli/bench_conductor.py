@@ -45,6 +45,11 @@ def bench_conductor(
         help="Timed runs of --decisions each; the least disturbed is reported.",
     ),
     seed: int = typer.Option(0, "--seed", help="Seed of the synthetic workload."),
+    full_scan: bool = typer.Option(
+        False,
+        "--full-scan",
+        help="Price every instance (the reference) instead of the bounded candidate set.",
+    ),
     json_out: bool = typer.Option(
         False, "--json", help="Print one JSON object instead of a table."
     ),
@@ -62,7 +67,9 @@ def bench_conductor(
     from mooncake.conductor import Conductor, ConductorParams, ScheduleRequest, roofline_cost_model
 
     rng = random.Random(seed)
-    params = ConductorParams(policy=policy, rejection=rejection, ttft_slo_s=1e9, tbt_slo_s=1e9)
+    params = ConductorParams(
+        policy=policy, rejection=rejection, ttft_slo_s=1e9, tbt_slo_s=1e9, full_scan=full_scan
+    )
     conductor = Conductor(params, roofline_cost_model("llama2-70b", "A800", 8))
     for i in range(prefill):
         conductor.add_prefill_instance(f"p{i}")
@@ -126,6 +133,7 @@ def bench_conductor(
         "target_p99_us": 200.0,
         "policy": policy,
         "rejection": rejection,
+        "full_scan": full_scan,
     }
     if json_out:
         print_json(result)

@@ -23,18 +23,21 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable, Sequence
 from typing import TYPE_CHECKING
 
 from mooncake.conductor.admission import decide
+from mooncake.conductor.candidates import MAX_EXPLICIT, LoadOrder, Prices, walked_len
+from mooncake.conductor.candidates import choose as choose_bounded
 from mooncake.conductor.costmodel import CostModel
+from mooncake.conductor.decodeorder import DecodeOrder, is_monotone
 from mooncake.conductor.forecast import DecodeForecast, ForecastError
 from mooncake.conductor.index import PrefixIndex
 from mooncake.conductor.load import DecodeSlots, PrefillQueue
 from mooncake.conductor.network import NetworkState
 from mooncake.conductor.pipelining import num_chunks, pipeline_times
 from mooncake.conductor.placement import place_at_start, place_decode
-from mooncake.conductor.policy import PrefillView, create_policy
+from mooncake.conductor.policy import PrefillPlan, PrefillView, create_policy
 from mooncake.conductor.roofline import master_cost_model, roofline_cost_model
 from mooncake.conductor.tickets import OpenTickets
 from mooncake.conductor.types import (
@@ -76,6 +79,9 @@ class Conductor:
         self._match_full = 0  # OR of _match_bits
         self._reach_full = 0  # of those, where any instance may read (coupled: the pool's)
         self._block_bytes = cost.kv_bytes_per_token * params.block_tokens
+        self._load_order = LoadOrder()  # the prefill queues by floor (candidates.py)
+        self._decode_order = DecodeOrder()  # the decode instances by load (decodeorder.py)
+        self._step_monotone = is_monotone([t.coef for t in cost.spec.decode.terms])
         # first-stage seconds of prefill offered per group, decaying over defer_window_s
         self._offered_s, self._offered_at = 0.0, 0.0
         self.waiting = WaitingRoom(params.defer_s)  # refused for the queue alone, waiting
@@ -126,6 +132,7 @@ class Conductor:
                 net.add_node(name, cost.link_bytes_per_s)
         net.default_bytes_per_s = cost.link_bytes_per_s
         self.cost = cost
+        self._step_monotone = is_monotone([t.coef for t in cost.spec.decode.terms])
 
     # -- instances ---------------------------------------------------------------------
     def add_prefill_instance(self, name: str, link_bytes_per_s: float | None = None) -> None:
@@ -159,8 +166,10 @@ class Conductor:
     def _add_decode(self, name: str, kv_capacity_tokens: int | None) -> None:
         if name in self._decode_by_name:
             raise SchedulingError(f"decode instance {name!r} is already registered")
-        slots = DecodeSlots(name, kv_capacity_tokens or self.cost.kv_capacity_tokens)
+        capacity = kv_capacity_tokens or self.cost.kv_capacity_tokens
+        slots = DecodeSlots(name, capacity, self._decode_order)
         self.decode.append(slots)
+        self._decode_order.add(slots, len(self.decode) - 1)
         self._decode_by_name[name] = slots
         self.forecast.capacity_tokens += slots.capacity_tokens
 
@@ -169,7 +178,14 @@ class Conductor:
             raise SchedulingError(f"prefill instance {name!r} is already registered")
         p = self.params
         self.prefill.append(
-            PrefillQueue(name, self.index.bit(name), p.stages, p.chunk_tokens, p.speed_ewma)
+            PrefillQueue(
+                name,
+                self.index.bit(name),
+                p.stages,
+                p.chunk_tokens,
+                p.speed_ewma,
+                self._load_order,
+            )
         )
         # NOTE: every stage of a group moves its own layers' KV over its own NIC
         self.network.add_node(name, (link_bytes_per_s or self.cost.link_bytes_per_s) * p.stages)
@@ -177,19 +193,34 @@ class Conductor:
 
     def _rebuild_match(self) -> None:
         names = [q.name for q in self.prefill]
-        self._match_names = names + [n for n in self._pool_nodes if n not in names]
+        own = set(names)
+        self._match_names = names + [n for n in self._pool_nodes if n not in own]
         self._match_bits = [self.index.bit(n) for n in self._match_names]
         self._match_full = self._reach_full = 0
         for name, bit in zip(self._match_names, self._match_bits, strict=True):
             self._match_full |= bit
-            if not self.is_coupled or name not in names:
+            if not self.is_coupled or name not in own:
                 self._reach_full |= bit  # where a prefix may be read from
+        # for the bounded candidate set (`_plan_bounded`)
+        self._prefill_bits = self._match_bits[: len(names)]
+        self._prefill_full = 0
+        for bit in self._prefill_bits:
+            self._prefill_full |= bit
+        first = len(names) if self.is_coupled else 0
+        self._best_full = 0  # where the longest prefix counts (coupled: not the instances)
+        for bit in self._match_bits[first:]:
+            self._best_full |= bit
+        self._bit_to_match = {bit: i for i, bit in enumerate(self._match_bits)}
+        bits = self._match_bits
+        self._bits_increasing = all(a < b for a, b in zip(bits, bits[1:], strict=False))
+        self._load_order.rebuild(self.prefill)
 
     def remove_instance(self, name: str) -> None:
         """The instance's node is gone: stop placing on it and forget its blocks."""
         self.prefill = [q for q in self.prefill if q.name != name]
         self.decode = [s for s in self.decode if s.name != name]
         self._decode_by_name.pop(name, None)
+        self._decode_order.rebuild(self.decode)
         self.forecast.capacity_tokens = sum(s.capacity_tokens for s in self.decode)
         self._pool_nodes = [n for n in self._pool_nodes if n != name]
         self.index.remove_node(name)
@@ -215,46 +246,13 @@ class Conductor:
         if waited and (not_yet := self.waiting.turn(req.req_id, self._free_s(now), now)):
             return not_yet
         hashes, input_len = req.block_hashes, req.input_len
-        # match: every prefill instance's local prefix, and the longest one anywhere
-        held = self.index.prefix_lens(hashes, self._match_bits, self._match_full)
-        lens = held[: len(self.prefill)]
-        # NOTE: coupled instances (vLLM's) read their own cache and the pool, never each other's
-        first = len(self.prefill) if self.is_coupled else 0
-        best_len = max(held[first:], default=0)
-        best_idx = held.index(best_len, first) if best_len else -1
-        if best_len < len(hashes) and p.global_pool:  # the pool's prefix, maybe split
-            pool_len = self.index.pool_prefix_len(hashes, self._reach_full)
-            if pool_len > best_len:  # NOTE: priced from the holder of the first block past
-                mask = self.index.holders_mask(hashes[best_len])  # the longest run
-                bits = self._match_bits
-                best_idx = next(i for i in range(first, len(bits)) if bits[i] & mask)
-                best_len = pool_len
-        names = self._match_names
-        # estimate (blocks the pool holds on SSD only are priced at the SSD's read cost)
-        ssd = self.index.ssd_only_counts(hashes, self._match_full)
-        view = PrefillView(
-            input_len=input_len,
-            num_blocks=len(hashes),
-            names=names[: len(self.prefill)],
-            prefix_lens=lens,
-            queue_s=[q.queue_time(now) for q in self.prefill],
-            best_len=best_len,
-            best_idx=best_idx,
-            can_fetch=p.global_pool and (not self.is_coupled or bool(self._pool_nodes)),
-            prefill_s=lambda blocks: self._prefill_latency(input_len, blocks),
-            transfer_s=lambda src, dst, blocks: self.network.estimate(
-                names[src], names[dst], blocks * self._block_bytes, now
-            ),
-        )
-        if ssd:
-            view.read_s = lambda blocks: self.cost.ssd_read_time(
-                ssd[min(blocks, len(ssd) - 1)] * self._block_bytes
-            )
-        if waited:  # NOTE: a busy group's TTFT is infinite to it: the policy picks an idle one
-            view.queue_s = [0.0 if q <= 0.0 else math.inf for q in view.queue_s]
-        plan = self.policy.choose(view)
+        if p.full_scan or waited or self.policy.name != "kvcache_centric":
+            plan, local_len, own_queue_s, best_len, best_blocks = self._plan_full(req, now, waited)
+        else:
+            plan, local_len, own_queue_s, best_len, best_blocks = self._plan_bounded(req, now)
         if waited and not plan.ttft_s < math.inf:
             return self.waiting.wait_on(req.req_id, self._free_s(now))
+        names = self._match_names
         # place
         slots, tbt, running = self._place_decode(plan.idx, input_len, now)
         # admit
@@ -269,7 +267,7 @@ class Conductor:
             plan.ttft_s,
             now,
         )
-        own_s = plan.ttft_s - view.queue_s[plan.idx]  # its TTFT with no queue ahead
+        own_s = plan.ttft_s - own_queue_s  # its TTFT with no queue ahead
         queue = self.prefill[plan.idx]
         reused = min(plan.reused_blocks * p.block_tokens, input_len)
         prefill_s = self.cost.prefill_time(input_len, reused)
@@ -286,8 +284,8 @@ class Conductor:
             self.waiting.leave(req.req_id)
         src = names[plan.fetch_from] if plan.fetch_from >= 0 else ""
         replications: tuple[ReplicationOrder, ...] = ()
-        if plan.replicate and plan.reused_blocks > lens[plan.idx]:
-            blocks = tuple(hashes[lens[plan.idx] : plan.reused_blocks])
+        if plan.replicate and plan.reused_blocks > local_len:
+            blocks = tuple(hashes[local_len : plan.reused_blocks])
             replications = (ReplicationOrder(blocks, src, queue.name),)
         decision = Decision(
             req_id=req.req_id,
@@ -295,8 +293,8 @@ class Conductor:
             reason=reason,
             prefill=queue.name,
             decode=slots.name,
-            local_blocks=lens[plan.idx],
-            best_blocks=max(best_len, max(held, default=0)),  # coupled: anywhere, reachable or not
+            local_blocks=local_len,
+            best_blocks=best_blocks,
             reused_blocks=plan.reused_blocks,
             fetch_from=src,
             ttft_s=plan.ttft_s,
@@ -318,6 +316,131 @@ class Conductor:
                 input_len - reused,
             )
         return decision
+
+    def _plan_full(
+        self, req: ScheduleRequest, now: float, waited: bool
+    ) -> tuple[PrefillPlan, int, float, int, int]:
+        """match + estimate + choose over every prefill instance (the reference scan):
+        (plan, the chosen instance's local prefix, its T_queue as priced, the longest
+        reachable prefix, the longest prefix anywhere), blocks and seconds."""
+        p, hashes, input_len = self.params, req.block_hashes, req.input_len
+        # match: every prefill instance's local prefix, and the longest one anywhere
+        held = self.index.prefix_lens(hashes, self._match_bits, self._match_full)
+        lens = held[: len(self.prefill)]
+        # NOTE: coupled instances (vLLM's) read their own cache and the pool, never each other's
+        first = len(self.prefill) if self.is_coupled else 0
+        best_len = max(held[first:], default=0)
+        best_idx = held.index(best_len, first) if best_len else -1
+        if best_len < len(hashes) and p.global_pool:  # the pool's prefix, maybe split
+            pool_len = self.index.pool_prefix_len(hashes, self._reach_full)
+            if pool_len > best_len:  # NOTE: priced from the holder of the first block past
+                mask = self.index.holders_mask(hashes[best_len])  # the longest run
+                bits = self._match_bits
+                best_idx = next(i for i in range(first, len(bits)) if bits[i] & mask)
+                best_len = pool_len
+        names = self._match_names
+        # estimate (blocks the pool holds on SSD only are priced at the SSD's read cost)
+        view = PrefillView(
+            input_len=input_len,
+            num_blocks=len(hashes),
+            names=names[: len(self.prefill)],
+            prefix_lens=lens,
+            queue_s=[q.queue_time(now) for q in self.prefill],
+            best_len=best_len,
+            best_idx=best_idx,
+            can_fetch=self._can_fetch,
+            prefill_s=lambda blocks: self._prefill_latency(input_len, blocks),
+            transfer_s=lambda src, dst, blocks: self.network.estimate(
+                names[src], names[dst], blocks * self._block_bytes, now
+            ),
+            read_s=self._read_s(hashes),
+        )
+        if waited:  # NOTE: a busy group's TTFT is infinite to it: the policy picks an idle one
+            view.queue_s = [0.0 if q <= 0.0 else math.inf for q in view.queue_s]
+        plan = self.policy.choose(view)
+        best_blocks = max(best_len, max(held, default=0))  # coupled: anywhere, reachable or not
+        return plan, lens[plan.idx], view.queue_s[plan.idx], best_len, best_blocks
+
+    def _plan_bounded(
+        self, req: ScheduleRequest, now: float
+    ) -> tuple[PrefillPlan, int, float, int, int]:
+        """`_plan_full`'s answer for Algorithm 1 from a bounded candidate set
+        (`mooncake.conductor.candidates`): the instances holding a prefix few others hold,
+        then the rest in order of their queue's floor, until none can win."""
+        hashes, input_len = req.block_hashes, req.input_len
+        groups = self.index.prefix_groups(hashes, self._match_full)
+        explicit: dict[int, int] = {}  # prefill instance -> its prefix length
+        walked: list[tuple[int, int]] = []  # (prefix length, mask of prefill bits)
+        bit_to_idx, prefill_full = self._bit_to_match, self._prefill_full
+        best_len, best_idx = 0, -1
+        for length, mask in groups:
+            mine = mask & prefill_full
+            if mine.bit_count() <= MAX_EXPLICIT:
+                while mine:
+                    low = mine & -mine
+                    explicit[bit_to_idx[low]] = length
+                    mine ^= low
+            else:
+                walked.append((length, mine))
+            if mask & self._best_full:  # groups come shortest first
+                best_len, best_idx = length, self._first_match(mask & self._best_full)
+        if best_len < len(hashes) and self.params.global_pool:  # as in _plan_full
+            pool_len = self.index.pool_prefix_len(hashes, self._reach_full)
+            if pool_len > best_len:
+                best_idx = self._first_match(
+                    self.index.holders_mask(hashes[best_len]) & self._best_full
+                )
+                best_len = pool_len
+        bits = self._prefill_bits
+        if 0 <= best_idx < len(bits) and best_idx not in explicit:  # NOTE: the fetch source
+            explicit[best_idx] = walked_len(walked, bits[best_idx])  # is priced one by one
+        names, block_bytes, net = self._match_names, self._block_bytes, self.network
+        read_s = self._read_s(hashes)
+        queues = self.prefill
+        prices = Prices(
+            threshold=self.policy.threshold,
+            can_fetch=self._can_fetch,
+            best_len=best_len,
+            best_idx=best_idx,
+            queue_s=lambda i: queues[i].queue_time(now),
+            recompute_s=lambda blocks: self._prefill_latency(input_len, blocks) + read_s(blocks),
+            transfer_s=lambda src, dst, blocks: net.estimate(
+                names[src], names[dst], blocks * block_bytes, now
+            ),
+            transfer_floor_s=lambda blocks: net.floor_estimate(
+                names[best_idx], blocks * block_bytes, now
+            ),
+        )
+        plan = choose_bounded(prices, explicit, walked, bits, self._load_order)
+        local = explicit.get(plan.idx)
+        if local is None:
+            local = walked_len(walked, bits[plan.idx])
+        best_blocks = max(best_len, groups[-1][0] if groups else 0)
+        return plan, local, queues[plan.idx].queue_time(now), best_len, best_blocks
+
+    @property
+    def _can_fetch(self) -> bool:
+        return self.params.global_pool and (not self.is_coupled or bool(self._pool_nodes))
+
+    def _read_s(self, hashes: Sequence[Hashable]) -> Callable[[int], float]:
+        """reused blocks -> seconds reading those of them the pool holds on SSD only."""
+        ssd = self.index.ssd_only_counts(hashes, self._match_full)
+        if not ssd:
+            return _no_read
+        return lambda blocks: self.cost.ssd_read_time(
+            ssd[min(blocks, len(ssd) - 1)] * self._block_bytes
+        )
+
+    def _first_match(self, mask: int) -> int:
+        """The lowest match index whose node's bit is in `mask` (not 0)."""
+        if self._bits_increasing:
+            return self._bit_to_match[mask & -mask]
+        idx = len(self._match_bits)
+        while mask:
+            low = mask & -mask
+            idx = min(idx, self._bit_to_match.get(low, idx))
+            mask ^= low
+        return idx
 
     def _free_s(self, now: float) -> list[float]:
         """Each prefill group's queued first-stage seconds at `now`."""
@@ -356,13 +479,17 @@ class Conductor:
         """The decode instance with the lowest predicted TBT among those with room for the
         request's KV (its batch's KV now, plus reservations), that TBT in seconds, and the
         (requests, KV tokens) decoding now over the whole decode pool."""
+        totals = self._decode_order.totals
+        running = (totals.num_active, totals.held(now))
         if self.is_coupled:
             s = self.decode[prefill_idx]
-            n = sum(len(x.active) for x in self.decode)
-            held = sum(x.held_tokens(now) for x in self.decode)
             tbt = self.cost.step_fn(s.num + 1, s.held_tokens(now) + s.reserved_tokens + input_len)
-            return s, tbt, (n, held)
-        return place_decode(self.decode, self.cost.step_fn, input_len, now)
+            return s, tbt, running
+        if self.params.full_scan or not self._step_monotone:
+            slots, tbt, _ = place_decode(self.decode, self.cost.step_fn, input_len, now)
+        else:
+            slots, tbt = self._decode_order.place(self.decode, self.cost.step_fn, input_len, now)
+        return slots, tbt, running
 
     def admit_prefill(
         self, req_id: int, now: float, prefill_s: float | None = None
@@ -395,6 +522,7 @@ class Conductor:
                 tokens,
                 now,
                 now + latency_s,
+                None if self.params.full_scan else self._decode_order.start_candidates(),
             )
             if predictive and load > 1.0:
                 self.on_request_dropped(req_id, now)
@@ -439,9 +567,9 @@ class Conductor:
         if slots is None:
             return
         slots.report(kv_tokens, batch_size, step_s, now)
-        running = sum(len(s.active) for s in self.decode)
-        if running:  # NOTE: tokens/s per decoding request, batch-weighted over the pool
-            self.forecast.gen_per_s = sum(s.gen_per_s for s in self.decode) / running
+        totals = self._decode_order.totals
+        if totals.num_active:  # NOTE: tokens/s per decoding request, batch-weighted
+            self.forecast.gen_per_s = totals.gen_per_s / totals.num_active
 
     @property
     def num_tickets(self) -> int:
@@ -456,6 +584,12 @@ class Conductor:
         """Assert the index is consistent and every load entry belongs to a live ticket."""
         self.index.check_integrity()
         self.tickets.check(self.prefill, self.decode)
+        self._load_order.check(self.prefill)
+        self._decode_order.totals.check(self.decode)
+
+
+def _no_read(_blocks: int) -> float:
+    return 0.0
 
 
 def create_conductor(cfg: Config, info: ModelInfo) -> Conductor:

@@ -175,6 +175,25 @@ class PrefixIndex:
                 lens.append(n)
         return lens
 
+    def prefix_groups(self, hashes: Sequence[Hashable], full: int) -> list[tuple[int, int]]:
+        """The nodes of mask `full` holding a prefix of `hashes`, grouped by its length:
+        (length >= 1, mask of the nodes whose leading match is exactly that long), longest
+        last; a node of `full` in no group holds nothing of it. One walk of the hashes,
+        whatever the number of nodes."""
+        get, alive = self._any.get, full
+        groups: list[tuple[int, int]] = []
+        for i, h in enumerate(hashes):
+            m = alive & get(h, 0)
+            if m != alive:
+                if i:
+                    groups.append((i, alive ^ m))
+                alive = m
+                if not alive:
+                    return groups
+        if alive and hashes:
+            groups.append((len(hashes), alive))
+        return groups
+
     def holders_mask(self, h: Hashable) -> int:
         """The bits of the nodes holding block `h` (0: none)."""
         return self._any.get(h, 0)

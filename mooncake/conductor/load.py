@@ -21,8 +21,13 @@ Pure logic: time is passed in; nothing here reads a clock.
 from __future__ import annotations
 
 from collections.abc import Hashable
+from typing import TYPE_CHECKING
 
 from mooncake.conductor.pipelining import num_chunks, pipeline_times
+
+if TYPE_CHECKING:
+    from mooncake.conductor.candidates import LoadOrder
+    from mooncake.conductor.decodeorder import DecodeOrder
 
 SPEED_MIN, SPEED_MAX = 0.25, 8.0  # bounds of one latency sample, observed / predicted
 
@@ -45,10 +50,17 @@ class PrefillQueue:
         "speed_ewma",
         "req_raw",
         "started",
+        "order",
     )
 
     def __init__(
-        self, name: str, bit: int, stages: int = 1, chunk_tokens: int = 0, speed_ewma: float = 0.0
+        self,
+        name: str,
+        bit: int,
+        stages: int = 1,
+        chunk_tokens: int = 0,
+        speed_ewma: float = 0.0,
+        order: LoadOrder | None = None,
     ):
         self.name = name
         self.bit = bit  # the instance's bit in the prefix index
@@ -66,6 +78,18 @@ class PrefillQueue:
         # req_id -> the cost model's prefill seconds and the request's chunks
         self.req_raw: dict[Hashable, tuple[float, int]] = {}
         self.started: dict[Hashable, float] = {}  # req_id -> when its prefill started, s
+        self.order = order  # the Conductor's queues by floor, told of every change
+
+    @property
+    def floor_s(self) -> float:
+        """T_queue's least value at any `now` until the queue's next event, seconds: the
+        queued first-stage seconds less all of the running request's."""
+        q = self.pending_s - self.run_s if self.running is not None else self.pending_s
+        return q if q > 0.0 else 0.0
+
+    def _moved(self) -> None:
+        if self.order is not None:
+            self.order.moved(self, self.floor_s)
 
     def queue_time(self, now: float) -> float:
         """T_queue at `now`, seconds."""
@@ -88,6 +112,7 @@ class PrefillQueue:
         self.req_chunks[req_id] = chunks
         self.req_raw[req_id] = (prefill_s, chunks)
         self.pending_s += stage_s
+        self._moved()
 
     def latency(self, req_id: Hashable) -> float:
         """Predicted seconds from the request's start to its last layer computed."""
@@ -110,6 +135,7 @@ class PrefillQueue:
                 self.req_raw[req_id] = (prefill_s, self.req_chunks[req_id])
             self.running, self.run_started, self.run_s = req_id, now, self.req_s[req_id]
             self.started[req_id] = now
+            self._moved()
 
     def _pass(self, req_id: Hashable) -> None:
         """`req_id` is past the first stage: no longer queue for the next ones."""
@@ -129,6 +155,7 @@ class PrefillQueue:
         self._pass(req_id)
         if self.running == req_id:
             self.running = None
+        self._moved()
 
 
 class DecodeSlots:
@@ -148,9 +175,10 @@ class DecodeSlots:
         "generated",
         "gen_per_s",
         "report_t",
+        "order",
     )
 
-    def __init__(self, name: str, capacity_tokens: int):
+    def __init__(self, name: str, capacity_tokens: int, order: DecodeOrder | None = None):
         self.name = name
         self.capacity_tokens = capacity_tokens  # KV tokens the instance's VRAM holds
         self.active: dict[Hashable, int] = {}  # req_id -> prompt KV tokens, decoding now
@@ -164,6 +192,7 @@ class DecodeSlots:
         self.generated = 0  # KV tokens the batch generated, as of its last report
         self.gen_per_s = 0.0  # tokens/s the batch adds: batch size / step time, last report
         self.report_t = 0.0  # s, time of the last report
+        self.order = order  # the Conductor's decode instances by load, told of every change
 
     def reserve(self, req_id: Hashable, tokens: int) -> None:
         assert req_id not in self.reserved and req_id not in self.active, req_id
@@ -171,6 +200,8 @@ class DecodeSlots:
         self.reserved_tokens += tokens
         self.num += 1
         self.tokens += tokens
+        if self.order is not None:
+            self.order.moved(self)
 
     def activate(self, req_id: Hashable, now: float) -> None:
         tokens = self.reserved.pop(req_id, None)
@@ -180,6 +211,8 @@ class DecodeSlots:
             self.active[req_id] = tokens
             self.since[req_id] = now
             self.active_tokens += tokens
+            if self.order is not None:
+                self.order.moved(self)
 
     def release(self, req_id: Hashable) -> None:
         self.incoming.pop(req_id, None)
@@ -193,6 +226,8 @@ class DecodeSlots:
                     self.active_tokens -= tokens
                 self.num -= 1
                 self.tokens -= tokens
+                if self.order is not None:
+                    self.order.moved(self)
 
     def report(self, kv_tokens: int, batch_size: int, step_s: float, now: float) -> None:
         """The instance's own load report: its batch of `batch_size` holds `kv_tokens` of
@@ -200,6 +235,8 @@ class DecodeSlots:
         self.generated = max(0, kv_tokens - self.active_tokens)
         self.gen_per_s = batch_size / step_s if batch_size and step_s > 0 else 0.0
         self.report_t = now
+        if self.order is not None:
+            self.order.moved(self)
 
     def held_tokens(self, now: float) -> float:
         """KV tokens the running batch holds at `now`: prompts + generated tokens."""

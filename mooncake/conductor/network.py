@@ -28,6 +28,7 @@ class NetworkState:
         self._out_busy: dict[str, float] = {}  # node -> time its egress is idle, s
         self._in_busy: dict[str, float] = {}  # node -> time its ingress is idle, s
         self.bytes_moved = 0  # bytes, every reserved transfer
+        self._max_bw = 0.0  # bytes/s, the fastest link
 
     def add_node(self, node: str, bytes_per_s: float | None = None) -> None:
         bw = bytes_per_s or self.default_bytes_per_s
@@ -35,10 +36,12 @@ class NetworkState:
         self._bw[node] = bw
         self._out_busy.setdefault(node, 0.0)
         self._in_busy.setdefault(node, 0.0)
+        self._max_bw = max(self._bw.values())
 
     def remove_node(self, node: str) -> None:
         for table in (self._bw, self._out_busy, self._in_busy):
             table.pop(node, None)
+        self._max_bw = max(self._bw.values(), default=0.0)
 
     def _path(self, src: str, dst: str) -> tuple[float, float]:
         try:
@@ -57,6 +60,15 @@ class NetworkState:
         if src == dst or num_bytes <= 0:
             return 0.0
         bw, start = self._path(src, dst)
+        return (start if start > now else now) + num_bytes / bw - now
+
+    def floor_estimate(self, src: str, num_bytes: float, now: float) -> float:
+        """A floor of `estimate(src, dst, ...)` over every destination `dst` other than
+        src: src's egress queue alone, at the fastest link of the network, seconds."""
+        if num_bytes <= 0:
+            return 0.0
+        bw = min(self._bw[src], self._max_bw)
+        start = self._out_busy[src]
         return (start if start > now else now) + num_bytes / bw - now
 
     def reserve(self, src: str, dst: str, num_bytes: float, now: float) -> float:

@@ -58,13 +58,28 @@ def place_at_start(
     input_len: int,
     now: float,
     ready_at: float,
+    candidates: list[int] | None = None,
 ) -> tuple[DecodeSlots, float]:
     """§7.4 refreshed when the prefill starts: the decode instance with the lowest load
     predicted for when the request's KV lands (`ready_at`), and that load (> 1: reject).
     An instance's load at t = ready_at counts each request of its batch still decoding at
     t given how long it has decoded (`DecodeTimes.still_decoding`), holding its prompt and
     what it will have generated, plus the requests whose prefill has started, that are
-    bound to it and predicted to end by t, plus this request."""
+    bound to it and predicted to end by t, plus this request. `candidates`: the indices
+    of `decode` to price, in order (None: all); an instance with nothing running or
+    reserved prices as every other such one of its KV room, so the candidates need only
+    the busy ones and the first idle one of each room (`DecodeOrder.start_candidates`)."""
+    if candidates is not None:
+        return place_at_start(
+            cost,
+            tbt_slo_s,
+            forecast,
+            [decode[i] for i in candidates],
+            req_id,
+            input_len,
+            now,
+            ready_at,
+        )
     t = ready_at
     times, g, h = forecast.times, forecast.gen_per_s, t - now
     sizes = [len(s.active) for s in decode]

@@ -47,6 +47,9 @@ class ConductorParams(msgspec.Struct, frozen=True, kw_only=True):
     # latency, which then scales that group's predictions); 0 = trust the cost model
     speed_ewma: float = 0.2
     seed: int = 0  # random policy
+    # price every prefill instance in Algorithm 1 (the reference); False: the bounded
+    # candidate set with the same choice (`mooncake.conductor.candidates`)
+    full_scan: bool = False
 
     def __post_init__(self) -> None:
         problems = []

@@ -86,6 +86,8 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
     # least seconds from one decode step's start to the next's (decode.step_interval_s)
     decode_step_interval_s: float = 0.0
     seed: int = 0
+    # the Conductor prices every instance (the reference the bounded candidate set matches)
+    full_scan: bool = False
 
     def __post_init__(self) -> None:
         problems = []
@@ -164,6 +166,7 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
             stages=1 if self.is_coupled else self.group_size,
             chunk_tokens=self.chunk_tokens,
             seed=self.seed,
+            full_scan=self.full_scan,
         )
 
     def cost_model(self) -> CostModel:

@@ -73,6 +73,11 @@ class SimPool:
         self._heaps: dict[NodePool, list[tuple[int, int]]] = {}
         self._clock = itertools.count()
         self.num_relocated = 0  # last copies moved off a full writer to make it room
+        # (node, tier) -> its blocks there that are spare copies (order.spare, per node)
+        self._spare_on: dict[tuple[NodePool, str], set[int]] = {}
+        # tier -> heap of (-room, join order, node), stale entries skipped (`_roomiest`)
+        self._room_heap: dict[str, list[tuple[float, int, NodePool]]] = {top_tier: [], "ssd": []}
+        self._joined: dict[NodePool, int] = {}
 
     def join(self, node: NodePool) -> None:
         assert node.node not in self.nodes, node.node
@@ -80,6 +85,9 @@ class SimPool:
         self._heaps[node] = []
         self.free[self.top_tier] += node.top.room
         self.free["ssd"] += node.ssd.room if node.ssd is not None else 0
+        self._joined[node] = len(self._joined)
+        for tier in self._room_heap:
+            self._room_changed(node, tier)
 
     @property
     def has_ssd(self) -> bool:
@@ -180,10 +188,9 @@ class SimPool:
 
     def _first_on(self, node: NodePool, tier: str) -> int | None:
         """`node`'s first block of `tier` in the policy's order: spare copies first."""
-        holders = self.holders[tier]
-        for h in self.order.victims(tier, spare_only=True):
-            if node in holders[h]:
-                return h
+        mine = self._spare_on.get((node, tier))
+        if mine:  # NOTE: its spare copies, kept per node: the pool's are not sorted
+            return min(mine, key=self.order._stamp.__getitem__)  # the order's recency
         heap, lru, place = self._heaps[node], self.tier_of(node, tier), self._place_of
         assert tier == self.top_tier and lru is not None, (node.node, tier)
         while heap:
@@ -203,19 +210,32 @@ class SimPool:
         dst_lru.blocks[h] = None
         nodes = self.holders[tier][h]
         nodes[nodes.index(src)] = dst
+        self._spare_on.get((src, tier), set()).discard(h)
+        self._resync(h)
+        self._room_changed(src, tier)
+        self._room_changed(dst, tier)
         heapq.heappush(self._heaps[dst], (self._place_of[h], h))
         self._changed.setdefault(src, {})[h] = None
         self.num_relocated += 1
 
     def _roomiest(self, tier: str) -> NodePool | None:
+        """The node with the most room in `tier` (the first joined of equals), None when
+        none has any: the top of a heap of (room, join order) with stale entries skipped."""
         if not self.free[tier]:
             return None
-        best, room = None, 0.0
-        for node in self.nodes.values():
+        heap = self._room_heap[tier]
+        while heap:
+            neg_room, _, node = heap[0]
             lru = self.tier_of(node, tier)
-            if lru is not None and lru.room > room:
-                best, room = node, lru.room
-        return best
+            if lru is not None and lru.room == -neg_room:
+                return node if -neg_room > 0 else None
+            heapq.heappop(heap)
+        return None
+
+    def _room_changed(self, node: NodePool, tier: str) -> None:
+        lru = self.tier_of(node, tier)
+        if lru is not None:
+            heapq.heappush(self._room_heap[tier], (-lru.room, self._joined[node], node))
 
     def _make_room(self, tier: str) -> NodePool | None:
         """Free one block of `tier` by the policy's first victim; the node freed, or None
@@ -274,6 +294,8 @@ class SimPool:
         self.free[tier] -= 1
         self.holders[tier].setdefault(h, []).append(node)
         self.order.add(h, tier)
+        self._resync(h)
+        self._room_changed(node, tier)
         if tier == self.top_tier:
             if h not in self._place_of:  # NOTE: a duplicate keeps the original's place
                 self._place_of[h] = next(self._clock)
@@ -292,7 +314,23 @@ class SimPool:
             if tier == self.top_tier:
                 del self._place_of[h]
         self.order.remove(h, tier)
+        self._spare_on.get((node, tier), set()).discard(h)
+        self._resync(h)
+        self._room_changed(node, tier)
         self._changed.setdefault(node, {})[h] = None
+
+    def _resync(self, h: int) -> None:
+        """Each holder of `h` files it as spare or not, as the order classes it now."""
+        for tier, table in self.holders.items():
+            nodes = table.get(h)
+            if nodes:
+                is_spare = h in self.order.spare[tier]
+                for node in nodes:
+                    mine = self._spare_on.setdefault((node, tier), set())
+                    if is_spare:
+                        mine.add(h)
+                    else:
+                        mine.discard(h)
 
     def _report(self, t: float) -> None:
         """Tell the index where each changed block ended up on each node, then the ledger
@@ -314,6 +352,9 @@ class SimPool:
         assert set(self._place_of) == set(self.holders[self.top_tier]), "places out of sync"
         for node in self.nodes.values():
             node.check_integrity()
+        for (node, tier), mine in self._spare_on.items():
+            want = {h for h in self.order.spare[tier] if node in self.holders[tier].get(h, ())}
+            assert mine == want, (node.node, tier, mine ^ want)
 
 
 class NodePool:
