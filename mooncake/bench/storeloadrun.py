@@ -123,6 +123,17 @@ def _profiler(
             proc.wait(duration_s + 30)
 
 
+def busy_share(path: Path, duration_s: float) -> float:
+    """The share of the run in which a thread of the master held the GIL: py-spy `--gil`
+    samples only then, PROFILE_RATE_HZ a second. Near 1: the master is the limit."""
+    num = sum(int(c) for c in _counts(path))
+    return num / (PROFILE_RATE_HZ * int(duration_s)) if duration_s >= 1 else 0.0
+
+
+def _counts(path: Path) -> list[str]:
+    return [line.rpartition(" ")[2] for line in path.read_text().splitlines() if " " in line]
+
+
 def top_entries(path: Path, n: int = 15) -> list[tuple[str, float, float]]:
     """(function, share of samples in it, share with it on the stack) of py-spy's collapsed
     stacks at `path`, the `n` largest own shares first."""

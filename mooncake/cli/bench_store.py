@@ -297,7 +297,7 @@ def _bench_load(
 
     from rich.table import Table
 
-    from mooncake.bench.storeloadrun import LoadPlan, run_load, top_entries
+    from mooncake.bench.storeloadrun import LoadPlan, busy_share, run_load, top_entries
     from mooncake.bench.transfer import cpu_note, new_secret
     from mooncake.cli.output import console, print_json
     from mooncake.config.sizes import parse_size
@@ -340,6 +340,10 @@ def _bench_load(
         )
     console.print(table)
     for path in sorted(Path(profile).glob("ours-*.txt")) if profile else []:
-        console.print(f"[bold]{path}[/]: own share / on stack, top entries")
+        busy = busy_share(path, duration)
+        console.print(
+            f"[bold]{path}[/]: the master held the GIL {busy:.0%} of the run; top entries "
+            "(own share / on stack, of its samples)"
+        )
         for fn, own, total in top_entries(path):
             console.print(f"  {own:6.1%} {total:6.1%}  {fn}")
