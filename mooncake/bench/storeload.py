@@ -83,6 +83,9 @@ class LoadRow(msgspec.Struct):
     op_p50_us: dict[str, float]  # op -> p50 microseconds
     op_p99_us: dict[str, float]
     seconds: float  # the measured time
+    # the master process's CPU over the run, in cores (1.0: one core busy all along): far
+    # below 1 (a Python master holds the GIL), the clients, not the master, are the limit
+    master_cores: float = 0.0
 
 
 def merge(master: str, value_bytes: int, figures: list[ClientFigures]) -> LoadRow:

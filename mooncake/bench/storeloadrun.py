@@ -14,6 +14,7 @@ Python master is short of) and writes its collapsed stacks there; `top_entries` 
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import subprocess
 import sys
@@ -84,21 +85,37 @@ def run_load(plan: LoadPlan, secret: bytes) -> list[LoadRow]:
                     with LocalCluster(secret, plan.pool_bytes, journal=journal) as cluster:
                         out = Path(plan.profile_dir) / f"ours-{kind}-{num}.txt"
                         pid = cluster.master.proc.pid
+                        cpu0 = cpu_seconds(pid)
                         with _profiler(spy, pid, out, plan.duration_s) as on_go:
                             figures = clients.run(
                                 cluster.master_address, plan.value_bytes, plan.duration_s, on_go
                             )
-                    rows.append(merge(f"ours ({kind} journal)", plan.value_bytes, figures))
+                        row = merge(f"ours ({kind} journal)", plan.value_bytes, figures)
+                        rows.append(_with_cpu(row, cpu_seconds(pid) - cpu0))
             if plan.upstream:
                 from mooncake.bench.upstream import UpstreamLoad
 
                 with UpstreamLoad(plan.upstream, plan.pool_bytes, num) as up:
-                    rows.append(
-                        merge(
-                            "upstream", plan.value_bytes, up.run(plan.value_bytes, plan.duration_s)
-                        )
-                    )
+                    master_pid = up.children[0].proc.pid
+                    cpu0 = cpu_seconds(master_pid)
+                    figures = up.run(plan.value_bytes, plan.duration_s)
+                    row = merge("upstream", plan.value_bytes, figures)
+                    rows.append(_with_cpu(row, cpu_seconds(master_pid) - cpu0))
     return rows
+
+
+def cpu_seconds(pid: int | None) -> float:
+    """CPU seconds (user + system) process `pid` has used so far; 0 when unknown."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _with_cpu(row: LoadRow, cpu_s: float) -> LoadRow:
+    """`row` with its master's CPU: cores it kept busy over the run (1.0: one core)."""
+    return msgspec.structs.replace(row, master_cores=round(cpu_s / row.seconds, 2))
 
 
 @contextlib.contextmanager

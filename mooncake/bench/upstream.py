@@ -110,7 +110,13 @@ def probe(python: str) -> tuple[dict[str, str], Path]:
     env["LD_LIBRARY_PATH"] = os.pathsep.join(
         p for p in (str(cudart), env.get("LD_LIBRARY_PATH", "")) if p
     )
-    check = "from mooncake.store import MooncakeDistributedStore"
+    # NOTE: our package has a MooncakeDistributedStore too (store/upstream/): upstream's is
+    # the class of its C++ extension module mooncake/store.so
+    check = (
+        "import mooncake.store as m; from mooncake.store import MooncakeDistributedStore; "
+        "import sys; sys.exit(0 if m.__file__.endswith('.so') else 'MooncakeDistributedStore "
+        "here is not upstream C++ one but ' + m.__file__)"
+    )
     res = subprocess.run([python, "-P", "-c", check], capture_output=True, timeout=60, env=env)
     if res.returncode != 0:
         last = (res.stderr.decode(errors="replace").strip().splitlines() or ["(no output)"])[-1]

@@ -286,7 +286,12 @@ def main() -> int:
     os.dup2(2, 1)
     sys.stdout = sys.stderr
     # upstream's package; by name, so that a type checker never confuses it with ours
-    store = importlib.import_module("mooncake.store").MooncakeDistributedStore()
+    module = importlib.import_module("mooncake.store")
+    if not str(module.__file__).endswith(".so"):  # ours has one too (store/upstream/)
+        raise ImportError(
+            f"MooncakeDistributedStore of {module.__file__} is not upstream's C++ one"
+        )
+    store = module.MooncakeDistributedStore()
     segment = args.segment_bytes if args.mode == "node" else 0
     rc = store.setup(
         "127.0.0.1", args.metadata, segment, LOCAL_BUFFER_BYTES, "tcp", "", args.master

@@ -324,7 +324,15 @@ def _bench_load(
     table = Table(
         title=f"master metadata ops, {plan.value_bytes} B values, {duration:g} s ({cpu_note()})"
     )
-    for col in ("master", "clients", "ops/s", "p50/p99 us", "put/get/exists/remove ops/s"):
+    cols = (
+        "master",
+        "clients",
+        "ops/s",
+        "p50/p99 us",
+        "put/get/exists/remove ops/s",
+        "master cores",
+    )
+    for col in cols:
         table.add_column(col, justify="left" if col == "master" else "right")
     table.add_column("vs upstream (same run)", justify="right")
     ups = {r.clients: r.ops_per_s for r in rows if r.master == "upstream"}
@@ -336,6 +344,7 @@ def _bench_load(
             f"{r.ops_per_s:,.0f}",
             f"{r.p50_us:,.0f}/{r.p99_us:,.0f}",
             "/".join(f"{r.op_ops_per_s[op]:,.0f}" for op in ("put", "get", "exists", "remove")),
+            f"{r.master_cores:.2f}",
             f"{r.ops_per_s / up:.2f}x" if up and r.master != "upstream" else "-",
         )
     console.print(table)

@@ -89,6 +89,7 @@ def test_clients_load_a_real_master_and_report_every_call_of_the_mix() -> None:
     # per cycle: 1 put, 2 gets, 2 exists, 1 remove (each client stops mid-cycle at most)
     assert abs(ops["get"] - 2 * ops["put"]) <= 2 * 2 / row.seconds + 1, ops
     assert 0 < row.p50_us <= row.p99_us
+    assert row.master_cores > 0  # the master worked for them
 
 
 def test_an_unknown_journal_or_client_count_is_refused_with_the_choices() -> None:
