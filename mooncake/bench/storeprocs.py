@@ -15,9 +15,12 @@ import signal
 import sys
 import threading
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from mooncake.errors import StoreError
+
+if TYPE_CHECKING:
+    from mooncake.store.metadata.journal import BaseJournal
 
 START_TIMEOUT_S = 30.0  # seconds a child may take to report it is serving
 
@@ -27,15 +30,52 @@ def _on_sigterm() -> None:
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
 
 
-def serve_master(secret: bytes, lease_ttl_s: float, metrics_port: int, conn: Connection) -> None:
-    """Run a StoreService (metrics on `metrics_port` when >= 0); report its address on `conn`."""
+class JournalSpec(NamedTuple):
+    """Where a bench master journals: "" (nowhere), "file" (`where`: the file's path) or
+    "etcd" (`where`: the URL of an etcd whose root has `password`; keys under `prefix`)."""
+
+    kind: str = ""
+    where: str = ""
+    password: str = ""
+    prefix: str = "/mooncake-bench"
+
+
+def _journal(spec: JournalSpec, secret: bytes) -> BaseJournal | None:
+    """The journal `spec` names. For etcd, the fence is a leader key this function writes
+    (a bench master leads alone: each write pays the same fenced transaction as with an
+    elected master; ha/journal.py)."""
+    from mooncake.store.metadata.journal import FileJournal
+
+    if spec.kind == "file":
+        return FileJournal(spec.where)
+    if spec.kind != "etcd":
+        return None
+    from mooncake.ha.etcd import Etcd, EtcdAccess
+    from mooncake.ha.journal import EtcdJournal
+    from mooncake.ha.sealed import Sealer
+
+    etcd = Etcd([spec.where], timeout_s=5.0, access=EtcdAccess("root", spec.password))
+    fence_key, fence_value = f"{spec.prefix}/leader", b"bench-master"
+    etcd.put(fence_key, fence_value)
+    return EtcdJournal(etcd, spec.prefix, fence_key, fence_value, Sealer(secret), lambda kv: False)
+
+
+def serve_master(
+    secret: bytes,
+    lease_ttl_s: float,
+    metrics_port: int,
+    journal: JournalSpec,
+    conn: Connection,
+) -> None:
+    """Run a StoreService (metrics on `metrics_port` when >= 0, journal as `journal` says);
+    report its address on `conn`."""
     from mooncake.store.metadata.settings import MetadataConfig
     from mooncake.store.server.service import StoreService
 
     _on_sigterm()
     cfg = MetadataConfig(lease_ttl_s=lease_ttl_s)
     port = metrics_port if metrics_port >= 0 else None
-    with StoreService(secret, cfg, metrics_port=port) as service:
+    with StoreService(secret, cfg, metrics_port=port, journal=_journal(journal, secret)) as service:
         conn.send(service.address)
         conn.recv()
 
@@ -100,8 +140,11 @@ class LocalCluster:
         *,
         lease_ttl_s: float = 0.2,  # s a read protects an object (short: the bench removes)
         metrics_port: int = -1,  # port of the master's /metrics; -1 = none
+        journal: JournalSpec = JournalSpec(),  # where the master journals
     ):
-        self.master = Child("store master", serve_master, secret, lease_ttl_s, metrics_port)
+        self.master = Child(
+            "store master", serve_master, secret, lease_ttl_s, metrics_port, journal
+        )
         try:
             self.node = Child(
                 "store node", serve_node, self.NODE_ID, self.master.address, secret, dram_bytes

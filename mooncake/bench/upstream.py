@@ -28,6 +28,7 @@ from typing import IO, Annotated
 import msgspec
 
 from mooncake.bench.store import keys_per_call
+from mooncake.bench.storeload import ClientFigures, parse_figures
 from mooncake.errors import StoreError
 
 log = logging.getLogger(__name__)
@@ -109,7 +110,13 @@ def probe(python: str) -> tuple[dict[str, str], Path]:
     env["LD_LIBRARY_PATH"] = os.pathsep.join(
         p for p in (str(cudart), env.get("LD_LIBRARY_PATH", "")) if p
     )
-    check = "from mooncake.store import MooncakeDistributedStore"
+    # NOTE: our package has a MooncakeDistributedStore too (store/upstream/): upstream's is
+    # the class of its C++ extension module mooncake/store.so
+    check = (
+        "import mooncake.store as m; from mooncake.store import MooncakeDistributedStore; "
+        "import sys; sys.exit(0 if m.__file__.endswith('.so') else 'MooncakeDistributedStore "
+        "here is not upstream C++ one but ' + m.__file__)"
+    )
     res = subprocess.run([python, "-P", "-c", check], capture_output=True, timeout=60, env=env)
     if res.returncode != 0:
         last = (res.stderr.decode(errors="replace").strip().splitlines() or ["(no output)"])[-1]
@@ -233,6 +240,47 @@ def _master_flags(rpc_port: int, metadata_port: int) -> list[str]:
     ]
 
 
+def start_pool(
+    python: str,
+    env: dict[str, str],
+    master_bin: Path,
+    pool_bytes: int,
+    log_dir: Path,
+    children: list[_Child],
+    clients: list[list[str]],  # per client driver: its mode and arguments ([] = "client")
+) -> None:
+    """Start upstream's master, a store node of `pool_bytes` and one driver per `clients`
+    entry, appending each to `children` as it starts (the caller stops them on failure)."""
+    rpc, meta = _free_port(), _free_port()
+    master = _Child("master", [str(master_bin), *_master_flags(rpc, meta)], env, log_dir)
+    children.append(master)
+    _wait_listening(master, [rpc, meta])
+    where = ["--master", f"127.0.0.1:{rpc}", "--metadata", f"http://127.0.0.1:{meta}/metadata"]
+    driver = [python, "-P", str(DRIVER)]
+    node = _Child(
+        "node", [*driver, "node", *where, "--segment-bytes", str(pool_bytes)], env, log_dir
+    )
+    children.append(node)
+    node.wait_ready()
+    started = []
+    for i, args in enumerate(clients):
+        name = "client" if len(clients) == 1 else f"client-{i}"
+        started.append(_Child(name, [*driver, *(args or ["client"]), *where], env, log_dir))
+        children.append(started[-1])
+    for child in started:  # NOTE: started together: N clients' setups overlap
+        child.wait_ready()
+
+
+def stop_children(children: list[_Child]) -> None:
+    """Stop the drivers (all at once), then the master."""
+    for child in children:
+        if child.name != "master":
+            with contextlib.suppress(OSError):
+                child.stdin.close()
+    for child in reversed(children):
+        child.stop(on_eof=child.name != "master")
+
+
 class UpstreamStore:
     """Upstream's master, a store node with a `pool_bytes` segment and a client, all on
     127.0.0.1; `run` measures one cell in the client."""
@@ -242,24 +290,8 @@ class UpstreamStore:
         self.log_dir = Path(tempfile.mkdtemp(prefix="mooncake-upstream-"))
         self.children: list[_Child] = []
         self.failed = False
-        rpc, meta = _free_port(), _free_port()
         try:
-            master = _Child(
-                "master", [str(master_bin), *_master_flags(rpc, meta)], env, self.log_dir
-            )
-            self.children.append(master)
-            _wait_listening(master, [rpc, meta])
-            where = [
-                "--master",
-                f"127.0.0.1:{rpc}",
-                "--metadata",
-                f"http://127.0.0.1:{meta}/metadata",
-            ]
-            driver = [python, "-P", str(DRIVER)]
-            for name, extra in (("node", ["--segment-bytes", str(pool_bytes)]), ("client", [])):
-                child = _Child(name, [*driver, name, *where, *extra], env, self.log_dir)
-                self.children.append(child)
-                child.wait_ready()
+            start_pool(python, env, master_bin, pool_bytes, self.log_dir, self.children, [[]])
         except BaseException:
             self.failed = True
             self.close()
@@ -287,12 +319,7 @@ class UpstreamStore:
     def close(self) -> None:
         """Stop the client and the node (both at once), then the master; the logs are kept
         if anything failed."""
-        for child in self.children:
-            if child.name != "master":
-                with contextlib.suppress(OSError):
-                    child.stdin.close()
-        for child in reversed(self.children):
-            child.stop(on_eof=child.name != "master")
+        stop_children(self.children)
         self.children = []
         if self.failed:
             log.warning("upstream Mooncake's logs are kept in %s", self.log_dir)
@@ -300,6 +327,63 @@ class UpstreamStore:
             shutil.rmtree(self.log_dir, ignore_errors=True)
 
     def __enter__(self) -> UpstreamStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class UpstreamLoad:
+    """Upstream's master and store node with `num_clients` load drivers (upstream_driver.py
+    `load`), for `bench store --clients`; `run` measures them all at once."""
+
+    def __init__(self, python: str, pool_bytes: int, num_clients: int):
+        env, master_bin = probe(python)
+        self.log_dir = Path(tempfile.mkdtemp(prefix="mooncake-upstream-load-"))
+        self.children: list[_Child] = []
+        self.failed = False
+        loads = [["load", "--index", str(i)] for i in range(num_clients)]
+        try:
+            start_pool(python, env, master_bin, pool_bytes, self.log_dir, self.children, loads)
+        except BaseException:
+            self.failed = True
+            self.close()
+            raise
+        self.clients = self.children[2:]
+
+    def _ask(self, req: dict[str, object], timeout_s: float) -> list[bytes]:
+        line = json.dumps(req).encode() + b"\n"
+        try:
+            for c in self.clients:
+                c.stdin.write(line)
+                c.stdin.flush()
+            return [c.read_line(timeout_s) for c in self.clients]
+        except (OSError, StoreError) as e:
+            self.failed = True
+            raise StoreError(f"upstream load clients: {e} (logs in {self.log_dir})") from e
+
+    def run(self, value_bytes: int, duration_s: float) -> list[ClientFigures]:
+        """Every driver pre-fills, then all run `duration_s` together; their figures."""
+        ready = self._ask({"cmd": "prepare", "size": value_bytes}, START_TIMEOUT_S * 4)
+        if bad := [r for r in ready if r.strip() != b"ready"]:
+            self.failed = True
+            raise StoreError(f"upstream load client: {bad[0][:300]!r} (logs in {self.log_dir})")
+        replies = self._ask({"cmd": "go", "duration": duration_s}, duration_s + REPLY_SLACK_S)
+        try:
+            return [parse_figures(r) for r in replies]
+        except StoreError as e:
+            self.failed = True
+            raise StoreError(f"upstream {e} (logs in {self.log_dir})") from e
+
+    def close(self) -> None:
+        stop_children(self.children)
+        self.children = []
+        if self.failed:
+            log.warning("upstream Mooncake's logs are kept in %s", self.log_dir)
+        else:
+            shutil.rmtree(self.log_dir, ignore_errors=True)
+
+    def __enter__(self) -> UpstreamLoad:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -10,8 +10,12 @@ upstream's package is also named `mooncake`, so ours can never be imported besid
     client  setup without a segment, print READY, then per stdin line one request
             {"api", "size", "duration", "warmup"} -> one reply line: the cell's figures
             (as StoreBenchRow's) or {"error": "..."}
+    load    setup without a segment, print READY, then per stdin line
+            {"cmd": "prepare", "size"} -> "ready" (pre-filled), then
+            {"cmd": "go", "duration"} -> one line: ClientFigures (bench/storeload.py)
 
-The loop is StoreBench.run's (mooncake/bench/store.py): keep the two the same.
+The client loop is StoreBench.run's (mooncake/bench/store.py), the load loop Workload's
+(mooncake/bench/storeload.py): keep each pair the same.
 """
 
 from __future__ import annotations
@@ -20,7 +24,9 @@ import argparse
 import functools
 import importlib
 import json
+import math
 import os
+import random
 import sys
 import time
 from collections.abc import Callable
@@ -161,6 +167,93 @@ class Cells:
         }
 
 
+LOAD_STEPS = ("put", "exists", "get", "exists_miss", "get", "remove")  # storeload.STEPS
+LOAD_OPS = ("put", "get", "exists", "remove")
+RING_KEYS = 512  # storeload.RING_KEYS
+PREFILL_BATCH = 64
+BIN_RATIO = 1.02
+
+
+class Load:
+    """storeload.Workload on upstream's API: one client's loop of KV-cache calls."""
+
+    def __init__(self, store: Any, index: int):
+        self.s, self.index = store, index
+        self.rng = random.Random(index)
+        self.ring: list[str] = []
+        self.next = 0
+        self.value = b""
+        self.prefix = ""
+
+    def _new_key(self) -> str:
+        self.next += 1
+        return f"{self.prefix}-{self.next}"
+
+    def prepare(self, size: int) -> None:
+        self.value, self.prefix = bytes(size), f"load-{self.index}-{time.monotonic_ns()}"
+        while len(self.ring) < RING_KEYS:
+            keys = [self._new_key() for _ in range(min(PREFILL_BATCH, RING_KEYS - len(self.ring)))]
+            _check("put_batch", self.s.put_batch(keys, [self.value] * len(keys)))
+            self.ring += keys
+
+    def _step(self, step: str) -> str:
+        s, ring = self.s, self.ring
+        if step == "put":
+            key = self._new_key()
+            _check("put", s.put(key, self.value))
+            ring.append(key)
+            return "put"
+        if step == "remove":
+            Cells(s).remove([ring.pop(0)])
+            return "remove"
+        if step == "exists_miss":
+            if s.is_exist(f"{self.prefix}-missing-{self.next}") != 0:
+                raise CallError("upstream is_exist of a key nobody stored did not return 0")
+            return "exists"
+        key = ring[self.rng.randrange(len(ring) // 2, len(ring))]
+        if step == "exists":
+            if s.is_exist(key) != 1:
+                raise CallError(f"upstream is_exist of {key!r} did not return 1")
+            return "exists"
+        _check_len("get", len(s.get(key)), len(self.value))
+        return "get"
+
+    def run(self, duration_s: float) -> dict[str, Any]:
+        ops = dict.fromkeys(LOAD_OPS, 0)
+        hist: dict[str, dict[int, int]] = {op: {} for op in LOAD_OPS}
+        clock, i, log_ratio = time.perf_counter, 0, math.log(BIN_RATIO)
+        start = clock()
+        until = start + duration_s
+        while True:
+            t0 = clock()
+            if t0 >= until:
+                break
+            op = self._step(LOAD_STEPS[i % len(LOAD_STEPS)])
+            b = max(0, int(math.log(max((clock() - t0) * 1e6, 1.0)) / log_ratio))
+            hist[op][b] = hist[op].get(b, 0) + 1
+            ops[op] += 1
+            i += 1
+        seconds = clock() - start
+        Cells(self.s).remove(self.ring)
+        self.ring = []
+        return {"ops": ops, "hist": hist, "seconds": seconds}
+
+
+def _answer_load(load: Load, line: str) -> str:
+    try:
+        req = json.loads(line)
+        if req["cmd"] == "prepare":
+            load.prepare(int(req["size"]))
+            return "ready"
+        return json.dumps(load.run(float(req["duration"])))
+    except (ValueError, KeyError, TypeError) as e:
+        return json.dumps({"error": f"bad request {line.strip()!r}: {e!r}"})
+    except CallError as e:
+        return json.dumps({"error": str(e)})
+    except Exception as e:  # an API that changed under us: said, not a dead driver
+        return json.dumps({"error": f"{e!r}"})
+
+
 def _answer(cells: Cells, line: str) -> dict[str, Any]:
     try:
         req = json.loads(line)
@@ -182,7 +275,8 @@ def _answer(cells: Cells, line: str) -> dict[str, Any]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("mode", choices=("node", "client"))
+    p.add_argument("mode", choices=("node", "client", "load"))
+    p.add_argument("--index", type=int, default=0, help="load: this client's number (its seed)")
     p.add_argument("--master", required=True, help="host:port of mooncake_master's RPC")
     p.add_argument("--metadata", required=True, help="URL of the HTTP metadata server")
     p.add_argument("--segment-bytes", type=int, default=0, help="bytes the node contributes")
@@ -192,7 +286,12 @@ def main() -> int:
     os.dup2(2, 1)
     sys.stdout = sys.stderr
     # upstream's package; by name, so that a type checker never confuses it with ours
-    store = importlib.import_module("mooncake.store").MooncakeDistributedStore()
+    module = importlib.import_module("mooncake.store")
+    if not str(module.__file__).endswith(".so"):  # ours has one too (store/upstream/)
+        raise ImportError(
+            f"MooncakeDistributedStore of {module.__file__} is not upstream's C++ one"
+        )
+    store = module.MooncakeDistributedStore()
     segment = args.segment_bytes if args.mode == "node" else 0
     rc = store.setup(
         "127.0.0.1", args.metadata, segment, LOCAL_BUFFER_BYTES, "tcp", "", args.master
@@ -203,6 +302,10 @@ def main() -> int:
     out.write("READY\n")
     if args.mode == "node":
         sys.stdin.read()  # serve until the parent closes our stdin
+    elif args.mode == "load":
+        load = Load(store, args.index)
+        for line in sys.stdin:
+            out.write(_answer_load(load, line) + "\n")
     else:
         cells = Cells(store)
         for line in sys.stdin:

@@ -89,6 +89,27 @@ def bench_store(
         "client, over tcp on 127.0.0.1), each cell right after ours, and report its figures "
         "in the same rows. Needs --local: a remote cluster has no upstream twin.",
     ),
+    clients: str = typer.Option(
+        "",
+        "--clients",
+        help="Comma-separated client counts, e.g. 8,32: measure the master's metadata "
+        "operations per second instead (N client processes of small puts, gets, exists and "
+        "removes against one local master per --journals entry; with --upstream, against "
+        "upstream's mooncake_master too). Implies --local; --apis and --sizes do not apply.",
+    ),
+    journals: str = typer.Option(
+        "file,etcd",
+        "--journals",
+        help="With --clients: our masters to load, comma-separated: none, file (a journal "
+        "file), etcd (a local one-member etcd on tmpfs).",
+    ),
+    value_size: str = typer.Option("512B", "--value-size", help="With --clients: bytes per value."),
+    profile: str = typer.Option(
+        "",
+        "--profile",
+        help="With --clients: a folder where py-spy writes each master of ours' collapsed "
+        "stacks while its clients run (needs py-spy); the top entries are printed.",
+    ),
     as_json: bool = typer.Option(
         False, "--json", help="Print a JSON list of rows (one per API and size) instead of a table."
     ),
@@ -115,6 +136,10 @@ def bench_store(
     from mooncake.cli.output import console, print_json
     from mooncake.config.sizes import parse_size
 
+    if clients:
+        return _bench_load(
+            clients, journals, value_size, duration, pool_size, upstream, profile, secret, as_json
+        )
     if protocol not in ("tcp", "auto"):
         raise ConfigError(f"--protocol: expected tcp or auto, got {protocol!r}")
     api_list = [a.strip() for a in apis.split(",") if a.strip()]
@@ -254,3 +279,80 @@ def _human(n: int) -> str:
         if n >= 1 << shift and n % (1 << shift) == 0:
             return f"{n >> shift} {unit}"
     return f"{n} B"
+
+
+def _bench_load(
+    clients: str,
+    journals: str,
+    value_size: str,
+    duration: float,
+    pool_size: str,
+    upstream: str,
+    profile: str,
+    secret: str,
+    as_json: bool,
+) -> None:
+    """`bench store --clients`: the master's metadata operations per second."""
+    from pathlib import Path
+
+    from rich.table import Table
+
+    from mooncake.bench.storeloadrun import LoadPlan, busy_share, run_load, top_entries
+    from mooncake.bench.transfer import cpu_note, new_secret
+    from mooncake.cli.output import console, print_json
+    from mooncake.config.sizes import parse_size
+
+    try:
+        counts = tuple(int(t) for t in clients.split(",") if t.strip())
+    except ValueError:
+        counts = ()
+    if not counts or min(counts) < 1 or max(counts) > 256:
+        raise ConfigError(f"--clients: expected counts from 1 to 256, e.g. 8,32; got {clients!r}")
+    plan = LoadPlan(
+        clients=counts,
+        journals=tuple(j.strip() for j in journals.split(",") if j.strip()),
+        value_bytes=parse_size(value_size),
+        duration_s=duration,
+        pool_bytes=parse_size(pool_size),
+        upstream=upstream,
+        profile_dir=profile,
+    )
+    rows = run_load(plan, secret.encode() or new_secret())
+    if as_json:
+        print_json(rows)
+        return
+    table = Table(
+        title=f"master metadata ops, {plan.value_bytes} B values, {duration:g} s ({cpu_note()})"
+    )
+    cols = (
+        "master",
+        "clients",
+        "ops/s",
+        "p50/p99 us",
+        "put/get/exists/remove ops/s",
+        "master cores",
+    )
+    for col in cols:
+        table.add_column(col, justify="left" if col == "master" else "right")
+    table.add_column("vs upstream (same run)", justify="right")
+    ups = {r.clients: r.ops_per_s for r in rows if r.master == "upstream"}
+    for r in rows:
+        up = ups.get(r.clients, 0.0)
+        table.add_row(
+            r.master,
+            str(r.clients),
+            f"{r.ops_per_s:,.0f}",
+            f"{r.p50_us:,.0f}/{r.p99_us:,.0f}",
+            "/".join(f"{r.op_ops_per_s[op]:,.0f}" for op in ("put", "get", "exists", "remove")),
+            f"{r.master_cores:.2f}",
+            f"{r.ops_per_s / up:.2f}x" if up and r.master != "upstream" else "-",
+        )
+    console.print(table)
+    for path in sorted(Path(profile).glob("ours-*.txt")) if profile else []:
+        busy = busy_share(path, duration)
+        console.print(
+            f"[bold]{path}[/]: the master held the GIL {busy:.0%} of the run; top entries "
+            "(own share / on stack, of its samples)"
+        )
+        for fn, own, total in top_entries(path):
+            console.print(f"  {own:6.1%} {total:6.1%}  {fn}")

@@ -156,6 +156,7 @@ def _upstream_python() -> str:
     return python
 
 
+@pytest.mark.cluster
 def test_a_tiny_cell_of_real_upstream_mooncake_is_measured_as_ours() -> None:
     python = _upstream_python()
     with UpstreamStore(python, 64 << 20) as up:
@@ -171,6 +172,7 @@ def test_a_tiny_cell_of_real_upstream_mooncake_is_measured_as_ours() -> None:
     assert not log_dir.exists()  # a clean run leaves no logs behind
 
 
+@pytest.mark.cluster
 def test_bench_store_upstream_reports_upstreams_figures_in_our_rows() -> None:
     python = _upstream_python()
     args = [

@@ -47,6 +47,9 @@ def check_pool(pool: Pool) -> None:
     space.check_integrity()
     seg_keys: dict[str, set[str]] = {name: set() for name in space.segments}
     taken: dict[str, set[int]] = {name: set() for name in space.segments}
+    if pool.is_writing_in_order:  # NOTE: expiry stops at the first put not timed out
+        starts = [pool.objects[k].started_at for k in pool.writing]
+        assert starts == sorted(starts), f"puts in flight out of start order: {starts}"
     for key, obj in pool.objects.items():
         assert obj.key == key and obj.replicas, f"{key}: empty or misfiled record"
         assert (key in pool.writing) != obj.is_committed, f"{key}: writing list wrong"

@@ -40,9 +40,9 @@ def expire_nodes(pool: Pool, mover: Mover, config: MetadataConfig, now: float) -
             pool.emit("node_gone", "", node_id)
         log.warning("node %s sent no heartbeat for %.1f s: dropped", node_id, silent_s)
     unused_slots: dict[str, int] = {}  # writer -> write slots it never used
-    for key in list(pool.writing):
+    for key in _abandoned(pool, dead, now - config.put_timeout_s):
         obj = pool.objects[key]
-        if obj.writer in dead or now - obj.started_at > config.put_timeout_s:
+        if obj.writer in dead or obj.started_at < now - config.put_timeout_s:
             if key.startswith(SLOT_KEY_PREFIX):  # held ahead and not needed: routine
                 unused_slots[obj.writer] = unused_slots.get(obj.writer, 0) + 1
             else:
@@ -56,6 +56,21 @@ def expire_nodes(pool: Pool, mover: Mover, config: MetadataConfig, now: float) -
     mover.expire(now)
     space.release_due(now)
     return dead
+
+
+def _abandoned(pool: Pool, dead: list[str], started_before: float) -> list[str]:
+    """The keys of the puts to look at: every one when a writer died (or the clock went
+    back), else the oldest ones up to the first started at or after `started_before`: a
+    tick then costs the puts it reclaims, not all those in flight (each client holds up to
+    slots.MAX_RESERVE write slots ahead; with 32 clients, thousands, 20 ticks a second)."""
+    if dead or not pool.is_writing_in_order:
+        return list(pool.writing)
+    out, objects = [], pool.objects
+    for key in pool.writing:
+        if objects[key].started_at >= started_before:
+            break
+        out.append(key)
+    return out
 
 
 def lose_segment(pool: Pool, mover: Mover, seg: Segment, now: float, emit: EventKind | None) -> int:

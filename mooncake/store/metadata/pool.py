@@ -46,6 +46,10 @@ class Pool:
         self.space = space
         self.objects: dict[str, ObjectRecord] = {}
         self.writing: dict[str, None] = {}  # keys in PROCESSING, oldest put first
+        # NOTE: True while `writing` is in started_at order too (a caller's clock never went
+        # back), which lets expiry stop at the first put not yet timed out
+        self.is_writing_in_order = True
+        self._last_started_at = 0.0  # s: started_at of the newest put in `writing`
         # per tier: keys with a COMPLETE replica there, pool-wide, in eviction order
         self.order: PoolOrder[str] = PoolOrder(TIERS)
         self.counters = Counters()
@@ -58,6 +62,16 @@ class Pool:
         self.on_drop: Callable[[ObjectRecord], None] = _nothing
 
     # -- edits ---------------------------------------------------------------------------
+
+    def start_writing(self, obj: ObjectRecord) -> None:
+        """Add a put (or a write slot) just started to `objects` and `writing`."""
+        if not self.writing:
+            self.is_writing_in_order = True
+        elif obj.started_at < self._last_started_at:
+            self.is_writing_in_order = False
+        self._last_started_at = obj.started_at
+        self.objects[obj.key] = obj
+        self.writing[obj.key] = None
 
     def emit(self, kind: EventKind, key: str, node_id: str, tier: str = "") -> None:
         self.events.append(StoreEvent(kind=kind, key=key, node_id=node_id, tier=tier))

@@ -81,8 +81,7 @@ class SlotBook:
                 break
             obj = ObjectRecord(key, size, spec.writer, now, chosen)
             obj.wanted = spec.replicas or self.config.replicas
-            pool.objects[key] = obj
-            pool.writing[key] = None
+            pool.start_writing(obj)
             self.specs[slot_id] = spec
             out.append(self._desc(slot_id, obj))
         return out
@@ -184,7 +183,7 @@ class SlotBook:
             r.segment.keys.add(key)
         obj.key, obj.pin_ttl_s = key, max(pin_ttl_s, 0.0)
         pool.objects[key] = obj
-        pool.writing[key] = None
+        pool.writing[key] = None  # NOTE: out of started_at order, but committed in this call
 
     def _desc(self, slot_id: int, obj: ObjectRecord) -> Slot:
         replicas = tuple(r.desc() for r in obj.replicas)

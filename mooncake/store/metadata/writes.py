@@ -96,8 +96,7 @@ class WriteProtocol:
         obj = ObjectRecord(key, size, writer, now, chosen, pin_ttl_s=max(pin_ttl_s, 0.0))
         obj.wanted = replicas or self.config.replicas
         obj.relocations = [(o, dst) for o, dst, _ in moved]
-        pool.objects[key] = obj
-        pool.writing[key] = None
+        pool.start_writing(obj)
         return PutStartResult(
             key=key,
             status="ok",

@@ -165,3 +165,18 @@ def test_a_batch_commits_into_its_slots_key_by_key_then_refills() -> None:
     bad, _ = svc.slots.commit_many(["x"], [], "w", 1.0)
     assert bad[0].status == "error" and "one slot per key" in bad[0].message
     svc.check_integrity()
+
+
+def test_expiry_reclaims_only_timed_out_puts_whatever_the_order_they_started_in() -> None:
+    """Expiry stops at the first put in flight not yet timed out while the puts started in
+    clock order, and looks at all of them once a caller's clock went back: either way
+    exactly the puts past put_timeout_s are reclaimed."""
+    for starts in ([0.0, 1.0, 2.0, 8.0], [8.0, 0.0, 2.0, 1.0]):
+        svc = make_service({"a": {"dram": 4096}}, put_timeout_s=5.0)
+        for i, t in enumerate(starts):
+            assert svc.writes.put_start(f"k{i}", 256, t, writer="w").status == "ok"
+        assert svc.pool.is_writing_in_order == (starts == sorted(starts))
+        svc.check_integrity()
+        svc.expire(6.5)
+        svc.check_integrity()
+        assert sorted(svc.pool.writing) == [f"k{i}" for i, t in enumerate(starts) if t >= 1.5]
