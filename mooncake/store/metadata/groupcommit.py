@@ -3,8 +3,11 @@
 A committing call drains its `PoolChanges` under the Store's lock and queues them here
 (`submit`, which returns its ticket); it releases the lock, and replies once `wait(ticket)`
 returns. One writer thread takes what is queued, oldest first, merges it into one group and
-writes the group as one journal write (one etcd transaction, one file append): while a
-transaction is in flight the next calls queue, and the next group carries them all.
+writes the group as one journal write (one etcd transaction): while a transaction is in
+flight the next calls queue, and the next group carries them all. A journal whose write is
+cheap (`is_grouped` False: the file journal appends to the page cache, without fsync) is
+written at once in `submit`, under the lock, as before: a hand-off to a thread costs more
+than the append (measured: mooncake/bench/commits.py).
 
 A group is bounded by the journal's `max_group_ops` (distinct keys: etcd's --max-txn-ops)
 and `max_group_bytes` (its request size limit, with room for the seals and the encoding),
@@ -18,13 +21,17 @@ every change queued before its call left the lock is durable**.
    the changes in the order memory made them. Groups are written one at a time in queue
    order, each all or nothing, so after a crash the journal holds a prefix of the queue:
    the state of some moment of the lock's history.
-2. A call's ticket is the last sequence number queued when it left the lock, whether or
-   not it changed anything. Other calls may see a change in memory before it is durable
-   (that is what takes the lock off the network), but nothing they answer leaves before it
-   is: a `put_end` answered ok is journaled, a reader is never told of an object whose
-   commit may be lost, and a range freed by a removal or eviction reaches a new writer (in
-   a `put_start` reply) only after its free is durable, so "journaled free before
-   journaled taken" still holds for every range a client can write.
+2. A call waits for a ticket: the sequence number of the newest entry its reply can tell
+   of. A call that changed something waits for its own entry (so for all before it); one
+   that did not waits for the last entry of each key it read (`get_replicas`, `exists`),
+   and when it hands out ranges (`put_start`, write slots) also for the entry queued last
+   when ranges were last released; any other call waits for every entry queued. Other
+   calls may see a change in memory before it is durable (that is what takes the lock off
+   the network), but nothing they answer leaves before it is: a `put_end` answered ok is
+   journaled, a reader is never told of an object whose commit may be lost, and a range
+   freed by a removal, an eviction or a move reaches a new writer only after its free is
+   durable, so "journaled free before journaled taken" still holds for every range a
+   client can write.
 3. Failure is sticky: once a group fails (etcd unreachable, or the fence: this master no
    longer leads) nothing more is written; every call waiting on that group or a later one
    raises JournalError (none of them was applied durably), `on_error` is told once (the
@@ -42,12 +49,13 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from mooncake.store.metadata.journal import BaseJournal, JournalError
 from mooncake.store.metadata.poolstate import PoolChanges
 
 log = logging.getLogger(__name__)
+KEY_SEQ_MIN = 4096  # keys remembered before the durable ones are forgotten
 
 
 class GroupCommit:
@@ -61,6 +69,7 @@ class GroupCommit:
         on_error: Callable[[JournalError], None] | None = None,  # the first failure, once
     ):
         self.journal = journal
+        self.is_grouped = journal.is_grouped  # False: written at once, in `submit`
         self.window_s = journal.group_window_s if window_s is None else window_s
         self.max_ops = journal.max_group_ops  # distinct keys in one group
         self.max_bytes = journal.max_group_bytes  # estimated bytes of one group
@@ -72,21 +81,75 @@ class GroupCommit:
         self.last_seq = 0  # of the newest entry queued
         self.durable_seq = 0  # every entry up to this one is in the journal
         self.error: JournalError | None = None  # the failure that stopped the writer
+        self._key_seq: dict[str, int] = {}  # object key -> seq of its last queued entry
+        self._key_seq_mark = KEY_SEQ_MIN  # size of _key_seq at which durable ones go
+        self._free_seq = 0  # seq queued last when ranges were last released
         self.num_groups = 0  # groups written
         self.num_entries = 0  # entries written in them
         self._is_closing = False
         self._thread = threading.Thread(target=self._run, name="group-commit", daemon=True)
-        self._thread.start()
+        if self.is_grouped:
+            self._thread.start()
 
-    def submit(self, changes: PoolChanges) -> int:
+    def submit(
+        self,
+        changes: PoolChanges,
+        *,
+        frees: bool = False,
+        reads: Iterable[str] | None = None,
+        allocates: bool = False,
+    ) -> int:
         """Queue `changes` (nothing when empty); returns the ticket to `wait` on. Call it
-        under the lock that orders the changes (the Store's)."""
+        under the lock that orders the changes (the Store's), once per call.
+
+        The ticket of a call that changed nothing (rule 2 of the module docstring):
+        `frees`: it released ranges (their release may still be queued); `reads`: the only
+        keys its reply tells of (None: it may tell of anything: every queued change);
+        `allocates`: its reply hands out ranges (they may have been freed by a queued
+        change)."""
         with self._lock:
+            if changes and not self.is_grouped:
+                return self._write_now(changes)
             if changes:
                 self.last_seq += 1
                 self._queue.append((self.last_seq, changes))
                 self._work.notify()
-            return self.last_seq
+                self._note_keys(changes)
+            if frees:
+                self._free_seq = self.last_seq
+            if changes or reads is None:
+                return self.last_seq
+            ticket = self._free_seq if allocates else 0
+            key_seq = self._key_seq
+            for key in reads:
+                ticket = max(ticket, key_seq.get(key, 0))
+            return ticket if ticket > self.durable_seq else 0
+
+    def _write_now(self, changes: PoolChanges) -> int:
+        """A journal not grouped: write `changes` here (lock held), as a group of one."""
+        self.last_seq += 1
+        if self.error is None:
+            try:
+                self.journal.write(changes)
+            except JournalError as e:
+                self.error = e
+                if self.on_error is not None:
+                    self.on_error(e)
+                return self.last_seq
+            self.durable_seq = self.last_seq
+            self.num_groups += 1
+            self.num_entries += 1
+        return self.last_seq
+
+    def _note_keys(self, changes: PoolChanges) -> None:
+        """NOTE: what a reply may tell of a key is durable once its last entry is"""
+        key_seq, seq = self._key_seq, self.last_seq
+        if len(key_seq) >= self._key_seq_mark:  # forget the durable ones, amortized
+            durable = self.durable_seq
+            self._key_seq = key_seq = {k: s for k, s in key_seq.items() if s > durable}
+            self._key_seq_mark = max(KEY_SEQ_MIN, 2 * len(key_seq))
+        for key in changes.objects:
+            key_seq[key] = seq
 
     def wait(self, ticket: int) -> None:
         """Return once every entry up to `ticket` is durable; raises JournalError if a
@@ -106,10 +169,11 @@ class GroupCommit:
         with self._lock:
             self._is_closing = True
             self._work.notify()
-        self._thread.join()
+        if self.is_grouped:
+            self._thread.join()
 
     def _is_stopped(self) -> bool:
-        return not self._thread.is_alive()
+        return self.is_grouped and not self._thread.is_alive()
 
     def _run(self) -> None:
         try:

@@ -360,20 +360,20 @@ def register(
     service: MetadataService,
     clock: Callable[[], float],
     lock: AbstractContextManager[Any] | None = None,
-    after: Callable[[], int] | None = None,
+    after: Callable[[Msg], int] | None = None,
     wait: Callable[[int], None] | None = None,
 ) -> None:
     """Register a handler for every request type on an `RpcServer`; each call reads
     `clock()` for `now` and runs under `lock` (shared with the master's eviction and
-    expiry loop; the RPC server itself calls handlers one at a time), then `after` under
-    the same lock (it queues the journal's changes and returns a ticket), and the reply goes
-    once `wait(ticket)` returns, off the lock (store/metadata/groupcommit.py)."""
+    expiry loop; the RPC server itself calls handlers one at a time), then `after(msg)`
+    under the same lock (it queues the journal's changes and returns a ticket); the reply
+    goes once `wait(ticket)` returns, off the lock (store/metadata/groupcommit.py)."""
     guard = lock if lock is not None else nullcontext()
 
     def serve(msg: Msg, peer: Any) -> Msg:
         with guard:
             reply = handle(service, msg, clock())
-            ticket = after() if after is not None else 0
+            ticket = after(msg) if after is not None else 0
         if ticket and wait is not None:
             wait(ticket)
         return reply

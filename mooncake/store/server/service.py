@@ -22,12 +22,14 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from mooncake.rpc.server import RpcServer
+from mooncake.rpc.wire import Msg
 from mooncake.store.metadata import audit
 from mooncake.store.metadata.groupcommit import GroupCommit
 from mooncake.store.metadata.journal import BaseJournal, JournalError
 from mooncake.store.metadata.objects import StoreEvent, StoreStats
 from mooncake.store.metadata.service import MetadataService
 from mooncake.store.metadata.settings import MetadataConfig
+from mooncake.store.server import messages as m
 from mooncake.store.server.direct import DirectServer
 from mooncake.store.server.messages import DirectPortMsg, DirectPortReplyMsg, register
 
@@ -36,6 +38,19 @@ if TYPE_CHECKING:
     from mooncake.store.server.metrics import MetricsServer
 
 log = logging.getLogger(__name__)
+# NOTE: requests whose replies tell only of their keys and of the ranges they hand out:
+# they wait only for those (store/metadata/groupcommit.py, rule 2); others for everything
+_ONE_KEY = (m.GetReplicasMsg, m.ExistsMsg, m.PutStartMsg)
+_KEYS = (m.BatchGetReplicasMsg, m.BatchExistsMsg, m.BatchPutStartMsg, m.BatchPutSlotMsg)
+_ALLOCATES = (m.PutStartMsg, m.BatchPutStartMsg, m.BatchPutSlotMsg)
+
+
+def _read_keys(msg: Msg | None) -> list[str] | tuple[str, ...] | None:
+    if isinstance(msg, _ONE_KEY):
+        return [msg.key]
+    if isinstance(msg, _KEYS):
+        return msg.keys
+    return None
 
 
 class StoreService:
@@ -60,6 +75,7 @@ class StoreService:
         self.journal = journal
         self._is_restored = False  # the journal was loaded (restore)
         self.commits: GroupCommit | None = None  # writes to `journal` (made by restore)
+        self._num_releases = 0  # the space's, at the last flush
         # a journal write failed: this master can no longer promise durability (default: raise)
         self.on_journal_error: Callable[[JournalError], None] | None = None
         self.on_events = on_events  # called under the lock, before a change's reply goes
@@ -135,10 +151,10 @@ class StoreService:
         )
         return num
 
-    def flush(self) -> int:
-        """Queue what the last operation changed for the journal and hand its events to the
-        listener (lock held); returns the ticket its reply waits on (`wait_durable`; 0:
-        no journal).
+    def flush(self, msg: Msg | None = None) -> int:
+        """Queue what the last operation (`msg`, if a request) changed for the journal and
+        hand its events to the listener (lock held); returns the ticket its reply waits on
+        (`wait_durable`; 0: nothing to wait for).
 
         NOTE: so a put's commit is in the Conductor's index before the writer hears it is
         done: a request placed after that sees the block (a tick later, it might not)."""
@@ -148,7 +164,14 @@ class StoreService:
             md.pool.changed_keys.clear()
             md.pool.changed_segments.clear()
         else:
-            ticket = self._committer().submit(md.pool.drain_changes())
+            releases = md.space.num_releases
+            ticket = self._committer().submit(
+                md.pool.drain_changes(),
+                frees=releases != self._num_releases,
+                reads=_read_keys(msg),
+                allocates=isinstance(msg, _ALLOCATES),
+            )
+            self._num_releases = releases
         self._deliver_events()
         return ticket
 
