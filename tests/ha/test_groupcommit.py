@@ -107,11 +107,10 @@ def test_concurrent_commits_are_all_in_etcd_and_a_restarted_master_serves_them(l
     assert set(outcome.values()) == {"ok"} and len(outcome) == NUM_CLIENTS * NUM_PUTS
     assert _journaled_keys(leading) == set(outcome) and not errors
     restarted = StoreService(SECRET, MetadataConfig(), journal=_journal(leading), tick_s=3600)
-    with restarted:
-        with restarted.lock:
-            now = time.monotonic()
-            got = [restarted.metadata.get_replicas(k, now).status for k in outcome]
-            restarted.metadata.check_integrity()
+    with restarted, restarted.lock:
+        now = time.monotonic()
+        got = [restarted.metadata.get_replicas(k, now).status for k in outcome]
+        restarted.metadata.check_integrity()
     assert got == ["ok"] * len(outcome)
 
 
