@@ -29,6 +29,11 @@ SHOWN_KEYS = 5  # forged keys named in the report of a load
 
 
 class EtcdJournal(BaseJournal):
+    is_grouped = True  # a transaction is a network round trip and a disk sync in etcd
+    max_group_ops = MAX_TXN_OPS
+    # NOTE: etcd's --max-request-bytes is 1.5 MiB by default: a group stays well below it
+    max_group_bytes = 1 << 20
+
     def __init__(
         self,
         etcd: Etcd,

@@ -7,4 +7,6 @@ runs the same code).
 - `objects`, `settings`, `segments`, `allocator`, `placement`   records, settings, space
 - `writes`, `slots`, `eviction`, `moves`, `membership`   the protocols that change it
 - `journal`, `audit`   durability, stats and the integrity check
+- `groupcommit`   the journal's writes in groups, off the Store's lock (a thread: the
+                master's, not the simulator's)
 """

@@ -42,6 +42,14 @@ class JournalBatch(msgspec.Struct, frozen=True, array_like=True):
 class BaseJournal:
     """Durable storage of the pool's committed state."""
 
+    # NOTE: a journal whose write is cheap (a file append: no fsync, no network) is written
+    # at once under the Store's lock; a slow one (etcd) in groups, off it (groupcommit.py)
+    is_grouped = False
+    # one write's bounds and how long it waits to fill
+    max_group_ops = 4096  # distinct keys
+    max_group_bytes = 4 << 20  # bytes, estimated
+    group_window_s = 0.0  # s; 0 = take what is queued
+
     def load(self) -> PoolState:
         """The state as last written (empty when there is none)."""
         raise NotImplementedError

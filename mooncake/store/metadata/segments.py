@@ -32,6 +32,7 @@ class SegmentManager:
         self.tier_usable: dict[Tier, int] = dict.fromkeys(TIERS, 0)  # bytes
         self.tier_used: dict[Tier, int] = dict.fromkeys(TIERS, 0)  # bytes, incl. deferred
         self.deferred: list[tuple[float, Replica]] = []  # (free at s, released replica)
+        self.num_releases = 0  # ranges freed and segments unmounted (group commit's ticket)
         # replica ids: from a random base, so a restarted master does not hand out ids
         # that clients still remember from before
         self._replica_ids = itertools.count(secrets.randbits(62) + 1)
@@ -108,6 +109,7 @@ class SegmentManager:
     def unmount(self, seg: Segment) -> None:
         """Drop `seg` with everything allocated in it (the caller detached its replicas)."""
         del self.segments[seg.name]
+        self.num_releases += 1
         self.node_segments[seg.node_id].remove(seg)
         self.tier_segments[seg.tier].remove(seg)
         self.tier_usable[seg.tier] -= seg.allocator.usable_bytes
@@ -166,6 +168,7 @@ class SegmentManager:
 
     def _release(self, replica: Replica) -> None:
         seg = replica.segment
+        self.num_releases += 1
         self.tier_used[seg.tier] -= seg.allocator.free(replica.offset)
 
     def share(self, tier: Tier, extra_bytes: int = 0) -> float:

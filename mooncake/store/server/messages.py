@@ -360,20 +360,23 @@ def register(
     service: MetadataService,
     clock: Callable[[], float],
     lock: AbstractContextManager[Any] | None = None,
-    after: Callable[[], None] | None = None,
+    after: Callable[[Msg], int] | None = None,
+    wait: Callable[[int], None] | None = None,
 ) -> None:
     """Register a handler for every request type on an `RpcServer`; each call reads
     `clock()` for `now` and runs under `lock` (shared with the master's eviction and
-    expiry loop; the RPC server itself calls handlers one at a time), then `after` under
-    the same lock before the reply goes (the journal: store/metadata/journal.py)."""
+    expiry loop; the RPC server itself calls handlers one at a time), then `after(msg)`
+    under the same lock (it queues the journal's changes and returns a ticket); the reply
+    goes once `wait(ticket)` returns, off the lock (store/metadata/groupcommit.py)."""
     guard = lock if lock is not None else nullcontext()
 
     def serve(msg: Msg, peer: Any) -> Msg:
         with guard:
             reply = handle(service, msg, clock())
-            if after is not None:
-                after()
-            return reply
+            ticket = after(msg) if after is not None else 0
+        if ticket and wait is not None:
+            wait(ticket)
+        return reply
 
     for msg_type in REQUEST_TYPES:
         server.register(msg_type, serve)

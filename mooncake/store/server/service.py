@@ -8,7 +8,9 @@
 The same handlers also answer on the direct channel (store/server/direct.py: a TCP port beside
 the RPC address, for the clients' hot calls), on that server's connection threads. Every
 handler and the housekeeping thread (node expiry, stale puts, watermark eviction) take the
-same lock, so the service never sees two callers.
+same lock, so the service never sees two callers. A handler queues its journal changes
+under the lock and replies once they are durable, off the lock
+(store/metadata/groupcommit.py).
 """
 
 from __future__ import annotations
@@ -20,11 +22,14 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from mooncake.rpc.server import RpcServer
+from mooncake.rpc.wire import Msg
 from mooncake.store.metadata import audit
+from mooncake.store.metadata.groupcommit import GroupCommit
 from mooncake.store.metadata.journal import BaseJournal, JournalError
 from mooncake.store.metadata.objects import StoreEvent, StoreStats
 from mooncake.store.metadata.service import MetadataService
 from mooncake.store.metadata.settings import MetadataConfig
+from mooncake.store.server import messages as m
 from mooncake.store.server.direct import DirectServer
 from mooncake.store.server.messages import DirectPortMsg, DirectPortReplyMsg, register
 
@@ -33,6 +38,19 @@ if TYPE_CHECKING:
     from mooncake.store.server.metrics import MetricsServer
 
 log = logging.getLogger(__name__)
+# NOTE: requests whose replies tell only of their keys and of the ranges they hand out:
+# they wait only for those (store/metadata/groupcommit.py, rule 2); others for everything
+_ONE_KEY = (m.GetReplicasMsg, m.ExistsMsg, m.PutStartMsg)
+_KEYS = (m.BatchGetReplicasMsg, m.BatchExistsMsg, m.BatchPutStartMsg, m.BatchPutSlotMsg)
+_ALLOCATES = (m.PutStartMsg, m.BatchPutStartMsg, m.BatchPutSlotMsg)
+
+
+def _read_keys(msg: Msg | None) -> list[str] | tuple[str, ...] | None:
+    if isinstance(msg, _ONE_KEY):
+        return [msg.key]
+    if isinstance(msg, _KEYS):
+        return msg.keys
+    return None
 
 
 class StoreService:
@@ -56,13 +74,22 @@ class StoreService:
         self.metadata = MetadataService(config)
         self.journal = journal
         self._is_restored = False  # the journal was loaded (restore)
+        self.commits: GroupCommit | None = None  # writes to `journal` (made by restore)
+        self._num_releases = 0  # the space's, at the last flush
         # a journal write failed: this master can no longer promise durability (default: raise)
         self.on_journal_error: Callable[[JournalError], None] | None = None
         self.on_events = on_events  # called under the lock, before a change's reply goes
         self.lock = threading.Lock()
         key = secret.encode() if isinstance(secret, str) else secret
         self.server = RpcServer(address, key, name="store")
-        register(self.server, self.metadata, time.monotonic, lock=self.lock, after=self.flush)
+        register(
+            self.server,
+            self.metadata,
+            time.monotonic,
+            lock=self.lock,
+            after=self.flush,
+            wait=self.wait_durable,
+        )
         self._key = key if direct else None  # None: no direct channel
         self._direct_port = direct_port
         self.direct: DirectServer | None = None
@@ -115,6 +142,7 @@ class StoreService:
         state = self.journal.load()
         with self.lock:
             num = self.metadata.restore(state, time.monotonic())
+            self._committer()
         log.info(
             "store: rebuilt %d segments and %d of %d objects from the journal",
             len(state.segments),
@@ -123,25 +151,47 @@ class StoreService:
         )
         return num
 
-    def flush(self) -> None:
-        """Journal what the last operation changed and hand its events to the listener
-        (lock held: before its reply goes).
+    def flush(self, msg: Msg | None = None) -> int:
+        """Queue what the last operation (`msg`, if a request) changed for the journal and
+        hand its events to the listener (lock held); returns the ticket its reply waits on
+        (`wait_durable`; 0: nothing to wait for).
 
         NOTE: so a put's commit is in the Conductor's index before the writer hears it is
         done: a request placed after that sees the block (a tick later, it might not)."""
         md = self.metadata
+        ticket = 0
         if self.journal is None:
             md.pool.changed_keys.clear()
             md.pool.changed_segments.clear()
-        elif changes := md.pool.drain_changes():
-            try:
-                self.journal.write(changes)
-            except JournalError as e:
-                if self.on_journal_error is None:
-                    raise
-                self.on_journal_error(e)
-                raise
+        else:
+            releases = md.space.num_releases
+            ticket = self._committer().submit(
+                md.pool.drain_changes(),
+                frees=releases != self._num_releases,
+                reads=_read_keys(msg),
+                allocates=isinstance(msg, _ALLOCATES),
+            )
+            self._num_releases = releases
         self._deliver_events()
+        return ticket
+
+    def wait_durable(self, ticket: int) -> None:
+        """Return once the journal holds everything queued up to `ticket` (not under the
+        lock); raises JournalError when it cannot."""
+        if self.commits is not None:
+            self.commits.wait(ticket)
+
+    def _committer(self) -> GroupCommit:
+        assert self.journal is not None
+        if self.commits is None:
+            self.commits = GroupCommit(self.journal, on_error=self._journal_failed)
+        assert self.commits.journal is self.journal, "the journal was replaced after use"
+        return self.commits
+
+    def _journal_failed(self, e: JournalError) -> None:
+        """NOTE: memory is ahead of the journal now: every later call fails its wait"""
+        if self.on_journal_error is not None:
+            self.on_journal_error(e)
 
     def stats(self) -> StoreStats:
         """A snapshot of the metadata service's counters (taken under the lock)."""
@@ -198,6 +248,8 @@ class StoreService:
         if self.direct is not None:
             self.direct.close()
         self.server.stop()
+        if self.commits is not None:
+            self.commits.close()
 
     def __enter__(self) -> StoreService:
         self.start()

@@ -1,0 +1,259 @@
+"""Group commit: the Store's journal writes batched, and taken off the Store's lock.
+
+A committing call drains its `PoolChanges` under the Store's lock and queues them here
+(`submit`, which returns its ticket); it releases the lock, and replies once `wait(ticket)`
+returns. One writer thread takes what is queued, oldest first, merges it into one group and
+writes the group as one journal write (one etcd transaction): while a transaction is in
+flight the next calls queue, and the next group carries them all. A journal whose write is
+cheap (`is_grouped` False: the file journal appends to the page cache, without fsync) is
+written at once in `submit`, under the lock, as before: a hand-off to a thread costs more
+than the append (measured: mooncake/bench/commits.py).
+
+A group is bounded by the journal's `max_group_ops` (distinct keys: etcd's --max-txn-ops)
+and `max_group_bytes` (its request size limit, with room for the seals and the encoding),
+and waits at most `window_s` after its first entry for more (0: take what is queued).
+An entry alone over the bound is written alone (split over transactions, as before).
+
+The rule kept (docs/ha.md, "Consistency argument"): **no reply leaves the master before
+every change queued before its call left the lock is durable**.
+
+1. Queue order is lock order: `submit` runs under the Store's lock, so the journal takes
+   the changes in the order memory made them. Groups are written one at a time in queue
+   order, each all or nothing, so after a crash the journal holds a prefix of the queue:
+   the state of some moment of the lock's history.
+2. A call waits for a ticket: the sequence number of the newest entry its reply can tell
+   of. A call that changed something waits for its own entry (so for all before it); one
+   that did not waits for the last entry of each key it read (`get_replicas`, `exists`),
+   and when it hands out ranges (`put_start`, write slots) also for the entry queued last
+   when ranges were last released; any other call waits for every entry queued. Other
+   calls may see a change in memory before it is durable (that is what takes the lock off
+   the network), but nothing they answer leaves before it is: a `put_end` answered ok is
+   journaled, a reader is never told of an object whose commit may be lost, and a range
+   freed by a removal, an eviction or a move reaches a new writer only after its free is
+   durable, so "journaled free before journaled taken" still holds for every range a
+   client can write.
+3. Failure is sticky: once a group fails (etcd unreachable, or the fence: this master no
+   longer leads) nothing more is written; every call waiting on that group or a later one
+   raises JournalError (none of them was applied durably), `on_error` is told once (the
+   master exits, status 75), and calls whose groups were durable before it were answered.
+   Memory is then ahead of the journal, so nothing more is answered from it.
+
+Not held back: the events the Store hands its listeners under the lock (the Conductor's
+prefix index, the KV event feed). They are hints: a block whose commit is lost with a
+failed group is a miss on the new leader, which rebuilds its index from the journal.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+
+from mooncake.store.metadata.journal import BaseJournal, JournalError
+from mooncake.store.metadata.poolstate import PoolChanges
+
+log = logging.getLogger(__name__)
+KEY_SEQ_MIN = 4096  # keys remembered before the durable ones are forgotten
+
+
+class GroupCommit:
+    """Writes queued `PoolChanges` to `journal` in groups, on a thread of its own."""
+
+    def __init__(
+        self,
+        journal: BaseJournal,
+        *,
+        window_s: float | None = None,  # s a group waits for more; None: the journal's
+        on_error: Callable[[JournalError], None] | None = None,  # the first failure, once
+    ):
+        self.journal = journal
+        self.is_grouped = journal.is_grouped  # False: written at once, in `submit`
+        self.window_s = journal.group_window_s if window_s is None else window_s
+        self.max_ops = journal.max_group_ops  # distinct keys in one group
+        self.max_bytes = journal.max_group_bytes  # estimated bytes of one group
+        self.on_error = on_error
+        self._lock = threading.Lock()
+        self._work = threading.Condition(self._lock)  # the writer waits for entries
+        self._done = threading.Condition(self._lock)  # callers wait for their group
+        self._queue: deque[tuple[int, PoolChanges]] = deque()  # (seq, changes), oldest first
+        self.last_seq = 0  # of the newest entry queued
+        self.durable_seq = 0  # every entry up to this one is in the journal
+        self.error: JournalError | None = None  # the failure that stopped the writer
+        self._key_seq: dict[str, int] = {}  # object key -> seq of its last queued entry
+        self._key_seq_mark = KEY_SEQ_MIN  # size of _key_seq at which durable ones go
+        self._free_seq = 0  # seq queued last when ranges were last released
+        self.num_groups = 0  # groups written
+        self.num_entries = 0  # entries written in them
+        self._is_closing = False
+        self._thread = threading.Thread(target=self._run, name="group-commit", daemon=True)
+        if self.is_grouped:
+            self._thread.start()
+
+    def submit(
+        self,
+        changes: PoolChanges,
+        *,
+        frees: bool = False,
+        reads: Iterable[str] | None = None,
+        allocates: bool = False,
+    ) -> int:
+        """Queue `changes` (nothing when empty); returns the ticket to `wait` on. Call it
+        under the lock that orders the changes (the Store's), once per call.
+
+        The ticket of a call that changed nothing (rule 2 of the module docstring):
+        `frees`: it released ranges (their release may still be queued); `reads`: the only
+        keys its reply tells of (None: it may tell of anything: every queued change);
+        `allocates`: its reply hands out ranges (they may have been freed by a queued
+        change)."""
+        with self._lock:
+            if changes and not self.is_grouped:
+                return self._write_now(changes)
+            if changes:
+                self.last_seq += 1
+                self._queue.append((self.last_seq, changes))
+                self._work.notify()
+                self._note_keys(changes)
+            if frees:
+                self._free_seq = self.last_seq
+            if changes or reads is None:
+                return self.last_seq
+            ticket = self._free_seq if allocates else 0
+            key_seq = self._key_seq
+            for key in reads:
+                ticket = max(ticket, key_seq.get(key, 0))
+            return ticket if ticket > self.durable_seq else 0
+
+    def _write_now(self, changes: PoolChanges) -> int:
+        """A journal not grouped: write `changes` here (lock held), as a group of one."""
+        self.last_seq += 1
+        if self.error is None:
+            try:
+                self.journal.write(changes)
+            except JournalError as e:
+                self.error = e
+                if self.on_error is not None:
+                    self.on_error(e)
+                return self.last_seq
+            self.durable_seq = self.last_seq
+            self.num_groups += 1
+            self.num_entries += 1
+        return self.last_seq
+
+    def _note_keys(self, changes: PoolChanges) -> None:
+        """NOTE: what a reply may tell of a key is durable once its last entry is"""
+        key_seq, seq = self._key_seq, self.last_seq
+        if len(key_seq) >= self._key_seq_mark:  # forget the durable ones, amortized
+            durable = self.durable_seq
+            self._key_seq = key_seq = {k: s for k, s in key_seq.items() if s > durable}
+            self._key_seq_mark = max(KEY_SEQ_MIN, 2 * len(key_seq))
+        for key in changes.objects:
+            key_seq[key] = seq
+
+    def wait(self, ticket: int) -> None:
+        """Return once every entry up to `ticket` is durable; raises JournalError if a
+        group holding one of them failed (or none can be written any more)."""
+        if self.durable_seq >= ticket:  # NOTE: an int read: no lock on the common path
+            return
+        with self._lock:
+            while self.durable_seq < ticket and self.error is None and not self._is_stopped():
+                self._done.wait()
+            if self.durable_seq >= ticket:
+                return
+            why = self.error or JournalError("the journal was closed")
+        raise JournalError(f"this change was not journaled ({why}); it is not applied") from why
+
+    def close(self) -> None:
+        """Write what is queued, then stop the writer."""
+        with self._lock:
+            self._is_closing = True
+            self._work.notify()
+        if self.is_grouped:
+            self._thread.join()
+
+    def _is_stopped(self) -> bool:
+        return self.is_grouped and not self._thread.is_alive()
+
+    def _run(self) -> None:
+        try:
+            while (group := self._next_group()) is not None:
+                changes, last, num = group
+                try:
+                    self.journal.write(changes)
+                except JournalError as e:
+                    self._fail(e)
+                    return
+                with self._lock:
+                    self.durable_seq = last
+                    self.num_groups += 1
+                    self.num_entries += num
+                    self._done.notify_all()
+        except Exception as e:  # a bug of ours: nothing more can be made durable
+            log.exception("group commit: the journal writer failed")
+            self._fail(JournalError(f"the journal writer failed: {type(e).__name__}: {e}"))
+        finally:
+            with self._lock:
+                self._done.notify_all()
+
+    def _fail(self, e: JournalError) -> None:
+        with self._lock:
+            self.error = e
+            self._done.notify_all()
+        log.critical("group commit: a group of changes failed (%s); nothing more is written", e)
+        if self.on_error is not None:
+            self.on_error(e)
+
+    def _next_group(self) -> tuple[PoolChanges, int, int] | None:
+        """The oldest entries that fit one group, merged: (changes, last seq, entries);
+        None once closing with nothing queued."""
+        with self._lock:
+            while not self._queue:
+                if self._is_closing:
+                    return None
+                self._work.wait()
+            if self.window_s > 0 and not self._is_closing:
+                deadline = time.monotonic() + self.window_s
+                while not self._is_full() and (left := deadline - time.monotonic()) > 0:
+                    self._work.wait(left)
+        # NOTE: only this thread pops; submit appends at the other end (deque: thread-safe)
+        group = PoolChanges()
+        num_ops = num_bytes = num = last = 0
+        while self._queue:
+            seq, changes = self._queue[0]
+            ops, size = _added(group, changes)
+            if num and (num_ops + ops > self.max_ops or num_bytes + size > self.max_bytes):
+                break
+            self._queue.popleft()
+            group.segments.update(changes.segments)
+            group.objects.update(changes.objects)
+            num_ops, num_bytes, num, last = num_ops + ops, num_bytes + size, num + 1, seq
+        return group, last, num
+
+    def _is_full(self) -> bool:
+        """NOTE: a cheap upper bound (keys counted with repeats): enough to stop waiting."""
+        n = sum(len(c.segments) + len(c.objects) for _, c in self._queue)
+        return n >= self.max_ops
+
+
+def _added(group: PoolChanges, changes: PoolChanges) -> tuple[int, int]:
+    """Keys `changes` adds to `group` (a key already there is overwritten: no new op), and
+    an upper bound of their bytes in one journal write."""
+    ops = sum(name not in group.segments for name in changes.segments)
+    ops += sum(key not in group.objects for key in changes.objects)
+    size = 0
+    for name, seg in changes.segments.items():
+        size += ENTRY_BYTES + 2 * len(name)
+        if seg is not None:
+            size += len(seg.node_id) + len(seg.endpoint)
+    for key, obj in changes.objects.items():
+        size += ENTRY_BYTES + 2 * len(key)
+        if obj is not None:
+            size += sum(REPLICA_BYTES + len(r.segment) for r in obj.replicas)
+    return ops, size
+
+
+# NOTE: bounds of the fixed part of an entry (its etcd key prefix, seal, msgpack fields and
+# the transaction's framing) and of a replica's; the variable parts are counted as they are
+ENTRY_BYTES = 192
+REPLICA_BYTES = 48
