@@ -49,6 +49,7 @@ Pure logic: no clock, no I/O.
 
 from __future__ import annotations
 
+import heapq
 import math
 from bisect import bisect_left, bisect_right, insort
 from collections.abc import Callable
@@ -63,38 +64,108 @@ if TYPE_CHECKING:
 MAX_EXPLICIT = 16  # prefill instances of one prefix length priced one by one, at most
 
 
+MARGIN = 2.0**-46  # relative rounding margin of a drain bound (the error is < 8 * 2**-53)
+
+
 class LoadOrder:
-    """The prefill queues sorted by their floor (`PrefillQueue.floor_s`), then index.
-    `moved` is called by a queue whenever its floor may have changed."""
+    """The prefill queues in two sorted lists whose keys bound T_queue below at any `now`:
+
+    - `floors`: (floor, index) of the queues at their floor (nothing running, or the
+      running request past its predicted first-stage seconds): T_queue >= floor;
+    - `drains`: (drain, index) of the queues whose running request is within its first
+      stage: T_queue(now) >= drain - now, drain = run_started + pending_s (a constant).
+
+    T_queue(now) = max(floor, drain - now) on reals, and each bound holds at every `now`,
+    so a queue in either list is bounded correctly; the lists only make the bound tight.
+    `moved` is called by a queue whenever its state may have changed; `advance(now)`
+    moves the queues whose running request's first stage has ended to `floors` (a heap
+    of those ends, stale entries skipped)."""
 
     def __init__(self) -> None:
-        self.entries: list[tuple[float, int]] = []  # (floor, instance index), sorted
-        self._key: dict[int, tuple[float, int]] = {}  # id(queue) -> its entry
+        self.floors: list[tuple[float, int]] = []  # (floor, instance index), sorted
+        self.drains: list[tuple[float, int]] = []  # (drain time, instance index), sorted
+        self.span = 0.0  # s, the largest |run_started| + |pending_s| + |drain| keyed
+        self._queues: list[PrefillQueue] = []
         self._idx: dict[int, int] = {}  # id(queue) -> instance index
+        self._key: list[tuple[bool, float, float]] = []  # index -> (in drains, key, end)
+        self._past: list[float] = []  # index -> first-stage end seen passed (nan: none)
+        self._ends: list[tuple[float, int]] = []  # heap of (first-stage end, index)
 
     def rebuild(self, queues: list[PrefillQueue]) -> None:
-        """Index the queues by position (after instances were added or removed)."""
-        self._idx = {id(q): i for i, q in enumerate(queues)}
-        self._key = {id(q): (q.floor_s, i) for i, q in enumerate(queues)}
-        self.entries = sorted(self._key.values())
+        """Index the queues by position (after instances were removed)."""
+        self.floors, self.drains, self.span, self._ends = [], [], 0.0, []
+        self._queues, self._idx, self._key, self._past = [], {}, [], []
+        for q in queues:
+            self.add(q)
 
-    def moved(self, queue: object, floor_s: float) -> None:
+    def add(self, queue: PrefillQueue) -> None:
+        """A new queue, at the next instance index."""
+        i = len(self._queues)
+        self._queues.append(queue)
+        self._idx[id(queue)] = i
+        self._past.append(math.nan)
+        self._key.append((False, 0.0, math.nan))
+        self.floors.insert(bisect_left(self.floors, (0.0, i)), (0.0, i))
+        self.moved(queue)
+
+    def _key_of(self, q: PrefillQueue, i: int) -> tuple[bool, float, float]:
+        if q.running is not None and q.run_s > 0.0:
+            end = q.run_started + q.run_s
+            if end != self._past[i]:
+                return True, q.run_started + q.pending_s, end
+        return False, q.floor_s, math.nan
+
+    def moved(self, queue: object) -> None:
         i = self._idx.get(id(queue))
         if i is None:
             return
-        old = self._key[id(queue)]
-        if old[0] == floor_s:
+        old, new = self._key[i], self._key_of(self._queues[i], i)
+        if old[:2] == new[:2] and (not new[0] or old[2] == new[2]):
             return
-        entries = self.entries
-        del entries[bisect_left(entries, old)]
-        new = (floor_s, i)
-        insort(entries, new)
-        self._key[id(queue)] = new
+        self._move(i, old, new)
+
+    def _move(self, i: int, old: tuple[bool, float, float], new: tuple[bool, float, float]):
+        entries = self.drains if old[0] else self.floors
+        del entries[bisect_left(entries, (old[1], i))]
+        insort(self.drains if new[0] else self.floors, (new[1], i))
+        self._key[i] = new
+        if new[0]:
+            q = self._queues[i]
+            span = abs(q.run_started) + abs(q.pending_s) + abs(new[1])
+            if span > self.span:
+                self.span = span
+            heapq.heappush(self._ends, (new[2], i))
+            if len(self._ends) > 4 * len(self._queues) + 64:  # NOTE: drop stale entries
+                self._ends = [(k[2], j) for j, k in enumerate(self._key) if k[0]]
+                heapq.heapify(self._ends)
+
+    def advance(self, now: float) -> None:
+        """Move to `floors` the queues whose running request's first stage ended by `now`."""
+        ends = self._ends
+        while ends and ends[0][0] <= now:
+            end, i = heapq.heappop(ends)
+            old = self._key[i]
+            if old[0] and old[2] == end:  # else stale: the queue moved since
+                self._past[i] = end
+                self._move(i, old, self._key_of(self._queues[i], i))
+
+    def drain_bound(self, drain: float, now: float) -> float:
+        """A floor of T_queue(now) as `PrefillQueue.queue_time` computes it (floats) for a
+        queue in `drains` at `drain`: drain - now less a rounding margin, at least 0;
+        non-decreasing in `drain`."""
+        x = (drain - now) - (abs(now) + self.span) * MARGIN
+        return x if x > 0.0 else 0.0
 
     def check(self, queues: list[PrefillQueue]) -> None:
-        """Assert the order holds every queue at its current floor."""
-        want = sorted((q.floor_s, i) for i, q in enumerate(queues))
-        assert self.entries == want, (self.entries[:8], want[:8])
+        """Assert the lists hold every queue once, at its current key."""
+        assert self._queues == queues, "load order indexes other queues"
+        want_f, want_d = [], []
+        for i, q in enumerate(queues):
+            key = self._key_of(q, i)
+            assert key[:2] == self._key[i][:2], (q.name, key, self._key[i])
+            (want_d if key[0] else want_f).append((key[1], i))
+        assert self.floors == sorted(want_f), (self.floors[:8], sorted(want_f)[:8])
+        assert self.drains == sorted(want_d), (self.drains[:8], sorted(want_d)[:8])
 
 
 @dataclass(slots=True)
@@ -117,6 +188,7 @@ def choose(
     walked: list[tuple[int, int]],
     node_bits: list[int],
     order: LoadOrder,
+    now: float,
 ) -> PrefillPlan:
     """Algorithm 1's plan (module docstring). `explicit`: instance -> its prefix length,
     priced one by one; `walked`: (prefix length, mask of index bits) of the instances
@@ -124,6 +196,7 @@ def choose(
     each instance's bit in the prefix index."""
     best_len, thr, can_fetch = prices.best_len, prices.threshold, prices.can_fetch
     best_ttft, best_idx, best_reused, best_src = math.inf, len(node_bits), 0, -1
+    order.advance(now)
     full_fetch_s = prices.recompute_s(best_len)
     recompute: dict[int, float] = {}
 
@@ -155,22 +228,43 @@ def choose(
         else (False, prices.transfer_floor_s(best_len - p))
         for p in dict.fromkeys([length for length, _ in walked] + [0])
     ]
-    entries, k, n = order.entries, 0, len(order.entries)
-    while k < n:
-        floor, i = entries[k]
-        bound = math.inf
+
+    def bound(x: float) -> float:  # the least TTFT of a walked instance of T_queue >= x
+        b = math.inf
         for recomputes, s in terms:
-            b = floor + s if recomputes else (floor + full_fetch_s) + s
-            if b < bound:
-                bound = b
-        if bound > best_ttft:
-            break
-        if bound == best_ttft and i > best_idx:  # can only tie, from a higher index
-            k = bisect_right(entries, (floor, math.inf), k)
-            continue
-        k += 1
-        if i not in explicit:
-            price(i, walked_len(walked, node_bits[i]))
+            v = x + s if recomputes else (x + full_fetch_s) + s
+            if v < b:
+                b = v
+        return b
+
+    # NOTE: two walks merged in bound order; each list's entries come in bound order
+    floors, drains, drain_bound = order.floors, order.drains, order.drain_bound
+    ka, kb, na, nb = 0, 0, len(floors), len(drains)
+    ba = bound(floors[0][0]) if na else math.inf
+    bb = bound(drain_bound(drains[0][0], now)) if nb else math.inf
+    while ka < na or kb < nb:
+        if kb >= nb or (ka < na and ba <= bb):
+            if ba > best_ttft:
+                break  # NOTE: bb >= ba: no entry left in either list can win
+            key, i = floors[ka]
+            if ba == best_ttft and i > best_idx:  # can only tie, from a higher index
+                ka = bisect_right(floors, (key, math.inf), ka)
+            else:
+                ka += 1
+                if i not in explicit:
+                    price(i, walked_len(walked, node_bits[i]))
+            ba = bound(floors[ka][0]) if ka < na else math.inf
+        else:
+            if bb > best_ttft:
+                break
+            key, i = drains[kb]
+            if bb == best_ttft and i > best_idx:
+                kb = bisect_right(drains, (key, math.inf), kb)
+            else:
+                kb += 1
+                if i not in explicit:
+                    price(i, walked_len(walked, node_bits[i]))
+            bb = bound(drain_bound(drains[kb][0], now)) if kb < nb else math.inf
     p_idx = explicit.get(best_idx)
     if p_idx is None:
         p_idx = walked_len(walked, node_bits[best_idx])

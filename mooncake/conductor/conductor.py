@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from mooncake.conductor.admission import decide
@@ -73,11 +74,9 @@ class Conductor:
         self.policy = create_policy(params.policy, params.balancing_threshold, params.seed)
         self.forecast_error = ForecastError()  # of the arrival-time forecasts (predictive)
         self.is_coupled = False
-        self._pool_nodes: list[str] = []  # nodes whose blocks prefill may fetch, but not prefill
-        self._match_names: list[str] = []  # prefill instances, then the other pool nodes
-        self._match_bits: list[int] = []  # their bits in the prefix index
-        self._match_full = 0  # OR of _match_bits
-        self._reach_full = 0  # of those, where any instance may read (coupled: the pool's)
+        self._pool_nodes: dict[str, None] = {}  # nodes whose blocks prefill may fetch, in order
+        self._prefill_names: set[str] = set()
+        self._match_table: MatchTable | None = None  # built at the first decision after a change
         self._block_bytes = cost.kv_bytes_per_token * params.block_tokens
         self._load_order = LoadOrder()  # the prefill queues by floor (candidates.py)
         self._decode_order = DecodeOrder()  # the decode instances by load (decodeorder.py)
@@ -152,9 +151,9 @@ class Conductor:
     def add_pool_node(self, name: str, link_bytes_per_s: float | None = None) -> None:
         """A node that holds pool blocks a prefill instance may fetch (a store node)."""
         if name not in self._pool_nodes:
-            self._pool_nodes.append(name)
+            self._pool_nodes[name] = None
             self.network.add_node(name, link_bytes_per_s)
-            self._rebuild_match()
+            self._match_table = None
 
     def add_coupled_instance(self, name: str, kv_capacity_tokens: int | None = None) -> None:
         """An instance that prefills and decodes (vLLM-style); it reads only its own cache."""
@@ -174,46 +173,27 @@ class Conductor:
         self.forecast.capacity_tokens += slots.capacity_tokens
 
     def _add_prefill(self, name: str, link_bytes_per_s: float | None) -> None:
-        if any(q.name == name for q in self.prefill):
+        if name in self._prefill_names:
             raise SchedulingError(f"prefill instance {name!r} is already registered")
         p = self.params
-        self.prefill.append(
-            PrefillQueue(
-                name,
-                self.index.bit(name),
-                p.stages,
-                p.chunk_tokens,
-                p.speed_ewma,
-                self._load_order,
-            )
+        queue = PrefillQueue(
+            name, self.index.bit(name), p.stages, p.chunk_tokens, p.speed_ewma, self._load_order
         )
+        self.prefill.append(queue)
+        self._prefill_names.add(name)
+        self._load_order.add(queue)
         # NOTE: every stage of a group moves its own layers' KV over its own NIC
         self.network.add_node(name, (link_bytes_per_s or self.cost.link_bytes_per_s) * p.stages)
-        self._rebuild_match()
+        self._match_table = None
 
-    def _rebuild_match(self) -> None:
-        names = [q.name for q in self.prefill]
-        own = set(names)
-        self._match_names = names + [n for n in self._pool_nodes if n not in own]
-        self._match_bits = [self.index.bit(n) for n in self._match_names]
-        self._match_full = self._reach_full = 0
-        for name, bit in zip(self._match_names, self._match_bits, strict=True):
-            self._match_full |= bit
-            if not self.is_coupled or name not in own:
-                self._reach_full |= bit  # where a prefix may be read from
-        # for the bounded candidate set (`_plan_bounded`)
-        self._prefill_bits = self._match_bits[: len(names)]
-        self._prefill_full = 0
-        for bit in self._prefill_bits:
-            self._prefill_full |= bit
-        first = len(names) if self.is_coupled else 0
-        self._best_full = 0  # where the longest prefix counts (coupled: not the instances)
-        for bit in self._match_bits[first:]:
-            self._best_full |= bit
-        self._bit_to_match = {bit: i for i, bit in enumerate(self._match_bits)}
-        bits = self._match_bits
-        self._bits_increasing = all(a < b for a, b in zip(bits, bits[1:], strict=False))
-        self._load_order.rebuild(self.prefill)
+    @property
+    def _match(self) -> MatchTable:
+        """The match step's nodes and masks, rebuilt once after instances change."""
+        if self._match_table is None:
+            self._match_table = MatchTable.build(
+                [q.name for q in self.prefill], list(self._pool_nodes), self.index, self.is_coupled
+            )
+        return self._match_table
 
     def remove_instance(self, name: str) -> None:
         """The instance's node is gone: stop placing on it and forget its blocks."""
@@ -222,10 +202,12 @@ class Conductor:
         self._decode_by_name.pop(name, None)
         self._decode_order.rebuild(self.decode)
         self.forecast.capacity_tokens = sum(s.capacity_tokens for s in self.decode)
-        self._pool_nodes = [n for n in self._pool_nodes if n != name]
+        self._pool_nodes.pop(name, None)
+        self._prefill_names.discard(name)
         self.index.remove_node(name)
         self.network.remove_node(name)
-        self._rebuild_match()
+        self._load_order.rebuild(self.prefill)
+        self._match_table = None
 
     # -- the loop ----------------------------------------------------------------------
     def schedule(self, req: ScheduleRequest, now: float, waited: bool = False) -> Decision:
@@ -252,7 +234,7 @@ class Conductor:
             plan, local_len, own_queue_s, best_len, best_blocks = self._plan_bounded(req, now)
         if waited and not plan.ttft_s < math.inf:
             return self.waiting.wait_on(req.req_id, self._free_s(now))
-        names = self._match_names
+        names = self._match.names
         # place
         slots, tbt, running = self._place_decode(plan.idx, input_len, now)
         # admit
@@ -324,21 +306,22 @@ class Conductor:
         (plan, the chosen instance's local prefix, its T_queue as priced, the longest
         reachable prefix, the longest prefix anywhere), blocks and seconds."""
         p, hashes, input_len = self.params, req.block_hashes, req.input_len
+        m = self._match
         # match: every prefill instance's local prefix, and the longest one anywhere
-        held = self.index.prefix_lens(hashes, self._match_bits, self._match_full)
+        held = self.index.prefix_lens(hashes, m.bits, m.full)
         lens = held[: len(self.prefill)]
         # NOTE: coupled instances (vLLM's) read their own cache and the pool, never each other's
         first = len(self.prefill) if self.is_coupled else 0
         best_len = max(held[first:], default=0)
         best_idx = held.index(best_len, first) if best_len else -1
         if best_len < len(hashes) and p.global_pool:  # the pool's prefix, maybe split
-            pool_len = self.index.pool_prefix_len(hashes, self._reach_full)
+            pool_len = self.index.pool_prefix_len(hashes, m.reach_full)
             if pool_len > best_len:  # NOTE: priced from the holder of the first block past
                 mask = self.index.holders_mask(hashes[best_len])  # the longest run
-                bits = self._match_bits
+                bits = m.bits
                 best_idx = next(i for i in range(first, len(bits)) if bits[i] & mask)
                 best_len = pool_len
-        names = self._match_names
+        names = m.names
         # estimate (blocks the pool holds on SSD only are priced at the SSD's read cost)
         view = PrefillView(
             input_len=input_len,
@@ -368,10 +351,11 @@ class Conductor:
         (`mooncake.conductor.candidates`): the instances holding a prefix few others hold,
         then the rest in order of their queue's floor, until none can win."""
         hashes, input_len = req.block_hashes, req.input_len
-        groups = self.index.prefix_groups(hashes, self._match_full)
+        m = self._match
+        groups = self.index.prefix_groups(hashes, m.full)
         explicit: dict[int, int] = {}  # prefill instance -> its prefix length
         walked: list[tuple[int, int]] = []  # (prefix length, mask of prefill bits)
-        bit_to_idx, prefill_full = self._bit_to_match, self._prefill_full
+        bit_to_idx, prefill_full = m.bit_to_idx, m.prefill_full
         best_len, best_idx = 0, -1
         for length, mask in groups:
             mine = mask & prefill_full
@@ -382,19 +366,19 @@ class Conductor:
                     mine ^= low
             else:
                 walked.append((length, mine))
-            if mask & self._best_full:  # groups come shortest first
-                best_len, best_idx = length, self._first_match(mask & self._best_full)
+            if mask & m.best_full:  # groups come shortest first
+                best_len, best_idx = length, self._first_match(mask & m.best_full)
         if best_len < len(hashes) and self.params.global_pool:  # as in _plan_full
-            pool_len = self.index.pool_prefix_len(hashes, self._reach_full)
+            pool_len = self.index.pool_prefix_len(hashes, m.reach_full)
             if pool_len > best_len:
                 best_idx = self._first_match(
-                    self.index.holders_mask(hashes[best_len]) & self._best_full
+                    self.index.holders_mask(hashes[best_len]) & m.best_full
                 )
                 best_len = pool_len
-        bits = self._prefill_bits
+        bits = m.prefill_bits
         if 0 <= best_idx < len(bits) and best_idx not in explicit:  # NOTE: the fetch source
             explicit[best_idx] = walked_len(walked, bits[best_idx])  # is priced one by one
-        names, block_bytes, net = self._match_names, self._block_bytes, self.network
+        names, block_bytes, net = m.names, self._block_bytes, self.network
         read_s = self._read_s(hashes)
         queues = self.prefill
         prices = Prices(
@@ -411,7 +395,7 @@ class Conductor:
                 names[best_idx], blocks * block_bytes, now
             ),
         )
-        plan = choose_bounded(prices, explicit, walked, bits, self._load_order)
+        plan = choose_bounded(prices, explicit, walked, bits, self._load_order, now)
         local = explicit.get(plan.idx)
         if local is None:
             local = walked_len(walked, bits[plan.idx])
@@ -424,7 +408,7 @@ class Conductor:
 
     def _read_s(self, hashes: Sequence[Hashable]) -> Callable[[int], float]:
         """reused blocks -> seconds reading those of them the pool holds on SSD only."""
-        ssd = self.index.ssd_only_counts(hashes, self._match_full)
+        ssd = self.index.ssd_only_counts(hashes, self._match.full)
         if not ssd:
             return _no_read
         return lambda blocks: self.cost.ssd_read_time(
@@ -433,12 +417,13 @@ class Conductor:
 
     def _first_match(self, mask: int) -> int:
         """The lowest match index whose node's bit is in `mask` (not 0)."""
-        if self._bits_increasing:
-            return self._bit_to_match[mask & -mask]
-        idx = len(self._match_bits)
+        m = self._match
+        if m.bits_increasing:
+            return m.bit_to_idx[mask & -mask]
+        idx = len(m.bits)
         while mask:
             low = mask & -mask
-            idx = min(idx, self._bit_to_match.get(low, idx))
+            idx = min(idx, m.bit_to_idx.get(low, idx))
             mask ^= low
         return idx
 
@@ -586,6 +571,50 @@ class Conductor:
         self.tickets.check(self.prefill, self.decode)
         self._load_order.check(self.prefill)
         self._decode_order.totals.check(self.decode)
+
+
+@dataclass(frozen=True, slots=True)
+class MatchTable:
+    """The nodes the match step asks the prefix index about, and their masks."""
+
+    names: list[str]  # prefill instances, then the other pool nodes (match indices)
+    bits: list[int]  # their bits in the prefix index
+    full: int  # OR of bits
+    reach_full: int  # of those, where any instance may read (coupled: the pool's)
+    prefill_bits: list[int]  # the prefill instances' bits (`bits`' head)
+    prefill_full: int  # OR of prefill_bits
+    best_full: int  # where the longest prefix counts (coupled: not the instances)
+    bit_to_idx: dict[int, int]  # bit -> match index
+    bits_increasing: bool  # bits in increasing order (the lowest bit is the first index)
+
+    @classmethod
+    def build(
+        cls, prefill: list[str], pool: list[str], index: PrefixIndex, is_coupled: bool
+    ) -> MatchTable:
+        own = set(prefill)
+        names = prefill + [n for n in pool if n not in own]
+        bits = [index.bit(n) for n in names]
+        full = reach = prefill_full = best = 0
+        first = len(prefill) if is_coupled else 0
+        for k, (name, bit) in enumerate(zip(names, bits, strict=True)):
+            full |= bit
+            if not is_coupled or name not in own:
+                reach |= bit  # where a prefix may be read from
+            if k < len(prefill):
+                prefill_full |= bit
+            if k >= first:
+                best |= bit
+        return cls(
+            names=names,
+            bits=bits,
+            full=full,
+            reach_full=reach,
+            prefill_bits=bits[: len(prefill)],
+            prefill_full=prefill_full,
+            best_full=best,
+            bit_to_idx={bit: i for i, bit in enumerate(bits)},
+            bits_increasing=all(a < b for a, b in zip(bits, bits[1:], strict=False)),
+        )
 
 
 def _no_read(_blocks: int) -> float:

@@ -89,7 +89,7 @@ class PrefillQueue:
 
     def _moved(self) -> None:
         if self.order is not None:
-            self.order.moved(self, self.floor_s)
+            self.order.moved(self)
 
     def queue_time(self, now: float) -> float:
         """T_queue at `now`, seconds."""

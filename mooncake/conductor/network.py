@@ -33,10 +33,14 @@ class NetworkState:
     def add_node(self, node: str, bytes_per_s: float | None = None) -> None:
         bw = bytes_per_s or self.default_bytes_per_s
         assert bw > 0, (node, bw)
+        old = self._bw.get(node, 0.0)
         self._bw[node] = bw
         self._out_busy.setdefault(node, 0.0)
         self._in_busy.setdefault(node, 0.0)
-        self._max_bw = max(self._bw.values())
+        if bw >= self._max_bw:
+            self._max_bw = bw
+        elif old == self._max_bw:  # NOTE: the fastest link slowed: find the new fastest
+            self._max_bw = max(self._bw.values())
 
     def remove_node(self, node: str) -> None:
         for table in (self._bw, self._out_busy, self._in_busy):

@@ -118,7 +118,7 @@ def test_a_prefix_split_across_nodes_counts_whole_and_is_replicated_to_the_prefi
     assert d.fetch_from == "d0"
     (order,) = d.replications
     assert (order.block_hashes, order.src, order.dst) == ((3, 4, 5), "d0", "p1")
-    assert c.index.pool_prefix_len([1, 2, 3, 9, 5], c._match_full) == 3
+    assert c.index.pool_prefix_len([1, 2, 3, 9, 5], c._match.full) == 3
 
 
 def test_a_prefix_held_on_ssd_only_is_priced_at_the_ssds_read_cost():
