@@ -16,28 +16,34 @@ instances fall in two parts:
   exactly, one by one;
 - walked: every other instance (those holding nothing of the prompt, and the members of
   a prefix length many hold, as a shared system prompt's first block), in increasing order
-  of a floor of their queue (`LoadOrder`: T_queue(i) >= floor(i) at every `now`, the
-  queued first-stage seconds minus the running request's, changed only by the queue's
-  own events, so a sorted list kept as queues change). Each is priced exactly; the walk
-  stops at the first instance whose lower bound is above the best TTFT found:
+  of a lower bound of their queue (`LoadOrder`). T_queue(now) = max(floor, drain - now):
+  the floor is the queued first-stage seconds less all of the running request's, the
+  drain time run_started + queued seconds (when the queue would be at its floor had the
+  running request no end); both change only at the queue's own events. A queue whose
+  running request is within its first stage is kept sorted by drain time (bound: drain -
+  now, less a rounding margin), every other by floor (bound: the floor), and the two
+  sorted lists are walked merged in bound order. Each instance is priced exactly; the
+  walk stops at the first instance whose lower bound is above the best TTFT found:
 
       bound_j = min over the walked prefix lengths p of
-                floor(j) + R(p)                                   (recompute)
-                (floor(j) + R(best_len)) + T_transfer_floor(best_len - p)   (fetch)
+                q_j + R(p)                                    (recompute)
+                (q_j + R(best_len)) + T_transfer_floor(best_len - p)    (fetch)
 
-  where T_transfer_floor prices the transfer at the fastest link of the fleet and the
-  source's egress queue alone (`NetworkState.floor_estimate`), below any destination's
-  real estimate. Every instance after j in the walk has floor >= floor(j), so its TTFT is
-  >= bound_j (IEEE addition and division round monotonically, so the inequality holds
-  on the floats the full scan computes, not just on reals): none of them can be better.
-  An instance whose bound equals the best TTFT can only tie, and a tie goes to the lower
+  with q_j the queue's bound, and T_transfer_floor the transfer at the fastest link of
+  the fleet and the source's egress queue alone (`NetworkState.floor_estimate`), below
+  any destination's real estimate. Every instance after j in either list has a queue
+  bound >= q_j, so its TTFT is >= bound_j (IEEE addition and division round
+  monotonically, so the inequality holds on the floats the full scan computes, not just
+  on reals; the drain bound's margin covers the rounding of drain - now against
+  `queue_time`'s pending - (now - run_started)): none of them can be better. An
+  instance whose bound equals the best TTFT can only tie, and a tie goes to the lower
   index: when the best's index is lower than the next walked one, the walk skips the rest
-  of that floor value (they come in index order) and goes on at the next one.
+  of that key in its list (they come in index order) and goes on at the next one.
 
 What the bounded set may miss: nothing. It misses an instance only when its lower bound
 proves it cannot win (or can only tie from a higher index), so the choice is the full
 scan's, instance and TTFT. The cost is the explicit instances plus the walked instances
-whose floor is within the best TTFT's reach; it grows with the fleet only where the
+whose queue is within the best TTFT's reach; it grows with the fleet only where the
 fleet's queues are all within that reach of each other and of the best (every instance
 about as loaded: then the scan is the answer, and the walk degenerates to it). A waited
 request (its queue priced 0 or infinite) and the other policies use the full scan.

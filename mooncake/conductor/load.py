@@ -78,7 +78,7 @@ class PrefillQueue:
         # req_id -> the cost model's prefill seconds and the request's chunks
         self.req_raw: dict[Hashable, tuple[float, int]] = {}
         self.started: dict[Hashable, float] = {}  # req_id -> when its prefill started, s
-        self.order = order  # the Conductor's queues by floor, told of every change
+        self.order = order  # the Conductor's queues by their T_queue bounds, told of every change
 
     @property
     def floor_s(self) -> float:

@@ -4,7 +4,8 @@ the full scan does: the same instances, the same predicted times, every step of 
 import random
 
 from mooncake.conductor import Conductor, ConductorParams, ScheduleRequest
-from mooncake.conductor.candidates import MAX_EXPLICIT
+from mooncake.conductor.candidates import MAX_EXPLICIT, LoadOrder, Prices, choose
+from mooncake.conductor.load import PrefillQueue
 from mooncake.conductor.costmodel import CostModel
 from mooncake.conductor.placement import place_decode
 from tests.conductor.toy import toy_cost_file
@@ -21,6 +22,9 @@ def _fleet(seed: int, full_scan: bool) -> Conductor:
         block_tokens=100,
         full_scan=full_scan,
         rejection=rng.choice(("none", "basic", "predictive")),
+        stages=rng.choice((1, 1, 2, 4)),
+        chunk_tokens=rng.choice((0, 150)),
+        speed_ewma=rng.choice((0.0, 0.5)),
     )
     c = Conductor(params, CostModel(toy_cost_file(link_bytes_per_s=1000.0)))
     for i in range(rng.randint(1, 3 * MAX_EXPLICIT)):
@@ -53,10 +57,11 @@ def _run(seed: int, full_scan: bool) -> list[tuple]:
     c = _fleet(seed, full_scan)
     rng = random.Random(seed + 1)
     chains = _blocks(rng, c)
-    out, live, now = [], [], 0.0
+    # NOTE: a clock far from 0 (as the master's) makes drain times round coarsely
+    out, live, now = [], [], rng.choice((0.0, 0.0, 3e4, 1.7e9))
     stage: dict[int, int] = {}  # request -> 0 scheduled, 1 prefilling, 2 decoding
     for rid in range(rng.randint(10, 80)):
-        now += rng.choice((0.0, 0.0, 0.01, 0.3, 2.0))
+        now += rng.choice((0.0, 0.0, 1e-3, 0.01, 0.3, 2.0))
         chain = rng.choice(chains)
         hashes = chain[: rng.randint(1, len(chain))] + [rid * 10**6 + j for j in range(3)]
         hashes = hashes if rng.random() < 0.9 else [rid * 10**6 + 7]
@@ -71,7 +76,8 @@ def _run(seed: int, full_scan: bool) -> list[tuple]:
             if x < 0.03:
                 c.on_request_dropped(r, now)
             elif x < 0.3 and step == 0:
-                if not c.admit_prefill(r, now).is_accepted:
+                prefill_s = rng.choice((None, None, rng.uniform(0.0, 2.0)))
+                if not c.admit_prefill(r, now, prefill_s).is_accepted:
                     live.remove(r)
                     continue
             elif x < 0.3 and step == 1:
@@ -115,3 +121,68 @@ def test_bounded_decode_placement_equals_the_scan_with_idle_ties():
         want, want_t, _ = place_decode(c.decode, step, input_len, 1.0)
         got, got_t = c._decode_order.place(c.decode, step, input_len, 1.0)
         assert (got.name, got_t) == (want.name, want_t), k
+
+
+def test_each_queues_bound_is_below_its_queue_time_as_floats():
+    """Whichever list a queue is in, its bound (the floor, or drain - now less the margin)
+    is at most T_queue as `queue_time` computes it, on clocks near 0 and far from it, at
+    times before, within and after the running request's first stage."""
+    rng = random.Random(11)
+    for _ in range(300):
+        order = LoadOrder()
+        queues = [PrefillQueue(f"p{i}", 1 << i, order=order) for i in range(8)]
+        order.rebuild(queues)
+        origin = rng.choice((0.0, 1.0, 3e4, 1.7e9, 2.5e12))
+        now = origin
+        for k in range(40):
+            q = rng.choice(queues)
+            x = rng.random()
+            if x < 0.4:
+                q.add(k, rng.choice((rng.uniform(0.0, 3.0), 1e-9, 0.1 + 0.2)))
+            elif x < 0.7 and q.req_s:
+                q.start(rng.choice(list(q.req_s)), now, rng.choice((None, rng.uniform(0, 2))))
+            elif x < 0.85 and q.req_s:
+                q.finish(rng.choice(list(q.req_s)), now)
+            now += rng.choice((0.0, 1e-7, 1e-3, 0.1, 1.0))
+            order.advance(now)
+            order.check(queues)
+            for key, i in order.floors:
+                assert key <= queues[i].queue_time(now), (key, i, now)
+            for key, i in order.drains:
+                assert order.drain_bound(key, now) <= queues[i].queue_time(now), (key, i, now)
+
+
+def test_a_busy_fleet_prices_the_queues_that_drain_first():
+    """256 instances, each running a first stage that ends at a different time (every floor
+    is 0): the walk goes by drain time and prices the two that drain first, not the
+    fleet; the choice is the one with the least queue."""
+    order = LoadOrder()
+    queues = [PrefillQueue(f"p{i}", 1 << i, order=order) for i in range(256)]
+    order.rebuild(queues)
+    rng = random.Random(5)
+    lengths = [1.0 + rng.random() for _ in queues]
+    for i, q in enumerate(queues):
+        q.add(("r", i), lengths[i])
+        q.start(("r", i), 0.0)
+    priced: list[int] = []
+    now = 0.5
+
+    def queue_s(i: int) -> float:
+        priced.append(i)
+        return queues[i].queue_time(now)
+
+    prices = Prices(
+        threshold=1.0,
+        can_fetch=False,
+        best_len=0,
+        best_idx=-1,
+        queue_s=queue_s,
+        recompute_s=lambda blocks: 0.2,
+        transfer_s=lambda src, dst, blocks: 0.0,
+        transfer_floor_s=lambda blocks: 0.0,
+    )
+    plan = choose(prices, {}, [], [q.bit for q in queues], order, now)
+    first = min(range(256), key=lengths.__getitem__)
+    assert plan.idx == first
+    assert plan.ttft_s == queues[first].queue_time(now) + 0.2
+    assert len(priced) <= 2, priced
