@@ -130,7 +130,7 @@ class LoadOrder:
             return
         self._move(i, old, new)
 
-    def _move(self, i: int, old: tuple[bool, float, float], new: tuple[bool, float, float]):
+    def _move(self, i: int, old: tuple[bool, float, float], new: tuple[bool, float, float]) -> None:
         entries = self.drains if old[0] else self.floors
         del entries[bisect_left(entries, (old[1], i))]
         insort(self.drains if new[0] else self.floors, (new[1], i))
@@ -165,7 +165,8 @@ class LoadOrder:
     def check(self, queues: list[PrefillQueue]) -> None:
         """Assert the lists hold every queue once, at its current key."""
         assert self._queues == queues, "load order indexes other queues"
-        want_f, want_d = [], []
+        want_f: list[tuple[float, int]] = []
+        want_d: list[tuple[float, int]] = []
         for i, q in enumerate(queues):
             key = self._key_of(q, i)
             assert key[:2] == self._key[i][:2], (q.name, key, self._key[i])

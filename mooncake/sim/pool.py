@@ -78,6 +78,8 @@ class SimPool:
         # tier -> heap of (-room, join order, node), stale entries skipped (`_roomiest`)
         self._room_heap: dict[str, list[tuple[float, int, NodePool]]] = {top_tier: [], "ssd": []}
         self._joined: dict[NodePool, int] = {}
+        self.top_capacity = 0  # blocks, the nodes' memory tiers together (unbounded: 0)
+        self._num_ssd = 0  # nodes with an SSD tier
 
     def join(self, node: NodePool) -> None:
         assert node.node not in self.nodes, node.node
@@ -86,12 +88,14 @@ class SimPool:
         self.free[self.top_tier] += node.top.room
         self.free["ssd"] += node.ssd.room if node.ssd is not None else 0
         self._joined[node] = len(self._joined)
+        self.top_capacity += node.top.capacity or 0
+        self._num_ssd += node.ssd is not None
         for tier in self._room_heap:
             self._room_changed(node, tier)
 
     @property
     def has_ssd(self) -> bool:
-        return any(n.ssd is not None for n in self.nodes.values())
+        return self._num_ssd > 0
 
     def tier_of(self, node: NodePool, tier: str) -> LruTier | None:
         return node.top if tier == self.top_tier else node.ssd
@@ -128,7 +132,7 @@ class SimPool:
         if self.ledger is not None:
             self.ledger.used(hashes, t)
         top, order = self.top_tier, self.order
-        capacity = sum(n.top.capacity or 0 for n in self.nodes.values())
+        capacity = self.top_capacity
         made = 0
         for h in hashes:
             self.touch_block(h)
@@ -350,6 +354,9 @@ class SimPool:
             room = sum(lru.room for lru in lrus)  # NOTE: not `or`: an empty tier is falsy
             assert self.free[tier] == room, (tier, self.free[tier], room)
         assert set(self._place_of) == set(self.holders[self.top_tier]), "places out of sync"
+        every = list(self.nodes.values())
+        assert self.top_capacity == sum(n.top.capacity or 0 for n in every), self.top_capacity
+        assert self._num_ssd == sum(n.ssd is not None for n in every), self._num_ssd
         for node in self.nodes.values():
             node.check_integrity()
         for (node, tier), mine in self._spare_on.items():

@@ -5,8 +5,8 @@ import random
 
 from mooncake.conductor import Conductor, ConductorParams, ScheduleRequest
 from mooncake.conductor.candidates import MAX_EXPLICIT, LoadOrder, Prices, choose
-from mooncake.conductor.load import PrefillQueue
 from mooncake.conductor.costmodel import CostModel
+from mooncake.conductor.load import PrefillQueue
 from mooncake.conductor.placement import place_decode
 from tests.conductor.toy import toy_cost_file
 
