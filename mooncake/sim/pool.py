@@ -67,8 +67,9 @@ class SimPool:
         self._changed: dict[NodePool, dict[int, None]] = {}  # reported at the end of a call
         self.free: dict[str, float] = {top_tier: 0, "ssd": 0}  # tier -> blocks free, all nodes
         # NOTE: a block's place in the top tier's pool order (a counter: the order's
-        # appends and touches), and per node a heap of (place, block) with stale entries
-        # skipped, so a node's first block in the pool's order is found without a scan
+        # appends and touches), and per node a heap of (place, block), each block filed at
+        # or before its place (re-filed, or dropped when gone, as the top meets it), so a
+        # node's first block in the pool's order is found without a scan
         self._place_of: dict[int, int] = {}  # block -> its place in the top tier's order
         self._heaps: dict[NodePool, list[tuple[int, int]]] = {}
         self._clock = itertools.count()
@@ -147,16 +148,14 @@ class SimPool:
 
     def touch_block(self, h: int) -> None:
         self.order.touch(h)
-        place = 0
-        if h in self._place_of:
-            self._place_of[h] = place = next(self._clock)
+        if h in self._place_of:  # NOTE: the holders' heaps re-file h when they meet it
+            self._place_of[h] = next(self._clock)  # (`_first_on`), not here: O(1) per copy
+        top = self.top_tier
         for tier, table in self.holders.items():
             for node in table.get(h, ()):
-                lru = self.tier_of(node, tier)
+                lru = node.top if tier == top else node.ssd
                 assert lru is not None
                 lru.blocks.move_to_end(h)
-                if tier == self.top_tier:
-                    heapq.heappush(self._heaps[node], (place, h))
 
     # -- placement and eviction ----------------------------------------------------------
 
@@ -197,11 +196,17 @@ class SimPool:
             return min(mine, key=self.order._stamp.__getitem__)  # the order's recency
         heap, lru, place = self._heaps[node], self.tier_of(node, tier), self._place_of
         assert tier == self.top_tier and lru is not None, (node.node, tier)
+        # NOTE: every block on the node has an entry at or before its place (places only
+        # grow): the first entry at its block's place is the node's first block
         while heap:
             at, h = heap[0]
-            if h in lru and place.get(h) == at:
-                return h
-            heapq.heappop(heap)  # NOTE: stale: touched since, or gone from the node
+            if h in lru:
+                current = place[h]
+                if current == at:
+                    return h
+                heapq.heapreplace(heap, (current, h))  # touched since: re-filed at its place
+            else:
+                heapq.heappop(heap)  # NOTE: stale: gone from the node
         return None
 
     def _relocate(self, src: NodePool, dst: NodePool, h: int, tier: str) -> None:
