@@ -43,7 +43,7 @@ def test_vllm_store_worker_round_trip(cluster, monkeypatch) -> None:
     back to TCP without a NIC), a ReplicateConfig naming a preferred segment,
     register_buffer of each KV storage, batch_is_exist to dedup, batch_put_from_multi_buffers
     (a K and a V fragment per key), batch_get_into_multi_buffers with three arguments from
-    its receive threads, batch_get_replica_desc read through getattr as its tier log does,
+    its receive threads, batch_get_replica_desc's predicates its tier log calls,
     remove_all(force=True) and close() twice."""
     monkeypatch.delenv("MC_FORCE_TCP", raising=False)
     writer = _setup(cluster, 32 * MIB, protocol="rdma")
@@ -83,9 +83,9 @@ def test_vllm_store_worker_round_trip(cluster, monkeypatch) -> None:
         assert set(descs) == set(keys[:2])
         for key in keys[:2]:
             replica = descs.get(key)[0]
-            assert getattr(replica, "is_memory_replica")() is True
-            assert getattr(replica, "is_disk_replica")() is False
-            assert getattr(replica, "is_local_disk_replica")() is False
+            assert replica.is_memory_replica() is True
+            assert replica.is_disk_replica() is False
+            assert replica.is_local_disk_replica() is False
         assert descs.get("vllm@absent") is None
 
         assert writer.remove_all(force=True) >= num_blocks
@@ -137,7 +137,7 @@ def test_lmcache_put_parts_with_metadata_and_zero_copy_reads(cluster) -> None:
 
         meta = bytes(range(28))
         kv = np.arange(4096, dtype=np.float32)
-        assert store.put_parts(f"meta-{tag}", meta, memoryview(kv).cast("B")) == 0
+        assert store.put_parts(f"meta-{tag}", meta, kv.data.cast("B")) == 0
         handles = store.batch_get_buffer([f"meta-{tag}", f"absent-{tag}"])
         assert handles[1] is None
         view = memoryview(handles[0])
@@ -197,4 +197,3 @@ def test_fastdeploy_keywords_and_mc_force_tcp(cluster, monkeypatch) -> None:
         assert store.put(key, b"x" * 4096) == 0 and store.get(key) == b"x" * 4096
     finally:
         store.close()
-
