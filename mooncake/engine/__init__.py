@@ -12,7 +12,9 @@ The data plane is authenticated with the cluster secret (MOONCAKE_CLUSTER_SECRET
 one initialize() refuses, see engine/secret.py). Upstream method -> what it does here:
 
     initialize, initialize_ext     supported; protocol "tcp" or "rdma" (device_name: the RDMA
-                                   NICs, comma-separated); metadata "P2PHANDSHAKE", http://,
+                                   NICs, comma-separated; TCP where none opens, as upstream's
+                                   auto-discovery; MC_FORCE_TCP set: TCP), "efa", "ascend"...
+                                   -1; metadata "P2PHANDSHAKE", http://,
                                    etcd:// (no etcd auth); others (redis, nvlink, efa...) -1;
                                    with http:// or etcd:// local_hostname "ip:port" is the
                                    engine's name (port bound only with

@@ -51,10 +51,27 @@ ERR_INVALID_ARGUMENT = -1
 ERR_ADDRESS_NOT_REGISTERED = -3
 ERR_ADDRESS_OVERLAPPED = -7
 ERR_METADATA = -200
-PROTOCOLS = {"tcp": "tcp", "rdma": "rdma"}  # upstream's protocol -> ours
+PROTOCOLS = ("tcp", "rdma")  # upstream's protocols we serve (our_protocol maps them)
+_FALSE = ("", "0", "false", "no", "off")
 MAX_NOTIFIES = 65536  # received notifications kept until get_notifies(); oldest dropped
 _encode = msgspec.msgpack.Encoder().encode
 _decode_notify = msgspec.msgpack.Decoder(tuple[str, str]).decode
+
+
+def force_tcp() -> bool:
+    """MC_FORCE_TCP: upstream's switch to TCP whatever NICs the host has (its
+    transfer_engine_impl.cpp); set to anything but a false value ("0", "false", ...)."""
+    return os.environ.get("MC_FORCE_TCP", "").strip().lower() not in _FALSE
+
+
+def our_protocol(protocol: str, nics: Sequence[str], pinned: bool) -> str:
+    """Our transport for upstream's `protocol`: "tcp" stays tcp; "rdma" is RDMA where a NIC
+    opens and TCP otherwise ("auto"), as upstream's auto-discovery picks, unless `pinned`
+    with `nics` named (upstream's Store then installs RDMA on those NICs or fails: "rdma");
+    MC_FORCE_TCP makes every protocol tcp."""
+    if force_tcp() or protocol == "tcp":
+        return "tcp"
+    return "rdma" if pinned and nics else "auto"
 
 
 class TransferOpcode(enum.IntEnum):
@@ -188,9 +205,12 @@ class TransferEngine:
             host, port_text = local_hostname, ""
         host = host.strip("[]") or "127.0.0.1"
         port = int(port_text) if port_text and os.environ.get("MC_LEGACY_RPC_PORT_BINDING") else 0
+        nics = tuple(n.strip() for n in device_name.split(",") if n.strip())
+        # NOTE: upstream's Python engine ignores `protocol`: it auto-discovers (RDMA if a
+        # NIC of device_name opens, else TCP; transfer_engine_py.cpp builds it so)
         options = EngineOptions(
-            protocol=PROTOCOLS[protocol],  # type: ignore[arg-type]
-            nics=tuple(n for n in device_name.split(",") if n) if protocol == "rdma" else (),
+            protocol=our_protocol(protocol, nics, pinned=False),  # type: ignore[arg-type]
+            nics=nics if protocol == "rdma" else (),
             timeout_s=_timeout_s(0),
         )
         self._directory = AddressDirectory(self._secret, options.handshake_timeout_s)

@@ -12,13 +12,17 @@ SGLang's and LMCache's Mooncake backends.
 
 Conformance (upstream method -> here):
 
-    setup (positional and dict)      supported; metadata_server accepted, unused; engine=,
+    setup (positional and dict)      supported; protocol "rdma" without rdma_devices: TCP
+                                     where no NIC opens, MC_FORCE_TCP: TCP (upstream's
+                                     auto-discovery); metadata_server accepted, unused; engine=,
                                      SSD offload, tenants, client HTTP: -600
     setup_dummy                      left out: no shared-memory dummy clients
     put/get/put_batch/get_batch      supported; a put of an existing key: 0; a miss: b""
     put_parts, upsert*, put_from, get_into, batch_put_from, batch_get_into,
-    *_multi_buffers, get_into_ranges supported (host memory registered with
-                                     register_buffer; a device pointer cannot be wrapped)
+    *_multi_buffers, get_into_ranges supported (memory registered with register_buffer:
+                                     host memory checked mapped and writable, else -600;
+                                     CUDA memory recognised as the engine's, not yet run
+                                     on a GPU)
     get_buffer/batch_get_buffer      supported: BufferHandle is a bytearray with ptr()/size()
     is_exist/batch_is_exist          1 / 0 / -1
     get_size, get_replica_desc, batch_get_replica_desc

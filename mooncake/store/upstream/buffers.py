@@ -1,9 +1,12 @@
 """Memory named by raw address, as upstream's API names it, mapped onto our segments.
 
 `AddressBook`: each `register_buffer(ptr, size)` becomes one segment of the client's
-Transfer Engine over those very bytes (a ctypes view of the address: no copy); a later
-pointer into any registered range resolves to (segment, offset). Only host memory: a
-device pointer cannot be wrapped this way (upstream's CUDA registration is left out).
+Transfer Engine over those very bytes, wrapped without a copy as the engine drop-in wraps
+them (engine/pointers.py): host memory after /proc/self/maps shows it mapped and writable
+(an address that is no memory of this process is refused, not read until it crashes),
+CUDA memory (vLLM's store connector registers its GPU KV cache) as a device tensor the
+Transfer Engine moves on its GPU path. A later pointer into any registered range resolves
+to (segment, offset). NOTE: the CUDA branch has not run on a GPU yet (CPU-only machines).
 
 `BufferHandle`: what `get_buffer` returns, a bytes-like object (the buffer protocol, len,
 bytes()) with upstream's `ptr()` and `size()`.
@@ -17,6 +20,7 @@ import itertools
 from dataclasses import dataclass
 from typing import Any
 
+from mooncake.engine.pointers import memory_at
 from mooncake.transfer.engine import TransferEngine
 
 
@@ -27,7 +31,7 @@ class Registered:
     start: int  # address of its first byte
     size: int  # bytes
     segment: str  # its segment name on the engine
-    view: Any  # the ctypes array over it (kept alive while registered)
+    view: Any  # the array or device tensor over it (kept alive while registered)
 
 
 class AddressBook:
@@ -42,7 +46,8 @@ class AddressBook:
 
     def register(self, ptr: int, size: int) -> None:
         """Register `size` bytes at `ptr` as a segment; the same range again is a no-op.
-        Raises ValueError for a null or negative range, or one overlapping another."""
+        Raises ValueError for a null or negative range, one that is no writable memory of
+        this process, or one overlapping another."""
         if ptr <= 0 or size <= 0:
             raise ValueError(
                 f"register_buffer: need a non-null address and size > 0, got {ptr:#x}, {size}"
@@ -57,9 +62,12 @@ class AddressBook:
                 f"register_buffer: [{ptr:#x}, +{size}) overlaps a registered buffer; "
                 "unregister it first or register the whole range once"
             )
-        view = (ctypes.c_ubyte * size).from_address(ptr)
+        try:
+            view, where = memory_at(ptr, size)
+        except ValueError as e:
+            raise ValueError(f"register_buffer: {e}") from None
         name = f"{self.prefix}.buf{next(self._ids)}"
-        self.engine.register(name, view, "cpu:0")
+        self.engine.register(name, view, where)
         self._starts.insert(i, ptr)
         self._ranges.insert(i, Registered(ptr, size, name, view))
 

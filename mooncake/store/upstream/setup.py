@@ -15,8 +15,10 @@ needs, and the cluster secret.
                          written, so gigabytes cost nothing until used
     local_buffer_size    bytes of the buffer behind put/get (it grows for larger values);
                          0 = none: put and get answer INVALID_PARAMS, as upstream's do
-    protocol             "tcp" or "rdma" (our RDMA transport; `rdma_devices` names the NICs,
-                         "" = every usable one); others are refused
+    protocol             "tcp", or "rdma": with `rdma_devices` named, RDMA on those NICs (setup
+                         fails without them); with "" RDMA where a NIC opens, else TCP, as
+                         upstream's auto-discovery (client_service.cpp); MC_FORCE_TCP set
+                         makes it TCP; other protocols are refused
     master_server_addr   "host:port" of our master's control plane (tcp:// may be given)
 
 Sizes are ints or strings like "16MB", "1.5 GB" (K/M/G/T with or without B: powers of
@@ -35,6 +37,8 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
+
+from mooncake.engine.engine import our_protocol
 
 DEFAULT_SEGMENT_BYTES: Final = 16 << 20  # upstream's DEFAULT_GLOBAL_SEGMENT_SIZE
 DEFAULT_BUFFER_BYTES: Final = 16 << 20  # upstream's DEFAULT_LOCAL_BUFFER_SIZE
@@ -58,7 +62,7 @@ class SetupArgs:
     hostname: str  # local_hostname as given, without a port
     segment_bytes: int  # memory given to the pool; 0 = none
     buffer_bytes: int  # the put/get buffer; 0 = none
-    protocol: str  # "tcp" or "rdma"
+    protocol: str  # our transport: "tcp", "rdma" or "auto" (engine.our_protocol)
     nics: tuple[str, ...]  # RDMA devices; () = every usable one
     master: str  # "tcp://host:port"
 
@@ -109,7 +113,7 @@ def read_args(
         hostname=hostname,
         segment_bytes=parse_size(global_segment_size, "global_segment_size"),
         buffer_bytes=parse_size(local_buffer_size, "local_buffer_size"),
-        protocol=protocol,
+        protocol=our_protocol(protocol, nics, pinned=True),
         nics=nics if protocol == "rdma" else (),
         master=f"tcp://{master}",
     )
