@@ -46,6 +46,8 @@ failed group is a miss on the new leader, which rebuilds its index from the jour
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
 import threading
 import time
@@ -78,7 +80,11 @@ class GroupCommit:
         self.on_error = on_error
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)  # the writer waits for entries
-        self._done = threading.Condition(self._lock)  # callers wait for their group
+        # callers waiting for their group: (ticket, arrival, a lock held until woken); the
+        # writer wakes exactly those its group made durable (a notify_all woke them all)
+        self._waiters: list[tuple[int, int, threading.Lock]] = []  # a heap
+        self._arrivals = itertools.count()
+        self._stopped = False  # the writer ended (closed, failed, or a bug)
         self._queue: deque[tuple[int, PoolChanges]] = deque()  # (seq, changes), oldest first
         self.last_seq = 0  # of the newest entry queued
         self.durable_seq = 0  # every entry up to this one is in the journal
@@ -190,12 +196,24 @@ class GroupCommit:
         if self.durable_seq >= ticket:  # NOTE: an int read: no lock on the common path
             return
         with self._lock:
-            while self.durable_seq < ticket and self.error is None and not self._is_stopped():
-                self._done.wait()
+            woken = None
+            if self.durable_seq < ticket and self.error is None and not self._is_stopped():
+                woken = threading.Lock()
+                woken.acquire()
+                heapq.heappush(self._waiters, (ticket, next(self._arrivals), woken))
+        if woken is not None:
+            woken.acquire()  # NOTE: released by the writer: durable, failed or stopped
+        with self._lock:
             if self.durable_seq >= ticket:
                 return
             why = self.error or JournalError("the journal was closed")
         raise JournalError(f"this change was not journaled ({why}); it is not applied") from why
+
+    def _wake(self, everyone: bool = False) -> None:
+        """Wake the waiters whose tickets are durable (lock held); `everyone`: all."""
+        waiters, durable = self._waiters, self.durable_seq
+        while waiters and (everyone or waiters[0][0] <= durable):
+            heapq.heappop(waiters)[2].release()
 
     def close(self) -> None:
         """Write what is queued, then stop the writer."""
@@ -206,7 +224,7 @@ class GroupCommit:
             self._thread.join()
 
     def _is_stopped(self) -> bool:
-        return self.is_grouped and not self._thread.is_alive()
+        return self.is_grouped and self._stopped
 
     def _run(self) -> None:
         try:
@@ -221,18 +239,19 @@ class GroupCommit:
                     self.durable_seq = last
                     self.num_groups += 1
                     self.num_entries += num
-                    self._done.notify_all()
+                    self._wake()
         except Exception as e:  # a bug of ours: nothing more can be made durable
             log.exception("group commit: the journal writer failed")
             self._fail(JournalError(f"the journal writer failed: {type(e).__name__}: {e}"))
         finally:
             with self._lock:
-                self._done.notify_all()
+                self._stopped = True
+                self._wake(everyone=True)
 
     def _fail(self, e: JournalError) -> None:
         with self._lock:
             self.error = e
-            self._done.notify_all()
+            self._wake(everyone=True)
         log.critical("group commit: a group of changes failed (%s); nothing more is written", e)
         if self.on_error is not None:
             self.on_error(e)
