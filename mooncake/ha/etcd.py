@@ -171,7 +171,9 @@ class _Conn:
                 raise
         self.sock = sock
         host = f"[{endpoint.host}]" if ":" in endpoint.host else endpoint.host
-        self._head = f"HTTP/1.1\r\nHost: {host}:{endpoint.port}\r\nContent-Type: application/json\r\n"
+        self._head = (
+            f"HTTP/1.1\r\nHost: {host}:{endpoint.port}\r\nContent-Type: application/json\r\n"
+        )
         self._buf = bytearray()
         # NOTE: not POLLIN: over TLS 1.3 the server's session tickets arrive while idle
         self.idle = select.poll()  # hung up between calls: the server closed it
@@ -331,9 +333,7 @@ class Etcd:
             "etcd runs"
         )
 
-    def _request(
-        self, at: int, path: str, payload: bytes, token: str
-    ) -> tuple[int, bytes]:
+    def _request(self, at: int, path: str, payload: bytes, token: str) -> tuple[int, bytes]:
         """POST on this thread's connection to endpoint `at` (made or remade as needed):
         (HTTP status, body). Raises OSError, HTTPException or ValueError (a bad reply);
         the connection is then dropped."""
