@@ -170,6 +170,7 @@ class _Conn:
                 sock.close()
                 raise
         self.sock = sock
+        self.is_closed = False
         host = f"[{endpoint.host}]" if ":" in endpoint.host else endpoint.host
         self._head = (
             f"HTTP/1.1\r\nHost: {host}:{endpoint.port}\r\nContent-Type: application/json\r\n"
@@ -180,9 +181,11 @@ class _Conn:
         self.idle.register(sock, select.POLLRDHUP | select.POLLHUP | select.POLLERR)
 
     def is_stale(self) -> bool:
-        return bool(self.idle.poll(0))
+        """Closed here (`Etcd.close`, from any thread) or by the server while idle."""
+        return self.is_closed or bool(self.idle.poll(0))
 
     def close(self) -> None:
+        self.is_closed = True  # NOTE: before the fd goes: it may be reused at once
         self.sock.close()
 
     def post(self, path: str, payload: bytes, token: str) -> tuple[int, bytes, bool]:
