@@ -1,7 +1,16 @@
 """A small etcd v3 client over etcd's JSON gateway (`/v3/...`, served by every etcd >= 3.4
-on its client URL), with httpx: keys and values travel base64-encoded, 64-bit integers as
-strings. Only what the masters need: get / get_prefix, a transaction (compare, then puts
-and deletes), leases (grant, keep alive, revoke).
+on its client URL): keys and values travel base64-encoded, 64-bit integers as strings.
+Only what the masters need: get / get_prefix, a transaction (compare, then puts and
+deletes), leases (grant, keep alive, revoke).
+
+Each thread keeps its own HTTP/1.1 connection to each endpoint, kept alive; a request is
+one `sendall`, its reply (Content-Length or chunked) parsed here, and bodies are encoded
+and decoded by msgspec (bytes become base64 in its encoder). A journal transaction is the
+master's hot path under HA (store/metadata/groupcommit.py): this costs it a fraction of
+what a general HTTP client did per call (httpx; `python -m mooncake.bench.etcdtxn`). A
+connection the server closed while idle is seen before a request is sent on it (its
+socket reports the hang-up) and replaced; a call that fails after it was sent is not
+sent again on that endpoint (the next endpoint is tried, as for one that does not answer).
 
     etcd = Etcd(["http://127.0.0.1:2379"], timeout_s=2.0)
     lease = etcd.grant(ttl_s=3)
@@ -19,19 +28,25 @@ an `ssl.SSLContext`, see ha/etcdaccess.py, which builds both from `[cluster]`).
 from __future__ import annotations
 
 import base64
+import http.client
 import logging
+import select
+import socket
 import ssl
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
-import httpx
+import msgspec
 
 from mooncake.errors import MooncakeError
 
 log = logging.getLogger(__name__)
 MAX_TXN_OPS = 128  # etcd's default --max-txn-ops
+_RECV_BYTES = 256 << 10
+_MAX_HEAD_BYTES = 64 << 10  # of a reply's head, or of a chunk's size line
 
 
 class EtcdError(MooncakeError):
@@ -50,9 +65,9 @@ class EtcdAccess:
 _EXPIRED = "invalid auth token"  # etcd's message (code 16, HTTP 401) for an expired token
 
 
-def _b64(data: str | bytes) -> str:
-    raw = data.encode() if isinstance(data, str) else data
-    return base64.b64encode(raw).decode()
+def _raw(data: str | bytes) -> bytes:
+    """NOTE: msgspec's JSON encoder writes bytes as base64, as the gateway wants them"""
+    return data.encode() if isinstance(data, str) else data
 
 
 def _unb64(text: str) -> bytes:
@@ -108,31 +123,164 @@ class Compare:
         return Compare(key, "VALUE", value=value)
 
     def body(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"key": _b64(self.key), "target": self.target, "result": "EQUAL"}
+        out: dict[str, Any] = {"key": _raw(self.key), "target": self.target, "result": "EQUAL"}
         if self.target == "VALUE":
-            out["value"] = _b64(self.value)
+            out["value"] = self.value
         else:
             out["create_revision"] = str(self.create_revision)
         return out
 
 
+@dataclass(frozen=True)
+class _Endpoint:
+    url: str  # as configured, for messages
+    is_tls: bool
+    host: str
+    port: int
+    path: str  # before /v3/... ("" mostly)
+
+    @staticmethod
+    def parse(url: str) -> _Endpoint:
+        parts = urlsplit(url)
+        try:
+            port = parts.port
+        except ValueError:
+            port = -1
+        if parts.scheme not in ("http", "https") or not parts.hostname or port == -1:
+            raise EtcdError(
+                f"etcd endpoint {url!r}: expected a client URL http://host:port or "
+                "https://host:port"
+            )
+        is_tls = parts.scheme == "https"
+        return _Endpoint(url, is_tls, parts.hostname, port or (443 if is_tls else 80), parts.path)
+
+
+class _Conn:
+    """A kept-alive HTTP/1.1 connection of one thread to one endpoint: one `sendall` per
+    request (head and body together), the reply read with as few `recv`s as it takes."""
+
+    def __init__(self, endpoint: _Endpoint, timeout_s: float, tls: ssl.SSLContext | None):
+        sock = socket.create_connection((endpoint.host, endpoint.port), timeout=timeout_s)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if endpoint.is_tls:
+            assert tls is not None
+            try:
+                sock = tls.wrap_socket(sock, server_hostname=endpoint.host)
+            except BaseException:
+                sock.close()
+                raise
+        self.sock = sock
+        self.is_closed = False
+        host = f"[{endpoint.host}]" if ":" in endpoint.host else endpoint.host
+        self._head = (
+            f"HTTP/1.1\r\nHost: {host}:{endpoint.port}\r\nContent-Type: application/json\r\n"
+        )
+        self._buf = bytearray()
+        # NOTE: not POLLIN: over TLS 1.3 the server's session tickets arrive while idle
+        self.idle = select.poll()  # hung up between calls: the server closed it
+        self.idle.register(sock, select.POLLRDHUP | select.POLLHUP | select.POLLERR)
+
+    def is_stale(self) -> bool:
+        """Closed here (`Etcd.close`, from any thread) or by the server while idle."""
+        return self.is_closed or bool(self.idle.poll(0))
+
+    def close(self) -> None:
+        self.is_closed = True  # NOTE: before the fd goes: it may be reused at once
+        self.sock.close()
+
+    def post(self, path: str, payload: bytes, token: str) -> tuple[int, bytes, bool]:
+        """(HTTP status, body, whether the server closes the connection after it)."""
+        auth = f"Authorization: {token}\r\n" if token else ""
+        head = f"POST {path} {self._head}{auth}Content-Length: {len(payload)}\r\n\r\n"
+        self.sock.sendall(head.encode() + payload)
+        end = self._fill_until(b"\r\n\r\n", 0)
+        lines = self._buf[:end].decode("latin-1").split("\r\n")
+        del self._buf[: end + 4]
+        version, _, rest = lines[0].partition(" ")
+        code = rest[:3]
+        if not version.startswith("HTTP/1.") or not code.isdigit():
+            raise http.client.BadStatusLine(lines[0][:100])
+        fields = {}
+        for line in lines[1:]:
+            name, _, value = line.partition(":")
+            fields[name.strip().lower()] = value.strip().lower()
+        closes = fields.get("connection") == "close" or version == "HTTP/1.0"
+        if "chunked" in fields.get("transfer-encoding", ""):
+            body = self._chunked()
+        elif "content-length" in fields:
+            body = self._take(int(fields["content-length"]))
+        else:  # the body runs to the end of the connection
+            while chunk := self.sock.recv(_RECV_BYTES):
+                self._buf += chunk
+            body, closes = bytes(self._buf), True
+            self._buf.clear()
+        if self._buf:  # more than the reply: not HTTP as we speak it
+            raise http.client.HTTPException(f"{len(self._buf)} bytes after the reply")
+        return int(code), body, closes
+
+    def _recv(self) -> None:
+        chunk = self.sock.recv(_RECV_BYTES)
+        if not chunk:
+            raise http.client.RemoteDisconnected("etcd closed the connection mid-reply")
+        self._buf += chunk
+
+    def _fill_until(self, mark: bytes, start: int) -> int:
+        """The offset of `mark` in the buffer at or after `start`, receiving until it comes."""
+        while (at := self._buf.find(mark, start)) < 0:
+            if len(self._buf) > _MAX_HEAD_BYTES + start:
+                raise http.client.HTTPException("a reply's head or chunk line is too long")
+            self._recv()
+        return at
+
+    def _take(self, num: int) -> bytes:
+        while len(self._buf) < num:
+            self._recv()
+        out = bytes(self._buf[:num])
+        del self._buf[:num]
+        return out
+
+    def _chunked(self) -> bytes:
+        out = bytearray()
+        while True:
+            end = self._fill_until(b"\r\n", 0)
+            size = int(self._buf[:end].split(b";", 1)[0], 16)
+            del self._buf[: end + 2]
+            if size == 0:
+                while (end := self._fill_until(b"\r\n", 0)) > 0:  # trailers, then a blank
+                    del self._buf[: end + 2]
+                del self._buf[:2]
+                return bytes(out)
+            out += self._take(size + 2)[:size]
+
+
 class Etcd:
-    """A blocking client of one etcd cluster (thread-safe: httpx's client is)."""
+    """A blocking client of one etcd cluster (thread-safe: each thread has its own
+    connections)."""
 
     def __init__(
         self, endpoints: Sequence[str], timeout_s: float, access: EtcdAccess = EtcdAccess()
     ):
         assert endpoints, "no etcd endpoints"
         self.endpoints = [e.rstrip("/") for e in endpoints]
+        self._targets = [_Endpoint.parse(e) for e in self.endpoints]
         self.access = access
         self.timeout_s = timeout_s  # s a call may take (per endpoint)
-        self._http = httpx.Client(timeout=timeout_s, verify=access.tls or True)
+        self._tls = access.tls
+        if self._tls is None and any(t.is_tls for t in self._targets):
+            self._tls = ssl.create_default_context()  # the system's CAs
+        self._local = threading.local()  # .conns: this thread's connection per endpoint
+        self._conns: set[_Conn] = set()  # every thread's, for close
+        self._conns_lock = threading.Lock()
         self._first = 0  # the endpoint that answered last
         self._token = ""  # of etcd's v3 auth; "" = none taken yet
         self._token_lock = threading.Lock()
 
     def close(self) -> None:
-        self._http.close()
+        """Close every thread's connections (a later call opens new ones)."""
+        with self._conns_lock:
+            conns, self._conns = self._conns, set()
+        for conn in conns:
+            conn.close()
 
     def call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         """POST `body` to `path` on the first endpoint that answers; its JSON reply. With a
@@ -164,29 +312,64 @@ class Etcd:
     def _post(self, path: str, body: dict[str, Any], token: str) -> dict[str, Any]:
         errors = []
         n = len(self.endpoints)
-        headers = {"Authorization": token} if token else {}
+        payload = msgspec.json.encode(body)
         for i in range(n):
-            url = self.endpoints[(self._first + i) % n]
+            at = (self._first + i) % n
+            url = self.endpoints[at]
             try:
-                r = self._http.post(url + path, json=body, headers=headers)
-            except httpx.HTTPError as e:
-                errors.append(f"{url}: {e}")
+                status, raw = self._request(at, path, payload, token)
+            except (OSError, http.client.HTTPException, ValueError) as e:
+                errors.append(f"{url}: {e or type(e).__name__}")
                 continue
-            self._first = (self._first + i) % n
-            data = r.json()
-            if r.status_code != 200 or "error" in data:
-                raise EtcdError(
-                    f"etcd {url}{path}: {data.get('message') or r.text}{_hint(data, token)}"
-                )
-            return dict(data)
+            self._first = at
+            try:
+                data = msgspec.json.decode(raw)
+            except msgspec.DecodeError:
+                data = None
+            if status != 200 or not isinstance(data, dict) or "error" in data:
+                said = data.get("message") if isinstance(data, dict) else None
+                text = said or raw.decode(errors="replace")[:300] or f"HTTP {status}"
+                raise EtcdError(f"etcd {url}{path}: {text}{_hint(data, token)}")
+            return data
         raise EtcdError(
             f"no etcd endpoint answered ({'; '.join(errors)}); check cluster.etcd and that "
             "etcd runs"
         )
 
+    def _request(self, at: int, path: str, payload: bytes, token: str) -> tuple[int, bytes]:
+        """POST on this thread's connection to endpoint `at` (made or remade as needed):
+        (HTTP status, body). Raises OSError, HTTPException or ValueError (a bad reply);
+        the connection is then dropped."""
+        conns: list[_Conn | None] | None = getattr(self._local, "conns", None)
+        if conns is None:
+            conns = self._local.conns = [None] * len(self._targets)
+        conn = conns[at]
+        if conn is not None and conn.is_stale():  # closed while idle: nothing sent on it
+            self._drop(conns, at)
+            conn = None
+        try:
+            if conn is None:
+                conn = conns[at] = _Conn(self._targets[at], self.timeout_s, self._tls)
+                with self._conns_lock:
+                    self._conns.add(conn)
+            status, raw, closes = conn.post(self._targets[at].path + path, payload, token)
+        except BaseException:
+            self._drop(conns, at)
+            raise
+        if closes:
+            self._drop(conns, at)
+        return status, raw
+
+    def _drop(self, conns: list[_Conn | None], at: int) -> None:
+        conn, conns[at] = conns[at], None
+        if conn is not None:
+            with self._conns_lock:
+                self._conns.discard(conn)
+            conn.close()
+
     # -- keys --
     def get(self, key: str) -> KeyValue | None:
-        kvs = self.call("/v3/kv/range", {"key": _b64(key)}).get("kvs", [])
+        kvs = self.call("/v3/kv/range", {"key": _raw(key)}).get("kvs", [])
         return _kv(kvs[0]) if kvs else None
 
     def get_prefix(self, prefix: str, page: int = 1000) -> list[KeyValue]:
@@ -194,7 +377,7 @@ class Etcd:
         out: list[KeyValue] = []
         start, end = prefix.encode(), prefix_end(prefix)
         while True:
-            body = {"key": _b64(start), "range_end": _b64(end), "limit": str(page)}
+            body = {"key": start, "range_end": end, "limit": str(page)}
             data = self.call("/v3/kv/range", body)
             kvs = [_kv(kv) for kv in data.get("kvs", [])]
             out += kvs
@@ -203,13 +386,13 @@ class Etcd:
             start = kvs[-1].key.encode() + b"\0"
 
     def put(self, key: str, value: bytes, lease: int = 0) -> None:
-        body: dict[str, Any] = {"key": _b64(key), "value": _b64(value)}
+        body: dict[str, Any] = {"key": _raw(key), "value": value}
         if lease:
             body["lease"] = str(lease)
         self.call("/v3/kv/put", body)
 
     def delete(self, key: str) -> None:
-        self.call("/v3/kv/deleterange", {"key": _b64(key)})
+        self.call("/v3/kv/deleterange", {"key": _raw(key)})
 
     def txn(
         self, compare: Sequence[Compare], ops: Sequence[Put | Delete], read: str = ""
@@ -222,7 +405,7 @@ class Etcd:
             "success": [_op(o) for o in ops],
         }
         if read:
-            body["failure"] = [{"request_range": {"key": _b64(read)}}]
+            body["failure"] = [{"request_range": {"key": _raw(read)}}]
         data = self.call("/v3/kv/txn", body)
         if data.get("succeeded"):
             return True, None
@@ -250,9 +433,9 @@ class Etcd:
             log.info("etcd: revoking lease %x: %s", lease, e)
 
 
-def _hint(data: dict[str, Any], token: str) -> str:
+def _hint(data: object, token: str) -> str:
     """What to do about an error of etcd's auth, for the user."""
-    message = str(data.get("message", ""))
+    message = str(data.get("message", "")) if isinstance(data, dict) else ""
     if "user name is empty" in message and not token:
         return (
             " (this etcd requires authentication: set cluster.etcd_user and "
@@ -276,11 +459,11 @@ def _kv(kv: dict[str, Any]) -> KeyValue:
 
 def _op(op: Put | Delete) -> dict[str, Any]:
     if isinstance(op, Put):
-        body: dict[str, Any] = {"key": _b64(op.key), "value": _b64(op.value)}
+        body: dict[str, Any] = {"key": _raw(op.key), "value": op.value}
         if op.lease:
             body["lease"] = str(op.lease)
         return {"request_put": body}
-    body = {"key": _b64(op.key)}
+    body = {"key": _raw(op.key)}
     if op.is_prefix:
-        body["range_end"] = _b64(prefix_end(op.key))
+        body["range_end"] = prefix_end(op.key)
     return {"request_delete_range": body}

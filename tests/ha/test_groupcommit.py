@@ -43,8 +43,11 @@ def leading(etcd: Etcd) -> Etcd:
     return etcd
 
 
-def _service(etcd: Etcd, errors: list[JournalError]) -> StoreService:
-    svc = StoreService(SECRET, MetadataConfig(replicas=1), journal=_journal(etcd), tick_s=3600)
+def _service(
+    etcd: Etcd, errors: list[JournalError], journal: EtcdJournal | None = None
+) -> StoreService:
+    journal = journal or _journal(etcd)
+    svc = StoreService(SECRET, MetadataConfig(replicas=1), journal=journal, tick_s=3600)
     svc.on_journal_error = errors.append
     svc.start()
     with svc.lock:
@@ -210,13 +213,20 @@ def test_a_calls_ticket_covers_what_its_reply_tells_of(gated: _Gated):
     t1 = commits.submit(PoolChanges(objects={"k": _entry("k")}))
     assert commits.submit(PoolChanges(), reads=["k"]) == t1  # a read of a queued commit
     assert commits.submit(PoolChanges(), reads=["other"]) == 0  # nothing of it queued
-    assert commits.submit(PoolChanges(), reads=["other"], allocates=True) == 0
-    t2 = commits.submit(PoolChanges(objects={"gone": None}), frees=True)
-    assert commits.submit(PoolChanges(), reads=["other"], allocates=True) == t2
-    assert commits.submit(PoolChanges()) == t2  # any other call: everything queued
+    assert commits.submit(PoolChanges(), reads=["other"], takes=[("seg", 0, 64)]) == 0
+    t2 = commits.submit(PoolChanges(objects={"gone": None}), frees=[("seg", 64, 128)])
+    t3 = commits.submit(PoolChanges(objects={"gone2": None}), frees=[("seg", 256, 320)])
+    # a range handed out waits for the newest queued free it overlaps, and only for that
+    assert commits.submit(PoolChanges(), reads=["other"], takes=[("seg", 96, 160)]) == t2
+    assert commits.submit(PoolChanges(), reads=["other"], takes=[("seg", 0, 512)]) == t3
+    assert commits.submit(PoolChanges(), reads=["other"], takes=[("seg", 128, 256)]) == 0
+    assert commits.submit(PoolChanges(), reads=["other"], takes=[("seg2", 64, 128)]) == 0
+    t4 = commits.submit(PoolChanges(segments={"seg2": None}), frees=[("seg2", 0, 1 << 64)])
+    assert commits.submit(PoolChanges(), reads=[], takes=[("seg2", 1 << 40, 1 << 41)]) == t4
+    assert commits.submit(PoolChanges()) == t4  # any other call: everything queued
     gated.gate.set()
-    commits.wait(t2)
-    assert commits.submit(PoolChanges(), reads=["k"], allocates=True) == 0  # durable now
+    commits.wait(t4)
+    assert commits.submit(PoolChanges(), reads=["k"], takes=[("seg", 0, 512)]) == 0  # durable
     commits.close()
 
 
@@ -233,3 +243,46 @@ def test_a_failed_group_fails_its_waiters_and_every_later_ticket(gated: _Gated, 
         commits.wait(t2)
     commits.close()
     assert not {o.key for o in gated.load().objects}
+
+
+@pytest.mark.cluster
+def test_a_put_start_waits_for_a_queued_free_only_of_a_range_it_hands_out(gated: _Gated):
+    gated.gate.set()
+    svc = _service(gated.etcd, [], gated)
+    channel = DirectChannel("127.0.0.1", svc.direct_port, SECRET, timeout_s=30.0)
+    others = DirectChannel("127.0.0.1", svc.direct_port, SECRET, timeout_s=30.0)
+    commits = svc.commits
+    assert commits is not None
+
+    def put_start(chan: DirectChannel, key: str, size: int) -> int:
+        reply = chan.call(m.PutStartMsg(key, size, "w"), m.PutStartReplyMsg)
+        assert reply.result.status == "ok", reply
+        return reply.result.replicas[0].offset
+
+    try:
+        first = put_start(channel, "a", 64)
+        channel.call(m.PutEndMsg("a"), m.KeyReplyMsg)
+        put_start(channel, "b", 64)  # NOTE: keeps a's range a hole of its own when freed
+        channel.call(m.PutEndMsg("b"), m.KeyReplyMsg)
+        gated.gate.clear()
+        removing = threading.Thread(
+            target=lambda: others.call(m.RemoveMsg("a", force=True), m.KeyReplyMsg)
+        )
+        removing.start()
+        while commits.last_seq == commits.durable_seq:  # the removal is queued, not durable
+            time.sleep(0.01)
+        assert put_start(channel, "far", 4096) != first  # not a freed range: no wait
+        got: list[int] = []
+        reusing = threading.Thread(target=lambda: got.append(put_start(channel, "c", 64)))
+        reusing.start()
+        reusing.join(0.5)
+        assert reusing.is_alive() and removing.is_alive()  # a's range: waits for its free
+        gated.gate.set()
+        reusing.join(10)
+        removing.join(10)
+        assert got == [first]
+    finally:
+        gated.gate.set()
+        channel.close()
+        others.close()
+        svc.stop()

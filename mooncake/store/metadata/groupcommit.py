@@ -24,8 +24,9 @@ every change queued before its call left the lock is durable**.
 2. A call waits for a ticket: the sequence number of the newest entry its reply can tell
    of. A call that changed something waits for its own entry (so for all before it); one
    that did not waits for the last entry of each key it read (`get_replicas`, `exists`),
-   and when it hands out ranges (`put_start`, write slots) also for the entry queued last
-   when ranges were last released; any other call waits for every entry queued. Other
+   and when it hands out ranges (`put_start`, write slots) also, for each range, for the
+   entry queued last when a range overlapping it (or its whole segment) was freed, if that
+   is not durable yet; any other call waits for every entry queued. Other
    calls may see a change in memory before it is durable (that is what takes the lock off
    the network), but nothing they answer leaves before it is: a `put_end` answered ok is
    journaled, a reader is never told of an object whose commit may be lost, and a range
@@ -45,14 +46,17 @@ failed group is a miss on the new leader, which rebuilds its index from the jour
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 from mooncake.store.metadata.journal import BaseJournal, JournalError
 from mooncake.store.metadata.poolstate import PoolChanges
+from mooncake.store.metadata.segments import Range
 
 log = logging.getLogger(__name__)
 KEY_SEQ_MIN = 4096  # keys remembered before the durable ones are forgotten
@@ -76,14 +80,22 @@ class GroupCommit:
         self.on_error = on_error
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)  # the writer waits for entries
-        self._done = threading.Condition(self._lock)  # callers wait for their group
+        # callers waiting for their group: (ticket, arrival, a lock held until woken); the
+        # writer wakes exactly those its group made durable (a notify_all woke them all)
+        self._waiters: list[tuple[int, int, threading.Lock]] = []  # a heap
+        self._arrivals = itertools.count()
+        self._stopped = False  # the writer ended (closed, failed, or a bug)
         self._queue: deque[tuple[int, PoolChanges]] = deque()  # (seq, changes), oldest first
         self.last_seq = 0  # of the newest entry queued
         self.durable_seq = 0  # every entry up to this one is in the journal
         self.error: JournalError | None = None  # the failure that stopped the writer
         self._key_seq: dict[str, int] = {}  # object key -> seq of its last queued entry
         self._key_seq_mark = KEY_SEQ_MIN  # size of _key_seq at which durable ones go
-        self._free_seq = 0  # seq queued last when ranges were last released
+        # segment -> (start, end, seq queued last when freed), oldest first: frees that
+        # may not be durable yet (a range handed out waits for an overlapping one)
+        self._frees: dict[str, deque[tuple[int, int, int]]] = {}
+        self._num_frees = 0  # entries in _frees
+        self._frees_mark = KEY_SEQ_MIN  # _num_frees at which the durable ones go
         self.num_groups = 0  # groups written
         self.num_entries = 0  # entries written in them
         self._is_closing = False
@@ -95,18 +107,18 @@ class GroupCommit:
         self,
         changes: PoolChanges,
         *,
-        frees: bool = False,
+        frees: Sequence[Range] = (),
         reads: Iterable[str] | None = None,
-        allocates: bool = False,
+        takes: Sequence[Range] = (),
     ) -> int:
         """Queue `changes` (nothing when empty); returns the ticket to `wait` on. Call it
         under the lock that orders the changes (the Store's), once per call.
 
-        The ticket of a call that changed nothing (rule 2 of the module docstring):
-        `frees`: it released ranges (their release may still be queued); `reads`: the only
-        keys its reply tells of (None: it may tell of anything: every queued change);
-        `allocates`: its reply hands out ranges (they may have been freed by a queued
-        change)."""
+        `frees`: the ranges the call released (their release may still be queued). The
+        ticket of a call that changed nothing (rule 2 of the module docstring): `reads`:
+        the only keys its reply tells of (None: it may tell of anything: every queued
+        change); `takes`: the ranges its reply hands out (each may overlap a range whose
+        free is queued)."""
         with self._lock:
             if changes and not self.is_grouped:
                 return self._write_now(changes)
@@ -115,11 +127,11 @@ class GroupCommit:
                 self._queue.append((self.last_seq, changes))
                 self._work.notify()
                 self._note_keys(changes)
-            if frees:
-                self._free_seq = self.last_seq
+            if frees and self.is_grouped:
+                self._note_frees(frees)
             if changes or reads is None:
                 return self.last_seq
-            ticket = self._free_seq if allocates else 0
+            ticket = self._taken_ticket(takes) if takes else 0
             key_seq = self._key_seq
             for key in reads:
                 ticket = max(ticket, key_seq.get(key, 0))
@@ -151,18 +163,57 @@ class GroupCommit:
         for key in changes.objects:
             key_seq[key] = seq
 
+    def _note_frees(self, frees: Sequence[Range]) -> None:
+        """NOTE: a range handed out is safe to write once the frees it overlaps are durable"""
+        if self._num_frees >= self._frees_mark:  # forget the durable ones, amortized
+            durable = self.durable_seq
+            kept = {seg: deque(f for f in fs if f[2] > durable) for seg, fs in self._frees.items()}
+            self._frees = {seg: fs for seg, fs in kept.items() if fs}
+            self._num_frees = sum(len(fs) for fs in self._frees.values())
+            self._frees_mark = max(KEY_SEQ_MIN, 2 * self._num_frees)
+        seq = self.last_seq
+        for seg, start, end in frees:
+            self._frees.setdefault(seg, deque()).append((start, end, seq))
+        self._num_frees += len(frees)
+
+    def _taken_ticket(self, takes: Sequence[Range]) -> int:
+        """The newest seq of a free not yet durable that overlaps one of `takes`; 0: none."""
+        durable, ticket = self.durable_seq, 0
+        for seg, start, end in takes:
+            pending = self._frees.get(seg)
+            while pending and pending[0][2] <= durable:
+                pending.popleft()
+                self._num_frees -= 1
+            if pending:
+                for free_start, free_end, seq in pending:
+                    if free_start < end and start < free_end and seq > ticket:
+                        ticket = seq
+        return ticket
+
     def wait(self, ticket: int) -> None:
         """Return once every entry up to `ticket` is durable; raises JournalError if a
         group holding one of them failed (or none can be written any more)."""
         if self.durable_seq >= ticket:  # NOTE: an int read: no lock on the common path
             return
         with self._lock:
-            while self.durable_seq < ticket and self.error is None and not self._is_stopped():
-                self._done.wait()
+            woken = None
+            if self.durable_seq < ticket and self.error is None and not self._is_stopped():
+                woken = threading.Lock()
+                woken.acquire()
+                heapq.heappush(self._waiters, (ticket, next(self._arrivals), woken))
+        if woken is not None:
+            woken.acquire()  # NOTE: released by the writer: durable, failed or stopped
+        with self._lock:
             if self.durable_seq >= ticket:
                 return
             why = self.error or JournalError("the journal was closed")
         raise JournalError(f"this change was not journaled ({why}); it is not applied") from why
+
+    def _wake(self, everyone: bool = False) -> None:
+        """Wake the waiters whose tickets are durable (lock held); `everyone`: all."""
+        waiters, durable = self._waiters, self.durable_seq
+        while waiters and (everyone or waiters[0][0] <= durable):
+            heapq.heappop(waiters)[2].release()
 
     def close(self) -> None:
         """Write what is queued, then stop the writer."""
@@ -173,7 +224,7 @@ class GroupCommit:
             self._thread.join()
 
     def _is_stopped(self) -> bool:
-        return self.is_grouped and not self._thread.is_alive()
+        return self.is_grouped and self._stopped
 
     def _run(self) -> None:
         try:
@@ -188,18 +239,19 @@ class GroupCommit:
                     self.durable_seq = last
                     self.num_groups += 1
                     self.num_entries += num
-                    self._done.notify_all()
+                    self._wake()
         except Exception as e:  # a bug of ours: nothing more can be made durable
             log.exception("group commit: the journal writer failed")
             self._fail(JournalError(f"the journal writer failed: {type(e).__name__}: {e}"))
         finally:
             with self._lock:
-                self._done.notify_all()
+                self._stopped = True
+                self._wake(everyone=True)
 
     def _fail(self, e: JournalError) -> None:
         with self._lock:
             self.error = e
-            self._done.notify_all()
+            self._wake(everyone=True)
         log.critical("group commit: a group of changes failed (%s); nothing more is written", e)
         if self.on_error is not None:
             self.on_error(e)

@@ -18,6 +18,8 @@ from mooncake.store.metadata.objects import TIERS, Replica, Segment, Tier
 
 SSD_ALIGNMENT = 4096  # bytes: O_DIRECT needs block-aligned file offsets
 MAX_NAME_BYTES = 256  # bytes of a segment or node name
+Range = tuple[str, int, int]  # (segment name, first byte, end byte) of an allocation
+WHOLE_SEGMENT = 1 << 64  # the end of a Range that covers a whole (unmounted) segment
 
 
 class SegmentManager:
@@ -32,7 +34,10 @@ class SegmentManager:
         self.tier_usable: dict[Tier, int] = dict.fromkeys(TIERS, 0)  # bytes
         self.tier_used: dict[Tier, int] = dict.fromkeys(TIERS, 0)  # bytes, incl. deferred
         self.deferred: list[tuple[float, Replica]] = []  # (free at s, released replica)
-        self.num_releases = 0  # ranges freed and segments unmounted (group commit's ticket)
+        # ranges (segment, start, end) freed (a whole segment when unmounted) and handed
+        # out since the last `drain_ranges` (group commit's tickets: groupcommit.py)
+        self.freed: list[Range] = []
+        self.taken: list[Range] = []
         # replica ids: from a random base, so a restarted master does not hand out ids
         # that clients still remember from before
         self._replica_ids = itertools.count(secrets.randbits(62) + 1)
@@ -109,7 +114,7 @@ class SegmentManager:
     def unmount(self, seg: Segment) -> None:
         """Drop `seg` with everything allocated in it (the caller detached its replicas)."""
         del self.segments[seg.name]
-        self.num_releases += 1
+        self.freed.append((seg.name, 0, WHOLE_SEGMENT))
         self.node_segments[seg.node_id].remove(seg)
         self.tier_segments[seg.tier].remove(seg)
         self.tier_usable[seg.tier] -= seg.allocator.usable_bytes
@@ -144,7 +149,9 @@ class SegmentManager:
         offset = seg.allocator.allocate(size)
         if offset is None:
             return None
-        self.tier_used[seg.tier] += seg.allocator.size_of(offset) or 0
+        taken = seg.allocator.size_of(offset) or 0  # aligned
+        self.tier_used[seg.tier] += taken
+        self.taken.append((seg.name, offset, offset + taken))
         seg.keys.add(key)
         return Replica(seg, offset, size, replica_id=next(self._replica_ids))
 
@@ -168,8 +175,15 @@ class SegmentManager:
 
     def _release(self, replica: Replica) -> None:
         seg = replica.segment
-        self.num_releases += 1
-        self.tier_used[seg.tier] -= seg.allocator.free(replica.offset)
+        freed = seg.allocator.free(replica.offset)
+        self.tier_used[seg.tier] -= freed
+        self.freed.append((seg.name, replica.offset, replica.offset + freed))
+
+    def drain_ranges(self) -> tuple[list[Range], list[Range]]:
+        """The ranges freed and handed out since the last call: (freed, taken)."""
+        freed, taken = self.freed, self.taken
+        self.freed, self.taken = [], []
+        return freed, taken
 
     def share(self, tier: Tier, extra_bytes: int = 0) -> float:
         """Used share of `tier` (0 when none mounted), counting `extra_bytes` more."""

@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 # NOTE: requests whose replies tell only of their keys and of the ranges they hand out:
 # they wait only for those (store/metadata/groupcommit.py, rule 2); others for everything
+# (any other request that hands out ranges has reads None: it waits for everything)
 _ONE_KEY = (m.GetReplicasMsg, m.ExistsMsg, m.PutStartMsg)
 _KEYS = (m.BatchGetReplicasMsg, m.BatchExistsMsg, m.BatchPutStartMsg, m.BatchPutSlotMsg)
 _ALLOCATES = (m.PutStartMsg, m.BatchPutStartMsg, m.BatchPutSlotMsg)
@@ -75,7 +76,6 @@ class StoreService:
         self.journal = journal
         self._is_restored = False  # the journal was loaded (restore)
         self.commits: GroupCommit | None = None  # writes to `journal` (made by restore)
-        self._num_releases = 0  # the space's, at the last flush
         # a journal write failed: this master can no longer promise durability (default: raise)
         self.on_journal_error: Callable[[JournalError], None] | None = None
         self.on_events = on_events  # called under the lock, before a change's reply goes
@@ -160,18 +160,17 @@ class StoreService:
         done: a request placed after that sees the block (a tick later, it might not)."""
         md = self.metadata
         ticket = 0
+        freed, taken = md.space.drain_ranges()
         if self.journal is None:
             md.pool.changed_keys.clear()
             md.pool.changed_segments.clear()
         else:
-            releases = md.space.num_releases
             ticket = self._committer().submit(
                 md.pool.drain_changes(),
-                frees=releases != self._num_releases,
+                frees=freed,
                 reads=_read_keys(msg),
-                allocates=isinstance(msg, _ALLOCATES),
+                takes=taken if isinstance(msg, _ALLOCATES) else (),
             )
-            self._num_releases = releases
         self._deliver_events()
         return ticket
 
