@@ -167,7 +167,13 @@ class LocalEtcd:
                         raise EtcdError(f"etcd did not answer within {timeout_s:g} s: {e}") from e
                 time.sleep(0.05)
             if self.access.user:
-                self._secure(etcd)
+                # NOTE: a call of its own: adding a user hashes its password (bcrypt), which
+                # on a loaded host takes longer than the readiness probe's second
+                setup = Etcd([self.url], timeout_s=max(timeout_s, 10.0))
+                try:
+                    self._secure(setup)
+                finally:
+                    setup.close()
         finally:
             etcd.close()
 
@@ -176,7 +182,7 @@ class LocalEtcd:
         etcd.call("/v3/auth/user/add", {"name": "root", "password": self.access.password})
         etcd.call("/v3/auth/user/grant", {"user": "root", "role": "root"})
         etcd.call("/v3/auth/enable", {})
-        root = Etcd([self.url], timeout_s=2.0, access=self.access)
+        root = Etcd([self.url], timeout_s=etcd.timeout_s, access=self.access)
         try:
             users = root.call("/v3/auth/user/list", {}).get("users", [])
             roles = root.call("/v3/auth/role/list", {}).get("roles", [])

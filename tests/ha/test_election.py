@@ -5,6 +5,7 @@ from __future__ import annotations
 import signal
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 
@@ -25,9 +26,21 @@ pytestmark = pytest.mark.cluster
 PREFIX = "/test/cluster"
 
 
+_made: list[Election] = []  # every election a test made, stopped after it
+
+
+@pytest.fixture(autouse=True)
+def _stop_elections() -> Iterator[None]:
+    """A failed test still stops its elections' threads (left running, they retry a
+    stopped etcd and log into every later test's output)."""
+    yield
+    while _made:
+        _crash(_made.pop())
+
+
 def _election(etcd: Etcd, name: str, elected: threading.Event, lost: list[str]) -> Election:
     me = MasterInfo(id=name, rpc=f"127.0.0.1:{len(name)}", api=f"http://{name}", pid=1)
-    return Election(
+    election = Election(
         etcd,
         PREFIX,
         me,
@@ -37,6 +50,8 @@ def _election(etcd: Etcd, name: str, elected: threading.Event, lost: list[str]) 
         on_lost=lost.append,
         sealer=Sealer(SECRET),
     )
+    _made.append(election)
+    return election
 
 
 def _journal(etcd: Etcd, e: Election) -> EtcdJournal:
@@ -46,7 +61,8 @@ def _journal(etcd: Etcd, e: Election) -> EtcdJournal:
 def _crash(e: Election) -> None:
     """Stop renewing without giving the lease back: what a killed master does."""
     e._stop.set()
-    e._thread.join()
+    if e._thread.is_alive():
+        e._thread.join()
 
 
 def test_one_master_leads_and_a_standby_takes_over_when_its_lease_runs_out(etcd: Etcd):
@@ -56,7 +72,9 @@ def test_one_master_leads_and_a_standby_takes_over_when_its_lease_runs_out(etcd:
     assert won_a.wait(5)
     b = _election(etcd, "b", won_b, lost)
     b.start()
-    time.sleep(0.3)
+    deadline = time.monotonic() + 10  # NOTE: b's first poll of the leader key, under load
+    while b.leader is None and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert not won_b.is_set() and b.leader is not None and b.leader.id == "a"
     assert [m.id for m in b.members()] == ["a", "b"]
     _crash(a)
