@@ -23,7 +23,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
-from typing import IO, Annotated
+from typing import IO, Annotated, Self
 
 import msgspec
 
@@ -281,21 +281,45 @@ def stop_children(children: list[_Child]) -> None:
         child.stop(on_eof=child.name != "master")
 
 
-class UpstreamStore:
-    """Upstream's master, a store node with a `pool_bytes` segment and a client, all on
-    127.0.0.1; `run` measures one cell in the client."""
+class _UpstreamPool:
+    """Upstream's master, a store node and `drivers` (upstream_driver.py argument lists),
+    all on 127.0.0.1, with their logs kept in a temporary folder when anything failed."""
 
-    def __init__(self, python: str, pool_bytes: int):
+    def __init__(self, python: str, pool_bytes: int, prefix: str, drivers: list[list[str]]):
         env, master_bin = probe(python)
-        self.log_dir = Path(tempfile.mkdtemp(prefix="mooncake-upstream-"))
+        self.log_dir = Path(tempfile.mkdtemp(prefix=prefix))
         self.children: list[_Child] = []
         self.failed = False
         try:
-            start_pool(python, env, master_bin, pool_bytes, self.log_dir, self.children, [[]])
+            start_pool(python, env, master_bin, pool_bytes, self.log_dir, self.children, drivers)
         except BaseException:
             self.failed = True
             self.close()
             raise
+
+    def close(self) -> None:
+        """Stop the drivers and the node (both at once), then the master; the logs are kept
+        if anything failed."""
+        stop_children(self.children)
+        self.children = []
+        if self.failed:
+            log.warning("upstream Mooncake's logs are kept in %s", self.log_dir)
+        else:
+            shutil.rmtree(self.log_dir, ignore_errors=True)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class UpstreamStore(_UpstreamPool):
+    """Upstream's master, a store node with a `pool_bytes` segment and a client, all on
+    127.0.0.1; `run` measures one cell in the client."""
+
+    def __init__(self, python: str, pool_bytes: int):
+        super().__init__(python, pool_bytes, "mooncake-upstream-", [[]])
         self.client = self.children[-1]
 
     def run(self, api: str, size: int, duration_s: float, warmup_s: float = 0.0) -> UpstreamCell:
@@ -316,39 +340,14 @@ class UpstreamStore:
             self.failed = True
             raise StoreError(f"{e} (logs in {self.log_dir})") from e
 
-    def close(self) -> None:
-        """Stop the client and the node (both at once), then the master; the logs are kept
-        if anything failed."""
-        stop_children(self.children)
-        self.children = []
-        if self.failed:
-            log.warning("upstream Mooncake's logs are kept in %s", self.log_dir)
-        else:
-            shutil.rmtree(self.log_dir, ignore_errors=True)
 
-    def __enter__(self) -> UpstreamStore:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-class UpstreamLoad:
+class UpstreamLoad(_UpstreamPool):
     """Upstream's master and store node with `num_clients` load drivers (upstream_driver.py
     `load`), for `bench store --clients`; `run` measures them all at once."""
 
     def __init__(self, python: str, pool_bytes: int, num_clients: int):
-        env, master_bin = probe(python)
-        self.log_dir = Path(tempfile.mkdtemp(prefix="mooncake-upstream-load-"))
-        self.children: list[_Child] = []
-        self.failed = False
         loads = [["load", "--index", str(i)] for i in range(num_clients)]
-        try:
-            start_pool(python, env, master_bin, pool_bytes, self.log_dir, self.children, loads)
-        except BaseException:
-            self.failed = True
-            self.close()
-            raise
+        super().__init__(python, pool_bytes, "mooncake-upstream-load-", loads)
         self.clients = self.children[2:]
 
     def _ask(self, req: dict[str, object], timeout_s: float) -> list[bytes]:
@@ -374,17 +373,3 @@ class UpstreamLoad:
         except StoreError as e:
             self.failed = True
             raise StoreError(f"upstream {e} (logs in {self.log_dir})") from e
-
-    def close(self) -> None:
-        stop_children(self.children)
-        self.children = []
-        if self.failed:
-            log.warning("upstream Mooncake's logs are kept in %s", self.log_dir)
-        else:
-            shutil.rmtree(self.log_dir, ignore_errors=True)
-
-    def __enter__(self) -> UpstreamLoad:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
