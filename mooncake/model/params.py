@@ -21,6 +21,11 @@ integer carries:
 |                      | (1024) characters, MAX_STOP_BYTES (4 KiB) together       |
 | `stop_token_ids`     | each 0 .. MAX_INT32 (the API also checks the vocabulary) |
 | `logprobs`           | None or 0 .. MAX_LOGPROBS (20)                           |
+| `logit_bias`         | at most MAX_LOGIT_BIAS (1024) (token id, bias) pairs,    |
+|                      | distinct ids 0 .. MAX_INT32, bias in [-100, 100]         |
+| `min_tokens`         | 0 .. max_tokens: EOS and stop token ids masked before it |
+| `guided`             | None or a `Guided` (kind, spec): the output is held to   |
+|                      | it by the grammar engine; spec at most MAX_GUIDED_BYTES  |
 """
 
 from __future__ import annotations
@@ -46,6 +51,28 @@ MAX_LOGPROBS = 20  # as OpenAI allows
 MAX_STOPS = 64
 MAX_STOP_CHARS = 1024  # characters of one stop string
 MAX_STOP_BYTES = 4 * 1024  # UTF-8 bytes of all the stop strings together
+MAX_LOGIT_BIAS = 1024  # (token id, bias) pairs; OpenAI documents no count, vLLM none either
+MAX_BIAS = 100.0  # |bias| (OpenAI's range: -100 bans a token, 100 forces it)
+MAX_GUIDED_BYTES = 256 * 1024  # UTF-8 bytes of a guided spec (a JSON schema, a grammar, ...)
+GUIDED_KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
+
+
+class Guided(msgspec.Struct, frozen=True, kw_only=True):
+    """A constraint on the whole output, enforced by the grammar engine. `spec` by `kind`:
+    json_object: "" (any JSON object); json_schema: the schema as JSON text; regex: the
+    pattern; choice: a JSON array of the allowed strings; grammar: EBNF (GBNF) text."""
+
+    kind: str
+    spec: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in GUIDED_KINDS:
+            raise InvalidSamplingParams(
+                f"guided.kind must be one of {', '.join(GUIDED_KINDS)}, got {self.kind!r}",
+                "guided",
+            )
+        size = len(self.spec.encode("utf-8", "surrogatepass"))
+        _require(size <= MAX_GUIDED_BYTES, "guided", f"at most {MAX_GUIDED_BYTES} bytes", size)
 
 
 class InvalidSamplingParams(ApiError):
@@ -74,6 +101,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     presence_penalty: float = 0.0  # logit -= this once per token already in the output
     frequency_penalty: float = 0.0  # logit -= this times the token's count in the output
     repetition_penalty: float = 1.0  # tokens of prompt or output: logit / r if > 0, else * r
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    min_tokens: int = 0  # EOS and stop_token_ids cannot end the output before this many
+    guided: Guided | None = None  # the output is held to this constraint
 
     def __post_init__(self) -> None:
         self.validate()
@@ -115,6 +145,13 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
         self._validate_stop()
         for i in self.stop_token_ids:
             _require(0 <= i <= MAX_INT32, "stop_token_ids", f"token ids in [0, {MAX_INT32}]", i)
+        self._validate_bias()
+        _require(
+            0 <= self.min_tokens <= self.max_tokens,
+            "min_tokens",
+            f"in [0, max_tokens={self.max_tokens}]",
+            self.min_tokens,
+        )
         if self.logprobs is not None:
             _require(
                 0 <= self.logprobs <= MAX_LOGPROBS,
@@ -122,6 +159,21 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
                 f"in [0, {MAX_LOGPROBS}]",
                 self.logprobs,
             )
+
+    def _validate_bias(self) -> None:
+        bias = self.logit_bias
+        _require(
+            len(bias) <= MAX_LOGIT_BIAS, "logit_bias", f"at most {MAX_LOGIT_BIAS} tokens", len(bias)
+        )
+        for token, value in bias:
+            _require(0 <= token <= MAX_INT32, "logit_bias", f"token ids in [0, {MAX_INT32}]", token)
+            _require(
+                -MAX_BIAS <= value <= MAX_BIAS,
+                "logit_bias",
+                f"biases in [{-MAX_BIAS:g}, {MAX_BIAS:g}]",
+                value,
+            )
+        _require(len({t for t, _ in bias}) == len(bias), "logit_bias", "distinct token ids", bias)
 
     def _validate_stop(self) -> None:
         stop = self.stop

@@ -5,6 +5,7 @@ model's, and a step's sampling runs on the device without waiting for it."""
 from __future__ import annotations
 
 import math
+import re
 import statistics
 from collections import Counter
 from collections.abc import Sequence
@@ -17,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from mooncake.errors import ApiError, ProtocolError
 from mooncake.model.decode import DecodeRunner
 from mooncake.model.kvcache import PagedKVCache
-from mooncake.model.params import InvalidSamplingParams
+from mooncake.model.params import Guided, InvalidSamplingParams
 from mooncake.model.sampler import (
     SampleOutput,
     SamplingBatch,
@@ -397,12 +398,35 @@ def test_the_issue_values_are_refused_when_built_and_when_decoded_from_the_wire(
         ({"stop_token_ids": (2**64,)}, "token ids in [0, 2147483647]"),
         ({"seed": 2**64}, "a signed 64-bit integer"),
         ({"logprobs": 21}, "in [0, 20]"),
+        ({"logit_bias": ((5, 100.5),)}, "biases in [-100, 100], got 100.5"),
+        ({"logit_bias": ((5, float("nan")),)}, "biases in [-100, 100]"),
+        ({"logit_bias": ((-1, 1.0),)}, "token ids in [0, 2147483647], got -1"),
+        ({"logit_bias": ((5, 1.0), (5, -1.0))}, "distinct token ids"),
+        ({"logit_bias": tuple((i, 1.0) for i in range(1025))}, "at most 1024 tokens"),
+        ({"min_tokens": -1}, "in [0, max_tokens=256], got -1"),
+        ({"min_tokens": 257}, "in [0, max_tokens=256]"),
     ],
 )
 def test_values_out_of_range_are_refused_saying_what_is_allowed(kwargs, allowed):
     with pytest.raises(InvalidSamplingParams) as e:
         SamplingParams(**kwargs)
     assert e.value.param == next(iter(kwargs)) and allowed in str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("guided", "allowed"),
+    [
+        ({"kind": "xml"}, "one of json_object, json_schema, regex, choice, grammar, got 'xml'"),
+        ({"kind": "regex", "spec": "a" * (256 * 1024 + 1)}, "at most 262144 bytes"),
+    ],
+)
+def test_a_bad_guided_constraint_is_refused_built_and_from_the_wire(guided, allowed):
+    with pytest.raises(InvalidSamplingParams, match=re.escape(allowed)) as e:
+        Guided(**guided)
+    assert e.value.param == "guided"
+    data = msgspec.msgpack.encode({"max_tokens": 4, "guided": guided})  # as a peer sends it
+    with pytest.raises(InvalidSamplingParams, match=re.escape(allowed)):
+        msgspec.msgpack.decode(data, type=SamplingParams)
 
 
 def test_params_from_a_peer_without_the_new_fields_decode_with_neutral_values():
