@@ -11,6 +11,10 @@ import msgspec
 
 from mooncake.config.knob import knob
 
+# NOTE: measured with `mooncake bench store --clients 8 --journals file,etcd` (docs/ha.md)
+COMMIT_WINDOW_S = 0.0
+COMMITS_IN_FLIGHT = 1
+
 
 # NOTE: the struct options spelled out (not configknob.STRUCT): ClusterConfig inherits
 # this struct, and mypy must see that it is frozen
@@ -79,3 +83,24 @@ class EtcdConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
     election_poll_s: Annotated[
         float, knob("Seconds between a standby master's reads of who leads.", gt=0)
     ] = 0.25
+    etcd_commit_window_s: Annotated[
+        float,
+        knob(
+            "Seconds the leading master's journal waits after a change for more before it "
+            "writes them as one etcd transaction (group commit; 0 = write what is queued). "
+            "A wider window makes fewer, larger transactions: less etcd CPU per change, "
+            "a little more latency per committing call.",
+            ge=0,
+            le=0.1,
+        ),
+    ] = COMMIT_WINDOW_S
+    etcd_commits_in_flight: Annotated[
+        int,
+        knob(
+            "Journal transactions the leading master keeps in flight at once (groups that "
+            "change no key in common). More hide etcd's round trip and disk sync; on a host "
+            "short of CPU they make groups smaller.",
+            ge=1,
+            le=16,
+        ),
+    ] = COMMITS_IN_FLIGHT

@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 import msgspec
 
+from mooncake.config.etcd import COMMIT_WINDOW_S, COMMITS_IN_FLIGHT
 from mooncake.ha.etcd import MAX_TXN_OPS, Compare, Delete, Etcd, EtcdError, KeyValue, Put
 from mooncake.ha.sealed import ForgedRecord, Sealer
 from mooncake.store.metadata.journal import BaseJournal, JournalError
@@ -42,8 +43,12 @@ class EtcdJournal(BaseJournal):
         fence_value: bytes,
         sealer: Sealer,
         reclaim: Callable[[KeyValue | None], bool],  # Election.reclaim: True = fence holds
+        *,
+        window_s: float = COMMIT_WINDOW_S,  # group commit: s a group waits for more
+        in_flight: int = COMMITS_IN_FLIGHT,  # groups written at once
     ):
         self.etcd, self.sealer, self.reclaim = etcd, sealer, reclaim
+        self.group_window_s, self.max_groups_in_flight = window_s, in_flight
         self.seg_prefix, self.obj_prefix = f"{prefix}/pool/s/", f"{prefix}/pool/o/"
         self.fence_key, self.fence = fence_key, Compare.equals(fence_key, fence_value)
         self._encoder = msgspec.msgpack.Encoder()

@@ -111,8 +111,16 @@ class MasterHa:
         e = self.election
         assert e is not None and self.switch is not None
         try:
+            c = self.config.cluster
             self.store.journal = EtcdJournal(
-                self.etcd, self.prefix, e.key, e.value, self.sealer, e.reclaim
+                self.etcd,
+                self.prefix,
+                e.key,
+                e.value,
+                self.sealer,
+                e.reclaim,
+                window_s=c.etcd_commit_window_s,
+                in_flight=c.etcd_commits_in_flight,
             )
             self.take_control()
         except (JournalError, EtcdError, OSError) as err:

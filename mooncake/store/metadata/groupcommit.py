@@ -2,9 +2,13 @@
 
 A committing call drains its `PoolChanges` under the Store's lock and queues them here
 (`submit`, which returns its ticket); it releases the lock, and replies once `wait(ticket)`
-returns. One writer thread takes what is queued, oldest first, merges it into one group and
+returns. A writer thread takes what is queued, oldest first, merges it into one group and
 writes the group as one journal write (one etcd transaction): while a transaction is in
-flight the next calls queue, and the next group carries them all. A journal whose write is
+flight the next calls queue, and the next group carries them all. Up to the journal's
+`max_groups_in_flight` writers do this at once (etcd: a transaction's wall time is mostly
+waiting, for the round trip and for etcd's apply, so one writer at a time leaves the
+commit rate at group size / latency), each group held back while an older group it
+depends on is in flight (rule 1). A journal whose write is
 cheap (`is_grouped` False: the file journal appends to the page cache, without fsync) is
 written at once in `submit`, under the lock, as before: a hand-off to a thread costs more
 than the append (measured: mooncake/bench/commits.py).
@@ -18,9 +22,14 @@ The rule kept (docs/ha.md, "Consistency argument"): **no reply leaves the master
 every change queued before its call left the lock is durable**.
 
 1. Queue order is lock order: `submit` runs under the Store's lock, so the journal takes
-   the changes in the order memory made them. Groups are written one at a time in queue
-   order, each all or nothing, so after a crash the journal holds a prefix of the queue:
-   the state of some moment of the lock's history.
+   the changes in the order memory made them. Groups are formed in queue order and each is
+   written all or nothing. A group is written while an older one is in flight only if the
+   two are independent: neither changes a segment, they change no object key in common,
+   and no replica range of the newer overlaps a range the older freed. So whatever subset
+   of the in-flight groups a crash leaves in the journal, each key holds its entry of some
+   moment of the lock's history, and no two entries claim one range ("journaled free
+   before journaled taken"); with one writer (the default) the journal holds a prefix of
+   the queue.
 2. A call waits for a ticket: the sequence number of the newest entry its reply can tell
    of. A call that changed something waits for its own entry (so for all before it); one
    that did not waits for the last entry of each key it read (`get_replicas`, `exists`),
@@ -34,10 +43,12 @@ every change queued before its call left the lock is durable**.
    durable, so "journaled free before journaled taken" still holds for every range a
    client can write.
 3. Failure is sticky: once a group fails (etcd unreachable, or the fence: this master no
-   longer leads) nothing more is written; every call waiting on that group or a later one
-   raises JournalError (none of them was applied durably), `on_error` is told once (the
-   master exits, status 75), and calls whose groups were durable before it were answered.
-   Memory is then ahead of the journal, so nothing more is answered from it.
+   longer leads) nothing more is sent; every call still waiting raises JournalError,
+   `on_error` is told once (the master exits, status 75), and calls whose groups were
+   durable before it were answered. Memory is then ahead of the journal, so nothing more is
+   answered from it. A group already in flight beside the failed one may still land (a
+   fenced one only while this master leads): its callers were told it failed, the outcome
+   a reply lost on the network gives too, and rule 1 keeps the journal consistent.
 
 Not held back: the events the Store hands its listeners under the lock (the Conductor's
 prefix index, the KV event feed). They are hints: a block whose commit is lost with a
@@ -71,6 +82,7 @@ class GroupCommit:
         *,
         window_s: float | None = None,  # s a group waits for more; None: the journal's
         on_error: Callable[[JournalError], None] | None = None,  # the first failure, once
+        max_in_flight: int = 0,  # groups written at once; 0: the journal's
     ):
         self.journal = journal
         self.is_grouped = journal.is_grouped  # False: written at once, in `submit`
@@ -79,13 +91,15 @@ class GroupCommit:
         self.max_bytes = journal.max_group_bytes  # estimated bytes of one group
         self.on_error = on_error
         self._lock = threading.Lock()
-        self._work = threading.Condition(self._lock)  # the writer waits for entries
+        self._work = threading.Condition(self._lock)  # writers wait for entries
+        self._landed = threading.Condition(self._lock)  # writers wait for older groups
         # callers waiting for their group: (ticket, arrival, a lock held until woken); the
         # writer wakes exactly those its group made durable (a notify_all woke them all)
         self._waiters: list[tuple[int, int, threading.Lock]] = []  # a heap
         self._arrivals = itertools.count()
         self._stopped = False  # the writer ended (closed, failed, or a bug)
-        self._queue: deque[tuple[int, PoolChanges]] = deque()  # (seq, changes), oldest first
+        # (seq, changes, ranges the entry freed), oldest first
+        self._queue: deque[tuple[int, PoolChanges, Sequence[Range]]] = deque()
         self.last_seq = 0  # of the newest entry queued
         self.durable_seq = 0  # every entry up to this one is in the journal
         self.error: JournalError | None = None  # the failure that stopped the writer
@@ -99,9 +113,16 @@ class GroupCommit:
         self.num_groups = 0  # groups written
         self.num_entries = 0  # entries written in them
         self._is_closing = False
-        self._thread = threading.Thread(target=self._run, name="group-commit", daemon=True)
-        if self.is_grouped:
-            self._thread.start()
+        # groups formed and not yet written, oldest first (the writers' shared view)
+        self._pending: deque[_Group] = deque()
+        num_writers = (max_in_flight or journal.max_groups_in_flight) if self.is_grouped else 0
+        self._threads = [
+            threading.Thread(target=self._run, name=f"group-commit-{i}", daemon=True)
+            for i in range(num_writers)
+        ]
+        self._num_running = len(self._threads)
+        for thread in self._threads:
+            thread.start()
 
     def submit(
         self,
@@ -124,7 +145,7 @@ class GroupCommit:
                 return self._write_now(changes)
             if changes:
                 self.last_seq += 1
-                self._queue.append((self.last_seq, changes))
+                self._queue.append((self.last_seq, changes, frees))
                 self._work.notify()
                 self._note_keys(changes)
             if frees and self.is_grouped:
@@ -216,12 +237,12 @@ class GroupCommit:
             heapq.heappop(waiters)[2].release()
 
     def close(self) -> None:
-        """Write what is queued, then stop the writer."""
+        """Write what is queued, then stop the writers."""
         with self._lock:
             self._is_closing = True
-            self._work.notify()
-        if self.is_grouped:
-            self._thread.join()
+            self._work.notify_all()
+        for thread in self._threads:
+            thread.join()
 
     def _is_stopped(self) -> bool:
         return self.is_grouped and self._stopped
@@ -229,63 +250,132 @@ class GroupCommit:
     def _run(self) -> None:
         try:
             while (group := self._next_group()) is not None:
-                changes, last, num = group
                 try:
-                    self.journal.write(changes)
+                    self.journal.write(group.changes)
                 except JournalError as e:
                     self._fail(e)
                     return
                 with self._lock:
-                    self.durable_seq = last
-                    self.num_groups += 1
-                    self.num_entries += num
-                    self._wake()
+                    group.is_written = True
+                    self._land()
         except Exception as e:  # a bug of ours: nothing more can be made durable
             log.exception("group commit: the journal writer failed")
             self._fail(JournalError(f"the journal writer failed: {type(e).__name__}: {e}"))
         finally:
             with self._lock:
-                self._stopped = True
-                self._wake(everyone=True)
+                self._num_running -= 1
+                if self._num_running == 0:  # NOTE: what is still queued stays unwritten
+                    self._stopped = True
+                    self._wake(everyone=True)
+
+    def _land(self) -> None:
+        """The oldest groups written are durable, up to the first one still in flight
+        (lock held): wake their waiters and the writers holding groups back for them."""
+        pending = self._pending
+        while pending and pending[0].is_written:
+            group = pending.popleft()
+            self.durable_seq = group.last
+            self.num_groups += 1
+            self.num_entries += group.num
+        self._wake()
+        self._landed.notify_all()
 
     def _fail(self, e: JournalError) -> None:
         with self._lock:
-            self.error = e
+            if self.error is None:
+                self.error = e
+                first = True
+            else:
+                first = False
+            self._landed.notify_all()
             self._wake(everyone=True)
+        if not first:
+            return
         log.critical("group commit: a group of changes failed (%s); nothing more is written", e)
         if self.on_error is not None:
             self.on_error(e)
 
-    def _next_group(self) -> tuple[PoolChanges, int, int] | None:
-        """The oldest entries that fit one group, merged: (changes, last seq, entries);
-        None once closing with nothing queued."""
+    def _next_group(self) -> _Group | None:
+        """The oldest queued entries that fit one group, merged, once every older group it
+        depends on is durable; None once closing with nothing queued, or failed."""
         with self._lock:
-            while not self._queue:
-                if self._is_closing:
+            while True:
+                while not self._queue:
+                    if self._is_closing or self.error is not None:
+                        return None
+                    self._work.wait()
+                if self.window_s > 0 and not self._is_closing:
+                    deadline = time.monotonic() + self.window_s
+                    while not self._is_full() and (left := deadline - time.monotonic()) > 0:
+                        self._work.wait(left)
+                if self.error is not None:
                     return None
-                self._work.wait()
-            if self.window_s > 0 and not self._is_closing:
-                deadline = time.monotonic() + self.window_s
-                while not self._is_full() and (left := deadline - time.monotonic()) > 0:
-                    self._work.wait(left)
-        # NOTE: only this thread pops; submit appends at the other end (deque: thread-safe)
-        group = PoolChanges()
-        num_ops = num_bytes = num = last = 0
-        while self._queue:
-            seq, changes = self._queue[0]
-            ops, size = _added(group, changes)
-            if num and (num_ops + ops > self.max_ops or num_bytes + size > self.max_bytes):
+                if self._queue:  # NOTE: another writer may have taken them meanwhile
+                    break
+            group = self._take_group()
+            older = [g for g in self._pending if group.depends_on(g)]
+            self._pending.append(group)
+            # NOTE: a group waits only for older ones, which never wait for it: no deadlock
+            while self.error is None and any(not g.is_written for g in older):
+                self._landed.wait()
+            return group if self.error is None else None
+
+    def _take_group(self) -> _Group:
+        """Pop the oldest entries that fit one group (lock held)."""
+        group = _Group()
+        changes, queue = group.changes, self._queue
+        num_ops = num_bytes = 0
+        while queue:
+            seq, entry, frees = queue[0]
+            ops, size = _added(changes, entry)
+            if group.num and (num_ops + ops > self.max_ops or num_bytes + size > self.max_bytes):
                 break
-            self._queue.popleft()
-            group.segments.update(changes.segments)
-            group.objects.update(changes.objects)
-            num_ops, num_bytes, num, last = num_ops + ops, num_bytes + size, num + 1, seq
-        return group, last, num
+            queue.popleft()
+            changes.segments.update(entry.segments)
+            changes.objects.update(entry.objects)
+            group.frees.extend(frees)
+            num_ops, num_bytes = num_ops + ops, num_bytes + size
+            group.num, group.last = group.num + 1, seq
+        return group
 
     def _is_full(self) -> bool:
         """NOTE: a cheap upper bound (keys counted with repeats): enough to stop waiting."""
-        n = sum(len(c.segments) + len(c.objects) for _, c in self._queue)
+        n = sum(len(c.segments) + len(c.objects) for _, c, _ in self._queue)
         return n >= self.max_ops
+
+
+class _Group:
+    """Queued entries merged into one journal write."""
+
+    __slots__ = ("changes", "frees", "last", "num", "is_written")
+
+    def __init__(self) -> None:
+        self.changes = PoolChanges()
+        self.frees: list[Range] = []  # ranges its entries freed
+        self.last = 0  # seq of its newest entry
+        self.num = 0  # entries
+        self.is_written = False
+
+    def depends_on(self, older: _Group) -> bool:
+        """Whether this group may land only after `older` (rule 1 of the module docstring):
+        either changes a segment, they share an object key, or one of this group's
+        replicas lies in a range `older` freed."""
+        mine, theirs = self.changes, older.changes
+        if mine.segments or theirs.segments:
+            return True
+        small, large = sorted((mine.objects, theirs.objects), key=len)
+        if any(key in large for key in small):
+            return True
+        if not older.frees:
+            return False
+        for obj in mine.objects.values():
+            if obj is None:
+                continue
+            for r in obj.replicas:
+                for seg, start, end in older.frees:
+                    if seg == r.segment and start < r.offset + r.size and r.offset < end:
+                        return True
+        return False
 
 
 def _added(group: PoolChanges, changes: PoolChanges) -> tuple[int, int]:

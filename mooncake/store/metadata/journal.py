@@ -49,6 +49,7 @@ class BaseJournal:
     max_group_ops = 4096  # distinct keys
     max_group_bytes = 4 << 20  # bytes, estimated
     group_window_s = 0.0  # s; 0 = take what is queued
+    max_groups_in_flight = 1  # writes at once (groupcommit.py, rule 1: independent ones)
 
     def load(self) -> PoolState:
         """The state as last written (empty when there is none)."""
