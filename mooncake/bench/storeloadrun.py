@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -30,6 +31,9 @@ from mooncake.bench.storeprocs import JournalSpec, LocalCluster
 from mooncake.errors import ConfigError
 
 JOURNALS = ("none", "file", "etcd")
+# etcd with its group commit set: "etcd4" (4 groups in flight), "etcd1w0.5" (one, with a
+# 0.5 ms window); plain "etcd" takes [cluster]'s defaults
+_ETCD_SPEC = re.compile(r"etcd(?P<in_flight>[1-9][0-9]?)?(?:w(?P<window_ms>[0-9]+(?:\.[0-9]+)?))?")
 PROFILE_RATE_HZ = 250  # py-spy samples per second
 
 
@@ -67,21 +71,46 @@ def _etcd(needed: bool, folder: Path) -> Iterator[JournalSpec]:
         etcd.stop()
 
 
+def _etcd_variant(base: JournalSpec, name: str) -> tuple[JournalSpec, str]:
+    """The etcd journal `name` (`_ETCD_SPEC`) on `base`'s etcd, and its row label."""
+    m = _ETCD_SPEC.fullmatch(name)
+    assert m is not None, name
+    spec, label = base, "etcd journal"
+    if m["in_flight"]:
+        spec = spec._replace(in_flight=int(m["in_flight"]))
+        label += f", {spec.in_flight} in flight"
+    if m["window_ms"]:
+        spec = spec._replace(window_s=float(m["window_ms"]) / 1e3)
+        label += f", {m['window_ms']} ms window"
+    return spec, label
+
+
 def run_load(plan: LoadPlan, secret: bytes) -> list[LoadRow]:
     """Every (client count, master) of `plan`, ours first; one row each."""
-    if bad := [j for j in plan.journals if j not in JOURNALS]:
-        raise ConfigError(f"--journals: unknown {', '.join(bad)}; choose from {JOURNALS}")
+    bad = [j for j in plan.journals if j not in JOURNALS and not _ETCD_SPEC.fullmatch(j)]
+    if bad:
+        raise ConfigError(
+            f"--journals: unknown {', '.join(bad)}; choose from {', '.join(JOURNALS)}, or "
+            "etcdN / etcdNwM for etcd with N (1-99) groups in flight and an M ms window"
+        )
+    needs_etcd = any(j.startswith("etcd") for j in plan.journals)
     spy = py_spy() if plan.profile_dir else ""
     rows = []
     with (
         tempfile.TemporaryDirectory(prefix="mooncake-load-") as tmp,
-        _etcd("etcd" in plan.journals, Path(tmp)) as etcd,
+        _etcd(needs_etcd, Path(tmp)) as etcd,
     ):
         for num in plan.clients:
             with LoadClients(num, secret) as clients:
-                for kind in plan.journals:
-                    spec = {"none": JournalSpec(), "file": JournalSpec("file", f"{tmp}/{num}.j")}
-                    journal = spec.get(kind, etcd._replace(prefix=f"/bench-{num}"))
+                for i, kind in enumerate(plan.journals):
+                    label = f"{kind} journal"
+                    if kind == "none":
+                        journal = JournalSpec()
+                    elif kind == "file":
+                        journal = JournalSpec("file", f"{tmp}/{num}-{i}.j")
+                    else:
+                        base = etcd._replace(prefix=f"/bench-{num}-{i}")
+                        journal, label = _etcd_variant(base, kind)
                     with LocalCluster(secret, plan.pool_bytes, journal=journal) as cluster:
                         out = Path(plan.profile_dir) / f"ours-{kind}-{num}.txt"
                         pid = cluster.master.proc.pid
@@ -90,7 +119,7 @@ def run_load(plan: LoadPlan, secret: bytes) -> list[LoadRow]:
                             figures = clients.run(
                                 cluster.master_address, plan.value_bytes, plan.duration_s, on_go
                             )
-                        row = merge(f"ours ({kind} journal)", plan.value_bytes, figures)
+                        row = merge(f"ours ({label})", plan.value_bytes, figures)
                         rows.append(_with_cpu(row, cpu_seconds(pid) - cpu0))
             if plan.upstream:
                 from mooncake.bench.upstream import UpstreamLoad

@@ -38,6 +38,8 @@ class JournalSpec(NamedTuple):
     where: str = ""
     password: str = ""
     prefix: str = "/mooncake-bench"
+    in_flight: int = 0  # etcd: groups written at once (0: cluster.etcd_commits_in_flight's)
+    window_s: float = -1.0  # etcd: s a group waits for more (< 0: the config's default)
 
 
 def _journal(spec: JournalSpec, secret: bytes) -> BaseJournal | None:
@@ -50,6 +52,7 @@ def _journal(spec: JournalSpec, secret: bytes) -> BaseJournal | None:
         return FileJournal(spec.where)
     if spec.kind != "etcd":
         return None
+    from mooncake.config.etcd import EtcdConfig
     from mooncake.ha.etcd import Etcd, EtcdAccess
     from mooncake.ha.journal import EtcdJournal
     from mooncake.ha.sealed import Sealer
@@ -57,7 +60,17 @@ def _journal(spec: JournalSpec, secret: bytes) -> BaseJournal | None:
     etcd = Etcd([spec.where], timeout_s=5.0, access=EtcdAccess("root", spec.password))
     fence_key, fence_value = f"{spec.prefix}/leader", b"bench-master"
     etcd.put(fence_key, fence_value)
-    return EtcdJournal(etcd, spec.prefix, fence_key, fence_value, Sealer(secret), lambda kv: False)
+    defaults = EtcdConfig()
+    return EtcdJournal(
+        etcd,
+        spec.prefix,
+        fence_key,
+        fence_value,
+        Sealer(secret),
+        lambda kv: False,
+        window_s=spec.window_s if spec.window_s >= 0 else defaults.etcd_commit_window_s,
+        in_flight=spec.in_flight or defaults.etcd_commits_in_flight,
+    )
 
 
 def serve_master(

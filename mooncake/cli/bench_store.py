@@ -101,7 +101,8 @@ def bench_store(
         "file,etcd",
         "--journals",
         help="With --clients: our masters to load, comma-separated: none, file (a journal "
-        "file), etcd (a local one-member etcd on tmpfs).",
+        "file), etcd (a local one-member etcd on tmpfs, group commit as [cluster] sets it); "
+        "etcdN and etcdNwM set it: N groups in flight, an M ms window (e.g. etcd4, etcd1w0.5).",
     ),
     value_size: str = typer.Option("512B", "--value-size", help="With --clients: bytes per value."),
     profile: str = typer.Option(

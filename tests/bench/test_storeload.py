@@ -95,9 +95,25 @@ def test_clients_load_a_real_master_and_report_every_call_of_the_mix() -> None:
 def test_an_unknown_journal_or_client_count_is_refused_with_the_choices() -> None:
     with pytest.raises(ConfigError, match="none, file|choose from"):
         run_load(LoadPlan(clients=(1,), journals=("sqlite",)), SECRET)
+    for bad in ("etcd0", "etcd4w", "etcdw-1", "etcd100"):
+        with pytest.raises(ConfigError, match="etcdN / etcdNwM"):
+            run_load(LoadPlan(clients=(1,), journals=(bad,)), SECRET)
     result = CliRunner().invoke(app, ["bench", "store", "--clients", "eight"])
     assert isinstance(result.exception, ConfigError)
     assert "--clients" in str(result.exception)
+
+
+def test_etcd_journal_variants_set_the_group_commit_and_say_so() -> None:
+    from mooncake.bench.storeloadrun import _etcd_variant
+    from mooncake.bench.storeprocs import JournalSpec
+
+    base = JournalSpec("etcd", "http://127.0.0.1:2379", "pw")
+    assert _etcd_variant(base, "etcd") == (base, "etcd journal")
+    spec, label = _etcd_variant(base, "etcd4w0.5")
+    assert (spec.in_flight, spec.window_s) == (4, 0.0005)
+    assert label == "etcd journal, 4 in flight, 0.5 ms window"
+    spec, label = _etcd_variant(base, "etcd2")
+    assert (spec.in_flight, spec.window_s, label) == (2, -1.0, "etcd journal, 2 in flight")
 
 
 def test_top_entries_rank_functions_by_their_own_samples(tmp_path) -> None:
