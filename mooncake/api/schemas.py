@@ -203,11 +203,12 @@ def decode_body(body: bytes, body_type: type[T]) -> T:
         return msgspec.json.decode(body, type=body_type)
     except msgspec.ValidationError as e:
         text = str(e)
-        if text.startswith("Object contains unknown field"):
+        if text.startswith(("Object contains unknown field", "Object missing required field")):
             name = text.split("`")[1]
-            raise InvalidRequest(f"Unrecognized request argument supplied: {name}", name) from e
-        if text.startswith("Object missing required field"):
-            name = text.split("`")[1]
+            if " - at `$" in text:  # in a nested object (a message, a tool): its path too
+                name = text.rsplit(" - at `$", 1)[1].rstrip("`").lstrip(".") + "." + name
+            if text.startswith("Object contains"):
+                raise InvalidRequest(f"Unrecognized request argument supplied: {name}", name) from e
             raise InvalidRequest(f"'{name}' is a required property", name) from e
         if " - at `$" not in text:  # the top level itself
             raise InvalidRequest(f"the request body must be a JSON object: {text}") from e

@@ -10,6 +10,7 @@ writes them).
 
 from __future__ import annotations
 
+import datetime
 import functools
 import json
 from abc import ABC, abstractmethod
@@ -282,6 +283,8 @@ def render_template(template: str, **context: Any) -> str:
     )
     env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
     env.globals["raise_exception"] = raise_exception
+    # transformers' too: Llama 3.x templates write today's date into the system message
+    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
     try:
         return env.from_string(template).render(**context)
     except TemplateError as e:
