@@ -181,7 +181,7 @@ class ResponseBuilder:
     def chunk(self, out: Output, include_usage: bool) -> Body:
         """The chunk of one output (a token, the end, or both)."""
         choice: Body = {"index": 0, "logprobs": self._logprobs([out])}
-        finish = out.finish_reason
+        finish: str | None = out.finish_reason
         if self.is_chat and self.tools is not None:
             text, calls = self.tools.delta(out.text, is_last=finish is not None)
             has_content = text or (out.token_id is not None and not calls)

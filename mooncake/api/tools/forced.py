@@ -30,12 +30,13 @@ class ToolSchemaError(ValueError):
 
 def required_schema(functions: list[dict[str, Any]], parallel: bool) -> dict[str, Any]:
     """The schema of a `required` answer; `functions` are the tools' `function` objects."""
-    items, defs = [], {key: {} for key in _DEFS_KEYS}
+    items: list[dict[str, Any]] = []
+    defs: dict[str, dict[str, Any]] = {key: {} for key in _DEFS_KEYS}
     for f in functions:
         params = dict(f.get("parameters") or _NO_PARAMETERS)
         for key in _DEFS_KEYS:
-            for name, schema in (params.pop(key, None) or {}).items():
-                if defs[key].setdefault(name, schema) != schema:
+            for name, definition in (params.pop(key, None) or {}).items():
+                if defs[key].setdefault(name, definition) != definition:
                     raise ToolSchemaError(
                         f"two tools define {key}/{name} differently; with tool_choice "
                         "'required' their definitions share one schema: rename one"

@@ -73,7 +73,8 @@ TIME = '{"name": "get_time", "arguments": {}}'
         ),
         # the model's own JSON text is the arguments, key order and spacing as written
         (
-            '<tool_call>{"arguments": {"q": "}{", "n": [1, 2.5e3]}, "name": "get_weather"}</tool_call>',
+            '<tool_call>{"arguments": {"q": "}{", "n": [1, 2.5e3]}, "name": "get_weather"}'
+            "</tool_call>",
             (None, [("get_weather", '{"q": "}{", "n": [1, 2.5e3]}')]),
         ),
         ('<tool_call>{"name": "get_time"}</tool_call>', (None, [("get_time", "{}")])),
