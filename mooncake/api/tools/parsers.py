@@ -19,9 +19,10 @@ name, arguments that are not an object), and then its text is content as written
 `<tool_call>` markup leaks into content while a call may be starting. The whitespace
 between content and a call is dropped. A call's arguments are the model's own JSON text
 (not re-serialized), streamed as it is written: a call cut off by `max_tokens` keeps the
-arguments written so far, as OpenAI's `finish_reason="length"` leaves them. Once a call
-is made its JSON is not checked again: text after a broken call up to `</tool_call>` is
-dropped. With `parallel_tool_calls=false` calls after the first are dropped.
+arguments written so far, as OpenAI's `finish_reason="length"` leaves them; so does a
+call whose JSON breaks after it was made, and the rest of it (up to `</tool_call>`; for
+Llama 3, the rest of the output) is dropped. With `parallel_tool_calls=false` calls after
+the first are dropped.
 """
 
 from __future__ import annotations
@@ -200,10 +201,23 @@ class _Region:
 
 
 class _ObjectReader(ToolParser):
-    """Shared by the parsers: read one candidate call object from buf[pos]."""
+    """Shared by the text parsers: a state machine over buf (`mode` names the method that
+    reads on from `pos`), and the reading of one candidate call object."""
 
     arg_keys: tuple[str, ...] = ("arguments", "parameters")
     region: _Region | None = None
+    mode: str
+
+    def _run(self, is_final: bool) -> None:
+        while True:
+            before = (self.mode, self.pos)
+            getattr(self, "_" + self.mode)(is_final)
+            if (self.mode, self.pos) == before:
+                return
+
+    @property
+    def _is_call(self) -> bool:
+        return self.region is not None and self.region.call.state == "call"
 
     def _read_object(self) -> str:
         """Step the region's object through buf; returns pending (needs more text),
@@ -254,13 +268,6 @@ class HermesParser(_ObjectReader):
         self.tag_at = 0  # buf offset of the region's TAG
         self.ws_at = 0  # buf offset of the whitespace before TAG (kept if not a call)
 
-    def _run(self, is_final: bool) -> None:
-        while True:
-            before = (self.mode, self.pos)
-            getattr(self, "_" + self.mode)(is_final)
-            if (self.mode, self.pos) == before:
-                return
-
     def _text(self, is_final: bool) -> None:
         buf = self.buf
         if self.is_after_call:
@@ -308,10 +315,6 @@ class HermesParser(_ObjectReader):
         elif result == "pending" and is_final:  # a call cut off: it stays as written
             self.pos, self.mode = len(self.buf), "text"
 
-    @property
-    def _is_call(self) -> bool:
-        return self.region is not None and self.region.call.state == "call"
-
     def _close(self, is_final: bool) -> None:
         rest = self.buf[self.pos :]
         ws = len(rest) - len(rest.lstrip(_WS))
@@ -347,14 +350,7 @@ class Llama3JsonParser(_ObjectReader):
 
     def __init__(self, names: frozenset[str], parallel: bool = True):
         super().__init__(names, parallel)
-        self.mode = "start"  # start | lead (after PYTHON_TAG) | call | between | text
-
-    def _run(self, is_final: bool) -> None:
-        while True:
-            before = (self.mode, self.pos)
-            getattr(self, "_" + self.mode)(is_final)
-            if (self.mode, self.pos) == before:
-                return
+        self.mode = "start"  # start | lead (after PYTHON_TAG) | call | between | text | drop
 
     def _start(self, is_final: bool) -> None:
         rest = self.buf.lstrip(_WS)
@@ -375,13 +371,15 @@ class Llama3JsonParser(_ObjectReader):
 
     def _call(self, is_final: bool) -> None:
         result = self._read_object()
-        is_call = self.region is not None and self.region.call.state == "call"
-        if result == "not_call" or (result == "pending" and is_final and not is_call):
+        if result == "not_call" or (result == "pending" and is_final and not self._is_call):
             self._not_call()
-        elif result in ("call_done", "call_broken"):
-            self.mode = "between"  # NOTE: text after a broken call is read as content
-        elif result == "pending" and is_final:
-            self.pos = len(self.buf)
+        elif result == "call_done":
+            self.mode = "between"
+        elif result == "call_broken" or (result == "pending" and is_final):
+            self.mode = "drop"  # the rest of a broken call is not content
+
+    def _drop(self, is_final: bool) -> None:
+        self.pos = len(self.buf)
 
     def _between(self, is_final: bool) -> None:
         rest = self.buf[self.pos :]

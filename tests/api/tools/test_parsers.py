@@ -145,6 +145,11 @@ LLAMA_WEATHER = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
         ("   ", ("   ", [])),
         # after the calls, the rest is content
         (LLAMA_WEATHER + "\nDone.", ("Done.", [("get_weather", '{"city": "Paris"}')])),
+        # a call that breaks: its arguments up to the break, the rest dropped
+        (
+            '{"name": "get_time", "parameters": {"tz": 1]}; {"name": "get_time"}',
+            (None, [("get_time", '{"tz": 1')]),
+        ),
     ],
 )
 def test_llama3_json_text_becomes_content_and_calls_whatever_the_split(text, message):
@@ -250,3 +255,37 @@ def test_random_hermes_calls_parse_back_whatever_the_pieces(before, calls, inden
     assert content == (before or None)
     assert [(n, json.loads(a)) for n, a in got] == [(n, a) for n, a in calls]
     assert _run(hermes(), [text])[0] == (content, got)
+
+
+def _llama_text(calls: list[tuple[str, dict]], indent: int | None) -> str:
+    return "<|python_tag|>" + "; ".join(
+        json.dumps({"name": n, "parameters": a}, indent=indent) for n, a in calls
+    )
+
+
+def _required_text(calls: list[tuple[str, dict]], indent: int | None) -> str:
+    return json.dumps([{"name": n, "parameters": a} for n, a in calls], indent=indent)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    calls=st.lists(_CALL, min_size=1, max_size=3),
+    indent=st.sampled_from([None, 2]),
+    cuts=st.lists(st.integers(0, 400), max_size=6),
+    fmt=st.sampled_from(["llama", "required", "named"]),
+)
+def test_random_calls_of_the_other_formats_parse_back_whatever_the_pieces(calls, indent, cuts, fmt):
+    if fmt == "named":
+        calls = calls[:1]
+        text = json.dumps(calls[0][1], indent=indent)
+        make: Callable[[], ToolParser] = lambda: NamedParser(calls[0][0])  # noqa: E731
+    elif fmt == "llama":
+        text, make = _llama_text(calls, indent), llama
+    else:
+        text, make = _required_text(calls, indent), lambda: RequiredParser(NAMES)
+    points = sorted({min(c, len(text)) for c in cuts})
+    pieces = [text[i:j] for i, j in zip([0, *points], [*points, len(text)], strict=True)]
+    (content, got), _ = _run(make, pieces)
+    assert content is None
+    assert [(n, json.loads(a)) for n, a in got] == [(n, a) for n, a in calls]
+    assert _run(make, [text])[0] == (content, got)
