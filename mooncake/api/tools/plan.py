@@ -7,8 +7,9 @@ output is read, and the `Guided` constraint that `required` and a named function
 - `auto` (the default with tools): the model writes calls in its own format, found by the
   parser of its template: `<tool_call>` in the template -> Hermes; `<|python_tag|>` or
   Llama 3's "Environment: ipython" -> Llama 3 JSON. A template that renders tools in
-  another format (Mistral's `[TOOL_CALLS]`, ...) gets a 400 for `auto`: we could not read
-  the calls; `required` and a named function do not depend on it.
+  another format (Mistral's `[TOOL_CALLS]`, Qwen3-Coder's `<function=...>` XML, ...) gets
+  a 400 for `auto`: we could not read the calls; `required` and a named function do not
+  depend on it.
 - `required`, a named function: the grammar engine holds the output to a schema
   (`forced.py`), so that it always parses. Function `strict: true` is held there; with
   `auto` it is refused (the model's text is parsed as written, not held to the schema).
@@ -72,7 +73,7 @@ def text_format(template: str | None) -> str:
     """How a model with this chat template writes tool calls."""
     if template is None or "tools" not in template_variables(template):
         return "hermes"  # NOTE: our system message asks for that format
-    if "<tool_call>" in template:
+    if "<tool_call>" in template and "<function=" not in template:  # not Qwen3-Coder's XML
         return "hermes"
     if "<|python_tag|>" in template or "Environment: ipython" in template:
         return "llama3_json"

@@ -140,3 +140,5 @@ def test_the_call_format_is_read_from_the_template():
     assert text_format(LLAMA) == "llama3_json"
     assert text_format(BYTE_CHAT_TEMPLATE) == "hermes"  # our system message asks for it
     assert text_format("{{ messages }}{{ tools }}[TOOL_CALLS]") == "unknown"
+    qwen3_coder = "{{ tools }}<tool_call>\n<function=example_function_name>"  # its XML calls
+    assert text_format(qwen3_coder) == "unknown"
