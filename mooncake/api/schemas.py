@@ -177,7 +177,13 @@ class ChatMessage(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     name: str | None = None
     tool_calls: list[MessageToolCall] | None = None
     tool_call_id: str | None = None
-    refusal: str | None = None  # accepted, ignored: clients send back assistant messages
+    # what clients send back of an assistant message the API returned: accepted at these
+    # values (a refusal and annotations are ignored; audio and the legacy function_call
+    # are refused)
+    refusal: str | None = None
+    annotations: list[Any] | None = None
+    audio: Annotated[dict[str, Any], _only(type="null")] | None = None
+    function_call: Annotated[dict[str, Any], _only(type="null")] | None = None
 
 
 class ChatRequest(_Common, forbid_unknown_fields=True, kw_only=True):
@@ -338,6 +344,10 @@ def chat_messages(req: ChatRequest) -> list[dict[str, Any]]:
         if m.name is not None:
             msg["name"] = m.name
         where = f"messages[{i}]"
+        for field, what in (("audio", "audio"), ("function_call", "legacy function calling")):
+            if getattr(m, field) is not None:
+                param = f"{where}.{field}"
+                raise InvalidRequest(f"{param}: {what} is not supported; send null", param)
         for field, role in (("tool_calls", "assistant"), ("tool_call_id", "tool")):
             if getattr(m, field) is not None and m.role != role:
                 param = f"{where}.{field}"

@@ -170,6 +170,22 @@ CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", 
             "messages[0].tool_calls[0].function.arguments",
             "required property",
         ),
+        (
+            [
+                {
+                    "role": "assistant",
+                    "content": "",
+                    "function_call": {"name": "f", "arguments": "{}"},
+                }
+            ],
+            "messages[0].function_call",
+            "legacy function calling is not supported",
+        ),
+        (
+            [{"role": "assistant", "content": "", "audio": {"id": "a"}}],
+            "messages[0].audio",
+            "audio is not supported",
+        ),
     ],
 )
 def test_bad_tool_messages_are_refused_naming_the_field(messages, param, message):
@@ -180,11 +196,20 @@ def test_bad_tool_messages_are_refused_naming_the_field(messages, param, message
 def test_a_tool_conversation_reaches_the_template_as_transformers_passes_it():
     """Arguments become objects (templates write `arguments | tojson`); a run of tool
     messages answers the calls of the assistant message before them; an assistant message
-    sent back as the API returned it (refusal: null) is accepted."""
+    sent back as the openai client dumps it (refusal, audio, ... null) is accepted."""
     second = {**CALL, "id": "call_2"}
     messages = [
         *USER,
-        {"role": "assistant", "content": None, "refusal": None, "tool_calls": [CALL, second]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [CALL, second],
+            # the rest of the message as the openai client's model_dump() writes it
+            "refusal": None,
+            "annotations": None,
+            "audio": None,
+            "function_call": None,
+        },
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
         {"role": "tool", "tool_call_id": "call_2", "content": [{"type": "text", "text": "9am"}]},
     ]
