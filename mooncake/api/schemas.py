@@ -372,9 +372,9 @@ def _check_tool_message(call_id: str | None, call_ids: set[str], where: str) -> 
         raise InvalidRequest(f"{param}: a tool message must name the call it answers", param)
     if call_id not in call_ids:
         raise InvalidRequest(
-            f"{where}: a tool message answers a call of the assistant message before it "
-            f"(or of the tool messages after that one); {call_id!r} is not one of its "
-            f"tool_calls' ids ({', '.join(sorted(call_ids)) or 'it made none'})",
+            f"{where}: a tool message answers a call of the last assistant message before "
+            f"it; {call_id!r} is not one of its tool_calls' ids "
+            f"({', '.join(sorted(call_ids)) or 'it made none'})",
             f"{where}.tool_call_id",
         )
 
