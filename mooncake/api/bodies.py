@@ -12,6 +12,10 @@ carries `prompt_token_ids` and `token_ids` (the output's, a stop token included)
 completion carries `prompt_token_ids` on the response and `token_ids` on its choice.
 Streamed, `prompt_token_ids` comes once, in the first chunk (chat's role chunk), and each
 chunk's `token_ids` holds its own token ([] for a chunk that only ends the stream).
+
+With tools (`mooncake.api.tools`), a chat message carries the `tool_calls` read from the
+output and the content outside them; streamed, a token's chunk carries the content and
+`tool_calls` deltas it decided (text held back while a call may be starting comes later).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from mooncake.api.backend import Output
+from mooncake.api.tools.stream import ToolStream
 from mooncake.conductor.misses import CAUSES, ELSEWHERE_PARTS, MissCounts
 from mooncake.model.tokenizer import BaseTokenizer
 
@@ -75,8 +80,10 @@ class ResponseBuilder:
         tokenizer: BaseTokenizer,
         logprobs: bool,
         prompt_ids: list[int] | None = None,  # set: return token ids (return_token_ids)
+        tools: ToolStream | None = None,  # set: the output's tool calls are read
     ):
         self.req_id, self.model, self.is_chat = req_id, model, is_chat
+        self.tools = tools
         self.tokenizer, self.logprobs = tokenizer, logprobs
         self.prompt_ids = prompt_ids
         self.is_prompt_sent = False  # streamed: prompt_token_ids went out in a chunk
@@ -133,7 +140,14 @@ class ResponseBuilder:
         finish = outs[-1].finish_reason if outs else "stop"
         choice: Body = {"index": 0, "logprobs": self._logprobs(outs), "finish_reason": finish}
         if self.is_chat:
-            choice["message"] = {"role": "assistant", "content": text, "refusal": None}
+            message: Body = {"role": "assistant", "content": text, "refusal": None}
+            if self.tools is not None:
+                self.tools.delta(text, is_last=True)
+                message["content"], calls = self.tools.message()
+                if calls:
+                    message["tool_calls"] = calls
+                choice["finish_reason"] = self.tools.finish_reason(finish)
+            choice["message"] = message
             body = self._head("chat.completion")
         else:
             choice["text"] = text
@@ -167,11 +181,19 @@ class ResponseBuilder:
     def chunk(self, out: Output, include_usage: bool) -> Body:
         """The chunk of one output (a token, the end, or both)."""
         choice: Body = {"index": 0, "logprobs": self._logprobs([out])}
-        if self.is_chat:
+        finish: str | None = out.finish_reason
+        if self.is_chat and self.tools is not None:
+            text, calls = self.tools.delta(out.text, is_last=finish is not None)
+            has_content = text or (out.token_id is not None and not calls)
+            choice["delta"] = {"content": text} if has_content else {}
+            if calls:
+                choice["delta"]["tool_calls"] = calls
+            finish = self.tools.finish_reason(finish)
+        elif self.is_chat:
             choice["delta"] = {"content": out.text} if out.token_id is not None or out.text else {}
         else:
             choice["text"] = out.text
-        choice["finish_reason"] = out.finish_reason
+        choice["finish_reason"] = finish
         if self.prompt_ids is not None:
             choice["token_ids"] = [out.token_id] if out.token_id is not None else []
         self.text_len += len(out.text)

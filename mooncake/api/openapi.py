@@ -11,9 +11,9 @@ With `return_token_ids` (vLLM's extension) responses also carry `prompt_token_id
 `token_ids` where vLLM puts them (the optional fields below; `bodies.py` says where in a
 stream).
 
-Fields OpenAI documents that we accept only at their neutral value (`n`, `echo`, `tools`,
-...) are parsed in their wide type, so that the refusal can say why, and documented at
-that value (`schemas._only`). What a field's schema cannot say is in the request body's
+Fields OpenAI documents that we accept only at their neutral value (`n`, `echo`, ...)
+are parsed in their wide type, so that the refusal can say why, and documented at that
+value (`schemas._only`). What a field's schema cannot say is in the request body's
 description: a prompt of token ids past the vocabulary, or longer than the context,
 `top_logprobs` without `logprobs`, `stream_options` without `stream` get a 400.
 
@@ -119,17 +119,30 @@ class ChatLogprobs(_Shape):
     refusal: None
 
 
+class CalledFunction(_Shape):
+    name: str  # one of the request's tools
+    arguments: str  # a JSON object as text (cut short with finish_reason "length")
+
+
+class ToolCall(_Shape):
+    id: str  # "call_..."
+    type: Literal["function"]
+    function: CalledFunction
+
+
 class AssistantMessage(_Shape):
     role: Literal["assistant"]
-    content: str
+    content: str | None  # None: the message is only tool calls
     refusal: None
+    tool_calls: list[ToolCall] | None = None  # absent when the model called no tool
 
 
 class ChatChoice(_Shape):
     index: int
     message: AssistantMessage
     logprobs: ChatLogprobs | None
-    finish_reason: FinishReason
+    # "tool_calls": the model called tools (a named tool_choice ends with "stop")
+    finish_reason: Literal["stop", "length", "tool_calls"]
     token_ids: list[int] | None = None  # with return_token_ids: the output's
 
 

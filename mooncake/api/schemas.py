@@ -1,6 +1,8 @@
 """OpenAI request bodies, parsed with msgspec, and their translation to `SamplingParams`.
 
 Every field OpenAI documents for /v1/completions and /v1/chat/completions is known here.
+Tool calling (`tools`, `tool_choice`, `parallel_tool_calls`, tool and assistant tool-call
+messages) is parsed here and planned in `mooncake.api.tools`.
 Those we cannot honour are accepted at their neutral value (`echo: false`,
 `logit_bias: {}`, ...) and refused otherwise; an unknown field is refused, as OpenAI
 does, so a typo never passes silently. Extensions (vLLM's): `top_k` (-1 or 0 = off),
@@ -13,6 +15,7 @@ Every error is an `InvalidRequest` whose message names the field and what is all
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -29,6 +32,7 @@ from mooncake.model.params import (
     MAX_TEMPERATURE,
     MIN_TEMPERATURE,
     MIN_TOP_P,
+    Guided,
     InvalidSamplingParams,
     SamplingParams,
 )
@@ -122,10 +126,64 @@ class ContentPart(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     text: str
 
 
+# OpenAI's function names (the API refuses others; a template writes them into the prompt)
+TOOL_NAME = r"^[a-zA-Z0-9_-]{1,64}$"
+
+
+class FunctionDefinition(
+    msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit_defaults=True
+):
+    name: Annotated[str, Meta(pattern=TOOL_NAME)]
+    description: str | None = None
+    # a JSON Schema of the arguments object (checked: tools.plan); None: no arguments
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # held only where the grammar engine holds the output
+
+
+class Tool(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit_defaults=True):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    name: str
+
+
+class NamedToolChoice(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class CalledFunction(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    name: str
+    arguments: str  # a JSON object, as text (as the API returned it)
+
+
+class MessageToolCall(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """A call an earlier assistant message made (sent back in the conversation)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    role: Literal["system", "developer", "user", "assistant"]
+    """One message; `tool_calls` only on assistant messages (content may then be null),
+    `tool_call_id` (required) only on tool messages, which answer the calls of the
+    assistant message before them."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
+    # what clients send back of an assistant message the API returned: accepted at these
+    # values (a refusal and annotations are ignored; audio and the legacy function_call
+    # are refused)
+    refusal: str | None = None
+    annotations: list[Any] | None = None
+    audio: Annotated[dict[str, Any], _only(type="null")] | None = None
+    function_call: Annotated[dict[str, Any], _only(type="null")] | None = None
 
 
 class ChatRequest(_Common, forbid_unknown_fields=True, kw_only=True):
@@ -137,9 +195,10 @@ class ChatRequest(_Common, forbid_unknown_fields=True, kw_only=True):
     max_completion_tokens: _MaxTokens | None = None  # wins over max_tokens
     logprobs: bool = False
     top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
-    parallel_tool_calls: bool | None = None
-    tool_choice: Literal["none"] | None = None
-    tools: Annotated[list[Any], _only(maxItems=0)] | None = None
+    parallel_tool_calls: bool | None = None  # None: true (OpenAI's)
+    # None: "auto" with tools, else "none"; a named function must be one of `tools`
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    tools: Annotated[list[Tool], Meta(min_length=1)] | None = None
 
 
 def decode_body(body: bytes, body_type: type[T]) -> T:
@@ -150,11 +209,12 @@ def decode_body(body: bytes, body_type: type[T]) -> T:
         return msgspec.json.decode(body, type=body_type)
     except msgspec.ValidationError as e:
         text = str(e)
-        if text.startswith("Object contains unknown field"):
+        if text.startswith(("Object contains unknown field", "Object missing required field")):
             name = text.split("`")[1]
-            raise InvalidRequest(f"Unrecognized request argument supplied: {name}", name) from e
-        if text.startswith("Object missing required field"):
-            name = text.split("`")[1]
+            if " - at `$" in text:  # in a nested object (a message, a tool): its path too
+                name = text.rsplit(" - at `$", 1)[1].rstrip("`").lstrip(".") + "." + name
+            if text.startswith("Object contains"):
+                raise InvalidRequest(f"Unrecognized request argument supplied: {name}", name) from e
             raise InvalidRequest(f"'{name}' is a required property", name) from e
         if " - at `$" not in text:  # the top level itself
             raise InvalidRequest(f"the request body must be a JSON object: {text}") from e
@@ -237,7 +297,6 @@ def _refuse_unsupported(req: _Common) -> None:
         ]
     if isinstance(req, ChatRequest):
         checks += [
-            (bool(req.tools), "tools", "tool calling is not supported"),
             (
                 req.top_logprobs is not None and not req.logprobs,
                 "top_logprobs",
@@ -270,23 +329,77 @@ def completion_prompt(req: CompletionRequest) -> str | list[int]:
 
 
 def chat_messages(req: ChatRequest) -> list[dict[str, Any]]:
-    """The messages as the chat template reads them: role and text content."""
+    """The messages as chat templates read them (transformers' form): role and text
+    content; an assistant message's `tool_calls` with `arguments` as an object, a tool
+    message's `tool_call_id`."""
     if not req.messages:
         raise InvalidRequest("messages: must hold at least one message", "messages")
     out: list[dict[str, Any]] = []
-    for m in req.messages:
+    call_ids: set[str] = set()  # the calls tool messages may answer now
+    for i, m in enumerate(req.messages):
         content = m.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
         msg: dict[str, Any] = {"role": m.role, "content": content or ""}
         if m.name is not None:
             msg["name"] = m.name
+        where = f"messages[{i}]"
+        for field, what in (("audio", "audio"), ("function_call", "legacy function calling")):
+            if getattr(m, field) is not None:
+                param = f"{where}.{field}"
+                raise InvalidRequest(f"{param}: {what} is not supported; send null", param)
+        for field, role in (("tool_calls", "assistant"), ("tool_call_id", "tool")):
+            if getattr(m, field) is not None and m.role != role:
+                param = f"{where}.{field}"
+                raise InvalidRequest(f"{param}: only {role} messages have {field}", param)
+        if m.role == "tool":
+            _check_tool_message(m.tool_call_id, call_ids, where)
+            msg["tool_call_id"] = m.tool_call_id
+        elif m.role == "assistant" and m.tool_calls:
+            msg["tool_calls"] = [
+                _template_call(c, f"{where}.tool_calls[{j}]") for j, c in enumerate(m.tool_calls)
+            ]
+            call_ids = {c.id for c in m.tool_calls}
+        else:
+            call_ids = set()
         out.append(msg)
     return out
 
 
-def sampling_params(req: CompletionRequest | ChatRequest, max_tokens: int) -> SamplingParams:
-    """SamplingParams of a parsed request, with `max_tokens` already resolved."""
+def _check_tool_message(call_id: str | None, call_ids: set[str], where: str) -> None:
+    if call_id is None:
+        param = f"{where}.tool_call_id"
+        raise InvalidRequest(f"{param}: a tool message must name the call it answers", param)
+    if call_id not in call_ids:
+        raise InvalidRequest(
+            f"{where}: a tool message answers a call of the last assistant message before "
+            f"it; {call_id!r} is not one of its tool_calls' ids "
+            f"({', '.join(sorted(call_ids)) or 'it made none'})",
+            f"{where}.tool_call_id",
+        )
+
+
+def _template_call(call: MessageToolCall, where: str) -> dict[str, Any]:
+    """A call as templates read it: transformers' templates write `arguments | tojson`,
+    so it is the object, not its JSON text (as vLLM passes it)."""
+    try:
+        arguments = json.loads(call.function.arguments)
+    except ValueError:
+        arguments = None
+    if not isinstance(arguments, dict):
+        param = f"{where}.function.arguments"
+        raise InvalidRequest(
+            f'{param}: must be a JSON object as text, e.g. \'{{"city": "Paris"}}\'', param
+        )
+    function = {"name": call.function.name, "arguments": arguments}
+    return {"id": call.id, "type": "function", "function": function}
+
+
+def sampling_params(
+    req: CompletionRequest | ChatRequest, max_tokens: int, guided: Guided | None = None
+) -> SamplingParams:
+    """SamplingParams of a parsed request, with `max_tokens` already resolved; `guided`:
+    the constraint `tool_choice` asks for (`tools.plan_tools`)."""
     _refuse_unsupported(req)
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
     if any(not s for s in stop):
@@ -310,6 +423,7 @@ def sampling_params(req: CompletionRequest | ChatRequest, max_tokens: int) -> Sa
             stop_token_ids=tuple(req.stop_token_ids or ()),
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
+            guided=guided,
         )  # validated as it is built
     except InvalidSamplingParams as e:
         raise InvalidRequest(str(e), e.param) from e

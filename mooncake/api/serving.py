@@ -31,12 +31,13 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Message, Receive, Scope, Send
 
-from mooncake.api import schemas
+from mooncake.api import schemas, tools
 from mooncake.api.backend import BaseBackend, GenerateRequest, Output, Rejected
 from mooncake.api.bodies import Body, ResponseBuilder, error_body, usage_body
 from mooncake.api.schemas import ChatRequest, CompletionRequest, InvalidRequest
 from mooncake.api.server import CLOSING
 from mooncake.api.stats import Outcome, RequestStats, RequestTrace
+from mooncake.api.tools import ToolPlan
 from mooncake.conductor.misses import MissCounts
 from mooncake.errors import ApiError, MooncakeError
 
@@ -83,19 +84,25 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-def _prompt_ids(ctx: ServingContext, req: CompletionRequest | ChatRequest) -> list[int]:
-    """The prompt's token ids; a text that cannot fit the context is refused before it is
-    tokenized. Called off the event loop: a long prompt takes a while to tokenize."""
+def _prompt_ids(
+    ctx: ServingContext, req: CompletionRequest | ChatRequest
+) -> tuple[list[int], ToolPlan | None]:
+    """The prompt's token ids and a chat's tool plan; a text that cannot fit the context is
+    refused before it is tokenized. Called off the event loop: a long prompt takes a while
+    to tokenize (and tools' schemas to check)."""
     tokenizer = ctx.backend.tokenizer
     if isinstance(req, ChatRequest):
-        text = tokenizer.render_chat(schemas.chat_messages(req))
+        template = tokenizer.chat_template
+        plan = tools.plan_tools(req, template)
+        messages, template_tools = tools.prompt_messages(schemas.chat_messages(req), plan, template)
+        text = tokenizer.render_chat(messages, tools=template_tools)
         _check_chars(ctx, text, "messages")
-        return tokenizer.encode(text, add_special_tokens=False)  # the template wrote them
+        return tokenizer.encode(text, add_special_tokens=False), plan  # the template wrote them
     prompt = schemas.completion_prompt(req)
     if isinstance(prompt, str):
         _check_chars(ctx, prompt, "prompt")
-        return tokenizer.encode(prompt)
-    return prompt
+        return tokenizer.encode(prompt), None
+    return prompt, None
 
 
 def _check_chars(ctx: ServingContext, text: str, field: str) -> None:
@@ -201,13 +208,14 @@ async def generate(ctx: ServingContext, request: Request, is_chat: bool) -> Resp
                 status=404,
                 code="model_not_found",
             )
-        prompt_ids = await anyio.to_thread.run_sync(_prompt_ids, ctx, req)
+        prompt_ids, tool_plan = await anyio.to_thread.run_sync(_prompt_ids, ctx, req)
         field = "messages" if is_chat else "prompt"
         if not prompt_ids:
             raise InvalidRequest("the prompt is empty", field)
         max_tokens = _max_tokens(ctx, req, len(prompt_ids))  # NOTE: before reading the ids
         _check_vocab(ctx, prompt_ids, field)
-        params = schemas.sampling_params(req, max_tokens)
+        guided = tool_plan.guided if tool_plan is not None else None
+        params = schemas.sampling_params(req, max_tokens, guided)
         _check_vocab(ctx, params.stop_token_ids, "stop_token_ids")
         gen = GenerateRequest(
             req_id=req_id, prompt_ids=prompt_ids, params=params, arrival_s=arrival_s
@@ -237,6 +245,7 @@ async def generate(ctx: ServingContext, request: Request, is_chat: bool) -> Resp
         ctx.backend.tokenizer,
         params.logprobs is not None,
         prompt_ids=prompt_ids if req.return_token_ids else None,
+        tools=tool_plan.new_stream() if tool_plan is not None else None,
     )
     usage = _Usage(len(prompt_ids), trace)
     if req.stream:

@@ -10,6 +10,8 @@ writes them).
 
 from __future__ import annotations
 
+import datetime
+import functools
 import json
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -48,17 +50,26 @@ class BaseTokenizer(ABC):
     @abstractmethod
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 
-    def render_chat(self, messages: list[Message], add_generation_prompt: bool = True) -> str:
+    def render_chat(
+        self,
+        messages: list[Message],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
         """The prompt text of a chat; raises ApiError if the model has no template or the
-        template rejects the messages (e.g. roles that do not alternate)."""
+        template rejects the messages (e.g. roles that do not alternate). `tools` (OpenAI's
+        `{"type": "function", "function": {...}}` objects) reach the template as
+        transformers' `apply_chat_template(tools=...)` passes them; None: not defined."""
         if self.chat_template is None:
             raise ApiError("this model has no chat template; use /v1/completions")
+        extra = {} if tools is None else {"tools": tools}
         return render_template(
             self.chat_template,
             messages=messages,
             add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token,
             eos_token=self.eos_token,
+            **extra,
         )
 
     def encode_chat(self, messages: list[Message], add_generation_prompt: bool = True) -> list[int]:
@@ -241,6 +252,21 @@ def _find_template(root: Path, config: dict[str, Any]) -> str | None:
     return template if isinstance(template, str) else None
 
 
+@functools.lru_cache(maxsize=8)
+def template_variables(template: str) -> frozenset[str]:
+    """The names a template reads from its context (e.g. "tools" where it renders tools);
+    empty for a template jinja cannot parse (rendering it will say why)."""
+    try:
+        from jinja2 import Environment, TemplateError, meta
+    except ImportError as e:
+        raise ConfigError("chat templates need `pip install jinja2`") from e
+    env = Environment(extensions=["jinja2.ext.loopcontrols"])
+    try:
+        return frozenset(meta.find_undeclared_variables(env.parse(template)))
+    except TemplateError:
+        return frozenset()
+
+
 def render_template(template: str, **context: Any) -> str:
     """Render a chat template in a sandbox (templates come with downloaded models)."""
     try:
@@ -257,6 +283,8 @@ def render_template(template: str, **context: Any) -> str:
     )
     env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
     env.globals["raise_exception"] = raise_exception
+    # transformers' too: Llama 3.x templates write today's date into the system message
+    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
     try:
         return env.from_string(template).render(**context)
     except TemplateError as e:

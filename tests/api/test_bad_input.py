@@ -109,19 +109,22 @@ def test_values_past_what_the_model_or_sampler_can_take_are_named(http, path, bo
 
 
 @pytest.mark.parametrize(
-    ("path", "head", "param", "message"),
+    ("path", "head", "tail", "param", "message"),
     [
-        ("completions", b'{"prompt": ', "prompt[0][0]", "expected `int`, got `array`"),
+        ("completions", b'{"prompt": ', b"}", "prompt[0][0]", "expected `int`, got `array`"),
         (
             "chat/completions",
-            b'{"messages": [{"role": "user", "content": "x"}], "tools": ',
+            b'{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", '
+            b'"function": {"name": "f", "parameters": {"a": ',
+            b"}}}]}",
             "tools",
             "'tools' nests arrays or objects too deeply; at most 100 levels",
         ),
     ],
 )
-def test_nesting_10000_deep_is_refused_naming_the_field(http, path, head, param, message):
-    body = head + b"[" * DEEP + b"]" * DEEP + b"}"
+def test_nesting_10000_deep_is_refused_naming_the_field(http, path, head, tail, param, message):
+    """A tool's parameters (any JSON) nested past what msgspec decodes is refused."""
+    body = head + b"[" * DEEP + b"]" * DEEP + tail
     _refused(http.post(f"/v1/{path}", content=body), param, message)
     _still_serves(http)
 

@@ -82,6 +82,11 @@ def test_real_responses_decode_into_the_documented_shapes(http):
     _strict(http.post("/v1/completions", json=body).content, openapi.Completion)
     chat = {**CHAT, "logprobs": True, "top_logprobs": 2}
     _strict(http.post("/v1/chat/completions", json=chat).content, openapi.ChatCompletion)
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    for choice in ("auto", "required", {"type": "function", "function": {"name": "f"}}):
+        with_tools = {**CHAT, "tools": [tool], "tool_choice": choice}
+        resp = http.post("/v1/chat/completions", json=with_tools)
+        _strict(resp.content, openapi.ChatCompletion)
     _strict(http.get("/v1/models").content, openapi.ModelList)
     _strict(http.get(f"/v1/models/{MODEL}").content, openapi.Model)
     _strict(http.get("/v1/status").content, Status)
