@@ -8,11 +8,18 @@ does, so a typo never passes silently. Extensions (vLLM's): `top_k` (-1 or 0 = o
 completion prompt is a string or a list of token ids (or a list holding exactly one of
 those).
 
+Structured outputs (`guided_constraint`): OpenAI's `response_format` (`text`,
+`json_object`, `json_schema` with its `schema`), and vLLM's `guided_json`, `guided_regex`,
+`guided_choice` and `guided_grammar` (GBNF or Lark), at most one of them per request, each
+becoming `SamplingParams.guided`; the API compiles it before admitting the request
+(serving.py), so a constraint the grammar engine cannot compile is a 400 naming its field.
+
 Every error is an `InvalidRequest` whose message names the field and what is allowed.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -29,6 +36,7 @@ from mooncake.model.params import (
     MAX_TEMPERATURE,
     MIN_TEMPERATURE,
     MIN_TOP_P,
+    Guided,
     InvalidSamplingParams,
     SamplingParams,
 )
@@ -78,6 +86,30 @@ class StreamOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     include_usage: bool = False  # a last chunk with `usage` and no choices
 
 
+class JsonSchemaFormat(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """OpenAI's `response_format.json_schema`: the output is a JSON value valid against
+    `schema` (enforced whether or not `strict` is set; the keywords the grammar engine
+    cannot enforce are refused)."""
+
+    name: Annotated[str, Meta(pattern="^[a-zA-Z0-9_-]{1,64}$")]
+    description: str | None = None
+    schema: dict[str, Any]
+    strict: bool | None = None
+
+
+class ResponseFormat(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """OpenAI's `response_format`: `text` (no constraint), `json_object` (a JSON object),
+    or `json_schema` (with `json_schema`)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+# vLLM's structured-output extensions (`guided_*`): a JSON schema (as an object or its JSON
+# text), a regular expression, a list of strings, a GBNF (llama.cpp's) or Lark grammar
+_GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+
+
 class _Common(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Fields both endpoints share."""
 
@@ -100,6 +132,13 @@ class _Common(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     presence_penalty: _Penalty | None = None
     frequency_penalty: _Penalty | None = None
     logit_bias: Annotated[dict[str, float], _only(maxProperties=0)] | None = None
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None  # extension
+    guided_regex: str | None = None  # extension
+    guided_choice: (
+        Annotated[list[Annotated[str, Meta(min_length=1)]], Meta(min_length=1)] | None
+    ) = None  # extension
+    guided_grammar: str | None = None  # extension
 
 
 class CompletionRequest(_Common, forbid_unknown_fields=True, kw_only=True):
@@ -310,9 +349,63 @@ def sampling_params(req: CompletionRequest | ChatRequest, max_tokens: int) -> Sa
             stop_token_ids=tuple(req.stop_token_ids or ()),
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
+            guided=guided[0] if (guided := guided_constraint(req)) else None,
         )  # validated as it is built
     except InvalidSamplingParams as e:
         raise InvalidRequest(str(e), e.param) from e
+
+
+def guided_constraint(req: CompletionRequest | ChatRequest) -> tuple[Guided, str] | None:
+    """The structured-output constraint a request asks for and the field that asked, or
+    None; InvalidRequest when it asks for several or a spec is malformed."""
+    asked: list[tuple[str, str, str]] = []  # (field, kind, spec)
+    fmt = req.response_format
+    if fmt is not None and fmt.type == "json_object":
+        asked.append(("response_format", "json_object", ""))
+    elif fmt is not None and fmt.type == "json_schema":
+        if fmt.json_schema is None:
+            raise InvalidRequest(
+                "response_format: type json_schema needs its json_schema: "
+                '{"name": ..., "schema": {...}}',
+                "response_format.json_schema",
+            )
+        schema = msgspec.json.encode(fmt.json_schema.schema).decode()
+        asked.append(("response_format", "json_schema", schema))
+    if req.guided_json is not None:
+        spec = req.guided_json
+        if isinstance(spec, str):
+            try:
+                is_object = isinstance(json.loads(spec), dict)
+            except ValueError:
+                is_object = False
+            if not is_object:
+                raise InvalidRequest(
+                    "guided_json: must be a JSON schema, as an object or its JSON text",
+                    "guided_json",
+                )
+        else:
+            spec = msgspec.json.encode(spec).decode()
+        asked.append(("guided_json", "json_schema", spec))
+    if req.guided_regex is not None:
+        asked.append(("guided_regex", "regex", req.guided_regex))
+    if req.guided_choice is not None:
+        asked.append(("guided_choice", "choice", json.dumps(req.guided_choice)))
+    if req.guided_grammar is not None:
+        asked.append(("guided_grammar", "grammar", req.guided_grammar))
+    if len(asked) > 1:
+        names = ", ".join(field for field, _, _ in asked)
+        raise InvalidRequest(
+            f"at most one structured-output constraint per request, got {names}; allowed: "
+            f"response_format (json_object or json_schema) or one of {', '.join(_GUIDED_FIELDS)}",
+            asked[1][0],
+        )
+    if not asked:
+        return None
+    field, kind, spec = asked[0]
+    try:
+        return Guided(kind=kind, spec=spec), field
+    except InvalidSamplingParams as e:
+        raise InvalidRequest(f"{field}: {e}", field) from e
 
 
 def requested_max_tokens(req: CompletionRequest | ChatRequest) -> tuple[int | None, str]:

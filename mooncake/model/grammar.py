@@ -176,7 +176,9 @@ class GrammarEngine:
         llg = _llguidance()
         matcher = llg.LLMatcher(self.tokenizer, to_grammar(guided), limits=self.limits)
         if matcher.is_error():
-            raise GrammarError(f"cannot compile it: {matcher.get_error()}", guided.kind)
+            raise GrammarError(
+                f"cannot compile the {guided.kind}: {matcher.get_error()}", guided.kind
+            )
         return matcher
 
     def matcher(self, guided: Guided, replay: Sequence[int] = ()) -> GuidedMatcher:
