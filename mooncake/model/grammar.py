@@ -115,6 +115,10 @@ class GuidedMatcher:
         matcher stays in error from then on)."""
         return bool(self._m.consume_token(token_id))
 
+    def copy(self) -> GuidedMatcher:
+        """An independent matcher in the same state (a forked sequence's)."""
+        return GuidedMatcher(self._m.deep_copy(), self.kind)
+
     @property
     def is_done(self) -> bool:
         """The grammar is complete (or in error): no token but EOS may follow."""
@@ -174,7 +178,7 @@ class GrammarEngine:
 
     def _build(self, guided: Guided) -> Any:
         llg = _llguidance()
-        matcher = llg.LLMatcher(self.tokenizer, to_grammar(guided), limits=self.limits)
+        matcher = llg.LLMatcher(self.tokenizer, to_grammar(guided), log_level=0, limits=self.limits)
         if matcher.is_error():
             raise GrammarError(
                 f"cannot compile the {guided.kind}: {matcher.get_error()}", guided.kind
@@ -244,7 +248,10 @@ class _ByteTable:
         extra = [bytes([32 + (t - b.FIRST_EXTRA) % 95]) for t in range(b.FIRST_EXTRA, vocab_size)]
         self.tokens = [bytes([i]) for i in range(256)] + [b"<s>", b"</s>"] + extra
         self.bos_token_id, self.eos_token_id = b.BOS, b.EOS
-        self.special_token_ids = [b.BOS, b.EOS]
+        # NOTE: the extra ids repeat bytes that ids below 256 spell: as plain tokens they
+        # would be a second spelling the mask leaves out (llguidance's token trie keeps
+        # one id per byte string) and the matcher takes; as specials neither allows them
+        self.special_token_ids = [b.BOS, b.EOS, *range(b.FIRST_EXTRA, vocab_size)]
 
     def __call__(self, text: bytes | str) -> list[int]:
         return list(text.encode("utf-8") if isinstance(text, str) else text)

@@ -282,8 +282,8 @@ def sample(logits: Tensor, batch: SamplingBatch) -> SampledTokens:
     if bias is not None and bias.shape[1] != vocab:
         bias = bias[:, :vocab]
     clean = logits.nan_to_num(-inf, posinf=inf, neginf=-inf)
-    if bias is not None:
-        clean.add_(bias)
+    if bias is not None:  # NOTE: a banned +inf plus -inf is NaN: banned again
+        clean.add_(bias).nan_to_num_(-inf, posinf=inf, neginf=-inf)
     top = clean.argmax(-1)  # (B,) first max (of the allowed tokens)
     token_ids = top
     if not batch.is_all_greedy or batch.needs_history:
