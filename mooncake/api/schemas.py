@@ -97,11 +97,14 @@ class JsonSchemaFormat(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     strict: bool | None = None
 
 
+_FORMAT_TYPES = ("text", "json_object", "json_schema")
+
+
 class ResponseFormat(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """OpenAI's `response_format`: `text` (no constraint), `json_object` (a JSON object),
     or `json_schema` (with `json_schema`)."""
 
-    type: Literal["text", "json_object", "json_schema"]
+    type: Annotated[str, _only(enum=list(_FORMAT_TYPES))]
     json_schema: JsonSchemaFormat | None = None
 
 
@@ -360,6 +363,12 @@ def guided_constraint(req: CompletionRequest | ChatRequest) -> tuple[Guided, str
     None; InvalidRequest when it asks for several or a spec is malformed."""
     asked: list[tuple[str, str, str]] = []  # (field, kind, spec)
     fmt = req.response_format
+    if fmt is not None and fmt.type not in _FORMAT_TYPES:
+        raise InvalidRequest(
+            f"response_format.type must be one of {', '.join(_FORMAT_TYPES)}, got {fmt.type!r}"
+            " (vLLM's structural_tag is not supported)",
+            "response_format.type",
+        )
     if fmt is not None and fmt.type == "json_object":
         asked.append(("response_format", "json_object", ""))
     elif fmt is not None and fmt.type == "json_schema":
