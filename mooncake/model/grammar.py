@@ -100,6 +100,8 @@ def to_grammar(guided: Guided) -> str:
         return str(llg.grammar_from("grammar", spec))  # GBNF (llama.cpp's) or Lark
     except json.JSONDecodeError as e:
         raise GrammarError(f"not valid JSON: {e}", kind) from e
+    except RecursionError as e:
+        raise GrammarError("it nests too deeply", kind) from e
     except ValueError as e:
         raise GrammarError(str(e), kind) from e
 
