@@ -86,6 +86,11 @@ class DecodeRunner:
             self.graphs = DecodeGraphs(model, cache, self.steps, max_batch, max_len)
         assert prefix_cache is None or prefix_cache.cache is cache, "a prefix cache of another"
         self.prefix_cache = prefix_cache
+        assert grammar is None or grammar.num_words * 32 >= model.spec.vocab_size, (
+            "a grammar engine of a smaller vocabulary",
+            grammar.num_words,
+            model.spec.vocab_size,
+        )
         self.grammar = grammar
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order; preemption takes the last

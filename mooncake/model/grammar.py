@@ -54,6 +54,7 @@ log = logging.getLogger(__name__)
 
 COMPILE_TIMEOUT_S = 10.0  # a grammar that takes longer is refused (its compile runs on)
 MAX_CACHED = 256  # compiled grammars kept, least recently used dropped
+MAX_ERROR_CHARS = 1000  # of llguidance's message in a GrammarError (it may quote the spec)
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
@@ -182,9 +183,9 @@ class GrammarEngine:
         llg = _llguidance()
         matcher = llg.LLMatcher(self.tokenizer, to_grammar(guided), log_level=0, limits=self.limits)
         if matcher.is_error():
-            raise GrammarError(
-                f"cannot compile the {guided.kind}: {matcher.get_error()}", guided.kind
-            )
+            why = matcher.get_error()
+            why = why if len(why) <= MAX_ERROR_CHARS else why[:MAX_ERROR_CHARS] + "..."
+            raise GrammarError(f"cannot compile the {guided.kind}: {why}", guided.kind)
         return matcher
 
     def matcher(self, guided: Guided, replay: Sequence[int] = ()) -> GuidedMatcher:
