@@ -18,8 +18,8 @@ stop string or a stop token the grammar allows still cuts the text (the JSON may
 incomplete, as after "length": max_tokens and max_model_len still end it), `ignore_eos`
 only keeps EOS from ending the output where the grammar is not complete yet (the grammar's
 end ends it), and `min_tokens` cannot hold the output past the grammar's end either (a
-complete grammar allows no token to go on with). A token the grammar refuses (only a broken model row can bring one) ends the
-output with "abort".
+complete grammar allows no token to go on with). A token the grammar refuses (only a
+broken model row can bring one) ends the output with "abort".
 """
 
 from __future__ import annotations
