@@ -95,6 +95,7 @@ def _object(rng: random.Random, depth: int) -> dict[str, Any]:
 class GrammarFigures(msgspec.Struct, kw_only=True):
     model: str
     device: str
+    temperature: float  # of every row (0: greedy)
     batch: int  # rows per step, every one constrained in the guided rounds
     context_len: int  # prompt tokens per row
     num_steps: int  # timed steps per round and mode
@@ -133,6 +134,7 @@ def run_grammar_bench(
     num_steps: int = 8,
     num_rounds: int = 3,
     num_schemas: int = 200,
+    temperature: float = 1.0,
 ) -> GrammarFigures:
     """Both figures on `model_path`'s weights and tokenizer (a real vocabulary: the masks
     cost what they cost in service). Two runners hold a batch each, one free and one
@@ -167,7 +169,10 @@ def run_grammar_bench(
     for r in range(num_rounds + 1):  # the first round warms up
         for is_guided, runner in runners.items():
             params = SamplingParams(
-                max_tokens=num_steps + 2, seed=r, guided=guided if is_guided else None
+                max_tokens=num_steps + 2,
+                temperature=temperature,
+                seed=r,
+                guided=guided if is_guided else None,
             )
             for i in range(batch):
                 prompt = [(7919 * (i + 1) + 104729 * j + r) % vocab for j in range(context_len)]
@@ -197,6 +202,7 @@ def run_grammar_bench(
     return GrammarFigures(
         model=model_path,
         device=device,
+        temperature=temperature,
         batch=batch,
         context_len=context_len,
         num_steps=num_steps,

@@ -19,6 +19,7 @@ def bench_grammar(
     steps: int = typer.Option(8, min=1, help="Timed steps per round."),
     rounds: int = typer.Option(3, min=1, help="Rounds per mode (guided, free), alternating."),
     schemas: int = typer.Option(200, min=1, help="Distinct random schemas compiled."),
+    temperature: float = typer.Option(1.0, min=0, help="Of every request (0: greedy)."),
     threads: int = typer.Option(1, min=1, help="torch threads."),
     json_out: bool = typer.Option(
         False, "--json", help="Print one JSON object instead of a table."
@@ -41,6 +42,7 @@ def bench_grammar(
         num_steps=steps,
         num_rounds=rounds,
         num_schemas=schemas,
+        temperature=temperature,
     )
     if json_out:
         print_json(figures)
@@ -48,7 +50,10 @@ def bench_grammar(
     from rich.table import Table
 
     f = figures
-    table = Table(title=f"structured outputs on {f.model} ({f.device}), batch {f.batch}")
+    table = Table(
+        title=f"structured outputs on {f.model} ({f.device}), batch {f.batch}, "
+        f"temperature {f.temperature:g}"
+    )
     table.add_column("figure")
     table.add_column("value", justify="right")
     table.add_row("decode step, unconstrained (median)", f"{f.free_step_ms:.2f} ms")
