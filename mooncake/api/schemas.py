@@ -10,7 +10,8 @@ those).
 
 Structured outputs (`guided_constraint`): OpenAI's `response_format` (`text`,
 `json_object`, `json_schema` with its `schema`), and vLLM's `guided_json`, `guided_regex`,
-`guided_choice` and `guided_grammar` (GBNF or Lark), at most one of them per request, each
+`guided_choice` and `guided_grammar` (GBNF or Lark) and their successor `structured_outputs`
+(`json`, `regex`, `choice`, `grammar`, `json_object`), at most one per request, each
 becoming `SamplingParams.guided`; the API compiles it before admitting the request
 (serving.py), so a constraint the grammar engine cannot compile is a 400 naming its field.
 
@@ -111,6 +112,17 @@ class ResponseFormat(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 # vLLM's structured-output extensions (`guided_*`): a JSON schema (as an object or its JSON
 # text), a regular expression, a list of strings, a GBNF (llama.cpp's) or Lark grammar
 _GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+_Choices = Annotated[list[Annotated[str, Meta(min_length=1)]], Meta(min_length=1)]
+
+
+class StructuredOutputs(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """vLLM's `structured_outputs` (the successor of its `guided_*` fields): one of these."""
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: _Choices | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 class _Common(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -138,10 +150,9 @@ class _Common(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     response_format: ResponseFormat | None = None
     guided_json: dict[str, Any] | str | None = None  # extension
     guided_regex: str | None = None  # extension
-    guided_choice: (
-        Annotated[list[Annotated[str, Meta(min_length=1)]], Meta(min_length=1)] | None
-    ) = None  # extension
+    guided_choice: _Choices | None = None  # extension
     guided_grammar: str | None = None  # extension
+    structured_outputs: StructuredOutputs | None = None  # extension
 
 
 class CompletionRequest(_Common, forbid_unknown_fields=True, kw_only=True):
@@ -380,32 +391,20 @@ def guided_constraint(req: CompletionRequest | ChatRequest) -> tuple[Guided, str
             )
         schema = msgspec.json.encode(fmt.json_schema.schema).decode()
         asked.append(("response_format", "json_schema", schema))
-    if req.guided_json is not None:
-        spec = req.guided_json
-        if isinstance(spec, str):
-            try:
-                is_object = isinstance(json.loads(spec), dict)
-            except ValueError:
-                is_object = False
-            if not is_object:
-                raise InvalidRequest(
-                    "guided_json: must be a JSON schema, as an object or its JSON text",
-                    "guided_json",
-                )
-        else:
-            spec = msgspec.json.encode(spec).decode()
-        asked.append(("guided_json", "json_schema", spec))
-    if req.guided_regex is not None:
-        asked.append(("guided_regex", "regex", req.guided_regex))
-    if req.guided_choice is not None:
-        asked.append(("guided_choice", "choice", json.dumps(req.guided_choice)))
-    if req.guided_grammar is not None:
-        asked.append(("guided_grammar", "grammar", req.guided_grammar))
+    asked += _guided(
+        "guided_", req.guided_json, req.guided_regex, req.guided_choice, req.guided_grammar
+    )
+    so = req.structured_outputs
+    if so is not None:
+        if so.json_object:
+            asked.append(("structured_outputs.json_object", "json_object", ""))
+        asked += _guided("structured_outputs.", so.json, so.regex, so.choice, so.grammar)
     if len(asked) > 1:
         names = ", ".join(field for field, _, _ in asked)
         raise InvalidRequest(
             f"at most one structured-output constraint per request, got {names}; allowed: "
-            f"response_format (json_object or json_schema) or one of {', '.join(_GUIDED_FIELDS)}",
+            f"response_format (json_object or json_schema), one of {', '.join(_GUIDED_FIELDS)}"
+            ", or one field of structured_outputs",
             asked[1][0],
         )
     if not asked:
@@ -415,6 +414,39 @@ def guided_constraint(req: CompletionRequest | ChatRequest) -> tuple[Guided, str
         return Guided(kind=kind, spec=spec), field
     except InvalidSamplingParams as e:
         raise InvalidRequest(f"{field}: {e}", field) from e
+
+
+def _guided(
+    prefix: str,
+    schema: dict[str, Any] | str | None,
+    regex: str | None,
+    choice: list[str] | None,
+    grammar: str | None,
+) -> list[tuple[str, str, str]]:
+    """(field, kind, spec) of vLLM's fields named `prefix` + json/regex/choice/grammar."""
+    asked = []
+    if schema is not None:
+        field = prefix + "json"
+        if isinstance(schema, str):
+            try:
+                is_object = isinstance(json.loads(schema), dict)
+            except (ValueError, RecursionError):
+                is_object = False
+            if not is_object:
+                raise InvalidRequest(
+                    f"{field}: must be a JSON schema, as an object or its JSON text", field
+                )
+            spec = schema
+        else:
+            spec = msgspec.json.encode(schema).decode()
+        asked.append((field, "json_schema", spec))
+    if regex is not None:
+        asked.append((prefix + "regex", "regex", regex))
+    if choice is not None:
+        asked.append((prefix + "choice", "choice", json.dumps(choice)))
+    if grammar is not None:
+        asked.append((prefix + "grammar", "grammar", grammar))
+    return asked
 
 
 def requested_max_tokens(req: CompletionRequest | ChatRequest) -> tuple[int | None, str]:

@@ -79,6 +79,16 @@ def test_streamed_deltas_assemble_to_json_that_validates(client):
         ({"guided_choice": ["sunny", "rainy", "foggy"]}, r"sunny|rainy|foggy"),
         ({"guided_grammar": 'root ::= "(" [0-9]+ ")"'}, r"\([0-9]+\)"),
         ({"guided_json": {"type": "array", "items": {"type": "boolean"}, "maxItems": 3}}, None),
+        ({"structured_outputs": {"regex": "[0-9]{4}"}}, r"[0-9]{4}"),
+        ({"structured_outputs": {"choice": ["up", "down"]}}, r"up|down"),
+        (
+            {
+                "structured_outputs": {
+                    "json": '{"type": "array", "items": {"type": "boolean"}, "maxItems": 3}'
+                }
+            },
+            None,
+        ),
     ],
 )
 def test_vllm_guided_fields_hold_completions_and_chat(client, extra, check):
@@ -135,6 +145,18 @@ BAD = [
         {"response_format": {"type": "json_object"}, "guided_json": {"type": "object"}},
         "guided_json",
         "at most one",
+    ),
+    (
+        {"structured_outputs": {"regex": "a", "choice": ["a"]}},
+        "structured_outputs.choice",
+        "at most one",
+    ),
+    ({"structured_outputs": {"json": "[1]"}}, "structured_outputs.json", "JSON schema"),
+    ({"structured_outputs": {"grammar": "::="}}, "structured_outputs.grammar", "grammar"),
+    (
+        {"structured_outputs": {"whitespace_pattern": " "}},
+        "whitespace_pattern",
+        "Unrecognized",
     ),
 ]
 
