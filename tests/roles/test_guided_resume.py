@@ -1,20 +1,27 @@
-"""A guided request whose decode node dies (SIGKILL) mid-output resumes its grammar on the
-other decode node: the master sends the output so far as part of the prompt, with how much
-of it is output (`num_resumed`), and the new node's matcher replays it. Real processes on
-loopback; every request is guided and streamed, so those on the killed node had output."""
+"""Structured outputs on `up --local` (random weights), through the official `openai`
+client: json_schema answers validate on 20 random schemas, the master having compiled each
+before placing it. A guided request whose decode node dies (SIGKILL) mid-output resumes its
+grammar on the other decode node: the master sends the output so far as part of the
+prompt, with how much of it is output (`num_resumed`), and the new node's matcher replays
+it. Real processes on loopback; every request of that test is guided and streamed, so
+those on the killed node had output."""
 
 from __future__ import annotations
 
 import json
+import random
 import re
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 
+from mooncake.bench.grammar import random_schema
 from mooncake.local.launcher import LocalLauncher
 from tests.roles.cluster import kill, local_cluster, node_row
 
@@ -46,6 +53,40 @@ def _body(seed: int, stream: bool) -> dict[str, object]:
         "guided_regex": REGEX,
         "stream": stream,
     }
+
+
+def test_json_schema_answers_validate_on_20_random_schemas(cluster):
+    jsonschema = pytest.importorskip("jsonschema")
+    client = openai.OpenAI(base_url=cluster.url + "/v1", api_key="-", max_retries=0, timeout=120)
+    rng = random.Random(20)
+    schemas = [random_schema(rng) for _ in range(20)]
+
+    def ask(i: int) -> tuple[str | None, str | None]:
+        fmt = {"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schemas[i]}}
+        reply = client.chat.completions.create(
+            model="dummy:tiny",
+            messages=[{"role": "user", "content": "Some JSON, please."}],
+            max_completion_tokens=800,
+            seed=i,
+            response_format=fmt,  # type: ignore[arg-type]
+        )
+        return reply.choices[0].message.content, reply.choices[0].finish_reason
+
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(ask, range(20)))
+    for schema, (content, finish) in zip(schemas, answers, strict=True):
+        assert finish == "stop", (schema, content)
+        jsonschema.validate(json.loads(content or ""), schema)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(
+            model="dummy:tiny",
+            messages=[{"role": "user", "content": "x"}],
+            response_format={  # type: ignore[arg-type, typeddict-item]
+                "type": "json_schema",
+                "json_schema": {"name": "bad", "schema": {"type": "objec"}},
+            },
+        )
+    assert e.value.body["param"] == "response_format"  # type: ignore[index]
 
 
 def test_guided_requests_on_a_killed_decode_node_resume_their_grammar(cluster):
