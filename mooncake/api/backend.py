@@ -79,7 +79,8 @@ class BaseBackend(ABC):
     def grammar_engine(self) -> GrammarEngine:
         """The grammar engine of this backend's tokenizer and vocabulary, which compiles
         (and caches) requests' constraints before they start (blocking: call it off the
-        event loop); ConfigError when the engine is not installed."""
+        event loop); ConfigError when it cannot be made (llguidance missing, a tokenizer it
+        cannot read)."""
         from mooncake.model.grammar import create_grammar_engine
 
         with self._grammar_lock:

@@ -30,7 +30,7 @@ from mooncake.api.stats import RequestStats
 from mooncake.api.status import NodeStatus, Status
 from mooncake.config.settings import ModelConfig
 from mooncake.errors import ApiError, ConfigError, MooncakeError
-from mooncake.model.grammar import create_grammar_engine
+from mooncake.model.grammar import try_create_grammar_engine
 from mooncake.model.prefill import check_token_ids
 from mooncake.model.sequence import Sequence, TokenEvent
 from mooncake.model.tokenizer import create_tokenizer
@@ -114,7 +114,7 @@ class EngineBackend(BaseBackend):
         self.tokenizer = create_tokenizer(config.path, info.eos_token_ids)
         self.vocab_size = spec.vocab_size
         # NOTE: one engine for the API's compiles and the runner's matchers (one cache)
-        self.grammar = create_grammar_engine(self.tokenizer, self.vocab_size)
+        self.grammar = try_create_grammar_engine(self.tokenizer, self.vocab_size)
         self.runner = DecodeRunner(
             self.model,
             self.cache,

@@ -110,7 +110,10 @@ class DecodeRunner:
         if guided is None or seq.grammar is not None:
             return
         if self.grammar is None:
-            raise ApiError("this engine has no grammar engine for structured outputs")
+            raise ApiError(
+                "structured outputs are off on this node (its log says why): "
+                f"{guided.kind} cannot be held"
+            )
         seq.grammar = self.grammar.matcher(guided, seq.guided_ids)
 
     def abort(self, seq_id: int) -> TokenEvent | None:

@@ -230,16 +230,29 @@ def create_grammar_engine(tokenizer: BaseTokenizer, vocab_size: int, **kw: Any) 
     tokenizer's own). ConfigError for a tokenizer it cannot read the tokens of."""
     llg = _llguidance()
     eos = list(tokenizer.eos_token_ids)
-    if isinstance(tokenizer, ByteTokenizer):
-        table = _ByteTable(max(vocab_size, ByteTokenizer.FIRST_EXTRA))
-        lltok = llg.LLTokenizer(llg.TokenizerWrapper(table), eos_token=eos or None)
-    elif isinstance(tokenizer, LibraryTokenizer):
-        text = tokenizer.to_json()
-        size = max(vocab_size, tokenizer.vocab_size)
-        lltok = llg.LLTokenizer(text, n_vocab=size, eos_token=eos or None)
-    else:
-        raise ConfigError(f"structured outputs cannot read the tokens of {type(tokenizer)}")
+    try:
+        if isinstance(tokenizer, ByteTokenizer):
+            table = _ByteTable(max(vocab_size, ByteTokenizer.FIRST_EXTRA))
+            lltok = llg.LLTokenizer(llg.TokenizerWrapper(table), eos_token=eos or None)
+        elif isinstance(tokenizer, LibraryTokenizer):
+            text = tokenizer.to_json()
+            size = max(vocab_size, tokenizer.vocab_size)
+            lltok = llg.LLTokenizer(text, n_vocab=size, eos_token=eos or None)
+        else:
+            raise ConfigError(f"structured outputs cannot read the tokens of {type(tokenizer)}")
+    except (ValueError, RuntimeError) as e:  # what llguidance raises for a tokenizer
+        raise ConfigError(f"structured outputs cannot read this tokenizer: {e}") from e
     return GrammarEngine(lltok, vocab_size or lltok.vocab_size, **kw)
+
+
+def try_create_grammar_engine(tokenizer: BaseTokenizer, vocab_size: int) -> GrammarEngine | None:
+    """`create_grammar_engine`, or None (the reason logged) where it cannot be made: a
+    node serves the rest, and refuses guided requests saying so."""
+    try:
+        return create_grammar_engine(tokenizer, vocab_size)
+    except ConfigError as e:
+        log.warning("structured outputs are off: %s", e)
+        return None
 
 
 class _ByteTable:

@@ -318,12 +318,19 @@ def _token_bias(bits: Tensor, device: torch.device) -> Tensor:
     """(B, W) int32 allowed bits on the host -> (B, 32 W) float32 on `device`: log of each
     token's bit, 0 where allowed and -inf where banned."""
     if device.type == "cpu":
-        assert sys.byteorder == "little", "bit t of an int32 word is bit t % 8 of its byte t // 8"
-        u = np.unpackbits(bits.numpy().view(np.uint8), axis=1, bitorder="little")  # (B, 32 W)
-        with np.errstate(divide="ignore"):
-            return torch.from_numpy(np.log(u, dtype=np.float32))
-    words = _upload(bits, device)
-    token = torch.arange(words.shape[1] * 32, device=device)
+        return _bias_on_host(bits)
+    return _bias_on_device(_upload(bits, device))
+
+
+def _bias_on_host(bits: Tensor) -> Tensor:
+    assert sys.byteorder == "little", "bit t of an int32 word is bit t % 8 of its byte t // 8"
+    u = np.unpackbits(bits.numpy().view(np.uint8), axis=1, bitorder="little")  # (B, 32 W)
+    with np.errstate(divide="ignore"):
+        return torch.from_numpy(np.log(u, dtype=np.float32))
+
+
+def _bias_on_device(words: Tensor) -> Tensor:
+    token = torch.arange(words.shape[1] * 32, device=words.device)
     each = words.index_select(1, token // 32)  # (B, 32 W): each token's word
     return each.bitwise_right_shift_((token % 32).int()).bitwise_and_(1).float().log_()
 

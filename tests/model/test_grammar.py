@@ -133,6 +133,8 @@ def test_a_padded_vocabulary_never_allows_what_the_tokenizer_lacks(tmp_path):
         (Guided(kind="json_schema", spec='{"type": "objec"}'), "objec"),
         (Guided(kind="json_schema", spec="{not json"), "not valid JSON"),
         (Guided(kind="json_schema", spec="[1, 2]"), "must be an object"),
+        (Guided(kind="json_schema", spec='{"not": {"type": "string"}}'), "Unimplemented"),
+        (Guided(kind="json_schema", spec='{"type": "string", "format": "x-y"}'), "format"),
         (Guided(kind="regex", spec="(ab"), None),
         (Guided(kind="choice", spec="[]"), "non-empty strings"),
         (Guided(kind="choice", spec='["a", 1]'), "non-empty strings"),

@@ -10,7 +10,13 @@ import numpy as np
 import pytest
 import torch
 
-from mooncake.model.sampler import SamplingBatch, SamplingParams, sample
+from mooncake.model.sampler import (
+    SamplingBatch,
+    SamplingParams,
+    _bias_on_device,
+    _bias_on_host,
+    sample,
+)
 from tests.model.conftest import prompt
 from tests.model.test_sampler import MIX, SYNCING_OPS, _HostReads, _Ops
 
@@ -106,3 +112,15 @@ def test_the_bitmask_adds_no_host_read_or_sync(monkeypatch):
     out = sampled.to_host()
     assert reads.counts == {"tolist": 1}, reads.counts
     assert out.token_ids[0] in (1, 2, 3) and out.token_ids[2] == 4
+
+
+def test_the_gpu_expansion_of_the_bits_equals_the_cpu_one():
+    """The ops a GPU runs on the uploaded bits (checked here on the CPU) against numpy's."""
+    bits = torch.randint(-(2**31), 2**31 - 1, (5, W), dtype=torch.int32)
+    bits[0] = -1
+    bits[1] = 0
+    host, device = _bias_on_host(bits), _bias_on_device(bits)
+    assert torch.equal(host, device)
+    assert (host[0] == 0).all() and (host[1] == -math.inf).all()
+    flags = np.unpackbits(bits.numpy().view(np.uint8), axis=1, bitorder="little")
+    assert torch.equal(host == 0, torch.from_numpy(flags.astype(bool)))
