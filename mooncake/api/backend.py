@@ -15,9 +15,10 @@ After the first output a failure ends the stream with `finish_reason="abort"` an
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import msgspec
 
@@ -25,6 +26,9 @@ from mooncake.conductor.misses import MissCounts
 from mooncake.errors import MooncakeError
 from mooncake.model.params import SamplingParams
 from mooncake.model.tokenizer import BaseTokenizer
+
+if TYPE_CHECKING:
+    from mooncake.model.grammar import GrammarEngine
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -69,6 +73,20 @@ class BaseBackend(ABC):
     max_model_len: int  # prompt + output tokens at most
     vocab_size: int = 0  # token ids a prompt may use ([0, vocab_size)); 0 = not told
     tokenizer: BaseTokenizer
+    grammar: GrammarEngine | None = None  # structured outputs' engine, made on first use
+    _grammar_lock = threading.Lock()
+
+    def grammar_engine(self) -> GrammarEngine:
+        """The grammar engine of this backend's tokenizer and vocabulary, which compiles
+        (and caches) requests' constraints before they start (blocking: call it off the
+        event loop); ConfigError when it cannot be made (llguidance missing, a tokenizer it
+        cannot read)."""
+        from mooncake.model.grammar import create_grammar_engine
+
+        with self._grammar_lock:
+            if self.grammar is None:
+                self.grammar = create_grammar_engine(self.tokenizer, self.vocab_size)
+            return self.grammar
 
     @abstractmethod
     def generate(self, req: GenerateRequest) -> AsyncIterator[Output]:

@@ -30,6 +30,7 @@ from mooncake.api.stats import RequestStats
 from mooncake.api.status import NodeStatus, Status
 from mooncake.config.settings import ModelConfig
 from mooncake.errors import ApiError, ConfigError, MooncakeError
+from mooncake.model.grammar import try_create_grammar_engine
 from mooncake.model.prefill import check_token_ids
 from mooncake.model.sequence import Sequence, TokenEvent
 from mooncake.model.tokenizer import create_tokenizer
@@ -110,6 +111,10 @@ class EngineBackend(BaseBackend):
             )
         self.cache = PagedKVCache.for_model(self.model, num_blocks, config.block_tokens)
         self.prefix_cache = PrefixCache(self.cache) if prefix_caching else None
+        self.tokenizer = create_tokenizer(config.path, info.eos_token_ids)
+        self.vocab_size = spec.vocab_size
+        # NOTE: one engine for the API's compiles and the runner's matchers (one cache)
+        self.grammar = try_create_grammar_engine(self.tokenizer, self.vocab_size)
         self.runner = DecodeRunner(
             self.model,
             self.cache,
@@ -118,9 +123,8 @@ class EngineBackend(BaseBackend):
             prefix_cache=self.prefix_cache,
             cuda_graphs=None if config.cuda_graphs and tp == 1 else False,
             max_model_len=config.max_model_len,
+            grammar=self.grammar,
         )
-        self.tokenizer = create_tokenizer(config.path, info.eos_token_ids)
-        self.vocab_size = spec.vocab_size
         self.model_name = served_model_name or config.path
         limit = config.max_model_len or spec.max_position_embeddings
         self.max_model_len = min(limit, num_blocks * config.block_tokens)
@@ -157,6 +161,7 @@ class EngineBackend(BaseBackend):
             max_model_len=self.max_model_len,
             tokenizer=self.tokenizer,
         )
+        self.runner.bind_grammar(seq)  # NOTE: compiled when the API checked the request
         queue: asyncio.Queue[Output] = asyncio.Queue()
         with self._cond:
             if self._is_stopping or not self._thread.is_alive():
@@ -227,6 +232,8 @@ class EngineBackend(BaseBackend):
             self._is_stopping = True
             self._cond.notify()
         self._thread.join(timeout=30)
+        if self.grammar is not None:
+            self.grammar.close()
         if self.tp is not None:
             self.tp.stop()
 

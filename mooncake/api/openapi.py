@@ -15,7 +15,9 @@ Fields OpenAI documents that we accept only at their neutral value (`n`, `echo`,
 are parsed in their wide type, so that the refusal can say why, and documented at that
 value (`schemas._only`). What a field's schema cannot say is in the request body's
 description: a prompt of token ids past the vocabulary, or longer than the context,
-`top_logprobs` without `logprobs`, `stream_options` without `stream` get a 400.
+`top_logprobs` without `logprobs`, `stream_options` without `stream` get a 400; so does a
+structured-output constraint (`response_format`, `guided_*`) the grammar engine cannot
+compile, or more than one.
 
     curl -s http://127.0.0.1:8000/openapi.json     # e.g. for schemathesis or a client generator
 """

@@ -10,6 +10,13 @@ does, so a typo never passes silently. Extensions (vLLM's): `top_k` (-1 or 0 = o
 completion prompt is a string or a list of token ids (or a list holding exactly one of
 those).
 
+Structured outputs (`guided_constraint`): OpenAI's `response_format` (`text`,
+`json_object`, `json_schema` with its `schema`), and vLLM's `guided_json`, `guided_regex`,
+`guided_choice` and `guided_grammar` (GBNF or Lark) and their successor `structured_outputs`
+(`json`, `regex`, `choice`, `grammar`, `json_object`), at most one per request, each
+becoming `SamplingParams.guided`; the API compiles it before admitting the request
+(serving.py), so a constraint the grammar engine cannot compile is a 400 naming its field.
+
 Every error is an `InvalidRequest` whose message names the field and what is allowed.
 """
 
@@ -82,6 +89,44 @@ class StreamOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     include_usage: bool = False  # a last chunk with `usage` and no choices
 
 
+class JsonSchemaFormat(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """OpenAI's `response_format.json_schema`: the output is a JSON value valid against
+    `schema` (enforced whether or not `strict` is set; the keywords the grammar engine
+    cannot enforce are refused)."""
+
+    name: Annotated[str, Meta(pattern="^[a-zA-Z0-9_-]{1,64}$")]
+    description: str | None = None
+    schema: dict[str, Any]
+    strict: bool | None = None
+
+
+_FORMAT_TYPES = ("text", "json_object", "json_schema")
+
+
+class ResponseFormat(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """OpenAI's `response_format`: `text` (no constraint), `json_object` (a JSON object),
+    or `json_schema` (with `json_schema`)."""
+
+    type: Annotated[str, _only(enum=list(_FORMAT_TYPES))]
+    json_schema: JsonSchemaFormat | None = None
+
+
+# vLLM's structured-output extensions (`guided_*`): a JSON schema (as an object or its JSON
+# text), a regular expression, a list of strings, a GBNF (llama.cpp's) or Lark grammar
+_GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+_Choices = Annotated[list[Annotated[str, Meta(min_length=1)]], Meta(min_length=1)]
+
+
+class StructuredOutputs(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """vLLM's `structured_outputs` (the successor of its `guided_*` fields): one of these."""
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: _Choices | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class _Common(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Fields both endpoints share."""
 
@@ -104,6 +149,12 @@ class _Common(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     presence_penalty: _Penalty | None = None
     frequency_penalty: _Penalty | None = None
     logit_bias: Annotated[dict[str, float], _only(maxProperties=0)] | None = None
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None  # extension
+    guided_regex: str | None = None  # extension
+    guided_choice: _Choices | None = None  # extension
+    guided_grammar: str | None = None  # extension
+    structured_outputs: StructuredOutputs | None = None  # extension
 
 
 class CompletionRequest(_Common, forbid_unknown_fields=True, kw_only=True):
@@ -423,10 +474,103 @@ def sampling_params(
             stop_token_ids=tuple(req.stop_token_ids or ()),
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
-            guided=guided,
+            guided=one_constraint(guided, found[0] if (found := guided_constraint(req)) else None),
         )  # validated as it is built
     except InvalidSamplingParams as e:
         raise InvalidRequest(str(e), e.param) from e
+
+
+def one_constraint(tool_guided: Guided | None, format_guided: Guided | None) -> Guided | None:
+    """The request's one output constraint: `tool_choice` 'required' or a named function
+    (`tool_guided`) and `response_format` / `guided_*` (`format_guided`) cannot both hold
+    the output (vLLM refuses a named tool_choice with structured outputs too)."""
+    if tool_guided is not None and format_guided is not None:
+        raise InvalidRequest(
+            "tool_choice: 'required' and a named function hold the output to the tools' "
+            "schema, so response_format and guided_* cannot be sent with them; send one",
+            "tool_choice",
+        )
+    return tool_guided or format_guided
+
+
+def guided_constraint(req: CompletionRequest | ChatRequest) -> tuple[Guided, str] | None:
+    """The structured-output constraint a request asks for and the field that asked, or
+    None; InvalidRequest when it asks for several or a spec is malformed."""
+    asked: list[tuple[str, str, str]] = []  # (field, kind, spec)
+    fmt = req.response_format
+    if fmt is not None and fmt.type not in _FORMAT_TYPES:
+        raise InvalidRequest(
+            f"response_format.type must be one of {', '.join(_FORMAT_TYPES)}, got {fmt.type!r}"
+            " (vLLM's structural_tag is not supported)",
+            "response_format.type",
+        )
+    if fmt is not None and fmt.type == "json_object":
+        asked.append(("response_format", "json_object", ""))
+    elif fmt is not None and fmt.type == "json_schema":
+        if fmt.json_schema is None:
+            raise InvalidRequest(
+                "response_format: type json_schema needs its json_schema: "
+                '{"name": ..., "schema": {...}}',
+                "response_format.json_schema",
+            )
+        schema = msgspec.json.encode(fmt.json_schema.schema).decode()
+        asked.append(("response_format", "json_schema", schema))
+    asked += _guided(
+        "guided_", req.guided_json, req.guided_regex, req.guided_choice, req.guided_grammar
+    )
+    so = req.structured_outputs
+    if so is not None:
+        if so.json_object:
+            asked.append(("structured_outputs.json_object", "json_object", ""))
+        asked += _guided("structured_outputs.", so.json, so.regex, so.choice, so.grammar)
+    if len(asked) > 1:
+        names = ", ".join(field for field, _, _ in asked)
+        raise InvalidRequest(
+            f"at most one structured-output constraint per request, got {names}; allowed: "
+            f"response_format (json_object or json_schema), one of {', '.join(_GUIDED_FIELDS)}"
+            ", or one field of structured_outputs",
+            asked[1][0],
+        )
+    if not asked:
+        return None
+    field, kind, spec = asked[0]
+    try:
+        return Guided(kind=kind, spec=spec), field
+    except InvalidSamplingParams as e:
+        raise InvalidRequest(f"{field}: {e}", field) from e
+
+
+def _guided(
+    prefix: str,
+    schema: dict[str, Any] | str | None,
+    regex: str | None,
+    choice: list[str] | None,
+    grammar: str | None,
+) -> list[tuple[str, str, str]]:
+    """(field, kind, spec) of vLLM's fields named `prefix` + json/regex/choice/grammar."""
+    asked = []
+    if schema is not None:
+        field = prefix + "json"
+        if isinstance(schema, str):
+            try:
+                is_object = isinstance(json.loads(schema), dict)
+            except (ValueError, RecursionError):
+                is_object = False
+            if not is_object:
+                raise InvalidRequest(
+                    f"{field}: must be a JSON schema, as an object or its JSON text", field
+                )
+            spec = schema
+        else:
+            spec = msgspec.json.encode(schema).decode()
+        asked.append((field, "json_schema", spec))
+    if regex is not None:
+        asked.append((prefix + "regex", "regex", regex))
+    if choice is not None:
+        asked.append((prefix + "choice", "choice", json.dumps(choice)))
+    if grammar is not None:
+        asked.append((prefix + "grammar", "grammar", grammar))
+    return asked
 
 
 def requested_max_tokens(req: CompletionRequest | ChatRequest) -> tuple[int | None, str]:

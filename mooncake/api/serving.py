@@ -39,7 +39,9 @@ from mooncake.api.server import CLOSING
 from mooncake.api.stats import Outcome, RequestStats, RequestTrace
 from mooncake.api.tools import ToolPlan
 from mooncake.conductor.misses import MissCounts
-from mooncake.errors import ApiError, MooncakeError
+from mooncake.errors import ApiError, ConfigError, MooncakeError
+from mooncake.model.grammar import GrammarError
+from mooncake.model.params import Guided
 
 log = logging.getLogger(__name__)
 OPENAI_DEFAULT_MAX_TOKENS = 16  # /v1/completions without max_tokens, as OpenAI does
@@ -157,6 +159,22 @@ def _max_tokens(ctx: ServingContext, req: CompletionRequest | ChatRequest, promp
     return asked
 
 
+async def _compile_guided(
+    ctx: ServingContext, req: CompletionRequest | ChatRequest, guided: Guided
+) -> None:
+    """Compile the request's constraint (cached, bounded in time) on a worker thread, so
+    that one the grammar engine cannot hold the output to is a 400 naming its field, never
+    a failure on a node."""
+    found = schemas.guided_constraint(req)
+    field = found[1] if found is not None else "tool_choice"
+    try:
+        await anyio.to_thread.run_sync(lambda: ctx.backend.grammar_engine().compile(guided))
+    except GrammarError as e:
+        raise InvalidRequest(f"{field}: {e}", field) from e
+    except ConfigError as e:
+        raise InvalidRequest(f"{field}: structured outputs are not available: {e}", field) from e
+
+
 async def _close(it: AsyncIterator[Output]) -> None:
     aclose = getattr(it, "aclose", None)
     if aclose is not None:
@@ -217,6 +235,8 @@ async def generate(ctx: ServingContext, request: Request, is_chat: bool) -> Resp
         guided = tool_plan.guided if tool_plan is not None else None
         params = schemas.sampling_params(req, max_tokens, guided)
         _check_vocab(ctx, params.stop_token_ids, "stop_token_ids")
+        if params.guided is not None:
+            await _compile_guided(ctx, req, params.guided)
         gen = GenerateRequest(
             req_id=req_id, prompt_ids=prompt_ids, params=params, arrival_s=arrival_s
         )

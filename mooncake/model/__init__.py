@@ -12,6 +12,7 @@ which the master and a node's parent use too).
 - `shardplan`, `tpdegree`   which slice of each weight a rank holds; how many ranks (auto)
 - `kvcache`, `prefixcache`   the paged KV cache and the instance-local prefix cache
 - `tokenizer`, `params`, `sampler`, `sequence`, `stopmatch`   text in, tokens out
+- `grammar`            structured outputs: constraints compiled, token masks (torch-free)
 - `prefill`, `decode`  the chunked prefill runner and the continuous-batching decode runner
 - `profiling`, `corun` the cost model measured on this node, and co-run slowdowns
 """

@@ -9,8 +9,16 @@
   stays under `max_step_time_s` (the TBT SLO), and their blocks fit. A request admitted
   without its KV (new here, or preempted) is prefilled locally first; with a
   `PrefixCache`, the blocks of its longest cached prefix are reused, not computed.
-- run: one forward pass over the batch, one new token per request.
-- postprocess: sample, stream the tokens (`TokenEvent`s), retire finished requests.
+- run: one forward pass over the batch, one new token per request. Guided requests' token
+  masks are filled meanwhile, on the grammar engine's thread (model/grammar.py).
+- postprocess: sample (the masks applied to the guided rows), stream the tokens
+  (`TokenEvent`s), retire finished requests.
+
+Every output token is sampled here, the first one too: a prefill node computes the KV of
+the prompt but its last token, which the first decode step feeds (`DecodeSubmitMsg`). A
+guided request's matcher is made when it is added (`bind_grammar`), from its spec and the
+output it produced before, if it was placed again (`Sequence.num_resumed`); a preempted
+request keeps its matcher, which has seen exactly its output.
 """
 
 from __future__ import annotations
@@ -18,11 +26,14 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future, wait
 
+import numpy as np
 import torch
 
-from mooncake.errors import ConfigError
+from mooncake.errors import ApiError, ConfigError
 from mooncake.model.cudagraph import DecodeGraphs
+from mooncake.model.grammar import GrammarEngine
 from mooncake.model.kvcache import PagedKVCache
 from mooncake.model.llama import Model
 from mooncake.model.prefill import check_token_ids
@@ -49,10 +60,12 @@ class DecodeRunner:
         prefix_cache: PrefixCache | None = None,
         cuda_graphs: bool | None = None,
         max_model_len: int = 0,
+        grammar: GrammarEngine | None = None,
     ):
         """`cuda_graphs`: replay decode steps as CUDA graphs (None: on a GPU whose
         attention backend allows it), captured now for contexts up to `max_model_len`
-        (0: the model's)."""
+        (0: the model's). `grammar`: the engine of guided requests (None: they are
+        refused)."""
         assert model.is_first and model.is_last, "decode runs the whole model"
         self.model, self.cache, self.max_batch = model, cache, max_batch
         self.max_step_time_s, self.step_time_fn = max_step_time_s, step_time_fn
@@ -73,6 +86,12 @@ class DecodeRunner:
             self.graphs = DecodeGraphs(model, cache, self.steps, max_batch, max_len)
         assert prefix_cache is None or prefix_cache.cache is cache, "a prefix cache of another"
         self.prefix_cache = prefix_cache
+        assert grammar is None or grammar.num_words * 32 >= model.spec.vocab_size, (
+            "a grammar engine of a smaller vocabulary",
+            grammar.num_words,
+            model.spec.vocab_size,
+        )
+        self.grammar = grammar
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order; preemption takes the last
         self.num_preemptions = 0
@@ -81,7 +100,21 @@ class DecodeRunner:
         """Queue a request (with its KV in `seq.block_ids` already, or not); raises ApiError
         for token ids outside the vocabulary."""
         check_token_ids(seq.token_ids, self.model.spec.vocab_size)
+        self.bind_grammar(seq)
         self.waiting.append(seq)
+
+    def bind_grammar(self, seq: Sequence) -> None:
+        """Give a guided request its matcher, past the output it resumes with; raises
+        ApiError (GrammarError) when it cannot. Thread-safe; a no-op for the others."""
+        guided = seq.params.guided
+        if guided is None or seq.grammar is not None:
+            return
+        if self.grammar is None:
+            raise ApiError(
+                "structured outputs are off on this node (its log says why): "
+                f"{guided.kind} cannot be held"
+            )
+        seq.grammar = self.grammar.matcher(guided, seq.guided_ids)
 
     def abort(self, seq_id: int) -> TokenEvent | None:
         """Drop a request wherever it is; returns its final event, or None if unknown."""
@@ -99,8 +132,22 @@ class DecodeRunner:
         """One iteration; returns the tokens produced (and requests ended) in it."""
         events = self._schedule()
         if self.running:
-            events += self._postprocess(self._run())
+            masks = self._start_masks()
+            try:
+                logits = self._run()
+            finally:  # NOTE: the matchers are the mask thread's until it is done
+                if masks is not None:
+                    wait([masks])
+            events += self._postprocess(logits, masks.result() if masks else None)
         return events
+
+    def _start_masks(self) -> Future[np.ndarray] | None:
+        """The guided rows' token masks, filled beside the forward pass; None without any."""
+        rows = [(i, s.grammar) for i, s in enumerate(self.running) if s.grammar is not None]
+        if not rows:
+            return None
+        assert self.grammar is not None
+        return self.grammar.start_masks(rows, len(self.running))
 
     def _schedule(self) -> list[TokenEvent]:
         bt = self.cache.block_tokens
@@ -230,7 +277,7 @@ class DecodeRunner:
             s.num_cached_tokens = n
         return logits
 
-    def _postprocess(self, logits: torch.Tensor) -> list[TokenEvent]:
+    def _postprocess(self, logits: torch.Tensor, masks: np.ndarray | None) -> list[TokenEvent]:
         seqs = self.running
         params = [s.params for s in seqs]
         needs_history = any(p.has_penalty for p in params)
@@ -241,6 +288,7 @@ class DecodeRunner:
             [s.token_ids for s in seqs] if needs_history else None,
             [s.prompt_len for s in seqs] if needs_history else None,
             logits.device,
+            torch.from_numpy(masks) if masks is not None else None,
         )
         out = sample(logits, batch).to_host()
         events = [

@@ -16,6 +16,13 @@ Per row, in this order (vLLM's sampler, vllm/v1/sample/sampler.py, has the same)
    and output tokens (a seen token's logit divided by r when positive, multiplied by r
    when not), then OpenAI's frequency and presence penalties over the output tokens,
    `logit -= frequency * count + presence * (count > 0)`. Greedy rows see them too.
+   Then the allowed-token bitmask, only when some row has one (`allowed_bits`: a row's
+   bit t clear bans token t: its logit becomes -inf; the grammar engine fills it for
+   guided rows, model/grammar.py, and the other rows allow every token), applied after
+   the penalties so that their clamp never makes a banned token finite again. It is
+   expanded once per step into an additive bias of 0 and -inf (on a CPU by numpy as it
+   is built, on a GPU by a few ops from the uploaded bits), so that applying it is one
+   add: a boolean `masked_fill` over (B, V) costs ten times as much on a CPU.
 2. greedy rows take the argmax (the first max).
 3. temperature: the logits are shifted so the top token sits at 0, then divided by the
    temperature (clamped to the validated range), so that nothing overflows.
@@ -27,18 +34,20 @@ Per row, in this order (vLLM's sampler, vllm/v1/sample/sampler.py, has the same)
    seeded request draws the same tokens whatever batch it runs in and whatever its row;
    an unseeded request gets a random seed when its `Sequence` is made.
 
-Logprobs are of the raw model distribution (before penalties, temperature and truncation),
-as the OpenAI API reports them. Sampling computes in float32 and never raises for what the
-model produced: a row holding inf or NaN (a broken model, an overflow) takes its top token
-(the first +inf; NaN never wins) and reports no logprobs.
+Logprobs are of the raw model distribution (before penalties, the bitmask, temperature and
+truncation), as the OpenAI API reports them. Sampling computes in float32 and never raises
+for what the model produced: a row holding inf or NaN (a broken model, an overflow) takes
+its top allowed token (the first +inf; NaN never wins) and reports no logprobs.
 """
 
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -89,6 +98,9 @@ class SamplingBatch:
     has_output_penalty: bool  # some row has a presence or frequency penalty
     has_repetition: bool  # some row has a repetition penalty
     max_logprobs: int | None  # the largest top-n asked; None when no row asks for logprobs
+    # (B, 32 W) float32, 32 W >= V: 0 where the row may take the token, -inf where not;
+    # None when no row is constrained (then no op runs for it)
+    token_bias: Tensor | None = None
 
     @classmethod
     def build(
@@ -99,11 +111,14 @@ class SamplingBatch:
         history: Sequence[Sequence[int]] | None,
         prompt_lens: Sequence[int] | None,
         device: torch.device | str,
+        allowed_bits: Tensor | None = None,
     ) -> SamplingBatch:
         """The device tensors of a step. `seeds`: each row's 64-bit seed; `positions`: the
         index in its sequence of the token being sampled; `history`: each row's token ids
         so far (prompt, then output) and `prompt_lens`, needed only when some row has a
-        penalty (None otherwise). Does not wait for the uploads."""
+        penalty (None otherwise); `allowed_bits`: (B, W) int32 on the host, each row's
+        allowed tokens as bits (None: every row allows every token). Does not wait for
+        the uploads."""
         assert len(params) == len(seeds) == len(positions), (
             len(params),
             len(seeds),
@@ -122,6 +137,14 @@ class SamplingBatch:
                 _upload(ints, torch.device(device)),
             )
         logprobs = [p.logprobs for p in params if p.logprobs is not None]
+        token_bias = None
+        if allowed_bits is not None:
+            assert allowed_bits.dtype == torch.int32 and allowed_bits.shape[0] == len(params), (
+                allowed_bits.dtype,
+                allowed_bits.shape,
+                len(params),
+            )
+            token_bias = _token_bias(allowed_bits, torch.device(device))
         return cls(
             params=tuple(params),
             floats=floats,
@@ -133,6 +156,7 @@ class SamplingBatch:
             has_output_penalty=any(p.presence_penalty or p.frequency_penalty for p in params),
             has_repetition=any(p.repetition_penalty != 1 for p in params),
             max_logprobs=max(logprobs) if logprobs else None,
+            token_bias=token_bias,
         )
 
     @property
@@ -254,11 +278,20 @@ def sample(logits: Tensor, batch: SamplingBatch) -> SampledTokens:
     # NOTE: x * 0 is NaN for inf and NaN, 0 else; a plain sum could overflow to inf
     is_finite = logits.mul(0).sum(-1) == 0  # (B,)
     inf = math.inf
-    top = logits.nan_to_num(-inf, posinf=inf, neginf=-inf).argmax(-1)  # (B,) first max
+    bias = batch.token_bias
+    if bias is not None and bias.shape[1] != vocab:
+        bias = bias[:, :vocab]
+    clean = logits.nan_to_num(-inf, posinf=inf, neginf=-inf)
+    if bias is not None:  # NOTE: a banned +inf plus -inf is NaN: banned again
+        clean.add_(bias).nan_to_num_(-inf, posinf=inf, neginf=-inf)
+    top = clean.argmax(-1)  # (B,) first max (of the allowed tokens)
     token_ids = top
     if not batch.is_all_greedy or batch.needs_history:
         # NOTE: the ops below take a broken row without raising; `top` replaces its token
         x = _penalize(logits, batch) if batch.needs_history else logits
+        if bias is not None:
+            # NOTE: `clean` differs from `logits` only in broken rows, which take `top`
+            x = x + bias if batch.needs_history else clean
         token_ids = x.argmax(-1) if batch.needs_history else top  # what greedy rows take
         if not batch.is_all_greedy:
             is_greedy = batch.column(_F_IS_GREEDY)[:, 0] > 0
@@ -279,6 +312,27 @@ def sample(logits: Tensor, batch: SamplingBatch) -> SampledTokens:
         if n:
             out.top_logprobs, out.top_ids = logp.topk(n, dim=-1)
     return out
+
+
+def _token_bias(bits: Tensor, device: torch.device) -> Tensor:
+    """(B, W) int32 allowed bits on the host -> (B, 32 W) float32 on `device`: log of each
+    token's bit, 0 where allowed and -inf where banned."""
+    if device.type == "cpu":
+        return _bias_on_host(bits)
+    return _bias_on_device(_upload(bits, device))
+
+
+def _bias_on_host(bits: Tensor) -> Tensor:
+    assert sys.byteorder == "little", "bit t of an int32 word is bit t % 8 of its byte t // 8"
+    u = np.unpackbits(bits.numpy().view(np.uint8), axis=1, bitorder="little")  # (B, 32 W)
+    with np.errstate(divide="ignore"):
+        return torch.from_numpy(np.log(u, dtype=np.float32))
+
+
+def _bias_on_device(words: Tensor) -> Tensor:
+    token = torch.arange(words.shape[1] * 32, device=words.device)
+    each = words.index_select(1, token // 32)  # (B, 32 W): each token's word
+    return each.bitwise_right_shift_((token % 32).int()).bitwise_and_(1).float().log_()
 
 
 def _penalize(x: Tensor, batch: SamplingBatch) -> Tensor:

@@ -9,19 +9,35 @@ A stop string ends the output before it (OpenAI semantics; the earliest one to s
 those found); a stop token adds no text. Per token, only the tokens since the last text
 streamed are decoded and only the new text is searched for stop strings
 (`stopmatch.StopMatcher`), so the work does not grow with the output.
+
+A guided request (`params.guided`) carries its grammar's matcher (`grammar`, set by the
+runner that admits it; model/grammar.py), advanced by every token appended. Its output ends
+with "stop" as soon as the grammar is complete, whether or not an EOS token came (the
+grammar allows EOS only where it may end). With it the other limits stay as they are: a
+stop string or a stop token the grammar allows still cuts the text (the JSON may then be
+incomplete, as after "length": max_tokens and max_model_len still end it), `ignore_eos`
+only keeps EOS from ending the output where the grammar is not complete yet (the grammar's
+end ends it), and `min_tokens` cannot hold the output past the grammar's end either (a
+complete grammar allows no token to go on with). A token the grammar refuses (only a
+broken model row can bring one) ends the output with "abort".
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from mooncake.model.params import SamplingParams
 from mooncake.model.stopmatch import StopMatcher
 from mooncake.model.tokenizer import BaseTokenizer
 
+if TYPE_CHECKING:
+    from mooncake.model.grammar import GuidedMatcher
+
+log = logging.getLogger(__name__)
 FinishReason = Literal["stop", "length", "abort"]
 
 
@@ -56,7 +72,10 @@ class Sequence:
         output_ids: Seq[int] = (),
         block_ids: list[int] | None = None,
         num_cached_tokens: int = 0,
+        num_resumed: int = 0,
     ):
+        """`num_resumed`: the last this many of `prompt_ids` are output a request produced
+        before it was placed again (its grammar replays them)."""
         assert prompt_ids, "a prompt needs at least one token"
         self.seq_id = seq_id
         self.params = params
@@ -80,6 +99,14 @@ class Sequence:
         self.held_text = ""  # decoded, not streamed: it may begin a stop string
         self.stop_matcher = StopMatcher(params.stop) if params.stop else None
         self.num_preemptions = 0
+        assert 0 <= num_resumed <= self.prompt_len, (num_resumed, self.prompt_len)
+        self.num_resumed = num_resumed
+        self.grammar: GuidedMatcher | None = None  # set at admission for a guided request
+
+    @property
+    def guided_ids(self) -> list[int]:
+        """The tokens its grammar has seen: the resumed output, then this run's."""
+        return self.token_ids[self.prompt_len - self.num_resumed :]
 
     @property
     def output_ids(self) -> list[int]:
@@ -98,7 +125,11 @@ class Sequence:
         """Add a sampled token; decide whether the request ends; return what to stream."""
         self.token_ids.append(token_id)
         num_out = len(self.token_ids) - self.prompt_len
-        if token_id in self.stop_token_ids:
+        grammar = self.grammar
+        if grammar is not None and not grammar.accept(token_id):
+            log.warning("req %d: token %d breaks its %s", self.seq_id, token_id, grammar.kind)
+            self.finish_reason = "abort"
+        elif token_id in self.stop_token_ids or (grammar is not None and grammar.is_done):
             self.finish_reason = "stop"
         elif num_out >= self.params.max_tokens or (
             self.max_model_len and len(self.token_ids) >= self.max_model_len

@@ -126,6 +126,16 @@ class LibraryTokenizer(BaseTokenizer):
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return str(self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
 
+    @property
+    def vocab_size(self) -> int:
+        """Token ids this tokenizer knows, added tokens included."""
+        return int(self._tok.get_vocab_size(with_added_tokens=True))
+
+    def to_json(self) -> str:
+        """The `tokenizers` library's JSON of this tokenizer (the grammar engine builds its
+        token table from it)."""
+        return str(self._tok.to_str())
+
 
 class HFTokenizer(LibraryTokenizer):
     """A Hugging Face `tokenizer.json` with the directory's special tokens and template."""

@@ -235,16 +235,3 @@ def _as_text(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for m in out:
         m.pop("is_tool_response", None)
     return out
-
-
-def one_constraint(tool_guided: Guided | None, format_guided: Guided | None) -> Guided | None:
-    """The request's one output constraint: `tool_choice` 'required' or a named function
-    (`tool_guided`) and `response_format` / `guided_*` (`format_guided`) cannot both hold
-    the output (vLLM refuses a named tool_choice with structured outputs too)."""
-    if tool_guided is not None and format_guided is not None:
-        raise InvalidRequest(
-            "tool_choice: 'required' and a named function hold the output to the tools' "
-            "schema, so response_format and guided_* cannot be sent with them; send one",
-            "tool_choice",
-        )
-    return tool_guided or format_guided

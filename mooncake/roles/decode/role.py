@@ -34,6 +34,7 @@ from collections.abc import Callable
 from mooncake.conductor.costmodel import CostModel
 from mooncake.errors import MooncakeError
 from mooncake.kv.handoff import place_cache_in_segments
+from mooncake.model.grammar import try_create_grammar_engine
 from mooncake.model.prefill import check_token_ids
 from mooncake.model.sequence import Sequence, TokenEvent
 from mooncake.roles.decode.kv import StoringDecodeRunner, missing_layers, store_output_kv
@@ -103,6 +104,7 @@ class DecodeNode:
             step_time_fn=step_fn,
             chunk_tokens=cfg.prefill.chunk_tokens,
             on_retire=self._store_output_kv,
+            grammar=try_create_grammar_engine(w.tokenizer, w.model.spec.vocab_size),
             # NOTE: not under tensor parallelism: a capture would record rank 0's broadcast
             # of the step without sending it (as `mooncake serve`)
             cuda_graphs=None if cfg.model.cuda_graphs and w.tensor_parallel == 1 else False,
@@ -181,7 +183,13 @@ class DecodeNode:
             tokenizer=w.tokenizer,
             block_ids=blocks,
             num_cached_tokens=msg.num_cached_tokens,
+            num_resumed=msg.num_resumed,
         )
+        try:  # NOTE: here, so that a grammar it cannot resume fails the submit
+            self.runner.bind_grammar(seq)
+        except MooncakeError:
+            w.cache.free(blocks)
+            raise
         self._command(lambda: self.runner.add(seq))
         return AckMsg()
 

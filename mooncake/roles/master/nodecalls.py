@@ -45,6 +45,7 @@ class NodeCalls:
             d.decode,
             decoder.info.rpc_address,
             limit,
+            num_resumed=len(flight.output_ids),
         )
         client = self._client(leader.info.rpc_address)
         await client.call(task, AckMsg, timeout_s=self.call_timeout_s)

@@ -114,6 +114,9 @@ class PrefillTaskMsg(Msg, frozen=True, tag="prefill.task"):
     decode_node: Name
     decode_address: Addr  # the decode node's RPC address
     max_reuse_blocks: int | None = None  # the Conductor's choice of reused blocks (None: any)
+    # the last this many of prompt_ids are output streamed before the request was placed
+    # again (a guided request's grammar replays them on its new decode node)
+    num_resumed: int = 0
 
 
 class PrefillAbortMsg(Msg, frozen=True, tag="prefill.abort"):
@@ -179,6 +182,7 @@ class DecodeSubmitMsg(Msg, frozen=True, tag="decode.submit"):
     # layer -> tokens of KV written into `block_ids` (every stage's stream reports): the
     # decode node starts only when each of its model's layers holds all num_cached_tokens
     layer_tokens: list[int] = []
+    num_resumed: int = 0  # as PrefillTaskMsg's
 
 
 class DecodeReleaseMsg(Msg, frozen=True, tag="decode.release"):

@@ -105,7 +105,15 @@ class DecodeHandoff:
         decode node `to`. None: a one-token prompt, computed by the decode node itself."""
         blocks = list(dest.block_ids) if dest is not None else []
         n = dest.num_tokens if dest is not None else 0
-        msg = DecodeSubmitMsg(task.req_id, task.prompt_ids, task.params, blocks, n, layer_tokens)
+        msg = DecodeSubmitMsg(
+            task.req_id,
+            task.prompt_ids,
+            task.params,
+            blocks,
+            n,
+            layer_tokens,
+            num_resumed=task.num_resumed,
+        )
         self._call(to, msg, AckMsg)
 
     def release(self, req_id: int, to: DecodeTarget) -> None:

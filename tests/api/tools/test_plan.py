@@ -11,8 +11,14 @@ from typing import Any
 import jsonschema
 import pytest
 
-from mooncake.api.schemas import ChatRequest, InvalidRequest, chat_messages, decode_body
-from mooncake.api.tools.plan import one_constraint, plan_tools
+from mooncake.api.schemas import (
+    ChatRequest,
+    InvalidRequest,
+    chat_messages,
+    decode_body,
+    one_constraint,
+)
+from mooncake.api.tools.plan import plan_tools
 from mooncake.model.params import MAX_GUIDED_BYTES, Guided
 
 TEMPLATES = Path(__file__).parents[2] / "fixtures" / "chat_templates"
