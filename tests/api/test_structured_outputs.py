@@ -155,7 +155,7 @@ BAD = [
     ({"structured_outputs": {"grammar": "::="}}, "structured_outputs.grammar", "grammar"),
     (
         {"structured_outputs": {"whitespace_pattern": " "}},
-        "whitespace_pattern",
+        "structured_outputs.whitespace_pattern",
         "Unrecognized",
     ),
 ]
