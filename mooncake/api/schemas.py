@@ -1,10 +1,11 @@
 """OpenAI request bodies, parsed with msgspec, and their translation to `SamplingParams`.
 
 Every field OpenAI documents for /v1/completions and /v1/chat/completions is known here.
-Those we cannot honour are accepted at their neutral value (`echo: false`,
-`logit_bias: {}`, ...) and refused otherwise; an unknown field is refused, as OpenAI
-does, so a typo never passes silently. Extensions (vLLM's): `top_k` (-1 or 0 = off),
-`min_p` (0 = off), `repetition_penalty` (1 = off), `stop_token_ids`, `ignore_eos`. A
+Those we cannot honour are accepted at their neutral value (`echo: false`, ...) and
+refused otherwise; an unknown field is refused, as OpenAI does, so a typo never passes
+silently. `logit_bias` is OpenAI's: token ids as decimal strings, biases in [-100, 100].
+Extensions (vLLM's): `top_k` (-1 or 0 = off), `min_p` (0 = off), `repetition_penalty`
+(1 = off), `min_tokens` (0 = off), `stop_token_ids`, `ignore_eos`. A
 completion prompt is a string or a list of token ids (or a list holding exactly one of
 those).
 
@@ -21,7 +22,9 @@ from msgspec import Meta
 
 from mooncake.errors import ApiError
 from mooncake.model.params import (
+    MAX_BIAS,
     MAX_INT32,
+    MAX_LOGIT_BIAS,
     MAX_PENALTY,
     MAX_REPETITION_PENALTY,
     MAX_STOP_CHARS,
@@ -99,7 +102,18 @@ class _Common(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     user: str | None = None  # accepted, ignored
     presence_penalty: _Penalty | None = None
     frequency_penalty: _Penalty | None = None
-    logit_bias: Annotated[dict[str, float], _only(maxProperties=0)] | None = None
+    # OpenAI's: {"token id": bias}; the ids are checked against the vocabulary later
+    logit_bias: (
+        Annotated[
+            dict[
+                Annotated[str, _only(pattern="^[0-9]+$")],
+                Annotated[float, Meta(ge=-MAX_BIAS, le=MAX_BIAS)],
+            ],
+            _only(maxProperties=MAX_LOGIT_BIAS),
+        ]
+        | None
+    ) = None
+    min_tokens: Annotated[int, Meta(ge=0)] = 0  # extension: no stop before this many tokens
 
 
 class CompletionRequest(_Common, forbid_unknown_fields=True, kw_only=True):
@@ -222,7 +236,6 @@ def _refuse_unsupported(req: _Common) -> None:
     """Fields we know but cannot honour: allowed only at their neutral value."""
     checks: list[tuple[bool, str, str]] = [
         (req.n != 1, "n", f"only n=1 is supported, got {req.n}; send one request per sample"),
-        (bool(req.logit_bias), "logit_bias", "is not supported; leave it empty"),
         (
             req.stream_options is not None and not req.stream,
             "stream_options",
@@ -285,6 +298,25 @@ def chat_messages(req: ChatRequest) -> list[dict[str, Any]]:
     return out
 
 
+_TOKEN_ID_KEY = re.compile(r"[0-9]+")
+
+
+def logit_bias(req: CompletionRequest | ChatRequest) -> tuple[tuple[int, float], ...]:
+    """The (token id, bias) pairs of `logit_bias`, in ascending id order; raises
+    InvalidRequest for a key that is no token id (OpenAI's keys are decimal strings)."""
+    pairs = []
+    for key, bias in (req.logit_bias or {}).items():
+        if not _TOKEN_ID_KEY.fullmatch(key):
+            raise InvalidRequest(
+                f"logit_bias: keys must be token ids written as decimal integers, got {key!r}",
+                "logit_bias",
+            )
+        pairs.append((int(key), bias))
+    if len({t for t, _ in pairs}) != len(pairs):  # "7" and "007"
+        raise InvalidRequest("logit_bias: a token id is given twice", "logit_bias")
+    return tuple(sorted(pairs))
+
+
 def sampling_params(req: CompletionRequest | ChatRequest, max_tokens: int) -> SamplingParams:
     """SamplingParams of a parsed request, with `max_tokens` already resolved."""
     _refuse_unsupported(req)
@@ -310,6 +342,8 @@ def sampling_params(req: CompletionRequest | ChatRequest, max_tokens: int) -> Sa
             stop_token_ids=tuple(req.stop_token_ids or ()),
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
+            logit_bias=logit_bias(req),
+            min_tokens=req.min_tokens,
         )  # validated as it is built
     except InvalidSamplingParams as e:
         raise InvalidRequest(str(e), e.param) from e

@@ -209,6 +209,7 @@ async def generate(ctx: ServingContext, request: Request, is_chat: bool) -> Resp
         _check_vocab(ctx, prompt_ids, field)
         params = schemas.sampling_params(req, max_tokens)
         _check_vocab(ctx, params.stop_token_ids, "stop_token_ids")
+        _check_vocab(ctx, [t for t, _ in params.logit_bias], "logit_bias")
         gen = GenerateRequest(
             req_id=req_id, prompt_ids=prompt_ids, params=params, arrival_s=arrival_s
         )

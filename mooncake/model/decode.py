@@ -241,6 +241,7 @@ class DecodeRunner:
             [s.token_ids for s in seqs] if needs_history else None,
             [s.prompt_len for s in seqs] if needs_history else None,
             logits.device,
+            min_tokens_stops=[s.min_tokens_stops for s in seqs],
         )
         out = sample(logits, batch).to_host()
         events = [

@@ -11,17 +11,27 @@ indexing or `torch.multinomial`); `to_host` fetches everything in one copy and o
 synchronisation. Every branch of the Python code reads the params' host-side flags,
 never a device value, so the ops run do not depend on the batch size either.
 
-Per row, in this order (vLLM's sampler, vllm/v1/sample/sampler.py, has the same):
-1. penalties, only computed when some row has one: vLLM's repetition penalty over prompt
+Per row, in this order (vLLM's sampler, vllm/v1/sample/sampler.py, has the same: its
+"logits processors that are not argmax-invariant", min_tokens then logit_bias, then its
+penalties, then greedy or the draw):
+1. min_tokens: while a row's output is shorter than its `min_tokens`, its stop token ids
+   (EOS unless ignore_eos, and stop_token_ids) get -inf. The caller passes those ids per
+   row (`min_tokens_stops`; `Sequence.min_tokens_stops` says which), since only it knows
+   the row's output length and EOS. The mask is applied last of steps 1-3 here: a bias
+   or a penalty leaves -inf at -inf, so the result is vLLM's.
+2. logit_bias (OpenAI's): each listed token's bias added to its logit.
+3. penalties: vLLM's repetition penalty over prompt
    and output tokens (a seen token's logit divided by r when positive, multiplied by r
    when not), then OpenAI's frequency and presence penalties over the output tokens,
-   `logit -= frequency * count + presence * (count > 0)`. Greedy rows see them too.
-2. greedy rows take the argmax (the first max).
-3. temperature: the logits are shifted so the top token sits at 0, then divided by the
+   `logit -= frequency * count + presence * (count > 0)`.
+   Each of steps 1-3 runs only when some row of the batch uses it; greedy rows see them
+   too.
+4. greedy rows take the argmax (the first max).
+5. temperature: the logits are shifted so the top token sits at 0, then divided by the
    temperature (clamped to the validated range), so that nothing overflows.
-4. truncation: top-k, min-p (tokens at least min_p times as likely as the top token) and
+6. truncation: top-k, min-p (tokens at least min_p times as likely as the top token) and
    then top-p over what is left; the top token always stays.
-5. the draw, with the Gumbel-max trick: argmax(log p + G), G = -log(-log u), u uniform in
+7. the draw, with the Gumbel-max trick: argmax(log p + G), G = -log(-log u), u uniform in
    (0, 1), samples exactly from p (it is the exponential race argmax p / E, E ~ Exp(1)).
    u is a counter-based hash of (seed, position, token id) in integer torch ops, so a
    seeded request draws the same tokens whatever batch it runs in and whatever its row;
@@ -59,7 +69,9 @@ _MUL1, _MUL2 = 0x21F0AAAD, 0x735A2D97
 _SALT_POSITION, _SALT_TOKEN = 0x9E3779B9, 0x85EBCA6B  # so that 0 does not hash to 0
 _U_BITS = 23  # uniform resolution: (h + 0.5) / 2**23 is exact in float32, never 0 or 1
 
-# columns of the two uploads (the float32 one and the int64 one, before the history)
+# columns of the two uploads: the float32 one is [_F_* columns | biases K], the int64 one
+# [_I_* columns | history L | biased token ids K | masked token ids M]; a row's unused
+# places hold 0 (history, read up to its length) or -1 (token ids: none)
 _F_TEMPERATURE, _F_TOP_P, _F_MIN_P, _F_PRESENCE, _F_FREQUENCY, _F_REPETITION = range(6)
 _F_IS_GREEDY = 6
 _I_SEED_LO, _I_SEED_HI, _I_POSITION, _I_TOP_K, _I_PROMPT_LEN, _I_HISTORY_LEN = range(6)
@@ -79,9 +91,9 @@ class SamplingBatch:
     ops `sample` runs. Built once per step by `build`; read-only after that."""
 
     params: tuple[SamplingParams, ...]  # host copy, one per row
-    # None for a batch of greedy rows without penalties, whose argmax reads neither
-    floats: Tensor | None  # (B, 7) float32: the _F_* columns
-    ints: Tensor | None  # (B, 6 + L) int64: the _I_* columns, then the history padded with 0
+    # None for a batch of greedy rows that nothing adjusts, whose argmax reads neither
+    floats: Tensor | None  # (B, 7 + K) float32: the _F_* columns, then the biases
+    ints: Tensor | None  # (B, 6 + L + K + M) int64: see the column table above
     is_all_greedy: bool
     has_top_k: bool  # some sampled row truncates by top_k, ...
     has_top_p: bool
@@ -89,6 +101,9 @@ class SamplingBatch:
     has_output_penalty: bool  # some row has a presence or frequency penalty
     has_repetition: bool  # some row has a repetition penalty
     max_logprobs: int | None  # the largest top-n asked; None when no row asks for logprobs
+    num_history: int = 0  # L: columns of history
+    num_bias: int = 0  # K: the most (token, bias) pairs of a row; 0 = no row has a bias
+    num_masked: int = 0  # M: the most ids a row masks for min_tokens; 0 = no row masks
 
     @classmethod
     def build(
@@ -99,24 +114,34 @@ class SamplingBatch:
         history: Sequence[Sequence[int]] | None,
         prompt_lens: Sequence[int] | None,
         device: torch.device | str,
+        min_tokens_stops: Sequence[Sequence[int]] | None = None,
     ) -> SamplingBatch:
         """The device tensors of a step. `seeds`: each row's 64-bit seed; `positions`: the
         index in its sequence of the token being sampled; `history`: each row's token ids
         so far (prompt, then output) and `prompt_lens`, needed only when some row has a
-        penalty (None otherwise). Does not wait for the uploads."""
+        penalty (None otherwise); `min_tokens_stops`: per row, the token ids that cannot
+        be sampled at this step because its output is under min_tokens (None: no row).
+        Does not wait for the uploads."""
         assert len(params) == len(seeds) == len(positions), (
             len(params),
             len(seeds),
             len(positions),
         )
+        masked = min_tokens_stops if min_tokens_stops is not None else [()] * len(params)
+        assert len(masked) == len(params), (len(masked), len(params))
         sampled = [p for p in params if not p.is_greedy]
         needs_history = any(p.has_penalty for p in params)
         assert not needs_history or (history is not None and prompt_lens is not None), (
             "a penalty needs the history and the prompt lengths"
         )
+        rows = history if needs_history and history is not None else [()] * len(params)
+        lens = prompt_lens if needs_history and prompt_lens is not None else [0] * len(params)
+        num_history = max((len(h) for h in rows), default=0)
+        num_bias = max((len(p.logit_bias) for p in params), default=0)
+        num_masked = max((len(m) for m in masked), default=0)
         floats = ints = None
-        if sampled or needs_history:
-            floats, ints = _tensors(params, seeds, positions, history, prompt_lens, needs_history)
+        if sampled or needs_history or num_bias or num_masked:
+            floats, ints = _tensors(params, seeds, positions, rows, lens, masked)
             floats, ints = (
                 _upload(floats, torch.device(device)),
                 _upload(ints, torch.device(device)),
@@ -133,43 +158,66 @@ class SamplingBatch:
             has_output_penalty=any(p.presence_penalty or p.frequency_penalty for p in params),
             has_repetition=any(p.repetition_penalty != 1 for p in params),
             max_logprobs=max(logprobs) if logprobs else None,
+            num_history=num_history,
+            num_bias=num_bias,
+            num_masked=num_masked,
         )
 
     @property
     def needs_history(self) -> bool:
         return self.has_output_penalty or self.has_repetition
 
+    @property
+    def is_adjusted(self) -> bool:
+        """Whether some row's logits change before greedy picks (steps 1-3)."""
+        return self.needs_history or bool(self.num_bias) or bool(self.num_masked)
+
     def column(self, index: int) -> Tensor:
         """(B, 1) one float column, broadcast against (B, V)."""
         assert self.floats is not None, "a batch of greedy rows without penalties"
         return self.floats[:, index : index + 1]
+
+    def int_columns(self, start: int, num: int) -> Tensor:
+        """(B, num) int columns from `start` (the _I_* columns are 0 .. _NUM_I)."""
+        assert self.ints is not None, "set whenever a row is sampled or adjusted"
+        return self.ints[:, start : start + num]
 
 
 def _tensors(
     params: Sequence[SamplingParams],
     seeds: Sequence[int],
     positions: Sequence[int],
-    history: Sequence[Sequence[int]] | None,
-    prompt_lens: Sequence[int] | None,
-    needs_history: bool,
+    history: Sequence[Sequence[int]],
+    prompt_lens: Sequence[int],
+    masked: Sequence[Sequence[int]],
 ) -> tuple[Tensor, Tensor]:
     """The float32 and int64 host tensors of `SamplingBatch.build`."""
-    rows = history if needs_history and history is not None else [()] * len(params)
-    lens = prompt_lens if needs_history and prompt_lens is not None else [0] * len(params)
-    num_cols = max((len(h) for h in rows), default=0)
-    floats = torch.tensor([_float_row(p) for p in params], dtype=torch.float32)
-    floats = floats.reshape(len(params), _NUM_F)
-    ints = torch.zeros((len(params), _NUM_I + num_cols), dtype=torch.int64)
+    num_rows = len(params)
+    num_history = max((len(h) for h in history), default=0)
+    num_bias = max((len(p.logit_bias) for p in params), default=0)
+    num_masked = max((len(m) for m in masked), default=0)
+    floats = torch.zeros((num_rows, _NUM_F + num_bias), dtype=torch.float32)
+    if num_rows:
+        floats[:, :_NUM_F] = torch.tensor([_float_row(p) for p in params], dtype=torch.float32)
+    ints = torch.zeros((num_rows, _NUM_I + num_history + num_bias + num_masked), dtype=torch.int64)
     # a 64-bit seed as two 32-bit lanes (two's complement for a negative one)
     meta = [
         [seed & _MASK32, (seed >> 32) & _MASK32, pos, p.top_k, n, len(h)]
-        for p, seed, pos, h, n in zip(params, seeds, positions, rows, lens, strict=True)
+        for p, seed, pos, h, n in zip(params, seeds, positions, history, prompt_lens, strict=True)
     ]
     if meta:
         ints[:, :_NUM_I] = torch.tensor(meta, dtype=torch.int64)
-    for i, h in enumerate(rows):
+    ints[:, _NUM_I + num_history :] = -1
+    bias_at, masked_at = _NUM_I + num_history, _NUM_I + num_history + num_bias
+    for i, (p, h, m) in enumerate(zip(params, history, masked, strict=True)):
         if h:
             ints[i, _NUM_I : _NUM_I + len(h)] = torch.tensor(h, dtype=torch.int64)
+        if p.logit_bias:
+            ids, biases = zip(*p.logit_bias, strict=True)
+            ints[i, bias_at : bias_at + len(ids)] = torch.tensor(ids, dtype=torch.int64)
+            floats[i, _NUM_F : _NUM_F + len(ids)] = torch.tensor(biases, dtype=torch.float32)
+        if m:
+            ints[i, masked_at : masked_at + len(m)] = torch.tensor(list(m), dtype=torch.int64)
     return floats, ints
 
 
@@ -256,10 +304,10 @@ def sample(logits: Tensor, batch: SamplingBatch) -> SampledTokens:
     inf = math.inf
     top = logits.nan_to_num(-inf, posinf=inf, neginf=-inf).argmax(-1)  # (B,) first max
     token_ids = top
-    if not batch.is_all_greedy or batch.needs_history:
+    if not batch.is_all_greedy or batch.is_adjusted:
         # NOTE: the ops below take a broken row without raising; `top` replaces its token
-        x = _penalize(logits, batch) if batch.needs_history else logits
-        token_ids = x.argmax(-1) if batch.needs_history else top  # what greedy rows take
+        x = _adjust(logits, batch) if batch.is_adjusted else logits
+        token_ids = x.argmax(-1) if batch.is_adjusted else top  # what greedy rows take
         if not batch.is_all_greedy:
             is_greedy = batch.column(_F_IS_GREEDY)[:, 0] > 0
             token_ids = torch.where(is_greedy, token_ids, _draw(x, batch))
@@ -281,12 +329,39 @@ def sample(logits: Tensor, batch: SamplingBatch) -> SampledTokens:
     return out
 
 
+def _adjust(x: Tensor, batch: SamplingBatch) -> Tensor:
+    """(B, V) logits -> after steps 1-3 of the module docstring: the bias, the penalties,
+    then the min_tokens mask (which they would leave at -inf in vLLM's order)."""
+    if batch.num_bias:
+        assert batch.floats is not None, "set whenever a row has a bias"
+        ids = batch.int_columns(_NUM_I + batch.num_history, batch.num_bias)
+        x = x + _scatter_rows(x, ids, batch.floats[:, _NUM_F:])
+    if batch.needs_history:
+        x = _penalize(x, batch)
+    elif batch.num_bias:  # NOTE: a bias may push a huge logit to inf (inf - inf is NaN later)
+        x = x.clamp(-_FLOAT_MAX, _FLOAT_MAX)
+    if batch.num_masked:
+        at = _NUM_I + batch.num_history + batch.num_bias
+        is_masked = _scatter_rows(x, batch.int_columns(at, batch.num_masked), None) > 0
+        x = x.masked_fill(is_masked, -math.inf)
+    return x
+
+
+def _scatter_rows(x: Tensor, ids: Tensor, values: Tensor | None) -> Tensor:
+    """(B, V) zeros with `values` (B, K) (None: ones) added at token `ids` (B, K); an id
+    of -1 (none) or past this vocabulary adds nothing."""
+    is_valid = (ids >= 0) & (ids < x.shape[1])
+    index = torch.where(is_valid, ids, 0)
+    src = is_valid.float() if values is None else torch.where(is_valid, values, 0.0)
+    return x.new_zeros(x.shape).scatter_add_(1, index, src)
+
+
 def _penalize(x: Tensor, batch: SamplingBatch) -> Tensor:
     """(B, V) logits -> after the repetition, frequency and presence penalties."""
     num_rows, vocab = x.shape
     ints = batch.ints
     assert ints is not None, "set whenever a row is sampled or penalized"
-    history = ints[:, _NUM_I:]  # (B, L), padded with 0
+    history = batch.int_columns(_NUM_I, batch.num_history)  # (B, L), padded with 0
     col = torch.arange(history.shape[1], device=x.device)
     # NOTE: an id past this vocabulary (none should come) is left out, not indexed
     is_valid = (col < ints[:, _I_HISTORY_LEN : _I_HISTORY_LEN + 1]) & (history < vocab)

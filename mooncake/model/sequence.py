@@ -73,6 +73,7 @@ class Sequence:
         if not params.ignore_eos:
             stops.update(eos_token_ids)
         self.stop_token_ids = frozenset(stops)
+        self._sorted_stops = tuple(sorted(stops))
         self.finish_reason: FinishReason | None = None
         # incremental decoding: output ids [prefix_offset, read_offset) gave the text
         # before the last one streamed; those from read_offset on are not decoded yet
@@ -84,6 +85,14 @@ class Sequence:
     @property
     def output_ids(self) -> list[int]:
         return self.token_ids[self.prompt_len :]
+
+    @property
+    def min_tokens_stops(self) -> tuple[int, ...]:
+        """The stop token ids the sampler masks for the next token: all of them while the
+        output is shorter than `min_tokens`, none after (vLLM's MinTokensLogitsProcessor)."""
+        if len(self.token_ids) - self.prompt_len < self.params.min_tokens:
+            return self._sorted_stops
+        return ()
 
     @property
     def is_finished(self) -> bool:
@@ -98,28 +107,35 @@ class Sequence:
         """Add a sampled token; decide whether the request ends; return what to stream."""
         self.token_ids.append(token_id)
         num_out = len(self.token_ids) - self.prompt_len
-        if token_id in self.stop_token_ids:
+        # NOTE: before min_tokens output tokens nothing stops the output (vLLM's
+        # check_stop); the sampler masks the stop tokens until then
+        is_stop = token_id in self.stop_token_ids and num_out >= self.params.min_tokens
+        if is_stop:
             self.finish_reason = "stop"
         elif num_out >= self.params.max_tokens or (
             self.max_model_len and len(self.token_ids) >= self.max_model_len
         ):
             self.finish_reason = "length"
-        text = self._new_text(token_id)
+        text = self._new_text(is_stop)
         return TokenEvent(self.seq_id, token_id, text, logprob, top_logprobs, self.finish_reason)
 
-    def _new_text(self, token_id: int) -> str:
+    def _new_text(self, is_stop: bool) -> str:
         if self.tokenizer is None:
             return ""
         is_done = self.finish_reason is not None
         # NOTE: a stop token adds no text
-        num_ids = len(self.token_ids) - self.prompt_len - (token_id in self.stop_token_ids)
+        num_out = len(self.token_ids) - self.prompt_len
+        num_ids = num_out - is_stop
         chunk = self._decode(num_ids, is_done)
         text = self.held_text + chunk  # not streamed yet, in the order decoded
         self.held_text = ""
         if self.stop_matcher is None:
             return text
         start = self.stop_matcher.feed(chunk)
-        if start is not None:  # cut before the stop string
+        # NOTE: stop strings count once the output is past min_tokens tokens, as vLLM's
+        # detokenizer checks them (`len(output_token_ids) > min_tokens`)
+        if start is not None and num_out > self.params.min_tokens:
+            # cut before the stop string
             self.finish_reason = "stop"
             cut = start - (self.stop_matcher.num_chars - len(text))
             assert 0 <= cut <= len(text), (start, self.stop_matcher.num_chars, len(text))

@@ -56,6 +56,43 @@ def _error(resp: httpx.Response, status: int) -> dict:
         ("completions", {"prompt": "x", "logprobs": 21}, "logprobs", "<= 20"),
         (
             "completions",
+            {"prompt": "x", "logit_bias": {"a": 1}},
+            "logit_bias",
+            "keys must be token ids written as decimal integers, got 'a'",
+        ),
+        (
+            "completions",
+            {"prompt": "x", "logit_bias": {"-3": 1}},
+            "logit_bias",
+            "keys must be token ids written as decimal integers, got '-3'",
+        ),
+        (
+            "completions",
+            {"prompt": "x", "logit_bias": {"7": 1, "007": 2}},
+            "logit_bias",
+            "a token id is given twice",
+        ),
+        (
+            "chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "logit_bias": {"512": 5}},
+            "logit_bias",
+            "token id 512 is outside the model's vocabulary of 512",
+        ),
+        (
+            "completions",
+            {"prompt": "x", "logit_bias": {"5": 100.5}},
+            "logit_bias[...]",
+            "<= 100.0",
+        ),
+        (
+            "completions",
+            {"prompt": "x", "max_tokens": 4, "min_tokens": 5},
+            "min_tokens",
+            "min_tokens must be in [0, max_tokens=4], got 5",
+        ),
+        ("completions", {"prompt": "x", "min_tokens": -1}, "min_tokens", ">= 0"),
+        (
+            "completions",
             {"prompt": "x", "max_tokenz": 3},
             "max_tokenz",
             "Unrecognized request argument supplied: max_tokenz",
