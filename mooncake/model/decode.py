@@ -11,6 +11,17 @@
   `PrefixCache`, the blocks of its longest cached prefix are reused, not computed.
 - run: one forward pass over the batch, one new token per request.
 - postprocess: sample, stream the tokens (`TokenEvent`s), retire finished requests.
+
+A request of `params.n` > 1 choices is added as one `Sequence` (choice 0). Once admitted
+and its prompt's KV is in the cache (prefilled here, or written by a prefill node), it is
+forked: choices 1 .. n-1 share its blocks that are full of prompt KV (a reference each,
+`BlockAllocator.share` / `PrefixCache.share`) and join the queue's front, so they are
+admitted in the same schedule. A choice writes only past the shared blocks: the last
+prompt block, partly filled, is not shared; each choice gets a block of its own and
+recomputes those at most `block_tokens - 1` prompt tokens into it (rather than a copy,
+which would have to reach every tensor-parallel rank outside a forward). The choices then
+decode as independent rows. An abort ends every choice of its request; a choice's finish
+says whether others go on (`TokenEvent.more_choices`).
 """
 
 from __future__ import annotations
@@ -76,20 +87,30 @@ class DecodeRunner:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order; preemption takes the last
         self.num_preemptions = 0
+        self.num_prefill_tokens = 0  # tokens whose KV was computed here (prefill on admission)
+        self._choices_left: dict[int, int] = {}  # seq_id -> its choices not finished
+        self._to_fork: list[Sequence] = []  # admitted with their KV, choices not made yet
 
     def add(self, seq: Sequence) -> None:
         """Queue a request (with its KV in `seq.block_ids` already, or not); raises ApiError
         for token ids outside the vocabulary."""
         check_token_ids(seq.token_ids, self.model.spec.vocab_size)
+        assert seq.seq_id not in self._choices_left, f"req {seq.seq_id} added twice"
+        self._choices_left[seq.seq_id] = 1  # more once it forks
         self.waiting.append(seq)
 
-    def abort(self, seq_id: int) -> TokenEvent | None:
-        """Drop a request wherever it is; returns its final event, or None if unknown."""
-        for seq in [*self.running, *self.waiting]:
-            if seq.seq_id == seq_id:
-                self._retire(seq)
-                return seq.finish("abort")
-        return None
+    def abort(self, seq_id: int) -> list[TokenEvent]:
+        """Drop every choice of a request wherever it is; returns their final events (the
+        last one ends the request), or [] if unknown."""
+        seqs = [s for s in [*self.running, *self.waiting] if s.seq_id == seq_id]
+        for seq in seqs:
+            self._retire(seq)
+        self._to_fork = [s for s in self._to_fork if s.seq_id != seq_id]
+        self._choices_left.pop(seq_id, None)
+        events = [seq.finish("abort") for seq in seqs]
+        for e in events[:-1]:
+            e.more_choices = True
+        return events
 
     @property
     def has_work(self) -> bool:
@@ -111,6 +132,16 @@ class DecodeRunner:
                     seq.block_ids += ids
                 else:
                     self._preempt(self.running[-1])
+        events = self._admit()
+        while self._to_fork:  # NOTE: the choices join at the front, admitted right away
+            parents, self._to_fork = self._to_fork, []
+            for parent in parents:
+                self._fork(parent)
+            events += self._admit()
+        return events
+
+    def _admit(self) -> list[TokenEvent]:
+        """Admit waiting requests, oldest first, while they fit (module docstring)."""
         events: list[TokenEvent] = []
         admitted: list[Sequence] = []
         context = sum(len(s.token_ids) for s in self.running)
@@ -124,12 +155,10 @@ class DecodeRunner:
             if ids is None:
                 self._unmatch_prefix(seq)
                 if not self.running:  # it would not fit even alone
-                    self.waiting.popleft()
-                    self._retire(seq)
                     log.warning(
                         "req %d: %d tokens exceed the KV cache", seq.seq_id, len(seq.token_ids)
                     )
-                    events.append(seq.finish("abort"))
+                    events += self.abort(seq.seq_id)
                     continue
                 break
             self.waiting.popleft()
@@ -142,6 +171,23 @@ class DecodeRunner:
             context += len(seq.token_ids)
         self._fill_kv(admitted)
         return events
+
+    def _fork(self, parent: Sequence) -> None:
+        """Make choices 1 .. n-1 of `parent` (its prompt's KV computed), sharing its blocks
+        full of prompt KV, at the front of the queue."""
+        n, bt = parent.params.n, self.cache.block_tokens
+        num_shared = parent.num_cached_tokens // bt  # NOTE: the partial one is recomputed
+        shared = parent.block_ids[:num_shared]
+        children = []
+        for index in range(1, n):
+            if self.prefix_cache is not None:
+                self.prefix_cache.share(shared)
+            else:
+                self.cache.allocator.share(shared)
+            children.append(parent.fork(index, list(shared), num_shared * bt))
+        parent.is_forked = True
+        self._choices_left[parent.seq_id] += n - 1
+        self.waiting.extendleft(reversed(children))
 
     def _allocate(self, n: int) -> list[int] | None:
         if self.prefix_cache is not None:
@@ -189,12 +235,14 @@ class DecodeRunner:
                 if budget == 0:
                     break
             self._prefill_pieces(pieces)
-            for s, _, end in pieces:
+            for s, start, end in pieces:
                 s.num_cached_tokens = end
+                self.num_prefill_tokens += end - start
             todo = [s for s in todo if s.num_cached_tokens < len(s.token_ids) - 1]
         if self.prefix_cache is not None:  # later requests may share their prompts from now on
             for s in seqs:
                 self.prefix_cache.register(s.token_ids, s.block_ids, len(s.token_ids) - 1)
+        self._to_fork += [s for s in seqs if not s.is_forked]
 
     @torch.inference_mode()
     def _prefill_pieces(self, pieces: list[tuple[Sequence, int, int]]) -> None:
@@ -250,8 +298,12 @@ class DecodeRunner:
                 seqs, out.token_ids, out.logprobs, out.top_logprobs, strict=True
             )
         ]
-        for s in [s for s in seqs if s.is_finished]:
+        for s, e in [(s, e) for s, e in zip(seqs, events, strict=True) if s.is_finished]:
             self._retire(s)
+            left = self._choices_left.pop(s.seq_id, 1) - 1
+            if left:
+                self._choices_left[s.seq_id] = left
+            e.more_choices = left > 0
         return events
 
     def _retire(self, seq: Sequence) -> None:

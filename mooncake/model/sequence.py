@@ -34,7 +34,9 @@ class TokenEvent:
     text: str  # new output text made certain by this token (may be "")
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
-    finish_reason: FinishReason | None = None
+    finish_reason: FinishReason | None = None  # of this choice
+    index: int = 0  # the choice (0 .. params.n - 1)
+    more_choices: bool = False  # with finish_reason: other choices of the request go on
 
 
 def _random_seed() -> int:
@@ -56,19 +58,28 @@ class Sequence:
         output_ids: Seq[int] = (),
         block_ids: list[int] | None = None,
         num_cached_tokens: int = 0,
+        index: int = 0,
     ):
+        """`index`: which of the request's `params.n` choices this is (`fork` makes the
+        others); it shifts the seed, so each choice draws its own tokens reproducibly."""
         assert prompt_ids, "a prompt needs at least one token"
+        assert 0 <= index < params.n, (index, params.n)
         self.seq_id = seq_id
+        self.index = index
+        self.is_forked = index > 0 or params.n == 1  # its other choices exist (or none do)
         self.params = params
         self.prompt_len = len(prompt_ids)
         self.token_ids = [*prompt_ids, *output_ids]
         self.block_ids = block_ids or []
         self.num_cached_tokens = num_cached_tokens  # tokens whose KV is in block_ids
         self.num_reused_tokens = 0  # prompt tokens whose KV a prefix cache gave at admission
-        # what keys the sampler's noise, with the position: the request's seed, else random
-        self.seed = params.seed if params.seed is not None else _random_seed()
+        # what keys the sampler's noise, with the position: the request's seed (plus the
+        # choice's index, as a signed 64-bit value), else random
+        seed = params.seed
+        self.seed = _random_seed() if seed is None else (seed + index + 2**63) % 2**64 - 2**63
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len  # 0 = no limit
+        self.eos_token_ids = tuple(eos_token_ids)
         stops = set(params.stop_token_ids)
         if not params.ignore_eos:
             stops.update(eos_token_ids)
@@ -117,7 +128,9 @@ class Sequence:
         ):
             self.finish_reason = "length"
         text = self._new_text(is_stop)
-        return TokenEvent(self.seq_id, token_id, text, logprob, top_logprobs, self.finish_reason)
+        return TokenEvent(
+            self.seq_id, token_id, text, logprob, top_logprobs, self.finish_reason, self.index
+        )
 
     def _new_text(self, is_stop: bool) -> str:
         if self.tokenizer is None:
@@ -167,4 +180,20 @@ class Sequence:
     def finish(self, reason: FinishReason) -> TokenEvent:
         """End the request from outside (abort, cache too small)."""
         self.finish_reason = reason
-        return TokenEvent(self.seq_id, None, "", finish_reason=reason)
+        return TokenEvent(self.seq_id, None, "", finish_reason=reason, index=self.index)
+
+    def fork(self, index: int, block_ids: list[int], num_cached_tokens: int) -> Sequence:
+        """Choice `index` of this request, before its first output token, reading the
+        prompt's KV in `block_ids` (shared: the caller took a reference on each)."""
+        assert not self.output_ids, "choices fork before the first output token"
+        return Sequence(
+            self.seq_id,
+            self.token_ids,
+            self.params,
+            eos_token_ids=self.eos_token_ids,
+            max_model_len=self.max_model_len,
+            tokenizer=self.tokenizer,
+            block_ids=block_ids,
+            num_cached_tokens=num_cached_tokens,
+            index=index,
+        )
