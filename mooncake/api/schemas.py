@@ -4,6 +4,9 @@ Every field OpenAI documents for /v1/completions and /v1/chat/completions is kno
 Those we cannot honour are accepted at their neutral value (`echo: false`, ...) and
 refused otherwise; an unknown field is refused, as OpenAI does, so a typo never passes
 silently. `logit_bias` is OpenAI's: token ids as decimal strings, biases in [-100, 100].
+`n` (1 .. 128) choices share the prompt's KV; completions' `best_of` (n .. 128) generates
+that many and returns the n of highest cumulative logprob (vLLM's ranking; OpenAI: "the
+one with the highest log probability per token"), and cannot be streamed above n.
 Extensions (vLLM's): `top_k` (-1 or 0 = off), `min_p` (0 = off), `repetition_penalty`
 (1 = off), `min_tokens` (0 = off), `stop_token_ids`, `ignore_eos`. A
 completion prompt is a string or a list of token ids (or a list holding exactly one of
@@ -23,6 +26,7 @@ from msgspec import Meta
 from mooncake.errors import ApiError
 from mooncake.model.params import (
     MAX_BIAS,
+    MAX_CHOICES,
     MAX_INT32,
     MAX_LOGIT_BIAS,
     MAX_PENALTY,
@@ -96,7 +100,8 @@ class _Common(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     stop_token_ids: list[TokenId] | None = None  # extension
     ignore_eos: bool = False  # extension
     return_token_ids: Annotated[bool, Meta(description=RETURN_TOKEN_IDS)] = False  # vLLM's
-    n: Annotated[int, _only(const=1)] = 1
+    # choices returned; they share the prompt's KV (computed once)
+    n: Annotated[int, Meta(ge=1, le=MAX_CHOICES)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted, ignored
@@ -127,7 +132,8 @@ class CompletionRequest(_Common, forbid_unknown_fields=True, kw_only=True):
     prompt: str | Annotated[list[str | TokenId | _TokenIds], _only(minItems=1)]
     logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
     echo: Annotated[bool, _only(const=False)] = False
-    best_of: Annotated[int, _only(const=1)] | None = None
+    # candidates generated, the n of highest cumulative logprob returned (not streamable)
+    best_of: Annotated[int, Meta(ge=1, le=MAX_CHOICES)] | None = None
     suffix: Annotated[str, _only(maxLength=0)] | None = None
 
 
@@ -235,7 +241,6 @@ def _field_at(body: bytes, *, offset: int = -1, max_depth: int = 0) -> str | Non
 def _refuse_unsupported(req: _Common) -> None:
     """Fields we know but cannot honour: allowed only at their neutral value."""
     checks: list[tuple[bool, str, str]] = [
-        (req.n != 1, "n", f"only n=1 is supported, got {req.n}; send one request per sample"),
         (
             req.stream_options is not None and not req.stream,
             "stream_options",
@@ -245,7 +250,16 @@ def _refuse_unsupported(req: _Common) -> None:
     if isinstance(req, CompletionRequest):
         checks += [
             (req.echo, "echo", "is not supported; use echo=false"),
-            (req.best_of not in (None, 1), "best_of", f"only 1 is supported, got {req.best_of}"),
+            (
+                req.best_of is not None and req.best_of < req.n,
+                "best_of",
+                f"must be at least n={req.n}, got {req.best_of}",
+            ),
+            (
+                req.stream and (req.best_of or req.n) > req.n,
+                "best_of",
+                "cannot be streamed when best_of > n: the best choices are known only at the end",
+            ),
             (bool(req.suffix), "suffix", "is not supported"),
         ]
     if isinstance(req, ChatRequest):
@@ -323,10 +337,13 @@ def sampling_params(req: CompletionRequest | ChatRequest, max_tokens: int) -> Sa
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
     if any(not s for s in stop):
         raise InvalidRequest("stop: empty stop strings are not allowed", "stop")
+    num_seqs = num_candidates(req)
     if isinstance(req, ChatRequest):
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
     else:
         logprobs = req.logprobs
+        if num_seqs > req.n and logprobs is None:
+            logprobs = 0  # the ranking reads each token's logprob (not returned)
     try:
         return SamplingParams(
             max_tokens=max_tokens,
@@ -344,9 +361,17 @@ def sampling_params(req: CompletionRequest | ChatRequest, max_tokens: int) -> Sa
             logprobs=logprobs,
             logit_bias=logit_bias(req),
             min_tokens=req.min_tokens,
+            n=num_seqs,
         )  # validated as it is built
     except InvalidSamplingParams as e:
         raise InvalidRequest(str(e), e.param) from e
+
+
+def num_candidates(req: CompletionRequest | ChatRequest) -> int:
+    """Sequences to generate: `best_of` (completions) when given, else `n`."""
+    if isinstance(req, CompletionRequest) and req.best_of is not None:
+        return req.best_of
+    return req.n
 
 
 def requested_max_tokens(req: CompletionRequest | ChatRequest) -> tuple[int | None, str]:

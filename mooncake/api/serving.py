@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -236,16 +237,38 @@ async def generate(ctx: ServingContext, request: Request, is_chat: bool) -> Resp
         model,
         is_chat,
         ctx.backend.tokenizer,
-        params.logprobs is not None,
+        # NOTE: not params.logprobs: best_of asks for them to rank, not to return
+        req.logprobs if isinstance(req, ChatRequest) else req.logprobs is not None,
         prompt_ids=prompt_ids if req.return_token_ids else None,
     )
     usage = _Usage(len(prompt_ids), trace)
     if req.stream:
         include_usage = req.stream_options is not None and req.stream_options.include_usage
-        body = _stream(it, first, trace, builder, usage, include_usage, closing)
+        body = _stream(it, first, trace, builder, usage, include_usage, closing, req.n)
         return SSEResponse(body, {"X-Request-Id": req_id}, closing)
     async with _until_closing(closing):
-        return await _collect(request, it, first, trace, builder, usage)
+        outs = await _collect(request, it, first, trace, builder, usage)
+    if outs is None:
+        return Response(status_code=499)  # the client went away: nobody reads it
+    return json_response(builder.response(best_choices(outs, req.n), usage.body()))
+
+
+def best_choices(outs: Sequence[Output], n: int) -> list[list[Output]]:
+    """The outputs of each choice returned, in the order returned: all of them when there
+    are n, else the n of highest cumulative logprob (best_of, as vLLM ranks sampled
+    candidates), best first; a choice whose logprobs are missing ranks last."""
+    by_index: dict[int, list[Output]] = {}
+    for out in outs:
+        by_index.setdefault(out.index, []).append(out)
+    choices = [by_index[i] for i in sorted(by_index)]
+    if len(choices) <= n:
+        return choices
+
+    def score(choice: list[Output]) -> float:
+        logprobs = [o.logprob for o in choice if o.token_id is not None]
+        return -math.inf if None in logprobs else sum(lp for lp in logprobs if lp is not None)
+
+    return sorted(choices, key=score, reverse=True)[:n]  # NOTE: stable: ties keep index order
 
 
 def _outcome_of(e: BaseException) -> Outcome:
@@ -284,14 +307,15 @@ async def _collect(
     trace: RequestTrace,
     builder: ResponseBuilder,
     usage: _Usage,
-) -> Response:
-    """Gather the outputs into one body; a client that disconnects first aborts the request."""
+) -> list[Output] | None:
+    """Gather the outputs (every choice's, counted in `usage`); None when the client
+    disconnected first (the request was aborted)."""
     outs, error, is_gone = [first], "", False
 
     async def pump() -> None:
         nonlocal error
         try:
-            while outs[-1].finish_reason is None:
+            while not outs[-1].ends_request:
                 out = await it.__anext__()
                 if out.token_id is not None:
                     trace.token()
@@ -321,14 +345,14 @@ async def _collect(
         )
     if is_gone:
         log.info("%s: the client went away; request aborted", builder.req_id)
-        return Response(status_code=499)  # nobody reads it
+        return None
     if outs[-1].finish_reason == "abort":
         error = f"the request was aborted: {outs[-1].error or 'no reason given'}"
     if error:
         raise StreamFailed(error)
     for out in outs:
         usage.add(out)
-    return json_response(builder.response(outs, usage.body()))
+    return outs
 
 
 async def _stream(
@@ -339,11 +363,13 @@ async def _stream(
     usage: _Usage,
     include_usage: bool,
     closing: asyncio.Event | None,
+    n: int = 1,
 ) -> AsyncIterator[bytes]:
     outcome: Outcome = "cancelled"  # unless the stream reaches its end
     try:
         if builder.is_chat:
-            yield sse(builder.role_chunk(include_usage))
+            for index in range(n):
+                yield sse(builder.role_chunk(include_usage, index))
         out = first
         while True:
             if out.finish_reason == "abort":
@@ -354,7 +380,7 @@ async def _stream(
                 break
             usage.add(out)
             yield sse(builder.chunk(out, include_usage))
-            if out.finish_reason is not None:
+            if out.ends_request:
                 outcome = "completed"
                 if include_usage:
                     yield sse(builder.usage_chunk(usage.body()))

@@ -55,3 +55,85 @@ def test_min_tokens_holds_off_eos_then_eos_ends_the_output(http):
     )
     assert chat.status_code == 200, chat.text
     assert chat.json()["usage"]["completion_tokens"] == 4
+
+
+def _choices_text(body: dict) -> dict[int, str]:
+    return {c["index"]: c["text"] for c in body["choices"]}
+
+
+def test_n_choices_have_their_indices_are_reproducible_and_share_one_prefill(http, served):
+    runner = served.engine.runner
+    body = {"prompt": "a prompt of three choices", "max_tokens": 8, "seed": 11, "n": 3}
+    body |= {"ignore_eos": True, "temperature": 1.5}
+    before = runner.num_prefill_tokens
+    first = _complete(http, **body)
+    prompt_len = first["usage"]["prompt_tokens"]
+    tail = (prompt_len - 1) % 16  # conftest.BLOCK
+    # NOTE: a prefix already cached would make this smaller: the prompt is new here
+    assert runner.num_prefill_tokens - before == prompt_len - 1 + 2 * tail
+    texts = _choices_text(first)
+    assert sorted(texts) == [0, 1, 2] and len(set(texts.values())) == 3
+    assert first["usage"]["completion_tokens"] == 24
+    assert _choices_text(_complete(http, **body)) == texts  # seeded: the same three
+    # choice i draws what a request seeded 11 + i draws alone
+    for i in range(3):
+        alone = _complete(http, **{**body, "n": 1, "seed": 11 + i})
+        assert alone["choices"][0]["text"] == texts[i]
+
+
+def test_streamed_choices_carry_their_index_and_assemble_to_the_whole_answer(http):
+    body = {"model": MODEL, "max_tokens": 6, "seed": 3, "n": 3, "ignore_eos": True}
+    messages = [{"role": "user", "content": "stream three"}]
+    whole = http.post("/v1/chat/completions", json={**body, "messages": messages}).json()
+    expected = {c["index"]: c["message"]["content"] for c in whole["choices"]}
+    got: dict[int, str] = {}
+    finishes: dict[int, str] = {}
+    roles = []
+    stream_body = {**body, "messages": messages, "stream": True}
+    stream_body["stream_options"] = {"include_usage": True}
+    usage = None
+    with http.stream("POST", "/v1/chat/completions", json=stream_body) as resp:
+        for line in resp.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = __import__("json").loads(line[6:])
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            for c in chunk["choices"]:
+                if c["delta"].get("role"):
+                    roles.append(c["index"])
+                got[c["index"]] = got.get(c["index"], "") + c["delta"].get("content", "")
+                if c["finish_reason"]:
+                    finishes[c["index"]] = c["finish_reason"]
+    assert roles == [0, 1, 2]
+    assert got == expected and finishes == {0: "length", 1: "length", 2: "length"}
+    assert usage is not None and usage["completion_tokens"] == 18
+
+
+def test_best_of_returns_the_n_candidates_of_highest_cumulative_logprob(http):
+    body = {"prompt": "best of", "max_tokens": 6, "seed": 5, "ignore_eos": True}
+    every = _complete(http, **body, n=5, logprobs=0)
+    scores = sorted((sum(c["logprobs"]["token_logprobs"]) for c in every["choices"]), reverse=True)
+    best = _complete(http, **body, n=2, best_of=5)
+    assert len(best["choices"]) == 2 and [c["index"] for c in best["choices"]] == [0, 1]
+    assert all(c["logprobs"] is None for c in best["choices"])  # not asked for
+    assert best["usage"]["completion_tokens"] == 30  # every candidate's tokens
+    texts = {c["text"]: sum(c["logprobs"]["token_logprobs"]) for c in every["choices"]}
+    assert [texts[c["text"]] for c in best["choices"]] == pytest.approx(scores[:2])
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "message"),
+    [
+        ({"n": 129}, "n", "<= 128"),
+        ({"n": 0}, "n", ">= 1"),
+        ({"n": 3, "best_of": 2}, "best_of", "must be at least n=3, got 2"),
+        ({"best_of": 3, "stream": True}, "best_of", "cannot be streamed when best_of > n"),
+        ({"n": 128, "max_tokens": 100}, None, "n (128) x max_tokens (100) exceeds the KV cache"),
+    ],
+)
+def test_bad_choice_counts_are_refused_naming_the_field(http, body, param, message):
+    resp = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", **body})
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["param"] == param and message in error["message"], error

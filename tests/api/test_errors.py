@@ -51,7 +51,7 @@ def _error(resp: httpx.Response, status: int) -> dict:
         ("completions", {"prompt": [1, "a"]}, "prompt", "a list of integer token ids"),
         ("completions", {"prompt": ["a", "b"]}, "prompt", "batches of prompts are not supported"),
         ("completions", {"prompt": []}, "prompt", "must not be empty"),
-        ("completions", {"prompt": "x", "n": 2}, "n", "only n=1 is supported, got 2"),
+        ("completions", {"prompt": "x", "n": 200}, "n", "expected `int` <= 128"),
         ("completions", {"prompt": "x", "echo": True}, "echo", "not supported"),
         ("completions", {"prompt": "x", "logprobs": 21}, "logprobs", "<= 20"),
         (
