@@ -247,3 +247,53 @@ def test_a_hot_prefix_held_elsewhere_is_replicated_to_the_prefill_node(
             break
         time.sleep(0.2)
     assert cached >= 128
+
+
+def _counter(url: str, name: str) -> float:
+    metrics = httpx.get(url + "/metrics", timeout=10).text
+    lines = [ln for ln in metrics.splitlines() if ln.startswith(name + " ")]
+    return float(lines[0].split()[-1]) if lines else 0.0
+
+
+def test_the_openai_client_gets_n_choices_from_one_prefill(cluster: LocalLauncher) -> None:
+    """n=3 through prefill group and decode node: three choices with their indices, a
+    seeded request reproduces them, choice i is what seed + i draws alone, and the prompt
+    was placed, prefilled and handed to the decode node once (its KV bytes equal those of
+    a one-choice request with a prompt as long)."""
+    import openai
+
+    client = openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused")
+    prompt = [(i * 29 + 3) % 250 + 1 for i in range(70)]  # 2 full blocks and a part
+    other = [(i * 31 + 17) % 250 + 1 for i in range(70)]
+    kw = {"model": "dummy:tiny", "max_tokens": 6, "temperature": 1.3, "seed": 21}
+    kw["extra_body"] = {"ignore_eos": True}
+    handoff = "mooncake_kv_handoff_bytes_total"
+    looked_up = "mooncake_prefix_blocks_looked_up_total"
+    before = _counter(cluster.url, handoff), _counter(cluster.url, looked_up)
+    three = client.completions.create(prompt=prompt, n=3, **kw)
+    after = _counter(cluster.url, handoff), _counter(cluster.url, looked_up)
+    client.completions.create(prompt=other, **kw)
+    one_bytes = _counter(cluster.url, handoff) - after[0]
+    assert one_bytes > 0 and after[0] - before[0] == one_bytes
+    assert after[1] - before[1] == 2  # one placement of the prompt's 2 full blocks
+    texts = {c.index: c.text for c in three.choices}
+    assert sorted(texts) == [0, 1, 2] and len(set(texts.values())) == 3
+    assert three.usage is not None and three.usage.completion_tokens == 18
+    again = client.completions.create(prompt=prompt, n=3, **kw)
+    assert {c.index: c.text for c in again.choices} == texts
+    for i in range(3):
+        alone = client.completions.create(prompt=prompt, **{**kw, "seed": 21 + i})
+        assert alone.choices[0].text == texts[i]
+    chunks = list(
+        client.chat.completions.create(
+            messages=[{"role": "user", "content": "three ways"}], n=3, stream=True, **kw
+        )
+    )
+    streamed: dict[int, str] = {}
+    for c in chunks:
+        for choice in c.choices:
+            streamed[choice.index] = streamed.get(choice.index, "") + (choice.delta.content or "")
+    whole = client.chat.completions.create(
+        messages=[{"role": "user", "content": "three ways"}], n=3, **kw
+    )
+    assert streamed == {c.index: c.message.content for c in whole.choices}
