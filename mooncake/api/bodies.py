@@ -77,6 +77,7 @@ class ResponseBuilder:
         tokenizer: BaseTokenizer,
         logprobs: bool,
         prompt_ids: list[int] | None = None,  # set: return token ids (return_token_ids)
+        echo: str = "",  # text before each choice's (completions' echo)
     ):
         self.req_id, self.model, self.is_chat = req_id, model, is_chat
         self.tokenizer, self.logprobs = tokenizer, logprobs
@@ -84,6 +85,7 @@ class ResponseBuilder:
         self.is_prompt_sent = False  # streamed: prompt_token_ids went out in a chunk
         self.created = int(time.time())
         self.text_lens: dict[int, int] = {}  # choice -> characters streamed (text_offset)
+        self.echo = echo
 
     def _head(self, obj: str) -> Body:
         return {"id": self.req_id, "object": obj, "created": self.created, "model": self.model}
@@ -148,7 +150,7 @@ class ResponseBuilder:
         if self.is_chat:
             choice["message"] = {"role": "assistant", "content": text, "refusal": None}
         else:
-            choice["text"] = text
+            choice["text"] = self.echo + text
         if self.prompt_ids is not None:
             choice["token_ids"] = [o.token_id for o in outs if o.token_id is not None]
             if not self.is_chat:
@@ -180,8 +182,8 @@ class ResponseBuilder:
         choice: Body = {"index": out.index, "logprobs": self._logprobs([out], offset)}
         if self.is_chat:
             choice["delta"] = {"content": out.text} if out.token_id is not None or out.text else {}
-        else:
-            choice["text"] = out.text
+        else:  # NOTE: echo: the prompt's text leads each choice's first chunk
+            choice["text"] = out.text if out.index in self.text_lens else self.echo + out.text
         choice["finish_reason"] = out.finish_reason
         if self.prompt_ids is not None:
             choice["token_ids"] = [out.token_id] if out.token_id is not None else []

@@ -7,6 +7,9 @@ silently. `logit_bias` is OpenAI's: token ids as decimal strings, biases in [-10
 `n` (1 .. 128) choices share the prompt's KV; completions' `best_of` (n .. 128) generates
 that many and returns the n of highest cumulative logprob (vLLM's ranking; OpenAI: "the
 one with the highest log probability per token"), and cannot be streamed above n.
+`echo` prepends the prompt's text to each choice (not with `logprobs`: the prompt's
+logprobs are not computed); `suffix` asks a fill-in-the-middle model for the text between
+the prompt and it (`model/fim.py`; refused for a model without FIM tokens).
 Extensions (vLLM's): `top_k` (-1 or 0 = off), `min_p` (0 = off), `repetition_penalty`
 (1 = off), `min_tokens` (0 = off), `stop_token_ids`, `ignore_eos`. A
 completion prompt is a string or a list of token ids (or a list holding exactly one of
@@ -131,10 +134,10 @@ class CompletionRequest(_Common, forbid_unknown_fields=True, kw_only=True):
     # the depth a prompt has, so a deeper one is refused naming where
     prompt: str | Annotated[list[str | TokenId | _TokenIds], _only(minItems=1)]
     logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
-    echo: Annotated[bool, _only(const=False)] = False
+    echo: bool = False  # the prompt's text before each choice's
     # candidates generated, the n of highest cumulative logprob returned (not streamable)
     best_of: Annotated[int, Meta(ge=1, le=MAX_CHOICES)] | None = None
-    suffix: Annotated[str, _only(maxLength=0)] | None = None
+    suffix: str | None = None  # fill in the middle: the text after the completion
 
 
 class ContentPart(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -249,7 +252,12 @@ def _refuse_unsupported(req: _Common) -> None:
     ]
     if isinstance(req, CompletionRequest):
         checks += [
-            (req.echo, "echo", "is not supported; use echo=false"),
+            (
+                req.echo and req.logprobs is not None,
+                "echo",
+                "cannot be combined with logprobs: they would include the prompt's, which are "
+                "not computed (a prefill writes the prompt's KV, not its logits); drop one",
+            ),
             (
                 req.best_of is not None and req.best_of < req.n,
                 "best_of",

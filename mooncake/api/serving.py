@@ -40,6 +40,7 @@ from mooncake.api.server import CLOSING
 from mooncake.api.stats import Outcome, RequestStats, RequestTrace
 from mooncake.conductor.misses import MissCounts
 from mooncake.errors import ApiError, MooncakeError
+from mooncake.model.fim import FIM_TOKENS, fim_prompt_ids
 
 log = logging.getLogger(__name__)
 OPENAI_DEFAULT_MAX_TOKENS = 16  # /v1/completions without max_tokens, as OpenAI does
@@ -93,10 +94,32 @@ def _prompt_ids(ctx: ServingContext, req: CompletionRequest | ChatRequest) -> li
         _check_chars(ctx, text, "messages")
         return tokenizer.encode(text, add_special_tokens=False)  # the template wrote them
     prompt = schemas.completion_prompt(req)
+    if req.suffix:
+        if not isinstance(prompt, str):
+            raise InvalidRequest("suffix: needs a text prompt, not token ids", "suffix")
+        _check_chars(ctx, prompt + req.suffix, "prompt")
+        ids = fim_prompt_ids(tokenizer, prompt, req.suffix)
+        if ids is None:
+            names = ", ".join("/".join(t) for t in FIM_TOKENS)
+            raise InvalidRequest(
+                "suffix: this model cannot fill in the middle: its vocabulary has no "
+                f"fill-in-the-middle tokens ({names}); send the prompt without a suffix",
+                "suffix",
+            )
+        return ids
     if isinstance(prompt, str):
         _check_chars(ctx, prompt, "prompt")
         return tokenizer.encode(prompt)
     return prompt
+
+
+def _echo_text(ctx: ServingContext, req: CompletionRequest | ChatRequest, ids: list[int]) -> str:
+    """What `echo` prepends to each choice: the prompt as sent (its text, or its token
+    ids decoded); "" without echo."""
+    if not isinstance(req, CompletionRequest) or not req.echo:
+        return ""
+    prompt = schemas.completion_prompt(req)
+    return prompt if isinstance(prompt, str) else ctx.backend.tokenizer.decode(ids)
 
 
 def _check_chars(ctx: ServingContext, text: str, field: str) -> None:
@@ -240,6 +263,7 @@ async def generate(ctx: ServingContext, request: Request, is_chat: bool) -> Resp
         # NOTE: not params.logprobs: best_of asks for them to rank, not to return
         req.logprobs if isinstance(req, ChatRequest) else req.logprobs is not None,
         prompt_ids=prompt_ids if req.return_token_ids else None,
+        echo=_echo_text(ctx, req, prompt_ids),
     )
     usage = _Usage(len(prompt_ids), trace)
     if req.stream:

@@ -48,6 +48,10 @@ class BaseTokenizer(ABC):
     @abstractmethod
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 
+    def token_id(self, token: str) -> int | None:
+        """The id of the vocabulary entry spelled `token` (e.g. a special token), or None."""
+        return None
+
     def render_chat(self, messages: list[Message], add_generation_prompt: bool = True) -> str:
         """The prompt text of a chat; raises ApiError if the model has no template or the
         template rejects the messages (e.g. roles that do not alternate)."""
@@ -114,6 +118,10 @@ class LibraryTokenizer(BaseTokenizer):
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return str(self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
+
+    def token_id(self, token: str) -> int | None:
+        found = self._tok.token_to_id(token)
+        return None if found is None else int(found)
 
 
 class HFTokenizer(LibraryTokenizer):

@@ -137,3 +137,36 @@ def test_bad_choice_counts_are_refused_naming_the_field(http, body, param, messa
     assert resp.status_code == 400, resp.text
     error = resp.json()["error"]
     assert error["param"] == param and message in error["message"], error
+
+
+def test_echo_puts_the_prompt_before_each_choice_whole_and_streamed(http):
+    body = {"prompt": "echo me", "max_tokens": 4, "seed": 2, "n": 2, "echo": True}
+    plain = _complete(http, **{**body, "echo": False})
+    echoed = _complete(http, **body)
+    assert _choices_text(echoed) == {i: "echo me" + t for i, t in _choices_text(plain).items()}
+    by_ids = _complete(http, **{**body, "prompt": [104, 105]})  # bytes "hi" (no BOS)
+    assert all(t.startswith("hi") for t in _choices_text(by_ids).values())
+    firsts: dict[int, str] = {}
+    with http.stream(
+        "POST", "/v1/completions", json={"model": MODEL, **body, "stream": True}
+    ) as resp:
+        for line in resp.iter_lines():
+            if line.startswith("data: {"):
+                for c in __import__("json").loads(line[6:])["choices"]:
+                    firsts.setdefault(c["index"], c["text"])
+    assert all(t.startswith("echo me") for t in firsts.values()) and sorted(firsts) == [0, 1]
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "message"),
+    [
+        ({"echo": True, "logprobs": 1}, "echo", "cannot be combined with logprobs"),
+        ({"suffix": "tail"}, "suffix", "this model cannot fill in the middle"),
+        ({"prompt": [1, 2], "suffix": "tail"}, "suffix", "needs a text prompt"),
+    ],
+)
+def test_echo_and_suffix_are_refused_where_they_cannot_be_honoured(http, body, param, message):
+    resp = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", **body})
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["param"] == param and message in error["message"], error

@@ -52,7 +52,12 @@ def _error(resp: httpx.Response, status: int) -> dict:
         ("completions", {"prompt": ["a", "b"]}, "prompt", "batches of prompts are not supported"),
         ("completions", {"prompt": []}, "prompt", "must not be empty"),
         ("completions", {"prompt": "x", "n": 200}, "n", "expected `int` <= 128"),
-        ("completions", {"prompt": "x", "echo": True}, "echo", "not supported"),
+        (
+            "completions",
+            {"prompt": "x", "echo": True, "logprobs": 0},
+            "echo",
+            "cannot be combined with logprobs",
+        ),
         ("completions", {"prompt": "x", "logprobs": 21}, "logprobs", "<= 20"),
         (
             "completions",
