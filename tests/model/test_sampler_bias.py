@@ -227,3 +227,39 @@ def test_stop_strings_count_only_past_min_tokens():
             if seq.is_finished:
                 break
         assert out == expected, (min_tokens, out)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_bias_and_min_tokens_never_synchronise_and_match_the_cpu():
+    """CUDA's own sync check over build and sample of a random batch with biases and
+    min_tokens masks; its greedy rows take what the CPU's take."""
+    rng = random.Random(7)
+    seqs = [
+        Seq(i, [1, 2, 3], _random_params(rng), eos_token_ids=EOS, output_ids=[4] * (i % 5))
+        for i in range(32)
+    ]
+    logits = torch.randn(32, VOCAB, generator=torch.Generator().manual_seed(7))
+
+    def build(device: str) -> SamplingBatch:
+        return SamplingBatch.build(
+            [s.params for s in seqs],
+            [s.seed for s in seqs],
+            [len(s.token_ids) for s in seqs],
+            [s.token_ids for s in seqs],
+            [s.prompt_len for s in seqs],
+            device,
+            min_tokens_stops=[s.min_tokens_stops for s in seqs],
+        )
+
+    on_gpu = logits.cuda()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        sampled = sample(on_gpu, build("cuda"))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    out = sampled.to_host()
+    expected = sample(logits, build("cpu")).to_host()
+    greedy = [i for i, s in enumerate(seqs) if s.params.is_greedy]
+    assert greedy and [out.token_ids[i] for i in greedy] == [expected.token_ids[i] for i in greedy]
