@@ -128,7 +128,9 @@ class CompletionRequest(_Common, forbid_unknown_fields=True, kw_only=True):
     """Body of POST /v1/completions. Besides each field's schema: `prompt` is one prompt
     (text, token ids below the model's vocab_size, or a list holding one of those);
     `stream_options` needs `stream`; the prompt's tokens plus `max_tokens` fit in the
-    model's max_model_len."""
+    model's max_model_len; `best_of` is at least `n` and not streamed above it; `echo`
+    does not go with `logprobs`; `suffix` needs a text prompt and a model whose vocabulary
+    has fill-in-the-middle tokens; `logit_bias` keys are token ids below vocab_size."""
 
     # text, token ids, or a batch of either (refused unless it holds one prompt); typed to
     # the depth a prompt has, so a deeper one is refused naming where
