@@ -332,28 +332,25 @@ def sample(logits: Tensor, batch: SamplingBatch) -> SampledTokens:
 def _adjust(x: Tensor, batch: SamplingBatch) -> Tensor:
     """(B, V) logits -> after steps 1-3 of the module docstring: the bias, the penalties,
     then the min_tokens mask (which they would leave at -inf in vLLM's order)."""
+    vocab = x.shape[1]
     if batch.num_bias:
         assert batch.floats is not None, "set whenever a row has a bias"
-        ids = batch.int_columns(_NUM_I + batch.num_history, batch.num_bias)
-        x = x + _scatter_rows(x, ids, batch.floats[:, _NUM_F:])
+        ids = batch.int_columns(_NUM_I + batch.num_history, batch.num_bias)  # (B, K)
+        is_valid = (ids >= 0) & (ids < vocab)  # NOTE: -1 pads; an id past V adds nothing
+        bias = torch.where(is_valid, batch.floats[:, _NUM_F:], 0.0)
+        # NOTE: a padding place adds 0.0 to token 0, which changes no value
+        x = x.scatter_add(1, torch.where(is_valid, ids, 0), bias)
+    # NOTE: a finite float32 plus a bias within +-100 stays finite (far below half an ulp
+    # of the largest float32), so the bias needs no clamp; a row with an inf was broken
     if batch.needs_history:
         x = _penalize(x, batch)
-    elif batch.num_bias:  # NOTE: a bias may push a huge logit to inf (inf - inf is NaN later)
-        x = x.clamp(-_FLOAT_MAX, _FLOAT_MAX)
     if batch.num_masked:
-        at = _NUM_I + batch.num_history + batch.num_bias
-        is_masked = _scatter_rows(x, batch.int_columns(at, batch.num_masked), None) > 0
-        x = x.masked_fill(is_masked, -math.inf)
+        ids = batch.int_columns(_NUM_I + batch.num_history + batch.num_bias, batch.num_masked)
+        is_valid = (ids >= 0) & (ids < vocab)
+        hits = torch.zeros(x.shape, dtype=torch.uint8, device=x.device)
+        hits.scatter_add_(1, torch.where(is_valid, ids, 0), is_valid.to(torch.uint8))
+        x = x.masked_fill(hits.bool(), -math.inf)
     return x
-
-
-def _scatter_rows(x: Tensor, ids: Tensor, values: Tensor | None) -> Tensor:
-    """(B, V) zeros with `values` (B, K) (None: ones) added at token `ids` (B, K); an id
-    of -1 (none) or past this vocabulary adds nothing."""
-    is_valid = (ids >= 0) & (ids < x.shape[1])
-    index = torch.where(is_valid, ids, 0)
-    src = is_valid.float() if values is None else torch.where(is_valid, values, 0.0)
-    return x.new_zeros(x.shape).scatter_add_(1, index, src)
 
 
 def _penalize(x: Tensor, batch: SamplingBatch) -> Tensor:
