@@ -1,9 +1,9 @@
 """OpenAI request bodies, parsed with msgspec, and their translation to `SamplingParams`.
 
 Every field OpenAI documents for /v1/completions and /v1/chat/completions is known here.
-Those we cannot honour are accepted at their neutral value (`echo: false`, ...) and
-refused otherwise; an unknown field is refused, as OpenAI does, so a typo never passes
-silently. `logit_bias` is OpenAI's: token ids as decimal strings, biases in [-100, 100].
+Those we cannot honour are accepted at their neutral value and refused otherwise; an
+unknown field is refused, as OpenAI does, so a typo never passes silently. `logit_bias`
+is OpenAI's: token ids as decimal strings, biases in [-100, 100].
 `n` (1 .. 128) choices share the prompt's KV; completions' `best_of` (n .. 128) generates
 that many and returns the n of highest cumulative logprob (vLLM's ranking; OpenAI: "the
 one with the highest log probability per token"), and cannot be streamed above n.
@@ -270,7 +270,6 @@ def _refuse_unsupported(req: _Common) -> None:
                 "best_of",
                 "cannot be streamed when best_of > n: the best choices are known only at the end",
             ),
-            (bool(req.suffix), "suffix", "is not supported"),
         ]
     if isinstance(req, ChatRequest):
         checks += [
