@@ -15,13 +15,14 @@
 A request of `params.n` > 1 choices is added as one `Sequence` (choice 0). Once admitted
 and its prompt's KV is in the cache (prefilled here, or written by a prefill node), it is
 forked: choices 1 .. n-1 share its blocks that are full of prompt KV (a reference each,
-`BlockAllocator.share` / `PrefixCache.share`) and join the queue's front, so they are
-admitted in the same schedule. A choice writes only past the shared blocks: the last
-prompt block, partly filled, is not shared; each choice gets a block of its own and
-recomputes those at most `block_tokens - 1` prompt tokens into it (rather than a copy,
-which would have to reach every tensor-parallel rank outside a forward). The choices then
-decode as independent rows. An abort ends every choice of its request; a choice's finish
-says whether others go on (`TokenEvent.more_choices`).
+`BlockAllocator.share` / `PrefixCache.share`) and join the queue's front, ahead of the
+requests that came after it. A choice writes only past the shared blocks: the last prompt
+block, partly filled, is copied into a block of each choice's own (copy on write, as
+vLLM's forked sequences). Under tensor parallelism (a copy here would miss the other
+ranks' caches) or with no block free for the copies now, a choice instead gets its own
+last block empty and recomputes those at most `block_tokens - 1` prompt tokens into it
+on admission. The choices then decode as independent rows. An abort ends every choice of
+its request; a choice's finish says whether others go on (`TokenEvent.more_choices`).
 """
 
 from __future__ import annotations
@@ -174,17 +175,28 @@ class DecodeRunner:
 
     def _fork(self, parent: Sequence) -> None:
         """Make choices 1 .. n-1 of `parent` (its prompt's KV computed), sharing its blocks
-        full of prompt KV, at the front of the queue."""
+        full of prompt KV and each with a copy of its partly filled last one, at the front
+        of the queue."""
         n, bt = parent.params.n, self.cache.block_tokens
-        num_shared = parent.num_cached_tokens // bt  # NOTE: the partial one is recomputed
+        num_cached = parent.num_cached_tokens
+        num_shared = num_cached // bt
         shared = parent.block_ids[:num_shared]
+        copies: list[int] | None = []
+        if num_cached % bt:  # the last prompt block is partly filled
+            copies = self._allocate(n - 1) if self.model.on_step is None else None
+            if copies is not None:
+                self.cache.copy_blocks([parent.block_ids[num_shared]] * (n - 1), copies)
         children = []
         for index in range(1, n):
             if self.prefix_cache is not None:
                 self.prefix_cache.share(shared)
             else:
                 self.cache.allocator.share(shared)
-            children.append(parent.fork(index, list(shared), num_shared * bt))
+            if copies is None:  # NOTE: recomputed on admission
+                children.append(parent.fork(index, list(shared), num_shared * bt))
+            else:
+                own = copies[index - 1 : index]
+                children.append(parent.fork(index, [*shared, *own], num_cached))
         parent.is_forked = True
         self._choices_left[parent.seq_id] += n - 1
         self.waiting.extendleft(reversed(children))

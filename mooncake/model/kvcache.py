@@ -164,6 +164,18 @@ class PagedKVCache:
     def free(self, block_ids: list[int]) -> None:
         self.allocator.free(block_ids)
 
+    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
+        """Block dst[i] becomes a copy of block src[i], in every layer held here (K and V):
+        two index uploads, then two ops per tensor, whatever the number of blocks."""
+        assert len(src) == len(dst) and not set(src) & set(dst), (src, dst)
+        if not src:
+            return
+        device = self.k[0].device if self.k else "cpu"
+        src_idx = torch.tensor(src, device=device)
+        dst_idx = torch.tensor(dst, device=device)
+        for t in [*self.k, *self.v]:
+            t.index_copy_(0, dst_idx, t.index_select(0, src_idx))
+
     def gather(
         self, global_layer: int, block_ids: list[int], num_tokens: int
     ) -> tuple[Tensor, Tensor]:

@@ -1,8 +1,12 @@
 """Several choices of one request (SamplingParams.n) in the decode runner: the prompt's KV
-is computed once and its full blocks shared, each choice draws the tokens a single request
-seeded with seed + index would, an abort ends every choice, and every block comes back."""
+is computed once, its full blocks shared and its partly filled last block copied (or, under
+tensor parallelism, recomputed), each choice draws the tokens a single request seeded with
+seed + index would, an abort ends every choice, and every block comes back."""
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 import pytest
 
@@ -23,6 +27,18 @@ def _runner(model, num_blocks: int = 64, prefix: bool = False) -> DecodeRunner:
     return DecodeRunner(model, cache, max_batch=16, prefix_cache=pc)
 
 
+@contextlib.contextmanager
+def _as_tensor_parallel(model, is_on: bool) -> Iterator[None]:
+    """While on, the model announces its forwards (as rank 0 of a tensor-parallel group
+    does, to nobody here): the runner cannot copy blocks and recomputes instead."""
+    if is_on:
+        model.on_step = lambda kind, step: None
+    try:
+        yield
+    finally:
+        model.on_step = None
+
+
 def _check_all_free(runner: DecodeRunner) -> None:
     if runner.prefix_cache is not None:
         runner.prefix_cache.check_integrity()
@@ -40,14 +56,18 @@ def _by_choice(events) -> dict[int, list[int]]:
     return out
 
 
+@pytest.mark.parametrize("is_tp", [False, True])
 @pytest.mark.parametrize("prefix", [False, True])
-@pytest.mark.parametrize("prompt_len", [5, 17, 25])  # within a block, past one, on a boundary
-def test_n_choices_share_one_prefill_and_each_is_its_seed_plus_index(tiny, prefix, prompt_len):
+@pytest.mark.parametrize("prompt_len", [5, 12, 17])  # within a block, past one, on a boundary
+def test_n_choices_share_one_prefill_and_each_is_its_seed_plus_index(
+    tiny, prefix, prompt_len, is_tp
+):
     params = SamplingParams(max_tokens=10, temperature=1.2, seed=41, n=3, ignore_eos=True)
     ids = prompt(prompt_len, seed=prompt_len, vocab=256)
     runner = _runner(tiny, prefix=prefix)
     runner.add(Sequence(7, ids, params, eos_token_ids=(EOS,)))
-    events = runner.run_until_done()[7]
+    with _as_tensor_parallel(tiny, is_tp):
+        events = runner.run_until_done()[7]
     tokens = _by_choice(events)
     assert sorted(tokens) == [0, 1, 2] and all(len(t) == 10 for t in tokens.values())
     assert len({tuple(t) for t in tokens.values()}) == 3  # distinct draws
@@ -55,9 +75,10 @@ def test_n_choices_share_one_prefill_and_each_is_its_seed_plus_index(tiny, prefi
     assert sorted(e.index for e in finishes) == [0, 1, 2]
     assert [e.more_choices for e in finishes] == [True, True, False]
     assert events[-1] is finishes[-1]
-    # the prompt once; each other choice recomputes only its last, partly filled block
+    # the prompt once; its last, partly filled block copied, or recomputed by each other
+    # choice under tensor parallelism
     tail = (prompt_len - 1) % BLOCK
-    assert runner.num_prefill_tokens == prompt_len - 1 + 2 * tail
+    assert runner.num_prefill_tokens == prompt_len - 1 + (2 * tail if is_tp else 0)
     _check_all_free(runner)
     for index in range(3):  # choice i is what the request seeded 41 + i draws alone
         alone = _runner(tiny)
@@ -66,9 +87,10 @@ def test_n_choices_share_one_prefill_and_each_is_its_seed_plus_index(tiny, prefi
         assert _by_choice(alone.run_until_done()[1])[0] == tokens[index], index
 
 
-def test_choices_of_a_submitted_request_fork_from_kv_written_elsewhere(tiny):
+@pytest.mark.parametrize("is_tp", [False, True])
+def test_choices_of_a_submitted_request_fork_from_kv_written_elsewhere(tiny, is_tp):
     """As on a decode node: the prompt's KV arrives in reserved blocks; nothing is
-    prefilled here but the other choices' last partial block."""
+    prefilled here (under tensor parallelism: the other choices' last partial block)."""
     ids = prompt(20, seed=3, vocab=256)
     ref = _runner(tiny)
     p1 = SamplingParams(max_tokens=6, temperature=0, n=1, ignore_eos=True)
@@ -81,9 +103,10 @@ def test_choices_of_a_submitted_request_fork_from_kv_written_elsewhere(tiny):
     )
     greedy = SamplingParams(max_tokens=6, temperature=0, n=4, ignore_eos=True)
     runner.add(Sequence(2, ids, greedy, block_ids=blocks, num_cached_tokens=len(ids) - 1))
-    tokens = _by_choice(runner.run_until_done()[2])
+    with _as_tensor_parallel(tiny, is_tp):
+        tokens = _by_choice(runner.run_until_done()[2])
     assert tokens == {i: expected for i in range(4)}  # greedy: every choice alike
-    assert runner.num_prefill_tokens == 3 * ((len(ids) - 1) % BLOCK)
+    assert runner.num_prefill_tokens == (3 * ((len(ids) - 1) % BLOCK) if is_tp else 0)
     _check_all_free(runner)
 
 
@@ -115,6 +138,16 @@ def test_choices_preempted_and_recomputed_draw_the_same_tokens(tiny):
     assert _by_choice(events) == expected
     assert [e.more_choices for e in events if e.finish_reason] == [True, True, True, False]
     _check_all_free(tight)
+
+
+def test_copied_blocks_hold_the_source_blocks_kv_in_every_layer(tiny):
+    cache = PagedKVCache.for_model(tiny, 8, BLOCK)
+    for t in [*cache.k, *cache.v]:
+        t.normal_()
+    cache.copy_blocks([2, 2, 5], [0, 7, 3])
+    for t in [*cache.k, *cache.v]:
+        assert t[0].equal(t[2]) and t[7].equal(t[2]) and t[3].equal(t[5])
+        assert not t[1].equal(t[2])
 
 
 def test_block_sharing_frees_a_block_at_its_last_holder():
