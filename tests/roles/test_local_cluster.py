@@ -256,34 +256,41 @@ def _counter(url: str, name: str) -> float:
     return float(lines[0].split()[-1]) if lines else 0.0
 
 
+def _settled(url: str, name: str) -> float:
+    """The counter once no late report moves it (a prefill reports its KV bytes after its
+    request may have ended): two reads a second apart agree, 20 s at most."""
+    last, deadline = _counter(url, name), time.monotonic() + 20
+    while time.monotonic() < deadline:
+        time.sleep(1.0)
+        now = _counter(url, name)
+        if now == last:
+            break
+        last = now
+    return last
+
+
 def test_the_openai_client_gets_n_choices_from_one_prefill(cluster: LocalLauncher) -> None:
     """n=3 through prefill group and decode node: three choices with their indices, a
     seeded request reproduces them, choice i is what seed + i draws alone, and the prompt
-    was placed once and its KV handed to the decode node once (the bytes of its tokens)."""
+    was placed once and its KV written once (as many bytes as a one-choice request's with
+    a new prompt as long)."""
     import openai
-
-    from mooncake.model.info import load_model_info
-    from mooncake.model.kvcache import PagedKVCache
 
     client = openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused")
     prompt = [(i * 29 + 3) % 250 + 1 for i in range(70)]  # 2 full blocks and a part
+    other = [(i * 31 + 17) % 250 + 1 for i in range(70)]
     kw = {"model": "dummy:tiny", "max_tokens": 6, "temperature": 1.3, "seed": 21}
     kw["extra_body"] = {"ignore_eos": True}
-    spec = load_model_info("dummy:tiny").spec
-    token_bytes = spec.num_layers * PagedKVCache.block_bytes_per_layer(
-        1, spec.num_kv_heads, spec.head_dim, 4
-    )
-    handoff = "mooncake_kv_handoff_bytes_total"
     looked_up = "mooncake_prefix_blocks_looked_up_total"
-    # NOTE: an earlier test's prefill may report its hand-off late: wait until none does
-    before, deadline = -1.0, time.monotonic() + 20
-    while before != (now := _counter(cluster.url, handoff)) and time.monotonic() < deadline:
-        before = now
-        time.sleep(1.0)
+    # the KV a prefill writes (to the pool and to the decode node): once per placement
+    bytes_before = _settled(cluster.url, "mooncake_kv_handoff_bytes_total")
     blocks_before = _counter(cluster.url, looked_up)
     three = client.completions.create(prompt=prompt, n=3, **kw)
-    assert _counter(cluster.url, handoff) - before == (len(prompt) - 1) * token_bytes
     assert _counter(cluster.url, looked_up) - blocks_before == 2  # one placement, 2 blocks
+    bytes_three = _settled(cluster.url, "mooncake_kv_handoff_bytes_total")
+    client.completions.create(prompt=other, **kw)  # as long, new too, one choice
+    bytes_one = _settled(cluster.url, "mooncake_kv_handoff_bytes_total")
+    assert bytes_three - bytes_before == bytes_one - bytes_three > 0
     texts = {c.index: c.text for c in three.choices}
     assert sorted(texts) == [0, 1, 2] and len(set(texts.values())) == 3
     assert three.usage is not None and three.usage.completion_tokens == 18
