@@ -149,7 +149,9 @@ def _check_vocab(ctx: ServingContext, ids: Sequence[int], field: str) -> None:
 
 
 def _max_tokens(ctx: ServingContext, req: CompletionRequest | ChatRequest, prompt_len: int) -> int:
-    """The request's max_tokens, checked against the context; raises InvalidRequest."""
+    """The request's max_tokens, checked against the context; raises InvalidRequest.
+    Without one, the choices (n, or best_of) share the rest of the context (a KV cache the
+    size of the context holds them all), within the server's default."""
     limit = ctx.backend.max_model_len
     field = "messages" if isinstance(req, ChatRequest) else "prompt"
     if prompt_len >= limit:
@@ -163,7 +165,8 @@ def _max_tokens(ctx: ServingContext, req: CompletionRequest | ChatRequest, promp
         fallback = ctx.default_max_tokens
         if fallback is None and not isinstance(req, ChatRequest):
             fallback = OPENAI_DEFAULT_MAX_TOKENS
-        return min(fallback or limit, limit - prompt_len)
+        rest = (limit - prompt_len) // schemas.num_candidates(req)
+        return max(1, min(fallback or limit, rest))
     if prompt_len + asked > limit:
         raise InvalidRequest(
             f"This model's maximum context length is {limit} tokens. However, you requested "

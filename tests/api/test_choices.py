@@ -170,3 +170,14 @@ def test_echo_and_suffix_are_refused_where_they_cannot_be_honoured(http, body, p
     assert resp.status_code == 400, resp.text
     error = resp.json()["error"]
     assert error["param"] == param and message in error["message"], error
+
+
+def test_choices_without_max_tokens_share_the_rest_of_the_context(http, served):
+    messages = [{"role": "user", "content": "x"}]
+    body = {"model": MODEL, "messages": messages, "n": 4, "ignore_eos": True}
+    resp = http.post("/v1/chat/completions", json=body)
+    assert resp.status_code == 200, resp.text
+    out = resp.json()
+    rest = served.engine.max_model_len - out["usage"]["prompt_tokens"]
+    assert [c["finish_reason"] for c in out["choices"]] == ["length"] * 4
+    assert out["usage"]["completion_tokens"] == 4 * (rest // 4)
