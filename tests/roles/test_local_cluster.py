@@ -277,8 +277,8 @@ def test_the_openai_client_gets_n_choices_from_one_prefill(cluster: LocalLaunche
     import openai
 
     client = openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused")
-    prompt = [(i * 29 + 3) % 250 + 1 for i in range(70)]  # 2 full blocks and a part
-    other = [(i * 31 + 17) % 250 + 1 for i in range(70)]
+    prompt = [(i * 41 + 19) % 250 + 1 for i in range(70)]  # 2 full blocks and a part
+    other = [(i * 43 + 23) % 250 + 1 for i in range(70)]  # new prompts: no block pooled
     kw = {"model": "dummy:tiny", "max_tokens": 6, "temperature": 1.3, "seed": 21}
     kw["extra_body"] = {"ignore_eos": True}
     looked_up = "mooncake_prefix_blocks_looked_up_total"
