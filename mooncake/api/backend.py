@@ -11,6 +11,10 @@ Errors a backend raises while starting a request (before the first output):
 - `ApiError`: the request itself is bad (HTTP 400), e.g. a prompt longer than the model;
 - any other `MooncakeError`: the cluster cannot serve it now (HTTP 503).
 After the first output a failure ends the stream with `finish_reason="abort"` and `error`.
+
+A request of `params.n` choices streams the outputs of all of them interleaved, each with
+its `index`; a choice's finish says whether others go on (`more_choices`). The stream ends
+at the finish of the last choice, or at an abort (which ends every choice).
 """
 
 from __future__ import annotations
@@ -64,6 +68,15 @@ class Output(msgspec.Struct, frozen=True, kw_only=True):
     # blocks it could have reused by cause (None: the backend does not attribute)
     num_cached_tokens: int = 0
     kv_blocks: MissCounts | None = None
+    index: int = 0  # the choice (0 .. params.n - 1)
+    more_choices: bool = False  # with a finish_reason: other choices go on
+
+    @property
+    def ends_request(self) -> bool:
+        """Whether this is the stream's last output."""
+        return self.finish_reason == "abort" or (
+            self.finish_reason is not None and not self.more_choices
+        )
 
 
 class BaseBackend(ABC):
@@ -90,7 +103,7 @@ class BaseBackend(ABC):
 
     @abstractmethod
     def generate(self, req: GenerateRequest) -> AsyncIterator[Output]:
-        """Start `req` and yield its outputs until one carries a finish_reason.
+        """Start `req` and yield its outputs until one `ends_request`.
 
         Raises `Rejected`, `ApiError` or another `MooncakeError` before the first output
         when the request cannot start. Closing the iterator early aborts the request."""

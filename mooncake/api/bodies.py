@@ -1,7 +1,9 @@
 """OpenAI response bodies: completions and chat completions, whole or as stream chunks.
 
-Shapes follow the OpenAI API reference (and vLLM where OpenAI is silent): one choice
-(index 0); `usage` with `prompt_tokens_details.cached_tokens`; completions' legacy
+Shapes follow the OpenAI API reference (and vLLM where OpenAI is silent): `n` choices
+(index 0 .. n-1; streamed, each chunk holds one choice's step, chat sends a role chunk per
+choice first); `usage` (every choice's tokens) with `prompt_tokens_details.cached_tokens`;
+completions' legacy
 logprobs (`tokens`, `token_logprobs`, `top_logprobs`, `text_offset`) and chat's
 (`content: [{token, logprob, bytes, top_logprobs}]`). A streamed request gets one chunk per
 output token (text may be "" while a character or a stop string is still incomplete), so
@@ -21,7 +23,7 @@ output and the content outside them; streamed, a token's chunk carries the conte
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from mooncake.api.backend import Output
@@ -80,15 +82,27 @@ class ResponseBuilder:
         tokenizer: BaseTokenizer,
         logprobs: bool,
         prompt_ids: list[int] | None = None,  # set: return token ids (return_token_ids)
-        tools: ToolStream | None = None,  # set: the output's tool calls are read
+        echo: str = "",  # text before each choice's (completions' echo)
+        # set: each choice's tool calls are read, by a stream this makes per choice
+        tools: Callable[[], ToolStream | None] | None = None,
     ):
         self.req_id, self.model, self.is_chat = req_id, model, is_chat
-        self.tools = tools
+        self._new_tools = tools
+        self._tools: dict[int, ToolStream | None] = {}  # choice -> its tool calls' reader
         self.tokenizer, self.logprobs = tokenizer, logprobs
         self.prompt_ids = prompt_ids
         self.is_prompt_sent = False  # streamed: prompt_token_ids went out in a chunk
         self.created = int(time.time())
-        self.text_len = 0  # characters streamed so far (completions' text_offset)
+        self.text_lens: dict[int, int] = {}  # choice -> characters streamed (text_offset)
+        self.echo = echo
+
+    def _tools_of(self, index: int) -> ToolStream | None:
+        """Choice `index`'s reader of tool calls (None: tool calls are not read)."""
+        if self._new_tools is None:
+            return None
+        if index not in self._tools:
+            self._tools[index] = self._new_tools()
+        return self._tools[index]
 
     def _head(self, obj: str) -> Body:
         return {"id": self.req_id, "object": obj, "created": self.created, "model": self.model}
@@ -111,9 +125,9 @@ class ResponseBuilder:
             content.append(entry)
         return {"content": content, "refusal": None}
 
-    def completion_logprobs(self, outs: Sequence[Output]) -> Body:
+    def completion_logprobs(self, outs: Sequence[Output], offset: int = 0) -> Body:
+        """`offset`: characters of the choice's text before `outs`'."""
         body: Body = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        offset = self.text_len
         for o in outs:
             if o.token_id is None:  # an end without a token
                 continue
@@ -127,37 +141,46 @@ class ResponseBuilder:
             offset += len(o.text)
         return body
 
-    def _logprobs(self, outs: Sequence[Output]) -> Body | None:
+    def _logprobs(self, outs: Sequence[Output], offset: int = 0) -> Body | None:
         tokens = [o for o in outs if o.token_id is not None]
         if not self.logprobs or not tokens:
             return None
-        return self.chat_logprobs(tokens) if self.is_chat else self.completion_logprobs(tokens)
+        if self.is_chat:
+            return self.chat_logprobs(tokens)
+        return self.completion_logprobs(tokens, offset)
 
     # -- whole responses ----------------------------------------------------------------
-    def response(self, outs: Sequence[Output], usage: Body) -> Body:
-        """The non-streamed body of a finished request (`outs` ends with a finish_reason)."""
-        text = "".join(o.text for o in outs)
-        finish = outs[-1].finish_reason if outs else "stop"
-        choice: Body = {"index": 0, "logprobs": self._logprobs(outs), "finish_reason": finish}
-        if self.is_chat:
-            message: Body = {"role": "assistant", "content": text, "refusal": None}
-            if self.tools is not None:
-                self.tools.delta(text, is_last=True)
-                message["content"], calls = self.tools.message()
-                if calls:
-                    message["tool_calls"] = calls
-                choice["finish_reason"] = self.tools.finish_reason(finish)
-            choice["message"] = message
-            body = self._head("chat.completion")
-        else:
-            choice["text"] = text
-            body = self._head("text_completion")
-        if self.prompt_ids is not None:
-            choice["token_ids"] = [o.token_id for o in outs if o.token_id is not None]
-            (body if self.is_chat else choice)["prompt_token_ids"] = self.prompt_ids
-        body["choices"] = [choice]
+    def response(self, choices: Sequence[Sequence[Output]], usage: Body) -> Body:
+        """The non-streamed body of a finished request: `choices[i]` are the outputs of
+        the choice returned at index i (each ends with its finish_reason)."""
+        body = self._head("chat.completion" if self.is_chat else "text_completion")
+        if self.prompt_ids is not None and self.is_chat:
+            body["prompt_token_ids"] = self.prompt_ids
+        body["choices"] = [self._choice(i, outs) for i, outs in enumerate(choices)]
         body["usage"] = usage
         return body
+
+    def _choice(self, index: int, outs: Sequence[Output]) -> Body:
+        text = "".join(o.text for o in outs)
+        finish = outs[-1].finish_reason if outs else "stop"
+        choice: Body = {"index": index, "logprobs": self._logprobs(outs), "finish_reason": finish}
+        tools = self._tools_of(index) if self.is_chat else None
+        if self.is_chat:
+            message: Body = {"role": "assistant", "content": text, "refusal": None}
+            if tools is not None:
+                tools.delta(text, is_last=True)
+                message["content"], calls = tools.message()
+                if calls:
+                    message["tool_calls"] = calls
+                choice["finish_reason"] = tools.finish_reason(finish)
+            choice["message"] = message
+        else:
+            choice["text"] = self.echo + text
+        if self.prompt_ids is not None:
+            choice["token_ids"] = [o.token_id for o in outs if o.token_id is not None]
+            if not self.is_chat:
+                choice["prompt_token_ids"] = self.prompt_ids
+        return choice
 
     # -- stream chunks ------------------------------------------------------------------
     def _chunk(self, choice: Body, include_usage: bool) -> Body:
@@ -170,33 +193,35 @@ class ResponseBuilder:
             body["usage"] = None
         return body
 
-    def role_chunk(self, include_usage: bool) -> Body:
-        """Chat's first chunk: the assistant role, no content yet."""
+    def role_chunk(self, include_usage: bool, index: int = 0) -> Body:
+        """Chat's first chunk of a choice: the assistant role, no content yet."""
         delta = {"role": "assistant", "content": ""}
-        choice: Body = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}
+        choice: Body = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
         if self.prompt_ids is not None:
             choice["token_ids"] = []
         return self._chunk(choice, include_usage)
 
     def chunk(self, out: Output, include_usage: bool) -> Body:
         """The chunk of one output (a token, the end, or both)."""
-        choice: Body = {"index": 0, "logprobs": self._logprobs([out])}
+        offset = self.text_lens.get(out.index, 0)
+        choice: Body = {"index": out.index, "logprobs": self._logprobs([out], offset)}
         finish: str | None = out.finish_reason
-        if self.is_chat and self.tools is not None:
-            text, calls = self.tools.delta(out.text, is_last=finish is not None)
+        tools = self._tools_of(out.index) if self.is_chat else None
+        if tools is not None:
+            text, calls = tools.delta(out.text, is_last=finish is not None)
             has_content = text or (out.token_id is not None and not calls)
             choice["delta"] = {"content": text} if has_content else {}
             if calls:
                 choice["delta"]["tool_calls"] = calls
-            finish = self.tools.finish_reason(finish)
+            finish = tools.finish_reason(finish)
         elif self.is_chat:
             choice["delta"] = {"content": out.text} if out.token_id is not None or out.text else {}
-        else:
-            choice["text"] = out.text
+        else:  # NOTE: echo: the prompt's text leads each choice's first chunk
+            choice["text"] = out.text if out.index in self.text_lens else self.echo + out.text
         choice["finish_reason"] = finish
         if self.prompt_ids is not None:
             choice["token_ids"] = [out.token_id] if out.token_id is not None else []
-        self.text_len += len(out.text)
+        self.text_lens[out.index] = offset + len(out.text)
         return self._chunk(choice, include_usage)
 
     def usage_chunk(self, usage: Body) -> Body:

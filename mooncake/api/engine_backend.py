@@ -153,6 +153,13 @@ class EngineBackend(BaseBackend):
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
                 f"max_model_len ({self.max_model_len})"
             )
+        kv_tokens = self.cache.num_blocks * self.cache.block_tokens
+        if len(ids) + params.n * params.max_tokens > kv_tokens:
+            raise ApiError(
+                f"prompt ({len(ids)} tokens) + n ({params.n}) x max_tokens "
+                f"({params.max_tokens}) exceeds the KV cache's {kv_tokens} tokens; ask for "
+                "fewer choices or tokens"
+            )
         seq = Sequence(
             next(self._ids),
             ids,
@@ -173,7 +180,7 @@ class EngineBackend(BaseBackend):
         try:
             while not is_done:
                 out = await queue.get()
-                is_done = out.finish_reason is not None
+                is_done = out.ends_request
                 yield out
         finally:
             if not is_done:  # the consumer went away: free the request's blocks
@@ -276,7 +283,8 @@ class EngineBackend(BaseBackend):
 
     def _fail_all(self, error: str) -> None:
         runner = self.runner
-        events = [e for s in [*runner.running, *runner.waiting] if (e := runner.abort(s.seq_id))]
+        held = {s.seq_id for s in [*runner.running, *runner.waiting]}
+        events = [e for seq_id in held for e in runner.abort(seq_id)]
         with self._cond:
             known = {e.seq_id for e in events}
             events += [
@@ -293,7 +301,7 @@ class EngineBackend(BaseBackend):
                 pending = self._pending.get(e.seq_id)
                 if pending is None:
                     continue  # aborted by its consumer
-                if e.finish_reason is not None:
+                if e.finish_reason == "abort" or (e.finish_reason and not e.more_choices):
                     del self._pending[e.seq_id]
                 why = ""
                 if e.finish_reason == "abort":  # not asked for by its consumer: see above
@@ -308,6 +316,8 @@ class EngineBackend(BaseBackend):
                     finish_reason=e.finish_reason,
                     error=why,
                     num_cached_tokens=cached,
+                    index=e.index,
+                    more_choices=e.more_choices,
                 )
                 by_loop.setdefault(pending.loop, []).append((pending.queue, out))
         for loop, batch in by_loop.items():

@@ -11,13 +11,14 @@ With `return_token_ids` (vLLM's extension) responses also carry `prompt_token_id
 `token_ids` where vLLM puts them (the optional fields below; `bodies.py` says where in a
 stream).
 
-Fields OpenAI documents that we accept only at their neutral value (`n`, `echo`, ...)
-are parsed in their wide type, so that the refusal can say why, and documented at that
-value (`schemas._only`). What a field's schema cannot say is in the request body's
+Fields OpenAI documents that we accept only at their neutral value are parsed in their
+wide type, so that the refusal can say why, and documented at that value
+(`schemas._only`). What a field's schema cannot say is in the request body's
 description: a prompt of token ids past the vocabulary, or longer than the context,
-`top_logprobs` without `logprobs`, `stream_options` without `stream` get a 400; so does a
-structured-output constraint (`response_format`, `guided_*`) the grammar engine cannot
-compile, or more than one.
+`top_logprobs` without `logprobs`, `stream_options` without `stream`, `best_of` below `n`
+or streamed above it, `echo` with `logprobs`, a `suffix` for a model without
+fill-in-the-middle tokens get a 400; so does a structured-output constraint
+(`response_format`, `guided_*`) the grammar engine cannot compile, or more than one.
 
     curl -s http://127.0.0.1:8000/openapi.json     # e.g. for schemathesis or a client generator
 """

@@ -2,11 +2,19 @@
 
 Every field OpenAI documents for /v1/completions and /v1/chat/completions is known here.
 Tool calling (`tools`, `tool_choice`, `parallel_tool_calls`, tool and assistant tool-call
-messages) is parsed here and planned in `mooncake.api.tools`.
-Those we cannot honour are accepted at their neutral value (`echo: false`,
-`logit_bias: {}`, ...) and refused otherwise; an unknown field is refused, as OpenAI
-does, so a typo never passes silently. Extensions (vLLM's): `top_k` (-1 or 0 = off),
-`min_p` (0 = off), `repetition_penalty` (1 = off), `stop_token_ids`, `ignore_eos`. A
+messages) is parsed here and planned in `mooncake.api.tools`; structured outputs
+(`response_format`, vLLM's `guided_*` and `structured_outputs`) become one `Guided`.
+Those we cannot honour are accepted at their neutral value and refused otherwise; an
+unknown field is refused, as OpenAI does, so a typo never passes silently. `logit_bias`
+is OpenAI's: token ids as decimal strings, biases in [-100, 100].
+`n` (1 .. 128) choices share the prompt's KV; completions' `best_of` (n .. 128) generates
+that many and returns the n of highest cumulative logprob (vLLM's ranking; OpenAI: "the
+one with the highest log probability per token"), and cannot be streamed above n.
+`echo` prepends the prompt's text to each choice (not with `logprobs`: the prompt's
+logprobs are not computed); `suffix` asks a fill-in-the-middle model for the text between
+the prompt and it (`model/fim.py`; refused for a model without FIM tokens).
+Extensions (vLLM's): `top_k` (-1 or 0 = off), `min_p` (0 = off), `repetition_penalty`
+(1 = off), `min_tokens` (0 = off), `stop_token_ids`, `ignore_eos`. A
 completion prompt is a string or a list of token ids (or a list holding exactly one of
 those).
 
@@ -31,7 +39,10 @@ from msgspec import Meta
 
 from mooncake.errors import ApiError
 from mooncake.model.params import (
+    MAX_BIAS,
+    MAX_CHOICES,
     MAX_INT32,
+    MAX_LOGIT_BIAS,
     MAX_PENALTY,
     MAX_REPETITION_PENALTY,
     MAX_STOP_CHARS,
@@ -142,13 +153,25 @@ class _Common(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     stop_token_ids: list[TokenId] | None = None  # extension
     ignore_eos: bool = False  # extension
     return_token_ids: Annotated[bool, Meta(description=RETURN_TOKEN_IDS)] = False  # vLLM's
-    n: Annotated[int, _only(const=1)] = 1
+    # choices returned; they share the prompt's KV (computed once)
+    n: Annotated[int, Meta(ge=1, le=MAX_CHOICES)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted, ignored
     presence_penalty: _Penalty | None = None
     frequency_penalty: _Penalty | None = None
-    logit_bias: Annotated[dict[str, float], _only(maxProperties=0)] | None = None
+    # OpenAI's: {"token id": bias}; the ids are checked against the vocabulary later
+    logit_bias: (
+        Annotated[
+            dict[
+                Annotated[str, _only(pattern="^[0-9]+$")],
+                Annotated[float, Meta(ge=-MAX_BIAS, le=MAX_BIAS)],
+            ],
+            _only(maxProperties=MAX_LOGIT_BIAS),
+        ]
+        | None
+    ) = None
+    min_tokens: Annotated[int, Meta(ge=0)] = 0  # extension: no stop before this many tokens
     response_format: ResponseFormat | None = None
     guided_json: dict[str, Any] | str | None = None  # extension
     guided_regex: str | None = None  # extension
@@ -161,15 +184,18 @@ class CompletionRequest(_Common, forbid_unknown_fields=True, kw_only=True):
     """Body of POST /v1/completions. Besides each field's schema: `prompt` is one prompt
     (text, token ids below the model's vocab_size, or a list holding one of those);
     `stream_options` needs `stream`; the prompt's tokens plus `max_tokens` fit in the
-    model's max_model_len."""
+    model's max_model_len; `best_of` is at least `n` and not streamed above it; `echo`
+    does not go with `logprobs`; `suffix` needs a text prompt and a model whose vocabulary
+    has fill-in-the-middle tokens; `logit_bias` keys are token ids below vocab_size."""
 
     # text, token ids, or a batch of either (refused unless it holds one prompt); typed to
     # the depth a prompt has, so a deeper one is refused naming where
     prompt: str | Annotated[list[str | TokenId | _TokenIds], _only(minItems=1)]
     logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
-    echo: Annotated[bool, _only(const=False)] = False
-    best_of: Annotated[int, _only(const=1)] | None = None
-    suffix: Annotated[str, _only(maxLength=0)] | None = None
+    echo: bool = False  # the prompt's text before each choice's
+    # candidates generated, the n of highest cumulative logprob returned (not streamable)
+    best_of: Annotated[int, Meta(ge=1, le=MAX_CHOICES)] | None = None
+    suffix: str | None = None  # fill in the middle: the text after the completion
 
 
 class ContentPart(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -332,8 +358,6 @@ def _field_at(body: bytes, *, offset: int = -1, max_depth: int = 0) -> str | Non
 def _refuse_unsupported(req: _Common) -> None:
     """Fields we know but cannot honour: allowed only at their neutral value."""
     checks: list[tuple[bool, str, str]] = [
-        (req.n != 1, "n", f"only n=1 is supported, got {req.n}; send one request per sample"),
-        (bool(req.logit_bias), "logit_bias", "is not supported; leave it empty"),
         (
             req.stream_options is not None and not req.stream,
             "stream_options",
@@ -342,9 +366,22 @@ def _refuse_unsupported(req: _Common) -> None:
     ]
     if isinstance(req, CompletionRequest):
         checks += [
-            (req.echo, "echo", "is not supported; use echo=false"),
-            (req.best_of not in (None, 1), "best_of", f"only 1 is supported, got {req.best_of}"),
-            (bool(req.suffix), "suffix", "is not supported"),
+            (
+                req.echo and req.logprobs is not None,
+                "echo",
+                "cannot be combined with logprobs: they would include the prompt's, which are "
+                "not computed (a prefill writes the prompt's KV, not its logits); drop one",
+            ),
+            (
+                req.best_of is not None and req.best_of < req.n,
+                "best_of",
+                f"must be at least n={req.n}, got {req.best_of}",
+            ),
+            (
+                req.stream and (req.best_of or req.n) > req.n,
+                "best_of",
+                "cannot be streamed when best_of > n: the best choices are known only at the end",
+            ),
         ]
     if isinstance(req, ChatRequest):
         checks += [
@@ -446,6 +483,25 @@ def _template_call(call: MessageToolCall, where: str) -> dict[str, Any]:
     return {"id": call.id, "type": "function", "function": function}
 
 
+_TOKEN_ID_KEY = re.compile(r"[0-9]+")
+
+
+def logit_bias(req: CompletionRequest | ChatRequest) -> tuple[tuple[int, float], ...]:
+    """The (token id, bias) pairs of `logit_bias`, in ascending id order; raises
+    InvalidRequest for a key that is no token id (OpenAI's keys are decimal strings)."""
+    pairs = []
+    for key, bias in (req.logit_bias or {}).items():
+        if not _TOKEN_ID_KEY.fullmatch(key):
+            raise InvalidRequest(
+                f"logit_bias: keys must be token ids written as decimal integers, got {key!r}",
+                "logit_bias",
+            )
+        pairs.append((int(key), bias))
+    if len({t for t, _ in pairs}) != len(pairs):  # "7" and "007"
+        raise InvalidRequest("logit_bias: a token id is given twice", "logit_bias")
+    return tuple(sorted(pairs))
+
+
 def sampling_params(
     req: CompletionRequest | ChatRequest, max_tokens: int, guided: Guided | None = None
 ) -> SamplingParams:
@@ -455,10 +511,13 @@ def sampling_params(
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
     if any(not s for s in stop):
         raise InvalidRequest("stop: empty stop strings are not allowed", "stop")
+    num_seqs = num_candidates(req)
     if isinstance(req, ChatRequest):
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
     else:
         logprobs = req.logprobs
+        if num_seqs > req.n and logprobs is None:
+            logprobs = 0  # the ranking reads each token's logprob (not returned)
     try:
         return SamplingParams(
             max_tokens=max_tokens,
@@ -475,6 +534,9 @@ def sampling_params(
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
             guided=one_constraint(guided, found[0] if (found := guided_constraint(req)) else None),
+            logit_bias=logit_bias(req),
+            min_tokens=req.min_tokens,
+            n=num_seqs,
         )  # validated as it is built
     except InvalidSamplingParams as e:
         raise InvalidRequest(str(e), e.param) from e
@@ -571,6 +633,13 @@ def _guided(
     if grammar is not None:
         asked.append((prefix + "grammar", "grammar", grammar))
     return asked
+
+
+def num_candidates(req: CompletionRequest | ChatRequest) -> int:
+    """Sequences to generate: `best_of` (completions) when given, else `n`."""
+    if isinstance(req, CompletionRequest) and req.best_of is not None:
+        return req.best_of
+    return req.n
 
 
 def requested_max_tokens(req: CompletionRequest | ChatRequest) -> tuple[int | None, str]:

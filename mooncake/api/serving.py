@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -40,6 +41,7 @@ from mooncake.api.stats import Outcome, RequestStats, RequestTrace
 from mooncake.api.tools import ToolPlan
 from mooncake.conductor.misses import MissCounts
 from mooncake.errors import ApiError, ConfigError, MooncakeError
+from mooncake.model.fim import FIM_TOKENS, fim_prompt_ids
 from mooncake.model.grammar import GrammarError
 from mooncake.model.params import Guided
 
@@ -101,10 +103,32 @@ def _prompt_ids(
         _check_chars(ctx, text, "messages")
         return tokenizer.encode(text, add_special_tokens=False), plan  # the template wrote them
     prompt = schemas.completion_prompt(req)
+    if req.suffix:
+        if not isinstance(prompt, str):
+            raise InvalidRequest("suffix: needs a text prompt, not token ids", "suffix")
+        _check_chars(ctx, prompt + req.suffix, "prompt")
+        ids = fim_prompt_ids(tokenizer, prompt, req.suffix)
+        if ids is None:
+            names = ", ".join("/".join(t) for t in FIM_TOKENS)
+            raise InvalidRequest(
+                "suffix: this model cannot fill in the middle: its vocabulary has no "
+                f"fill-in-the-middle tokens ({names}); send the prompt without a suffix",
+                "suffix",
+            )
+        return ids, None
     if isinstance(prompt, str):
         _check_chars(ctx, prompt, "prompt")
         return tokenizer.encode(prompt), None
     return prompt, None
+
+
+def _echo_text(ctx: ServingContext, req: CompletionRequest | ChatRequest, ids: list[int]) -> str:
+    """What `echo` prepends to each choice: the prompt as sent (its text, or its token
+    ids decoded); "" without echo."""
+    if not isinstance(req, CompletionRequest) or not req.echo:
+        return ""
+    prompt = schemas.completion_prompt(req)
+    return prompt if isinstance(prompt, str) else ctx.backend.tokenizer.decode(ids)
 
 
 def _check_chars(ctx: ServingContext, text: str, field: str) -> None:
@@ -134,7 +158,9 @@ def _check_vocab(ctx: ServingContext, ids: Sequence[int], field: str) -> None:
 
 
 def _max_tokens(ctx: ServingContext, req: CompletionRequest | ChatRequest, prompt_len: int) -> int:
-    """The request's max_tokens, checked against the context; raises InvalidRequest."""
+    """The request's max_tokens, checked against the context; raises InvalidRequest.
+    Without one, the choices (n, or best_of) share the rest of the context (a KV cache the
+    size of the context holds them all), within the server's default."""
     limit = ctx.backend.max_model_len
     field = "messages" if isinstance(req, ChatRequest) else "prompt"
     if prompt_len >= limit:
@@ -148,7 +174,8 @@ def _max_tokens(ctx: ServingContext, req: CompletionRequest | ChatRequest, promp
         fallback = ctx.default_max_tokens
         if fallback is None and not isinstance(req, ChatRequest):
             fallback = OPENAI_DEFAULT_MAX_TOKENS
-        return min(fallback or limit, limit - prompt_len)
+        rest = (limit - prompt_len) // schemas.num_candidates(req)
+        return max(1, min(fallback or limit, rest))
     if prompt_len + asked > limit:
         raise InvalidRequest(
             f"This model's maximum context length is {limit} tokens. However, you requested "
@@ -235,6 +262,7 @@ async def generate(ctx: ServingContext, request: Request, is_chat: bool) -> Resp
         guided = tool_plan.guided if tool_plan is not None else None
         params = schemas.sampling_params(req, max_tokens, guided)
         _check_vocab(ctx, params.stop_token_ids, "stop_token_ids")
+        _check_vocab(ctx, [t for t, _ in params.logit_bias], "logit_bias")
         if params.guided is not None:
             await _compile_guided(ctx, req, params.guided)
         gen = GenerateRequest(
@@ -263,17 +291,40 @@ async def generate(ctx: ServingContext, request: Request, is_chat: bool) -> Resp
         model,
         is_chat,
         ctx.backend.tokenizer,
-        params.logprobs is not None,
+        # NOTE: not params.logprobs: best_of asks for them to rank, not to return
+        req.logprobs if isinstance(req, ChatRequest) else req.logprobs is not None,
         prompt_ids=prompt_ids if req.return_token_ids else None,
-        tools=tool_plan.new_stream() if tool_plan is not None else None,
+        tools=tool_plan.new_stream if tool_plan is not None else None,
+        echo=_echo_text(ctx, req, prompt_ids),
     )
     usage = _Usage(len(prompt_ids), trace)
     if req.stream:
         include_usage = req.stream_options is not None and req.stream_options.include_usage
-        body = _stream(it, first, trace, builder, usage, include_usage, closing)
+        body = _stream(it, first, trace, builder, usage, include_usage, closing, req.n)
         return SSEResponse(body, {"X-Request-Id": req_id}, closing)
     async with _until_closing(closing):
-        return await _collect(request, it, first, trace, builder, usage)
+        outs = await _collect(request, it, first, trace, builder, usage)
+    if outs is None:
+        return Response(status_code=499)  # the client went away: nobody reads it
+    return json_response(builder.response(best_choices(outs, req.n), usage.body()))
+
+
+def best_choices(outs: Sequence[Output], n: int) -> list[list[Output]]:
+    """The outputs of each choice returned, in the order returned: all of them when there
+    are n, else the n of highest cumulative logprob (best_of, as vLLM ranks sampled
+    candidates), best first; a choice whose logprobs are missing ranks last."""
+    by_index: dict[int, list[Output]] = {}
+    for out in outs:
+        by_index.setdefault(out.index, []).append(out)
+    choices = [by_index[i] for i in sorted(by_index)]
+    if len(choices) <= n:
+        return choices
+
+    def score(choice: list[Output]) -> float:
+        logprobs = [o.logprob for o in choice if o.token_id is not None]
+        return -math.inf if None in logprobs else sum(lp for lp in logprobs if lp is not None)
+
+    return sorted(choices, key=score, reverse=True)[:n]  # NOTE: stable: ties keep index order
 
 
 def _outcome_of(e: BaseException) -> Outcome:
@@ -312,14 +363,15 @@ async def _collect(
     trace: RequestTrace,
     builder: ResponseBuilder,
     usage: _Usage,
-) -> Response:
-    """Gather the outputs into one body; a client that disconnects first aborts the request."""
+) -> list[Output] | None:
+    """Gather the outputs (every choice's, counted in `usage`); None when the client
+    disconnected first (the request was aborted)."""
     outs, error, is_gone = [first], "", False
 
     async def pump() -> None:
         nonlocal error
         try:
-            while outs[-1].finish_reason is None:
+            while not outs[-1].ends_request:
                 out = await it.__anext__()
                 if out.token_id is not None:
                     trace.token()
@@ -349,14 +401,14 @@ async def _collect(
         )
     if is_gone:
         log.info("%s: the client went away; request aborted", builder.req_id)
-        return Response(status_code=499)  # nobody reads it
+        return None
     if outs[-1].finish_reason == "abort":
         error = f"the request was aborted: {outs[-1].error or 'no reason given'}"
     if error:
         raise StreamFailed(error)
     for out in outs:
         usage.add(out)
-    return json_response(builder.response(outs, usage.body()))
+    return outs
 
 
 async def _stream(
@@ -367,11 +419,13 @@ async def _stream(
     usage: _Usage,
     include_usage: bool,
     closing: asyncio.Event | None,
+    n: int = 1,
 ) -> AsyncIterator[bytes]:
     outcome: Outcome = "cancelled"  # unless the stream reaches its end
     try:
         if builder.is_chat:
-            yield sse(builder.role_chunk(include_usage))
+            for index in range(n):
+                yield sse(builder.role_chunk(include_usage, index))
         out = first
         while True:
             if out.finish_reason == "abort":
@@ -382,7 +436,7 @@ async def _stream(
                 break
             usage.add(out)
             yield sse(builder.chunk(out, include_usage))
-            if out.finish_reason is not None:
+            if out.ends_request:
                 outcome = "completed"
                 if include_usage:
                     yield sse(builder.usage_chunk(usage.body()))

@@ -19,6 +19,19 @@ the prompt but its last token, which the first decode step feeds (`DecodeSubmitM
 guided request's matcher is made when it is added (`bind_grammar`), from its spec and the
 output it produced before, if it was placed again (`Sequence.num_resumed`); a preempted
 request keeps its matcher, which has seen exactly its output.
+
+A request of `params.n` > 1 choices is added as one `Sequence` (choice 0). Once admitted
+and its prompt's KV is in the cache (prefilled here, or written by a prefill node), it is
+forked: choices 1 .. n-1 share its blocks that are full of prompt KV (a reference each,
+`BlockAllocator.share` / `PrefixCache.share`) and join the queue's front, ahead of the
+requests that came after it. A choice writes only past the shared blocks: the last prompt
+block, partly filled, is copied into a block of each choice's own (copy on write, as
+vLLM's forked sequences). Under tensor parallelism (a copy here would miss the other
+ranks' caches) or with no block free for the copies now, a choice instead gets its own
+last block empty and recomputes those at most `block_tokens - 1` prompt tokens into it
+on admission. The choices then decode as independent rows (a guided one with a copy of
+the matcher). An abort ends every choice of its request; a choice's finish says whether
+others go on (`TokenEvent.more_choices`).
 """
 
 from __future__ import annotations
@@ -95,12 +108,17 @@ class DecodeRunner:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order; preemption takes the last
         self.num_preemptions = 0
+        self.num_prefill_tokens = 0  # tokens whose KV was computed here (prefill on admission)
+        self._choices_left: dict[int, int] = {}  # seq_id -> its choices not finished
+        self._to_fork: list[Sequence] = []  # admitted with their KV, choices not made yet
 
     def add(self, seq: Sequence) -> None:
         """Queue a request (with its KV in `seq.block_ids` already, or not); raises ApiError
         for token ids outside the vocabulary."""
         check_token_ids(seq.token_ids, self.model.spec.vocab_size)
         self.bind_grammar(seq)
+        assert seq.seq_id not in self._choices_left, f"req {seq.seq_id} added twice"
+        self._choices_left[seq.seq_id] = 1  # more once it forks
         self.waiting.append(seq)
 
     def bind_grammar(self, seq: Sequence) -> None:
@@ -116,13 +134,18 @@ class DecodeRunner:
             )
         seq.grammar = self.grammar.matcher(guided, seq.guided_ids)
 
-    def abort(self, seq_id: int) -> TokenEvent | None:
-        """Drop a request wherever it is; returns its final event, or None if unknown."""
-        for seq in [*self.running, *self.waiting]:
-            if seq.seq_id == seq_id:
-                self._retire(seq)
-                return seq.finish("abort")
-        return None
+    def abort(self, seq_id: int) -> list[TokenEvent]:
+        """Drop every choice of a request wherever it is; returns their final events (the
+        last one ends the request), or [] if unknown."""
+        seqs = [s for s in [*self.running, *self.waiting] if s.seq_id == seq_id]
+        for seq in seqs:
+            self._retire(seq)
+        self._to_fork = [s for s in self._to_fork if s.seq_id != seq_id]
+        self._choices_left.pop(seq_id, None)
+        events = [seq.finish("abort") for seq in seqs]
+        for e in events[:-1]:
+            e.more_choices = True
+        return events
 
     @property
     def has_work(self) -> bool:
@@ -158,6 +181,16 @@ class DecodeRunner:
                     seq.block_ids += ids
                 else:
                     self._preempt(self.running[-1])
+        events = self._admit()
+        while self._to_fork:  # NOTE: the choices join at the front, admitted right away
+            parents, self._to_fork = self._to_fork, []
+            for parent in parents:
+                self._fork(parent)
+            events += self._admit()
+        return events
+
+    def _admit(self) -> list[TokenEvent]:
+        """Admit waiting requests, oldest first, while they fit (module docstring)."""
         events: list[TokenEvent] = []
         admitted: list[Sequence] = []
         context = sum(len(s.token_ids) for s in self.running)
@@ -171,12 +204,10 @@ class DecodeRunner:
             if ids is None:
                 self._unmatch_prefix(seq)
                 if not self.running:  # it would not fit even alone
-                    self.waiting.popleft()
-                    self._retire(seq)
                     log.warning(
                         "req %d: %d tokens exceed the KV cache", seq.seq_id, len(seq.token_ids)
                     )
-                    events.append(seq.finish("abort"))
+                    events += self.abort(seq.seq_id)
                     continue
                 break
             self.waiting.popleft()
@@ -189,6 +220,34 @@ class DecodeRunner:
             context += len(seq.token_ids)
         self._fill_kv(admitted)
         return events
+
+    def _fork(self, parent: Sequence) -> None:
+        """Make choices 1 .. n-1 of `parent` (its prompt's KV computed), sharing its blocks
+        full of prompt KV and each with a copy of its partly filled last one, at the front
+        of the queue."""
+        n, bt = parent.params.n, self.cache.block_tokens
+        num_cached = parent.num_cached_tokens
+        num_shared = num_cached // bt
+        shared = parent.block_ids[:num_shared]
+        copies: list[int] | None = []
+        if num_cached % bt:  # the last prompt block is partly filled
+            copies = self._allocate(n - 1) if self.model.on_step is None else None
+            if copies is not None:
+                self.cache.copy_blocks([parent.block_ids[num_shared]] * (n - 1), copies)
+        children = []
+        for index in range(1, n):
+            if self.prefix_cache is not None:
+                self.prefix_cache.share(shared)
+            else:
+                self.cache.allocator.share(shared)
+            if copies is None:  # NOTE: recomputed on admission
+                children.append(parent.fork(index, list(shared), num_shared * bt))
+            else:
+                own = copies[index - 1 : index]
+                children.append(parent.fork(index, [*shared, *own], num_cached))
+        parent.is_forked = True
+        self._choices_left[parent.seq_id] += n - 1
+        self.waiting.extendleft(reversed(children))
 
     def _allocate(self, n: int) -> list[int] | None:
         if self.prefix_cache is not None:
@@ -236,12 +295,14 @@ class DecodeRunner:
                 if budget == 0:
                     break
             self._prefill_pieces(pieces)
-            for s, _, end in pieces:
+            for s, start, end in pieces:
                 s.num_cached_tokens = end
+                self.num_prefill_tokens += end - start
             todo = [s for s in todo if s.num_cached_tokens < len(s.token_ids) - 1]
         if self.prefix_cache is not None:  # later requests may share their prompts from now on
             for s in seqs:
                 self.prefix_cache.register(s.token_ids, s.block_ids, len(s.token_ids) - 1)
+        self._to_fork += [s for s in seqs if not s.is_forked]
 
     @torch.inference_mode()
     def _prefill_pieces(self, pieces: list[tuple[Sequence, int, int]]) -> None:
@@ -289,6 +350,7 @@ class DecodeRunner:
             [s.prompt_len for s in seqs] if needs_history else None,
             logits.device,
             torch.from_numpy(masks) if masks is not None else None,
+            min_tokens_stops=[s.min_tokens_stops for s in seqs],
         )
         out = sample(logits, batch).to_host()
         events = [
@@ -297,8 +359,12 @@ class DecodeRunner:
                 seqs, out.token_ids, out.logprobs, out.top_logprobs, strict=True
             )
         ]
-        for s in [s for s in seqs if s.is_finished]:
+        for s, e in [(s, e) for s, e in zip(seqs, events, strict=True) if s.is_finished]:
             self._retire(s)
+            left = self._choices_left.pop(s.seq_id, 1) - 1
+            if left:
+                self._choices_left[s.seq_id] = left
+            e.more_choices = left > 0
         return events
 
     def _retire(self, seq: Sequence) -> None:

@@ -28,14 +28,16 @@ class CacheFullError(MooncakeError):
 
 class BlockAllocator:
     """Lowest-id-first allocator of block ids (a heap), so that a sequence's blocks tend
-    to be consecutive and attention can read them in place; all-or-nothing. Thread-safe
-    (a decode node's RPC handlers reserve blocks while its step loop grows and frees
-    others); its lock is held for the heap operations only."""
+    to be consecutive and attention can read them in place; all-or-nothing. A block can be
+    `share`d (the choices of one request read its prompt's blocks): it is freed when its
+    last holder frees it. Thread-safe (a decode node's RPC handlers reserve blocks while its
+    step loop grows and frees others); its lock is held for the heap operations only."""
 
     def __init__(self, num_blocks: int):
         self.num_blocks = num_blocks
         self._free: list[int] = list(range(num_blocks))  # a min-heap
         self._used: set[int] = set()
+        self._num_shares: dict[int, int] = {}  # block id -> holders past the first
         self._lock = threading.Lock()
 
     @property
@@ -51,14 +53,28 @@ class BlockAllocator:
             self._used.update(ids)
         return ids
 
+    def share(self, ids: list[int]) -> None:
+        """One more holder of each of `ids` (allocated): each must be freed once more."""
+        with self._lock:
+            for i in ids:
+                assert i in self._used, f"block {i} shared but not allocated"
+                self._num_shares[i] = self._num_shares.get(i, 0) + 1
+
     def free(self, ids: list[int]) -> None:
+        """One holder lets go of each of `ids`; the last one frees it."""
         with self._lock:
             for i in ids:
                 assert i in self._used, f"block {i} freed but not allocated"
+                shares = self._num_shares.pop(i, 0)
+                if shares:
+                    if shares > 1:
+                        self._num_shares[i] = shares - 1
+                    continue
                 self._used.remove(i)
                 heapq.heappush(self._free, i)
 
     def check_integrity(self) -> None:
+        assert set(self._num_shares) <= self._used, "a shared block is not allocated"
         free = set(self._free)
         assert len(free) == len(self._free), "duplicate block in the free list"
         assert not free & self._used, f"blocks both free and used: {free & self._used}"
@@ -147,6 +163,18 @@ class PagedKVCache:
 
     def free(self, block_ids: list[int]) -> None:
         self.allocator.free(block_ids)
+
+    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
+        """Block dst[i] becomes a copy of block src[i], in every layer held here (K and V):
+        two index uploads, then two ops per tensor, whatever the number of blocks."""
+        assert len(src) == len(dst) and not set(src) & set(dst), (src, dst)
+        if not src:
+            return
+        device = self.k[0].device if self.k else "cpu"
+        src_idx = torch.tensor(src, device=device)
+        dst_idx = torch.tensor(dst, device=device)
+        for t in [*self.k, *self.v]:
+            t.index_copy_(0, dst_idx, t.index_select(0, src_idx))
 
     def gather(
         self, global_layer: int, block_ids: list[int], num_tokens: int

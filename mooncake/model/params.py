@@ -26,6 +26,8 @@ integer carries:
 | `min_tokens`         | 0 .. max_tokens: EOS and stop token ids masked before it |
 | `guided`             | None or a `Guided` (kind, spec): the output is held to   |
 |                      | it by the grammar engine; spec at most MAX_GUIDED_BYTES  |
+| `n`                  | 1 .. MAX_CHOICES (128): sequences sampled from the one   |
+|                      | prompt, sharing its KV (vLLM's `n`)                      |
 """
 
 from __future__ import annotations
@@ -54,6 +56,9 @@ MAX_STOP_BYTES = 4 * 1024  # UTF-8 bytes of all the stop strings together
 MAX_LOGIT_BIAS = 1024  # (token id, bias) pairs; OpenAI documents no count, vLLM none either
 MAX_BIAS = 100.0  # |bias| (OpenAI's range: -100 bans a token, 100 forces it)
 MAX_GUIDED_BYTES = 256 * 1024  # UTF-8 bytes of a guided spec (a JSON schema, a grammar, ...)
+# NOTE: each choice is a row of the decode batch (max_batch, 128 by default) and holds
+# its own output's KV; OpenAI documents no bound, vLLM none either
+MAX_CHOICES = 128
 GUIDED_KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
 
 
@@ -104,6 +109,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
     min_tokens: int = 0  # EOS and stop_token_ids cannot end the output before this many
     guided: Guided | None = None  # the output is held to this constraint
+    # sequences sampled from this prompt (choice i's seed is seed + i), its KV computed once
+    n: int = 1
 
     def __post_init__(self) -> None:
         self.validate()
@@ -152,6 +159,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
             f"in [0, max_tokens={self.max_tokens}]",
             self.min_tokens,
         )
+        _require(1 <= self.n <= MAX_CHOICES, "n", f"in [1, {MAX_CHOICES}]", self.n)
         if self.logprobs is not None:
             _require(
                 0 <= self.logprobs <= MAX_LOGPROBS,

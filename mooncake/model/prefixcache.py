@@ -66,6 +66,13 @@ class PrefixCache:
         self.num_hit_tokens += len(blocks) * bt
         return blocks
 
+    def share(self, block_ids: list[int]) -> None:
+        """One more reference on each of `block_ids` (held): the choices of one request
+        read its prompt's blocks; each holder releases them."""
+        for block in block_ids:
+            assert block in self._refs, f"block {block} shared but not held"
+            self._hold(block)
+
     def allocate(self, n: int) -> list[int] | None:
         """`n` blocks (free ones first, then the least recently used evictable ones), each
         with one reference; None (nothing taken) when fewer are available."""

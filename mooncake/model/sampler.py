@@ -11,24 +11,34 @@ indexing or `torch.multinomial`); `to_host` fetches everything in one copy and o
 synchronisation. Every branch of the Python code reads the params' host-side flags,
 never a device value, so the ops run do not depend on the batch size either.
 
-Per row, in this order (vLLM's sampler, vllm/v1/sample/sampler.py, has the same):
-1. penalties, only computed when some row has one: vLLM's repetition penalty over prompt
+Per row, in this order (vLLM's sampler, vllm/v1/sample/sampler.py, has the same: its
+"logits processors that are not argmax-invariant", min_tokens then logit_bias, then its
+penalties, then greedy or the draw):
+1. min_tokens: while a row's output is shorter than its `min_tokens`, its stop token ids
+   (EOS unless ignore_eos, and stop_token_ids) get -inf. The caller passes those ids per
+   row (`min_tokens_stops`; `Sequence.min_tokens_stops` says which), since only it knows
+   the row's output length and EOS. The mask is applied last of steps 1-3 here: a bias
+   or a penalty leaves -inf at -inf, so the result is vLLM's.
+2. logit_bias (OpenAI's): each listed token's bias added to its logit.
+3. penalties: vLLM's repetition penalty over prompt
    and output tokens (a seen token's logit divided by r when positive, multiplied by r
    when not), then OpenAI's frequency and presence penalties over the output tokens,
-   `logit -= frequency * count + presence * (count > 0)`. Greedy rows see them too.
-   Then the allowed-token bitmask, only when some row has one (`allowed_bits`: a row's
-   bit t clear bans token t: its logit becomes -inf; the grammar engine fills it for
-   guided rows, model/grammar.py, and the other rows allow every token), applied after
-   the penalties so that their clamp never makes a banned token finite again. It is
-   expanded once per step into an additive bias of 0 and -inf (on a CPU by numpy as it
-   is built, on a GPU by a few ops from the uploaded bits), so that applying it is one
-   add: a boolean `masked_fill` over (B, V) costs ten times as much on a CPU.
-2. greedy rows take the argmax (the first max).
-3. temperature: the logits are shifted so the top token sits at 0, then divided by the
+   `logit -= frequency * count + presence * (count > 0)`.
+   Each of steps 1-3 runs only when some row of the batch uses it; greedy rows see them
+   too.
+4. the allowed-token bitmask, only when some row has one (`allowed_bits`: a row's bit t
+   clear bans token t: its logit becomes -inf; the grammar engine fills it for guided
+   rows, model/grammar.py, and the other rows allow every token), applied after steps 1-3
+   so that the penalties' clamp never makes a banned token finite again. It is expanded
+   once per step into an additive bias of 0 and -inf (on a CPU by numpy as it is built,
+   on a GPU by a few ops from the uploaded bits), so that applying it is one add: a
+   boolean `masked_fill` over (B, V) costs ten times as much on a CPU.
+5. greedy rows take the argmax (the first max).
+6. temperature: the logits are shifted so the top token sits at 0, then divided by the
    temperature (clamped to the validated range), so that nothing overflows.
-4. truncation: top-k, min-p (tokens at least min_p times as likely as the top token) and
+7. truncation: top-k, min-p (tokens at least min_p times as likely as the top token) and
    then top-p over what is left; the top token always stays.
-5. the draw, with the Gumbel-max trick: argmax(log p + G), G = -log(-log u), u uniform in
+8. the draw, with the Gumbel-max trick: argmax(log p + G), G = -log(-log u), u uniform in
    (0, 1), samples exactly from p (it is the exponential race argmax p / E, E ~ Exp(1)).
    u is a counter-based hash of (seed, position, token id) in integer torch ops, so a
    seeded request draws the same tokens whatever batch it runs in and whatever its row;
@@ -68,7 +78,9 @@ _MUL1, _MUL2 = 0x21F0AAAD, 0x735A2D97
 _SALT_POSITION, _SALT_TOKEN = 0x9E3779B9, 0x85EBCA6B  # so that 0 does not hash to 0
 _U_BITS = 23  # uniform resolution: (h + 0.5) / 2**23 is exact in float32, never 0 or 1
 
-# columns of the two uploads (the float32 one and the int64 one, before the history)
+# columns of the two uploads: the float32 one is [_F_* columns | biases K], the int64 one
+# [_I_* columns | history L | biased token ids K | masked token ids M]; a row's unused
+# places hold 0 (history, read up to its length) or -1 (token ids: none)
 _F_TEMPERATURE, _F_TOP_P, _F_MIN_P, _F_PRESENCE, _F_FREQUENCY, _F_REPETITION = range(6)
 _F_IS_GREEDY = 6
 _I_SEED_LO, _I_SEED_HI, _I_POSITION, _I_TOP_K, _I_PROMPT_LEN, _I_HISTORY_LEN = range(6)
@@ -88,9 +100,9 @@ class SamplingBatch:
     ops `sample` runs. Built once per step by `build`; read-only after that."""
 
     params: tuple[SamplingParams, ...]  # host copy, one per row
-    # None for a batch of greedy rows without penalties, whose argmax reads neither
-    floats: Tensor | None  # (B, 7) float32: the _F_* columns
-    ints: Tensor | None  # (B, 6 + L) int64: the _I_* columns, then the history padded with 0
+    # None for a batch of greedy rows that nothing adjusts, whose argmax reads neither
+    floats: Tensor | None  # (B, 7 + K) float32: the _F_* columns, then the biases
+    ints: Tensor | None  # (B, 6 + L + K + M) int64: see the column table above
     is_all_greedy: bool
     has_top_k: bool  # some sampled row truncates by top_k, ...
     has_top_p: bool
@@ -101,6 +113,9 @@ class SamplingBatch:
     # (B, 32 W) float32, 32 W >= V: 0 where the row may take the token, -inf where not;
     # None when no row is constrained (then no op runs for it)
     token_bias: Tensor | None = None
+    num_history: int = 0  # L: columns of history
+    num_bias: int = 0  # K: the most (token, bias) pairs of a row; 0 = no row has a bias
+    num_masked: int = 0  # M: the most ids a row masks for min_tokens; 0 = no row masks
 
     @classmethod
     def build(
@@ -112,26 +127,35 @@ class SamplingBatch:
         prompt_lens: Sequence[int] | None,
         device: torch.device | str,
         allowed_bits: Tensor | None = None,
+        min_tokens_stops: Sequence[Sequence[int]] | None = None,
     ) -> SamplingBatch:
         """The device tensors of a step. `seeds`: each row's 64-bit seed; `positions`: the
         index in its sequence of the token being sampled; `history`: each row's token ids
         so far (prompt, then output) and `prompt_lens`, needed only when some row has a
         penalty (None otherwise); `allowed_bits`: (B, W) int32 on the host, each row's
-        allowed tokens as bits (None: every row allows every token). Does not wait for
-        the uploads."""
+        allowed tokens as bits (None: every row allows every token); `min_tokens_stops`:
+        per row, the token ids that cannot be sampled at this step because its output is
+        under min_tokens (None: no row). Does not wait for the uploads."""
         assert len(params) == len(seeds) == len(positions), (
             len(params),
             len(seeds),
             len(positions),
         )
+        masked = min_tokens_stops if min_tokens_stops is not None else [()] * len(params)
+        assert len(masked) == len(params), (len(masked), len(params))
         sampled = [p for p in params if not p.is_greedy]
         needs_history = any(p.has_penalty for p in params)
         assert not needs_history or (history is not None and prompt_lens is not None), (
             "a penalty needs the history and the prompt lengths"
         )
+        rows = history if needs_history and history is not None else [()] * len(params)
+        lens = prompt_lens if needs_history and prompt_lens is not None else [0] * len(params)
+        num_history = max((len(h) for h in rows), default=0)
+        num_bias = max((len(p.logit_bias) for p in params), default=0)
+        num_masked = max((len(m) for m in masked), default=0)
         floats = ints = None
-        if sampled or needs_history:
-            floats, ints = _tensors(params, seeds, positions, history, prompt_lens, needs_history)
+        if sampled or needs_history or num_bias or num_masked:
+            floats, ints = _tensors(params, seeds, positions, rows, lens, masked)
             floats, ints = (
                 _upload(floats, torch.device(device)),
                 _upload(ints, torch.device(device)),
@@ -157,43 +181,66 @@ class SamplingBatch:
             has_repetition=any(p.repetition_penalty != 1 for p in params),
             max_logprobs=max(logprobs) if logprobs else None,
             token_bias=token_bias,
+            num_history=num_history,
+            num_bias=num_bias,
+            num_masked=num_masked,
         )
 
     @property
     def needs_history(self) -> bool:
         return self.has_output_penalty or self.has_repetition
 
+    @property
+    def is_adjusted(self) -> bool:
+        """Whether some row's logits change before greedy picks (steps 1-3)."""
+        return self.needs_history or bool(self.num_bias) or bool(self.num_masked)
+
     def column(self, index: int) -> Tensor:
         """(B, 1) one float column, broadcast against (B, V)."""
         assert self.floats is not None, "a batch of greedy rows without penalties"
         return self.floats[:, index : index + 1]
+
+    def int_columns(self, start: int, num: int) -> Tensor:
+        """(B, num) int columns from `start` (the _I_* columns are 0 .. _NUM_I)."""
+        assert self.ints is not None, "set whenever a row is sampled or adjusted"
+        return self.ints[:, start : start + num]
 
 
 def _tensors(
     params: Sequence[SamplingParams],
     seeds: Sequence[int],
     positions: Sequence[int],
-    history: Sequence[Sequence[int]] | None,
-    prompt_lens: Sequence[int] | None,
-    needs_history: bool,
+    history: Sequence[Sequence[int]],
+    prompt_lens: Sequence[int],
+    masked: Sequence[Sequence[int]],
 ) -> tuple[Tensor, Tensor]:
     """The float32 and int64 host tensors of `SamplingBatch.build`."""
-    rows = history if needs_history and history is not None else [()] * len(params)
-    lens = prompt_lens if needs_history and prompt_lens is not None else [0] * len(params)
-    num_cols = max((len(h) for h in rows), default=0)
-    floats = torch.tensor([_float_row(p) for p in params], dtype=torch.float32)
-    floats = floats.reshape(len(params), _NUM_F)
-    ints = torch.zeros((len(params), _NUM_I + num_cols), dtype=torch.int64)
+    num_rows = len(params)
+    num_history = max((len(h) for h in history), default=0)
+    num_bias = max((len(p.logit_bias) for p in params), default=0)
+    num_masked = max((len(m) for m in masked), default=0)
+    floats = torch.zeros((num_rows, _NUM_F + num_bias), dtype=torch.float32)
+    if num_rows:
+        floats[:, :_NUM_F] = torch.tensor([_float_row(p) for p in params], dtype=torch.float32)
+    ints = torch.zeros((num_rows, _NUM_I + num_history + num_bias + num_masked), dtype=torch.int64)
     # a 64-bit seed as two 32-bit lanes (two's complement for a negative one)
     meta = [
         [seed & _MASK32, (seed >> 32) & _MASK32, pos, p.top_k, n, len(h)]
-        for p, seed, pos, h, n in zip(params, seeds, positions, rows, lens, strict=True)
+        for p, seed, pos, h, n in zip(params, seeds, positions, history, prompt_lens, strict=True)
     ]
     if meta:
         ints[:, :_NUM_I] = torch.tensor(meta, dtype=torch.int64)
-    for i, h in enumerate(rows):
+    ints[:, _NUM_I + num_history :] = -1
+    bias_at, masked_at = _NUM_I + num_history, _NUM_I + num_history + num_bias
+    for i, (p, h, m) in enumerate(zip(params, history, masked, strict=True)):
         if h:
             ints[i, _NUM_I : _NUM_I + len(h)] = torch.tensor(h, dtype=torch.int64)
+        if p.logit_bias:
+            ids, biases = zip(*p.logit_bias, strict=True)
+            ints[i, bias_at : bias_at + len(ids)] = torch.tensor(ids, dtype=torch.int64)
+            floats[i, _NUM_F : _NUM_F + len(ids)] = torch.tensor(biases, dtype=torch.float32)
+        if m:
+            ints[i, masked_at : masked_at + len(m)] = torch.tensor(list(m), dtype=torch.int64)
     return floats, ints
 
 
@@ -286,13 +333,13 @@ def sample(logits: Tensor, batch: SamplingBatch) -> SampledTokens:
         clean.add_(bias).nan_to_num_(-inf, posinf=inf, neginf=-inf)
     top = clean.argmax(-1)  # (B,) first max (of the allowed tokens)
     token_ids = top
-    if not batch.is_all_greedy or batch.needs_history:
+    if not batch.is_all_greedy or batch.is_adjusted:
         # NOTE: the ops below take a broken row without raising; `top` replaces its token
-        x = _penalize(logits, batch) if batch.needs_history else logits
+        x = _adjust(logits, batch) if batch.is_adjusted else logits
         if bias is not None:
             # NOTE: `clean` differs from `logits` only in broken rows, which take `top`
-            x = x + bias if batch.needs_history else clean
-        token_ids = x.argmax(-1) if batch.needs_history else top  # what greedy rows take
+            x = x + bias if batch.is_adjusted else clean
+        token_ids = x.argmax(-1) if batch.is_adjusted else top  # what greedy rows take
         if not batch.is_all_greedy:
             is_greedy = batch.column(_F_IS_GREEDY)[:, 0] > 0
             token_ids = torch.where(is_greedy, token_ids, _draw(x, batch))
@@ -335,12 +382,36 @@ def _bias_on_device(words: Tensor) -> Tensor:
     return each.bitwise_right_shift_((token % 32).int()).bitwise_and_(1).float().log_()
 
 
+def _adjust(x: Tensor, batch: SamplingBatch) -> Tensor:
+    """(B, V) logits -> after steps 1-3 of the module docstring: the bias, the penalties,
+    then the min_tokens mask (which they would leave at -inf in vLLM's order)."""
+    vocab = x.shape[1]
+    if batch.num_bias:
+        assert batch.floats is not None, "set whenever a row has a bias"
+        ids = batch.int_columns(_NUM_I + batch.num_history, batch.num_bias)  # (B, K)
+        is_valid = (ids >= 0) & (ids < vocab)  # NOTE: -1 pads; an id past V adds nothing
+        bias = torch.where(is_valid, batch.floats[:, _NUM_F:], 0.0)
+        # NOTE: a padding place adds 0.0 to token 0, which changes no value
+        x = x.scatter_add(1, torch.where(is_valid, ids, 0), bias)
+    # NOTE: a finite float32 plus a bias within +-100 stays finite (far below half an ulp
+    # of the largest float32), so the bias needs no clamp; a row with an inf was broken
+    if batch.needs_history:
+        x = _penalize(x, batch)
+    if batch.num_masked:
+        ids = batch.int_columns(_NUM_I + batch.num_history + batch.num_bias, batch.num_masked)
+        is_valid = (ids >= 0) & (ids < vocab)
+        hits = torch.zeros(x.shape, dtype=torch.uint8, device=x.device)
+        hits.scatter_add_(1, torch.where(is_valid, ids, 0), is_valid.to(torch.uint8))
+        x = x.masked_fill(hits.bool(), -math.inf)
+    return x
+
+
 def _penalize(x: Tensor, batch: SamplingBatch) -> Tensor:
     """(B, V) logits -> after the repetition, frequency and presence penalties."""
     num_rows, vocab = x.shape
     ints = batch.ints
     assert ints is not None, "set whenever a row is sampled or penalized"
-    history = ints[:, _NUM_I:]  # (B, L), padded with 0
+    history = batch.int_columns(_NUM_I, batch.num_history)  # (B, L), padded with 0
     col = torch.arange(history.shape[1], device=x.device)
     # NOTE: an id past this vocabulary (none should come) is left out, not indexed
     is_valid = (col < ints[:, _I_HISTORY_LEN : _I_HISTORY_LEN + 1]) & (history < vocab)

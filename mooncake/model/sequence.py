@@ -50,7 +50,9 @@ class TokenEvent:
     text: str  # new output text made certain by this token (may be "")
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
-    finish_reason: FinishReason | None = None
+    finish_reason: FinishReason | None = None  # of this choice
+    index: int = 0  # the choice (0 .. params.n - 1)
+    more_choices: bool = False  # with finish_reason: other choices of the request go on
 
 
 def _random_seed() -> int:
@@ -73,25 +75,35 @@ class Sequence:
         block_ids: list[int] | None = None,
         num_cached_tokens: int = 0,
         num_resumed: int = 0,
+        index: int = 0,
     ):
         """`num_resumed`: the last this many of `prompt_ids` are output a request produced
-        before it was placed again (its grammar replays them)."""
+        before it was placed again (its grammar replays them). `index`: which of the
+        request's `params.n` choices this is (`fork` makes the others); it shifts the seed,
+        so each choice draws its own tokens reproducibly."""
         assert prompt_ids, "a prompt needs at least one token"
+        assert 0 <= index < params.n, (index, params.n)
         self.seq_id = seq_id
+        self.index = index
+        self.is_forked = index > 0 or params.n == 1  # its other choices exist (or none do)
         self.params = params
         self.prompt_len = len(prompt_ids)
         self.token_ids = [*prompt_ids, *output_ids]
         self.block_ids = block_ids or []
         self.num_cached_tokens = num_cached_tokens  # tokens whose KV is in block_ids
         self.num_reused_tokens = 0  # prompt tokens whose KV a prefix cache gave at admission
-        # what keys the sampler's noise, with the position: the request's seed, else random
-        self.seed = params.seed if params.seed is not None else _random_seed()
+        # what keys the sampler's noise, with the position: the request's seed (plus the
+        # choice's index, as a signed 64-bit value), else random
+        seed = params.seed
+        self.seed = _random_seed() if seed is None else (seed + index + 2**63) % 2**64 - 2**63
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len  # 0 = no limit
+        self.eos_token_ids = tuple(eos_token_ids)
         stops = set(params.stop_token_ids)
         if not params.ignore_eos:
             stops.update(eos_token_ids)
         self.stop_token_ids = frozenset(stops)
+        self._sorted_stops = tuple(sorted(stops))
         self.finish_reason: FinishReason | None = None
         # incremental decoding: output ids [prefix_offset, read_offset) gave the text
         # before the last one streamed; those from read_offset on are not decoded yet
@@ -113,6 +125,14 @@ class Sequence:
         return self.token_ids[self.prompt_len :]
 
     @property
+    def min_tokens_stops(self) -> tuple[int, ...]:
+        """The stop token ids the sampler masks for the next token: all of them while the
+        output is shorter than `min_tokens`, none after (vLLM's MinTokensLogitsProcessor)."""
+        if len(self.token_ids) - self.prompt_len < self.params.min_tokens:
+            return self._sorted_stops
+        return ()
+
+    @property
     def is_finished(self) -> bool:
         return self.finish_reason is not None
 
@@ -126,31 +146,40 @@ class Sequence:
         self.token_ids.append(token_id)
         num_out = len(self.token_ids) - self.prompt_len
         grammar = self.grammar
+        # NOTE: before min_tokens output tokens no stop token ends the output (vLLM's
+        # check_stop; the sampler masks them until then); a complete grammar ends it
+        is_stop = token_id in self.stop_token_ids and num_out >= self.params.min_tokens
         if grammar is not None and not grammar.accept(token_id):
             log.warning("req %d: token %d breaks its %s", self.seq_id, token_id, grammar.kind)
             self.finish_reason = "abort"
-        elif token_id in self.stop_token_ids or (grammar is not None and grammar.is_done):
+        elif is_stop or (grammar is not None and grammar.is_done):
             self.finish_reason = "stop"
         elif num_out >= self.params.max_tokens or (
             self.max_model_len and len(self.token_ids) >= self.max_model_len
         ):
             self.finish_reason = "length"
-        text = self._new_text(token_id)
-        return TokenEvent(self.seq_id, token_id, text, logprob, top_logprobs, self.finish_reason)
+        text = self._new_text(is_stop)
+        return TokenEvent(
+            self.seq_id, token_id, text, logprob, top_logprobs, self.finish_reason, self.index
+        )
 
-    def _new_text(self, token_id: int) -> str:
+    def _new_text(self, is_stop: bool) -> str:
         if self.tokenizer is None:
             return ""
         is_done = self.finish_reason is not None
         # NOTE: a stop token adds no text
-        num_ids = len(self.token_ids) - self.prompt_len - (token_id in self.stop_token_ids)
+        num_out = len(self.token_ids) - self.prompt_len
+        num_ids = num_out - is_stop
         chunk = self._decode(num_ids, is_done)
         text = self.held_text + chunk  # not streamed yet, in the order decoded
         self.held_text = ""
         if self.stop_matcher is None:
             return text
         start = self.stop_matcher.feed(chunk)
-        if start is not None:  # cut before the stop string
+        # NOTE: stop strings count once the output is past min_tokens tokens, as vLLM's
+        # detokenizer checks them (`len(output_token_ids) > min_tokens`)
+        if start is not None and num_out > self.params.min_tokens:
+            # cut before the stop string
             self.finish_reason = "stop"
             cut = start - (self.stop_matcher.num_chars - len(text))
             assert 0 <= cut <= len(text), (start, self.stop_matcher.num_chars, len(text))
@@ -182,4 +211,24 @@ class Sequence:
     def finish(self, reason: FinishReason) -> TokenEvent:
         """End the request from outside (abort, cache too small)."""
         self.finish_reason = reason
-        return TokenEvent(self.seq_id, None, "", finish_reason=reason)
+        return TokenEvent(self.seq_id, None, "", finish_reason=reason, index=self.index)
+
+    def fork(self, index: int, block_ids: list[int], num_cached_tokens: int) -> Sequence:
+        """Choice `index` of this request, before its first output token, reading the
+        prompt's KV in `block_ids` (shared: the caller took a reference on each)."""
+        assert not self.output_ids, "choices fork before the first output token"
+        choice = Sequence(
+            self.seq_id,
+            self.token_ids,
+            self.params,
+            eos_token_ids=self.eos_token_ids,
+            max_model_len=self.max_model_len,
+            tokenizer=self.tokenizer,
+            block_ids=block_ids,
+            num_cached_tokens=num_cached_tokens,
+            num_resumed=self.num_resumed,
+            index=index,
+        )
+        if self.grammar is not None:  # NOTE: in the state of the shared prompt
+            choice.grammar = self.grammar.copy()
+        return choice

@@ -50,6 +50,10 @@ class BaseTokenizer(ABC):
     @abstractmethod
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 
+    def token_id(self, token: str) -> int | None:
+        """The id of the vocabulary entry spelled `token` (e.g. a special token), or None."""
+        return None
+
     def render_chat(
         self,
         messages: list[Message],
@@ -135,6 +139,10 @@ class LibraryTokenizer(BaseTokenizer):
         """The `tokenizers` library's JSON of this tokenizer (the grammar engine builds its
         token table from it)."""
         return str(self._tok.to_str())
+
+    def token_id(self, token: str) -> int | None:
+        found = self._tok.token_to_id(token)
+        return None if found is None else int(found)
 
 
 class HFTokenizer(LibraryTokenizer):

@@ -28,7 +28,7 @@ from mooncake.conductor.conductor import Conductor
 from mooncake.conductor.types import Decision, ScheduleRequest
 from mooncake.config.router import RouterConfig
 from mooncake.config.settings import Config
-from mooncake.errors import MooncakeError
+from mooncake.errors import ApiError, MooncakeError
 from mooncake.kv.hashing import PrefixHasher
 from mooncake.model.tokenizer import BaseTokenizer
 from mooncake.router.blockmap import BlockMap
@@ -113,6 +113,11 @@ class RouterBackend(BaseBackend):
         return await asyncio.to_thread(call)
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[Output]:
+        if req.params.n > 1:
+            raise ApiError(
+                f"n: {req.params.n} choices (or best_of) are not served when the master "
+                "routes to vLLM instances (router.backends); send n=1 requests"
+            )
         rid = next(self._ids)
         hashes = self.hasher.hash_blocks(req.prompt_ids)
         sched = ScheduleRequest(rid, len(req.prompt_ids), hashes)
@@ -166,6 +171,8 @@ class RouterBackend(BaseBackend):
             "stop": list(p.stop),
             "stop_token_ids": list(p.stop_token_ids),
             "return_token_ids": True,
+            "logit_bias": {str(t): b for t, b in p.logit_bias},
+            "min_tokens": p.min_tokens,
         }
         try:
             async with self._client.stream("POST", url + "/v1/completions", json=body) as r:

@@ -110,3 +110,18 @@ def test_a_client_that_gives_up_on_a_non_streamed_request_aborts_it(served):
     _assert_idle(served)
     _wait_until(lambda: served.stats.snapshot().num_cancelled == before + 1)
     assert served.engine.num_generated_tokens - tokens_before < 500
+
+
+def test_closing_a_stream_of_several_choices_aborts_every_choice(served):
+    tokens_before = served.engine.num_generated_tokens
+    body = {**LONG, "max_tokens": 600, "n": 3}
+    with (
+        httpx.Client(base_url=served.url, headers=AUTH, timeout=30) as http,
+        http.stream("POST", "/v1/completions", json=body) as resp,
+    ):
+        lines = (line for line in resp.iter_lines() if line)
+        chunks = [json.loads(next(lines).removeprefix("data: ")) for _ in range(6)]
+        assert {c["choices"][0]["index"] for c in chunks} == {0, 1, 2}
+        assert len(served.engine.runner.running) == 3
+    _assert_idle(served)  # NOTE: every choice's blocks, the shared ones too
+    assert served.engine.num_generated_tokens - tokens_before < 3 * 200

@@ -58,7 +58,11 @@ def test_cpu_smoke_runs_every_section_into_one_json_document(
     (launch,) = sections["launches"]["rows"]
     assert launch["ops"] > 0 and launch["op_syncs"] >= 1 and launch["kernels"] is None
 
-    assert {r["case"] for r in sections["sampling"]["rows"]} == {"greedy", "temperature_top_p"}
+    assert {r["case"] for r in sections["sampling"]["rows"]} == {
+        "greedy",
+        "temperature_top_p",
+        "temperature_top_p_bias_min_tokens",
+    }
     prefill = sections["prefill"]["rows"]
     assert len(prefill) == 2 * len(CPU_SMOKE.prefill_lens) * len(CPU_SMOKE.prefill_chunks)
     for r in prefill:

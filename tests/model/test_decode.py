@@ -126,7 +126,7 @@ def test_abort_frees_the_blocks(tiny):
     runner = DecodeRunner(tiny, cache)
     runner.add(Sequence(7, PROMPTS[3], GREEDY))
     runner.step()
-    event = runner.abort(7)
-    assert event is not None and event.finish_reason == "abort"
+    (event,) = runner.abort(7)
+    assert event.finish_reason == "abort" and not event.more_choices
     assert cache.allocator.num_free == 48 and not runner.has_work
-    assert runner.abort(7) is None
+    assert runner.abort(7) == []

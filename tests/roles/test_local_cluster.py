@@ -4,6 +4,7 @@ prefill pipeline group, a decode node, a store node; real processes on loopback)
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -247,3 +248,67 @@ def test_a_hot_prefix_held_elsewhere_is_replicated_to_the_prefill_node(
             break
         time.sleep(0.2)
     assert cached >= 128
+
+
+def _counter(url: str, name: str) -> float:
+    metrics = httpx.get(url + "/metrics", timeout=10).text
+    lines = [ln for ln in metrics.splitlines() if ln.startswith(name + " ")]
+    return float(lines[0].split()[-1]) if lines else 0.0
+
+
+def _settled(url: str, name: str) -> float:
+    """The counter once no late report moves it (a prefill reports its KV bytes after its
+    request may have ended): two reads a second apart agree, 20 s at most."""
+    last, deadline = _counter(url, name), time.monotonic() + 20
+    while time.monotonic() < deadline:
+        time.sleep(1.0)
+        now = _counter(url, name)
+        if now == last:
+            break
+        last = now
+    return last
+
+
+def test_the_openai_client_gets_n_choices_from_one_prefill(cluster: LocalLauncher) -> None:
+    """n=3 through prefill group and decode node: three choices with their indices, a
+    seeded request reproduces them, choice i is what seed + i draws alone, and the prompt
+    was placed once and its KV written once (as many bytes as a one-choice request's with
+    a new prompt as long)."""
+    import openai
+
+    client = openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused")
+    prompt = [(i * 41 + 19) % 250 + 1 for i in range(70)]  # 2 full blocks and a part
+    other = [(i * 43 + 23) % 250 + 1 for i in range(70)]  # new prompts: no block pooled
+    kw = {"model": "dummy:tiny", "max_tokens": 6, "temperature": 1.3, "seed": 21}
+    kw["extra_body"] = {"ignore_eos": True}
+    looked_up = "mooncake_prefix_blocks_looked_up_total"
+    # the KV a prefill writes (to the pool and to the decode node): once per placement
+    bytes_before = _settled(cluster.url, "mooncake_kv_handoff_bytes_total")
+    blocks_before = _counter(cluster.url, looked_up)
+    three = client.completions.create(prompt=prompt, n=3, **kw)
+    assert _counter(cluster.url, looked_up) - blocks_before == 2  # one placement, 2 blocks
+    bytes_three = _settled(cluster.url, "mooncake_kv_handoff_bytes_total")
+    client.completions.create(prompt=other, **kw)  # as long, new too, one choice
+    bytes_one = _settled(cluster.url, "mooncake_kv_handoff_bytes_total")
+    assert bytes_three - bytes_before == bytes_one - bytes_three > 0
+    texts = {c.index: c.text for c in three.choices}
+    assert sorted(texts) == [0, 1, 2] and len(set(texts.values())) == 3
+    assert three.usage is not None and three.usage.completion_tokens == 18
+    again = client.completions.create(prompt=prompt, n=3, **kw)
+    assert {c.index: c.text for c in again.choices} == texts
+    for i in range(3):
+        alone = client.completions.create(prompt=prompt, **{**kw, "seed": 21 + i})
+        assert alone.choices[0].text == texts[i]
+    chunks = list(
+        client.chat.completions.create(
+            messages=[{"role": "user", "content": "three ways"}], n=3, stream=True, **kw
+        )
+    )
+    streamed: dict[int, str] = {}
+    for c in chunks:
+        for choice in c.choices:
+            streamed[choice.index] = streamed.get(choice.index, "") + (choice.delta.content or "")
+    whole = client.chat.completions.create(
+        messages=[{"role": "user", "content": "three ways"}], n=3, **kw
+    )
+    assert streamed == {c.index: c.message.content for c in whole.choices}

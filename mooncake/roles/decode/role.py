@@ -249,7 +249,7 @@ class DecodeNode:
     def _drop_all(self) -> None:
         """Drop every request (on the loop): the master no longer tracks them."""
         r = self.runner
-        dropped = [s.seq_id for s in [*r.running, *r.waiting]]
+        dropped = {s.seq_id for s in [*r.running, *r.waiting]}
         for req_id in dropped:
             r.abort(req_id)
         if dropped:
@@ -319,7 +319,8 @@ class DecodeNode:
         self.halt.set()
         # NOTE: a stuck step owns the runner: a glance at its queues
         held = [*self.runner.running, *self.runner.waiting]
-        events = [TokenEvent(s.seq_id, None, "", finish_reason="abort") for s in held]
+        held_ids = {s.seq_id for s in held}
+        events = [TokenEvent(i, None, "", finish_reason="abort") for i in held_ids]
         self._send(events, error=f"the decode node failed: {problem}")
         self.close()
 
@@ -358,8 +359,10 @@ class DecodeNode:
                 return
         self._run_commands()  # stopping: end what is still running, clearly
         r = self.runner
-        ended = [r.abort(s.seq_id) for s in [*r.running, *r.waiting]]
-        self._send([e for e in ended if e is not None], error="the decode node is shutting down")
+        ended = [
+            e for req_id in {s.seq_id for s in [*r.running, *r.waiting]} for e in r.abort(req_id)
+        ]
+        self._send(ended, error="the decode node is shutting down")
 
     def _run_commands(self) -> None:
         """Apply the handlers' commands, in order (on the loop, between steps)."""
@@ -372,8 +375,8 @@ class DecodeNode:
 
     def _end_running(self) -> list[TokenEvent]:
         """End the running batch after a failed step (lock held); waiting requests stay."""
-        ended = [self.runner.abort(s.seq_id) for s in list(self.runner.running)]
-        return [e for e in ended if e is not None]
+        running = {s.seq_id for s in self.runner.running}
+        return [e for req_id in running for e in self.runner.abort(req_id)]
 
     def _send(self, events: list[TokenEvent], error: str = "") -> None:
         if not events:
@@ -388,6 +391,8 @@ class DecodeNode:
                 finish_reason=e.finish_reason,
                 error=error if e.finish_reason == "abort" else "",
                 kind="output",
+                index=e.index,
+                more_choices=e.more_choices,
             )
             for e in events
         ]

@@ -104,7 +104,9 @@ class ClusterBackend(BaseBackend):
         self.loop = asyncio.get_running_loop()
         if self.hasher is None:
             raise MooncakeError("no prefill or decode node has joined yet; retry shortly")
-        await self.tickets.locked(self._check_kv_room, len(req.prompt_ids), req.params.max_tokens)
+        await self.tickets.locked(
+            self._check_kv_room, len(req.prompt_ids), req.params.max_tokens, req.params.n
+        )
         deadline_s = request_deadline_s(self.scheduler, req.params.max_tokens)
         ends_at = time.monotonic() + deadline_s
         rid = self.flights.new_id()
@@ -141,7 +143,7 @@ class ClusterBackend(BaseBackend):
                     self.tickets.decode_started(flight.req_id)
                     if flight.num_placements == 1:  # NOTE: only a first one's moments are whole
                         self.phases.first_token(flight.moments, time.monotonic())
-                if tok.finish_reason not in (None, "abort"):
+                if tok.ends_request and tok.finish_reason != "abort":
                     # NOTE: the stream ends once its new blocks are committed to the pool (the
                     # prefill node reports after that): an immediate repeat reuses them
                     await flight.wait_reported(self.scheduler.commit_wait_s)
@@ -149,10 +151,12 @@ class ClusterBackend(BaseBackend):
                     flight.output_ids.append(tok.token_id)
                 out = flight.output(tok)
                 first = False
-                if tok.finish_reason is not None:
+                if tok.ends_request:
                     # NOTE: ended before the last yield: a consumer that stops at the last
-                    # output must not turn a finished request into an abort
-                    self._end(flight, dropped=tok.finish_reason == "abort")
+                    # output must not turn a finished request into an abort. An abort of
+                    # one choice ends the others too
+                    is_abort = tok.finish_reason == "abort"
+                    self._end(flight, dropped=is_abort, abort=is_abort and tok.more_choices)
                     yield out
                     return
                 yield out
@@ -161,15 +165,17 @@ class ClusterBackend(BaseBackend):
             if not flight.done:  # the client went away (or the loop is closing)
                 self._end(flight, dropped=True, abort=True)
 
-    def _check_kv_room(self, prompt_len: int, max_tokens: int) -> None:
+    def _check_kv_room(self, prompt_len: int, max_tokens: int, n: int = 1) -> None:
         """Refuse (ApiError, HTTP 400) a request no ready node's KV cache could hold even
-        alone: its prompt on a prefill group, its prompt and output on a decode node."""
+        alone: its prompt on a prefill group, its prompt and the output of its `n` choices
+        (which share the prompt's KV) on a decode node."""
+        choices = f" x n {n}" if n > 1 else ""
         limits = [
             ("prefill", prompt_len, f"prompt of {prompt_len} tokens"),
             (
                 "decode",
-                prompt_len + max_tokens,
-                f"prompt of {prompt_len} tokens (+ max_tokens {max_tokens})",
+                prompt_len + n * max_tokens,
+                f"prompt of {prompt_len} tokens (+ max_tokens {max_tokens}{choices})",
             ),
         ]
         for role, num_tokens, what in limits:
@@ -348,6 +354,11 @@ class ClusterBackend(BaseBackend):
             flight.phase, flight.is_handed_off = "queued", False
             flight.reported.clear()
             flight.num_placements += 1
+            if flight.gen.params.n > 1 and flight.output_ids:
+                raise MooncakeError(
+                    f"its {flight.gen.params.n} choices had begun their output, and several "
+                    "choices cannot resume on another node; send the request again"
+                )
             if flight.num_placements > self.max_retries + 2:
                 why = f"; the last failure: {flight.last_error}" if flight.last_error else ""
                 raise MooncakeError(f"it was placed {flight.num_placements - 1} times{why}")

@@ -56,7 +56,7 @@ class Flight:
     reported: asyncio.Event = field(default_factory=asyncio.Event)
     is_report_out: bool = False  # an output carried the report already
     done: bool = False
-    output_ids: list[int] = field(default_factory=list)  # tokens streamed so far
+    output_ids: list[int] = field(default_factory=list)  # tokens streamed so far (all choices)
     num_placements: int = 1
     is_replacing: bool = False  # a re-placement is under way (one at a time)
     last_error: str = ""  # why its last placement failed, as its prefill node said
@@ -96,6 +96,8 @@ class Flight:
             error=tok.error,
             num_cached_tokens=cached,
             kv_blocks=kv_blocks,
+            index=tok.index,
+            more_choices=tok.more_choices,
         )
 
     async def wait_reported(self, timeout_s: float) -> None:

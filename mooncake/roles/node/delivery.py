@@ -15,7 +15,8 @@ order, or given up with a clear end, never silently lost.
               duplicate (a re-sent event that had arrived after all) is dropped, an event
               ahead of a gap waits for the gap to be filled
 
-A stream ends when its final event (one with a finish_reason) is acknowledged.
+A stream ends when its final event (`TokenMsg.ends_request`: the finish of its last choice,
+or an abort) is acknowledged.
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ class Outbox:
                     continue  # NOTE: nothing follows a request's final event
                 s.pending[s.next_seq] = _Pending(msgspec.structs.replace(tok, seq=s.next_seq))
                 s.next_seq += 1
-                s.is_ended = tok.finish_reason is not None
+                s.is_ended = tok.ends_request
             self._cond.notify_all()
 
     def forget(self, req_id: int) -> None:

@@ -214,6 +214,17 @@ class TokenMsg(Msg, frozen=True, tag="master.token"):
     # (the request was placed again: send its task to the new nodes), "rejected" (the
     # Conductor refused it at prefill start: an HTTP 429 before any output; `error` says why)
     kind: Literal["output", "dispatch_again", "rejected"] = "output"
+    index: int = 0  # "output": the choice of a request of several (SamplingParams.n)
+    # "output" with a finish_reason other than abort: other choices of the request go on
+    # (the stream ends at a finish without it, or at any abort)
+    more_choices: bool = False
+
+    @property
+    def ends_request(self) -> bool:
+        """Whether nothing of the request follows this event."""
+        return self.finish_reason == "abort" or (
+            self.finish_reason is not None and not self.more_choices
+        )
 
 
 class TokensMsg(Msg, frozen=True, tag="master.tokens"):
