@@ -19,7 +19,8 @@ def test_a_completion_request_with_a_suffix_becomes_the_fim_prompt(tmp_path):
     ctx = serving.ServingContext(backend, None, None, 1 << 20)  # type: ignore[arg-type]
     body = b'{"prompt": "def f ( x )", "suffix": "return x", "echo": true, "max_tokens": 4}'
     req = schemas.decode_body(body, schemas.CompletionRequest)
-    ids = serving._prompt_ids(ctx, req)
+    ids, tool_plan = serving._prompt_ids(ctx, req)
+    assert tool_plan is None
     assert ids == fim_prompt_ids(tok, "def f ( x )", "return x")
     assert schemas.sampling_params(req, 4).max_tokens == 4  # nothing else refuses it
     assert serving._echo_text(ctx, req, ids) == "def f ( x )"
