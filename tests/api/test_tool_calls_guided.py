@@ -133,3 +133,35 @@ def test_parallel_tool_calls_false_returns_one_call(client):
         ).choices[0]
         assert len(choice.message.tool_calls or []) == 1
         _check_calls(choice.message.tool_calls or [], tools)
+
+
+def test_each_of_several_choices_is_held_to_its_constraint(client):
+    """n > 1 with a grammar: each forked choice carries its own copy of the matcher."""
+    tools = _tools(random.Random(41), 1)
+    reply = client.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        tools=tools,  # type: ignore[arg-type]
+        tool_choice="required",
+        parallel_tool_calls=False,  # NOTE: one call: random weights write short
+        max_completion_tokens=400,
+        n=3,
+        seed=13,
+    )
+    assert sorted(c.index for c in reply.choices) == [0, 1, 2]
+    for choice in reply.choices:
+        assert choice.finish_reason == "tool_calls", choice
+        _check_calls(choice.message.tool_calls or [], tools)
+    schema = random_schema(random.Random(43))
+    reply = client.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        max_completion_tokens=420,
+        n=3,
+        seed=17,
+        response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema}},  # type: ignore[arg-type]
+    )
+    assert len({c.message.content for c in reply.choices}) > 1  # three draws, not one copied
+    for choice in reply.choices:
+        assert choice.finish_reason == "stop", choice
+        jsonschema.validate(json.loads(choice.message.content or ""), schema)
