@@ -206,7 +206,7 @@ def test_the_master_serves_an_hf_directory_under_the_path_given(
         body = {"model": name, "prompt": "hi", "max_tokens": 1}
         resp = httpx.post(url + "/v1/completions", json=body, timeout=10)
         assert resp.status_code == 503, resp.text  # no node yet; the model is known
-        bad = httpx.post(url + "/v1/completions", json={**body, "n": 2}, timeout=10)
+        bad = httpx.post(url + "/v1/completions", json={**body, "top_p": 0}, timeout=10)
         assert bad.status_code == 400
         status = httpx.get(url + "/v1/status", timeout=10).json()
         assert (status["num_requests"], status["num_failed"], status["num_refused"]) == (1, 1, 1)
