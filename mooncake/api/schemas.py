@@ -299,10 +299,12 @@ def decode_body(body: bytes, body_type: type[T]) -> T:
         param = path.rstrip("`").lstrip(".")
         what = what[0].lower() + what[1:]
         raise InvalidRequest(f"Invalid value for '{param}': {what}", param) from e
-    except msgspec.DecodeError as e:
-        raise InvalidRequest(f"We could not parse the JSON body of your request: {e}") from e
-    except UnicodeDecodeError as e:  # in a string: msgspec checks UTF-8 as it decodes one
+    except (msgspec.DecodeError, UnicodeDecodeError) as e:
+        # NOTE: msgspec checks UTF-8 as it decodes a string: up to 0.22 it raised
+        # UnicodeDecodeError, from 0.23 a DecodeError ("Invalid UTF-8 encoded string")
         bad = _first_bad_utf8(body)
+        if bad is None:
+            raise InvalidRequest(f"We could not parse the JSON body of your request: {e}") from e
         field = _field_at(body, offset=bad)
         where = f", in '{field}'" if field else ""
         raise InvalidRequest(
@@ -324,12 +326,13 @@ MAX_NESTING = 100  # levels of arrays/objects the error names; msgspec stops nea
 _JSON_TOKEN = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"(\s*:)?|[\[\]{}]', re.DOTALL)
 
 
-def _first_bad_utf8(body: bytes) -> int:
+def _first_bad_utf8(body: bytes) -> int | None:
+    """The offset of the body's first byte that is not UTF-8; None when it all is."""
     try:
         body.decode()
     except UnicodeDecodeError as e:
         return e.start
-    return 0
+    return None
 
 
 def _field_at(body: bytes, *, offset: int = -1, max_depth: int = 0) -> str | None:
