@@ -192,14 +192,16 @@ async def _compile_guided(
     """Compile the request's constraint (cached, bounded in time) on a worker thread, so
     that one the grammar engine cannot hold the output to is a 400 naming its field, never
     a failure on a node."""
-    found = schemas.guided_constraint(req)
-    field = found[1] if found is not None else "tool_choice"
     try:
         await anyio.to_thread.run_sync(lambda: ctx.backend.grammar_engine().compile(guided))
-    except GrammarError as e:
+    except (GrammarError, ConfigError) as e:
+        found = schemas.guided_constraint(req)  # NOTE: only to name the field
+        field = found[1] if found is not None else "tool_choice"
+        if isinstance(e, ConfigError):
+            raise InvalidRequest(
+                f"{field}: structured outputs are not available: {e}", field
+            ) from e
         raise InvalidRequest(f"{field}: {e}", field) from e
-    except ConfigError as e:
-        raise InvalidRequest(f"{field}: structured outputs are not available: {e}", field) from e
 
 
 async def _close(it: AsyncIterator[Output]) -> None:

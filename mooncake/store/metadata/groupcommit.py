@@ -282,11 +282,9 @@ class GroupCommit:
 
     def _fail(self, e: JournalError) -> None:
         with self._lock:
-            if self.error is None:
+            first = self.error is None
+            if first:
                 self.error = e
-                first = True
-            else:
-                first = False
             self._landed.notify_all()
             self._wake(everyone=True)
         if not first:
